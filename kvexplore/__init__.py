@@ -1,0 +1,19 @@
+"""kvexplore: a small Llama-family inference engine whose KV cache is a first-class, inspectable object."""
+
+from .caches import KVCache, NoCache, PreallocatedCache
+from .config import ModelConfig
+from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
+from .generate import Generator
+from .loading import load
+from .memory import kv_bytes
+from .model import Model, hook_point_names
+from .records import Candidate, StepRecord
+from .tokenizer import Tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheFullError", "Candidate", "Generator", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
+    "NoCache", "PreallocatedCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
+    "kv_bytes", "load",
+]

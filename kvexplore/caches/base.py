@@ -1,0 +1,92 @@
+"""The interface every KV cache strategy implements, and the checks they share.
+
+Layout, stated once: keys and values are ``[batch, kv_heads, seq, head_dim]`` and keys are stored *after* RoPE.
+
+Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
+only records how many leading positions hold valid data (``length``). A forward pass calls
+``check_write(pos, q_len)`` before touching anything, ``write(layer, pos, k, v)`` once per layer, then
+``commit(pos + q_len)``. A check that fails raises before any layer writes, so a failed step leaves the cache
+exactly as it was.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..config import ModelConfig
+from ..memory import kv_bytes
+
+
+class KVCache(ABC):
+    """Base class of the cache strategies. Subclasses implement storage; this class keeps the length."""
+
+    #: short name used by the CLI and in records
+    kind: str = "base"
+
+    def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.config = config
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Number of leading positions whose keys and values are held."""
+        return self._length
+
+    @property
+    def capacity(self) -> int | None:
+        """Most positions the cache can hold, or ``None`` when unbounded."""
+        return None
+
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        """Raise, before anything is written, if ``q_len`` positions cannot be written at ``pos``."""
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"batch of {batch_size} sequences but the cache was made for batch_size={self.batch_size}; "
+                f"make a cache with batch_size={batch_size}"
+            )
+        if pos < 0 or pos > self.length:
+            raise ValueError(
+                f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
+                f"before the end (pos <= {self.length}) so no slot is left unwritten"
+            )
+
+    @abstractmethod
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
+        return the keys/values attention must read, ``(B, kv_heads, pos + q_len, hd)``."""
+
+    def commit(self, end: int) -> None:
+        """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""
+        self._length = end
+
+    def truncate(self, n: int) -> None:
+        """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+        self._length = n
+
+    @abstractmethod
+    def clone(self) -> "KVCache":
+        """An independent copy: writes to either never show in the other."""
+
+    @property
+    @abstractmethod
+    def reserved_bytes(self) -> int:
+        """Bytes of storage the cache holds now, used or not."""
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the slots that hold valid positions."""
+        return kv_bytes(self.config, self.length, self.batch_size, self.dtype)
+
+    def __repr__(self) -> str:
+        cap = "unbounded" if self.capacity is None else self.capacity
+        return (f"{type(self).__name__}(length={self.length}, capacity={cap}, batch_size={self.batch_size}, "
+                f"dtype={self.dtype}, device={self.device}, reserved={self.reserved_bytes} B)")

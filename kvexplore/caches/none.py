@@ -1,0 +1,32 @@
+"""No cache at all: every step recomputes keys and values for the whole sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .base import KVCache
+
+
+class NoCache(KVCache):
+    """Keeps nothing. Its length stays 0, so the generator feeds the entire sequence at position 0 every step:
+    the cost of a step grows with the sequence (this is what "disabling the cache" means)."""
+
+    kind = "none"
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> None:
+        super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v  # attention reads exactly what this pass computed; nothing outlives it
+
+    def commit(self, end: int) -> None:
+        pass  # nothing is kept, so nothing is held
+
+    def clone(self) -> "NoCache":
+        return NoCache(self.config, self.batch_size, self.dtype, self.device)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return 0

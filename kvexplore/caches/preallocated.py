@@ -1,0 +1,64 @@
+"""The exllama-style cache: one key and one value tensor per layer, allocated once, written in place."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import CacheFullError
+from ..memory import kv_bytes
+from .base import KVCache
+
+
+class PreallocatedCache(KVCache):
+    """Per layer ``k``/``v`` of shape ``[batch, kv_heads, max_seq_len, head_dim]``, allocated up front.
+
+    A write is ``k.narrow(2, pos, q_len).copy_(k_new)``; attention reads the view ``k.narrow(2, 0, pos + q_len)``.
+    Nothing is ever reallocated or copied, so memory is fixed at ``reserved_bytes`` from the start.
+    """
+
+    kind = "preallocated"
+
+    def __init__(self, config: ModelConfig, max_seq_len: int, batch_size: int = 1,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> None:
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}")
+        super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        shape = (batch_size, config.num_kv_heads, max_seq_len, config.head_dim)
+        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self._capacity = max_seq_len
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        super().check_write(pos, q_len, batch_size)
+        if pos + q_len > self.capacity:
+            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_len = k.shape[2]
+        self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
+        self._v[layer].narrow(2, pos, q_len).copy_(v)
+        return self._k[layer].narrow(2, 0, pos + q_len), self._v[layer].narrow(2, 0, pos + q_len)  # views
+
+    def key(self, layer: int) -> torch.Tensor:
+        """The live key storage of ``layer``, all ``capacity`` slots (slots past ``length`` are stale or zero)."""
+        return self._k[layer]
+
+    def value(self, layer: int) -> torch.Tensor:
+        """The live value storage of ``layer``, all ``capacity`` slots."""
+        return self._v[layer]
+
+    def clone(self) -> "PreallocatedCache":
+        twin = object.__new__(PreallocatedCache)
+        twin.__dict__.update(self.__dict__)
+        twin._k = [t.clone() for t in self._k]
+        twin._v = [t.clone() for t in self._v]
+        return twin
+
+    @property
+    def reserved_bytes(self) -> int:
+        return kv_bytes(self.config, self.capacity, self.batch_size, self.dtype)

@@ -1,0 +1,74 @@
+"""``kvexplore.load``: a Hugging Face model folder to a ready :class:`~kvexplore.model.Model`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import LoadError
+from .model import Model
+from .rope import Rotary
+from .tokenizer import Tokenizer
+from .weights import load_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means float32 on CPU and bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` means CUDA when there is one, else CPU."""
+    if device is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device torch knows ({e}); use 'cpu' or 'cuda'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for but torch sees no CUDA device here; use device='cpu'")
+        return torch.empty(0, device=device).device
+    if device.type != "cpu":
+        raise ValueError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
+    return device
+
+
+def load(source: str | Path, dtype: str | torch.dtype | None = None,
+         device: str | torch.device | None = None) -> Model:
+    """Load a Llama-family model from a Hugging Face style folder.
+
+    The folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json``; optionally ``tokenizer.model`` or ``tokenizer.json`` with
+    ``tokenizer_config.json`` / ``generation_config.json``. Every tensor is checked for presence and shape
+    before any is read. ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
+    """
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise LoadError(f"model source {str(source)!r} is not a folder; give a Hugging Face style model folder "
+                        f"(config.json + model.safetensors)")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    config = ModelConfig.from_file(folder / "config.json")
+    tokenizer = Tokenizer.from_folder(folder, config)
+    tensors = load_weights(folder, config, dtype, device)
+    with torch.device("meta"):
+        model = Model(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.rotary = Rotary(config).to(device)
+    model.tokenizer = tokenizer
+    model.source = str(folder)
+    return model.eval()

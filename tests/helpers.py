@@ -1,0 +1,84 @@
+"""Random-weight Hugging Face checkpoints with a sentencepiece tokenizer trained at test time."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+TEXT = """The cache keeps the keys and values of every token the model has already seen.
+Each new token reads all of them, so nothing has to be computed twice.
+A pre-allocated cache reserves its memory once and writes every new key in place.
+A concatenating cache allocates a larger tensor and copies the old keys at every step.
+Without a cache the model runs the whole sequence again for each token it produces.
+Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse,
+and nothing particular to interest me on shore, I thought I would sail about a little and see the watery part
+of the world. It is a way I have of driving off the spleen and regulating the circulation.
+Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly November in my soul;
+then, I account it high time to get to sea as soon as I can. There now is your insular city of the Manhattoes,
+belted round by wharves as Indian isles by coral reefs; commerce surrounds it with her surf.
+Numbers such as 12, 345 and 6789 appear too, with punctuation: commas, colons; dashes - and quotes "like this".
+"""
+
+SP_VOCAB = 320
+
+
+def train_sentencepiece(path: Path, vocab_size: int = SP_VOCAB) -> int:
+    """Train a small BPE sentencepiece model on TEXT, write it to ``path``; return its vocabulary size."""
+    lines = [line for line in TEXT.splitlines() if line.strip()] * 4
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    path.write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    return sp.get_piece_size()
+
+
+# architecture -> (transformers config class name, model class name, extra config keys)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+
+def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None = None, hidden: int = 64,
+                    layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 128, head_dim: int | None = None,
+                    tied: bool = False, rope: dict | None = None, shard_bytes: str | None = None,
+                    init_range: float = 0.2, seed: int = 0, tokenizer: bool = True, **extra) -> torch.nn.Module:
+    """Save a random-weight transformers model (safetensors) + sentencepiece tokenizer to ``folder``.
+
+    Returns the transformers model in float32 eval mode, the reference the tests compare against.
+    """
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sp_size = train_sentencepiece(folder / "tokenizer.model") if tokenizer else 0
+    cfg_cls, model_cls, defaults = ARCHITECTURES[arch]
+    kwargs = dict(vocab_size=vocab_size or max(sp_size, 300), hidden_size=hidden, intermediate_size=ffn,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=512, tie_word_embeddings=tied, initializer_range=init_range,
+                  bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **defaults, **extra)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if rope is not None:
+        kwargs["rope_parameters"] = rope
+    config = getattr(transformers, cfg_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # RMSNorm weights start at 1; perturb them so a wrong norm cannot pass
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    save = {"safe_serialization": True} if "safe_serialization" in model.save_pretrained.__code__.co_varnames else {}
+    model.save_pretrained(folder, max_shard_size=shard_bytes or "10GB", **save)
+    if tokenizer:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                  "add_bos_token": True}))
+    return model
