@@ -64,7 +64,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
     kwargs = dict(vocab_size=vocab_size or max(sp_size, 300), hidden_size=hidden, intermediate_size=ffn,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=512, tie_word_embeddings=tied, initializer_range=init_range,
-                  bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **defaults, **extra)
+                  bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    kwargs.update(defaults, **extra)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     if rope is not None:

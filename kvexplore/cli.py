@@ -1,0 +1,115 @@
+"""The ``kvexplore`` command: ``kvexplore generate SOURCE --prompt TEXT ...`` streams text, then speed and cache bytes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from .errors import KVExploreError
+
+CACHE_KINDS = ("preallocated", "none")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + traceback
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvexplore", description="Explore the KV cache of Llama-family models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text from a model, streaming tokens")
+    gen.add_argument("source", help="model folder (Hugging Face layout: config.json + model.safetensors)")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64)
+    gen.add_argument("--cache", choices=CACHE_KINDS, default="preallocated")
+    gen.add_argument("--max-seq-len", type=_positive, default=None,
+                     help="cache slots (default: prompt + max new tokens)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=_positive, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from . import Generator, NoCache, PreallocatedCache, load
+    from .memory import kv_bytes
+
+    model = load(args.source, dtype=args.dtype, device=args.device)
+    if model.tokenizer is None:
+        raise KVExploreError(f"{args.source} has no tokenizer (tokenizer.model or tokenizer.json); "
+                             f"generate needs one to read the prompt")
+    tok = model.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else None
+    if ids is None:
+        ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
+    if args.cache == "none":
+        cache = NoCache(model.config, dtype=model.dtype, device=model.device)
+    else:
+        slots = args.max_seq_len or len(ids) + args.max_new_tokens
+        cache = PreallocatedCache(model.config, slots, dtype=model.dtype, device=model.device)
+    gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    seed=args.seed)
+    out = sys.stdout
+    shown = ""
+
+    def show() -> None:
+        nonlocal shown
+        text = gen.text
+        if text.startswith(shown):  # print only what is new (decoding token by token would drop spaces)
+            out.write(text[len(shown):])
+        else:
+            out.write("\n" + text)
+        out.flush()
+        shown = text
+
+    start = time.perf_counter()
+    first = gen.prefill(ids)
+    show()
+    decode_start = time.perf_counter()
+    for _ in range(args.max_new_tokens - 1):
+        if not args.no_stop and gen.history[-1].is_eos:
+            break
+        gen.step()
+        show()
+    end = time.perf_counter()
+    n_decode = len(gen.history) - 1
+    rate = n_decode / (end - decode_start) if n_decode else float("nan")
+    mib = 1024 * 1024
+    out.write(
+        f"\n\n[{len(gen.history)} tokens in {end - start:.2f} s: prefill {len(ids)} tokens in "
+        f"{first.forward_s * 1000:.0f} ms, decode {rate:.1f} tokens/s | cache {cache.kind}: "
+        f"{cache.reserved_bytes / mib:.2f} MiB reserved, {cache.used_bytes / mib:.2f} MiB used for "
+        f"{cache.length} positions ({kv_bytes(model.config, 1, 1, model.dtype)} bytes per token)]\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            _generate(args)
+    except (KVExploreError, ValueError, OSError) as e:
+        print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
