@@ -36,7 +36,7 @@ def filtered_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Te
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if settings.top_p is not None and settings.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(descending=True, stable=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
         drop = before >= settings.top_p  # keep the smallest prefix whose mass reaches top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -1,0 +1,75 @@
+"""``kvexplore generate``: streams text, ends with speed and cache bytes; bad input is one line and non-zero."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import kvexplore
+from kvexplore.cli import main
+
+
+@pytest.fixture(scope="module")
+def source(checkpoint):
+    return str(checkpoint("llama-gqa2")[0])
+
+
+def test_generate_streams_the_greedy_text(source, capsys):
+    assert main(["generate", source, "--prompt", "Call me Ishmael.", "--max-new-tokens", "12", "--no-stop"]) == 0
+    out = capsys.readouterr().out
+    model = kvexplore.load(source)
+    gen = kvexplore.Generator(model, kvexplore.PreallocatedCache(model.config, 64))
+    gen.prefill("Call me Ishmael.")
+    gen.run(11, stop_at_eos=False)
+    text, stats = out.rsplit("\n\n", 1)
+    assert text == gen.text
+    prompt_len = len(gen.prompt_tokens)
+    per_token = kvexplore.kv_bytes(model.config, 1)
+    m = re.fullmatch(r"\[12 tokens in [\d.]+ s: prefill (\d+) tokens in \d+ ms, decode [\d.]+ tokens/s \| cache "
+                     r"preallocated: ([\d.]+) MiB reserved, ([\d.]+) MiB used for (\d+) positions \((\d+) bytes per "
+                     r"token\)\]\n", stats)
+    assert m, stats
+    assert int(m[1]) == prompt_len and int(m[4]) == prompt_len + 11 and int(m[5]) == per_token
+    assert float(m[2]) == pytest.approx(per_token * (prompt_len + 12) / 2**20, abs=0.01)
+
+
+def test_generate_without_a_cache(source, capsys):
+    assert main(["generate", source, "--prompt", "Call me", "--max-new-tokens", "4", "--cache", "none"]) == 0
+    assert "cache none: 0.00 MiB reserved" in capsys.readouterr().out
+
+
+def test_cache_full_is_one_line(source, capsys):
+    assert main(["generate", source, "--prompt", "Call me Ishmael.", "--max-new-tokens", "30", "--no-stop",
+                 "--max-seq-len", "20"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvexplore generate: error: cache full: 20 of 20 slots used")
+
+
+def exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse exits on its own errors
+        return e.code
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "/no/such/model", "--prompt", "x"], "model source '/no/such/model' is not a folder"),
+    (["generate", "{src}", "--prompt", "x", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["generate", "{src}", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer, got 0"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
+    (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p must be in (0, 1] or None, got 2.0"),
+    (["generate", "{src}"], "the following arguments are required: --prompt"),
+])
+def test_bad_arguments(source, capsys, argv, message):
+    code = exit_code([a.replace("{src}", source) for a in argv])
+    err = capsys.readouterr().err
+    assert code in (1, 2)  # 2: argparse refused the arguments, 1: kvexplore refused the values
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.skipif(shutil.which("kvexplore") is None, reason="the console script is not installed")
+def test_console_script(source):
+    run = subprocess.run(["kvexplore", "generate", source, "--prompt", "Call me", "--max-new-tokens", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "tokens/s" in run.stdout, run.stderr
