@@ -32,8 +32,8 @@ def filtered_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Te
     """Probabilities ``[vocab]`` (float32) the sampler draws from: tempered, top-k and top-p applied."""
     logits = logits.float() / settings.temperature
     if settings.top_k is not None and settings.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, settings.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        keep = torch.topk(logits, settings.top_k).indices  # exactly k, even when values tie
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, keep, logits.gather(-1, keep))
     probs = logits.softmax(-1)
     if settings.top_p is not None and settings.top_p < 1:
         sorted_probs, order = probs.sort(descending=True, stable=True)

@@ -28,15 +28,22 @@ def test_any_chunking_and_rewinds_match_the_no_cache_reference(tiny, data):
 
 @settings(max_examples=200, deadline=None)
 @given(logits=st.lists(st.floats(-20, 20), min_size=2, max_size=50), k=st.integers(1, 60),
-       p=st.floats(0.01, 1.0), temperature=st.floats(0.1, 3.0))
+       p=st.floats(0.01, 0.99), temperature=st.floats(0.1, 3.0))
 def test_top_k_and_top_p_filters(logits, k, p, temperature):
     logits = torch.tensor(logits)
     probs = filtered_probs(logits, SamplingSettings(temperature, top_k=k, top_p=p))
     assert abs(probs.sum().item() - 1) < 1e-5
     kept = probs > 0
     assert 1 <= kept.sum() <= k
-    assert kept[logits.argmax()]  # the most likely token always survives
+    tempered = filtered_probs(logits, SamplingSettings(temperature))
+    assert tempered[kept].max() == tempered.max()  # the most likely token always survives
     base = filtered_probs(logits, SamplingSettings(temperature, top_k=k))
     order = base.argsort(descending=True, stable=True)
     mass_before = base[order].cumsum(0) - base[order]
     assert torch.equal(kept[order], (mass_before < p) & (base[order] > 0))
+
+
+def test_top_p_of_one_keeps_everything():
+    logits = torch.tensor([0.0, 3.0, -30.0])
+    probs = filtered_probs(logits, SamplingSettings(1.0, top_p=1.0))
+    assert torch.equal(probs, logits.softmax(-1))
