@@ -73,38 +73,42 @@ def _open(path: Path):
         ) from None
 
 
+def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
+                  config: ModelConfig, where: str, file_of: dict[str, str] | None = None) -> None:
+    """Every expected tensor present with its shape, and nothing the model would not use; else a LoadError
+    that names the file, the tensor and both shapes."""
+    missing = [n for n in expected if n not in found]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise LoadError(f"{where}: tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
+    unexpected = [n for n in found if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if unexpected:
+        raise LoadError(
+            f"{where}: the checkpoint has tensors a {config.architecture} of this config does not use: "
+            f"{', '.join(sorted(unexpected)[:5])}; is the config the one saved with these weights?"
+        )
+    for name, shape in expected.items():
+        if tuple(found[name]) != shape:
+            file = (file_of or {}).get(name, where)
+            raise LoadError(f"{file}: tensor {name} has shape {list(found[name])}, expected {list(shape)} "
+                            f"from the config")
+
+
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Read and check every tensor: all present with the expected shape before any is loaded."""
     where = checkpoint_files(folder)
     expected = expected_shapes(config)
-    missing = [n for n in expected if n not in where]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise LoadError(f"{folder}: tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
-    unexpected = [n for n in where if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    if unexpected:
-        raise LoadError(
-            f"{folder}: the checkpoint has tensors a {config.architecture} of this config does not use: "
-            f"{', '.join(sorted(unexpected)[:5])}; is config.json the one saved with these weights?"
-        )
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(where[name], []).append(name)
-    handles = {path: _open(path) for path in by_file}
-    for path, names in by_file.items():  # shapes first: nothing is read until everything fits
-        for name in names:
-            found = tuple(handles[path].get_slice(name).get_shape())
-            if found != expected[name]:
-                raise LoadError(f"{path.name}: tensor {name} has shape {list(found)}, expected {list(expected[name])} "
-                                f"from config.json")
+    handles = {path: _open(path) for path in {where[n] for n in expected if n in where}}
+    found = {n: tuple(handles[where[n]].get_slice(n).get_shape()) if where[n] in handles else () for n in where}
+    check_tensors(expected, found, config, str(folder), {n: where[n].name for n in where})
     tensors = {}
-    for path, names in by_file.items():
-        for name in names:
-            try:
-                t = handles[path].get_tensor(name)
-            except (SafetensorError, OSError, RuntimeError) as e:
-                raise LoadError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
-                                f"truncated or corrupt: download or convert it again") from None
-            tensors[name] = t.to(dtype=dtype).to(device)
+    for name in expected:
+        path = where[name]
+        try:
+            t = handles[path].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise LoadError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
+                            f"truncated or corrupt: download or convert it again") from None
+        tensors[name] = t.to(dtype=dtype).to(device)
     return tensors

@@ -57,7 +57,7 @@ def test_wrong_shape_names_file_tensor_and_both_shapes(folder):
     with pytest.raises(LoadError) as err:
         kvexplore.load(folder)
     assert str(err.value) == ("model.safetensors: tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], "
-                              "expected [32, 64] from config.json")
+                              "expected [32, 64] from the config")
 
 
 def test_config_disagreeing_with_weights(folder):
