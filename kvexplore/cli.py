@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvexplore", description="Explore the KV cache of Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text from a model, streaming tokens")
-    gen.add_argument("source", help="model folder (Hugging Face layout: config.json + model.safetensors)")
+    gen.add_argument("source", help="named model (kvexplore models list), model folder (config.json + model.safetensors) or .gguf file")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--max-new-tokens", type=_positive, default=64)
@@ -42,7 +42,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
+    models = sub.add_parser("models", help="named models: list, fetch, path")
+    verbs = models.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    verbs.add_parser("list", help="named models, whether present, size on disk")
+    for verb, text in (("fetch", "download and convert a named model now"), ("path", "print a named model's folder")):
+        verbs.add_parser(verb, help=text).add_argument("name")
     return parser
+
+
+def _models(args: argparse.Namespace) -> None:
+    from . import store
+
+    if args.verb == "list":
+        for name, spec in store.MODELS.items():
+            present = store.is_present(name)
+            size = f"{store.size_on_disk(name) / 2**20:8.1f} MiB" if present else "       -    "
+            print(f"{name:14s} {'present' if present else 'absent ':7s} {size}  {spec.description}")
+    elif args.verb == "fetch":
+        print(store.fetch(args.name))
+    else:
+        store.MODELS.get(args.name) or store.fetch(args.name)  # unknown names raise with the list
+        print(store.model_path(args.name))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -103,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "models":
+            _models(args)
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -75,6 +75,28 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` that both :meth:`from_hf` and transformers read back to this config."""
+        model_type = {v: k for k, v in _MODEL_TYPES.items()}[self.architecture]
+        raw = {
+            "architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None),
+            "torch_dtype": self.torch_dtype or "float32",
+        }
+        if self.architecture == "LlamaForCausalLM":
+            raw.update(attention_bias=self.o_bias, mlp_bias=self.mlp_bias)
+        if self.architecture == "Qwen2ForCausalLM":
+            raw["use_sliding_window"] = False
+        if self.sliding_window is not None:
+            raw["sliding_window"] = self.sliding_window
+        return raw
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         """Build from the parsed ``config.json`` of a transformers checkpoint (v4 or v5 layout)."""
@@ -129,6 +151,8 @@ class ModelConfig:
         return cls.from_hf(raw, where=str(path))
 
 
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def _arch_from_model_type(model_type: str | None) -> str:
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    return names.get(model_type or "", f"<model_type {model_type!r}>")
+    return _MODEL_TYPES.get(model_type or "", f"<model_type {model_type!r}>")

@@ -10,6 +10,7 @@ from .config import ModelConfig
 from .errors import LoadError
 from .model import Model
 from .rope import Rotary
+from .store import MODELS, fetch
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
@@ -49,26 +50,45 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def load(source: str | Path, dtype: str | torch.dtype | None = None,
          device: str | torch.device | None = None) -> Model:
-    """Load a Llama-family model from a Hugging Face style folder.
+    """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``; see ``kvexplore models
+    list``), a Hugging Face style folder or a ``.gguf`` file.
 
-    The folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
+    A folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``; optionally ``tokenizer.model`` or ``tokenizer.json`` with
-    ``tokenizer_config.json`` / ``generation_config.json``. Every tensor is checked for presence and shape
-    before any is read. ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
+    ``tokenizer_config.json`` / ``generation_config.json``. A GGUF file carries config, weights (dequantized)
+    and tokenizer in one. Every tensor is checked for presence and shape before any is used.
+    ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
     """
-    folder = Path(source).expanduser()
-    if not folder.is_dir():
-        raise LoadError(f"model source {str(source)!r} is not a folder; give a Hugging Face style model folder "
-                        f"(config.json + model.safetensors)")
+    path = Path(source).expanduser()
+    if isinstance(source, str) and source in MODELS and not path.exists():
+        path = fetch(source)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    config = ModelConfig.from_file(folder / "config.json")
-    tokenizer = Tokenizer.from_folder(folder, config)
-    tensors = load_weights(folder, config, dtype, device)
+    if path.suffix == ".gguf":
+        from .gguf_file import GGUFFile
+
+        gguf = GGUFFile(path)
+        config = gguf.config()
+        tokenizer = gguf.tokenizer(config)
+        tensors = gguf.tensors(config, dtype)
+    elif path.is_dir():
+        config = ModelConfig.from_file(path / "config.json")
+        tokenizer = Tokenizer.from_folder(path, config)
+        tensors = load_weights(path, config, dtype, device)
+    else:
+        raise LoadError(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
+                        f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
+                        f"or a GGUF file")
+    return assemble(config, tensors, tokenizer, device, str(path))
+
+
+def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
+             device: torch.device, source: str) -> Model:
+    """A ready model from checked tensors (no random initialisation: modules are built on the meta device)."""
     with torch.device("meta"):
         model = Model(config)
-    model.load_state_dict(tensors, strict=True, assign=True)
+    model.load_state_dict({n: t.to(device) for n, t in tensors.items()}, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
     model.tokenizer = tokenizer
-    model.source = str(folder)
+    model.source = source
     return model.eval()

@@ -85,6 +85,21 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def save(self, folder: Path) -> None:
+        """Write the tokenizer as a Hugging Face folder reads it: ``tokenizer.json`` or ``tokenizer.model``, plus
+        ``tokenizer_config.json`` (special tokens, add_bos, chat template) and ``generation_config.json``."""
+        if self.kind == "tokenizers":
+            self._backend.save(str(folder / "tokenizer.json"))
+        else:
+            (folder / "tokenizer.model").write_bytes(self._backend.serialized_model_proto())
+        config = {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None,
+                  "add_bos_token": self.add_bos}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        generation = {"bos_token_id": self.bos_id, "eos_token_id": self.eos_ids}
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
     @classmethod
     def from_folder(cls, folder: Path, config: ModelConfig) -> "Tokenizer | None":
         """Load the tokenizer of a Hugging Face model folder, or ``None`` if it has none."""

@@ -33,6 +33,7 @@ def train_sentencepiece(path: Path, vocab_size: int = SP_VOCAB) -> int:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
         byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, hard_vocab_limit=False,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,  # as Llama's tokenizer.model
         minloglevel=2,
     )
     path.write_bytes(buf.getvalue())

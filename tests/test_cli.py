@@ -54,7 +54,7 @@ def exit_code(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["generate", "/no/such/model", "--prompt", "x"], "model source '/no/such/model' is not a folder"),
+    (["generate", "/no/such/model", "--prompt", "x"], "model source '/no/such/model' is not a named model, a folder or a .gguf file"),
     (["generate", "{src}", "--prompt", "x", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["generate", "{src}", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer, got 0"),
     (["generate", "{src}", "--prompt", "x", "--cache", "paged"], "argument --cache: invalid choice: 'paged'"),

@@ -122,7 +122,7 @@ def test_garbage_safetensors(folder):
 
 
 def test_missing_files(folder, tmp_path):
-    with pytest.raises(LoadError, match="is not a folder"):
+    with pytest.raises(LoadError, match="is not a named model, a folder or a .gguf file"):
         kvexplore.load(tmp_path / "nope")
     (folder / "model.safetensors").rename(folder / "weights.safetensors")
     with pytest.raises(LoadError, match=r"expected model.safetensors or model.safetensors.index.json "
