@@ -61,8 +61,7 @@ def _models(args: argparse.Namespace) -> None:
     elif args.verb == "fetch":
         print(store.fetch(args.name))
     else:
-        store.MODELS.get(args.name) or store.fetch(args.name)  # unknown names raise with the list
-        print(store.model_path(args.name))
+        print(store.model_path(args.name))  # an unknown name raises with the list of names
 
 
 def _generate(args: argparse.Namespace) -> None:

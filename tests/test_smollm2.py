@@ -1,0 +1,103 @@
+"""The real SmolLM2-135M-Instruct, fetched as a named model (a 93 MB download the first time, then cached)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvexplore
+
+pytestmark = pytest.mark.slow
+CHAPTER = (Path(__file__).parent / "data" / "moby_dick_chapter_1.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return kvexplore.load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def gguf_path(smollm2, tmp_path_factory):
+    """The GGUF file itself, for transformers to read on its own."""
+    from kvexplore import store
+
+    return store.extract_gguf(store.MODELS["smollm2-135m"], tmp_path_factory.mktemp("gguf"))
+
+
+def perplexity(logits, ids):
+    logp = torch.log_softmax(logits[:-1].float(), -1)
+    return math.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+
+
+def test_config_and_tokenizer(smollm2):
+    c = smollm2.config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        30, 576, 1536, 9, 3, 64)
+    assert (c.rope_theta, c.rms_norm_eps, c.vocab_size, c.tie_word_embeddings) == (100000.0, 1e-5, 49152, True)
+    tok = smollm2.tokenizer
+    assert not tok.add_bos and tok.eos_ids == [2] and tok.decode([0, 1, 2]) == "<|endoftext|><|im_start|><|im_end|>"
+    assert kvexplore.kv_bytes(c, 1) == 46080  # 2 x 30 x 3 x 64 x 4 bytes per token in float32
+
+
+def test_greedy_paris(smollm2):
+    gen = kvexplore.Generator(smollm2, kvexplore.PreallocatedCache(smollm2.config, 64))
+    gen.prefill("The capital of France is")
+    gen.run(5)
+    assert gen.text.startswith(" Paris")
+
+
+def test_chat_paris(smollm2):
+    gen = kvexplore.Generator(smollm2, kvexplore.PreallocatedCache(smollm2.config, 128))
+    gen.prefill_chat([{"role": "user", "content": "What is the capital of France?"}])
+    gen.run(20)
+    assert gen.text == "The capital of France is Paris.<|im_end|>" and gen.history[-1].is_eos
+
+
+def test_perplexity_matches_transformers(smollm2):
+    """About 79; a wrong q/k un-permutation gives about 486, and transformers would agree with it on the same
+    folder, hence the absolute bound as well."""
+    from transformers import LlamaForCausalLM
+
+    ids = smollm2.tokenizer.encode(CHAPTER)[:512]
+    ours = perplexity(smollm2(torch.tensor([ids]), kvexplore.NoCache(smollm2.config), 0)[0], ids)
+    ref = LlamaForCausalLM.from_pretrained(kvexplore.store.model_path("smollm2-135m"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = perplexity(ref(torch.tensor([ids])).logits[0], ids)
+    assert abs(ours - theirs) / theirs < 0.01
+    assert 70 < ours < 90, ours
+
+
+def test_weights_match_transformers_own_gguf_reader(smollm2, gguf_path):
+    """An independent conversion (transformers reading the GGUF itself) gives the same q/k weights."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    theirs = ref.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+                 "model.embed_tokens.weight", "model.layers.7.mlp.down_proj.weight"):
+        assert torch.equal(smollm2.state_dict()[name], theirs[name]), name
+
+
+def test_tokenizer_matches_transformers_own_gguf_reader(smollm2, gguf_path):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tok = smollm2.tokenizer
+    for text in ["The capital of France is", "1234567890 3.14159 1,000,000", "naïve café — 日本語, Ελληνικά",
+                 "emoji 🐋🐳👍🏽 end", "  spaces   and\ttabs\t\t\nnew\n\n\nlines  ", CHAPTER[:2000],
+                 "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == text
+
+
+def test_second_load_reads_the_converted_folder(smollm2):
+    import time
+
+    folder = kvexplore.store.model_path("smollm2-135m")
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    start = time.perf_counter()
+    again = kvexplore.load("smollm2-135m")
+    assert time.perf_counter() - start < 30  # no conversion (a few seconds at most on a quiet machine)
+    assert torch.equal(again.model.layers[3].self_attn.q_proj.weight, smollm2.model.layers[3].self_attn.q_proj.weight)
