@@ -3,6 +3,7 @@
 from .caches import KVCache, NoCache, PreallocatedCache
 from .config import ModelConfig
 from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
+from .evaluate import perplexity
 from .generate import Generator
 from .loading import load
 from .memory import kv_bytes
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheFullError", "Candidate", "Generator", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
     "NoCache", "PreallocatedCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
-    "kv_bytes", "load",
+    "kv_bytes", "load", "perplexity",
 ]

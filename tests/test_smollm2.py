@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvexplore
+from kvexplore.evaluate import negative_log_likelihood
 
 pytestmark = pytest.mark.slow
 CHAPTER = (Path(__file__).parent / "data" / "moby_dick_chapter_1.txt").read_text()
@@ -26,8 +27,7 @@ def gguf_path(smollm2, tmp_path_factory):
 
 
 def perplexity(logits, ids):
-    logp = torch.log_softmax(logits[:-1].float(), -1)
-    return math.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item())
+    return math.exp(negative_log_likelihood(logits, ids) / (len(ids) - 1))
 
 
 def test_config_and_tokenizer(smollm2):
@@ -60,7 +60,7 @@ def test_perplexity_matches_transformers(smollm2):
     from transformers import LlamaForCausalLM
 
     ids = smollm2.tokenizer.encode(CHAPTER)[:512]
-    ours = perplexity(smollm2(torch.tensor([ids]), kvexplore.NoCache(smollm2.config), 0)[0], ids)
+    ours = kvexplore.perplexity(smollm2, ids, window=512)
     ref = LlamaForCausalLM.from_pretrained(kvexplore.store.model_path("smollm2-135m"), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = perplexity(ref(torch.tensor([ids])).logits[0], ids)
