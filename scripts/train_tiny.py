@@ -177,7 +177,7 @@ def write_folder(model, sp, work: Path, args, params: int, n_train: int, n_held:
     (tmp / "MODEL_CARD.md").write_text(CARD.format(
         chapter_ppl=chapter_ppl,
         params=params, size_mb=size / 1e6, n_train=n_train, n_held=n_held, held_ppl=held_ppl, steps=args.steps,
-        batch=args.batch, seq=args.seq, lr=args.lr, minutes=minutes, seed=args.seed,
+        batch=args.batch, seq=args.seq, lr=args.lr, minutes=minutes, seed=args.seed, threads=args.threads,
         gqa=MODEL["num_attention_heads"] // MODEL["num_key_value_heads"],
         head_dim=MODEL["hidden_size"] // MODEL["num_attention_heads"], **MODEL))
     shutil.rmtree(out, ignore_errors=True)
@@ -200,7 +200,7 @@ have a real model (with real attention patterns) that loads instantly and needs 
 | held-out data | chapters 131–135, {n_held:,} tokens |
 | held-out perplexity | {held_ppl:.1f} on chapters 131–135 (256-token windows, float32 training copy) |
 | **held-out perplexity, chapter 135** | **{chapter_ppl:.2f}** (kvexplore on the shipped float16 weights loaded as float32, 256-token windows; the tests check this figure) |
-| training | {steps} steps of {batch} x {seq}-token windows, AdamW (lr {lr:g}, cosine), seed {seed}; {minutes:.0f} min on a 2-core CPU; best held-out checkpoint kept |
+| training | {steps} steps of {batch} x {seq}-token windows, AdamW (lr {lr:g}, cosine), seed {seed}; {minutes:.0f} min on {threads} CPU thread(s); best held-out checkpoint kept |
 | context | trained on {seq}-token windows; positions up to {max_position_embeddings} work, quality falls past the training length |
 | licence | Apache-2.0 (weights and tokenizer, as the kvexplore code) |
 
