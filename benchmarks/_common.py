@@ -6,11 +6,14 @@ this folder first on ``sys.path``).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from kvexplore.loading import DTYPES  # noqa: F401  (re-exported for the scripts)
 
 # name -> Llama config fields. "24M" is the llama2.c stories shape with untied embeddings (~24.4M parameters);
 # "135M" is SmolLM2-135M (GQA 9:3, tied embeddings, rope_theta 1e5).
@@ -21,8 +24,8 @@ SHAPES: dict[str, dict] = {
                  intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
 }
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# real weights, fetched once as kvexplore named models: benchmark name -> (named model, vocabulary size)
+REAL_MODELS = {"smollm2": ("smollm2-135m", 49152)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -38,6 +41,7 @@ def build_checkpoint(shape: str, folder: Path, seed: int = 0, max_positions: int
     """
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     s = dict(SHAPES[shape])
     theta = s.pop("rope_theta")
     config = transformers.LlamaConfig(
@@ -50,6 +54,53 @@ def build_checkpoint(shape: str, folder: Path, seed: int = 0, max_positions: int
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return model
+
+
+def load_hf(folder: Path, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """The transformers model saved in ``folder``, in ``dtype`` on ``device``, eval mode, default attention."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval()
+
+
+# small checkpoints for parity checks: name -> (transformers config class, extra config fields)
+PARITY_CASES: dict[str, tuple[str, dict]] = {
+    "llama-gqa": ("LlamaConfig", dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=8,
+                                      num_key_value_heads=2, intermediate_size=512, vocab_size=1000,
+                                      tie_word_embeddings=False)),
+    "qwen2-qkv-bias": ("Qwen2Config", dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=8,
+                                           num_key_value_heads=4, intermediate_size=512, vocab_size=1000,
+                                           tie_word_embeddings=False)),
+    "llama-tied": ("LlamaConfig", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=4, intermediate_size=384, vocab_size=1000,
+                                       tie_word_embeddings=True)),
+    "mistral-window16": ("MistralConfig", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=256, vocab_size=1000,
+                                               tie_word_embeddings=False, sliding_window=16)),
+}
+
+
+def build_parity_checkpoint(case: str, folder: Path, seed: int = 0, init_range: float = 0.1) -> None:
+    """Save a random-weight checkpoint of ``PARITY_CASES[case]`` to ``folder``. Norm weights and biases get
+    random perturbations (they start at 1 and 0), so a mistake in either cannot go unnoticed."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    cls_name, fields = PARITY_CASES[case]
+    config = getattr(transformers, cls_name)(
+        **fields, max_position_embeddings=1024, initializer_range=init_range, rms_norm_eps=1e-5,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
 
 
 def sync(device: torch.device | str) -> None:
@@ -74,3 +125,70 @@ def spread(xs: list[float]) -> str:
 def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+# -- load from other processes (this machine is shared; a busy neighbour skews CPU timings) --------------
+def _proc_ticks() -> tuple[int, int] | None:
+    """(busy ticks of the whole machine, ticks this process has used), or None where /proc is missing."""
+    try:
+        with open("/proc/stat") as f:
+            parts = [int(x) for x in f.readline().split()[1:]]
+        busy = sum(parts[:8]) - parts[3] - parts[4]  # user nice system [idle iowait] irq softirq steal
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return busy, int(fields[11]) + int(fields[12])  # utime + stime, all threads
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def spare_cores() -> float:
+    """Cores nobody in this process should need: ``cpu_count - torch.get_num_threads()`` (>= 0)."""
+    return max(0.0, float((os.cpu_count() or 1) - torch.get_num_threads()))
+
+
+class OtherLoad:
+    """Average number of CPU cores other processes kept busy between ``start()`` and ``stop()`` (Linux).
+    Load that fits on the cores this process's threads leave free does not count as a disturbance."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._t0 = self._ticks0 = None
+
+    def start(self) -> None:
+        self._t0, self._ticks0 = time.perf_counter(), _proc_ticks()
+
+    def stop(self) -> float | None:
+        end, ticks = time.perf_counter(), _proc_ticks()
+        if self._ticks0 is None or ticks is None:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        other = ((ticks[0] - self._ticks0[0]) - (ticks[1] - self._ticks0[1])) / hz
+        cores = max(0.0, other / max(end - self._t0, 1e-9))
+        self.samples.append(cores)
+        return cores
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "other-process load: unknown (no /proc)"
+        return (f"other-process load during timed runs: mean {sum(self.samples) / len(self.samples):.2f} cores, "
+                f"max {max(self.samples):.2f} cores (of {os.cpu_count()})")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.samples) and max(self.samples) > spare_cores() + 0.25
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 0.5) -> float:
+    """Sleep until other processes use under ``threshold`` cores (beyond the spare ones) over ``window_s``, at
+    most ``max_wait_s``; returns seconds waited. A no-op where /proc is missing or ``max_wait_s`` <= 0."""
+    threshold += spare_cores()
+    waited = 0.0
+    probe = OtherLoad()
+    while waited < max_wait_s:
+        probe.start()
+        time.sleep(window_s)
+        load = probe.stop()
+        if load is None or load < threshold:
+            break
+        waited += window_s
+    return waited

@@ -1,12 +1,13 @@
 """Decode speed: kvexplore (PreallocatedCache + Generator) vs transformers ``generate`` (default DynamicCache).
 
-    python benchmarks/decode_speed.py                       # both shapes, 64 new tokens, 5 reps, cpu float32
+    python benchmarks/decode_speed.py                       # 24M, 135M and real SmolLM2; 64 new tokens, 5 reps, float32
+    python benchmarks/decode_speed.py --shapes smollm2 --dtype bfloat16
     python benchmarks/decode_speed.py --shapes 24M --reps 9 --new-tokens 128
     python benchmarks/decode_speed.py --device cuda --dtype bfloat16
 
 Setup. One random-weight ``LlamaForCausalLM`` per shape is built with transformers and saved with
-``save_pretrained`` to a temporary folder; kvexplore loads that folder with ``kvexplore.load`` and the
-transformers side is the very model that was saved (cast to ``--dtype``, moved to ``--device``). Both get the
+``save_pretrained`` (float32 safetensors) to a temporary folder; kvexplore loads that folder with
+``kvexplore.load`` and transformers with ``from_pretrained`` (both in ``--dtype`` on ``--device``). Both get the
 same random prompt ids (no tokenizer), greedy decoding, and ``torch.set_num_threads(--threads)`` (2).
 
 What is timed: decode only, i.e. the N-1 single-token forward steps that follow the prefill, with each
@@ -31,6 +32,9 @@ Repetitions are interleaved (kvexplore, transformers, kvexplore, ...) after one 
 slow drift of the machine hits both alike; medians over ``--reps`` are reported with min..max.
 
 Targets: kvexplore decode >= 1.5x transformers tokens/s on 24M, >= 1.2x on 135M.
+
+The machine may be shared: the script reports how many cores other processes kept busy during the timed runs
+(from /proc) and flags disturbed shapes; ``--wait-quiet S`` waits up to S seconds for quiet before each rep.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from _common import DTYPES, SHAPES, build_checkpoint, dtype_name, median, now, prompt_ids, spread
+from _common import (DTYPES, REAL_MODELS, SHAPES, OtherLoad, build_checkpoint, dtype_name, load_hf, median,
+                     now, prompt_ids, spread, wait_quiet)
 
 import kvexplore
 
@@ -87,7 +92,8 @@ def run_hf(model, ids: torch.Tensor, n: int) -> tuple[float, float, float, list[
     new = out[0, ids.shape[1]:].tolist()
     # puts: [prompt, token 1 (from prefill), token 2, ..., token n]
     if len(streamer.times) != n + 1 or len(new) != n:
-        raise RuntimeError(f"transformers produced {len(new)} tokens / {len(streamer.times) - 1} streamed, expected {n}")
+        raise RuntimeError(f"transformers produced {len(new)} tokens / {len(streamer.times) - 1} streamed, "
+                           f"expected {n}")
     return streamer.times[1] - t0, streamer.times[-1] - streamer.times[1], t_end - t0, new
 
 
@@ -97,19 +103,24 @@ def hf_total(model, ids: torch.Tensor, n: int) -> float:
     return now(ids.device) - t0
 
 
-def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, tmp: Path) -> dict:
+def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, folder: Path) -> dict:
+    """Time one shape; ``folder`` holds its checkpoint or is where it gets built (reused across dtypes)."""
     t_build = time.perf_counter()
-    folder = tmp / shape
-    hf = build_checkpoint(shape, folder, seed=0)
-    hf = hf.to(device=device, dtype=dtype).eval()
+    if shape in REAL_MODELS:
+        folder = kvexplore.store.fetch(REAL_MODELS[shape][0])
+    elif not (folder / "config.json").exists():
+        build_checkpoint(shape, folder, seed=0)
+    hf = load_hf(folder, dtype, device)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = None
     kv = kvexplore.load(folder, dtype=dtype, device=device)
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"\n== {shape}: {n_params / 1e6:.1f}M parameters, {dtype_name(dtype)} on {device}, "
-          f"attn_implementation={hf.config._attn_implementation}, built+loaded in {time.perf_counter() - t_build:.1f}s")
+          f"transformers attn_implementation={hf.config._attn_implementation}, "
+          f"built+loaded in {time.perf_counter() - t_build:.1f}s")
 
-    prompt = prompt_ids(args.prompt_len, SHAPES[shape]["vocab_size"])
+    vocab = REAL_MODELS[shape][1] if shape in REAL_MODELS else SHAPES[shape]["vocab_size"]
+    prompt = prompt_ids(args.prompt_len, vocab)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     n = args.new_tokens
 
@@ -118,54 +129,71 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, tmp:
     _, _, _, hf_tokens = run_hf(hf, ids, n)
     hf_total(hf, ids, 1)
 
+    load = OtherLoad()
     kv_dec, kv_pre, hf_dec, hf_pre, hf_n, hf_1 = [], [], [], [], [], []
+    waited = 0.0
     for rep in range(args.reps):
+        waited += wait_quiet(args.wait_quiet)
+        load.start()
         p, d, toks = run_kvexplore(kv, prompt, n)
+        l_kv = load.stop()
         kv_pre.append(p), kv_dec.append(d)
         assert toks == kv_tokens, "kvexplore greedy output changed between repetitions"
+        load.start()
         p, d, total, toks = run_hf(hf, ids, n)
+        l_hf = load.stop()
         hf_pre.append(p), hf_dec.append(d), hf_n.append(total)
         assert toks == hf_tokens, "transformers greedy output changed between repetitions"
         if args.diff_check:
             hf_1.append(hf_total(hf, ids, 1))
+        busy = "" if l_kv is None else f"   (other load {l_kv:.2f} / {l_hf:.2f} cores)"
         print(f"  rep {rep + 1}/{args.reps}: kvexplore {(n - 1) / kv_dec[-1]:7.1f} tok/s"
-              f"   transformers {(n - 1) / hf_dec[-1]:7.1f} tok/s", flush=True)
+              f"   transformers {(n - 1) / hf_dec[-1]:7.1f} tok/s{busy}", flush=True)
 
     same = kv_tokens == hf_tokens
     first_diff = next((i for i, (a, b) in enumerate(zip(kv_tokens, hf_tokens)) if a != b), None)
     kv_tps, hf_tps = (n - 1) / median(kv_dec), (n - 1) / median(hf_dec)
     ratio = kv_tps / hf_tps
     target = TARGETS.get(shape)
-    print(f"  greedy tokens identical ({n} tokens): {same}"
+    print(f"  greedy tokens identical ({n} tokens each, {len(kv_tokens)} vs {len(hf_tokens)}): {same}"
           + ("" if same else f"  (first difference at generated token {first_diff}: kvexplore {kv_tokens[first_diff]} "
                               f"vs transformers {hf_tokens[first_diff]})"))
     print(f"  kvexplore    decode {n - 1} steps: median {median(kv_dec) * 1e3:8.1f} ms ({spread(kv_dec)})  "
-          f"-> {kv_tps:7.1f} tok/s, {median(kv_dec) / (n - 1) * 1e3:6.2f} ms/token;  prefill {median(kv_pre) * 1e3:.1f} ms")
+          f"-> {kv_tps:7.1f} tok/s, {median(kv_dec) / (n - 1) * 1e3:6.2f} ms/token;  "
+          f"prefill {median(kv_pre) * 1e3:.1f} ms")
     print(f"  transformers decode {n - 1} steps: median {median(hf_dec) * 1e3:8.1f} ms ({spread(hf_dec)})  "
-          f"-> {hf_tps:7.1f} tok/s, {median(hf_dec) / (n - 1) * 1e3:6.2f} ms/token;  setup+prefill {median(hf_pre) * 1e3:.1f} ms")
+          f"-> {hf_tps:7.1f} tok/s, {median(hf_dec) / (n - 1) * 1e3:6.2f} ms/token;  "
+          f"setup+prefill {median(hf_pre) * 1e3:.1f} ms")
     if hf_1:
         diff = median(hf_n) - median(hf_1)
+        rate = f"{(n - 1) / diff:.1f} tok/s" if diff > 0 else "n/a (noise)"
         print(f"  transformers difference method: median t(N={n}) {median(hf_n) * 1e3:.1f} ms - median t(N=1) "
-              f"{median(hf_1) * 1e3:.1f} ms = {diff * 1e3:.1f} ms -> {(n - 1) / diff:.1f} tok/s")
+              f"{median(hf_1) * 1e3:.1f} ms = {diff * 1e3:.1f} ms -> {rate}")
     verdict = "" if target is None else f"   target >= {target:.2f}x: {'MET' if ratio >= target else 'MISSED'}"
     print(f"  ratio kvexplore/transformers (decode tok/s): {ratio:.2f}x{verdict}")
-    return dict(shape=shape, kv_tps=kv_tps, hf_tps=hf_tps, ratio=ratio, target=target, same=same)
+    print(f"  {load.summary()}" + (f"; waited {waited:.1f}s for quiet" if waited else "")
+          + ("  -- WARNING: timings disturbed by other processes" if load.busy else ""))
+    return dict(shape=shape, kv_tps=kv_tps, hf_tps=hf_tps, ratio=ratio, target=target, same=same,
+                busy=load.busy)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="24M,135M", help=f"comma separated, from {', '.join(SHAPES)}")
+    ap.add_argument("--shapes", default="24M,135M,smollm2",
+                    help=f"comma separated, from {', '.join([*SHAPES, *REAL_MODELS])} (smollm2: the real weights)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per run (>= 2)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="before each repetition wait up to this long for other processes to go idle (Linux)")
     ap.add_argument("--no-diff-check", dest="diff_check", action="store_false",
                     help="skip the transformers difference-method cross-check (one extra generate per rep)")
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in SHAPES]
+    unknown = [s for s in shapes if s not in SHAPES and s not in REAL_MODELS]
     if unknown or args.new_tokens < 2 or args.reps < 1:
         ap.error(f"unknown shapes {unknown}" if unknown else "--new-tokens must be >= 2 and --reps >= 1")
     torch.set_num_threads(args.threads)
@@ -184,14 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="kvx-decode-") as tmp:
         for shape in shapes:
-            results.append(bench_shape(shape, args, device, dtype, Path(tmp)))
+            results.append(bench_shape(shape, args, device, dtype, Path(tmp) / shape))
     print(f"\nsummary ({time.perf_counter() - t0:.0f}s):")
     print(f"  {'shape':6} {'kvexplore tok/s':>16} {'transformers tok/s':>19} {'ratio':>7} {'target':>7}  tokens")
     for r in results:
         tgt = "-" if r["target"] is None else f"{r['target']:.1f}x"
         met = "" if r["target"] is None else (" MET" if r["ratio"] >= r["target"] else " MISSED")
+        busy = "  [disturbed by other processes]" if r["busy"] else ""
         print(f"  {r['shape']:6} {r['kv_tps']:16.1f} {r['hf_tps']:19.1f} {r['ratio']:6.2f}x {tgt:>7}{met:7}  "
-              f"{'identical' if r['same'] else 'DIFFER'}")
+              f"{'identical' if r['same'] else 'DIFFER'}{busy}")
     return 0
 
 

@@ -153,9 +153,9 @@ class Generator:
     # -- internals --------------------------------------------------------------------------------------
     def _forward(self, feed: list[int], pos: int, kind: str, context: list[int]) -> StepRecord:
         model = self.model
-        ids = torch.tensor([feed], dtype=torch.long, device=model.device)
+        ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         t0 = time.perf_counter()
-        logits = model(ids, self.cache, pos)[0, -1]  # (vocab,) for the last fed position
+        logits = model(ids, self.cache, pos, last_only=True)[0, -1]  # (vocab,) for the last fed position
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t1 = time.perf_counter()

@@ -178,11 +178,14 @@ class Model(nn.Module):
         return self.model.embed_tokens.weight.device
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None,
+                last_only: bool = False) -> torch.Tensor:
         """Run ``ids`` ``[batch, seq]`` at positions ``pos..pos+seq-1``, writing their K/V into ``cache``.
 
-        Returns logits ``[batch, seq, vocab]`` in float32. Raises before touching the cache if the ids, the
-        position or the cache do not fit; a failed call leaves the cache as it was.
+        Returns logits ``[batch, seq, vocab]`` in float32 (``[batch, 1, vocab]`` for the last position only with
+        ``last_only``: generation needs no more, and the output head over a long prompt is a large share of its
+        cost). Raises before touching the cache if the ids, the position or the cache do not fit; a failed call
+        leaves the cache as it was.
         """
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
@@ -195,6 +198,8 @@ class Model(nn.Module):
             mask = attention_mask(pos, T, self.config.sliding_window, x.device)
             for layer in self.model.layers:
                 x = layer(x, cache, pos, cos, sin, mask, tracer)
+            if last_only:
+                x = x[:, -1:]
             x = self.model.norm(x)
             if tracer is not None:
                 x = _hook(tracer, "norm", x)
@@ -215,7 +220,7 @@ class Model(nn.Module):
             raise ValueError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one sequence")
         if ids.shape[1] == 0:
             raise ValueError("ids has no tokens (seq length 0); pass at least one token")
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = (int(v) for v in torch.aminmax(ids))  # one sync; the generator passes CPU ids, so none on CUDA
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})")

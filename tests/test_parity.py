@@ -111,3 +111,31 @@ def test_sliding_window_matches_transformers(tmp_path):
     full = cached_logits(kvexplore.load(unwindowed), ids, 12)
     assert (full[:8] - want[:8]).abs().max().item() < TOL  # inside the window nothing changes
     assert (full[8:] - want[8:]).abs().max().item() > 100 * TOL
+
+
+def test_cpu_weights_are_stored_column_major_with_unchanged_values(checkpoint):
+    """The layout that makes one-token decoding fast on CPU (see benchmarks/decode_speed.py)."""
+    from safetensors.torch import load_file
+
+    folder, _ = checkpoint("qwen2-gqa8")
+    model = kvexplore.load(folder)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.stride() == (1, q.shape[0])
+    emb = model.model.embed_tokens.weight  # tied: it is also the output head
+    assert emb.stride() == (1, emb.shape[0])
+    saved = load_file(folder / "model.safetensors")
+    assert torch.equal(q, saved["model.layers.0.self_attn.q_proj.weight"])
+    assert model.model.norm.weight.is_contiguous()
+
+
+def test_last_only_logits(tiny):
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    full = tiny(ids, kvexplore.NoCache(tiny.config), 0)
+    last = tiny(ids, kvexplore.NoCache(tiny.config), 0, last_only=True)
+    assert last.shape == (1, 1, tiny.config.vocab_size) and torch.allclose(last[0, 0], full[0, -1], atol=1e-5)
+
+
+def test_half_precision_weights_stay_row_major(checkpoint):
+    folder, _ = checkpoint("qwen2-gqa8")
+    q = kvexplore.load(folder, dtype=torch.bfloat16).model.layers[0].self_attn.q_proj.weight
+    assert q.is_contiguous()
