@@ -1,12 +1,12 @@
 """kvexplore: a small Llama-family inference engine whose KV cache is a first-class, inspectable object."""
 
-from .caches import KVCache, NoCache, PreallocatedCache
+from .caches import ConcatCache, KVCache, NoCache, PreallocatedCache, SlotView, make_cache
 from .config import ModelConfig
 from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
 from .evaluate import perplexity
 from .generate import Generator
 from .loading import load
-from .memory import kv_bytes
+from .memory import MemoryReport, kv_bytes
 from .model import Model, hook_point_names
 from .records import Candidate, StepRecord
 from .tokenizer import Tokenizer
@@ -14,7 +14,7 @@ from .tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheFullError", "Candidate", "Generator", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
+    "CacheFullError", "Candidate", "ConcatCache", "Generator", "MemoryReport", "SlotView", "make_cache", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
     "NoCache", "PreallocatedCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
     "kv_bytes", "load", "perplexity",
 ]

@@ -7,9 +7,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .caches.factory import STRATEGIES
 from .errors import KVExploreError
 
-CACHE_KINDS = ("preallocated", "none")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--max-new-tokens", type=_positive, default=64)
-    gen.add_argument("--cache", choices=CACHE_KINDS, default="preallocated")
+    gen.add_argument("--cache", choices=list(STRATEGIES), default="preallocated")
     gen.add_argument("--max-seq-len", type=_positive, default=None,
                      help="cache slots (default: prompt + max new tokens)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -65,7 +65,7 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from . import Generator, NoCache, PreallocatedCache, load
+    from . import Generator, load, make_cache
     from .memory import kv_bytes
 
     model = load(args.source, dtype=args.dtype, device=args.device)
@@ -76,11 +76,7 @@ def _generate(args: argparse.Namespace) -> None:
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else None
     if ids is None:
         ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
-    if args.cache == "none":
-        cache = NoCache(model.config, dtype=model.dtype, device=model.device)
-    else:
-        slots = args.max_seq_len or len(ids) + args.max_new_tokens
-        cache = PreallocatedCache(model.config, slots, dtype=model.dtype, device=model.device)
+    cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens)
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed)
     out = sys.stdout

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from .caches.base import KVCache
-from .caches.preallocated import PreallocatedCache
+from .caches.factory import make_cache
 from .model import Model
 from .records import Candidate, StepRecord
 from .sampling import SamplingSettings, choose
@@ -33,8 +33,7 @@ class Generator:
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  top_candidates: int = 5) -> None:
         if cache is None:
-            cache = PreallocatedCache(model.config, min(model.config.max_position_embeddings, 2048),
-                                      dtype=model.dtype, device=model.device)
+            cache = make_cache("preallocated", model)
         if cache.batch_size != 1:
             raise ValueError(f"the generator drives one sequence but the cache has batch_size={cache.batch_size}; "
                              f"make the cache with batch_size=1")
@@ -142,8 +141,9 @@ class Generator:
         self._rng.manual_seed(self.seed)
 
     def fork(self) -> "Generator":
-        """A second generator that continues from the same sequence with its own copy of the cache."""
-        twin = Generator(self.model, self.cache.clone(), self.sampling.temperature, self.sampling.top_k,
+        """A second generator that continues from the same sequence, with the cache's ``fork()`` (a copy, or
+        storage shared until the two diverge where the strategy allows)."""
+        twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
@@ -170,7 +170,8 @@ class Generator:
         record = StepRecord(step=len(self.history) if kind == "decode" else 0, kind=kind, token_id=token,
                             text=text(token), position=pos + len(feed), input_len=len(feed),
                             cache_length=self.cache.length, prob=float(probs[token]), top=top,
-                            forward_s=t1 - t0, sample_s=time.perf_counter() - t1, is_eos=token in eos)
+                            forward_s=t1 - t0, sample_s=time.perf_counter() - t1, is_eos=token in eos,
+                            memory=self.cache.memory_report())
         if kind == "prefill":
             self._rng_states = [state]
         else:

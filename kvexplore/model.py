@@ -190,6 +190,7 @@ class Model(nn.Module):
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
         cache.check_write(pos, T, B)
+        cache.begin_step()
         try:
             x = self.model.embed_tokens(ids.to(self.device))  # (B, T, D)
             if tracer is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .memory import MemoryReport
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -35,6 +37,7 @@ class StepRecord:
     forward_s: float = 0.0
     sample_s: float = 0.0
     is_eos: bool = False
+    memory: MemoryReport | None = None  # the cache's memory after this step's forward pass
 
     @property
     def elapsed_s(self) -> float:

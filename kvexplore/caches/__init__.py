@@ -1,7 +1,10 @@
-"""KV cache strategies, all behind :class:`KVCache`."""
+"""KV cache strategies, all behind :class:`KVCache`; :func:`make_cache` builds one by name."""
 
-from .base import KVCache
+from .base import EVICTED, FILLED, FREE, SHARED, STALE, KVCache, SlotView
+from .concat import ConcatCache
+from .factory import STRATEGIES, make_cache
 from .none import NoCache
 from .preallocated import PreallocatedCache
 
-__all__ = ["KVCache", "NoCache", "PreallocatedCache"]
+__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PreallocatedCache", "SHARED",
+           "STALE", "STRATEGIES", "SlotView", "make_cache"]

@@ -12,11 +12,37 @@ exactly as it was.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
-from ..memory import kv_bytes
+from ..memory import MemoryReport, StepCounters, cuda_stats, kv_bytes
+
+FREE, FILLED, STALE, EVICTED, SHARED = "free", "filled", "stale", "evicted", "shared"
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """The physical slots of a cache (the same for every layer), in storage order.
+
+    ``states[i]``: ``free`` (never written), ``filled`` (holds ``positions[i]``), ``stale`` (left behind by a
+    rewind: written once, no longer part of the sequence), ``evicted`` (its position was dropped by the strategy),
+    ``shared`` (filled and shared by ``sharers[i]`` > 1 sequences). ``positions[i]`` is -1 where no position is
+    held. ``layout`` carries what a strategy adds (a page table, a ring start).
+    """
+
+    states: list[str]
+    positions: list[int]
+    sharers: list[int]
+    layout: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not len(self.states) == len(self.positions) == len(self.sharers):
+            raise ValueError("slot view lists differ in length")
+
+    def count(self, state: str) -> int:
+        return self.states.count(state)
 
 
 class KVCache(ABC):
@@ -33,6 +59,9 @@ class KVCache(ABC):
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self._length = 0
+        self._step = StepCounters()
+        self._cuda_before: dict[str, int] = {}
+        self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
 
     @property
     def length(self) -> int:
@@ -57,6 +86,11 @@ class KVCache(ABC):
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
 
+    def begin_step(self) -> None:
+        """Start counting a forward pass's writes, copies and allocations (after ``check_write`` passed)."""
+        self._step = StepCounters()
+        self._cuda_before = cuda_stats(self.device)
+
     @abstractmethod
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
@@ -65,16 +99,44 @@ class KVCache(ABC):
     def commit(self, end: int) -> None:
         """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""
         self._length = end
+        self._report = self._make_report()  # now: the CUDA deltas are the step's
+
+    def memory_report(self) -> MemoryReport:
+        """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
+        if self._report is None:
+            self._report = self._make_report()
+        return self._report
+
+    def _make_report(self) -> MemoryReport:
+        after = cuda_stats(self.device)
+        deltas = {k: after[k] - self._cuda_before.get(k, after[k]) for k in after}
+        s = self._step
+        return MemoryReport(
+            length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
+            analytic_bytes=kv_bytes(self.config, self.length, self.batch_size, self.dtype),
+            written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
+            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas)
 
     def truncate(self, n: int) -> None:
         """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
         self._length = n
+        self._step = StepCounters()
+        self._report = None
 
     @abstractmethod
     def clone(self) -> "KVCache":
         """An independent copy: writes to either never show in the other."""
+
+    def fork(self) -> "KVCache":
+        """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
+        strategies that can share storage (the paged cache) share it until the sequences diverge."""
+        return self.clone()
+
+    @abstractmethod
+    def slot_view(self) -> SlotView:
+        """The state of every physical slot (what the cache map draws)."""
 
     @property
     @abstractmethod

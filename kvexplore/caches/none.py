@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .base import KVCache
+from .base import KVCache, SlotView
 
 
 class NoCache(KVCache):
@@ -23,6 +23,9 @@ class NoCache(KVCache):
 
     def commit(self, end: int) -> None:
         pass  # nothing is kept, so nothing is held
+
+    def slot_view(self) -> SlotView:
+        return SlotView([], [], [])  # no storage: nothing survives a step
 
     def clone(self) -> "NoCache":
         return NoCache(self.config, self.batch_size, self.dtype, self.device)

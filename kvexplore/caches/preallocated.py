@@ -7,7 +7,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import CacheFullError
 from ..memory import kv_bytes
-from .base import KVCache
+from .base import FILLED, FREE, STALE, KVCache, SlotView
 
 
 class PreallocatedCache(KVCache):
@@ -28,6 +28,7 @@ class PreallocatedCache(KVCache):
         self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
         self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
         self._capacity = max_seq_len
+        self._high_water = 0  # slots below this were written at some point (stale if past the length)
 
     @property
     def capacity(self) -> int:
@@ -42,7 +43,18 @@ class PreallocatedCache(KVCache):
         q_len = k.shape[2]
         self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
         self._v[layer].narrow(2, pos, q_len).copy_(v)
+        self._step.written_bytes += k.nbytes + v.nbytes
         return self._k[layer].narrow(2, 0, pos + q_len), self._v[layer].narrow(2, 0, pos + q_len)  # views
+
+    def commit(self, end: int) -> None:
+        self._high_water = max(self._high_water, end)
+        super().commit(end)
+
+    def slot_view(self) -> SlotView:
+        n, hw = self.length, self._high_water
+        states = [FILLED] * n + [STALE] * (hw - n) + [FREE] * (self.capacity - hw)
+        positions = list(range(n)) + [-1] * (self.capacity - n)
+        return SlotView(states, positions, [1] * n + [0] * (self.capacity - n))
 
     def key(self, layer: int) -> torch.Tensor:
         """The live key storage of ``layer``, all ``capacity`` slots (slots past ``length`` are stale or zero)."""
