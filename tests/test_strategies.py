@@ -1,0 +1,150 @@
+"""Every exact strategy behind one interface: same tokens and logits as recomputation, exact memory figures,
+slot views, forks and rewinds."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvexplore
+from kvexplore import CacheFullError, ConcatCache, Generator, NoCache, PreallocatedCache, kv_bytes, make_cache
+from kvexplore.caches import FILLED, FREE, STALE
+
+EXACT = ["preallocated", "concat", "none"]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return kvexplore.load("tiny")
+
+
+def reference_logits(model, tokens):
+    """Logits of the last token, recomputed from scratch."""
+    return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]
+
+
+@pytest.mark.parametrize("kind", EXACT)
+def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, kind):
+    gen = Generator(trained, make_cache(kind, trained, max_seq_len=256))
+    ref = Generator(trained, make_cache("none", trained))
+    prompt = "Call me Ishmael. Some years ago"
+    gen.prefill(prompt)
+    ref.prefill(prompt)
+    forks = []
+    for step in range(200):
+        if step % 50 == 49:
+            gen.rewind(7)
+            ref.rewind(7)
+        if step % 60 == 30:
+            forks.append((gen.fork(), ref.fork()))
+        a, b = gen.step(), ref.step()
+        assert a.token_id == b.token_id and abs(a.prob - b.prob) < 1e-5
+    assert gen.tokens == ref.tokens
+    logits = trained(torch.tensor([gen.tokens[gen.cache.length:]]), gen.cache, gen.cache.length)[0, -1]
+    assert (logits - reference_logits(trained, gen.tokens)).abs().max() < 1e-5
+    for fork, fork_ref in forks:  # forks continue on their own and agree too
+        fork.run(5, stop_at_eos=False)
+        fork_ref.run(5, stop_at_eos=False)
+        assert fork.tokens == fork_ref.tokens
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(EXACT), ops=st.lists(st.sampled_from(["step", "step", "rewind", "fork"]), max_size=25))
+def test_random_operation_sequences_match_the_reference(tiny, kind, ops):
+    gen = Generator(tiny, make_cache(kind, tiny, max_seq_len=64))
+    gen.prefill([1, 5, 6, 7])
+    for op in ops:
+        if op == "step":
+            gen.step()
+        elif op == "rewind" and len(gen.history) > 1:
+            gen.rewind(min(2, len(gen.history) - 1))
+        elif op == "fork":
+            twin = gen.fork()
+            twin.run(2, stop_at_eos=False)
+    ref = Generator(tiny, NoCache(tiny.config))
+    ref.prefill([1, 5, 6, 7])
+    ref.run(len(gen.history) - 1, stop_at_eos=False)
+    assert gen.tokens == ref.tokens
+    assert gen.cache.length == (0 if kind == "none" else len(gen.tokens) - 1)
+
+
+def test_preallocated_memory_follows_the_formula(trained):
+    c = trained.config
+    cache = make_cache("preallocated", trained, max_seq_len=100, batch_size=2)
+    trained(torch.tensor([[1, 5, 6, 7, 8]] * 2), cache, 0)
+    r = cache.memory_report()
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert r.reserved_bytes == per_token * 2 * 100 and r.logical_bytes == r.analytic_bytes == per_token * 2 * 5
+    assert (r.written_bytes, r.copied_bytes, r.allocations, r.frees) == (per_token * 2 * 5, 0, 0, 0)
+    trained(torch.tensor([[9]] * 2), cache, 5)
+    r = cache.memory_report()
+    assert (r.length, r.written_bytes, r.copied_bytes, r.allocated_bytes) == (6, per_token * 2, 0, 0)
+
+
+def test_concat_copies_the_whole_cache_every_step(trained):
+    c = trained.config
+    cache = make_cache("concat", trained)
+    assert isinstance(cache, ConcatCache) and cache.reserved_bytes == 0
+    trained(torch.tensor([[1, 5, 6, 7, 8]]), cache, 0)
+    per_token = kv_bytes(c, 1)
+    r = cache.memory_report()
+    assert (r.written_bytes, r.copied_bytes, r.allocations, r.frees) == (5 * per_token, 0, 2 * c.num_layers, 0)
+    ptr = cache.key(0).data_ptr()
+    for pos in range(5, 9):
+        before = cache.reserved_bytes
+        trained(torch.tensor([[9]]), cache, pos)
+        r = cache.memory_report()
+        assert r.copied_bytes == before == pos * per_token  # the cache's size before the step
+        assert r.written_bytes == per_token and r.allocated_bytes == (pos + 1) * per_token
+        assert r.freed_bytes == before and r.allocations == r.frees == 2 * c.num_layers
+        assert cache.key(0).data_ptr() != ptr  # a new storage every step
+        ptr = cache.key(0).data_ptr()
+    assert cache.reserved_bytes == r.logical_bytes == r.analytic_bytes == 9 * per_token
+    cache.truncate(4)  # a rewind keeps the storage (a view) until the next write
+    assert cache.length == 4 and cache.reserved_bytes == 9 * per_token and cache.key(0).shape[2] == 4
+    assert cache.memory_report().logical_bytes == 4 * per_token
+
+
+def test_slot_views(trained):
+    cache = PreallocatedCache(trained.config, 10)
+    trained(torch.tensor([[1, 5, 6, 7, 8, 9]]), cache, 0)
+    cache.truncate(4)
+    view = cache.slot_view()
+    assert view.states == [FILLED] * 4 + [STALE] * 2 + [FREE] * 4
+    assert view.positions == [0, 1, 2, 3] + [-1] * 6 and view.sharers == [1] * 4 + [0] * 6
+    trained(torch.tensor([[10]]), cache, 4)
+    assert cache.slot_view().states == [FILLED] * 5 + [STALE] + [FREE] * 4
+    concat = ConcatCache(trained.config)
+    trained(torch.tensor([[1, 5, 6]]), concat, 0)
+    assert concat.slot_view().states == [FILLED] * 3 and concat.slot_view().positions == [0, 1, 2]
+    assert NoCache(trained.config).slot_view().states == []
+
+
+def test_generator_records_carry_memory(trained):
+    gen = Generator(trained, make_cache("concat", trained))
+    first = gen.prefill("Call me")
+    second = gen.step()
+    assert first.memory.length == first.cache_length and second.memory.copied_bytes == first.memory.reserved_bytes
+
+
+def test_make_cache_errors_and_defaults(trained):
+    cache = make_cache("preallocated", trained)
+    assert cache.capacity == min(trained.config.max_position_embeddings, 2048) and cache.dtype == trained.dtype
+    with pytest.raises(ValueError, match="unknown cache kind 'ring'; available: preallocated, concat, none"):
+        make_cache("ring", trained)
+    with pytest.raises(ValueError, match=r"cache kind 'concat' does not take \['bits'\]"):
+        make_cache("concat", trained, bits=4)
+
+
+def test_rewind_past_zero_and_full_cache_leave_caches_unchanged(trained):
+    for cache in (PreallocatedCache(trained.config, 6), ConcatCache(trained.config)):
+        trained(torch.tensor([[1, 5, 6]]), cache, 0)
+        with pytest.raises(ValueError, match="cannot truncate to -1: the cache holds 3 positions"):
+            cache.truncate(-1)
+        assert cache.length == 3
+    cache = PreallocatedCache(trained.config, 6)
+    trained(torch.tensor([[1, 5, 6]]), cache, 0)
+    report = cache.memory_report()
+    with pytest.raises(CacheFullError):
+        trained(torch.tensor([[7, 8, 9, 10]]), cache, 3)
+    assert cache.length == 3 and cache.memory_report() == report
