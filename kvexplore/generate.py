@@ -143,6 +143,8 @@ class Generator:
     def fork(self) -> "Generator":
         """A second generator that continues from the same sequence, with the cache's ``fork()`` (a copy, or
         storage shared until the two diverge where the strategy allows)."""
+        if not self._tokens:
+            raise RuntimeError("nothing to fork: call prefill(prompt) first")
         twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates)
         twin._rng.set_state(self._rng.get_state())

@@ -148,3 +148,13 @@ def test_rewind_past_zero_and_full_cache_leave_caches_unchanged(trained):
     with pytest.raises(CacheFullError):
         trained(torch.tensor([[7, 8, 9, 10]]), cache, 3)
     assert cache.length == 3 and cache.memory_report() == report
+
+
+def test_fork_of_an_empty_cache_is_refused(trained):
+    for kind in ("preallocated", "concat"):
+        cache = make_cache(kind, trained, max_seq_len=8)
+        with pytest.raises(ValueError, match=f"cannot fork an empty {type(cache).__name__}: there is no prefix"):
+            cache.fork()
+    assert isinstance(make_cache("none", trained).fork(), NoCache)
+    with pytest.raises(RuntimeError, match=r"nothing to fork: call prefill\(prompt\) first"):
+        Generator(trained, make_cache("concat", trained)).fork()

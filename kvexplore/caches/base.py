@@ -132,7 +132,13 @@ class KVCache(ABC):
     def fork(self) -> "KVCache":
         """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
         strategies that can share storage (the paged cache) share it until the sequences diverge."""
+        self._check_forkable()
         return self.clone()
+
+    def _check_forkable(self) -> None:
+        if self.length == 0:
+            raise ValueError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
+                             f"make a new cache instead")
 
     @abstractmethod
     def slot_view(self) -> SlotView:

@@ -27,6 +27,9 @@ class NoCache(KVCache):
     def slot_view(self) -> SlotView:
         return SlotView([], [], [])  # no storage: nothing survives a step
 
+    def fork(self) -> "NoCache":
+        return self.clone()  # nothing is held, so there is nothing to share: any time is a fine time to fork
+
     def clone(self) -> "NoCache":
         return NoCache(self.config, self.batch_size, self.dtype, self.device)
 
