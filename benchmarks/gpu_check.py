@@ -25,6 +25,9 @@ Exit codes: 0 every check passed, 1 some check failed, 2 no CUDA device (one lin
     ``cache.reserved_bytes`` vs the ``kvexplore.kv_bytes`` formula, reserved bytes, inactive-split bytes and
     allocation retries before, after creation, and after a 256-token generation; also whether the cache
     storage stayed in place (same data pointers) and whether allocated memory grew during generation.
+(d) Strategies. Every kind in ``kvexplore.caches.STRATEGIES`` on the tiny model for the same generation:
+    greedy tokens equal the pre-allocated cache's for exact kinds, bytes copied, and the CUDA allocator deltas
+    (allocated, reserved, inactive-split bytes) that the caches' memory reports carry.
 
 A summary with one line per check comes last.
 """
@@ -253,6 +256,36 @@ def check_memory(device: torch.device, dtypes: list[torch.dtype], shape: str, ca
             record(name, False, f"raised {type(e).__name__}: {e}")
 
 
+# -- (d) every cache strategy: exact tokens, copies and the allocator ------------------------------------
+def check_strategies(device: torch.device, gen_tokens: int) -> None:
+    """Each strategy of kvexplore.caches.STRATEGIES on the tiny model: greedy tokens equal the pre-allocated
+    cache's (exact kinds), bytes copied per step, and the CUDA allocator deltas the memory reports carry."""
+    print(f"\n(d) cache strategies on {device}: tiny model, {gen_tokens} greedy tokens each")
+    model = kvexplore.load("tiny", dtype=torch.float32, device=device)
+    prompt = "Call me Ishmael. Some years ago"
+    reference = None
+    for kind in kvexplore.caches.STRATEGIES:
+        name = f"strategy {kind}"
+        try:
+            options = {"window": gen_tokens + 64} if kind == "sink" else {}
+            gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, max_seq_len=gen_tokens + 64, **options))
+            gen.prefill(prompt)
+            records = gen.run(gen_tokens - 1, stop_at_eos=False)
+            if reference is None:
+                reference = gen.tokens
+            copied = sum(r.memory.copied_bytes for r in records)
+            cuda = {k: sum(r.memory.cuda.get(k, 0) for r in records) for k in ("allocated_bytes", "reserved_bytes")}
+            frag = max((r.memory.cuda.get("inactive_split_bytes", 0) for r in records), default=0)
+            detail = (f"copied {copied / 2**20:.2f} MiB over {len(records)} steps; CUDA allocated {cuda['allocated_bytes']:+,} B,"
+                      f" reserved {cuda['reserved_bytes']:+,} B, largest inactive-split change {frag:+,} B; "
+                      f"cache reserved {gen.cache.reserved_bytes:,} B")
+            exact = kind != "quantized"
+            record(name, gen.tokens == reference if exact else None, detail)
+        except Exception as e:
+            traceback.print_exc()
+            record(name, False, f"raised {type(e).__name__}: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a quick debug run of the same code")
@@ -301,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_memory:
             check_memory(device, dtypes, "24M" if debug else "135M", capacity=max(512, gen_tokens + 64),
                          gen_tokens=gen_tokens, tmp=tmp)
+            check_strategies(device, gen_tokens)
 
     failed = [r for r in RESULTS if r[1] is False]
     passed = [r for r in RESULTS if r[1] is True]
