@@ -57,7 +57,7 @@ def exit_code(argv):
     (["generate", "/no/such/model", "--prompt", "x"], "model source '/no/such/model' is not a named model, a folder or a .gguf file"),
     (["generate", "{src}", "--prompt", "x", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["generate", "{src}", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer, got 0"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "paged"], "argument --cache: invalid choice: 'paged'"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "ring"], "argument --cache: invalid choice: 'ring'"),
     (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p must be in (0, 1] or None, got 2.0"),
     (["generate", "{src}"], "the following arguments are required: --prompt"),
 ])

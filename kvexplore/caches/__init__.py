@@ -4,7 +4,8 @@ from .base import EVICTED, FILLED, FREE, SHARED, STALE, KVCache, SlotView
 from .concat import ConcatCache
 from .factory import STRATEGIES, make_cache
 from .none import NoCache
+from .paged import PagedCache, PagePoolFullError
 from .preallocated import PreallocatedCache
 
-__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PreallocatedCache", "SHARED",
+__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "SHARED",
            "STALE", "STRATEGIES", "SlotView", "make_cache"]

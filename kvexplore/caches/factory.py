@@ -9,14 +9,16 @@ import torch
 from .base import KVCache
 from .concat import ConcatCache
 from .none import NoCache
+from .paged import PagedCache
 from .preallocated import PreallocatedCache
 
 STRATEGIES: dict[str, type[KVCache]] = {
     "preallocated": PreallocatedCache,
     "concat": ConcatCache,
     "none": NoCache,
+    "paged": PagedCache,
 }
-BOUNDED = {"preallocated"}  # kinds whose storage is sized by max_seq_len
+BOUNDED = {"preallocated", "paged"}  # kinds whose storage is sized by max_seq_len
 
 
 def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size: int = 1,
