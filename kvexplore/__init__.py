@@ -1,6 +1,7 @@
 """kvexplore: a small Llama-family inference engine whose KV cache is a first-class, inspectable object."""
 
-from .caches import ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, SlotView, make_cache
+from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
+                     SlotView, make_cache)
 from .config import ModelConfig
 from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
 from .evaluate import perplexity
@@ -15,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheFullError", "Candidate", "ConcatCache", "Generator", "MemoryReport", "SlotView", "make_cache", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
-    "NoCache", "PagedCache", "PreallocatedCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
+    "NoCache", "PagedCache", "PreallocatedCache", "QuantizedCache", "SinkCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
     "kv_bytes", "load", "perplexity",
 ]

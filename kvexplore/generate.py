@@ -130,8 +130,8 @@ class Generator:
         if n == 0:
             return
         keep = len(self._tokens) - n
-        self._rng.set_state(self._rng_states[len(self.history) - n])
-        self.cache.truncate(min(self.cache.length, keep - 1))  # the last kept token is fed again next step
+        self.cache.truncate(min(self.cache.length, keep - 1))  # first: a cache may refuse (evicted positions)
+        self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
 
     def reset(self) -> None:

@@ -35,7 +35,7 @@ class MemoryReport:
     length: int  # positions held
     logical_bytes: int  # bytes of the slots holding positions
     reserved_bytes: int  # bytes of storage the cache holds, used or not
-    analytic_bytes: int  # 2 * layers * kv_heads * head_dim * element_size * batch * length
+    analytic_bytes: int  # 2 * layers * kv_heads * head_dim * element_size * batch * positions held
     written_bytes: int = 0
     copied_bytes: int = 0
     allocated_bytes: int = 0

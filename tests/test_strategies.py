@@ -130,7 +130,7 @@ def test_generator_records_carry_memory(trained):
 def test_make_cache_errors_and_defaults(trained):
     cache = make_cache("preallocated", trained)
     assert cache.capacity == min(trained.config.max_position_embeddings, 2048) and cache.dtype == trained.dtype
-    with pytest.raises(ValueError, match="unknown cache kind 'ring'; available: preallocated, concat, none, paged"):
+    with pytest.raises(ValueError, match="unknown cache kind 'ring'; available: preallocated, concat, none, paged, quantized, sink"):
         make_cache("ring", trained)
     with pytest.raises(ValueError, match=r"cache kind 'concat' does not take \['bits'\]"):
         make_cache("concat", trained, bits=4)
@@ -158,3 +158,16 @@ def test_fork_of_an_empty_cache_is_refused(trained):
     assert isinstance(make_cache("none", trained).fork(), NoCache)
     with pytest.raises(RuntimeError, match=r"nothing to fork: call prefill\(prompt\) first"):
         Generator(trained, make_cache("concat", trained)).fork()
+
+
+def test_make_cache_sizes_every_kind(trained):
+    per_token = kv_bytes(trained.config, 1)
+    sink = make_cache("sink", trained, max_seq_len=64)
+    assert (sink.sinks, sink.window, sink.reserved_bytes) == (4, 60, 64 * per_token)
+    assert make_cache("sink", trained, window=10, sinks=2).reserved_bytes == 12 * per_token
+    assert make_cache("paged", trained, max_seq_len=64, block_size=16).reserved_bytes == 64 * per_token
+    assert make_cache("quantized", trained, max_seq_len=1024, bits=4).reserved_bytes < 1024 * per_token / 3
+    for kind in kvexplore.caches.STRATEGIES:  # every kind runs under the generator
+        gen = Generator(trained, make_cache(kind, trained, max_seq_len=64))
+        gen.prefill("Call me")
+        assert len(gen.run(5, stop_at_eos=False)) == 5

@@ -6,6 +6,8 @@ from .factory import STRATEGIES, make_cache
 from .none import NoCache
 from .paged import PagedCache, PagePoolFullError
 from .preallocated import PreallocatedCache
+from .quantized import QuantizedCache
+from .sink import SinkCache
 
-__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "SHARED",
+__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "QuantizedCache", "SHARED", "SinkCache",
            "STALE", "STRATEGIES", "SlotView", "make_cache"]

@@ -113,7 +113,7 @@ class KVCache(ABC):
         s = self._step
         return MemoryReport(
             length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
-            analytic_bytes=kv_bytes(self.config, self.length, self.batch_size, self.dtype),
+            analytic_bytes=kv_bytes(self.config, self.held, self.batch_size, self.dtype),
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
             freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas)
 
@@ -150,9 +150,14 @@ class KVCache(ABC):
         """Bytes of storage the cache holds now, used or not."""
 
     @property
+    def held(self) -> int:
+        """Positions whose keys and values the cache holds (``length``, unless the strategy evicts)."""
+        return self.length
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the slots that hold valid positions."""
-        return kv_bytes(self.config, self.length, self.batch_size, self.dtype)
+        return kv_bytes(self.config, self.held, self.batch_size, self.dtype)
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity

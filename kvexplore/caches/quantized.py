@@ -1,0 +1,299 @@
+"""KIVI: keys quantized per channel, values per token, the newest tokens kept in full precision.
+
+Quantization is asymmetric min/max: ``code = round((x - zero) / scale)`` with ``zero = min`` and
+``scale = (max - min) / (2**bits - 1)``, so ``|x - dequant(code)| <= scale / 2`` for every element. Keys take one
+scale/zero per channel per *block* of ``group_size`` tokens; values one scale/zero per token per group of
+``min(group_size, head_dim)`` channels. Codes are ``uint8``; 4-bit codes are packed two per byte along head_dim
+(channel ``2i`` in the low nibble, ``2i + 1`` in the high one). Scales and zeros are float32 whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import CacheFullError
+from ..memory import StepCounters
+from .base import FILLED, FREE, STALE, KVCache, SlotView
+
+F32 = torch.float32
+
+
+def _minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, unpacked), scale and zero of float32 ``x`` quantized over ``dim`` (kept as size 1)."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo) / (2 ** bits - 1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code is 0, exact
+    return ((x - lo) / safe).round_().clamp_(0, 2 ** bits - 1).to(torch.uint8), scale, lo
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """8-bit codes as they are; 4-bit codes two per byte along the last dim: ``(..., D) -> (..., D // 2)``."""
+    return q if bits == 8 else q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``(..., D * bits // 8) -> (..., D)`` uint8 codes."""
+    return p if bits == 8 else torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys ``(B, H, n * G, D)``, per channel over blocks of ``G`` tokens -> packed codes ``(B, H, n * G,
+    D * bits // 8)``, scale and zero ``(B, H, n, D)``."""
+    B, H, T, D = k.shape
+    q, s, z = _minmax(k.to(F32).reshape(B, H, T // group_size, group_size, D), 3, bits)
+    return pack(q.view(B, H, T, D), bits), s.squeeze(3), z.squeeze(3)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 keys ``(B, H, n * G, D)`` from :func:`quantize_keys` output."""
+    B, H, n, D = scale.shape
+    q = unpack(codes, bits).view(B, H, n, -1, D).to(F32)  # (B, H, n, G, D)
+    return (q * scale.unsqueeze(3) + zero.unsqueeze(3)).view(B, H, -1, D)
+
+
+def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values ``(B, H, T, D)``, per token over groups of ``group`` channels -> packed codes ``(B, H, T,
+    D * bits // 8)``, scale and zero ``(B, H, T, D // group)``."""
+    B, H, T, D = v.shape
+    q, s, z = _minmax(v.to(F32).reshape(B, H, T, D // group, group), 4, bits)
+    return pack(q.view(B, H, T, D), bits), s.squeeze(4), z.squeeze(4)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 values ``(B, H, T, D)`` from :func:`quantize_values` output."""
+    B, H, T, g = scale.shape
+    q = unpack(codes, bits).view(B, H, T, g, -1).to(F32)  # (B, H, T, groups, group)
+    return (q * scale.unsqueeze(4) + zero.unsqueeze(4)).view(B, H, T, -1)
+
+
+class QuantizedCache(KVCache):
+    """KIVI cache: positions ``0..Q-1`` quantized, ``Q..length-1`` in full precision (the residual).
+
+    The quantized frontier ``Q`` is a multiple of ``G = group_size``; after a write it advances to the largest
+    multiple of ``G`` with ``Q <= length - residual``, so the residual holds between ``residual`` and
+    ``residual + G - 1`` positions (fewer while the sequence is short). Keys and values share the frontier.
+
+    Storage per layer (B batch, H kv heads, D head dim, ``Nq = max_seq_len // G * G`` quantizable slots,
+    ``Nr = min(max_seq_len, residual + G - 1)`` residual slots, ``gv = min(G, D)``, e = dtype element size)::
+
+        integers  k, v codes   uint8   (B, H, Nq, D * bits // 8)       2 * B*H*Nq*D*bits/8
+        scales    k scale/zero float32 (B, H, Nq // G, D)              2 * 4 * B*H*(Nq/G)*D
+                  v scale/zero float32 (B, H, Nq, D // gv)             2 * 4 * B*H*Nq*(D/gv)
+        residual  k, v         dtype   (B, H, Nr, D)                   2 * e * B*H*Nr*D
+
+    ``reserved_bytes`` = layers * (integers + scales + residual), see :meth:`bytes_breakdown`. The per-position
+    error diagnostics (2 float32 ``(B, H, max_seq_len)`` per layer) are not counted there: see
+    ``diagnostic_bytes``. Positions past ``Nq`` (a trailing partial block) are never quantized.
+
+    Rewinds: positions ``>= n`` are dropped. Whole blocks before ``n`` stay quantized untouched; the block that
+    straddles ``n`` (if quantized) is dequantized into the residual and ``Q`` drops to ``n // G * G``: its kept
+    positions hold their dequantized values (the originals are gone) and are quantized again when the block
+    leaves the window, so their recorded error becomes the sum of both (an upper bound on the true error).
+    A rewind that stays inside the residual (``n >= Q``) loses nothing: the kept positions are held exactly as
+    before. ``Q`` never moves back further than the straddling block (the originals of quantized blocks are
+    gone), so regenerated positions may read quantized what was full precision when they were first written:
+    bit-for-bit the same only if ``Q`` has not advanced since position ``n`` was first written; otherwise
+    close, and deterministic (the same rewind and writes on a copy give the same cache). A write at
+    ``pos < length`` rewinds to ``pos`` first, the same way. A forward pass that fails after a layer
+    quantized part of its own chunk (a chunk longer than ``residual``) is rewound the same way, so that
+    layer's straddling block comes back dequantized rather than exactly as before the pass.
+
+    ``write`` returns what the cache holds after the write: the quantized positions dequantized (in the
+    dtype), then the residual; a chunk long enough to push blocks out of the window is read dequantized too.
+    """
+
+    kind = "quantized"
+
+    def __init__(self, config: ModelConfig, max_seq_len: int, bits: int = 8, group_size: int = 32,
+                 residual: int = 32, batch_size: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> None:
+        D, H = config.head_dim, config.num_kv_heads
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}")
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if group_size < 1 or residual < 0:
+            raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size} and {residual}")
+        gv = min(group_size, D)
+        if D % gv or D % 2:
+            raise ValueError(f"head_dim {D} must be even and a multiple of the value group {gv}; pick a "
+                             f"group_size that divides it")
+        super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        self.bits, self.group_size, self.residual, self.value_group = bits, group_size, residual, gv
+        self._capacity = max_seq_len
+        self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
+        self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
+        B, L = batch_size, config.num_layers
+
+        def zeros(*shape: int, dtype: torch.dtype = F32) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
+
+        codes = (B, H, self._nq, D * bits // 8)
+        self._kq, self._vq = zeros(*codes, dtype=torch.uint8), zeros(*codes, dtype=torch.uint8)
+        self._ks, self._kz = zeros(B, H, self._nq // group_size, D), zeros(B, H, self._nq // group_size, D)
+        self._vs, self._vz = zeros(B, H, self._nq, D // gv), zeros(B, H, self._nq, D // gv)
+        self._rk, self._rv = zeros(B, H, self._nr, D, dtype=self.dtype), zeros(B, H, self._nr, D, dtype=self.dtype)
+        self._kerr, self._verr = zeros(B, H, max_seq_len), zeros(B, H, max_seq_len)  # max abs error per position
+        self._qf = [0] * L  # quantized frontier per layer (equal across layers after every commit/truncate)
+        self._q_high = self._r_high = 0  # slots below these were written at some point
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def quantized_upto(self) -> int:
+        """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
+        return self._qf[0]
+
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        super().check_write(pos, q_len, batch_size)
+        if pos + q_len > self.capacity:
+            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        G, step = self.group_size, self._step
+        if pos < self._qf[layer]:
+            step.copied_bytes += self._unquantize_tail(layer, pos)
+        qf, end = self._qf[layer], pos + k.shape[2]
+        rk, rv = self._rk[layer], self._rv[layer]
+        self._kerr[layer][:, :, pos:end] = 0
+        self._verr[layer][:, :, pos:end] = 0
+        new_qf = min(self._nq, max(qf, (end - self.residual) // G * G))
+        if new_qf == qf:  # everything new goes to the residual, in place
+            rk[:, :, pos - qf:end - qf] = k
+            rv[:, :, pos - qf:end - qf] = v
+            step.written_bytes += k.nbytes + v.nbytes
+        else:  # blocks leave the window: quantize them, keep the rest of old residual + new as the residual
+            fk = torch.cat([rk[:, :, :pos - qf], k.to(self.dtype)], 2)  # positions qf..end-1
+            fv = torch.cat([rv[:, :, :pos - qf], v.to(self.dtype)], 2)
+            n = new_qf - qf
+            self._quantize(layer, qf, fk[:, :, :n], fv[:, :, :n])
+            keep, moved = end - new_qf, max(0, pos - new_qf)  # moved: old residual positions shifted down
+            rk[:, :, :keep] = fk[:, :, n:]
+            rv[:, :, :keep] = fv[:, :, n:]
+            per_token = 2 * k.shape[0] * k.shape[1] * k.shape[3] * rk.element_size()
+            step.copied_bytes += moved * per_token
+            step.written_bytes += (keep - moved) * per_token
+            self._qf[layer] = new_qf
+        self._q_high = max(self._q_high, new_qf)
+        self._r_high = max(self._r_high, end - new_qf)
+        return self._read(layer, end)
+
+    def _read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values ``(B, H, end, D)`` in the dtype: dequantized ``0..Q-1``, then the residual (views)."""
+        qf = self._qf[layer]
+        rk, rv = self._rk[layer].narrow(2, 0, end - qf), self._rv[layer].narrow(2, 0, end - qf)
+        if qf == 0:
+            return rk, rv
+        G, b = self.group_size, self.bits
+        kd = dequantize_keys(self._kq[layer][:, :, :qf], self._ks[layer][:, :, :qf // G],
+                             self._kz[layer][:, :, :qf // G], b)
+        vd = dequantize_values(self._vq[layer][:, :, :qf], self._vs[layer][:, :, :qf], self._vz[layer][:, :, :qf], b)
+        return torch.cat([kd.to(self.dtype), rk], 2), torch.cat([vd.to(self.dtype), rv], 2)
+
+    def _quantize(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole blocks ``k``/``v`` ``(B, H, n * G, D)`` holding positions ``start..``; record errors."""
+        G, b, end = self.group_size, self.bits, start + k.shape[2]
+        kc, ks, kz = quantize_keys(k, b, G)
+        vc, vs, vz = quantize_values(v, b, self.value_group)
+        self._kq[layer][:, :, start:end], self._vq[layer][:, :, start:end] = kc, vc
+        self._ks[layer][:, :, start // G:end // G], self._kz[layer][:, :, start // G:end // G] = ks, kz
+        self._vs[layer][:, :, start:end], self._vz[layer][:, :, start:end] = vs, vz
+        self._kerr[layer][:, :, start:end] += (dequantize_keys(kc, ks, kz, b) - k.to(F32)).abs().amax(-1)
+        self._verr[layer][:, :, start:end] += (dequantize_values(vc, vs, vz, b) - v.to(F32)).abs().amax(-1)
+        self._step.written_bytes += sum(t.nbytes for t in (kc, ks, kz, vc, vs, vz))
+
+    def _unquantize_tail(self, layer: int, n: int) -> int:
+        """Drop positions ``>= n`` of a layer whose frontier is past ``n``: the straddling block's positions
+        below ``n`` move, dequantized, into the residual. Returns the bytes written there."""
+        G, b = self.group_size, self.bits
+        start = n // G * G
+        if n > start:
+            block = slice(start // G, start // G + 1)
+            kd = dequantize_keys(self._kq[layer][:, :, start:start + G], self._ks[layer][:, :, block],
+                                 self._kz[layer][:, :, block], b)[:, :, :n - start]
+            vd = dequantize_values(self._vq[layer][:, :, start:n], self._vs[layer][:, :, start:n],
+                                   self._vz[layer][:, :, start:n], b)
+            self._rk[layer][:, :, :n - start] = kd
+            self._rv[layer][:, :, :n - start] = vd
+        self._qf[layer] = start
+        return 2 * self._rk[layer][:, :, :n - start].nbytes
+
+    def truncate(self, n: int) -> None:
+        """Keep positions ``0..n-1`` (see the class docstring for what happens inside a quantized block).
+
+        After a forward pass that failed midway, the layers written before the failure may have advanced their
+        frontier: the others are brought to the same frontier (quantizing kept positions, exactly as the retry
+        of the pass would), so every layer holds the same layout again."""
+        super().truncate(n)
+        for layer in range(self.config.num_layers):
+            if self._qf[layer] > n:
+                self._unquantize_tail(layer, n)
+        target = max(self._qf)
+        for layer, qf in enumerate(self._qf):
+            if qf < target:  # positions qf..target-1 < n are valid in this layer's residual
+                rk, rv = self._rk[layer], self._rv[layer]
+                self._quantize(layer, qf, rk[:, :, :target - qf], rv[:, :, :target - qf])
+                rk[:, :, :n - target] = rk[:, :, target - qf:n - qf].clone()
+                rv[:, :, :n - target] = rv[:, :, target - qf:n - qf].clone()
+                self._qf[layer] = target
+        self._step = StepCounters()
+
+    def quantization_error(self, layer: int, part: str = "kv") -> torch.Tensor:
+        """Max abs error ``|x - dequant(quant(x))|`` over head_dim, ``(B, H, length)`` float32, for ``part``
+        ``"k"``, ``"v"`` or ``"kv"`` (the larger of both). 0 for positions that never left full precision."""
+        n = self.length
+        k, v = self._kerr[layer][:, :, :n], self._verr[layer][:, :, :n]
+        chosen = {"k": k, "v": v, "kv": torch.maximum(k, v)}
+        if part not in chosen:
+            raise ValueError(f"part must be 'k', 'v' or 'kv', got {part!r}")
+        return chosen[part].clone()
+
+    def slot_view(self) -> SlotView:
+        """The ``Nq`` quantized slots, then the ``Nr`` full-precision residual slots."""
+        q, n, nq, nr = self.quantized_upto, self.length, self._nq, self._nr
+        r = n - q
+        qh, rh = max(q, self._q_high), max(r, self._r_high)
+        states = ([FILLED] * q + [STALE] * (qh - q) + [FREE] * (nq - qh)
+                  + [FILLED] * r + [STALE] * (rh - r) + [FREE] * (nr - rh))
+        positions = list(range(q)) + [-1] * (nq - q) + list(range(q, n)) + [-1] * (nr - r)
+        sharers = [1] * q + [0] * (nq - q) + [1] * r + [0] * (nr - r)
+        layout = {"bits": self.bits, "group_size": self.group_size, "residual_window": self.residual,
+                  "quantized_upto": q, "quantized_slots": nq, "residual": list(range(nq, nq + r))}
+        return SlotView(states, positions, sharers, layout)
+
+    def clone(self) -> "QuantizedCache":
+        twin = object.__new__(QuantizedCache)
+        twin.__dict__.update(self.__dict__)
+        for name in ("_kq", "_vq", "_ks", "_kz", "_vs", "_vz", "_rk", "_rv", "_kerr", "_verr"):
+            setattr(twin, name, [t.clone() for t in getattr(self, name)])
+        twin._qf = list(self._qf)
+        return twin
+
+    def bytes_breakdown(self) -> dict[str, int]:
+        """Bytes of storage held, by part: integer codes, scales + zeros, full-precision residual."""
+        def size(*names: str) -> int:
+            return sum(t.nbytes for name in names for t in getattr(self, name))
+        return {"integers": size("_kq", "_vq"), "scales": size("_ks", "_kz", "_vs", "_vz"),
+                "residual": size("_rk", "_rv")}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.bytes_breakdown().values())
+
+    @property
+    def diagnostic_bytes(self) -> int:
+        """Bytes of the per-position error records (not part of ``reserved_bytes``)."""
+        return sum(t.nbytes for t in (*self._kerr, *self._verr))
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding the ``length`` positions: codes and scales of ``0..Q-1``, residual of ``Q..length-1``."""
+        c, q, G = self.config, self.quantized_upto, self.group_size
+        bhd = self.batch_size * c.num_kv_heads * c.head_dim
+        codes = 2 * bhd * q * self.bits // 8
+        scales = 2 * 4 * bhd * (q // G + q // self.value_group)
+        residual = 2 * bhd * (self.length - q) * self._rk[0].element_size()
+        return c.num_layers * (codes + scales + residual)
