@@ -10,7 +10,7 @@ import kvexplore
 from kvexplore import CacheFullError, ConcatCache, Generator, NoCache, PreallocatedCache, kv_bytes, make_cache
 from kvexplore.caches import FILLED, FREE, STALE
 
-EXACT = ["preallocated", "concat", "none", "paged"]
+EXACT = ["preallocated", "concat", "none", "paged", "sink"]  # sink: while the sequence fits its window
 
 
 @pytest.fixture(scope="module")
