@@ -84,3 +84,17 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
         (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                                   "add_bos_token": True}))
     return model
+
+
+class FailingTracer:
+    """A tracer whose hook raises at one hook point: a forward pass that fails part-way through the layers."""
+
+    def __init__(self, at: str = "layers.1.attn.q") -> None:
+        self.at = at
+
+    def hook(self, name, t):
+        if name == self.at:
+            raise RuntimeError("boom")
+
+    def wants_attention(self, layer):
+        return False

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kvexplore
+from helpers import FailingTracer
 from kvexplore import CacheFullError, NoCache, PreallocatedCache, kv_bytes
 
 
@@ -148,16 +149,8 @@ def test_a_failure_mid_forward_never_leaves_claimed_slots_half_written(tiny):
     cache = PreallocatedCache(tiny.config, 16)
     tiny(torch.tensor([[3, 4, 5, 6]]), cache, 0)
 
-    class Boom:
-        def hook(self, name, t):
-            if name == "layers.1.attn.q":
-                raise RuntimeError("boom")
-
-        def wants_attention(self, layer):
-            return False
-
     with pytest.raises(RuntimeError, match="boom"):
-        tiny(torch.tensor([[7, 8]]), cache, 2, tracer=Boom())  # layer 0 already overwrote slots 2..3
+        tiny(torch.tensor([[7, 8]]), cache, 2, tracer=FailingTracer())  # layer 0 already overwrote slots 2..3
     assert cache.length == 2
 
 

@@ -51,29 +51,6 @@ def test_logits_match_recomputation_across_page_boundaries(tiny, trained, which)
     assert paged.length == 21 and paged.block_tables == [[0, 1, 2, 3, 4, 5]] and paged.free_blocks == 2
 
 
-def test_generator_200_steps_with_rewinds_and_forks_equal_preallocated(trained):
-    gen = Generator(trained, PagedCache(trained.config, num_blocks=100, block_size=4))
-    ref = Generator(trained, PreallocatedCache(trained.config, 256))
-    prompt = "Call me Ishmael. Some years ago"
-    assert gen.prefill(prompt).token_id == ref.prefill(prompt).token_id
-    forks = []
-    for step in range(200):
-        if step % 50 == 49:
-            gen.rewind(7)
-            ref.rewind(7)
-        if step % 60 == 30:
-            forks.append((gen.fork(), ref.fork()))
-        a, b = gen.step(), ref.step()
-        assert a.token_id == b.token_id and abs(a.prob - b.prob) < 1e-6
-    assert gen.tokens == ref.tokens
-    for fork, fork_ref in forks:
-        fork.run(5, stop_at_eos=False)
-        fork_ref.run(5, stop_at_eos=False)
-        assert fork.tokens == fork_ref.tokens
-    held = {p for f, _ in forks for p in f.cache.block_tables[0]} | set(gen.cache.block_tables[0])
-    assert gen.cache.free_blocks == 100 - len(held)  # pages held by no sequence are all on the free list
-
-
 def test_fork_shares_pages_and_copies_the_partial_page_on_write(trained):
     c = trained.config
     cache = PagedCache(c, num_blocks=8, block_size=4)

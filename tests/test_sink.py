@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvexplore
+from helpers import FailingTracer
 from kvexplore import Generator, NoCache, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE
 from kvexplore.caches.sink import SinkCache
@@ -230,16 +231,8 @@ def test_a_failed_step_loses_nothing_it_still_claims(tiny):
     decode(tiny, cache, tokens, 10)
     twin = cache.clone()
 
-    class Boom:
-        def hook(self, name, t):
-            if name == "layers.1.attn.q":
-                raise RuntimeError("boom")
-
-        def wants_attention(self, layer):
-            return False
-
     with pytest.raises(RuntimeError, match="boom"):  # layer 0 already overwrote position 12's slot with 20
-        tiny(torch.tensor([[7]]), cache, 20, tracer=Boom())
+        tiny(torch.tensor([[7]]), cache, 20, tracer=FailingTracer())
     assert cache.length == 20 and 12 not in cache.held_positions() and cache.evicted_count == 9
     a, b = tiny(torch.tensor([[7]]), cache, 20)[0, -1], tiny(torch.tensor([[7]]), twin, 20)[0, -1]
     assert (a - b).abs().max() < 1e-6 and cache.held_positions() == twin.held_positions()

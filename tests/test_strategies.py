@@ -11,6 +11,7 @@ from kvexplore import CacheFullError, ConcatCache, Generator, NoCache, Prealloca
 from kvexplore.caches import FILLED, FREE, STALE
 
 EXACT = ["preallocated", "concat", "none", "paged", "sink"]  # sink: while the sequence fits its window
+OPTIONS = {"paged": {"block_size": 4}}  # small pages: many page boundaries, and forks share a partial page
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def reference_logits(model, tokens):
 
 @pytest.mark.parametrize("kind", EXACT)
 def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, kind):
-    gen = Generator(trained, make_cache(kind, trained, max_seq_len=256))
+    gen = Generator(trained, make_cache(kind, trained, max_seq_len=256, **OPTIONS.get(kind, {})))
     ref = Generator(trained, make_cache("none", trained))
     prompt = "Call me Ishmael. Some years ago"
     gen.prefill(prompt)
@@ -51,7 +52,7 @@ def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, kind):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(EXACT), ops=st.lists(st.sampled_from(["step", "step", "rewind", "fork"]), max_size=25))
 def test_random_operation_sequences_match_the_reference(tiny, kind, ops):
-    gen = Generator(tiny, make_cache(kind, tiny, max_seq_len=64))
+    gen = Generator(tiny, make_cache(kind, tiny, max_seq_len=64, **OPTIONS.get(kind, {})))
     gen.prefill([1, 5, 6, 7])
     for op in ops:
         if op == "step":
