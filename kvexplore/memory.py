@@ -43,6 +43,14 @@ class MemoryReport:
     allocations: int = 0
     frees: int = 0
     cuda: dict[str, int] = field(default_factory=dict)  # deltas of torch.cuda.memory_stats() over the step
+    layers: int = 1
+
+    def per_layer(self) -> dict[str, int]:
+        """Each byte figure for one layer. Every strategy stores and moves the same amount in each layer (same
+        shapes, same positions), so a layer's share is exactly the total divided by the number of layers."""
+        names = ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes",
+                 "allocated_bytes", "freed_bytes", "allocations", "frees")
+        return {name: getattr(self, name) // self.layers for name in names}
 
 
 CUDA_STATS = {"allocated_bytes": "allocated_bytes.all.current", "reserved_bytes": "reserved_bytes.all.current",
