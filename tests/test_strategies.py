@@ -174,3 +174,13 @@ def test_make_cache_sizes_every_kind(trained):
         gen = Generator(trained, make_cache(kind, trained, max_seq_len=64))
         gen.prefill("Call me")
         assert len(gen.run(5, stop_at_eos=False)) == 5
+
+
+@pytest.mark.parametrize("kind", [k for k in kvexplore.caches.STRATEGIES if k != "none"])
+def test_batch_of_two_matches_single_sequences(trained, kind):
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 16, 17, 18]])
+    options = {"paged": {"block_size": 4}, "quantized": {"residual": 64}}.get(kind, {})
+    cache = make_cache(kind, trained, max_seq_len=32, batch_size=2, **options)
+    got = torch.cat([trained(ids[:, :5], cache, 0), *(trained(ids[:, i:i + 1], cache, i) for i in range(5, 8))], 1)
+    for b in range(2):
+        assert (got[b] - trained(ids[b:b + 1], NoCache(trained.config), 0)[0]).abs().max() < 1e-4
