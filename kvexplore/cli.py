@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
+    gen.add_argument("--trace", action="store_true",
+                     help="print each step's cache map (slots free, filled, written, stale, shared) and memory")
     models = sub.add_parser("models", help="named models: list, fetch, path")
     verbs = models.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     verbs.add_parser("list", help="named models, whether present, size on disk")
@@ -66,6 +68,7 @@ def _models(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from . import Generator, load, make_cache
+    from .textview import LEGEND, step_view
     from .memory import kv_bytes
 
     model = load(args.source, dtype=args.dtype, device=args.device)
@@ -81,9 +84,14 @@ def _generate(args: argparse.Namespace) -> None:
                     seed=args.seed)
     out = sys.stdout
     shown = ""
+    if args.trace:
+        out.write(f"cache map, one symbol per slot: {LEGEND}\n")
 
     def show() -> None:
         nonlocal shown
+        if args.trace:
+            out.write(step_view(gen.history[-1], cache.slot_view(), model.config.num_layers) + "\n")
+            return
         text = gen.text
         if text.startswith(shown):  # print only what is new (decoding token by token would drop spaces)
             out.write(text[len(shown):])
@@ -102,6 +110,8 @@ def _generate(args: argparse.Namespace) -> None:
         gen.step()
         show()
     end = time.perf_counter()
+    if args.trace:
+        out.write(f"\ntext: {gen.text!r}")
     n_decode = len(gen.history) - 1
     rate = n_decode / (end - decode_start) if n_decode else float("nan")
     mib = 1024 * 1024

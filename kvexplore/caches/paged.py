@@ -41,11 +41,12 @@ class PagePool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
+        self.written = [0] * num_blocks  # slots of each page written since it was taken (for the slot view)
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: page 0 is taken first, freed pages next
 
     def take(self) -> int:
         page = self.free.pop()
-        self.refcount[page] = 1
+        self.refcount[page], self.written[page] = 1, 0
         return page
 
     def release(self, page: int) -> bool:
@@ -163,8 +164,12 @@ class PagedCache(KVCache):
                     pool[new, :, : pos % bs].copy_(pool[old, :, : pos % bs])
                 self.pool.release(old)
                 table[-1] = new
+                self.pool.written[new] = pos % bs
                 self._step.copied_bytes += kv_bytes(self.config, pos % bs, 1, self.dtype)
             table.extend(self._take() for _ in range(math.ceil((pos + q_len) / bs) - keep))
+            for p in range(pos, pos + q_len):
+                page = table[p // bs]
+                self.pool.written[page] = max(self.pool.written[page], p % bs + 1)
         dev = self.device
         self._read_idx = torch.tensor(self._tables, dtype=torch.long, device=dev)  # (B, blocks)
         p = torch.arange(pos, pos + q_len, device=dev)
@@ -218,6 +223,7 @@ class PagedCache(KVCache):
         pool.k, pool.v = [t.clone() for t in self.pool.k], [t.clone() for t in self.pool.v]
         held = {p for t in self._tables for p in t}  # this cache's pages; pages only other forks hold are free
         pool.refcount = [1 if p in held else 0 for p in range(self.num_blocks)]
+        pool.written = list(self.pool.written)
         pool.free = [p for p in reversed(range(self.num_blocks)) if p not in held]
         twin.pool, twin._tables, twin._prepared = pool, self.block_tables, None
         return twin
@@ -234,8 +240,9 @@ class PagedCache(KVCache):
 
     def slot_view(self) -> SlotView:
         """Every slot of the pool, page by page. This sequence's pages: ``filled``/``shared`` (sharers = the
-        page's reference count) below the length, ``stale`` past it. Free pages: ``free``. Pages only other
-        forks hold: ``filled`` with position -1 and their reference count as sharers."""
+        page's reference count) below the length; past it ``stale`` where written before a rewind, else ``free``.
+        Free pages: ``free``. Pages only other forks hold: ``filled`` with position -1 and their reference count
+        as sharers."""
         bs, n = self.block_size, self.length
         states, positions, sharers = [], [], []
         owner = {p: i for t in self._tables for i, p in enumerate(t)}
@@ -246,10 +253,15 @@ class PagedCache(KVCache):
                     states.append(SHARED if rc > 1 else FILLED)
                     positions.append(owner[page] * bs + slot)
                     sharers.append(rc)
-                else:
-                    states.append(STALE if page in owner else FREE if rc == 0 else FILLED)
+                elif page in owner:  # past the length: written before a rewind, or not yet written
+                    states.append(STALE if slot < self.pool.written[page] else FREE)
                     positions.append(-1)
-                    sharers.append(0 if page in owner else rc)
+                    sharers.append(0)
+                    continue
+                else:
+                    states.append(FREE if rc == 0 else FILLED)
+                    positions.append(-1)
+                    sharers.append(rc)
         layout = {"block_size": bs, "block_table": list(self._tables[0]), "block_tables": self.block_tables,
                   "free_blocks": self.free_blocks}
         return SlotView(states, positions, sharers, layout)

@@ -1,0 +1,74 @@
+"""A terminal view of the cache: one line of slot symbols per step, the counterpart of the cache map widget.
+
+Symbols, one per physical slot in storage order (a group of slots per symbol when the cache is wide):
+
+    .  free          =  filled (read by this step's attention)      +  written this step (and read)
+    ~  stale (left behind by a rewind)       x  evicted       2-9, *  shared by that many sequences (* = 10+)
+
+Everything ``=``, ``+`` or shared is what attention reads this step: for the pre-allocated cache that is the
+``narrow(2, 0, pos + q_len)`` window, and ``+`` is the ``narrow(2, pos, q_len)`` write.
+"""
+
+from __future__ import annotations
+
+from .caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
+from .memory import MemoryReport
+from .records import StepRecord
+
+LEGEND = ". free  = filled/read  + written this step  ~ stale  x evicted  2-9 shared by n sequences"
+# when several slots share one symbol, the most telling state wins
+_RANK = {"+": 6, "x": 5, "~": 4, "=": 3, ".": 0}
+
+
+def slot_symbols(view: SlotView, written: set[int]) -> list[str]:
+    """One symbol per physical slot; ``written`` holds the logical positions this step wrote."""
+    out = []
+    for state, position, sharers in zip(view.states, view.positions, view.sharers):
+        if state in (FILLED, SHARED) and position in written:
+            out.append("+")
+        elif state == SHARED or (state == FILLED and sharers > 1):
+            out.append(str(sharers) if sharers < 10 else "*")
+        else:
+            out.append({FREE: ".", FILLED: "=", STALE: "~", EVICTED: "x"}.get(state, "?"))
+    return out
+
+
+def _rank(symbol: str) -> int:
+    return _RANK.get(symbol, 2)  # shared digits rank between stale and filled
+
+
+def cache_map(view: SlotView, written: set[int], width: int = 96) -> str:
+    """``|...|`` of at most ``width`` symbols (each standing for ``ceil(slots / width)`` slots when wider)."""
+    symbols = slot_symbols(view, written)
+    if not symbols:
+        return "|| (no storage)"
+    per = -(-len(symbols) // width)
+    groups = [symbols[i:i + per] for i in range(0, len(symbols), per)]
+    line = "".join(max(g, key=_rank) for g in groups)
+    scale = f" 1 symbol = {per} slots" if per > 1 else ""
+    return f"|{line}|{scale}"
+
+
+def _size(n: int) -> str:
+    for unit, step in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= step:
+            return f"{n / step:.1f} {unit}"
+    return f"{n} B"
+
+
+def memory_line(m: MemoryReport) -> str:
+    return (f"reserved {_size(m.reserved_bytes)}  logical {_size(m.logical_bytes)}  written {_size(m.written_bytes)}"
+            f"  copied {_size(m.copied_bytes)}  allocated {_size(m.allocated_bytes)} ({m.allocations})"
+            f"  freed {_size(m.freed_bytes)} ({m.frees})")
+
+
+def step_view(record: StepRecord, view: SlotView, num_layers: int, width: int = 96) -> str:
+    """Two lines for one step: the token, then the slot map of the layers (all alike) and the step's memory."""
+    start = record.position - record.input_len
+    written = set(range(start, record.position)) if record.cache_length else set()
+    held = sum(s in (FILLED, SHARED) for s in view.states)
+    head = (f"#{record.step:<4d} {record.kind:7s} fed {start}..{record.position - 1} -> {record.text!r} "
+            f"at {record.position} (p={record.prob:.2f})")
+    slots = f"{held}/{len(view.states)} slots" if view.states else "no cache"
+    mem = memory_line(record.memory) if record.memory is not None else ""
+    return f"{head}\n  layers 0-{num_layers - 1}  {cache_map(view, written, width)}  {slots}  {mem}"
