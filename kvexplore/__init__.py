@@ -11,11 +11,13 @@ from .memory import MemoryReport, kv_bytes
 from .model import Model, hook_point_names
 from .records import Candidate, StepRecord
 from .tokenizer import Tokenizer
+from .trace import CacheEvent, StepTrace, Tracer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheFullError", "Candidate", "ConcatCache", "Generator", "MemoryReport", "SlotView", "make_cache", "KVCache", "KVExploreError", "LoadError", "Model", "ModelConfig",
-    "NoCache", "PagedCache", "PreallocatedCache", "QuantizedCache", "SinkCache", "StepRecord", "Tokenizer", "UnsupportedModelError", "hook_point_names",
-    "kv_bytes", "load", "perplexity",
+    "CacheEvent", "CacheFullError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
+    "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
+    "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
+    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "make_cache", "perplexity",
 ]

@@ -19,6 +19,7 @@ from .caches.factory import make_cache
 from .model import Model
 from .records import Candidate, StepRecord
 from .sampling import SamplingSettings, choose
+from .trace import Tracer
 
 
 class Generator:
@@ -26,12 +27,13 @@ class Generator:
 
     ``temperature=0`` (the default) is greedy; otherwise temperature / ``top_k`` / ``top_p`` sampling with
     a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so a rewound
-    and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record lists.
+    and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record lists;
+    ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry.
     """
 
     def __init__(self, model: Model, cache: KVCache | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 top_candidates: int = 5) -> None:
+                 top_candidates: int = 5, tracer: Tracer | None = None) -> None:
         if cache is None:
             cache = make_cache("preallocated", model)
         if cache.batch_size != 1:
@@ -39,6 +41,7 @@ class Generator:
                              f"make the cache with batch_size=1")
         self.model = model
         self.cache = cache
+        self.tracer = tracer
         self.sampling = SamplingSettings(temperature, top_k, top_p)
         self.seed = int(torch.seed()) if seed is None else seed
         self.top_candidates = top_candidates
@@ -146,7 +149,7 @@ class Generator:
         if not self._tokens:
             raise RuntimeError("nothing to fork: call prefill(prompt) first")
         twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
-                         self.sampling.top_p, self.seed, self.top_candidates)
+                         self.sampling.top_p, self.seed, self.top_candidates, self.tracer)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
         twin.history, twin._rng_states = list(self.history), list(self._rng_states)
@@ -156,8 +159,11 @@ class Generator:
     def _forward(self, feed: list[int], pos: int, kind: str, context: list[int]) -> StepRecord:
         model = self.model
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.begin_step(self.cache, pos, len(feed))
         t0 = time.perf_counter()
-        logits = model(ids, self.cache, pos, last_only=True)[0, -1]  # (vocab,) for the last fed position
+        logits = model(ids, self.cache, pos, tracer=tracer, last_only=True)[0, -1]  # (vocab,) for the last position
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t1 = time.perf_counter()
@@ -173,7 +179,8 @@ class Generator:
                             text=text(token), position=pos + len(feed), input_len=len(feed),
                             cache_length=self.cache.length, prob=float(probs[token]), top=top,
                             forward_s=t1 - t0, sample_s=time.perf_counter() - t1, is_eos=token in eos,
-                            memory=self.cache.memory_report())
+                            memory=self.cache.memory_report(),
+                            trace=None if tracer is None else tracer.end_step(self.cache))
         if kind == "prefill":
             self._rng_states = [state]
         else:

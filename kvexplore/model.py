@@ -4,10 +4,11 @@ Parameter names follow Hugging Face (``model.layers.3.self_attn.q_proj.weight`` 
 by a 1:1 key check. Shapes in comments: B batch, T new tokens, S positions attention reads, nh query heads,
 nkv key/value heads, g = nh // nkv query heads per kv head, hd head dim, D hidden size.
 
-Internals pass through named hook points (``embed``, ``layers.3.attn.q``, ...; see :data:`HOOK_POINTS`). A
-``tracer`` is any object with ``hook(name, tensor) -> tensor | None`` (return a tensor to replace the value)
-and ``wants_attention(layer) -> bool`` (compute explicit attention probabilities for that layer). With no
-tracer none of this runs.
+Internals pass through named hook points (``embed``, ``layers.3.attn.q``, ...; see :func:`hook_point_names`).
+A ``tracer`` is any object with ``hook(name, tensor) -> tensor | None`` (return a tensor to replace the value)
+and ``wants_attention(layer) -> bool`` (compute explicit attention probabilities for that layer); a
+:class:`kvexplore.Tracer` records them. ``cache_write`` carries the keys about to be stored, ``cache_read`` the
+keys attention reads (values travel with them). With no tracer none of this runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .config import ModelConfig
 from .rope import Rotary, rotate
 
 # hook points of one layer, in the order they fire; the model's full list is embed, layers..., norm, logits
-LAYER_HOOK_POINTS = ("attn.q", "attn.k_new", "attn.v_new", "attn.scores", "attn.probs", "attn.out", "mlp.out")
+LAYER_HOOK_POINTS = ("attn.q", "attn.k_new", "attn.v_new", "attn.cache_write", "attn.cache_read", "attn.scores",
+                     "attn.probs", "attn.out", "mlp.out")
 
 
 def hook_point_names(num_layers: int) -> list[str]:
@@ -86,7 +88,10 @@ class Attention(nn.Module):
         name = f"layers.{self.layer}.attn"
         if tracer is not None:
             q, k, v = _hook(tracer, f"{name}.q", q), _hook(tracer, f"{name}.k_new", k), _hook(tracer, f"{name}.v_new", v)
+            k = _hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
         k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd), S = pos + T
+        if tracer is not None:
+            k_all = _hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         if tracer is not None and tracer.wants_attention(self.layer):
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .memory import MemoryReport
+from .trace import StepTrace
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class StepRecord:
     sample_s: float = 0.0
     is_eos: bool = False
     memory: MemoryReport | None = None  # the cache's memory after this step's forward pass
+    trace: StepTrace | None = None  # what a Tracer recorded (None without one)
 
     @property
     def elapsed_s(self) -> float:

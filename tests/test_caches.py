@@ -157,9 +157,11 @@ def test_a_failure_mid_forward_never_leaves_claimed_slots_half_written(tiny):
 def test_hook_point_names_are_pinned():
     assert kvexplore.hook_point_names(2) == [
         "embed",
-        "layers.0.attn.q", "layers.0.attn.k_new", "layers.0.attn.v_new", "layers.0.attn.scores",
-        "layers.0.attn.probs", "layers.0.attn.out", "layers.0.mlp.out",
-        "layers.1.attn.q", "layers.1.attn.k_new", "layers.1.attn.v_new", "layers.1.attn.scores",
-        "layers.1.attn.probs", "layers.1.attn.out", "layers.1.mlp.out",
+        "layers.0.attn.q", "layers.0.attn.k_new", "layers.0.attn.v_new", "layers.0.attn.cache_write",
+        "layers.0.attn.cache_read", "layers.0.attn.scores", "layers.0.attn.probs", "layers.0.attn.out",
+        "layers.0.mlp.out",
+        "layers.1.attn.q", "layers.1.attn.k_new", "layers.1.attn.v_new", "layers.1.attn.cache_write",
+        "layers.1.attn.cache_read", "layers.1.attn.scores", "layers.1.attn.probs", "layers.1.attn.out",
+        "layers.1.mlp.out",
         "norm", "logits",
     ]

@@ -141,6 +141,15 @@ class KVCache(ABC):
             raise ValueError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
                              f"make a new cache instead")
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        """The tensors that hold ``layer``'s cache (a read that shares their memory is a view, not a copy)."""
+        return []
+
+    def read_positions(self) -> list[int]:
+        """The position of each key column the last forward pass read, in the order attention saw them
+        (``0 .. length-1`` unless the strategy reads in storage order)."""
+        return list(range(self.length))
+
     @abstractmethod
     def slot_view(self) -> SlotView:
         """The state of every physical slot (what the cache map draws)."""

@@ -50,6 +50,9 @@ class ConcatCache(KVCache):
             if k is not None:
                 self._k[i], self._v[i] = k.narrow(2, 0, n), v.narrow(2, 0, n)  # views: storage kept
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        return [t for t in (self._k[layer], self._v[layer]) if t is not None]
+
     def key(self, layer: int) -> torch.Tensor | None:
         """The live key tensor of ``layer`` (``length`` positions), or None before the first write."""
         return self._k[layer]

@@ -238,6 +238,9 @@ class PagedCache(KVCache):
         except Exception:  # half-built object, or interpreter shutdown
             pass
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        return [self.pool.k[layer], self.pool.v[layer]]
+
     def slot_view(self) -> SlotView:
         """Every slot of the pool, page by page. This sequence's pages: ``filled``/``shared`` (sharers = the
         page's reference count) below the length; past it ``stale`` where written before a rewind, else ``free``.

@@ -56,6 +56,9 @@ class PreallocatedCache(KVCache):
         positions = list(range(n)) + [-1] * (self.capacity - n)
         return SlotView(states, positions, [1] * n + [0] * (self.capacity - n))
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        return [self._k[layer], self._v[layer]]
+
     def key(self, layer: int) -> torch.Tensor:
         """The live key storage of ``layer``, all ``capacity`` slots (slots past ``length`` are stale or zero)."""
         return self._k[layer]

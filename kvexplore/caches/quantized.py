@@ -251,6 +251,9 @@ class QuantizedCache(KVCache):
             raise ValueError(f"part must be 'k', 'v' or 'kv', got {part!r}")
         return chosen[part].clone()
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        return [self._rk[layer], self._rv[layer]]  # a read is a view of these only while nothing is quantized
+
     def slot_view(self) -> SlotView:
         """The ``Nq`` quantized slots, then the ``Nr`` full-precision residual slots."""
         q, n, nq, nr = self.quantized_upto, self.length, self._nq, self._nr

@@ -206,6 +206,12 @@ class SinkCache(KVCache):
                   "evicted": self.evicted_count}
         return SlotView(states, positions, sharers, layout)
 
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        return [self._k[layer], self._v[layer]]
+
+    def read_positions(self) -> list[int]:
+        return self.held_positions()  # write() returns the held slots in storage order
+
     def key(self, layer: int) -> torch.Tensor:
         """The live key storage of ``layer``: ``sinks + window`` slots in storage order."""
         return self._k[layer]

@@ -1,0 +1,180 @@
+"""Tracing: what each generation step did inside the cache and the attention, recorded as copies.
+
+``Generator(model, cache, tracer=Tracer(capture={...}))`` gives every :class:`~kvexplore.StepRecord` a
+:class:`StepTrace`. ``capture`` is a set from:
+
+- ``"cache"``: per layer a :class:`CacheEvent` (the logical write and read windows, and the read tensor's
+  ``data_ptr``, storage offset, strides and whether it was a view of the cache's storage or a copy), plus the
+  cache's slot view after the step;
+- ``"attention"``: the new token(s)' attention probabilities per layer and head over the positions read, kept in
+  one growing buffer per run (no small tensor per step); :meth:`StepTrace.attention` gives them in logical
+  position order, :meth:`StepTrace.physical_attention` in the cache's physical slot order;
+- ``"qkv"``: copies of q, k_new and v_new per layer;
+- ``"memory"`` and ``"timing"``: the record's memory report and per-phase times are kept (they are always
+  measured; without these the trace does not repeat them).
+
+``layers`` / ``heads`` restrict what is recorded. Everything recorded is a copy: a later in-place write into the
+cache never changes a record. Only the layers whose attention is captured take the explicit softmax path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+
+from .caches.base import KVCache, SlotView
+
+CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """What one layer's attention did with the cache in one forward pass (plain values: copies by nature)."""
+
+    layer: int
+    write: tuple[int, int]  # (first position, count) written
+    read: tuple[int, int]  # (first position, count) of the positions attention read (logical)
+    read_shape: tuple[int, ...]
+    data_ptr: int  # of the keys attention read
+    storage_offset: int
+    stride: tuple[int, ...]
+    view: bool  # the keys read share the cache's storage (no copy was made to read them)
+
+
+class AttentionHistory:
+    """One growing float32 buffer for a run's captured attention rows; entries are (offset, shape)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+        self._used = 0
+
+    def append(self, t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        flat = t.detach().reshape(-1).float().cpu()
+        need = self._used + flat.numel()
+        if need > self._buf.numel():  # grow by a quarter: resident memory stays close to what is held
+            grown = torch.empty(max(need, int(self._buf.numel() * 1.25), 1 << 16))
+            grown[: self._used] = self._buf[: self._used]
+            self._buf = grown
+        self._buf[self._used:need] = flat
+        entry = (self._used, tuple(t.shape))
+        self._used = need
+        return entry
+
+    def get(self, entry: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+        offset, shape = entry
+        return self._buf[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self._used * 4
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._buf.numel() * 4
+
+
+@dataclass
+class StepTrace:
+    """The trace of one step. Attention rows live in the run's :class:`AttentionHistory`."""
+
+    events: list[CacheEvent] = field(default_factory=list)
+    slots: SlotView | None = None
+    read_positions: list[int] = field(default_factory=list)  # position of each key column read
+    gqa_groups: list[list[int]] = field(default_factory=list)  # query heads reading each kv head
+    heads: list[int] = field(default_factory=list)  # the query heads recorded
+    qkv: dict[str, torch.Tensor] = field(default_factory=dict)
+    _attention: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    _history: AttentionHistory | None = None
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return sorted(self._attention)
+
+    def attention_raw(self, layer: int) -> torch.Tensor:
+        """``(T, heads, S)``: the new tokens' probabilities over the key columns in the order attention read them."""
+        return self._history.get(self._attention[layer])
+
+    def attention(self, layer: int) -> torch.Tensor:
+        """``(T, heads, max position + 1)`` in logical position order (0 where a position was not read)."""
+        raw = self.attention_raw(layer)
+        out = raw.new_zeros(*raw.shape[:2], max(self.read_positions) + 1)
+        out[..., self.read_positions] = raw
+        return out
+
+    def physical_attention(self, layer: int) -> torch.Tensor:
+        """``(T, heads, slots)`` in the cache's physical slot order (needs ``"cache"`` capture for the slot map)."""
+        if self.slots is None:
+            raise ValueError("physical order needs the slot view: trace with capture including 'cache'")
+        slot_of = {p: s for s, p in enumerate(self.slots.positions) if p >= 0}
+        raw = self.attention_raw(layer)
+        out = raw.new_zeros(*raw.shape[:2], len(self.slots.positions))
+        out[..., [slot_of[p] for p in self.read_positions]] = raw
+        return out
+
+
+class Tracer:
+    """Records what :class:`~kvexplore.Generator` steps do; pass it as ``Generator(..., tracer=...)``."""
+
+    def __init__(self, capture: set[str] | frozenset[str] = frozenset({"cache", "memory", "timing"}),
+                 layers: list[int] | None = None, heads: list[int] | None = None) -> None:
+        unknown = set(capture) - CAPTURES
+        if unknown:
+            raise ValueError(f"unknown capture {sorted(unknown)}; choose from {sorted(CAPTURES)}")
+        self.capture = frozenset(capture)
+        self.layers = None if layers is None else set(layers)
+        self.heads = heads
+        self.history = AttentionHistory()
+        self._cache: KVCache | None = None
+        self._pos = self._q_len = 0
+        self._step: StepTrace | None = None
+
+    # -- the protocol the model calls --------------------------------------------------------------------
+    def wants_attention(self, layer: int) -> bool:
+        return "attention" in self.capture and self._layer_wanted(layer)
+
+    def hook(self, name: str, t: torch.Tensor) -> None:
+        step = self._step
+        if step is None:
+            return None
+        parts = name.split(".")
+        if parts[0] != "layers" or not self._layer_wanted(int(parts[1])):
+            return None
+        layer, point = int(parts[1]), ".".join(parts[2:])
+        if point == "attn.cache_read" and "cache" in self.capture:
+            step.events.append(self._event(layer, t))
+        elif point == "attn.probs":
+            rows = t[0] if self.heads is None else t[0, self.heads]  # (heads, T, S), first sequence
+            step._attention[layer] = self.history.append(rows.transpose(0, 1))
+        elif "qkv" in self.capture and point in ("attn.q", "attn.k_new", "attn.v_new"):
+            step.qkv[name] = t.detach().clone()
+        return None
+
+    # -- the protocol the generator calls ----------------------------------------------------------------
+    def begin_step(self, cache: KVCache, pos: int, q_len: int) -> None:
+        self._cache, self._pos, self._q_len = cache, pos, q_len
+        self._step = StepTrace(_history=self.history)
+
+    def end_step(self, cache: KVCache) -> StepTrace:
+        step, self._step = self._step, None
+        c = cache.config
+        step.read_positions = cache.read_positions() or list(range(self._pos + self._q_len))
+        step.heads = list(range(c.num_heads)) if self.heads is None else list(self.heads)
+        step.gqa_groups = [[h for h in range(c.num_heads) if h // c.kv_groups == g] for g in range(c.num_kv_heads)]
+        if "cache" in self.capture:
+            step.slots = cache.slot_view()
+        return step
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _layer_wanted(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def _event(self, layer: int, k_read: torch.Tensor) -> CacheEvent:
+        storages = {t.untyped_storage().data_ptr() for t in self._cache.storage(layer)}
+        return CacheEvent(layer=layer, write=(self._pos, self._q_len), read=(0, k_read.shape[2]),
+                          read_shape=tuple(k_read.shape), data_ptr=k_read.data_ptr(),
+                          storage_offset=k_read.storage_offset(), stride=tuple(k_read.stride()),
+                          view=k_read.untyped_storage().data_ptr() in storages)
+
+    def __repr__(self) -> str:
+        return (f"Tracer(capture={sorted(self.capture)}, layers={self.layers}, heads={self.heads}, "
+                f"attention held {self.history.nbytes} B)")
