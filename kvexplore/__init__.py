@@ -12,6 +12,7 @@ from .model import Model, hook_point_names
 from .records import Candidate, StepRecord
 from .tokenizer import Tokenizer
 from .trace import CacheEvent, StepTrace, Tracer
+from .trace_io import load_trace, save_trace
 
 __version__ = "0.1.0"
 
@@ -19,5 +20,5 @@ __all__ = [
     "CacheEvent", "CacheFullError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
-    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "make_cache", "perplexity",
+    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "perplexity", "save_trace",
 ]

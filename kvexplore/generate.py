@@ -20,6 +20,7 @@ from .model import Model
 from .records import Candidate, StepRecord
 from .sampling import SamplingSettings, choose
 from .trace import Tracer
+from .trace_io import History
 
 
 class Generator:
@@ -48,7 +49,7 @@ class Generator:
         self._rng = torch.Generator().manual_seed(self.seed)
         self._tokens: list[int] = []
         self._prompt_len = 0
-        self.history: list[StepRecord] = []  # one record per generated token
+        self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
 
     # -- the sequence -----------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class Generator:
             raise
         self._tokens = [*ids, record.token_id]
         self._prompt_len = len(ids)
-        self.history = [record]
+        self.history = History([record])
         return record
 
     def prefill_chat(self, messages: list[dict[str, str]]) -> StepRecord:
@@ -140,7 +141,7 @@ class Generator:
     def reset(self) -> None:
         """Forget the sequence and empty the cache (its storage is kept)."""
         self.cache.truncate(0)
-        self._tokens, self._prompt_len, self.history, self._rng_states = [], 0, [], []
+        self._tokens, self._prompt_len, self.history, self._rng_states = [], 0, History(), []
         self._rng.manual_seed(self.seed)
 
     def fork(self) -> "Generator":
@@ -152,7 +153,7 @@ class Generator:
                          self.sampling.top_p, self.seed, self.top_candidates, self.tracer)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
-        twin.history, twin._rng_states = list(self.history), list(self._rng_states)
+        twin.history, twin._rng_states = History(self.history), list(self._rng_states)
         return twin
 
     # -- internals --------------------------------------------------------------------------------------

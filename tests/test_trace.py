@@ -122,3 +122,41 @@ def test_layer_and_head_selection(trained):
     assert trace.attention_layers == [1, 4] and trace.attention(4).shape[:2] == (1, 2) and trace.heads == [0, 5]
     with pytest.raises(ValueError, match=r"unknown capture \['attn'\]; choose from"):
         Tracer({"attn"})
+
+
+def test_save_and_load_round_trip(trained, tmp_path):
+    gen = Generator(trained, make_cache("paged", trained, max_seq_len=64, block_size=4),
+                    tracer=Tracer({"cache", "attention", "qkv", "memory", "timing"}, layers=[0, 5]))
+    gen.prefill(PROMPT)
+    gen.run(6, stop_at_eos=False)
+    path = gen.history.save(tmp_path / "run.kvtrace")
+    loaded = kvexplore.load_trace(path)
+    assert len(loaded) == len(gen.history) == 7
+    for a, b in zip(gen.history, loaded):
+        assert (a.token_id, a.text, a.position, a.top, a.memory, a.prob) == (b.token_id, b.text, b.position, b.top,
+                                                                             b.memory, b.prob)
+        assert a.trace.events == b.trace.events and a.trace.slots == b.trace.slots
+        assert a.trace.read_positions == b.trace.read_positions and a.trace.gqa_groups == b.trace.gqa_groups
+        for layer in (0, 5):
+            assert torch.equal(a.trace.attention(layer), b.trace.attention(layer))
+            assert torch.equal(a.trace.physical_attention(layer), b.trace.physical_attention(layer))
+        assert a.trace.qkv.keys() == b.trace.qkv.keys()
+        assert all(torch.equal(a.trace.qkv[k], b.trace.qkv[k]) for k in a.trace.qkv)
+
+
+def test_a_newer_or_foreign_trace_is_refused(trained, tmp_path):
+    from safetensors.torch import save_file
+
+    gen = run(trained, "preallocated", steps=1)
+    path = gen.history.save(tmp_path / "run.kvtrace")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    save_file({"x": torch.zeros(1)}, tmp_path / "new.kvtrace", metadata=meta | {"version": "99"})
+    with pytest.raises(kvexplore.LoadError, match=r"format version 99, newer than this kvexplore reads \(1\); "
+                                                  r"upgrade kvexplore"):
+        kvexplore.load_trace(tmp_path / "new.kvtrace")
+    save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    with pytest.raises(kvexplore.LoadError, match="is not a kvexplore trace"):
+        kvexplore.load_trace(tmp_path / "other.safetensors")

@@ -1,0 +1,99 @@
+"""Saving and loading a run's records: one safetensors file, tensors as tensors and the rest as JSON metadata.
+
+A trace recorded on a GPU can be opened on a laptop with no model: ``history.save("run.kvtrace")`` then
+``kvexplore.load_trace("run.kvtrace")`` gives the same :class:`~kvexplore.StepRecord` list back. The format is
+versioned; a file from a newer format is refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .caches.base import SlotView
+from .errors import LoadError
+from .memory import MemoryReport
+from .records import Candidate, StepRecord
+from .trace import AttentionHistory, CacheEvent, StepTrace
+
+FORMAT = "kvexplore-trace"
+VERSION = 1
+
+
+class History(list):
+    """A generator's records, one per generated token, with :meth:`save`."""
+
+    def save(self, path: str | Path) -> Path:
+        """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
+        return save_trace(self, path)
+
+
+def save_trace(records: list[StepRecord], path: str | Path) -> Path:
+    """Write ``records`` (with their traces) to ``path``."""
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    rows = []
+    for i, r in enumerate(records):
+        row = {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("top", "memory", "trace")}
+        row["top"] = [asdict(c) for c in r.top]
+        row["memory"] = None if r.memory is None else asdict(r.memory)
+        row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
+        rows.append(row)
+    meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows)}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=meta)
+    return path
+
+
+def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict:
+    for layer in t.attention_layers:
+        tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
+    for name, value in t.qkv.items():
+        tensors[f"{key}.qkv.{name}"] = value.detach().cpu()
+    return {"events": [asdict(e) for e in t.events], "slots": None if t.slots is None else asdict(t.slots),
+            "read_positions": t.read_positions, "gqa_groups": t.gqa_groups, "heads": t.heads,
+            "attention_layers": t.attention_layers, "qkv": sorted(t.qkv)}
+
+
+def load_trace(path: str | Path) -> list[StepRecord]:
+    """Read records written by :func:`save_trace` (no model needed)."""
+    path = Path(path)
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise LoadError(f"{path} is not a readable kvexplore trace ({e})") from None
+    meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise LoadError(f"{path} is not a kvexplore trace (format {meta.get('format')!r})")
+    version = int(meta.get("version", 0))
+    if version > VERSION:
+        raise LoadError(f"{path} is a trace of format version {version}, newer than this kvexplore reads "
+                        f"({VERSION}); upgrade kvexplore to open it")
+    history = AttentionHistory()
+    records = []
+    for i, row in enumerate(json.loads(meta["records"])):
+        trace = row.pop("trace")
+        memory = row.pop("memory")
+        records.append(StepRecord(
+            **row | {"top": [Candidate(**c) for c in row["top"]]},
+            memory=None if memory is None else MemoryReport(**memory),
+            trace=None if trace is None else _trace(trace, f"{i}", f, history)))
+    return records
+
+
+def _trace(row: dict, key: str, f, history: AttentionHistory) -> StepTrace:
+    slots = row["slots"]
+    return StepTrace(
+        events=[CacheEvent(**(e | {"write": tuple(e["write"]), "read": tuple(e["read"]),
+                                    "read_shape": tuple(e["read_shape"]), "stride": tuple(e["stride"])}))
+                for e in row["events"]],
+        slots=None if slots is None else SlotView(**slots),
+        read_positions=row["read_positions"], gqa_groups=row["gqa_groups"], heads=row["heads"],
+        qkv={name: f.get_tensor(f"{key}.qkv.{name}") for name in row["qkv"]},
+        _attention={layer: history.append(f.get_tensor(f"{key}.attention.{layer}"))
+                    for layer in row["attention_layers"]},
+        _history=history)
