@@ -107,14 +107,16 @@ class Attention(nn.Module):
         """Attention with the probabilities materialised, for the layers a tracer asks about."""
         B, nh, T, hd = q.shape
         S, g = k.shape[2], nh // self.nkv
-        qg = q.view(B, self.nkv, g, T, hd)  # query head h reads kv head h // g
-        scores = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() * self.scale  # (B, nkv, g, T, S)
-        if mask is None:
+        # query head h reads kv head h // g: stack each group's queries as rows, so K/V are read, never repeated
+        qg = q.reshape(B, self.nkv, g * T, hd)  # rows ordered (head in group, token)
+        scores = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, nkv, g*T, S)
+        if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        scores = scores.masked_fill(~mask, float("-inf")).view(B, nh, T, S)
-        scores = _hook(tracer, f"{name}.scores", scores)
+        if mask is not None:  # one token needs none: it may read every position held
+            scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+        scores = _hook(tracer, f"{name}.scores", scores.view(B, nh, T, S))
         probs = _hook(tracer, f"{name}.probs", scores.softmax(dim=-1))  # (B, nh, T, S)
-        y = probs.to(v.dtype).view(B, self.nkv, g, T, S) @ v.unsqueeze(2)  # (B, nkv, g, T, hd)
+        y = probs.to(v.dtype).reshape(B, self.nkv, g * T, S) @ v  # (B, nkv, g*T, hd)
         return y.view(B, nh, T, hd)
 
 

@@ -124,6 +124,11 @@ class Tracer:
         self.layers = None if layers is None else set(layers)
         self.heads = heads
         self.history = AttentionHistory()
+        # the hook points this tracer reads; every other point returns at once
+        self._points = tuple(point for wanted, point in (
+            ("cache" in self.capture, "attn.cache_read"), ("attention" in self.capture, "attn.probs"),
+            ("qkv" in self.capture, "attn.q"), ("qkv" in self.capture, "attn.k_new"),
+            ("qkv" in self.capture, "attn.v_new")) if wanted)
         self._cache: KVCache | None = None
         self._pos = self._q_len = 0
         self._step: StepTrace | None = None
@@ -134,7 +139,7 @@ class Tracer:
 
     def hook(self, name: str, t: torch.Tensor) -> None:
         step = self._step
-        if step is None:
+        if step is None or not name.endswith(self._points):
             return None
         parts = name.split(".")
         if parts[0] != "layers" or not self._layer_wanted(int(parts[1])):
@@ -162,6 +167,7 @@ class Tracer:
         step.gqa_groups = [[h for h in range(c.num_heads) if h // c.kv_groups == g] for g in range(c.num_kv_heads)]
         if "cache" in self.capture:
             step.slots = cache.slot_view()
+        self._cache = None  # a tracer kept after the run must not keep the cache alive
         return step
 
     # -- internals ---------------------------------------------------------------------------------------
