@@ -74,7 +74,7 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
     elif path.is_dir():
         config = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer.from_folder(path, config)
-        tensors = load_weights(path, config, dtype, device)
+        tensors = load_weights(path, config, dtype)
     else:
         raise LoadError(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
                         f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "

@@ -95,8 +95,9 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
                             f"from the config")
 
 
-def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Read and check every tensor: all present with the expected shape before any is loaded."""
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read and check every tensor (all present with the expected shape before any is loaded), as ``dtype`` on
+    the CPU; :func:`kvexplore.loading.assemble` moves them to the device, as it does for GGUF tensors."""
     where = checkpoint_files(folder)
     expected = expected_shapes(config)
     handles = {path: _open(path) for path in {where[n] for n in expected if n in where}}
@@ -110,5 +111,5 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: 
         except (SafetensorError, OSError, RuntimeError) as e:
             raise LoadError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
                             f"truncated or corrupt: download or convert it again") from None
-        tensors[name] = t.to(dtype=dtype).to(device)
+        tensors[name] = t.to(dtype=dtype)
     return tensors
