@@ -5,6 +5,7 @@ from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCach
 from .config import ModelConfig
 from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
 from .evaluate import perplexity
+from .explorer import Explorer
 from .generate import Generator
 from .loading import load
 from .memory import MemoryReport, kv_bytes
@@ -17,7 +18,7 @@ from .trace_io import load_trace, save_trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheEvent", "CacheFullError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
+    "CacheEvent", "CacheFullError", "Explorer", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
     "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "perplexity", "save_trace",

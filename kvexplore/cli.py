@@ -49,7 +49,40 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("list", help="named models, whether present, size on disk")
     for verb, text in (("fetch", "download and convert a named model now"), ("path", "print a named model's folder")):
         verbs.add_parser(verb, help=text).add_argument("name")
+    lab = sub.add_parser("lab", help="copy the bundled notebooks to a folder of yours (missing ones only) and open "
+                                     "JupyterLab there; other arguments go to jupyter lab",
+                         description="Copies the bundled notebooks into DIR (only those missing there: yours are never "
+                                     "overwritten), then starts JupyterLab on DIR. Unknown arguments are passed to "
+                                     "jupyter lab.")
+    lab.add_argument("--dir", default=None, metavar="DIR", help="notebooks folder (default: ~/kvexplore-notebooks)")
+    lab.add_argument("--port", type=_port, default=None)
+    lab.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    app = sub.add_parser("app", help="serve the KV cache explorer as a standalone page (Voila); other arguments go "
+                                     "to voila",
+                         description="Serves the explorer on 127.0.0.1 with Voila, code hidden. Unknown arguments are "
+                                     "passed to voila.")
+    app.add_argument("--model", default="tiny", help="named model, model folder or .gguf file (default: tiny)")
+    app.add_argument("--strategies", type=_strategies, default=None, metavar="A,B",
+                     help=f"cache strategies to compare, comma-separated, from: {', '.join(STRATEGIES)}")
+    app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
+    app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {value}")
+    return value
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in STRATEGIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown cache strategy {', '.join(map(repr, unknown)) or repr(text)}; "
+                                         f"available: {', '.join(STRATEGIES)}")
+    return names
 
 
 def _models(args: argparse.Namespace) -> None:
@@ -123,13 +156,32 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``lab`` and ``app`` keep unknown arguments in ``args.extra`` for jupyter / voila."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("lab", "app"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = [a for a in extra if a != "--"] if args.command in ("lab", "app") else []
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "generate":
             _generate(args)
         elif args.command == "models":
             _models(args)
+        elif args.command == "lab":
+            from .launch import lab
+
+            return lab(args.dir, port=args.port, no_browser=args.no_browser, extra=args.extra)
+        elif args.command == "app":
+            from .launch import app
+
+            return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
+                       extra=args.extra)
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

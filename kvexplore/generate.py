@@ -99,17 +99,23 @@ class Generator:
         """Prefill with ``messages`` rendered by the tokenizer's chat template (ready for the reply)."""
         return self.prefill(self._tokenizer().encode_chat(messages))
 
-    def step(self) -> StepRecord:
-        """Feed what the cache does not hold yet, write it, and pick the next token."""
+    def step(self, force: int | None = None) -> StepRecord:
+        """Feed what the cache does not hold yet, write it, and pick the next token.
+
+        ``force`` (a token id) is appended instead of the chosen token (teacher forcing: the record still lists
+        the model's own candidates and the forced token's probability), e.g. to keep two caches on one sequence.
+        """
         if not self._tokens:
             raise RuntimeError("nothing to continue: call prefill(prompt) first")
+        if force is not None and not 0 <= force < self.model.config.vocab_size:
+            raise ValueError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
         start = self.cache.length
         if start >= len(self._tokens):
             raise RuntimeError(
                 f"the cache holds {start} positions but the sequence has only {len(self._tokens)} tokens: the cache "
                 f"was written by something else. Call reset() and prefill again, or give each generator its own cache"
             )
-        record = self._forward(self._tokens[start:], pos=start, kind="decode", context=self._tokens)
+        record = self._forward(self._tokens[start:], pos=start, kind="decode", context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
         return record
@@ -126,15 +132,21 @@ class Generator:
             records.append(self.step())
         return records
 
-    def rewind(self, n: int = 1) -> None:
-        """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match."""
+    def check_rewind(self, n: int) -> None:
+        """Raise, changing nothing, if :meth:`rewind` ``(n)`` would be refused."""
         if not 0 <= n <= len(self.history):
             raise ValueError(f"cannot rewind {n} tokens: {len(self.history)} have been generated "
                              f"(0 <= n <= {len(self.history)})")
+        if n:
+            self.cache.check_truncate(min(self.cache.length, len(self._tokens) - n - 1))  # evicted positions
+
+    def rewind(self, n: int = 1) -> None:
+        """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match."""
+        self.check_rewind(n)
         if n == 0:
             return
         keep = len(self._tokens) - n
-        self.cache.truncate(min(self.cache.length, keep - 1))  # first: a cache may refuse (evicted positions)
+        self.cache.truncate(min(self.cache.length, keep - 1))
         self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
 
@@ -157,7 +169,7 @@ class Generator:
         return twin
 
     # -- internals --------------------------------------------------------------------------------------
-    def _forward(self, feed: list[int], pos: int, kind: str, context: list[int]) -> StepRecord:
+    def _forward(self, feed: list[int], pos: int, kind: str, context: list[int], force: int | None = None) -> StepRecord:
         model = self.model
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         tracer = self.tracer
@@ -170,6 +182,8 @@ class Generator:
         t1 = time.perf_counter()
         state = self._rng.get_state()
         token = choose(logits, self.sampling, self._rng)
+        if force is not None:
+            token = force
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(min(self.top_candidates, probs.shape[-1]))
         tok = model.tokenizer

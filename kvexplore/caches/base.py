@@ -118,10 +118,15 @@ class KVCache(ABC):
             freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas,
             layers=self.config.num_layers)
 
-    def truncate(self, n: int) -> None:
-        """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
+    def check_truncate(self, n: int) -> None:
+        """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
+        checked before any is rewound)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+
+    def truncate(self, n: int) -> None:
+        """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
+        self.check_truncate(n)
         self._length = n
         self._step = StepCounters()
         self._report = None

@@ -182,12 +182,15 @@ class SinkCache(KVCache):
         self._pending = None
         super().commit(end)
 
+    def check_truncate(self, n: int) -> None:
+        super().check_truncate(n)
+        if msg := self._rewind_error(n):
+            raise ValueError(msg)
+
     def truncate(self, n: int) -> None:
         if self._pending is not None:  # a step failed mid-forward: positions it overwrote in some layers are lost
             self._ws = max(self._ws, self._pending[3])
             self._pending = None
-        if 0 <= n <= self.length and (msg := self._rewind_error(n)):
-            raise ValueError(msg)
         super().truncate(n)
         if n <= self.sinks:
             self._ws = self.sinks

@@ -1,0 +1,39 @@
+"""The explorer's tracer: a :class:`~kvexplore.Tracer` that also keeps, per lane, the norm of every key and value
+written (by layer, KV head and position) and the log-probabilities of the newest token (to compare strategies)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..trace import Tracer
+
+
+class LaneTracer(Tracer):
+    """Records everything the views draw: cache events and slots, attention of every layer, K/V norms, logits."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int) -> None:
+        super().__init__(capture={"cache", "attention", "memory", "timing"})
+        self.norms = torch.zeros(num_layers, 2, num_kv_heads, 0)  # (layer, k/v, kv head, position)
+        self.last_logprobs: torch.Tensor | None = None
+
+    def hook(self, name: str, t: torch.Tensor) -> None:
+        if self._step is not None:
+            if name == "logits":
+                self.last_logprobs = t[0, -1].detach().float().log_softmax(-1).cpu()
+            elif name.endswith((".attn.k_new", ".attn.v_new")):
+                self._record_norms(int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, t)
+        return super().hook(name, t)
+
+    def _record_norms(self, layer: int, which: int, t: torch.Tensor) -> None:
+        end = self._pos + t.shape[2]
+        if end > self.norms.shape[-1]:
+            grown = torch.zeros(*self.norms.shape[:-1], max(end, 2 * self.norms.shape[-1], 64))
+            grown[..., : self.norms.shape[-1]] = self.norms
+            self.norms = grown
+        self.norms[layer, which, :, self._pos:end] = t[0].detach().float().norm(dim=-1).cpu()
+
+    def clone(self) -> "LaneTracer":
+        """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""
+        twin = LaneTracer(self.norms.shape[0], self.norms.shape[2])
+        twin.norms = self.norms.clone()
+        return twin

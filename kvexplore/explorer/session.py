@@ -1,0 +1,207 @@
+"""Several cache strategies in lockstep on one model, prompt and seed: the state the explorer widget shows.
+
+A :class:`Session` holds one :class:`Lane` per strategy (a generator with its own cache and tracer). The first
+lane is the reference: by default every other lane is fed the reference's tokens (teacher forcing), so that all
+caches see the same sequence and their next-token distributions can be compared step by step (KL divergence,
+top-1 agreement). Forked lanes run freely. Every operation either succeeds on all lanes or changes none: a
+prefill builds new generators and swaps them in only when all succeeded, a failed step rewinds the lanes that had
+stepped, a rewind is checked on every lane before any moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from ..caches.factory import STRATEGIES, make_cache
+from ..generate import Generator
+from ..model import Model
+from ..records import StepRecord
+from ..sampling import SamplingSettings
+from .probe import LaneTracer
+
+
+@dataclass
+class Lane:
+    name: str
+    kind: str
+    generator: Generator
+    tracer: LaneTracer
+    follows: bool  # fed the reference lane's tokens
+    kl_at: dict[int, float] = field(default_factory=dict)  # step -> KL(reference || this lane)
+    top1_at: dict[int, bool] = field(default_factory=dict)  # step -> own top-1 == the reference's top-1
+
+    @property
+    def cache(self):
+        return self.generator.cache
+
+    @property
+    def history(self) -> list[StepRecord]:
+        return self.generator.history
+
+    @property
+    def kl(self) -> list[float | None]:
+        """Per record: KL divergence of this lane's next-token distribution from the reference's (None: reference)."""
+        return [self.kl_at.get(r.step) for r in self.history]
+
+    @property
+    def top1(self) -> list[bool | None]:
+        """Per record: whether this lane's most likely token is the reference's."""
+        return [self.top1_at.get(r.step) for r in self.history]
+
+    @property
+    def last(self) -> StepRecord | None:
+        return self.generator.history[-1] if self.generator.history else None
+
+
+class Session:
+    def __init__(self, model: Model, strategies: Sequence[str] = ("preallocated",), max_seq_len: int = 256,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 top_candidates: int = 5, strategy_options: dict[str, dict[str, Any]] | None = None,
+                 follow_reference: bool = True, generator: Generator | None = None) -> None:
+        strategies = list(strategies)
+        if not strategies:
+            raise ValueError("give at least one strategy, e.g. strategies=('preallocated',)")
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown strategy {unknown[0]!r}; available: {', '.join(STRATEGIES)}")
+        if len(set(strategies)) != len(strategies):
+            raise ValueError(f"strategies repeat: {strategies}; give each once (use fork() for a second sequence)")
+        options = dict(strategy_options or {})
+        bad = [k for k in options if k not in strategies]
+        if bad:
+            raise ValueError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self.strategies = strategies
+        self.options = options
+        self.seed = seed
+        self.top_candidates = top_candidates
+        self.sampling = SamplingSettings(temperature, top_k, top_p)
+        self.follow_reference = follow_reference
+        self.lanes: dict[str, Lane] = {}
+        for kind in strategies:
+            self.lanes[kind] = self._new_lane(kind, kind, follows=follow_reference)
+        if generator is not None:  # an existing generator becomes the reference lane, as it is
+            kind = generator.cache.kind
+            tracer = generator.tracer if isinstance(generator.tracer, LaneTracer) else self._tracer()
+            generator.tracer = tracer
+            lane = Lane(kind, kind, generator, tracer, follows=False)
+            self.lanes = {kind: lane, **{k: v for k, v in self.lanes.items() if k != kind}}
+
+    # -- lanes -----------------------------------------------------------------------------------------
+    @property
+    def reference(self) -> Lane:
+        return next(iter(self.lanes.values()))
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.reference.generator.prompt_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.reference.generator.tokens
+
+    def _tracer(self) -> LaneTracer:
+        c = self.model.config
+        return LaneTracer(c.num_layers, c.num_kv_heads)
+
+    def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
+        cache = make_cache(kind, self.model, max_seq_len=self.max_seq_len, **self.options.get(kind, {}))
+        tracer = self._tracer()
+        s = self.sampling
+        gen = Generator(self.model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer)
+        return Lane(name, kind, gen, tracer, follows)
+
+    def set_sampling(self, temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
+        """New sampling settings for every lane, from the next step on (checked first)."""
+        settings = SamplingSettings(temperature, top_k, top_p)
+        self.sampling = settings
+        for lane in self.lanes.values():
+            lane.generator.sampling = settings
+
+    # -- operations ------------------------------------------------------------------------------------
+    def prefill(self, prompt: str | Sequence[int], chat: bool = False) -> None:
+        """Start every lane on ``prompt`` (text, or ids; ``chat`` wraps text as a user message). Forks are dropped."""
+        if chat:
+            tok = self.model.tokenizer
+            if tok is None or not tok.chat_template:
+                raise ValueError("this model has no chat template: untick chat and give plain text")
+            prompt = tok.encode_chat([{"role": "user", "content": str(prompt)}])
+        fresh: dict[str, Lane] = {}
+        for name, lane in self.lanes.items():
+            if name != lane.kind:
+                continue  # forks end with the sequence they forked from
+            new = self._new_lane(name, lane.kind, lane.follows)
+            new.generator.prefill(prompt)
+            fresh[name] = new
+        self.lanes = fresh
+        self._compare_last()
+
+    def step(self) -> dict[str, StepRecord]:
+        """One token on every lane; if any lane fails, the lanes that stepped are rewound and the error raised."""
+        ref = self.reference
+        if not ref.history:
+            raise RuntimeError("nothing to continue: enter a prompt and prefill first")
+        done: list[Lane] = []
+        out = {}
+        try:
+            for lane in self.lanes.values():
+                force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
+                out[lane.name] = lane.generator.step(force=force)
+                done.append(lane)
+        except BaseException:
+            for lane in done:
+                lane.generator.rewind(1)
+            raise
+        self._compare_last()
+        return out
+
+    def rewind(self, n: int = 1) -> None:
+        """Forget the last ``n`` tokens on every lane (checked on all lanes before any moves)."""
+        for lane in self.lanes.values():
+            lane.generator.check_rewind(n)
+        for lane in self.lanes.values():
+            lane.generator.rewind(n)
+
+    def reset(self) -> None:
+        """Empty every lane (forks are dropped)."""
+        self.lanes = {name: lane for name, lane in self.lanes.items() if name == lane.kind}
+        for lane in self.lanes.values():
+            lane.generator.reset()
+            lane.kl_at, lane.top1_at = {}, {}
+
+    def fork(self, name: str | None = None) -> Lane:
+        """A new free-running lane continuing the sequence of lane ``name`` (default: the reference) with the
+        cache's ``fork()`` (the paged cache shares its pages until the two diverge)."""
+        src = self.lanes[name] if name is not None else self.reference
+        if src.kind == "none":
+            raise ValueError("a strategy without a cache has nothing to fork; pick another strategy")
+        twin = src.generator.fork()
+        tracer = src.tracer.clone()
+        twin.tracer = tracer
+        count = sum(1 for lane in self.lanes.values() if lane.kind == src.kind and lane.name != src.kind)
+        lane = Lane(f"{src.kind} fork {count + 1}", src.kind, twin, tracer, follows=False,
+                    kl_at=dict(src.kl_at), top1_at=dict(src.top1_at))
+        self.lanes[lane.name] = lane
+        return lane
+
+    # -- comparison ------------------------------------------------------------------------------------
+    def _compare_last(self) -> None:
+        ref = self.reference
+        p_log = ref.tracer.last_logprobs
+        for lane in self.lanes.values():
+            q_log = lane.tracer.last_logprobs
+            if lane is ref or p_log is None or q_log is None or not lane.history:
+                continue
+            if not lane.follows and lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
+                continue  # a fork that took another path: its distribution answers a different context
+            step = lane.last.step
+            lane.kl_at[step] = float((p_log.exp() * (p_log - q_log)).sum().clamp_min(0))
+            lane.top1_at[step] = lane.last.top[0].token_id == ref.last.top[0].token_id
+
+    def __repr__(self) -> str:
+        lanes = ", ".join(f"{n}: {len(l.history)} tokens" for n, l in self.lanes.items())
+        return f"Session({lanes})"

@@ -1,0 +1,1 @@
+"""The explorer's views: each a pure ``spec(records, ...) -> FigureSpec`` (see :mod:`.spec`)."""

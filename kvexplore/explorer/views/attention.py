@@ -1,0 +1,88 @@
+"""Attention: where the newest token looks, the whole history of who attended where, and the GQA grouping.
+
+Top: the current token's attention probabilities over the cache's physical slots for one layer and query head
+(for the paged and sink caches the slot order is not the position order). Bottom left: query position x key
+position for that layer/head, one row per token as it was processed (the prefill's rows, then one per step);
+positions a strategy evicted read 0. Bottom right: which query heads read which KV head (grouped-query
+attention), the chosen head highlighted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...records import StepRecord
+from .spec import FigureSpec
+
+MAX_ROWS = 256  # history rows drawn (the most recent); older rows scroll out
+
+
+def history_matrix(records: Sequence[StepRecord], layer: int, head: int) -> tuple[list[int], list[list[float]]]:
+    """Rows (query positions) and their attention over key positions ``0..max`` for ``layer``/``head``.
+
+    The prefill record gives a row per prompt token; every later record its last row (a step without a cache
+    recomputes all rows, of which only the newest is new)."""
+    rows: list[tuple[int, list[float]]] = []
+    width = 0
+    for r in records:
+        t = r.trace
+        if t is None or layer not in t._attention:
+            continue
+        att = t.attention(layer)  # (T, heads, positions) logical
+        h = t.heads.index(head)
+        first = r.position - r.input_len
+        chosen = range(att.shape[0]) if r.kind == "prefill" else [att.shape[0] - 1]
+        for i in chosen:
+            rows.append((first + i, att[i, h].tolist()))
+        width = max(width, att.shape[-1])
+    rows = rows[-MAX_ROWS:]
+    return [q for q, _ in rows], [row + [0.0] * (width - len(row)) for _, row in rows]
+
+
+def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequence[str] = (),
+         gqa_groups: Sequence[Sequence[int]] = (), num_heads: int = 0) -> FigureSpec:
+    last = records[-1] if records else None
+    have = last is not None and last.trace is not None and layer in last.trace._attention
+    bar_x, bar_y, bar_text = [], [], []
+    if have:
+        t = last.trace
+        probs = (t.physical_attention(layer) if t.slots is not None and t.slots.positions else t.attention(layer))[-1, t.heads.index(head)]
+        bar_y = probs.tolist()
+        bar_x = list(range(len(bar_y)))
+        positions = t.slots.positions if t.slots is not None and t.slots.positions else bar_x
+        bar_text = [f"slot {s} · position {p} {_tok(p, token_texts)}" if p >= 0 else f"slot {s}: empty"
+                    for s, p in enumerate(positions)]
+    qpos, matrix = history_matrix(records, layer, head) if have else ([], [])
+    kvh = len(gqa_groups)
+    group_z = [[(2 if h == head else 1) if h in g else 0 for h in range(num_heads)] for g in gqa_groups]
+    current = "" if last is None else f" · token {last.position - 1} {_tok(last.position - 1, token_texts)}"
+    traces = [
+        dict(type="bar", name="current", x=bar_x, y=bar_y, customdata=bar_text, marker=dict(color="#3182bd"),
+             hovertemplate="%{customdata}<br>p = %{y:.4f}<extra></extra>", xaxis="x", yaxis="y"),
+        dict(type="heatmap", name="history", z=matrix, y=qpos, x=list(range(len(matrix[0]) if matrix else 0)),
+             colorscale="Blues", zmin=0, zmax=1, xaxis="x2", yaxis="y2",
+             colorbar=dict(title=dict(text="p"), len=0.48, y=0, yanchor="bottom", x=0.7, thickness=12),
+             hovertemplate="query position %{y} → key position %{x}<br>p = %{z:.4f}<extra></extra>"),
+        dict(type="heatmap", name="gqa", z=group_z, x=list(range(num_heads)), y=list(range(kvh)), zmin=0, zmax=2,
+             colorscale=[[0, "#f7f7f7"], [0.5, "#9ecae1"], [1, "#e6550d"]], showscale=False, xgap=2, ygap=2,
+             xaxis="x3", yaxis="y3", hovertemplate="query head %{x} reads KV head %{y}<extra></extra>"),
+    ]
+    layout = dict(
+        height=620, margin=dict(l=70, r=20, t=60, b=50), showlegend=False,
+        title=dict(text=f"attention · layer {layer} · query head {head} (reads KV head "
+                        f"{next((g for g, hs in enumerate(gqa_groups) if head in hs), '?')}){current}",
+                   font=dict(size=13)),
+        xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="physical slot")),
+        yaxis=dict(domain=[0.62, 1], anchor="x", title=dict(text="p (current token)"), rangemode="tozero"),
+        xaxis2=dict(domain=[0, 0.68], anchor="y2", title=dict(text="key position")),
+        yaxis2=dict(domain=[0, 0.48], anchor="x2", title=dict(text="query position"), autorange="reversed"),
+        xaxis3=dict(domain=[0.8, 1], anchor="y3", title=dict(text="query head"), dtick=1),
+        yaxis3=dict(domain=[0, 0.48], anchor="x3", title=dict(text="KV head"), dtick=1, autorange="reversed"),
+        annotations=[] if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,
+                                          y=0.8, showarrow=False)],
+    )
+    return FigureSpec(traces, layout)
+
+
+def _tok(pos: int, token_texts: Sequence[str]) -> str:
+    return repr(token_texts[pos]) if 0 <= pos < len(token_texts) else ""

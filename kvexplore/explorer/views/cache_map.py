@@ -1,0 +1,137 @@
+"""Cache map: layers x physical slots, coloured by what each slot holds and what this step did with it.
+
+For the pre-allocated cache the write window is ``k.narrow(2, pos, q_len)`` and the read window
+``k.narrow(2, 0, pos + q_len)``; other strategies draw their own storage order: the paged cache its pages (the
+block table in the title), the quantized cache its quantized slots then its full-precision residual, the sink
+cache its sinks then its ring. Every layer stores the same positions, so the rows agree; hover names the token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE
+from ...records import StepRecord
+from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
+from .spec import FigureSpec
+
+CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
+
+
+def slot_classes(record: StepRecord) -> list[str]:
+    """The class of every physical slot after ``record``'s step (see :data:`SLOT_CLASSES`)."""
+    slots = record.trace.slots
+    written = _written(record)
+    read = set(record.trace.read_positions)
+    out = []
+    for state, pos, sharers in zip(slots.states, slots.positions, slots.sharers):
+        if state in (FILLED, SHARED) and pos >= 0:
+            if pos in written:
+                out.append("written")
+            elif pos in read:
+                out.append("shared" if state == SHARED or sharers > 1 else "read")
+            else:
+                out.append("not read")
+        elif state in (FILLED, SHARED):
+            out.append("not read")
+        else:
+            out.append({FREE: "free", STALE: "stale", EVICTED: "evicted"}[state])
+    return out
+
+
+def _written(record: StepRecord) -> set[int]:
+    if record.trace.events:
+        start, count = record.trace.events[0].write
+        return set(range(start, start + count))
+    return set()
+
+
+def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
+         title: str = "") -> FigureSpec:
+    """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p."""
+    classes, positions, layout_info = [], [], {}
+    if record is not None and record.trace is not None and record.trace.slots is not None:
+        classes = slot_classes(record)
+        positions = record.trace.slots.positions
+        layout_info = record.trace.slots.layout
+    n = len(classes)
+    row = [CODE[c] for c in classes]
+    hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
+    heat = dict(type="heatmap", name="slots", z=[row] * num_layers if n else [], customdata=[hover_row] * num_layers if n else [],
+                x=list(range(n)), y=list(range(num_layers)), zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5,
+                colorscale=discrete_colorscale(SLOT_COLOURS), xgap=1 if n <= 128 else 0, ygap=1,
+                hovertemplate="layer %{y}<br>%{customdata}<extra></extra>",
+                colorbar=dict(tickvals=list(range(len(SLOT_CLASSES))), ticktext=list(SLOT_CLASSES),
+                              thickness=14, len=1.0, title=dict(text="slot")))
+    shapes, annotations, ticks = _strategy_layout(kind, layout_info, n, num_layers)
+    if record is None:
+        annotations.append(_note("no step yet: enter a prompt and press Prefill"))
+    elif kind == "none":
+        annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
+                                 f"(0..{record.position - 1}); nothing is kept between steps"))
+    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes), font=dict(size=13)),
+                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})"), **ticks),
+                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5),
+                  shapes=shapes, annotations=annotations, height=170 + 9 * min(num_layers, 32),
+                  margin=dict(l=60, r=20, t=60, b=50))
+    return FigureSpec([heat], layout)
+
+
+def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
+    if pos < 0:
+        return f"slot {slot}: {cls} — {SLOT_MEANING[cls]}"
+    tok = repr(token_texts[pos]) if pos < len(token_texts) else ""
+    return f"slot {slot} · position {pos} {tok}<br>{cls} — {SLOT_MEANING[cls]}"
+
+
+def _order(kind: str) -> str:
+    return {"paged": "pool pages in order", "quantized": "quantized slots, then full-precision residual",
+            "sink": "sinks, then the ring", "concat": "grows by one every step"}.get(kind, "storage order")
+
+
+def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str]) -> str:
+    if record is None:
+        return f"{kind}: empty"
+    held = sum(c in ("read", "shared", "written", "not read") for c in classes)
+    head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
+    if record.trace and record.trace.events:
+        (w0, wn), (r0, rn) = record.trace.events[0].write, record.trace.events[0].read
+        head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, {r0}, {rn})"
+    if kind == "paged":
+        head += f"<br>block table {info.get('block_table')} · {info.get('free_blocks')} free pages"
+    elif kind == "sink":
+        head += f"<br>{info.get('sinks')} sinks + ring of {info.get('window')} · ring starts at slot {info.get('ring_start')} · {info.get('evicted')} evicted"
+    elif kind == "quantized":
+        head += f"<br>int{info.get('bits')} blocks of {info.get('group_size')} · positions < {info.get('quantized_upto')} quantized"
+    return head
+
+
+def _note(text: str) -> dict:
+    return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=13))
+
+
+def _vline(x: float, num_layers: int, colour: str = "#444", dash: str = "solid") -> dict:
+    return dict(type="line", x0=x, x1=x, y0=-0.5, y1=num_layers - 0.5, line=dict(color=colour, width=1.5, dash=dash))
+
+
+def _strategy_layout(kind: str, info: dict, n: int, num_layers: int) -> tuple[list, list, dict]:
+    """Separators and ticks that show a strategy's own physical layout."""
+    shapes, annotations, ticks = [], [], {}
+    if kind == "paged" and info.get("block_size"):
+        bs = info["block_size"]
+        pages = n // bs
+        shapes = [_vline(p * bs - 0.5, num_layers, "#888") for p in range(1, pages)]
+        step = max(1, pages // 16)
+        ticks = dict(tickvals=[p * bs + (bs - 1) / 2 for p in range(0, pages, step)],
+                     ticktext=[f"page {p}" for p in range(0, pages, step)])
+    elif kind == "sink" and "sinks" in info:
+        shapes = [_vline(info["sinks"] - 0.5, num_layers)]
+        if info.get("ring_start") is not None:
+            shapes.append(_vline(info["ring_start"] - 0.5, num_layers, "#d62728", "dot"))
+            annotations.append(dict(text="ring start", x=info["ring_start"] - 0.5, y=-0.5, yref="y", xref="x",
+                                    showarrow=False, yshift=10, font=dict(size=11, color="#d62728")))
+    elif kind == "quantized" and "quantized_slots" in info:
+        shapes = [_vline(info["quantized_slots"] - 0.5, num_layers)]
+        annotations.append(dict(text="full-precision residual →", x=info["quantized_slots"] - 0.5, y=-0.5,
+                                xref="x", yref="y", showarrow=False, xanchor="left", yshift=10, font=dict(size=11)))
+    return shapes, annotations, ticks

@@ -1,0 +1,69 @@
+"""Compare: strategies run in lockstep on the same prompt and seed, side by side.
+
+The table: does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
+the reference (lossy caches: quantized, a sink that has evicted), the median time per step, the bytes it holds and
+copies. Below, time per step and KL per step for every strategy.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+from ...records import StepRecord
+from .palette import size, strategy_colour
+from .spec import FigureSpec
+
+COLUMNS = ("strategy", "tokens = reference", "top-1 agreement", "mean KL (nats)", "ms / step (median)",
+           "reserved", "copied / step (last)")
+
+
+def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
+         top1: Mapping[str, Sequence[bool | None]], reference: str) -> list[list[str]]:
+    """One row per strategy, the columns of :data:`COLUMNS` as text."""
+    ref = lanes.get(reference, [])
+    out = []
+    for name, records in lanes.items():
+        same = sum(a.token_id == b.token_id for a, b in zip(records, ref))
+        agree = [x for x in top1.get(name, []) if x is not None]
+        kls = [x for x in kl.get(name, []) if x is not None]
+        decode = [r.forward_s + r.sample_s for r in records if r.kind == "decode"]
+        last = records[-1].memory if records else None
+        out.append([
+            name + (" (reference)" if name == reference else ""),
+            f"{same}/{len(records)}" if name != reference else "—",
+            f"{100 * sum(agree) / len(agree):.1f}%" if agree else "—",
+            f"{statistics.fmean(kls):.2e}" if kls else "—",
+            f"{1000 * statistics.median(decode):.1f}" if decode else "—",
+            size(last.reserved_bytes) if last else "—",
+            size(last.copied_bytes) if last else "—",
+        ])
+    return out
+
+
+def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
+         top1: Mapping[str, Sequence[bool | None]], reference: str) -> FigureSpec:
+    table = rows(lanes, kl, top1, reference)
+    traces = [dict(type="table", name="summary", domain=dict(x=[0, 1], y=[0.6, 1]),
+                   header=dict(values=list(COLUMNS), fill=dict(color="#e8eef6"), align="left", font=dict(size=12)),
+                   cells=dict(values=[list(col) for col in zip(*table)] if table else [[] for _ in COLUMNS],
+                              align="left", font=dict(size=12), height=24))]
+    for i, (name, records) in enumerate(lanes.items()):
+        decode = [r for r in records if r.kind == "decode"]
+        traces.append(dict(type="scatter", mode="lines", name=f"ms/step · {name}", legendgroup=name,
+                           x=[r.step for r in decode], y=[1000 * (r.forward_s + r.sample_s) for r in decode],
+                           line=dict(color=strategy_colour(i)), xaxis="x", yaxis="y",
+                           hovertemplate=f"{name}<br>step %{{x}}: %{{y:.1f}} ms<extra></extra>"))
+        ks = list(kl.get(name, []))
+        traces.append(dict(type="scatter", mode="lines", name=f"KL · {name}", legendgroup=name,
+                           x=[r.step for r in records][:len(ks)], y=ks, line=dict(color=strategy_colour(i), dash="dot"),
+                           xaxis="x2", yaxis="y2", hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
+    layout = dict(height=520, margin=dict(l=70, r=20, t=50, b=40),
+                  title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
+                  xaxis=dict(domain=[0, 0.46], anchor="y", title=dict(text="step")),
+                  yaxis=dict(domain=[0, 0.48], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
+                  xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
+                  yaxis2=dict(domain=[0, 0.48], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
+                              rangemode="tozero", exponentformat="e"),
+                  legend=dict(orientation="h", y=-0.12, font=dict(size=11)))
+    return FigureSpec(traces, layout)

@@ -1,0 +1,59 @@
+"""Memory timeline: per step and per strategy, the bytes a cache holds and what the step moved.
+
+Top: reserved (storage held), logical (slots holding tokens) and the analytic
+``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
+the step. On CUDA a third panel shows the caching allocator's change in reserved bytes and in inactive split
+bytes (fragmentation) over each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ...records import StepRecord
+from .palette import size, strategy_colour
+from .spec import FigureSpec
+
+HELD = (("reserved", "reserved_bytes", "solid"), ("logical", "logical_bytes", "dash"),
+        ("analytic", "analytic_bytes", "dot"))
+MOVED = (("written", "written_bytes", "solid"), ("copied", "copied_bytes", "dash"),
+         ("allocated", "allocated_bytes", "dot"))
+CUDA = (("allocator reserved Δ", "reserved_bytes", "solid"), ("fragmentation Δ", "inactive_split_bytes", "dash"))
+
+
+def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> FigureSpec:
+    """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill)."""
+    panels = [("held after the step", HELD, "y"), ("moved by the step", MOVED, "y2")]
+    if cuda:
+        panels.append(("CUDA allocator over the step", CUDA, "y3"))
+    traces = []
+    for i, (lane, records) in enumerate(lanes.items()):
+        steps = [r.step for r in records]
+        mems = [r.memory for r in records]
+        for p, (_, metrics, axis) in enumerate(panels):
+            for label, attr, dash in metrics:
+                if axis == "y3":
+                    ys = [m.cuda.get(attr, 0) if m is not None else None for m in mems]
+                else:
+                    ys = [getattr(m, attr) if m is not None else None for m in mems]
+                traces.append(dict(
+                    type="scatter", mode="lines+markers" if len(steps) < 40 else "lines", name=f"{label} · {lane}",
+                    legendgroup=lane, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
+                    line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
+                    customdata=[size(y) if y is not None else "" for y in ys],
+                    hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B (%{{customdata}})<extra></extra>"))
+    n = len(panels)
+    gap = 0.12
+    height = (1 - gap * (n - 1)) / n
+    layout = dict(height=260 * n + 60, margin=dict(l=70, r=20, t=40, b=40),
+                  title=dict(text="memory per step (bytes; solid/dash/dot = the three figures of each panel)",
+                             font=dict(size=13)),
+                  legend=dict(groupclick="togglegroup", font=dict(size=11)), hovermode="closest")
+    for p, (title, _, _) in enumerate(panels):
+        top = 1 - p * (height + gap)
+        suffix = "" if p == 0 else str(p + 1)
+        layout[f"xaxis{suffix}"] = dict(domain=[0, 1], anchor=f"y{suffix}", title=dict(text="step"),
+                                        **({} if p == 0 else {"matches": "x"}))
+        layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}", tickformat="~s",
+                                        ticksuffix="B", title=dict(text=title), rangemode="tozero")
+    return FigureSpec(traces, layout)

@@ -1,0 +1,47 @@
+"""Colours and labels shared by the views: one colour per slot state, one per strategy, one per step."""
+
+from __future__ import annotations
+
+# slot classes drawn by the cache map, in code order (the heatmap's z values)
+SLOT_CLASSES = ("free", "not read", "read", "shared", "written", "stale", "evicted")
+SLOT_COLOURS = ("#eeeeee", "#bdbdbd", "#6baed6", "#9e72c3", "#f16913", "#e6c229", "#d62728")
+SLOT_MEANING = {
+    "free": "never written",
+    "not read": "holds a position this sequence does not read (another sequence's page)",
+    "read": "read by this step's attention",
+    "shared": "read, and shared with another sequence (copy on write)",
+    "written": "written this step, then read",
+    "stale": "left behind by a rewind: still in storage, no longer read",
+    "evicted": "its position was dropped by the strategy",
+}
+
+STRATEGY_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def strategy_colour(index: int) -> str:
+    return STRATEGY_COLOURS[index % len(STRATEGY_COLOURS)]
+
+
+def discrete_colorscale(colours: tuple[str, ...]) -> list[list]:
+    """A plotly colorscale giving each integer ``0..n-1`` (with ``zmin=-0.5, zmax=n-0.5``) its own flat colour."""
+    n = len(colours)
+    scale = []
+    for i, c in enumerate(colours):
+        scale += [[i / n, c], [(i + 1) / n, c]]
+    return scale
+
+
+def step_colour(step: int, steps: int) -> str:
+    """Background of a generated token: light to dark blue-green as the steps go on."""
+    t = 0.0 if steps <= 1 else step / (steps - 1)
+    lo, hi = (224, 243, 219), (67, 162, 202)
+    r, g, b = (round(a + (z - a) * t) for a, z in zip(lo, hi))
+    return f"rgb({r},{g},{b})"
+
+
+def size(n: float) -> str:
+    """Bytes for people: 23.2 MiB, 1.5 KiB, 12 B."""
+    for unit, step in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= step:
+            return f"{n / step:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,66 @@
+"""Tensors: the size of every stored key and value (L2 norm over head_dim) per physical slot and KV head, and for
+the quantized cache the error its integers introduce (max |x - dequant(quant(x))| per position and head).
+
+Norms come from the keys and values as the model produced them for each position (RoPE rotates pairs of
+channels, so a key's norm is the same before and after it); empty, stale and evicted slots are left blank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...records import StepRecord
+from .spec import FigureSpec
+
+
+def physical(norms: torch.Tensor, positions: Sequence[int]) -> list[list[float | None]]:
+    """``norms`` (kv_heads, logical positions) laid out over physical slots (``None`` where no position)."""
+    n = norms.shape[-1]
+    rows = norms.tolist()
+    return [[row[p] if 0 <= p < n else None for p in positions] for row in rows]
+
+
+def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
+         quant_error: torch.Tensor | None = None, token_texts: Sequence[str] = ()) -> FigureSpec:
+    """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length)."""
+    slots = record.trace.slots if record is not None and record.trace is not None else None
+    positions = list(slots.positions) if slots is not None and slots.positions else (
+        list(range(record.position - 1)) if record is not None else [])
+    k_rows = physical(norms[0], positions) if norms is not None else []
+    v_rows = physical(norms[1], positions) if norms is not None else []
+    names = [f"slot {s} · position {p} {repr(token_texts[p]) if 0 <= p < len(token_texts) else ''}"
+             if p >= 0 else f"slot {s}: empty" for s, p in enumerate(positions)]
+    kvh = len(k_rows)
+    qe = quant_error.tolist() if quant_error is not None else []
+    common = dict(colorscale="Viridis", hoverongaps=False, xgap=0, ygap=1)
+    traces = [
+        dict(type="heatmap", name="key norms", z=k_rows, x=list(range(len(positions))), y=list(range(kvh)),
+             customdata=[names] * kvh, xaxis="x", yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1,
+                                                                            yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · %{customdata}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="value norms", z=v_rows, x=list(range(len(positions))), y=list(range(kvh)),
+             customdata=[names] * kvh, xaxis="x2", yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28,
+                                                                             y=0.64, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · %{customdata}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="quantization error", z=qe, x=list(range(len(qe[0]) if qe else 0)),
+             y=list(range(len(qe))), colorscale="Reds", xaxis="x3", yaxis="y3", ygap=1,
+             colorbar=dict(title=dict(text="max err"), len=0.28, y=0.28, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
+    ]
+    note = [] if quant_error is not None else [dict(
+        text="exact cache: keys and values are stored as computed (no quantization error)", xref="paper",
+        yref="paper", x=0.5, y=0.14, showarrow=False, font=dict(size=12, color="#666"))]
+    layout = dict(
+        height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
+        title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
+        xaxis=dict(domain=[0, 0.92], anchor="y", title=dict(text="physical slot", standoff=2)),
+        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="KV head (keys)"), dtick=1),
+        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=2)),
+        yaxis2=dict(domain=[0.38, 0.64], anchor="x2", title=dict(text="KV head (values)"), dtick=1),
+        xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=2)),
+        yaxis3=dict(domain=[0.02, 0.28], anchor="x3", title=dict(text="KV head (error)"), dtick=1),
+        annotations=note,
+    )
+    return FigureSpec(traces, layout)

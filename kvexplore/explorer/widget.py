@@ -1,0 +1,414 @@
+"""``kvexplore.Explorer``: step generation token by token in a notebook and watch the KV cache.
+
+A thin controller over :class:`~kvexplore.explorer.session.Session` (the state: several strategies in
+lockstep) and the views (pure ``records -> FigureSpec`` builders in :mod:`kvexplore.explorer.views`). Controls are
+ipywidgets; plots are plotly ``FigureWidget``s built once and updated in place inside ``batch_update`` after every
+operation. Buttons are disabled while an operation runs, so clicks cannot interleave; an error (cache full, bad
+prompt, an impossible rewind) is shown in the widget and leaves every lane as it was. The same operations are
+methods (:meth:`Explorer.step`, ...), which raise instead.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..generate import Generator
+from ..loading import load
+from ..model import Model
+from ..store import MODELS
+from .session import Lane, Session
+from .views import attention, cache_map, compare, memory, tensors, tokens
+from .views.spec import FigureSpec, apply, figure, signature
+
+VIEWS = ("cache_map", "memory", "attention", "tensors", "compare")
+HEADINGS = {"cache_map": "Cache map — layers × physical slots", "memory": "Memory per step",
+            "attention": "Attention", "tensors": "Stored keys and values", "compare": "Strategies compared"}
+
+
+class Explorer:
+    """An explorer widget; display it by making it a cell's last expression.
+
+    ``source``: a named model (``"tiny"``, ``"smollm2-135m"``), a folder or ``.gguf`` file, a loaded
+    :class:`~kvexplore.Model`, or a :class:`~kvexplore.Generator` (it becomes the first lane as it is).
+    ``strategies``: cache kinds run in lockstep on the same prompt and seed; the first is the reference the others
+    are compared with (and, with ``follow_reference``, fed the tokens of). ``strategy_options``: per kind, options
+    for :func:`~kvexplore.make_cache` (e.g. ``{"paged": {"block_size": 8}}``). ``views``: which plots to show.
+    """
+
+    def __init__(self, source: str | Path | Model | Generator = "tiny", strategies: Sequence[str] | None = None,
+                 max_seq_len: int = 256, prompt: str | None = None, chat: bool = False, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0, top_candidates: int = 5,
+                 layer: int = 0, head: int = 0, strategy_options: dict[str, dict[str, Any]] | None = None,
+                 follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
+                 views: Sequence[str] = VIEWS) -> None:
+        unknown = [v for v in views if v not in VIEWS]
+        if unknown:
+            raise ValueError(f"unknown view {unknown[0]!r}; choose from {', '.join(VIEWS)}")
+        generator = source if isinstance(source, Generator) else None
+        if strategies is None:
+            strategies = (generator.cache.kind,) if generator is not None else ("preallocated",)
+        self._settings = dict(strategies=tuple(strategies), max_seq_len=max_seq_len, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, top_candidates=top_candidates,
+                              strategy_options=strategy_options, follow_reference=follow_reference)
+        self._device, self._dtype = device, dtype
+        self.views = tuple(views)
+        self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
+        self._busy = False
+        self.model = self._load(source)
+        self._check_picks(layer, head)
+        self.session = Session(self.model, generator=generator, **self._settings)
+        self.layer, self.head = layer, head
+        self._build_widgets(prompt or "", chat, source)
+        self.figures: dict[str, Any] = {}
+        self._signatures: dict[str, tuple] = {}
+        self._make_figures()
+        if prompt:
+            self.prefill(prompt, chat=chat)
+        else:
+            self.refresh()
+
+    # -- the operations (also what the buttons do) ---------------------------------------------------------
+    @property
+    def lanes(self) -> dict[str, Lane]:
+        return self.session.lanes
+
+    @property
+    def lane(self) -> Lane:
+        """The lane the cache map, attention and tensor views show (the strategy picker)."""
+        return self.session.lanes.get(self._w["lane"].value) or self.session.reference
+
+    def prefill(self, prompt: str | Sequence[int] | None = None, chat: bool | None = None) -> None:
+        """Start every strategy on ``prompt`` (default: the prompt box)."""
+        if prompt is None:
+            prompt = self._w["prompt"].value
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
+            self._w["prompt"].value = prompt
+        if chat is None:
+            chat = self._w["chat"].value
+        self._operate(lambda: self.session.prefill(prompt, chat=chat))
+
+    def step(self) -> None:
+        """One token on every strategy."""
+        self._operate(self.session.step)
+
+    def run(self, n: int | None = None) -> None:
+        """Up to ``n`` steps (default: the Run box), stopping after an end-of-sequence token; the figures follow
+        every step and a progress bar shows how far the run is."""
+        n = self._w["run_n"].value if n is None else n
+        if n < 1:
+            raise ValueError(f"run needs a positive number of steps, got {n}")
+
+        def go():
+            bar = self._w["progress"]
+            bar.max, bar.value, bar.description = n, 0, "running"
+            bar.layout.visibility = "visible"
+            try:
+                for i in range(n):
+                    last = self.session.reference.last
+                    if last is not None and last.is_eos:
+                        break
+                    self.session.step()
+                    bar.value = i + 1
+                    self.refresh()
+            finally:
+                bar.layout.visibility = "hidden"
+
+        self._operate(go)
+
+    def rewind(self, n: int | None = None) -> None:
+        """Forget the last ``n`` tokens on every strategy (the pre-allocated cache's slots turn stale)."""
+        n = self._w["rewind_n"].value if n is None else n
+        self._operate(lambda: self.session.rewind(n))
+
+    def reset(self) -> None:
+        """Empty every strategy's cache and forget the sequence."""
+        self._operate(self.session.reset)
+
+    def fork(self, lane: str | None = None) -> Lane:
+        """A second sequence continuing from the shown lane (paged caches share their pages until they diverge);
+        it appears in the strategy picker."""
+        out: list[Lane] = []
+        self._operate(lambda: out.append(self.session.fork(lane or self.lane.name)))
+        self._w["lane"].value = out[0].name
+        return out[0]
+
+    def load_model(self, source: str | Path | Model) -> None:
+        """Load another model and start over with the same strategies (the progress bar shows the load)."""
+        def go():
+            bar = self._w["progress"]
+            bar.max, bar.value, bar.description = 1, 0, "loading"
+            bar.layout.visibility = "visible"
+            try:
+                model = self._load(source)
+                session = Session(model, **self._settings)
+            finally:
+                bar.layout.visibility = "hidden"
+            self.model, self.session = model, session
+            self.layer = min(self.layer, model.config.num_layers - 1)
+            self.head = min(self.head, model.config.num_heads - 1)
+            self._sync_pickers()
+
+        self._operate(go)
+
+    # -- state shown -------------------------------------------------------------------------------------
+    def specs(self) -> dict[str, FigureSpec]:
+        """What every view draws now (the same data the figures hold)."""
+        lane = self.lane
+        texts = self._token_texts(lane)
+        c = self.model.config
+        out = {}
+        for name in self.views:
+            if name == "cache_map":
+                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts)
+            elif name == "memory":
+                out[name] = memory.spec({n: l.history for n, l in self.lanes.items()},
+                                        cuda=self.model.device.type == "cuda")
+            elif name == "attention":
+                groups = lane.last.trace.gqa_groups if lane.last is not None and lane.last.trace else \
+                    [[h for h in range(c.num_heads) if h // c.kv_groups == g] for g in range(c.num_kv_heads)]
+                out[name] = attention.spec(lane.history, self.layer, self.head, texts, groups, c.num_heads)
+            elif name == "tensors":
+                norms = lane.tracer.norms[self.layer] if lane.history else None
+                err = lane.cache.quantization_error(self.layer)[0] if lane.kind == "quantized" and lane.history else None
+                out[name] = tensors.spec(lane.last, norms, self.layer, err, texts)
+            elif name == "compare":
+                out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
+                                         {n: l.kl for n, l in self.lanes.items()},
+                                         {n: l.top1 for n, l in self.lanes.items()}, self.session.reference.name)
+        return out
+
+    def refresh(self) -> None:
+        """Redraw the token strip, status and every figure from the session (in place)."""
+        lane = self.lane
+        self._sync_lanes()
+        w = self._w
+        w["tokens"].value = tokens.strip_html(self._prompt_texts(lane), lane.history)
+        w["status"].value = html.escape(self._status(lane))
+        for name, spec in self.specs().items():
+            fig = self.figures[name]
+            sig = signature(spec)
+            if sig != self._signatures[name]:  # lanes were added or dropped: new traces, same widget
+                with fig.batch_update():
+                    fig.data = ()
+                    fig.add_traces(figure(spec).data)
+                self._signatures[name] = sig
+            apply(fig, spec)
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _load(self, source):
+        if isinstance(source, Generator):
+            return source.model
+        if isinstance(source, Model):
+            return source
+        return load(source, dtype=self._dtype, device=self._device)
+
+    def _check_picks(self, layer: int, head: int) -> None:
+        c = self.model.config
+        if not 0 <= layer < c.num_layers:
+            raise ValueError(f"layer {layer} does not exist: the model has layers 0..{c.num_layers - 1}")
+        if not 0 <= head < c.num_heads:
+            raise ValueError(f"head {head} does not exist: the model has query heads 0..{c.num_heads - 1}")
+
+    def _operate(self, fn) -> None:
+        """Run one operation with the buttons disabled; show its error in the widget and raise it."""
+        if self._busy:
+            raise RuntimeError("another operation is still running; wait for it to finish")
+        self._busy = True
+        self._set_enabled(False)
+        self.error = ""
+        self._w["error"].value = ""
+        try:
+            fn()
+        except Exception as e:
+            self.error = str(e)
+            self._w["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
+                                      f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
+                                      f'{html.escape(str(e))}</div>')
+            raise
+        finally:
+            self._busy = False
+            self._set_enabled(True)
+            self.refresh()
+
+    def _prompt_texts(self, lane: Lane) -> list[str]:
+        tok = self.model.tokenizer
+        ids = lane.generator.prompt_tokens
+        key = tuple(ids)
+        if getattr(self, "_prompt_key", None) != key:
+            self._prompt_key = key
+            self._prompt_cache = [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)]
+        return self._prompt_cache
+
+    def _token_texts(self, lane: Lane) -> list[str]:
+        return self._prompt_texts(lane) + [r.text for r in lane.history]
+
+    def _status(self, lane: Lane) -> str:
+        last = lane.last
+        if last is None:
+            return f"{lane.name} · no sequence yet"
+        cache = lane.cache
+        cap = "unbounded" if cache.capacity is None else cache.capacity
+        eos = " · end of sequence" if last.is_eos else ""
+        return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens)} tokens "
+                f"({len(lane.generator.prompt_tokens)} prompt) · cache holds {cache.held} of {cap} slots{eos}")
+
+    # -- widgets ---------------------------------------------------------------------------------------
+    def _build_widgets(self, prompt: str, chat: bool, source) -> None:
+        import ipywidgets as W
+
+        c = self.model.config
+        w: dict[str, Any] = {}
+
+        def button(name: str, text: str, tip: str, style: str = "") -> W.Button:
+            b = W.Button(description=text, tooltip=tip, button_style=style, layout=W.Layout(width="auto"))
+            b.add_class(f"kvx-{name}")
+            w[name] = b
+            return b
+
+        w["prompt"] = W.Textarea(value=prompt, placeholder="Type a prompt, then press Prefill",
+                                 layout=W.Layout(width="100%", height="3.2em"))
+        w["chat"] = W.Checkbox(value=chat, description="chat template", indent=False,
+                               layout=W.Layout(width="auto", display="" if self._has_chat() else "none"))
+        button("prefill", "Prefill", "run the whole prompt through every strategy", "primary")
+        button("step", "Step", "one token on every strategy", "success")
+        button("run", "Run", "this many steps (stops at end of sequence)")
+        button("rewind", "Rewind", "forget this many tokens (slots turn stale)", "warning")
+        button("reset", "Reset", "empty every cache")
+        button("fork", "Fork", "a second sequence from here (paged caches share pages)")
+        w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5.5em"))
+        w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
+        names = list(MODELS)
+        src = source if isinstance(source, str) and source in MODELS else None
+        w["model"] = W.Dropdown(options=names, value=src or names[0], description="model",
+                                layout=W.Layout(width="15em"))
+        button("load", "Load", "load the chosen model and start over")
+        w["lane"] = W.Dropdown(options=list(self.session.lanes), description="strategy", layout=W.Layout(width="20em"))
+        w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=self.layer, description="layer",
+                                layout=W.Layout(width="9em"))
+        w["head"] = W.Dropdown(options=list(range(c.num_heads)), value=self.head, description="head",
+                               layout=W.Layout(width="9em"))
+        s = self._settings
+        w["temperature"] = W.BoundedFloatText(value=s["temperature"], min=0, max=10, step=0.1,
+                                              description="temperature", layout=W.Layout(width="12em"))
+        w["top_k"] = W.BoundedIntText(value=s["top_k"] or 0, min=0, max=1000000, description="top-k (0 off)",
+                                      layout=W.Layout(width="12em"))
+        w["top_p"] = W.BoundedFloatText(value=s["top_p"] or 1.0, min=0.01, max=1, step=0.05, description="top-p",
+                                        layout=W.Layout(width="10em"))
+        w["seed"] = W.IntText(value=s["seed"], description="seed", layout=W.Layout(width="10em"),
+                              tooltip="used from the next Prefill")
+        w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(visibility="hidden",
+                                                                                        width="20em"))
+        w["status"] = W.HTML()
+        w["error"] = W.HTML()
+        w["tokens"] = W.HTML(layout=W.Layout(width="100%"))
+        for name in ("prompt", "chat", "run_n", "rewind_n", "model", "lane", "layer", "head", "temperature", "top_k",
+                     "top_p", "seed", "progress", "status", "error", "tokens"):
+            w[name].add_class(f"kvx-{name.replace('_', '-')}")
+        self._w = w
+
+        def safely(fn):  # a button reports its error in the widget; the traceback stays out of the page
+            def handler(*_):
+                try:
+                    fn()
+                except Exception:
+                    pass
+            return handler
+
+        w["prefill"].on_click(safely(lambda: self.prefill()))
+        w["step"].on_click(safely(self.step))
+        w["run"].on_click(safely(lambda: self.run()))
+        w["rewind"].on_click(safely(lambda: self.rewind()))
+        w["reset"].on_click(safely(self.reset))
+        w["fork"].on_click(safely(lambda: self.fork()))
+        w["load"].on_click(safely(lambda: self.load_model(w["model"].value)))
+        w["lane"].observe(lambda ch: self._redraw(), names="value")
+        w["layer"].observe(lambda ch: self._pick(layer=ch["new"]), names="value")
+        w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
+        for name in ("temperature", "top_k", "top_p"):
+            w[name].observe(lambda ch: self._sampling_changed(), names="value")
+        w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
+
+        row = lambda *items: W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center",
+                                                                  gap="4px"))
+        self._figure_box = W.VBox()
+        self.widget = W.VBox([
+            row(w["model"], w["load"], w["progress"]),
+            row(w["prompt"]),
+            row(w["chat"], w["prefill"], w["step"], w["run"], w["run_n"], w["rewind"], w["rewind_n"], w["reset"],
+                w["fork"]),
+            row(w["lane"], w["layer"], w["head"], w["temperature"], w["top_k"], w["top_p"], w["seed"]),
+            w["status"], w["error"], w["tokens"], self._figure_box,
+        ], layout=W.Layout(width="100%"))
+        self.widget.add_class("kvx-explorer")
+        self._buttons = [w[n] for n in ("prefill", "step", "run", "rewind", "reset", "fork", "load")]
+
+    def _make_figures(self) -> None:
+        import ipywidgets as W
+
+        boxes = []
+        for name, spec in self.specs().items():
+            fig = figure(spec, widget=True)
+            fig.add_class(f"kvx-fig-{name}")
+            self.figures[name] = fig
+            self._signatures[name] = signature(spec)
+            boxes.append(W.HTML(f"<b>{HEADINGS[name]}</b>"))
+            boxes.append(fig)
+        self._figure_box.children = boxes
+
+    def _has_chat(self) -> bool:
+        tok = self.model.tokenizer
+        return tok is not None and bool(tok.chat_template)
+
+    def _set_enabled(self, enabled: bool) -> None:
+        for b in self._buttons:
+            b.disabled = not enabled
+
+    def _sync_lanes(self) -> None:
+        dd = self._w["lane"]
+        names = list(self.session.lanes)
+        if list(dd.options) != names:
+            current = dd.value
+            dd.options = names
+            dd.value = current if current in names else names[0]
+
+    def _sync_pickers(self) -> None:
+        c = self.model.config
+        self._w["layer"].options = list(range(c.num_layers))
+        self._w["layer"].value = self.layer
+        self._w["head"].options = list(range(c.num_heads))
+        self._w["head"].value = self.head
+        self._w["chat"].layout.display = "" if self._has_chat() else "none"
+        self._prompt_key = None
+
+    def _pick(self, layer: int | None = None, head: int | None = None) -> None:
+        if layer is not None:
+            self.layer = layer
+        if head is not None:
+            self.head = head
+        self._redraw()
+
+    def _redraw(self) -> None:
+        if not self._busy:
+            self.refresh()
+
+    def _sampling_changed(self) -> None:
+        w = self._w
+        try:
+            self.session.set_sampling(w["temperature"].value, w["top_k"].value or None,
+                                      None if w["top_p"].value >= 1 else w["top_p"].value)
+            self._settings.update(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
+                                  top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
+            w["error"].value = ""
+        except ValueError as e:
+            w["error"].value = f'<div style="color:#b30000">{html.escape(str(e))}</div>'
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"Explorer({self.session!r}, layer={self.layer}, head={self.head})"
