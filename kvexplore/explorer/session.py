@@ -82,6 +82,7 @@ class Session:
         self.sampling = SamplingSettings(temperature, top_k, top_p)
         self.follow_reference = follow_reference
         self.lanes: dict[str, Lane] = {}
+        self.last_op = ""  # the last operation that succeeded: prefill, step, rewind, reset, fork
         for kind in strategies:
             self.lanes[kind] = self._new_lane(kind, kind, follows=follow_reference)
         if generator is not None:  # an existing generator becomes the reference lane, as it is
@@ -139,6 +140,7 @@ class Session:
             fresh[name] = new
         self.lanes = fresh
         self._compare_last()
+        self.last_op = "prefill"
 
     def step(self) -> dict[str, StepRecord]:
         """One token on every lane; if any lane fails, the lanes that stepped are rewound and the error raised."""
@@ -157,6 +159,7 @@ class Session:
                 lane.generator.rewind(1)
             raise
         self._compare_last()
+        self.last_op = "step"
         return out
 
     def rewind(self, n: int = 1) -> None:
@@ -165,6 +168,8 @@ class Session:
             lane.generator.check_rewind(n)
         for lane in self.lanes.values():
             lane.generator.rewind(n)
+        if n:
+            self.last_op = "rewind"
 
     def reset(self) -> None:
         """Empty every lane (forks are dropped)."""
@@ -172,6 +177,7 @@ class Session:
         for lane in self.lanes.values():
             lane.generator.reset()
             lane.kl_at, lane.top1_at = {}, {}
+        self.last_op = "reset"
 
     def fork(self, name: str | None = None) -> Lane:
         """A new free-running lane continuing the sequence of lane ``name`` (default: the reference) with the
@@ -186,6 +192,7 @@ class Session:
         lane = Lane(f"{src.kind} fork {count + 1}", src.kind, twin, tracer, follows=False,
                     kl_at=dict(src.kl_at), top1_at=dict(src.top1_at))
         self.lanes[lane.name] = lane
+        self.last_op = "fork"
         return lane
 
     # -- comparison ------------------------------------------------------------------------------------

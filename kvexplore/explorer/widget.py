@@ -84,13 +84,17 @@ class Explorer:
         """Start every strategy on ``prompt`` (default: the prompt box)."""
         if prompt is None:
             prompt = self._w["prompt"].value
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
-            self._w["prompt"].value = prompt
         if chat is None:
             chat = self._w["chat"].value
-        self._operate(lambda: self.session.prefill(prompt, chat=chat))
+
+        def go():
+            if isinstance(prompt, str):
+                if not prompt.strip():
+                    raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
+                self._w["prompt"].value = prompt
+            self.session.prefill(prompt, chat=chat)
+
+        self._operate(go)
 
     def step(self) -> None:
         """One token on every strategy."""
@@ -161,10 +165,13 @@ class Explorer:
         lane = self.lane
         texts = self._token_texts(lane)
         c = self.model.config
+        # after a rewind or a fork the cache is no longer as the last step left it: draw it as it is now
+        fresh = self.session.last_op in ("prefill", "step")
+        slots = None if fresh or lane.last is None else lane.cache.slot_view()
         out = {}
         for name in self.views:
             if name == "cache_map":
-                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts)
+                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts, slots=slots, fresh=fresh)
             elif name == "memory":
                 out[name] = memory.spec({n: l.history for n, l in self.lanes.items()},
                                         cuda=self.model.device.type == "cuda")
@@ -175,7 +182,7 @@ class Explorer:
             elif name == "tensors":
                 norms = lane.tracer.norms[self.layer] if lane.history else None
                 err = lane.cache.quantization_error(self.layer)[0] if lane.kind == "quantized" and lane.history else None
-                out[name] = tensors.spec(lane.last, norms, self.layer, err, texts)
+                out[name] = tensors.spec(lane.last, norms, self.layer, err, texts, slots)
             elif name == "compare":
                 out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
                                          {n: l.kl for n, l in self.lanes.items()},
@@ -333,8 +340,7 @@ class Explorer:
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
         w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
 
-        row = lambda *items: W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center",
-                                                                  gap="4px"))
+        row = lambda *items: W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center"))
         self._figure_box = W.VBox()
         self.widget = W.VBox([
             row(w["model"], w["load"], w["progress"]),

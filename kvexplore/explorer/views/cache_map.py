@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE
+from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .spec import FigureSpec
@@ -18,11 +18,12 @@ from .spec import FigureSpec
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 
 
-def slot_classes(record: StepRecord) -> list[str]:
-    """The class of every physical slot after ``record``'s step (see :data:`SLOT_CLASSES`)."""
-    slots = record.trace.slots
-    written = _written(record)
-    read = set(record.trace.read_positions)
+def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True) -> list[str]:
+    """The class of every physical slot (see :data:`SLOT_CLASSES`): after ``record``'s step, or in ``slots`` (the
+    cache now) with the step's windows marked only when the cache is still as the step left it (``fresh``)."""
+    slots = slots if slots is not None else record.trace.slots
+    written = _written(record) if fresh else set()
+    read = set(record.trace.read_positions) if fresh else {p for p in slots.positions if p >= 0}
     out = []
     for state, pos, sharers in zip(slots.states, slots.positions, slots.sharers):
         if state in (FILLED, SHARED) and pos >= 0:
@@ -47,13 +48,17 @@ def _written(record: StepRecord) -> set[int]:
 
 
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
-         title: str = "") -> FigureSpec:
-    """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p."""
+         title: str = "", slots: SlotView | None = None, fresh: bool = True) -> FigureSpec:
+    """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
+
+    ``slots``: the cache's slot view now, when it has changed since the step (a rewind: ``fresh=False``, and the
+    step's write and read windows are no longer drawn)."""
     classes, positions, layout_info = [], [], {}
-    if record is not None and record.trace is not None and record.trace.slots is not None:
-        classes = slot_classes(record)
-        positions = record.trace.slots.positions
-        layout_info = record.trace.slots.layout
+    if record is not None and record.trace is not None and (slots or record.trace.slots) is not None:
+        view = slots if slots is not None else record.trace.slots
+        classes = slot_classes(record, view, fresh)
+        positions = view.positions
+        layout_info = view.layout
     n = len(classes)
     row = [CODE[c] for c in classes]
     hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
@@ -69,7 +74,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     elif kind == "none":
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
-    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes), font=dict(size=13)),
+    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh), font=dict(size=13)),
                   xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})"), **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5),
                   shapes=shapes, annotations=annotations, height=170 + 9 * min(num_layers, 32),
@@ -89,12 +94,14 @@ def _order(kind: str) -> str:
             "sink": "sinks, then the ring", "concat": "grows by one every step"}.get(kind, "storage order")
 
 
-def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str]) -> str:
+def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str], fresh: bool = True) -> str:
     if record is None:
         return f"{kind}: empty"
     held = sum(c in ("read", "shared", "written", "not read") for c in classes)
     head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
-    if record.trace and record.trace.events:
+    if not fresh:
+        head += f" · after a rewind ({classes.count('stale')} stale)"
+    elif record.trace and record.trace.events:
         (w0, wn), (r0, rn) = record.trace.events[0].write, record.trace.events[0].read
         head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, {r0}, {rn})"
     if kind == "paged":

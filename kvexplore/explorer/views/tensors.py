@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...caches.base import SlotView
 from ...records import StepRecord
 from .spec import FigureSpec
 
@@ -23,9 +24,12 @@ def physical(norms: torch.Tensor, positions: Sequence[int]) -> list[list[float |
 
 
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
-         quant_error: torch.Tensor | None = None, token_texts: Sequence[str] = ()) -> FigureSpec:
-    """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length)."""
-    slots = record.trace.slots if record is not None and record.trace is not None else None
+         quant_error: torch.Tensor | None = None, token_texts: Sequence[str] = (),
+         slots: SlotView | None = None) -> FigureSpec:
+    """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
+    ``slots``: the cache's slot view now (default: the one recorded with ``record``)."""
+    if slots is None and record is not None and record.trace is not None:
+        slots = record.trace.slots
     positions = list(slots.positions) if slots is not None and slots.positions else (
         list(range(record.position - 1)) if record is not None else [])
     k_rows = physical(norms[0], positions) if norms is not None else []

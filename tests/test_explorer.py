@@ -1,0 +1,293 @@
+"""The explorer widget without a browser: click its buttons, pick from its dropdowns, assert on the figures' data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("plotly", reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")
+pytest.importorskip("ipywidgets")
+
+import kvexplore  # noqa: E402
+from kvexplore.explorer.views import attention, cache_map  # noqa: E402
+from kvexplore.explorer.views.palette import SLOT_CLASSES  # noqa: E402
+
+CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
+PROMPT = "Call me Ishmael. Some years ago"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvexplore.load("tiny")
+
+
+def explorer(model, **kw):
+    kw.setdefault("strategies", ("preallocated", "concat", "paged"))
+    kw.setdefault("max_seq_len", 48)
+    kw.setdefault("strategy_options", {"paged": {"block_size": 8}} if "paged" in kw["strategies"] else None)
+    return kvexplore.Explorer(model, **kw)
+
+
+def slot_row(ex, layer=0):
+    fig = ex.figures["cache_map"]
+    return list(fig.data[0].z[layer])
+
+
+def click(ex, name):
+    ex._w[name].click()
+
+
+def test_prefill_and_step_move_the_write_window_one_slot(model):
+    ex = explorer(model)
+    ex._w["prompt"].value = PROMPT
+    click(ex, "prefill")
+    assert ex.error == ""
+    n_prompt = len(ex.lane.generator.prompt_tokens)
+    row = slot_row(ex)
+    assert [i for i, c in enumerate(row) if c == CODE["written"]] == list(range(n_prompt))  # prefill wrote the prompt
+    for k in range(3):
+        click(ex, "step")
+        row = slot_row(ex)
+        pos = n_prompt + k  # the token chosen by the previous step is written now
+        assert [i for i, c in enumerate(row) if c == CODE["written"]] == [pos]
+        assert [i for i, c in enumerate(row) if c == CODE["read"]] == list(range(pos))
+        assert row[pos + 1:] == [CODE["free"]] * (len(row) - pos - 1)
+        title = ex.figures["cache_map"].layout.title.text
+        assert f"write narrow(2, {pos}, 1) · read narrow(2, 0, {pos + 1})" in title
+        assert f"step {k + 1}" in ex._w["status"].value
+    # every layer row is the same slot map
+    assert all(list(r) == row for r in ex.figures["cache_map"].data[0].z)
+
+
+def test_figures_update_in_place(model):
+    ex = explorer(model, prompt=PROMPT)
+    figs = dict(ex.figures)
+    traces = {name: list(fig.data) for name, fig in figs.items()}
+    ex.run(3)
+    for name, fig in ex.figures.items():
+        assert fig is figs[name]
+        assert all(a is b for a, b in zip(fig.data, traces[name])), name
+
+
+def test_run_rewind_marks_stale_and_token_strip_follows(model):
+    ex = explorer(model, prompt=PROMPT)
+    ex._w["run_n"].value = 5
+    click(ex, "run")
+    assert len(ex.lane.history) == 6
+    strip = ex._w["tokens"].value
+    assert strip.count('class="kvx-tok') == len(ex.lane.generator.tokens)
+    assert "candidates:" in strip and "position" in strip
+    assert ex._w["progress"].layout.visibility == "hidden"
+    ex._w["rewind_n"].value = 2
+    click(ex, "rewind")
+    row = slot_row(ex)
+    assert row.count(CODE["stale"]) == 2
+    assert row.count(CODE["written"]) == 0
+    assert "after a rewind (2 stale)" in ex.figures["cache_map"].layout.title.text
+    assert ex._w["tokens"].value.count('class="kvx-tok') == len(ex.lane.generator.tokens)
+    click(ex, "step")  # the next write reuses the first stale slot
+    row = slot_row(ex)
+    assert row.count(CODE["stale"]) == 1 and row.count(CODE["written"]) == 1
+
+
+def test_memory_follows_the_formula(model):
+    ex = explorer(model, prompt=PROMPT)
+    ex.run(4)
+    c = model.config
+    fig = ex.figures["memory"]
+    by_name = {t.name: t for t in fig.data}
+    n = len(ex.lane.history)
+    pre = by_name["reserved · preallocated"].y
+    assert list(pre) == [kvexplore.kv_bytes(c, 48)] * n
+    lengths = [r.cache_length for r in ex.lanes["concat"].history]
+    assert list(by_name["reserved · concat"].y) == [kvexplore.kv_bytes(c, L) for L in lengths]
+    assert list(by_name["analytic · preallocated"].y) == [kvexplore.kv_bytes(c, L) for L in lengths]
+    # concatenation copies the whole cache every decode step; in place copies nothing
+    copied = list(by_name["copied · concat"].y)
+    assert copied[1:] == [kvexplore.kv_bytes(c, L - 1) for L in lengths[1:]]
+    assert set(by_name["copied · preallocated"].y) == {0}
+
+
+def test_attention_rows_sum_to_one_and_layer_picker(model):
+    ex = explorer(model, prompt=PROMPT)
+    ex.run(3)
+    ex._w["layer"].value = 3
+    ex._w["head"].value = 5
+    fig = ex.figures["attention"]
+    assert "layer 3 · query head 5 (reads KV head 1)" in fig.layout.title.text  # 8 heads over 2 kv heads
+    bar = fig.data[0]
+    assert sum(bar.y) == pytest.approx(1.0, abs=1e-5)
+    history = fig.data[1]
+    assert len(history.z) == len(ex.lane.generator.tokens) - 1  # one row per token processed
+    for row in history.z:
+        assert sum(row) == pytest.approx(1.0, abs=1e-5)
+    # row q attends to positions 0..q only (causal)
+    for q, row in zip(history.y, history.z):
+        assert all(v == 0 for v in row[q + 1:])
+    gqa = fig.data[2].z
+    assert [list(r) for r in gqa] == [[(2 if h == 5 else 1) if h // 4 == g else 0 for h in range(8)] for g in range(2)]
+    # the current row is what the model computed: compare with the trace directly
+    t = ex.lane.last.trace
+    assert list(bar.y) == pytest.approx(t.physical_attention(3)[-1, 5].tolist())
+
+
+def test_strategy_picker_and_fork_show_shared_pages(model):
+    ex = explorer(model, prompt=PROMPT)
+    ex.run(2)
+    ex._w["lane"].value = "paged"
+    assert ex.figures["cache_map"].layout.title.text.startswith("paged")
+    assert "block table" in ex.figures["cache_map"].layout.title.text
+    held_at_fork = ex.lanes["paged"].cache.length
+    click(ex, "fork")
+    assert ex._w["lane"].value == "paged fork 1"
+    assert "paged fork 1" in ex._w["lane"].options
+    row = slot_row(ex)
+    held = len(ex.lane.generator.tokens) - 1
+    assert row.count(CODE["shared"]) == held  # every position's page is shared with the original
+    click(ex, "step")  # both write their own next token: the shared partial page is copied once, by the first
+    assert held_at_fork % 8 != 0  # (the fork happened mid-page)
+    copied = [ex.lanes[n].last.memory.copied_bytes for n in ("paged", "paged fork 1")]
+    # the filled slots of that page, once
+    assert copied == [kvexplore.kv_bytes(model.config, held_at_fork % 8), 0]
+    # forks get their own traces in the memory and compare figures
+    names = [t.name for t in ex.figures["memory"].data]
+    assert "reserved · paged fork 1" in names
+
+
+def test_errors_are_shown_and_change_nothing(model):
+    ex = explorer(model, max_seq_len=16, prompt="Call me Ishmael.")
+    before = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
+    ex._w["run_n"].value = 50
+    click(ex, "run")  # stops when the cache is full
+    assert "cache full" in ex.error and "cache full" in ex._w["error"].value
+    after = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
+    assert len({tuple(t) for t, _ in after.values()}) == 1  # every lane stopped at the same token
+    full = after["preallocated"]
+    click(ex, "step")
+    assert {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()} == after
+    ex._w["prompt"].value = "   "
+    click(ex, "prefill")
+    assert "prompt is empty" in ex._w["error"].value
+    assert (list(ex.lane.generator.tokens), ex.lane.cache.length) == full
+    ex._w["rewind_n"].value = 99
+    click(ex, "rewind")
+    assert "cannot rewind 99" in ex.error
+    click(ex, "reset")
+    assert ex.error == "" and ex._w["error"].value == ""
+    assert before  # the explorer started from a prefilled state
+
+
+def test_a_lane_failing_mid_step_rewinds_the_others(model, monkeypatch):
+    ex = explorer(model, strategies=("preallocated", "concat", "quantized"), prompt=PROMPT)
+    ex.run(2)
+    state = {n: list(l.generator.tokens) for n, l in ex.lanes.items()}
+    lengths = {n: l.cache.length for n, l in ex.lanes.items()}
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated failure in the quantized cache")
+
+    monkeypatch.setattr(ex.lanes["quantized"].cache, "write", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        ex.step()
+    assert {n: list(l.generator.tokens) for n, l in ex.lanes.items()} == state
+    assert {n: l.cache.length for n, l in ex.lanes.items()} == lengths
+    monkeypatch.undo()
+    ex.step()
+    assert len({tuple(l.generator.tokens) for l in ex.lanes.values()}) == 1
+
+
+def test_buttons_are_disabled_while_a_step_runs(model, monkeypatch):
+    ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    seen = []
+    real = ex.session.step
+
+    def spy():
+        seen.append([b.disabled for b in ex._buttons])
+        with pytest.raises(RuntimeError, match="still running"):
+            ex.step()  # a second operation while one runs is refused, not interleaved
+        return real()
+
+    monkeypatch.setattr(ex.session, "step", spy)
+    click(ex, "step")
+    assert seen == [[True] * len(ex._buttons)]
+    assert not any(b.disabled for b in ex._buttons)
+    assert len(ex.lane.history) == 2
+
+
+def test_compare_exact_and_lossy(model):
+    ex = explorer(model, strategies=("preallocated", "concat", "quantized", "none"), max_seq_len=64,
+                  strategy_options={"quantized": {"bits": 4, "group_size": 8, "residual": 8}}, prompt=PROMPT)
+    ex.run(24)
+    lanes = ex.lanes
+    assert set(lanes["concat"].kl[1:]) == {0.0} and all(lanes["concat"].top1[1:])
+    assert max(lanes["none"].kl[1:]) < 1e-6
+    assert max(lanes["quantized"].kl[1:]) > 1e-6  # int4 changes the distribution a little
+    table = ex.figures["compare"].data[0]
+    cells = table.cells.values
+    assert list(cells[0]) == ["preallocated (reference)", "concat", "quantized", "none"]
+    assert cells[1][1] == f"{len(lanes['concat'].history)}/{len(lanes['concat'].history)}"  # tokens = reference
+    assert cells[2][1] == "100.0%"
+    assert not ex.figures["tensors"].data[2].z  # quantization error: only for the quantized lane
+    ex._w["lane"].value = "quantized"
+    err = ex.figures["tensors"].data[2].z
+    assert len(err) == model.config.num_kv_heads and max(max(r) for r in err) > 0
+    ex._w["lane"].value = "none"
+    notes = [a.text for a in ex.figures["cache_map"].layout.annotations]
+    assert any("no cache" in t for t in notes)
+
+
+def test_tensor_norms_are_the_stored_keys(model):
+    ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    ex.run(3)
+    ex._w["layer"].value = 2
+    keys = ex.lane.cache.key(2)[0]  # (kv_heads, slots, head_dim), after RoPE
+    z = ex.figures["tensors"].data[0].z
+    n = ex.lane.cache.length
+    expected = keys[:, :n].norm(dim=-1)
+    got = torch.tensor([row[:n] for row in z])
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert all(v is None for row in z for v in row[n:])  # free slots are blank
+
+
+def test_sink_lane_refuses_a_rewind_into_evicted_positions(model):
+    ex = explorer(model, strategies=("preallocated", "sink"), max_seq_len=64,
+                  strategy_options={"sink": {"sinks": 2, "window": 12}}, prompt="Call me Ishmael.")
+    ex.run(14)
+    tokens = {n: list(l.generator.tokens) for n, l in ex.lanes.items()}
+    ex._w["lane"].value = "sink"
+    assert "evicted" in ex.figures["cache_map"].layout.title.text
+    with pytest.raises(ValueError, match="evicted"):
+        ex.rewind(14)  # back to position 6, but 2..7 were evicted
+    assert {n: list(l.generator.tokens) for n, l in ex.lanes.items()} == tokens
+    ex.rewind(1)
+    assert all(len(l.generator.tokens) == len(tokens["sink"]) - 1 for l in ex.lanes.values())
+
+
+def test_chat_toggle_only_with_a_template(model):
+    ex = explorer(model, strategies=("preallocated",))
+    assert ex._w["chat"].layout.display == "none"
+    with pytest.raises(ValueError, match="no chat template"):
+        ex.prefill("hello", chat=True)
+
+
+def test_bad_arguments_are_named(model):
+    with pytest.raises(ValueError, match="unknown strategy 'fast'"):
+        kvexplore.Explorer(model, strategies=("fast",))
+    with pytest.raises(ValueError, match="layer 9 does not exist"):
+        kvexplore.Explorer(model, layer=9)
+    with pytest.raises(ValueError, match="unknown view"):
+        kvexplore.Explorer(model, views=("cache",))
+
+
+def test_views_are_pure_functions_of_records(model):
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=32),
+                              tracer=kvexplore.Tracer(capture={"cache", "attention"}))
+    gen.prefill(PROMPT)
+    gen.run(2)
+    spec = cache_map.spec(gen.history[-1], "preallocated", model.config.num_layers)
+    row = spec.trace("slots")["z"][0]
+    assert row.count(CODE["written"]) == 1 and row.count(CODE["read"]) == gen.cache.length - 1
+    att = attention.spec(gen.history, layer=0, head=0, num_heads=8, gqa_groups=gen.history[-1].trace.gqa_groups)
+    assert sum(att.trace("current")["y"]) == pytest.approx(1.0, abs=1e-5)
+    fig = kvexplore.explorer.views.spec.figure(spec)  # a plain plotly figure, e.g. for a static report
+    assert fig.data[0].type == "heatmap"
