@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ pytest.importorskip("ipywidgets")
 import kvexplore  # noqa: E402
 from kvexplore.explorer.views import attention, cache_map  # noqa: E402
 from kvexplore.explorer.views.palette import SLOT_CLASSES  # noqa: E402
+from kvexplore.explorer.views.spec import grid  # noqa: E402
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 PROMPT = "Call me Ishmael. Some years ago"
@@ -28,9 +31,12 @@ def explorer(model, **kw):
     return kvexplore.Explorer(model, **kw)
 
 
+def slot_rows(ex):
+    return grid(ex.figures["cache_map"].data[0])
+
+
 def slot_row(ex, layer=0):
-    fig = ex.figures["cache_map"]
-    return list(fig.data[0].z[layer])
+    return [int(v) for v in slot_rows(ex)[layer]]
 
 
 def click(ex, name):
@@ -56,7 +62,8 @@ def test_prefill_and_step_move_the_write_window_one_slot(model):
         assert f"write narrow(2, {pos}, 1) · read narrow(2, 0, {pos + 1})" in title
         assert f"step {k + 1}" in ex._w["status"].value
     # every layer row is the same slot map
-    assert all(list(r) == row for r in ex.figures["cache_map"].data[0].z)
+    assert all([int(v) for v in r] == row for r in slot_rows(ex))
+    assert len(slot_rows(ex)) == model.config.num_layers
 
 
 def test_figures_update_in_place(model):
@@ -117,13 +124,12 @@ def test_attention_rows_sum_to_one_and_layer_picker(model):
     assert "layer 3 · query head 5 (reads KV head 1)" in fig.layout.title.text  # 8 heads over 2 kv heads
     bar = fig.data[0]
     assert sum(bar.y) == pytest.approx(1.0, abs=1e-5)
-    history = fig.data[1]
-    assert len(history.z) == len(ex.lane.generator.tokens) - 1  # one row per token processed
-    for row in history.z:
+    history = grid(fig.data[1])
+    assert len(history) == len(ex.lane.generator.tokens) - 1  # one row per token processed
+    for row in history:
         assert sum(row) == pytest.approx(1.0, abs=1e-5)
-    # row q attends to positions 0..q only (causal)
-    for q, row in zip(history.y, history.z):
-        assert all(v == 0 for v in row[q + 1:])
+    # row q attends to positions 0..q only (causal): nothing else is even sent
+    assert all(x <= y for x, y in zip(fig.data[1].x, fig.data[1].y))
     gqa = fig.data[2].z
     assert [list(r) for r in gqa] == [[(2 if h == 5 else 1) if h // 4 == g else 0 for h in range(8)] for g in range(2)]
     # the current row is what the model computed: compare with the trace directly
@@ -227,10 +233,11 @@ def test_compare_exact_and_lossy(model):
     assert list(cells[0]) == ["preallocated (reference)", "concat", "quantized", "none"]
     assert cells[1][1] == f"{len(lanes['concat'].history)}/{len(lanes['concat'].history)}"  # tokens = reference
     assert cells[2][1] == "100.0%"
-    assert not ex.figures["tensors"].data[2].z  # quantization error: only for the quantized lane
+    assert len(ex.figures["tensors"].data[2].z) == 0  # quantization error: only for the quantized lane
     ex._w["lane"].value = "quantized"
     err = ex.figures["tensors"].data[2].z
     assert len(err) == model.config.num_kv_heads and max(max(r) for r in err) > 0
+    assert list(err[0]) == pytest.approx(ex.lane.cache.quantization_error(0)[0, 0].tolist())
     ex._w["lane"].value = "none"
     notes = [a.text for a in ex.figures["cache_map"].layout.annotations]
     assert any("no cache" in t for t in notes)
@@ -244,9 +251,9 @@ def test_tensor_norms_are_the_stored_keys(model):
     z = ex.figures["tensors"].data[0].z
     n = ex.lane.cache.length
     expected = keys[:, :n].norm(dim=-1)
-    got = torch.tensor([row[:n] for row in z])
+    got = torch.tensor([list(row[:n]) for row in z])
     assert torch.allclose(got, expected, atol=1e-4)
-    assert all(v is None for row in z for v in row[n:])  # free slots are blank
+    assert all(math.isnan(v) for row in z for v in row[n:])  # free slots are blank
 
 
 def test_sink_lane_refuses_a_rewind_into_evicted_positions(model):
@@ -285,7 +292,7 @@ def test_views_are_pure_functions_of_records(model):
     gen.prefill(PROMPT)
     gen.run(2)
     spec = cache_map.spec(gen.history[-1], "preallocated", model.config.num_layers)
-    row = spec.trace("slots")["z"][0]
+    row = [int(v) for v in grid(spec.trace("slots"))[0]]
     assert row.count(CODE["written"]) == 1 and row.count(CODE["read"]) == gen.cache.length - 1
     att = attention.spec(gen.history, layer=0, head=0, num_heads=8, gqa_groups=gen.history[-1].trace.gqa_groups)
     assert sum(att.trace("current")["y"]) == pytest.approx(1.0, abs=1e-5)

@@ -64,6 +64,7 @@ class Explorer:
         self._build_widgets(prompt or "", chat, source)
         self.figures: dict[str, Any] = {}
         self._signatures: dict[str, tuple] = {}
+        self._shown: dict[str, FigureSpec] = {}  # what each figure shows now: only changes are sent
         self._make_figures()
         if prompt:
             self.prefill(prompt, chat=chat)
@@ -182,7 +183,7 @@ class Explorer:
             elif name == "tensors":
                 norms = lane.tracer.norms[self.layer] if lane.history else None
                 err = lane.cache.quantization_error(self.layer)[0] if lane.kind == "quantized" and lane.history else None
-                out[name] = tensors.spec(lane.last, norms, self.layer, err, texts, slots)
+                out[name] = tensors.spec(lane.last, norms, self.layer, err, slots)
             elif name == "compare":
                 out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
                                          {n: l.kl for n, l in self.lanes.items()},
@@ -194,17 +195,20 @@ class Explorer:
         lane = self.lane
         self._sync_lanes()
         w = self._w
-        w["tokens"].value = tokens.strip_html(self._prompt_texts(lane), lane.history)
+        w["tokens"].value = self._strip(lane)
         w["status"].value = html.escape(self._status(lane))
         for name, spec in self.specs().items():
             fig = self.figures[name]
             sig = signature(spec)
+            previous = self._shown.get(name)
             if sig != self._signatures[name]:  # lanes were added or dropped: new traces, same widget
                 with fig.batch_update():
                     fig.data = ()
                     fig.add_traces(figure(spec).data)
                 self._signatures[name] = sig
-            apply(fig, spec)
+                previous = None
+            apply(fig, spec, previous)
+            self._shown[name] = spec
 
     # -- internals ---------------------------------------------------------------------------------------
     def _load(self, source):
@@ -250,6 +254,24 @@ class Explorer:
             self._prompt_key = key
             self._prompt_cache = [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)]
         return self._prompt_cache
+
+    def _strip(self, lane: Lane) -> str:
+        """The token strip; each token's span is made once (only the newest token's outline moves)."""
+        self._prompt_texts(lane)
+        if getattr(self, "_prompt_html_key", None) != self._prompt_key:
+            self._prompt_html_key, self._prompt_html = self._prompt_key, tokens.prompt_spans(self._prompt_cache)
+        old, spans = getattr(self, "_spans", {}), {}
+        out = []
+        for r in lane.history[:-1]:
+            entry = old.get(id(r))
+            if entry is None or entry[0] is not r:
+                entry = (r, tokens.token_span(r))
+            spans[id(r)] = entry
+            out.append(entry[1])
+        if lane.history:
+            out.append(tokens.token_span(lane.history[-1], last=True))
+        self._spans = spans
+        return tokens.strip_html(self._prompt_html, out)
 
     def _token_texts(self, lane: Lane) -> list[str]:
         return self._prompt_texts(lane) + [r.text for r in lane.history]
@@ -362,6 +384,7 @@ class Explorer:
             fig.add_class(f"kvx-fig-{name}")
             self.figures[name] = fig
             self._signatures[name] = signature(spec)
+            self._shown[name] = spec
             boxes.append(W.HTML(f"<b>{HEADINGS[name]}</b>"))
             boxes.append(fig)
         self._figure_box.children = boxes

@@ -11,32 +11,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ...records import StepRecord
-from .spec import FigureSpec
+from .spec import FigureSpec, columns
 
 MAX_ROWS = 256  # history rows drawn (the most recent); older rows scroll out
 
 
-def history_matrix(records: Sequence[StepRecord], layer: int, head: int) -> tuple[list[int], list[list[float]]]:
-    """Rows (query positions) and their attention over key positions ``0..max`` for ``layer``/``head``.
+def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
+                   max_rows: int = MAX_ROWS) -> tuple[list[int], np.ndarray]:
+    """Rows (query positions) and their attention over key positions ``0..max`` for ``layer``/``head``: a float32
+    array, the most recent ``max_rows`` rows.
 
     The prefill record gives a row per prompt token; every later record its last row (a step without a cache
     recomputes all rows, of which only the newest is new)."""
-    rows: list[tuple[int, list[float]]] = []
+    picked: list[tuple[int, np.ndarray]] = []
     width = 0
-    for r in records:
+    for r in reversed(records):  # newest first, until enough rows
         t = r.trace
         if t is None or layer not in t._attention:
             continue
-        att = t.attention(layer)  # (T, heads, positions) logical
-        h = t.heads.index(head)
+        raw = t.attention_raw(layer)[:, t.heads.index(head)]  # (T, keys read) in the order attention read them
+        cols = np.asarray(t.read_positions)
         first = r.position - r.input_len
-        chosen = range(att.shape[0]) if r.kind == "prefill" else [att.shape[0] - 1]
-        for i in chosen:
-            rows.append((first + i, att[i, h].tolist()))
-        width = max(width, att.shape[-1])
-    rows = rows[-MAX_ROWS:]
-    return [q for q, _ in rows], [row + [0.0] * (width - len(row)) for _, row in rows]
+        chosen = range(raw.shape[0]) if r.kind == "prefill" else [raw.shape[0] - 1]
+        for i in reversed(chosen):
+            row = np.zeros(cols.max() + 1, dtype=np.float32)
+            row[cols] = raw[i].numpy()  # logical positions; evicted ones stay 0
+            picked.append((first + i, row))
+            if len(picked) == max_rows:
+                break
+        width = max(width, int(cols.max()) + 1)
+        if len(picked) == max_rows:
+            break
+    picked.reverse()
+    matrix = np.zeros((len(picked), width), dtype=np.float32)
+    for i, (_, row) in enumerate(picked):
+        matrix[i, : len(row)] = row
+    return [q for q, _ in picked], matrix
 
 
 def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequence[str] = (),
@@ -47,19 +60,19 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
     if have:
         t = last.trace
         probs = (t.physical_attention(layer) if t.slots is not None and t.slots.positions else t.attention(layer))[-1, t.heads.index(head)]
-        bar_y = probs.tolist()
+        bar_y = probs.numpy()
         bar_x = list(range(len(bar_y)))
         positions = t.slots.positions if t.slots is not None and t.slots.positions else bar_x
         bar_text = [f"slot {s} · position {p} {_tok(p, token_texts)}" if p >= 0 else f"slot {s}: empty"
                     for s, p in enumerate(positions)]
-    qpos, matrix = history_matrix(records, layer, head) if have else ([], [])
+    qpos, matrix = history_matrix(records, layer, head) if have else ([], np.zeros((0, 0), np.float32))
     kvh = len(gqa_groups)
     group_z = [[(2 if h == head else 1) if h in g else 0 for h in range(num_heads)] for g in gqa_groups]
     current = "" if last is None else f" · token {last.position - 1} {_tok(last.position - 1, token_texts)}"
     traces = [
         dict(type="bar", name="current", x=bar_x, y=bar_y, customdata=bar_text, marker=dict(color="#3182bd"),
              hovertemplate="%{customdata}<br>p = %{y:.4f}<extra></extra>", xaxis="x", yaxis="y"),
-        dict(type="heatmap", name="history", z=matrix, y=qpos, x=list(range(len(matrix[0]) if matrix else 0)),
+        dict(type="heatmap", name="history", **columns(matrix, _causal(qpos, matrix.shape[1]), rows=qpos),
              colorscale="Blues", zmin=0, zmax=1, xaxis="x2", yaxis="y2",
              colorbar=dict(title=dict(text="p"), len=0.48, y=0, yanchor="bottom", x=0.7, thickness=12),
              hovertemplate="query position %{y} → key position %{x}<br>p = %{z:.4f}<extra></extra>"),
@@ -82,6 +95,11 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
                                           y=0.8, showarrow=False)],
     )
     return FigureSpec(traces, layout)
+
+
+def _causal(qpos: Sequence[int], width: int) -> np.ndarray:
+    """The cells a row can hold: query position q reads keys 0..q (the rest is never sent)."""
+    return np.arange(width)[None, :] <= np.asarray(qpos, dtype=np.int64)[:, None]
 
 
 def _tok(pos: int, token_texts: Sequence[str]) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
-from .spec import FigureSpec
+from .spec import FigureSpec, columns
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 
@@ -60,14 +62,19 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         positions = view.positions
         layout_info = view.layout
     n = len(classes)
-    row = [CODE[c] for c in classes]
-    hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
-    heat = dict(type="heatmap", name="slots", z=[row] * num_layers if n else [], customdata=[hover_row] * num_layers if n else [],
-                x=list(range(n)), y=list(range(num_layers)), zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5,
-                colorscale=discrete_colorscale(SLOT_COLOURS), xgap=1 if n <= 128 else 0, ygap=1,
-                hovertemplate="layer %{y}<br>%{customdata}<extra></extra>",
+    row = np.array([CODE[c] for c in classes], dtype=np.int8)
+    scale = dict(zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5, colorscale=discrete_colorscale(SLOT_COLOURS))
+    # every layer holds the same positions: the layer rows carry numbers only (sent as binary arrays), and one row
+    # on top names the token in each slot when hovered
+    heat = dict(type="heatmap", name="slots", **columns(np.tile(row, (num_layers, 1))),
+                xgap=1 if n <= 128 else 0, ygap=1, xaxis="x", yaxis="y",
+                hovertemplate="layer %{y} · slot %{x}<br>(hover the token row for what it holds)<extra></extra>",
                 colorbar=dict(tickvals=list(range(len(SLOT_CLASSES))), ticktext=list(SLOT_CLASSES),
-                              thickness=14, len=1.0, title=dict(text="slot")))
+                              thickness=14, len=1.0, title=dict(text="slot")), **scale)
+    hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
+    names = dict(type="heatmap", name="tokens", z=row[None, :], customdata=[hover_row], x=np.arange(n), y=["token"],
+                 xgap=1 if n <= 128 else 0, xaxis="x", yaxis="y2", showscale=False,
+                 hovertemplate="%{customdata}<extra></extra>", **scale)
     shapes, annotations, ticks = _strategy_layout(kind, layout_info, n, num_layers)
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
@@ -76,17 +83,19 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh), font=dict(size=13)),
                   xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})"), **ticks),
-                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5),
+                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
+                             domain=[0, 0.84]),
+                  yaxis2=dict(domain=[0.88, 1], anchor="x", showticklabels=True, fixedrange=True),
                   shapes=shapes, annotations=annotations, height=170 + 9 * min(num_layers, 32),
-                  margin=dict(l=60, r=20, t=60, b=50))
-    return FigureSpec([heat], layout)
+                  margin=dict(l=60, r=20, t=86, b=50))
+    return FigureSpec([heat, names], layout)
 
 
 def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
     if pos < 0:
-        return f"slot {slot}: {cls} — {SLOT_MEANING[cls]}"
+        return f"slot {slot}: {cls}, {SLOT_MEANING[cls]}"
     tok = repr(token_texts[pos]) if pos < len(token_texts) else ""
-    return f"slot {slot} · position {pos} {tok}<br>{cls} — {SLOT_MEANING[cls]}"
+    return f"slot {slot} · position {pos} {tok}<br>{cls}: {SLOT_MEANING[cls]}"
 
 
 def _order(kind: str) -> str:
@@ -118,7 +127,7 @@ def _note(text: str) -> dict:
 
 
 def _vline(x: float, num_layers: int, colour: str = "#444", dash: str = "solid") -> dict:
-    return dict(type="line", x0=x, x1=x, y0=-0.5, y1=num_layers - 0.5, line=dict(color=colour, width=1.5, dash=dash))
+    return dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=dict(color=colour, width=1.5, dash=dash))
 
 
 def _strategy_layout(kind: str, info: dict, n: int, num_layers: int) -> tuple[list, list, dict]:
@@ -135,10 +144,11 @@ def _strategy_layout(kind: str, info: dict, n: int, num_layers: int) -> tuple[li
         shapes = [_vline(info["sinks"] - 0.5, num_layers)]
         if info.get("ring_start") is not None:
             shapes.append(_vline(info["ring_start"] - 0.5, num_layers, "#d62728", "dot"))
-            annotations.append(dict(text="ring start", x=info["ring_start"] - 0.5, y=-0.5, yref="y", xref="x",
-                                    showarrow=False, yshift=10, font=dict(size=11, color="#d62728")))
+            annotations.append(dict(text="ring start", x=info["ring_start"] - 0.5, y=1, yref="paper", xref="x",
+                                    yanchor="bottom", showarrow=False, font=dict(size=11, color="#d62728")))
     elif kind == "quantized" and "quantized_slots" in info:
         shapes = [_vline(info["quantized_slots"] - 0.5, num_layers)]
-        annotations.append(dict(text="full-precision residual →", x=info["quantized_slots"] - 0.5, y=-0.5,
-                                xref="x", yref="y", showarrow=False, xanchor="left", yshift=10, font=dict(size=11)))
+        annotations.append(dict(text="full-precision residual →", x=info["quantized_slots"] - 0.5, y=1,
+                                xref="x", yref="paper", yanchor="bottom", showarrow=False, xanchor="left",
+                                font=dict(size=11)))
     return shapes, annotations, ticks

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ...records import StepRecord
-from .palette import size, strategy_colour
+from .palette import strategy_colour
 from .spec import FigureSpec
 
 HELD = (("reserved", "reserved_bytes", "solid"), ("logical", "logical_bytes", "dash"),
@@ -40,8 +40,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
                     type="scatter", mode="lines+markers" if len(steps) < 40 else "lines", name=f"{label} · {lane}",
                     legendgroup=lane, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
                     line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
-                    customdata=[size(y) if y is not None else "" for y in ys],
-                    hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B (%{{customdata}})<extra></extra>"))
+                    hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)
     gap = 0.12
     height = (1 - gap * (n - 1)) / n

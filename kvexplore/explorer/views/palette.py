@@ -31,9 +31,13 @@ def discrete_colorscale(colours: tuple[str, ...]) -> list[list]:
     return scale
 
 
-def step_colour(step: int, steps: int) -> str:
-    """Background of a generated token: light to dark blue-green as the steps go on."""
-    t = 0.0 if steps <= 1 else step / (steps - 1)
+STEP_CYCLE = 32  # steps over which the token colour goes from light to dark, then starts again
+
+
+def step_colour(step: int) -> str:
+    """Background of a generated token: light to dark blue-green over :data:`STEP_CYCLE` steps, then again (a
+    token's colour never changes as more are generated)."""
+    t = (step % STEP_CYCLE) / (STEP_CYCLE - 1)
     lo, hi = (224, 243, 219), (67, 162, 202)
     r, g, b = (round(a + (z - a) * t) for a, z in zip(lo, hi))
     return f"rgb({r},{g},{b})"

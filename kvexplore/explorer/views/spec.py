@@ -9,8 +9,11 @@ fixed for a given set of lanes; only when lanes are added does the controller st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -34,6 +37,38 @@ def _plotly_trace(t: dict[str, Any]):
     return kinds[t["type"]](**props)
 
 
+def columns(matrix: np.ndarray, keep: np.ndarray | None = None, x0: int = 0,
+            rows: Sequence[int] | np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A heatmap's cells as three flat arrays ``x``, ``y``, ``z`` (plotly draws a heatmap from columns too).
+
+    Flat numeric arrays reach the browser as binary buffers; a 2-D ``z`` would travel as nested JSON lists, which
+    costs far more on every update. ``keep`` (a boolean mask like ``matrix``) drops cells never drawn; ``rows`` gives
+    each row's y value (default ``0..rows-1``)."""
+    h, w = matrix.shape
+    ys = np.arange(h, dtype=np.int32) if rows is None else np.asarray(rows, dtype=np.int32)
+    yy = np.repeat(ys, w)
+    xx = np.tile(np.arange(x0, x0 + w, dtype=np.int32), h)
+    z = matrix.reshape(-1)
+    if keep is not None:
+        flat = keep.reshape(-1)
+        xx, yy, z = xx[flat], yy[flat], z[flat]
+    return dict(x=xx, y=yy, z=z)
+
+
+def grid(trace: Any) -> np.ndarray:
+    """The 2-D matrix of a heatmap given as :func:`columns` (a trace dict or a plotly trace); cells not sent are 0."""
+    get = trace.get if isinstance(trace, dict) else (lambda k: getattr(trace, k))
+    x, y, z = (np.asarray(get(k)) for k in ("x", "y", "z"))
+    if z.ndim == 2:
+        return z
+    if z.size == 0:
+        return np.zeros((0, 0), dtype=np.float32)
+    ys = np.unique(y)
+    out = np.zeros((len(ys), int(x.max()) + 1), dtype=z.dtype)
+    out[np.searchsorted(ys, y), x] = z
+    return out
+
+
 def figure(spec: FigureSpec, widget: bool = False):
     """A new ``go.Figure`` (or ``go.FigureWidget`` with ``widget=True``) drawing ``spec``."""
     import plotly.graph_objects as go
@@ -47,11 +82,28 @@ def signature(spec: FigureSpec) -> tuple[tuple[str, str], ...]:
     return tuple((t["type"], str(t.get("name"))) for t in spec.traces)
 
 
-def apply(fig, spec: FigureSpec) -> None:
-    """Update ``fig`` (built from a spec with the same :func:`signature`) to show ``spec``, in one batch."""
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(np.array_equal(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def changes(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """The properties of ``new`` that differ from ``old`` (all of them without ``old``)."""
+    return {k: v for k, v in new.items() if k != "type" and (old is None or k not in old or not _same(v, old[k]))}
+
+
+def apply(fig, spec: FigureSpec, previous: FigureSpec | None = None) -> None:
+    """Update ``fig`` (built from a spec with the same :func:`signature`) to show ``spec``, in one batch. With
+    ``previous`` (the spec ``fig`` shows now) only the properties that changed are sent."""
     if len(fig.data) != len(spec.traces):
         raise ValueError(f"figure has {len(fig.data)} traces but the spec has {len(spec.traces)}: build a new figure")
     with fig.batch_update():
-        for trace, t in zip(fig.data, spec.traces):
-            trace.update({k: v for k, v in t.items() if k != "type"})
-        fig.update_layout(spec.layout, overwrite=False)
+        for i, (trace, t) in enumerate(zip(fig.data, spec.traces)):
+            changed = changes(t, previous.traces[i] if previous is not None else None)
+            if changed:
+                trace.update(changed)
+        changed = changes(spec.layout, previous.layout if previous is not None else None)
+        if changed:
+            fig.update_layout(changed, overwrite=True)

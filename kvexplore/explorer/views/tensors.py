@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ...caches.base import SlotView
@@ -16,40 +17,40 @@ from ...records import StepRecord
 from .spec import FigureSpec
 
 
-def physical(norms: torch.Tensor, positions: Sequence[int]) -> list[list[float | None]]:
-    """``norms`` (kv_heads, logical positions) laid out over physical slots (``None`` where no position)."""
-    n = norms.shape[-1]
-    rows = norms.tolist()
-    return [[row[p] if 0 <= p < n else None for p in positions] for row in rows]
+def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
+    """``norms`` (kv_heads, logical positions) laid out over physical slots: float32, NaN where no position."""
+    pos = np.asarray(positions, dtype=np.int64)
+    ok = (pos >= 0) & (pos < norms.shape[-1])
+    out = np.full((norms.shape[0], len(pos)), np.nan, dtype=np.float32)
+    out[:, ok] = norms.numpy()[:, pos[ok]]
+    return out
 
 
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
-         quant_error: torch.Tensor | None = None, token_texts: Sequence[str] = (),
-         slots: SlotView | None = None) -> FigureSpec:
+         quant_error: torch.Tensor | None = None, slots: SlotView | None = None) -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``)."""
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots
     positions = list(slots.positions) if slots is not None and slots.positions else (
         list(range(record.position - 1)) if record is not None else [])
-    k_rows = physical(norms[0], positions) if norms is not None else []
-    v_rows = physical(norms[1], positions) if norms is not None else []
-    names = [f"slot {s} · position {p} {repr(token_texts[p]) if 0 <= p < len(token_texts) else ''}"
-             if p >= 0 else f"slot {s}: empty" for s, p in enumerate(positions)]
+    empty = np.zeros((0, 0), np.float32)
+    k_rows = physical(norms[0], positions) if norms is not None else empty
+    v_rows = physical(norms[1], positions) if norms is not None else empty
+    names = np.asarray(positions, dtype=np.int64)  # hover: the position each slot holds (-1: none)
     kvh = len(k_rows)
-    qe = quant_error.tolist() if quant_error is not None else []
+    qe = quant_error.numpy() if quant_error is not None else empty
     common = dict(colorscale="Viridis", hoverongaps=False, xgap=0, ygap=1)
     traces = [
         dict(type="heatmap", name="key norms", z=k_rows, x=list(range(len(positions))), y=list(range(kvh)),
-             customdata=[names] * kvh, xaxis="x", yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1,
+             customdata=np.tile(names, (kvh, 1)), xaxis="x", yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1,
                                                                             yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · %{customdata}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
+             hovertemplate="KV head %{y} · slot %{x} · position %{customdata}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
         dict(type="heatmap", name="value norms", z=v_rows, x=list(range(len(positions))), y=list(range(kvh)),
-             customdata=[names] * kvh, xaxis="x2", yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28,
+             customdata=np.tile(names, (kvh, 1)), xaxis="x2", yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28,
                                                                              y=0.64, yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · %{customdata}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="quantization error", z=qe, x=list(range(len(qe[0]) if qe else 0)),
-             y=list(range(len(qe))), colorscale="Reds", xaxis="x3", yaxis="y3", ygap=1,
+             hovertemplate="KV head %{y} · slot %{x} · position %{customdata}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="quantization error", z=qe, x=np.arange(qe.shape[1]), y=np.arange(qe.shape[0]), colorscale="Reds", xaxis="x3", yaxis="y3", ygap=1,
              colorbar=dict(title=dict(text="max err"), len=0.28, y=0.28, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
     ]

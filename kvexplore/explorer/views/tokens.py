@@ -24,18 +24,25 @@ def _show(text: str) -> str:
     return html.escape(text.replace(" ", "·").replace("\t", "→")).replace("\n", "↵\n")
 
 
-def strip_html(prompt_texts: Sequence[str], records: Sequence[StepRecord]) -> str:
-    """One ``<span class="kvx-tok">`` per token: the prompt's, then one per record (the newest outlined)."""
-    parts = [STYLE, '<div class="kvx-strip">']
-    for pos, text in enumerate(prompt_texts):
-        parts.append(f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>')
+def prompt_spans(prompt_texts: Sequence[str]) -> str:
+    """The prompt's tokens, one ``<span class="kvx-tok kvx-prompt-tok">`` each."""
+    return "".join(f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>'
+                   for pos, text in enumerate(prompt_texts))
+
+
+def token_span(record: StepRecord, last: bool = False) -> str:
+    """One generated token: its step's colour, the newest outlined; the tooltip lists the candidates."""
+    top = "\n".join(f"  {c.text!r}  {c.prob:.3f}" for c in record.top)
+    tip = html.escape(f"step {record.step} ({record.kind}) · position {record.position} · p = {record.prob:.3f}"
+                      f"\ncandidates:\n{top}", quote=True)
+    return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}" style="background:{step_colour(record.step)}" '
+            f'title="{tip}">{_show(record.text)}</span>')
+
+
+def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] | Sequence[str]) -> str:
+    """The whole strip: the prompt (texts, or :func:`prompt_spans` already made), then one span per record (or the
+    spans already made with :func:`token_span`)."""
+    head = prompt_texts if isinstance(prompt_texts, str) else prompt_spans(prompt_texts)
     n = len(records)
-    for i, r in enumerate(records):
-        top = "\n".join(f"  {c.text!r}  {c.prob:.3f}" for c in r.top)
-        tip = html.escape(f"step {r.step} ({r.kind}) · position {r.position} · p = {r.prob:.3f}\ncandidates:\n{top}",
-                          quote=True)
-        last = " kvx-last" if i == n - 1 else ""
-        parts.append(f'<span class="kvx-tok kvx-gen{last}" style="background:{step_colour(i, n)}" '
-                     f'title="{tip}">{_show(r.text)}</span>')
-    parts.append("</div>")
-    return "".join(parts)
+    spans = [r if isinstance(r, str) else token_span(r, last=i == n - 1) for i, r in enumerate(records)]
+    return f'{STYLE}<div class="kvx-strip">{head}{"".join(spans)}</div>'
