@@ -69,12 +69,15 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     heat = dict(type="heatmap", name="slots", **columns(np.tile(row, (num_layers, 1))),
                 xgap=1 if n <= 128 else 0, ygap=1, xaxis="x", yaxis="y",
                 hovertemplate="layer %{y} · slot %{x}<br>(hover the token row for what it holds)<extra></extra>",
-                colorbar=dict(tickvals=list(range(len(SLOT_CLASSES))), ticktext=list(SLOT_CLASSES),
-                              thickness=14, len=1.0, title=dict(text="slot")), **scale)
+                showscale=False, **scale)
     hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
     names = dict(type="heatmap", name="tokens", z=row[None, :], customdata=[hover_row], x=np.arange(n), y=["token"],
                  xgap=1 if n <= 128 else 0, xaxis="x", yaxis="y2", showscale=False,
                  hovertemplate="%{customdata}<extra></extra>", **scale)
+    # the legend: one square per slot class (a heatmap has none of its own)
+    legend = [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
+                   marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
+                   hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
     shapes, annotations, ticks = _strategy_layout(kind, layout_info, n, num_layers)
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
@@ -82,13 +85,15 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh), font=dict(size=13)),
-                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})"), **ticks),
+                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})", standoff=4), **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
                              domain=[0, 0.84]),
                   yaxis2=dict(domain=[0.88, 1], anchor="x", showticklabels=True, fixedrange=True),
-                  shapes=shapes, annotations=annotations, height=170 + 9 * min(num_layers, 32),
-                  margin=dict(l=60, r=20, t=86, b=50))
-    return FigureSpec([heat, names], layout)
+                  shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
+                  legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
+                              title=dict(text="slot")),
+                  margin=dict(l=60, r=20, t=90, b=50))
+    return FigureSpec([heat, names, *legend], layout)
 
 
 def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
@@ -112,7 +117,11 @@ def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str],
         head += f" · after a rewind ({classes.count('stale')} stale)"
     elif record.trace and record.trace.events:
         (w0, wn), (r0, rn) = record.trace.events[0].write, record.trace.events[0].read
-        head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, {r0}, {rn})"
+        if kind == "preallocated":  # literally the tensor windows
+            head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, 0, {rn})"
+        else:
+            wrote = f"position {w0}" if wn == 1 else f"positions {w0}..{w0 + wn - 1}"
+            head += f" · wrote {wrote} · attention read {rn} positions"
     if kind == "paged":
         head += f"<br>block table {info.get('block_table')} · {info.get('free_blocks')} free pages"
     elif kind == "sink":

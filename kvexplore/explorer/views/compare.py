@@ -44,7 +44,11 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
          top1: Mapping[str, Sequence[bool | None]], reference: str) -> FigureSpec:
     table = rows(lanes, kl, top1, reference)
-    traces = [dict(type="table", name="summary", domain=dict(x=[0, 1], y=[0.6, 1]),
+    table_px = 40 + 30 * max(1, len(table))  # header and one row per strategy (some wrap to two lines)
+    plots_px = 260
+    height = table_px + plots_px + 130
+    split = round(1 - table_px / (table_px + plots_px + 60), 4)
+    traces = [dict(type="table", name="summary", domain=dict(x=[0, 1], y=[split, 1]),
                    header=dict(values=list(COLUMNS), fill=dict(color="#e8eef6"), align="left", font=dict(size=12)),
                    cells=dict(values=[list(col) for col in zip(*table)] if table else [[] for _ in COLUMNS],
                               align="left", font=dict(size=12), height=24))]
@@ -58,12 +62,12 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
         traces.append(dict(type="scatter", mode="lines", name=f"KL · {name}", legendgroup=name,
                            x=[r.step for r in records][:len(ks)], y=ks, line=dict(color=strategy_colour(i), dash="dot"),
                            xaxis="x2", yaxis="y2", hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
-    layout = dict(height=520, margin=dict(l=70, r=20, t=50, b=40),
+    layout = dict(height=height, margin=dict(l=70, r=20, t=50, b=40),
                   title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
                   xaxis=dict(domain=[0, 0.46], anchor="y", title=dict(text="step")),
-                  yaxis=dict(domain=[0, 0.48], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
+                  yaxis=dict(domain=[0, round(split - 0.12, 4)], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
                   xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
-                  yaxis2=dict(domain=[0, 0.48], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
+                  yaxis2=dict(domain=[0, round(split - 0.12, 4)], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
                               rangemode="tozero", exponentformat="e"),
-                  legend=dict(orientation="h", y=-0.12, font=dict(size=11)))
+                  legend=dict(font=dict(size=11)))
     return FigureSpec(traces, layout)

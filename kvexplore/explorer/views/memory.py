@@ -23,13 +23,16 @@ CUDA = (("allocator reserved Δ", "reserved_bytes", "solid"), ("fragmentation Δ
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> FigureSpec:
     """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill)."""
-    panels = [("held after the step", HELD, "y"), ("moved by the step", MOVED, "y2")]
+    panels = [("held after the step<br>reserved ━ logical ╌ analytic ┈", HELD, "y"),
+              ("moved by the step<br>written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
-        panels.append(("CUDA allocator over the step", CUDA, "y3"))
+        panels.append(("CUDA allocator over the step<br>reserved Δ ━ fragmentation Δ ╌", CUDA, "y3"))
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
         steps = [r.step for r in records]
         mems = [r.memory for r in records]
+        traces.append(dict(type="scatter", name=lane, legendgroup=lane, x=[None], y=[None], mode="lines",
+                           line=dict(color=strategy_colour(i), width=3), showlegend=True, hoverinfo="skip"))
         for p, (_, metrics, axis) in enumerate(panels):
             for label, attr, dash in metrics:
                 if axis == "y3":
@@ -38,16 +41,17 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
                     ys = [getattr(m, attr) if m is not None else None for m in mems]
                 traces.append(dict(
                     type="scatter", mode="lines+markers" if len(steps) < 40 else "lines", name=f"{label} · {lane}",
-                    legendgroup=lane, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
+                    legendgroup=lane, showlegend=False, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
                     line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
                     hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)
     gap = 0.12
     height = (1 - gap * (n - 1)) / n
     layout = dict(height=260 * n + 60, margin=dict(l=70, r=20, t=40, b=40),
-                  title=dict(text="memory per step (bytes; solid/dash/dot = the three figures of each panel)",
+                  title=dict(text="memory per step, bytes (colour: strategy · line style: which figure, see the axis)",
                              font=dict(size=13)),
-                  legend=dict(groupclick="togglegroup", font=dict(size=11)), hovermode="closest")
+                  legend=dict(groupclick="togglegroup", font=dict(size=12), title=dict(text="strategy")),
+                  hovermode="closest")
     for p, (title, _, _) in enumerate(panels):
         top = 1 - p * (height + gap)
         suffix = "" if p == 0 else str(p + 1)
