@@ -235,8 +235,8 @@ def test_compare_exact_and_lossy(model):
     assert cells[2][1] == "100.0%"
     assert len(ex.figures["tensors"].data[2].z) == 0  # quantization error: only for the quantized lane
     ex._w["lane"].value = "quantized"
-    err = ex.figures["tensors"].data[2].z
-    assert len(err) == model.config.num_kv_heads and max(max(r) for r in err) > 0
+    err = grid(ex.figures["tensors"].data[2])
+    assert len(err) == model.config.num_kv_heads and err.max() > 0
     assert list(err[0]) == pytest.approx(ex.lane.cache.quantization_error(0)[0, 0].tolist())
     ex._w["lane"].value = "none"
     notes = [a.text for a in ex.figures["cache_map"].layout.annotations]
@@ -248,12 +248,13 @@ def test_tensor_norms_are_the_stored_keys(model):
     ex.run(3)
     ex._w["layer"].value = 2
     keys = ex.lane.cache.key(2)[0]  # (kv_heads, slots, head_dim), after RoPE
-    z = ex.figures["tensors"].data[0].z
+    trace = ex.figures["tensors"].data[0]
     n = ex.lane.cache.length
     expected = keys[:, :n].norm(dim=-1)
-    got = torch.tensor([list(row[:n]) for row in z])
+    got = torch.tensor(grid(trace)[:, :n])
     assert torch.allclose(got, expected, atol=1e-4)
-    assert all(math.isnan(v) for row in z for v in row[n:])  # free slots are blank
+    assert max(trace.x) == n - 1 and len(trace.z) == n * model.config.num_kv_heads  # free slots are not drawn
+    assert all(math.isfinite(v) for v in trace.z)  # (JSON has no NaN: a NaN would break the widget's sync)
 
 
 def test_sink_lane_refuses_a_rewind_into_evicted_positions(model):
@@ -298,3 +299,31 @@ def test_views_are_pure_functions_of_records(model):
     assert sum(att.trace("current")["y"]) == pytest.approx(1.0, abs=1e-5)
     fig = kvexplore.explorer.views.spec.figure(spec)  # a plain plotly figure, e.g. for a static report
     assert fig.data[0].type == "heatmap"
+
+
+def _plain(v):
+    import numpy as np
+
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def test_every_view_is_json_safe_for_every_strategy(model):
+    """The widget protocol is JSON without NaN/Infinity: one such value in a figure stops the widget syncing."""
+    import json
+
+    ex = explorer(model, strategies=("preallocated", "concat", "paged", "quantized", "sink", "none"), max_seq_len=40,
+                  strategy_options={"paged": {"block_size": 8}, "sink": {"sinks": 2, "window": 14}},
+                  prompt=PROMPT)
+    ex.run(12)
+    ex.rewind(2)
+    ex.fork("paged")
+    for lane in ex.lanes:
+        ex._w["lane"].value = lane
+        for name, spec in ex.specs().items():
+            json.dumps(_plain({"traces": spec.traces, "layout": spec.layout}), allow_nan=False)

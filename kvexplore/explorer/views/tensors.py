@@ -14,7 +14,7 @@ import torch
 
 from ...caches.base import SlotView
 from ...records import StepRecord
-from .spec import FigureSpec
+from .spec import FigureSpec, columns
 
 
 def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
@@ -37,33 +37,34 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     empty = np.zeros((0, 0), np.float32)
     k_rows = physical(norms[0], positions) if norms is not None else empty
     v_rows = physical(norms[1], positions) if norms is not None else empty
-    names = np.asarray(positions, dtype=np.int64)  # hover: the position each slot holds (-1: none)
     kvh = len(k_rows)
     qe = quant_error.numpy() if quant_error is not None else empty
-    common = dict(colorscale="Viridis", hoverongaps=False, xgap=0, ygap=1)
+    common = dict(colorscale="Viridis", xgap=0, ygap=1)
+    # flat columns of the held slots only: binary on the wire, and no NaN (JSON has none) for empty slots
     traces = [
-        dict(type="heatmap", name="key norms", z=k_rows, x=list(range(len(positions))), y=list(range(kvh)),
-             customdata=np.tile(names, (kvh, 1)), xaxis="x", yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1,
-                                                                            yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · slot %{x} · position %{customdata}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="value norms", z=v_rows, x=list(range(len(positions))), y=list(range(kvh)),
-             customdata=np.tile(names, (kvh, 1)), xaxis="x2", yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28,
-                                                                             y=0.64, yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · slot %{x} · position %{customdata}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="quantization error", z=qe, x=np.arange(qe.shape[1]), y=np.arange(qe.shape[0]), colorscale="Reds", xaxis="x3", yaxis="y3", ygap=1,
+        dict(type="heatmap", name="key norms", **columns(np.nan_to_num(k_rows), ~np.isnan(k_rows)), xaxis="x",
+             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · slot %{x}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="value norms", **columns(np.nan_to_num(v_rows), ~np.isnan(v_rows)), xaxis="x2",
+             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28, y=0.64, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · slot %{x}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds",
+             xaxis="x3", yaxis="y3", ygap=1,
              colorbar=dict(title=dict(text="max err"), len=0.28, y=0.28, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
+    span = [-0.5, max(len(positions), 1) - 0.5]
     note = [] if quant_error is not None else [dict(
         text="exact cache: keys and values are stored as computed (no quantization error)", xref="paper",
         yref="paper", x=0.5, y=0.14, showarrow=False, font=dict(size=12, color="#666"))]
     layout = dict(
         height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
         title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
-        xaxis=dict(domain=[0, 0.92], anchor="y", title=dict(text="physical slot", standoff=2)),
-        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="KV head (keys)"), dtick=1),
-        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=2)),
-        yaxis2=dict(domain=[0.38, 0.64], anchor="x2", title=dict(text="KV head (values)"), dtick=1),
+        xaxis=dict(domain=[0, 0.92], anchor="y", title=dict(text="physical slot", standoff=2), range=span),
+        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="KV head (keys)"), dtick=1, range=[-0.5, kvh - 0.5]),
+        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=2), range=span),
+        yaxis2=dict(domain=[0.38, 0.64], anchor="x2", title=dict(text="KV head (values)"), dtick=1,
+                    range=[-0.5, kvh - 0.5]),
         xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=2)),
         yaxis3=dict(domain=[0.02, 0.28], anchor="x3", title=dict(text="KV head (error)"), dtick=1),
         annotations=note,
