@@ -9,6 +9,14 @@ import torch
 from .config import ModelConfig
 
 
+def format_bytes(n: float) -> str:
+    """Bytes for people, in binary units: 23.2 MiB, 1.5 KiB, 12 B."""
+    for unit, step in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= step:
+            return f"{n / step:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def kv_bytes(config: ModelConfig, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
     """Bytes to hold keys and values for ``tokens`` positions of ``batch_size`` sequences:
     ``2 * layers * kv_heads * head_dim * element_size * batch * tokens``."""

@@ -12,7 +12,7 @@ Everything ``=``, ``+`` or shared is what attention reads this step: for the pre
 from __future__ import annotations
 
 from .caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
-from .memory import MemoryReport
+from .memory import MemoryReport, format_bytes
 from .records import StepRecord
 
 LEGEND = ". free  = filled/read  + written this step  ~ stale  x evicted  2-9 shared by n sequences"
@@ -49,17 +49,10 @@ def cache_map(view: SlotView, written: set[int], width: int = 96) -> str:
     return f"|{line}|{scale}"
 
 
-def _size(n: int) -> str:
-    for unit, step in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= step:
-            return f"{n / step:.1f} {unit}"
-    return f"{n} B"
-
-
 def memory_line(m: MemoryReport) -> str:
-    return (f"reserved {_size(m.reserved_bytes)}  logical {_size(m.logical_bytes)}  written {_size(m.written_bytes)}"
-            f"  copied {_size(m.copied_bytes)}  allocated {_size(m.allocated_bytes)} ({m.allocations})"
-            f"  freed {_size(m.freed_bytes)} ({m.frees})")
+    return (f"reserved {format_bytes(m.reserved_bytes)}  logical {format_bytes(m.logical_bytes)}  written {format_bytes(m.written_bytes)}"
+            f"  copied {format_bytes(m.copied_bytes)}  allocated {format_bytes(m.allocated_bytes)} ({m.allocations})"
+            f"  freed {format_bytes(m.freed_bytes)} ({m.frees})")
 
 
 def step_view(record: StepRecord, view: SlotView, num_layers: int, width: int = 96) -> str:

@@ -116,7 +116,7 @@ def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str],
     if not fresh:
         head += f" · after a rewind ({classes.count('stale')} stale)"
     elif record.trace and record.trace.events:
-        (w0, wn), (r0, rn) = record.trace.events[0].write, record.trace.events[0].read
+        (w0, wn), (_, rn) = record.trace.events[0].write, record.trace.events[0].read
         if kind == "preallocated":  # literally the tensor windows
             head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, 0, {rn})"
         else:

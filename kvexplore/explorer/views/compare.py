@@ -11,7 +11,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from ...records import StepRecord
-from .palette import size, strategy_colour
+from ...memory import format_bytes as size
+from .palette import strategy_colour
 from .spec import FigureSpec
 
 COLUMNS = ("strategy", "tokens = reference", "top-1 agreement", "mean KL (nats)", "ms / step (median)",

@@ -41,11 +41,3 @@ def step_colour(step: int) -> str:
     lo, hi = (224, 243, 219), (67, 162, 202)
     r, g, b = (round(a + (z - a) * t) for a, z in zip(lo, hi))
     return f"rgb({r},{g},{b})"
-
-
-def size(n: float) -> str:
-    """Bytes for people: 23.2 MiB, 1.5 KiB, 12 B."""
-    for unit, step in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= step:
-            return f"{n / step:.1f} {unit}"
-    return f"{int(n)} B"
