@@ -50,6 +50,7 @@ class MemoryReport:
     allocations: int = 0
     frees: int = 0
     cuda: dict[str, int] = field(default_factory=dict)  # deltas of torch.cuda.memory_stats() over the step
+    cuda_now: dict[str, int] = field(default_factory=dict)  # the same statistics after the step (absolute)
     layers: int = 1
 
     def per_layer(self) -> dict[str, int]:

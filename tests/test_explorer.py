@@ -327,3 +327,40 @@ def test_every_view_is_json_safe_for_every_strategy(model):
         ex._w["lane"].value = lane
         for name, spec in ex.specs().items():
             json.dumps(_plain({"traces": spec.traces, "layout": spec.layout}), allow_nan=False)
+
+
+def test_memory_view_on_cuda_draws_the_allocator(model):
+    """Pure spec on made-up reports (no GPU needed): the third panel reads the allocator figures after each step."""
+    from dataclasses import replace
+
+    from kvexplore.explorer.views import memory
+
+    gen = kvexplore.Generator(model, kvexplore.make_cache("concat", model))
+    gen.prefill(PROMPT)
+    gen.run(2)
+    records = [replace(r, memory=replace(r.memory, cuda_now={"reserved_bytes": 2 ** 21 * (i + 1),
+                                                              "allocated_bytes": 1000 * i,
+                                                              "inactive_split_bytes": 7 * i}))
+               for i, r in enumerate(gen.history)]
+    spec = memory.spec({"concat": records}, cuda=True)
+    assert list(spec.trace("allocator reserved · concat")["y"]) == [2 ** 21, 2 ** 22, 3 * 2 ** 21]
+    assert list(spec.trace("fragmentation · concat")["y"]) == [0, 7, 14]
+    assert spec.trace("allocator reserved · concat")["yaxis"] == "y3"
+    assert "yaxis3" not in memory.spec({"concat": records}).layout
+
+
+def test_compare_counts_a_forced_lanes_own_choice(model):
+    from dataclasses import replace
+
+    from kvexplore.explorer.views import compare
+
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=64))
+    gen.prefill(PROMPT)
+    gen.run(3)
+    ref = list(gen.history)
+    other = kvexplore.Candidate(token_id=(ref[1].token_id + 1) % 4096, text="x", prob=0.9)
+    # a forced lane holds the reference's tokens; at step 1 its own first choice was another token
+    lane = [replace(r, top=[other, *r.top]) if r.step == 1 else r for r in ref]
+    rows = compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref", forced={"lossy"})
+    assert rows[1][1] == "3/4"
+    assert compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref")[1][1] == "4/4"  # free lanes: the tokens held

@@ -115,7 +115,7 @@ class KVCache(ABC):
             length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
             analytic_bytes=kv_bytes(self.config, self.held, self.batch_size, self.dtype),
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
-            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas,
+            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas, cuda_now=after,
             layers=self.config.num_layers)
 
     def check_truncate(self, n: int) -> None:

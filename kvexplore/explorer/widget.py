@@ -187,7 +187,8 @@ class Explorer:
             elif name == "compare":
                 out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
                                          {n: l.kl for n, l in self.lanes.items()},
-                                         {n: l.top1 for n, l in self.lanes.items()}, self.session.reference.name)
+                                         {n: l.top1 for n, l in self.lanes.items()}, self.session.reference.name,
+                                         forced={n for n, l in self.lanes.items() if l.follows})
         return out
 
     def refresh(self) -> None:

@@ -8,24 +8,27 @@ copies. Below, time per step and KL per step for every strategy.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ...records import StepRecord
 from ...memory import format_bytes as size
 from .palette import strategy_colour
 from .spec import FigureSpec
 
-COLUMNS = ("strategy", "tokens = reference", "top-1 agreement", "mean KL (nats)", "ms / step (median)",
+COLUMNS = ("strategy", "own choice = reference token", "top-1 agreement", "mean KL (nats)", "ms / step (median)",
            "reserved", "copied / step (last)")
 
 
 def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
-         top1: Mapping[str, Sequence[bool | None]], reference: str) -> list[list[str]]:
-    """One row per strategy, the columns of :data:`COLUMNS` as text."""
+         top1: Mapping[str, Sequence[bool | None]], reference: str,
+         forced: Collection[str] = ()) -> list[list[str]]:
+    """One row per strategy, the columns of :data:`COLUMNS` as text. ``forced``: the lanes fed the reference's
+    tokens, whose own choice is their most likely token (the token they were given says nothing)."""
     ref = lanes.get(reference, [])
     out = []
     for name, records in lanes.items():
-        same = sum(a.token_id == b.token_id for a, b in zip(records, ref))
+        own = (lambda r: r.top[0].token_id) if name in forced else (lambda r: r.token_id)
+        same = sum(own(a) == b.token_id for a, b in zip(records, ref))
         agree = [x for x in top1.get(name, []) if x is not None]
         kls = [x for x in kl.get(name, []) if x is not None]
         decode = [r.forward_s + r.sample_s for r in records if r.kind == "decode"]
@@ -43,8 +46,8 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
 
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
-         top1: Mapping[str, Sequence[bool | None]], reference: str) -> FigureSpec:
-    table = rows(lanes, kl, top1, reference)
+         top1: Mapping[str, Sequence[bool | None]], reference: str, forced: Collection[str] = ()) -> FigureSpec:
+    table = rows(lanes, kl, top1, reference, forced)
     table_px = 40 + 30 * max(1, len(table))  # header and one row per strategy (some wrap to two lines)
     plots_px = 260
     height = table_px + plots_px + 130

@@ -2,8 +2,8 @@
 
 Top: reserved (storage held), logical (slots holding tokens) and the analytic
 ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
-the step. On CUDA a third panel shows the caching allocator's change in reserved bytes and in inactive split
-bytes (fragmentation) over each step.
+the step. On CUDA a third panel shows the caching allocator's reserved and allocated bytes and its inactive split
+bytes (fragmentation) after each step, for the whole process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ HELD = (("reserved", "reserved_bytes", "solid"), ("logical", "logical_bytes", "d
         ("analytic", "analytic_bytes", "dot"))
 MOVED = (("written", "written_bytes", "solid"), ("copied", "copied_bytes", "dash"),
          ("allocated", "allocated_bytes", "dot"))
-CUDA = (("allocator reserved Δ", "reserved_bytes", "solid"), ("fragmentation Δ", "inactive_split_bytes", "dash"))
+CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated", "allocated_bytes", "dash"),
+        ("fragmentation", "inactive_split_bytes", "dot"))
 
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> FigureSpec:
@@ -26,7 +27,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
     panels = [("held after the step<br>reserved ━ logical ╌ analytic ┈", HELD, "y"),
               ("moved by the step<br>written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
-        panels.append(("CUDA allocator over the step<br>reserved Δ ━ fragmentation Δ ╌", CUDA, "y3"))
+        panels.append(("CUDA caching allocator (whole process)<br>reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
         steps = [r.step for r in records]
@@ -36,7 +37,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
         for p, (_, metrics, axis) in enumerate(panels):
             for label, attr, dash in metrics:
                 if axis == "y3":
-                    ys = [m.cuda.get(attr, 0) if m is not None else None for m in mems]
+                    ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems]
                 else:
                     ys = [getattr(m, attr) if m is not None else None for m in mems]
                 traces.append(dict(
