@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--model", default="tiny", help="named model, model folder or .gguf file (default: tiny)")
     app.add_argument("--strategies", type=_strategies, default=None, metavar="A,B",
                      help=f"cache strategies to compare, comma-separated, from: {', '.join(STRATEGIES)}")
+    app.add_argument("--prompt", default="Call me Ishmael.", help="the prompt prefilled when the page opens "
+                                                                  "(empty: none)")
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     return parser
@@ -181,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .launch import app
 
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
-                       extra=args.extra)
+                       extra=args.extra, prompt=args.prompt)
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -6,7 +6,8 @@ user already has, edited or not, is never overwritten, and the installed package
 itself with ``python -m jupyterlab`` on that folder, run by this same interpreter, so the kernel can import kvexplore.
 
 ``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
-strategies to the notebook in the environment variables ``KVEXPLORE_APP_MODEL`` and ``KVEXPLORE_APP_STRATEGIES``.
+strategies and the first prompt to the notebook in the environment variables ``KVEXPLORE_APP_MODEL``,
+``KVEXPLORE_APP_STRATEGIES`` and ``KVEXPLORE_APP_PROMPT``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ DEFAULT_DIR = Path("~") / "kvexplore-notebooks"
 INSTALL_HINT = 'pip install -e ".[notebook]"'
 APP_MODEL_ENV = "KVEXPLORE_APP_MODEL"
 APP_STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
+APP_PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
+APP_PROMPT = "Call me Ishmael."
 
 
 class LaunchError(KVExploreError):
@@ -165,10 +168,12 @@ def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_br
     return argv + list(extra)
 
 
-def app_environment(model: str, strategies: Sequence[str] | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the Voila kernel: the model name and strategies the app notebook reads."""
+def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = APP_PROMPT,
+                    base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for the Voila kernel: the model, strategies and prompt the app notebook reads."""
     env = dict(os.environ if base is None else base)
     env[APP_MODEL_ENV] = model
+    env[APP_PROMPT_ENV] = prompt
     if strategies:
         env[APP_STRATEGIES_ENV] = ",".join(strategies)
     else:
@@ -195,10 +200,10 @@ def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, n
 
 
 def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int | None = None,
-        no_browser: bool = True, extra: Sequence[str] = ()) -> int:
+        no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT) -> int:
     """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden)."""
     _require("voila", "Voila", "app")
     _require("ipywidgets", "ipywidgets", "app")
     with resources.as_file(app_notebook()) as nb:
         return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
-                                env=app_environment(model, strategies))
+                                env=app_environment(model, strategies, prompt))

@@ -1,0 +1,311 @@
+"""Real-browser test support: JupyterLab and Voila on loopback, driven by Playwright for Python with Debian Chromium.
+
+Everything here is isolated and offline: fresh ``JUPYTER_*`` / ``IPYTHONDIR`` folders, a temporary copy of the
+notebooks (JupyterLab's autosave would write outputs back), a random free port, a token, and a browser that may only
+reach 127.0.0.1. Servers run in their own process group and are always killed, group and all. Waits are on
+conditions (HTTP answers, CSS selectors, kernel status), never fixed sleeps.
+
+Needs ``/usr/bin/chromium`` (``apt-get install chromium fonts-liberation``) and ``pip install playwright`` (never
+``playwright install``: it downloads a browser). Without them the tests skip with a message saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path(os.environ.get("KVX_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LOCAL = ("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:", "about:")
+SERVER_START_S = 90
+WIDGETS_S = 180  # run all cells until the widgets are drawn, on a shared, busy machine
+
+
+def require_browser(*modules: str) -> None:
+    """Skip the calling test, with the reason and the fix, when the browser stack is missing."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium fonts-liberation (.ci/run does this)")
+    for module, fix in (("playwright", 'pip install -e ".[notebook,dev]" (never `playwright install`)'),
+                        *((m, 'pip install -e ".[notebook,dev]"') for m in modules)):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed: {fix}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def isolated_env(state: Path) -> dict[str, str]:
+    """The environment of a server that sees no user configuration and writes only under ``state``."""
+    env = dict(os.environ)
+    for name in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
+        env[name] = str(state / name.lower())
+        Path(env[name]).mkdir(parents=True, exist_ok=True)
+    env.pop("JUPYTER_PATH", None)
+    env.pop("JUPYTER_CONFIG_PATH", None)
+    env["JUPYTER_PLATFORM_DIRS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    # the "receive Jupyter news?" announcements plugin: a popup that covers elements, and a network call
+    labconfig = state / "jupyter_config_dir" / "labconfig"
+    labconfig.mkdir(parents=True, exist_ok=True)
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    return env
+
+
+class Server:
+    """A server process in its own process group, its output in a log file; ``url`` answers when it is up."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, base_url: str, token: str = ""):
+        self.argv, self.base_url, self.token, self.log_path = argv, base_url, token, log
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, path: str, timeout: float = SERVER_START_S, any_status: bool = False) -> float:
+        """Wait until GET ``path`` answers 200 (any HTTP status with ``any_status``); returns the seconds it took."""
+        t0 = time.monotonic()
+        url = self.base_url + path
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {' '.join(self.argv)}\n{self.output()}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except urllib.error.HTTPError:
+                if any_status:
+                    return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"server not answering {url} after {timeout} s\n{self.output()}")
+            time.sleep(0.2)  # polling interval of a condition wait, not a fixed delay
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        """Terminate the whole process group (the server and its kernels); kill it if it lingers."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # kernels left in the group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@contextlib.contextmanager
+def lab_server(notebooks: Path, workdir: Path) -> Iterator[Server]:
+    """JupyterLab serving a temporary copy of ``notebooks``; yields the running server (``.root`` is the copy)."""
+    root = workdir / "root"
+    shutil.copytree(notebooks, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "*.pyc", "__pycache__"))
+    state = workdir / "state"
+    env = isolated_env(state)
+    port, token = free_port(), secrets.token_hex(16)
+    argv = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+            f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root}",
+            "--ServerApp.port_retries=0", "--LabApp.extension_manager=readonly", "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            f"--LabApp.workspaces_dir={state / 'workspaces'}", "--LabApp.expose_app_in_browser=True"]
+    server = Server(argv, env, root, workdir / "lab.log", f"http://127.0.0.1:{port}", token)
+    server.root = root
+    try:
+        server.ready_s = server.wait_ready(f"/api/status?token={token}")
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...] | None = None) -> Iterator[Server]:
+    """``kvexplore app``'s Voila command (the same argv and environment), on a free loopback port."""
+    from kvexplore import launch
+
+    state = workdir / "state"
+    env = launch.app_environment(model, strategies, base=isolated_env(state))  # the default prompt, prefilled
+    port = free_port()
+    with importlib.resources.as_file(launch.app_notebook()) as notebook:
+        argv = launch.app_command(notebook, port=port, no_browser=True)
+        server = Server(argv, env, workdir, workdir / "voila.log", f"http://127.0.0.1:{port}")
+        try:
+            # a 404 from Voila's static handler means it is up, and starts no kernel (GET / runs the notebook)
+            server.ready_s = server.wait_ready("/voila/static/kvx-readiness-probe", any_status=True)
+            yield server
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def chromium(viewport: dict | None = None) -> Iterator[object]:
+    """A Playwright browser context on Debian Chromium with a fresh profile, able to reach only 127.0.0.1.
+
+    ``context.console_errors`` collects the pages' console errors (for the report, not for asserting).
+    """
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p, tempfile.TemporaryDirectory(prefix="kvx-chromium-") as profile:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=str(CHROMIUM), headless=True,
+                                                   args=CHROMIUM_ARGS,
+                                                   viewport=viewport or {"width": 1400, "height": 1000})
+        ctx.console_errors = []
+        ctx.route("**/*", lambda r: r.continue_() if r.request.url.startswith(LOCAL) else r.abort())
+        ctx.set_default_timeout(60_000)
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+
+
+def new_page(ctx):
+    page = ctx.new_page()
+    page.on("console", lambda m: m.type == "error" and ctx.console_errors.append(m.text[:300]))
+    page.on("requestfailed", lambda r: ctx.console_errors.append(f"request failed: {r.url[:200]} ({r.failure})"))
+    return page
+
+
+# --- JupyterLab, through window.jupyterapp (LabApp.expose_app_in_browser) -------------------------------------
+
+KERNEL_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+  return !!k && k.status === 'idle'; }"""
+
+RUN_FINISHED = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+  if (!k || k.status !== 'idle') return false;
+  const cells = w.content.model.cells; let done = true, failed = false;
+  for (let i = 0; i < cells.length; i++) { const c = cells.get(i); if (c.type !== 'code') continue;
+    if (c.executionCount === null || c.executionCount === undefined) done = false;
+    for (const o of c.outputs.toJSON()) if (o.output_type === 'error') failed = true; }
+  return done || failed; }"""
+
+ERROR_OUTPUTS = """() => { const cells = window.jupyterapp.shell.currentWidget.content.model.cells; const errs = [];
+  for (let i = 0; i < cells.length; i++) { const c = cells.get(i); if (c.type !== 'code') continue;
+    for (const o of c.outputs.toJSON()) if (o.output_type === 'error')
+      errs.push(`cell ${i}: ${o.ename}: ${o.evalue}`); }
+  return errs; }"""
+
+
+def open_notebook(page, server: Server, name: str) -> None:
+    """Open ``name`` in a clean workspace and wait until its kernel is idle."""
+    page.goto(f"{server.base_url}/lab/tree/{name}?reset&token={server.token}")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
+    page.wait_for_function(KERNEL_IDLE, timeout=WIDGETS_S * 1000)
+
+
+def start_run_all(page) -> None:
+    """Run every cell of the current notebook (returns at once; see :func:`wait_run_finished`)."""
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def wait_run_finished(page) -> list[str]:
+    """Wait until every code cell has run (or one failed) and the kernel is idle; the error outputs."""
+    page.wait_for_function(RUN_FINISHED, timeout=WIDGETS_S * 1000, polling=250)
+    return page.evaluate(ERROR_OUTPUTS)
+
+
+def shutdown_kernel(page) -> None:
+    with contextlib.suppress(Exception):
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
+# --- the explorer's DOM --------------------------------------------------------------------------------------
+
+PLOT_SIGNATURE = """(el) => { const gd = el.querySelector('.js-plotly-plot') || el;
+  const s = JSON.stringify({data: gd.data, title: gd.layout && gd.layout.title,
+                            svg: gd.querySelectorAll('svg *').length});
+  let h = 0; for (let i = 0; i < s.length; i++) h = (Math.imul(31, h) + s.charCodeAt(i)) | 0;
+  return `${s.length}:${h}`; }"""
+
+
+UNDRAWN_TRACES = """(gd) => (gd._fullData || []).filter((t, i) => {
+    const d = gd.data[i] || {}; const z = d.z, y = d.y;
+    const has = (z && z.length) || (!z && y && y.length);    // a trace given data...
+    return has && t.visible === false && d.visible !== false;  // ...that plotly.js refused to draw
+  }).map(t => `${t.type} ${JSON.stringify(t.name || '')}`)"""
+
+
+def undrawn_traces(locator) -> list[str]:
+    """Traces of a plotly div that carry data but that plotly.js did not draw (it sets ``visible: false`` on a trace
+    whose arrays are inconsistent, e.g. a heatmap whose x/y did not reach the browser)."""
+    return locator.evaluate(UNDRAWN_TRACES)
+
+
+def plot_signature(locator) -> str:
+    """A hash of a plotly div's data, title and svg element count: changes when the figure is redrawn with new data."""
+    return locator.evaluate(PLOT_SIGNATURE)
+
+
+def tall_screenshot(page, path, scroller: str | None = None, element=None, max_height: int = 12000,
+                    parts: dict | None = None) -> None:
+    """A screenshot of the whole content (or of ``element``), also when it scrolls inside an element (JupyterLab's
+    notebook panel, Voila's page): the viewport is made as tall as the scrolled content for the shot, then restored.
+    ``parts`` (path -> locator): more element screenshots taken in the same tall viewport."""
+    size = page.viewport_size
+    extra = page.evaluate("""(sel) => { const els = sel ? [...document.querySelectorAll(sel)] : [];
+        els.push(document.scrollingElement || document.documentElement);
+        return Math.max(0, ...els.map(e => e.scrollHeight - e.clientHeight)); }""", scroller)
+    height = min(size["height"] + extra, max_height)
+    try:
+        if height > size["height"]:
+            page.set_viewport_size({"width": size["width"], "height": height})
+            page.wait_for_function("() => new Promise(r => requestAnimationFrame(() => r(true)))")
+        if element is None:
+            page.screenshot(path=str(path), full_page=True)
+        else:
+            element.scroll_into_view_if_needed()
+            element.screenshot(path=str(path))
+        for part_path, part in (parts or {}).items():
+            part.scroll_into_view_if_needed()
+            part.screenshot(path=str(part_path))
+    finally:
+        page.set_viewport_size(size)
+
+
+LAB_SCROLLER = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"
+VOILA_SCROLLER = "body, #rendered_cells, .jp-LabShell, main"
+
+
+def figure(explorer, name: str):
+    """The plotly div of the explorer's figure ``name`` (the FigureWidget's element carries both classes; a wrapper
+    box with the class is accepted too)."""
+    return explorer.locator(f".kvx-fig-{name}.js-plotly-plot, .kvx-fig-{name} .js-plotly-plot").first
+
+
+def token_count(explorer) -> int:
+    return explorer.locator(".kvx-tokens .kvx-tok").count()
+
+
+def save_timings(folder: Path, name: str, timings: dict[str, float]) -> None:
+    path = folder / "timings.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[name] = {k: round(v, 2) for k, v in timings.items()}
+    path.write_text(json.dumps(data, indent=1))
+    print(f"\n{name} timings (s): {data[name]}")

@@ -1,0 +1,193 @@
+"""The explorer in a real browser: JupyterLab and the Voila app in headless Chromium, driven by Playwright.
+
+* ``01_tour.ipynb`` runs top to bottom in JupyterLab, the explorer and its plotly figures render, and pressing Step
+  adds one token to the strip, redraws the cache map and advances the status line.
+* every notebook in ``notebooks/`` opens and renders in JupyterLab without an error dialog.
+* ``kvexplore app`` (Voila) shows the explorer with no code, and Step works there too.
+
+Screenshots (full page, plus the explorer alone) go to ``$KVX_SCREENSHOTS`` (default: a pytest temporary folder),
+with ``timings.json``. Look at them: a test that passes while the page looks broken is not done.
+Run: ``KVX_SCREENSHOTS=/tmp/shots python -m pytest -q tests/test_browser.py -s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from browser_support import (LAB_SCROLLER, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, chromium, figure, lab_server,
+                             new_page, open_notebook, plot_signature, require_browser, save_timings, shutdown_kernel,
+                             start_run_all, tall_screenshot, token_count, undrawn_traces, voila_server,
+                             wait_run_finished)
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
+ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
+TOUR = "01_tour.ipynb"
+FIGURES = ("cache_map", "memory", "attention", "tensors", "compare")
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("KVX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def browser():
+    require_browser()
+    with chromium() as ctx:
+        yield ctx
+    if ctx.console_errors:
+        print("\nbrowser console errors:\n  " + "\n  ".join(dict.fromkeys(ctx.console_errors)))
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    require_browser("jupyterlab", "ipywidgets", "plotly")
+    with lab_server(NOTEBOOKS, tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def voila(tmp_path_factory):
+    require_browser("voila", "ipywidgets", "plotly")
+    with voila_server(tmp_path_factory.mktemp("voila")) as server:
+        yield server
+
+
+def _wait_figures(explorer) -> None:
+    for name in FIGURES:  # the first three always show; tensors and compare may be folded away
+        figure(explorer, name).wait_for(state="visible" if name in FIGURES[:3] else "attached",
+                                        timeout=WIDGETS_S * 1000)
+
+
+def _wait_plot_changed(page, plot, before: str) -> None:
+    page.wait_for_function(f"([el, before]) => ({PLOT_SIGNATURE})(el) !== before",
+                           arg=[plot.element_handle(), before], polling=100)
+
+
+def _step_and_check(page, explorer, steps: int = 2) -> float:
+    """Press Step ``steps`` times; each press adds exactly one token and redraws the cache map. Seconds per step."""
+    from playwright.sync_api import expect
+
+    plot = figure(explorer, "cache_map")
+    tokens = explorer.locator(".kvx-tokens .kvx-tok")
+    status = explorer.locator(".kvx-status").first
+    expect(tokens.last).to_be_visible()
+    n = token_count(explorer)
+    assert n > 0, "the token strip is empty before the first step"
+    first = re.search(r"\bstep (\d+)\b", status.inner_text())
+    t0 = time.monotonic()
+    for i in range(1, steps + 1):
+        before = plot_signature(plot)
+        explorer.locator(".kvx-step").first.click()
+        expect(tokens).to_have_count(n + i)
+        _wait_plot_changed(page, plot, before)
+        expect(status).to_contain_text(re.compile(rf"\bstep {int(first[1]) + i}\b") if first else "step")
+    elapsed = (time.monotonic() - t0) / steps
+    for name in FIGURES:  # what the browser holds is drawable: no trace with data that plotly.js refused
+        assert undrawn_traces(figure(explorer, name)) == [], (
+            f"{name}: traces with data that plotly.js does not draw (arrays missing in the browser: a FigureWidget "
+            f"edited before any front end existed, as in Voila, shows its construction-time state)")
+    errors = explorer.locator(".kvx-error")
+    if errors.count():
+        assert errors.first.inner_text().strip() == "", f"the explorer shows an error: {errors.first.inner_text()}"
+    return elapsed
+
+
+def test_tour_runs_and_step_updates_the_explorer(lab, browser, shots):
+    from playwright.sync_api import expect
+
+    if not (lab.root / TOUR).exists():
+        pytest.skip(f"{NOTEBOOKS / TOUR} does not exist yet")
+    timings = {"lab_ready": lab.ready_s}
+    page = new_page(browser)
+    try:
+        t0 = time.monotonic()
+        open_notebook(page, lab, TOUR)
+        timings["open_to_kernel_idle"] = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        start_run_all(page)
+        explorer = page.locator(".kvx-explorer").first
+        explorer.wait_for(timeout=WIDGETS_S * 1000)
+        _wait_figures(explorer)
+        timings["run_all_to_widgets"] = time.monotonic() - t0
+        errors = wait_run_finished(page)
+        timings["run_all_to_finished"] = time.monotonic() - t0
+        tall_screenshot(page, shots / "lab_tour_after_run_all.png", LAB_SCROLLER)
+        assert not errors, f"{TOUR} raised: {errors}"
+
+        timings["click_to_update"] = _step_and_check(page, explorer)
+        tall_screenshot(page, shots / "lab_tour_after_step.png", LAB_SCROLLER)
+        tall_screenshot(page, shots / "lab_tour_explorer.png", LAB_SCROLLER, element=explorer,
+                        parts={shots / f"lab_tour_fig_{name}.png": figure(explorer, name) for name in FIGURES})
+        expect(page.locator(".jp-Dialog")).to_have_count(0)
+    except Exception:
+        tall_screenshot(page, shots / "lab_tour_FAILED.png", LAB_SCROLLER)
+        raise
+    finally:
+        shutdown_kernel(page)
+        page.close()
+        save_timings(shots, "lab_tour", timings)
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_notebook_opens_and_renders(path, lab, browser, shots):
+    from playwright.sync_api import expect
+
+    nb = json.loads(path.read_text())
+    kinds = [c["cell_type"] for c in nb["cells"]]
+    page = new_page(browser)
+    try:
+        open_notebook(page, lab, path.name)
+        panel = page.locator(".jp-NotebookPanel:visible").first
+        expect(panel.locator(".jp-Cell")).to_have_count(len(kinds))
+        if "markdown" in kinds:
+            expect(panel.locator(".jp-MarkdownCell .jp-RenderedMarkdown").first).to_be_attached()
+        if "code" in kinds:
+            expect(panel.locator(".jp-CodeCell .jp-InputArea").first).to_be_attached()
+        expect(page.locator(".jp-Dialog")).to_have_count(0)
+        tall_screenshot(page, shots / f"lab_open_{path.stem}.png", LAB_SCROLLER)
+    finally:
+        shutdown_kernel(page)
+        page.close()
+
+
+def test_voila_app_shows_the_explorer_without_code(voila, browser, shots):
+    from playwright.sync_api import expect
+
+    timings = {"voila_ready": voila.ready_s}
+    page = new_page(browser)
+    try:
+        t0 = time.monotonic()
+        page.goto(voila.base_url + "/")
+        explorer = page.locator(".kvx-explorer").first
+        explorer.wait_for(timeout=WIDGETS_S * 1000)
+        _wait_figures(explorer)
+        timings["page_to_widgets"] = time.monotonic() - t0
+        tall_screenshot(page, shots / "voila_app_initial.png", VOILA_SCROLLER)
+        expect(page.locator("body")).not_to_contain_text("KVEXPLORE_APP_MODEL")  # the code cell's text
+        code = page.locator(".jp-CodeCell .jp-InputArea, .jp-CodeMirrorEditor, .jp-CodeCell .jp-InputPrompt")
+        shown = [c.evaluate("e => e.className + ': ' + e.textContent.slice(0, 80)")
+                 for c in code.all() if c.is_visible()]
+        assert not shown, f"Voila shows code: {shown}"
+        expect(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")).to_have_count(0)
+        timings["click_to_update"] = _step_and_check(page, explorer)
+        tall_screenshot(page, shots / "voila_app.png", VOILA_SCROLLER)
+        tall_screenshot(page, shots / "voila_explorer.png", VOILA_SCROLLER, element=explorer,
+                        parts={shots / f"voila_fig_{name}.png": figure(explorer, name) for name in FIGURES})
+    except Exception:
+        tall_screenshot(page, shots / "voila_app_FAILED.png", VOILA_SCROLLER)
+        raise
+    finally:
+        page.close()
+        save_timings(shots, "voila_app", timings)
