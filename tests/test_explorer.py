@@ -364,3 +364,16 @@ def test_compare_counts_a_forced_lanes_own_choice(model):
     rows = compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref", forced={"lossy"})
     assert rows[1][1] == "3/4"
     assert compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref")[1][1] == "4/4"  # free lanes: the tokens held
+
+
+def test_display_sends_the_figures_current_state(model):
+    """Voila runs the whole notebook before the page connects: what a figure shows must travel with the display,
+    not only as the update messages sent while no view existed."""
+    ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    ex.run(2)
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    state = ex.figures["cache_map"]._widget_data[0]
+    assert len(state["z"]) == model.config.num_layers * 48  # every slot of every layer, not the empty first state
+    title = ex.figures["cache_map"]._widget_layout["title"]["text"]
+    assert title.startswith("preallocated · step 2")

@@ -11,6 +11,7 @@ methods (:meth:`Explorer.step`, ...), which raise instead.
 from __future__ import annotations
 
 import html
+from copy import deepcopy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -323,14 +324,15 @@ class Explorer:
         w["head"] = W.Dropdown(options=list(range(c.num_heads)), value=self.head, description="head",
                                layout=W.Layout(width="9em"))
         s = self._settings
-        w["temperature"] = W.BoundedFloatText(value=s["temperature"], min=0, max=10, step=0.1,
-                                              description="temperature", layout=W.Layout(width="12em"))
-        w["top_k"] = W.BoundedIntText(value=s["top_k"] or 0, min=0, max=1000000, description="top-k (0 off)",
-                                      layout=W.Layout(width="12em"))
+        wide = {"description_width": "initial"}
+        w["temperature"] = W.BoundedFloatText(value=s["temperature"], min=0, max=10, step=0.1, style=wide,
+                                              description="temperature", layout=W.Layout(width="13em"))
+        w["top_k"] = W.BoundedIntText(value=s["top_k"] or 0, min=0, max=1000000, description="top-k (0 = off)",
+                                      style=wide, layout=W.Layout(width="13em"))
         w["top_p"] = W.BoundedFloatText(value=s["top_p"] or 1.0, min=0.01, max=1, step=0.05, description="top-p",
-                                        layout=W.Layout(width="10em"))
-        w["seed"] = W.IntText(value=s["seed"], description="seed", layout=W.Layout(width="10em"),
-                              tooltip="used from the next Prefill")
+                                        style=wide, layout=W.Layout(width="10em"))
+        w["seed"] = W.IntText(value=s["seed"], description="seed (next prefill)", style=wide,
+                              layout=W.Layout(width="14em"))
         w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(visibility="hidden",
                                                                                         width="20em"))
         w["status"] = W.HTML()
@@ -437,8 +439,23 @@ class Explorer:
         except ValueError as e:
             w["error"].value = f'<div style="color:#b30000">{html.escape(str(e))}</div>'
 
+    def _sync_figures(self) -> None:
+        """Give every figure widget its whole current state. Updates made before a figure has a view in the
+        browser are lost (in Voila the notebook runs before the page connects); plotly resyncs a figure displayed
+        on its own, but not one inside a box, so the explorer does it when it is displayed."""
+        for fig in self.figures.values():
+            fig._widget_layout = deepcopy(fig._layout_obj._props)
+            fig._widget_data = deepcopy(fig._data)
+
     def _repr_mimebundle_(self, **kwargs):
+        self._sync_figures()
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        self._sync_figures()
+        display(self.widget)
 
     def __repr__(self) -> str:
         return f"Explorer({self.session!r}, layer={self.layer}, head={self.head})"

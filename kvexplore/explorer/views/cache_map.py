@@ -71,7 +71,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                 hovertemplate="layer %{y} · slot %{x}<br>(hover the token row for what it holds)<extra></extra>",
                 showscale=False, **scale)
     hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
-    names = dict(type="heatmap", name="tokens", z=row[None, :], customdata=[hover_row], x=np.arange(n), y=["token"],
+    names = dict(type="heatmap", name="tokens", z=row[None, :], customdata=[hover_row], x=np.arange(n), y=[0],
                  xgap=1 if n <= 128 else 0, xaxis="x", yaxis="y2", showscale=False,
                  hovertemplate="%{customdata}<extra></extra>", **scale)
     # the legend: one square per slot class (a heatmap has none of its own)
@@ -88,7 +88,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                   xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})", standoff=4), **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
                              domain=[0, 0.84]),
-                  yaxis2=dict(domain=[0.88, 1], anchor="x", showticklabels=True, fixedrange=True),
+                  yaxis2=dict(domain=[0.88, 1], anchor="x", tickvals=[0], ticktext=["token"], range=[-0.5, 0.5],
+                              fixedrange=True),
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
                               title=dict(text="slot")),

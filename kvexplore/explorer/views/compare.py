@@ -48,14 +48,16 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
          top1: Mapping[str, Sequence[bool | None]], reference: str, forced: Collection[str] = ()) -> FigureSpec:
     table = rows(lanes, kl, top1, reference, forced)
-    table_px = 40 + 30 * max(1, len(table))  # header and one row per strategy (some wrap to two lines)
+    table_px = 60 + 34 * max(1, len(table))  # a two-line header, then one row per strategy
     plots_px = 260
     height = table_px + plots_px + 130
     split = round(1 - table_px / (table_px + plots_px + 60), 4)
     traces = [dict(type="table", name="summary", domain=dict(x=[0, 1], y=[split, 1]),
-                   header=dict(values=list(COLUMNS), fill=dict(color="#e8eef6"), align="left", font=dict(size=12)),
+                   columnwidth=[2.2, 1.3, 1, 1, 1, 1, 1.1],
+                   header=dict(values=list(COLUMNS), fill=dict(color="#e8eef6"), align="left", font=dict(size=12),
+                               height=40),
                    cells=dict(values=[list(col) for col in zip(*table)] if table else [[] for _ in COLUMNS],
-                              align="left", font=dict(size=12), height=24))]
+                              align="left", font=dict(size=12), height=28))]
     for i, (name, records) in enumerate(lanes.items()):
         decode = [r for r in records if r.kind == "decode"]
         traces.append(dict(type="scatter", mode="lines", name=f"ms/step · {name}", legendgroup=name,

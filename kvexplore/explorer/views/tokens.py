@@ -20,7 +20,10 @@ STYLE = """<style>
 
 
 def _show(text: str) -> str:
-    """Whitespace made visible enough to count tokens; newlines kept as line breaks."""
+    """Whitespace made visible enough to count tokens; newlines kept as line breaks; a token with no text (a
+    special token such as bos) shows as ∅."""
+    if not text:
+        return "∅"
     return html.escape(text.replace(" ", "·").replace("\t", "→")).replace("\n", "↵\n")
 
 
