@@ -24,6 +24,7 @@ from .session import Lane, Session
 from .views import attention, cache_map, compare, memory, tensors, tokens
 from .views.spec import FigureSpec, apply, figure, signature
 
+FIGURE_WIDTH = 960  # pixels: fits a notebook column in JupyterLab and the Voila page
 VIEWS = ("cache_map", "memory", "attention", "tensors", "compare")
 HEADINGS = {"cache_map": "Cache map — layers × physical slots", "memory": "Memory per step",
             "attention": "Attention", "tensors": "Stored keys and values", "compare": "Strategies compared"}
@@ -313,18 +314,19 @@ class Explorer:
         button("fork", "Fork", "a second sequence from here (paged caches share pages)")
         w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5.5em"))
         w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
+        wide = {"description_width": "initial"}
         names = list(MODELS)
         src = source if isinstance(source, str) and source in MODELS else None
-        w["model"] = W.Dropdown(options=names, value=src or names[0], description="model",
+        w["model"] = W.Dropdown(options=names, value=src or names[0], description="model", style=wide,
                                 layout=W.Layout(width="15em"))
         button("load", "Load", "load the chosen model and start over")
-        w["lane"] = W.Dropdown(options=list(self.session.lanes), description="strategy", layout=W.Layout(width="20em"))
-        w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=self.layer, description="layer",
-                                layout=W.Layout(width="9em"))
-        w["head"] = W.Dropdown(options=list(range(c.num_heads)), value=self.head, description="head",
-                               layout=W.Layout(width="9em"))
+        w["lane"] = W.Dropdown(options=list(self.session.lanes), description="strategy", style=wide,
+                               layout=W.Layout(width="18em"))
+        w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=self.layer, description="layer", style=wide,
+                                layout=W.Layout(width="8em"))
+        w["head"] = W.Dropdown(options=list(range(c.num_heads)), value=self.head, description="head", style=wide,
+                               layout=W.Layout(width="8em"))
         s = self._settings
-        wide = {"description_width": "initial"}
         w["temperature"] = W.BoundedFloatText(value=s["temperature"], min=0, max=10, step=0.1, style=wide,
                                               description="temperature", layout=W.Layout(width="13em"))
         w["top_k"] = W.BoundedIntText(value=s["top_k"] or 0, min=0, max=1000000, description="top-k (0 = off)",
@@ -384,6 +386,7 @@ class Explorer:
         boxes = []
         for name, spec in self.specs().items():
             fig = figure(spec, widget=True)
+            fig.layout.width = FIGURE_WIDTH  # plotly cannot size itself inside a widget box (it falls back to 700 px)
             fig.add_class(f"kvx-fig-{name}")
             self.figures[name] = fig
             self._signatures[name] = signature(spec)

@@ -34,7 +34,7 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
         decode = [r.forward_s + r.sample_s for r in records if r.kind == "decode"]
         last = records[-1].memory if records else None
         out.append([
-            name + (" (reference)" if name == reference else ""),
+            name + (" (ref.)" if name == reference else ""),
             f"{same}/{len(records)}" if name != reference else "—",
             f"{100 * sum(agree) / len(agree):.1f}%" if agree else "—",
             f"{statistics.fmean(kls):.2e}" if kls else "—",
@@ -48,7 +48,7 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
          top1: Mapping[str, Sequence[bool | None]], reference: str, forced: Collection[str] = ()) -> FigureSpec:
     table = rows(lanes, kl, top1, reference, forced)
-    table_px = 60 + 34 * max(1, len(table))  # a two-line header, then one row per strategy
+    table_px = 60 + 40 * max(1, len(table))  # a two-line header, then one row per strategy
     plots_px = 260
     height = table_px + plots_px + 130
     split = round(1 - table_px / (table_px + plots_px + 60), 4)

@@ -40,12 +40,13 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     kvh = len(k_rows)
     qe = quant_error.numpy() if quant_error is not None else empty
     common = dict(colorscale="Viridis", xgap=0, ygap=1)
-    # flat columns of the held slots only: binary on the wire, and no NaN (JSON has none) for empty slots
+    # flat float32 columns travel as binary buffers, where NaN (an empty slot, drawn as a gap) is allowed; a 2-D
+    # array would travel as JSON, which has no NaN
     traces = [
-        dict(type="heatmap", name="key norms", **columns(np.nan_to_num(k_rows), ~np.isnan(k_rows)), xaxis="x",
+        dict(type="heatmap", name="key norms", **columns(k_rows), xaxis="x", hoverongaps=False,
              yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · slot %{x}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="value norms", **columns(np.nan_to_num(v_rows), ~np.isnan(v_rows)), xaxis="x2",
+        dict(type="heatmap", name="value norms", **columns(v_rows), xaxis="x2", hoverongaps=False,
              yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28, y=0.64, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · slot %{x}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
         dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds",
