@@ -228,11 +228,13 @@ def test_compare_exact_and_lossy(model):
     assert set(lanes["concat"].kl[1:]) == {0.0} and all(lanes["concat"].top1[1:])
     assert max(lanes["none"].kl[1:]) < 1e-6
     assert max(lanes["quantized"].kl[1:]) > 1e-6  # int4 changes the distribution a little
-    table = ex.figures["compare"].data[0]
-    cells = table.cells.values
-    assert list(cells[0]) == ["preallocated (ref.)", "concat", "quantized", "none"]
-    assert cells[1][1] == f"{len(lanes['concat'].history)}/{len(lanes['concat'].history)}"  # tokens = reference
-    assert cells[2][1] == "100.0%"
+    table = ex.compare_rows()
+    assert [row[0] for row in table] == ["preallocated (ref.)", "concat", "quantized", "none"]
+    assert table[1][1] == f"{len(lanes['concat'].history)}/{len(lanes['concat'].history)}"  # own choice = reference
+    assert table[1][2] == "100.0%"
+    assert "<td>concat</td>" in ex._w["compare"].value and "kvx-compare-table" in ex._w["compare"].value
+    kl = {t.name: t for t in ex.figures["compare"].data}["KL · quantized"]
+    assert list(kl.y) == lanes["quantized"].kl
     assert len(ex.figures["tensors"].data[2].z) == 0  # quantization error: only for the quantized lane
     ex._w["lane"].value = "quantized"
     err = grid(ex.figures["tensors"].data[2])
@@ -381,3 +383,15 @@ def test_display_sends_the_figures_current_state(model):
     assert len(state["z"]) == model.config.num_layers * 48  # every slot of every layer, not the empty first state
     title = ex.figures["cache_map"]._widget_layout["title"]["text"]
     assert title.startswith("preallocated · step 2")
+
+
+def test_a_wide_cache_is_shown_zoomed_to_its_used_slots(model):
+    ex = explorer(model, strategies=("preallocated",), max_seq_len=512, prompt=PROMPT)
+    ex.run(2)
+    held = ex.lane.cache.length
+    lo, hi = ex.figures["cache_map"].layout.xaxis.range
+    assert lo == -0.5 and held <= hi < 511 and hi == 63.5
+    assert "slots 0..63 of 512 shown" in ex.figures["cache_map"].layout.xaxis.title.text
+    assert ex.figures["tensors"].layout.xaxis.range == (-0.5, 63.5)
+    small = explorer(model, strategies=("preallocated",), max_seq_len=48, prompt=PROMPT)
+    assert small.figures["cache_map"].layout.xaxis.range == (-0.5, 47.5)

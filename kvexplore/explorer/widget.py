@@ -188,10 +188,15 @@ class Explorer:
                 out[name] = tensors.spec(lane.last, norms, self.layer, err, slots)
             elif name == "compare":
                 out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
-                                         {n: l.kl for n, l in self.lanes.items()},
-                                         {n: l.top1 for n, l in self.lanes.items()}, self.session.reference.name,
-                                         forced={n for n, l in self.lanes.items() if l.follows})
+                                         {n: l.kl for n, l in self.lanes.items()}, self.session.reference.name)
         return out
+
+    def compare_rows(self) -> list[list[str]]:
+        """The comparison table: one row per strategy (see :data:`~kvexplore.explorer.views.compare.COLUMNS`)."""
+        lanes = self.lanes
+        return compare.rows({n: l.history for n, l in lanes.items()}, {n: l.kl for n, l in lanes.items()},
+                            {n: l.top1 for n, l in lanes.items()}, self.session.reference.name,
+                            forced={n for n, l in lanes.items() if l.follows})
 
     def refresh(self) -> None:
         """Redraw the token strip, status and every figure from the session (in place)."""
@@ -200,6 +205,8 @@ class Explorer:
         w = self._w
         w["tokens"].value = self._strip(lane)
         w["status"].value = html.escape(self._status(lane))
+        if "compare" in self.views:
+            w["compare"].value = compare.table_html(self.compare_rows())
         for name, spec in self.specs().items():
             fig = self.figures[name]
             sig = signature(spec)
@@ -340,8 +347,9 @@ class Explorer:
         w["status"] = W.HTML()
         w["error"] = W.HTML()
         w["tokens"] = W.HTML(layout=W.Layout(width="100%"))
+        w["compare"] = W.HTML()
         for name in ("prompt", "chat", "run_n", "rewind_n", "model", "lane", "layer", "head", "temperature", "top_k",
-                     "top_p", "seed", "progress", "status", "error", "tokens"):
+                     "top_p", "seed", "progress", "status", "error", "tokens", "compare"):
             w[name].add_class(f"kvx-{name.replace('_', '-')}")
         self._w = w
 
@@ -392,6 +400,8 @@ class Explorer:
             self._signatures[name] = signature(spec)
             self._shown[name] = spec
             boxes.append(W.HTML(f"<b>{HEADINGS[name]}</b>"))
+            if name == "compare":
+                boxes.append(self._w["compare"])
             boxes.append(fig)
         self._figure_box.children = boxes
 

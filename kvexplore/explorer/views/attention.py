@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...records import StepRecord
-from .spec import FigureSpec, columns
+from .spec import FigureSpec, columns, slot_range
 
 MAX_ROWS = 256  # history rows drawn (the most recent); older rows scroll out
 
@@ -85,7 +85,8 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         title=dict(text=f"attention · layer {layer} · query head {head} (reads KV head "
                         f"{next((g for g, hs in enumerate(gqa_groups) if head in hs), '?')}){current}",
                    font=dict(size=13)),
-        xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="physical slot")),
+        xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="physical slot"),
+                   range=slot_range(len(bar_x), max((i for i, y in enumerate(bar_y) if y > 0), default=0))),
         yaxis=dict(domain=[0.62, 1], anchor="x", title=dict(text="p (current token)"), rangemode="tozero"),
         xaxis2=dict(domain=[0, 0.65], anchor="y2", title=dict(text="key position")),
         yaxis2=dict(domain=[0, 0.48], anchor="x2", title=dict(text="query position"), autorange="reversed"),

@@ -15,7 +15,7 @@ import numpy as np
 from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
-from .spec import FigureSpec, columns
+from .spec import FigureSpec, columns, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 
@@ -78,6 +78,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     legend = [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
                    marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
                    hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
+    used = [i for i, c in enumerate(classes) if c != "free"]
+    view_range = slot_range(n, used[-1] if used else 0)
     shapes, annotations, ticks = _strategy_layout(kind, layout_info, n, num_layers)
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
@@ -85,7 +87,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh), font=dict(size=13)),
-                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})", standoff=4), **ticks),
+                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})" + _zoomed(view_range, n), standoff=4),
+                             range=view_range, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
                              domain=[0, 0.84]),
                   yaxis2=dict(domain=[0.88, 1], anchor="x", tickvals=[0], ticktext=["token"], range=[-0.5, 0.5],
@@ -95,6 +98,11 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                               title=dict(text="slot")),
                   margin=dict(l=60, r=20, t=90, b=50))
     return FigureSpec([heat, names, *legend], layout)
+
+
+def _zoomed(view_range: list[float], n: int) -> str:
+    shown = int(view_range[1] + 0.5)
+    return f" · slots 0..{shown - 1} of {n} shown (autoscale: all)" if shown < n else ""
 
 
 def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:

@@ -1,12 +1,13 @@
 """Compare: strategies run in lockstep on the same prompt and seed, side by side.
 
-The table: does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
+The table (HTML): does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
 the reference (lossy caches: quantized, a sink that has evicted), the median time per step, the bytes it holds and
 copies. Below, time per step and KL per step for every strategy.
 """
 
 from __future__ import annotations
 
+import html
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 
@@ -45,35 +46,37 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
     return out
 
 
+def table_html(table: Sequence[Sequence[str]]) -> str:
+    """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages)."""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table)
+    return (f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:4px 0">'
+            f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+            "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 10px;text-align:left;"
+            "border-bottom:1px solid #ddd;white-space:nowrap}</style>")
+
+
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
-         top1: Mapping[str, Sequence[bool | None]], reference: str, forced: Collection[str] = ()) -> FigureSpec:
-    table = rows(lanes, kl, top1, reference, forced)
-    table_px = 60 + 40 * max(1, len(table))  # a two-line header, then one row per strategy
-    plots_px = 260
-    height = table_px + plots_px + 130
-    split = round(1 - table_px / (table_px + plots_px + 60), 4)
-    traces = [dict(type="table", name="summary", domain=dict(x=[0, 1], y=[split, 1]),
-                   columnwidth=[2.2, 1.3, 1, 1, 1, 1, 1.1],
-                   header=dict(values=list(COLUMNS), fill=dict(color="#e8eef6"), align="left", font=dict(size=12),
-                               height=40),
-                   cells=dict(values=[list(col) for col in zip(*table)] if table else [[] for _ in COLUMNS],
-                              align="left", font=dict(size=12), height=28))]
+         reference: str) -> FigureSpec:
+    """Time per step and KL divergence per step, one colour per strategy (the table is :func:`table_html`)."""
+    traces = []
     for i, (name, records) in enumerate(lanes.items()):
         decode = [r for r in records if r.kind == "decode"]
-        traces.append(dict(type="scatter", mode="lines", name=f"ms/step · {name}", legendgroup=name,
+        traces.append(dict(type="scatter", mode="lines+markers", name=f"ms/step · {name}", legendgroup=name,
                            x=[r.step for r in decode], y=[1000 * (r.forward_s + r.sample_s) for r in decode],
-                           line=dict(color=strategy_colour(i)), xaxis="x", yaxis="y",
+                           line=dict(color=strategy_colour(i)), marker=dict(size=4), xaxis="x", yaxis="y",
                            hovertemplate=f"{name}<br>step %{{x}}: %{{y:.1f}} ms<extra></extra>"))
         ks = list(kl.get(name, []))
-        traces.append(dict(type="scatter", mode="lines", name=f"KL · {name}", legendgroup=name,
-                           x=[r.step for r in records][:len(ks)], y=ks, line=dict(color=strategy_colour(i), dash="dot"),
-                           xaxis="x2", yaxis="y2", hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
-    layout = dict(height=height, margin=dict(l=70, r=20, t=50, b=40),
+        traces.append(dict(type="scatter", mode="lines+markers", name=f"KL · {name}", legendgroup=name,
+                           x=[r.step for r in records][:len(ks)], y=ks, marker=dict(size=4),
+                           line=dict(color=strategy_colour(i), dash="dot"), xaxis="x2", yaxis="y2",
+                           hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
+    layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=40),
                   title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
-                  xaxis=dict(domain=[0, 0.46], anchor="y", title=dict(text="step")),
-                  yaxis=dict(domain=[0, round(split - 0.12, 4)], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
+                  xaxis=dict(domain=[0, 0.44], anchor="y", title=dict(text="step")),
+                  yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
                   xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
-                  yaxis2=dict(domain=[0, round(split - 0.12, 4)], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
+                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
                               rangemode="tozero", exponentformat="e"),
                   legend=dict(font=dict(size=11)))
     return FigureSpec(traces, layout)

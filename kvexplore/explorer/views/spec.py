@@ -55,6 +55,15 @@ def columns(matrix: np.ndarray, keep: np.ndarray | None = None, x0: int = 0,
     return dict(x=xx, y=yy, z=z)
 
 
+def slot_range(slots: int, highest: int) -> list[float]:
+    """The x range for ``slots`` physical slots of which ``highest`` is the last one in use: all of them for a
+    small cache, else the used part and some room to grow (a 2048-slot cache holding 9 tokens would be a sliver).
+    Plotly's autoscale button still shows everything."""
+    if slots <= 128:
+        return [-0.5, max(slots, 1) - 0.5]
+    return [-0.5, min(slots, max(64, int(1.5 * (highest + 1)) + 8)) - 0.5]
+
+
 def grid(trace: Any) -> np.ndarray:
     """The 2-D matrix of a heatmap given as :func:`columns` (a trace dict or a plotly trace); cells not sent are 0."""
     get = trace.get if isinstance(trace, dict) else (lambda k: getattr(trace, k))

@@ -14,7 +14,7 @@ import torch
 
 from ...caches.base import SlotView
 from ...records import StepRecord
-from .spec import FigureSpec, columns
+from .spec import FigureSpec, columns, slot_range
 
 
 def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
@@ -54,7 +54,8 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
              colorbar=dict(title=dict(text="max err"), len=0.28, y=0.28, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
-    span = [-0.5, max(len(positions), 1) - 0.5]
+    held = [i for i, p in enumerate(positions) if p >= 0]
+    span = slot_range(len(positions), held[-1] if held else 0)
     note = [] if quant_error is not None else [dict(
         text="exact cache: keys and values are stored as computed (no quantization error)", xref="paper",
         yref="paper", x=0.5, y=0.14, showarrow=False, font=dict(size=12, color="#666"))]
