@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "passed to voila.")
     app.add_argument("--model", default="tiny", help="named model, model folder or .gguf file (default: tiny)")
     app.add_argument("--strategies", type=_strategies, default=None, metavar="A,B",
-                     help=f"cache strategies to compare, comma-separated, from: {', '.join(STRATEGIES)}")
+                     help=f"cache strategies to compare, comma-separated (default: preallocated,concat,paged), from: {', '.join(STRATEGIES)}")
     app.add_argument("--prompt", default="Call me Ishmael.", help="the prompt prefilled when the page opens "
                                                                   "(empty: none)")
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
