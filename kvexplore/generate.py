@@ -77,16 +77,18 @@ class Generator:
         return len(self._tokens)
 
     # -- stepping ---------------------------------------------------------------------------------------
-    def prefill(self, prompt: str | Sequence[int] | torch.Tensor) -> StepRecord:
-        """Start a new sequence from ``prompt`` (text, or token ids used as they are) and pick its first token.
+    def prefill(self, prompt: str | Sequence[int] | torch.Tensor, force: int | None = None) -> StepRecord:
+        """Start a new sequence from ``prompt`` (text, or token ids used as they are) and pick its first token
+        (or take ``force``, as :meth:`step` does).
 
         Text is encoded with the model's tokenizer and gets a bos token when the model expects one.
         """
         ids = self._prompt_ids(prompt)
+        self._check_force(force)
         saved = self._rng.get_state()
         self._rng.manual_seed(self.seed)
         try:
-            record = self._forward(ids, pos=0, kind="prefill", context=ids)
+            record = self._forward(ids, pos=0, kind="prefill", context=ids, force=force)
         except BaseException:
             self._rng.set_state(saved)
             raise
@@ -107,8 +109,7 @@ class Generator:
         """
         if not self._tokens:
             raise RuntimeError("nothing to continue: call prefill(prompt) first")
-        if force is not None and not 0 <= force < self.model.config.vocab_size:
-            raise ValueError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        self._check_force(force)
         start = self.cache.length
         if start >= len(self._tokens):
             raise RuntimeError(
@@ -201,6 +202,10 @@ class Generator:
         else:
             self._rng_states.append(state)
         return record
+
+    def _check_force(self, force: int | None) -> None:
+        if force is not None and not 0 <= force < self.model.config.vocab_size:
+            raise ValueError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
 
     def _prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(prompt, str):

@@ -395,3 +395,28 @@ def test_a_wide_cache_is_shown_zoomed_to_its_used_slots(model):
     assert ex.figures["tensors"].layout.xaxis.range == (-0.5, 63.5)
     small = explorer(model, strategies=("preallocated",), max_seq_len=48, prompt=PROMPT)
     assert small.figures["cache_map"].layout.xaxis.range == (-0.5, 47.5)
+
+
+def test_an_existing_generator_becomes_the_reference_lane(model):
+    gen = kvexplore.Generator(model, kvexplore.make_cache("paged", model, max_seq_len=64, block_size=8))
+    gen.prefill(PROMPT)
+    gen.run(3)
+    ex = kvexplore.Explorer(gen, strategies=("paged", "preallocated"), max_seq_len=64)
+    assert list(ex.lanes) == ["paged", "preallocated"] and ex.lanes["paged"].generator is gen
+    # the other strategy replayed the generator's tokens, so the lanes step on together
+    assert ex.lanes["preallocated"].generator.tokens == gen.tokens
+    ex.step()
+    assert ex.lanes["preallocated"].generator.tokens == gen.tokens and len(gen.history) == 5
+    assert ex.lanes["preallocated"].kl[-1] < 1e-6  # compared from the first step after the replay
+    assert gen.tracer is ex.lanes["paged"].tracer and gen.history[-1].trace is not None
+
+
+def test_forced_tokens_are_checked(model):
+    gen = kvexplore.Generator(model)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.prefill(PROMPT, force=10 ** 6)
+    record = gen.prefill(PROMPT, force=7)
+    assert record.token_id == 7 and gen.tokens[-1] == 7
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.step(force=-1)
+    assert gen.tokens[-1] == 7 and len(gen.history) == 1

@@ -91,6 +91,11 @@ class Session:
             generator.tracer = tracer
             lane = Lane(kind, kind, generator, tracer, follows=False)
             self.lanes = {kind: lane, **{k: v for k, v in self.lanes.items() if k != kind}}
+            if generator.history:  # the other strategies replay its sequence, token for token
+                for other in list(self.lanes.values())[1:]:
+                    other.generator.prefill(generator.prompt_tokens, force=generator.history[0].token_id)
+                    for record in generator.history[1:]:
+                        other.generator.step(force=record.token_id)
 
     # -- lanes -----------------------------------------------------------------------------------------
     @property
