@@ -101,6 +101,14 @@ class Generator:
         """Prefill with ``messages`` rendered by the tokenizer's chat template (ready for the reply)."""
         return self.prefill(self._tokenizer().encode_chat(messages))
 
+    def check_step(self) -> None:
+        """Raise, changing nothing, if :meth:`step` would be refused before computing (no sequence, cache full)."""
+        if not self._tokens:
+            raise RuntimeError("nothing to continue: call prefill(prompt) first")
+        start = self.cache.length
+        if start < len(self._tokens):
+            self.cache.check_write(start, len(self._tokens) - start, 1)
+
     def step(self, force: int | None = None) -> StepRecord:
         """Feed what the cache does not hold yet, write it, and pick the next token.
 

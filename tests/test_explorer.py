@@ -155,6 +155,11 @@ def test_strategy_picker_and_fork_show_shared_pages(model):
     copied = [ex.lanes[n].last.memory.copied_bytes for n in ("paged", "paged fork 1")]
     # the filled slots of that page, once
     assert copied == [kvexplore.kv_bytes(model.config, held_at_fork % 8), 0]
+    # the original's map shows the pool as it is now, with the page its fork took after it stepped
+    ex._w["lane"].value = "paged"
+    cache = ex.lanes["paged"].cache
+    assert f"{cache.free_blocks} free pages" in ex.figures["cache_map"].layout.title.text
+    assert slot_row(ex).count(CODE["free"]) == cache.slot_view().count("free")
     # forks get their own traces in the memory and compare figures
     names = [t.name for t in ex.figures["memory"].data]
     assert "reserved · paged fork 1" in names
@@ -367,9 +372,11 @@ def test_compare_counts_a_forced_lanes_own_choice(model):
     other = kvexplore.Candidate(token_id=(ref[1].token_id + 1) % 4096, text="x", prob=0.9)
     # a forced lane holds the reference's tokens; at step 1 its own first choice was another token
     lane = [replace(r, top=[other, *r.top]) if r.step == 1 else r for r in ref]
-    rows = compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref", forced={"lossy"})
+    rows = compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref", forced={"lossy": {0, 1, 2, 3}})
     assert rows[1][1] == "3/4"
     assert compare.rows({"ref": ref, "lossy": lane}, {}, {}, "ref")[1][1] == "4/4"  # free lanes: the tokens held
+    # a fork of a forced lane: the steps before the fork were forced, the later ones its own
+    assert compare.rows({"ref": ref, "fork": lane}, {}, {}, "ref", forced={"fork": {0}})[1][1] == "4/4"
 
 
 def test_display_sends_the_figures_current_state(model):
@@ -420,3 +427,81 @@ def test_forced_tokens_are_checked(model):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         gen.step(force=-1)
     assert gen.tokens[-1] == 7 and len(gen.history) == 1
+
+
+def test_review_findings_stay_fixed(model):
+    """Each case below was a defect found in review."""
+    from kvexplore.explorer import Session
+
+    # a step refused by one lane (cache full) must not touch the others: the sink ring would already have moved
+    s = Session(model, ("sink", "preallocated"), max_seq_len=16)
+    s.prefill(list(range(10, 20)))
+    while True:
+        try:
+            s.step()
+        except kvexplore.CacheFullError:
+            break
+    sink = s.lanes["sink"].cache
+    before = (sink.length, sink.held, sink.evicted_count, sink.slot_view().states)
+    with pytest.raises(kvexplore.CacheFullError):
+        s.step()
+    assert (sink.length, sink.held, sink.evicted_count, sink.slot_view().states) == before
+
+    # a fork's comparison figures from an abandoned path are dropped by a rewind
+    s = Session(model, ("preallocated", "sink"), max_seq_len=64, strategy_options={"sink": {"sinks": 1, "window": 6}})
+    s.prefill(list(range(10, 16)))
+    for _ in range(6):
+        s.step()
+    fork = s.fork("sink")
+    s.rewind(5)
+    assert all(k < len(fork.history) for k in fork.kl_at)
+    for _ in range(6):
+        s.step()
+    ref = s.reference.generator.tokens
+    for r, kl in zip(fork.history, fork.kl):
+        if kl is not None:
+            assert fork.generator.tokens[: r.position] == ref[: r.position]  # compared only on the same context
+
+    # without a cache, only the newest attention row of a decode step is kept (not the whole T x S matrix)
+    s = Session(model, ("preallocated", "none"), max_seq_len=64)
+    s.prefill(PROMPT)
+    for _ in range(20):
+        s.step()
+    none, pre = s.lanes["none"].tracer.history.nbytes, s.lanes["preallocated"].tracer.history.nbytes
+    assert none == pre
+    last = s.lanes["none"].last.trace
+    assert torch.allclose(last.attention(0)[-1], s.lanes["preallocated"].last.trace.attention(0)[-1], atol=1e-5)
+
+    # rewinding every generated token leaves the prompt, and Step continues from it
+    ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    ex.run(2)
+    ex.rewind(3)
+    assert "nothing generated yet" in ex._w["status"].value
+    ex.step()
+    assert len(ex.lane.history) == 1 and ex.error == ""
+
+    # a strategy may have its own size
+    ex = explorer(model, strategies=("preallocated", "sink"), max_seq_len=48,
+                  strategy_options={"sink": {"max_seq_len": 20}}, prompt=PROMPT)
+    assert ex.lanes["sink"].cache.window == 16
+
+
+def test_loading_a_model_keeps_the_pickers_and_the_seed(model):
+    ex = explorer(model, strategies=("preallocated",), layer=3, head=2, prompt=PROMPT)
+    ex._w["seed"].value = 7
+    ex.load_model(model)
+    assert (ex.layer, ex.head, ex._w["layer"].value, ex._w["head"].value) == (3, 2, 3, 2)
+    assert ex.session.seed == 7
+
+
+def test_an_attached_generator_keeps_its_sampling(model):
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=64), temperature=1.5,
+                              top_k=50, seed=3)
+    gen.prefill(PROMPT)
+    gen.run(2)
+    ex = kvexplore.Explorer(gen, strategies=("preallocated", "concat"), max_seq_len=64)
+    assert (ex._w["temperature"].value, ex._w["top_k"].value, ex._w["seed"].value) == (1.5, 50, 3)
+    assert ex.lanes["concat"].generator.sampling == gen.sampling
+    ex.run(4)
+    assert ex.lanes["concat"].generator.tokens == gen.tokens  # fed the reference's tokens
+    assert all(math.isnan(v) for v in grid(ex.figures["tensors"].data[0])[0, :3])  # before it attached: no norms

@@ -13,8 +13,12 @@ class LaneTracer(Tracer):
 
     def __init__(self, num_layers: int, num_kv_heads: int) -> None:
         super().__init__(capture={"cache", "attention", "memory", "timing"})
-        self.norms = torch.zeros(num_layers, 2, num_kv_heads, 0)  # (layer, k/v, kv head, position)
+        # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached)
+        self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
         self.last_logprobs: torch.Tensor | None = None
+        # without a cache every decode step recomputes all rows of attention; only the newest is new, and keeping
+        # them all would grow the buffer with the cube of the length. The session sets this after a prefill.
+        self.last_row_only = False
 
     def hook(self, name: str, t: torch.Tensor) -> None:
         if self._step is not None:
@@ -22,12 +26,14 @@ class LaneTracer(Tracer):
                 self.last_logprobs = t[0, -1].detach().float().log_softmax(-1).cpu()
             elif name.endswith((".attn.k_new", ".attn.v_new")):
                 self._record_norms(int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, t)
+            elif self.last_row_only and name.endswith(".attn.probs"):
+                return super().hook(name, t[:, :, -1:])  # records the newest row; the model keeps its tensor
         return super().hook(name, t)
 
     def _record_norms(self, layer: int, which: int, t: torch.Tensor) -> None:
         end = self._pos + t.shape[2]
         if end > self.norms.shape[-1]:
-            grown = torch.zeros(*self.norms.shape[:-1], max(end, 2 * self.norms.shape[-1], 64))
+            grown = torch.full((*self.norms.shape[:-1], max(end, 2 * self.norms.shape[-1], 64)), float("nan"))
             grown[..., : self.norms.shape[-1]] = self.norms
             self.norms = grown
         self.norms[layer, which, :, self._pos:end] = t[0].detach().float().norm(dim=-1).cpu()

@@ -10,9 +10,12 @@ stepped, a rewind is checked on every lane before any moves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 from ..caches.factory import STRATEGIES, make_cache
@@ -30,8 +33,16 @@ class Lane:
     generator: Generator
     tracer: LaneTracer
     follows: bool  # fed the reference lane's tokens
-    kl_at: dict[int, float] = field(default_factory=dict)  # step -> KL(reference || this lane)
+    kl_at: dict[int, float | None] = field(default_factory=dict)  # step -> KL(reference || this lane)
     top1_at: dict[int, bool] = field(default_factory=dict)  # step -> own top-1 == the reference's top-1
+    forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
+
+    def forget_after(self, steps: int) -> None:
+        """Drop the comparison figures of steps ``steps`` and later (after a rewind)."""
+        for d in (self.kl_at, self.top1_at):
+            for k in [k for k in d if k >= steps]:
+                del d[k]
+        self.forced_at = {k for k in self.forced_at if k < steps}
 
     @property
     def cache(self):
@@ -96,6 +107,8 @@ class Session:
                     other.generator.prefill(generator.prompt_tokens, force=generator.history[0].token_id)
                     for record in generator.history[1:]:
                         other.generator.step(force=record.token_id)
+                    other.forced_at = {r.step for r in other.history}
+                    other.tracer.last_row_only = other.kind == "none"
 
     # -- lanes -----------------------------------------------------------------------------------------
     @property
@@ -115,7 +128,9 @@ class Session:
         return LaneTracer(c.num_layers, c.num_kv_heads)
 
     def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
-        cache = make_cache(kind, self.model, max_seq_len=self.max_seq_len, **self.options.get(kind, {}))
+        options = dict(self.options.get(kind, {}))
+        slots = options.pop("max_seq_len", self.max_seq_len)  # a strategy may have its own size
+        cache = make_cache(kind, self.model, max_seq_len=slots, **options)
         tracer = self._tracer()
         s = self.sampling
         gen = Generator(self.model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer)
@@ -141,7 +156,12 @@ class Session:
             if name != lane.kind:
                 continue  # forks end with the sequence they forked from
             new = self._new_lane(name, lane.kind, lane.follows)
-            new.generator.prefill(prompt)
+            ref = next(iter(fresh.values()), None)
+            force = ref.history[0].token_id if (ref is not None and new.follows) else None
+            new.generator.prefill(prompt, force=force)
+            if force is not None:
+                new.forced_at.add(0)
+            new.tracer.last_row_only = new.kind == "none"
             fresh[name] = new
         self.lanes = fresh
         self._compare_last()
@@ -150,18 +170,23 @@ class Session:
     def step(self) -> dict[str, StepRecord]:
         """One token on every lane; if any lane fails, the lanes that stepped are rewound and the error raised."""
         ref = self.reference
-        if not ref.history:
+        if not ref.generator.tokens:
             raise RuntimeError("nothing to continue: enter a prompt and prefill first")
+        for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
+            lane.generator.check_step()
         done: list[Lane] = []
         out = {}
         try:
             for lane in self.lanes.values():
                 force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
                 out[lane.name] = lane.generator.step(force=force)
+                if force is not None:
+                    lane.forced_at.add(out[lane.name].step)
                 done.append(lane)
-        except BaseException:
+        except BaseException:  # unexpected (the checks passed): undo what the other lanes did
             for lane in done:
                 lane.generator.rewind(1)
+                lane.forget_after(len(lane.history))
             raise
         self._compare_last()
         self.last_op = "step"
@@ -173,6 +198,7 @@ class Session:
             lane.generator.check_rewind(n)
         for lane in self.lanes.values():
             lane.generator.rewind(n)
+            lane.forget_after(len(lane.history))
         if n:
             self.last_op = "rewind"
 
@@ -181,7 +207,7 @@ class Session:
         self.lanes = {name: lane for name, lane in self.lanes.items() if name == lane.kind}
         for lane in self.lanes.values():
             lane.generator.reset()
-            lane.kl_at, lane.top1_at = {}, {}
+            lane.forget_after(0)
         self.last_op = "reset"
 
     def fork(self, name: str | None = None) -> Lane:
@@ -195,7 +221,7 @@ class Session:
         twin.tracer = tracer
         count = sum(1 for lane in self.lanes.values() if lane.kind == src.kind and lane.name != src.kind)
         lane = Lane(f"{src.kind} fork {count + 1}", src.kind, twin, tracer, follows=False,
-                    kl_at=dict(src.kl_at), top1_at=dict(src.top1_at))
+                    kl_at=dict(src.kl_at), top1_at=dict(src.top1_at), forced_at=set(src.forced_at))
         self.lanes[lane.name] = lane
         self.last_op = "fork"
         return lane
@@ -208,10 +234,14 @@ class Session:
             q_log = lane.tracer.last_logprobs
             if lane is ref or p_log is None or q_log is None or not lane.history:
                 continue
-            if not lane.follows and lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
-                continue  # a fork that took another path: its distribution answers a different context
             step = lane.last.step
-            lane.kl_at[step] = float((p_log.exp() * (p_log - q_log)).sum().clamp_min(0))
+            if not lane.follows and lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
+                lane.forget_after(step)  # a fork that took another path answers a different context
+                continue
+            p = p_log.exp()
+            terms = torch.where(p > 0, p * (p_log - q_log), torch.zeros(()))  # 0 log 0 = 0
+            kl = float(terms.sum().clamp_min(0))
+            lane.kl_at[step] = kl if math.isfinite(kl) else None  # (a token the lane rules out: KL is infinite)
             lane.top1_at[step] = lane.last.top[0].token_id == ref.last.top[0].token_id
 
     def __repr__(self) -> str:

@@ -52,6 +52,10 @@ class Explorer:
         generator = source if isinstance(source, Generator) else None
         if strategies is None:
             strategies = (generator.cache.kind,) if generator is not None else ("preallocated",)
+        if generator is not None:  # its sampling is what every lane and the controls use
+            g = generator.sampling
+            temperature, top_k, top_p, seed = g.temperature, g.top_k, g.top_p, generator.seed
+            top_candidates = generator.top_candidates
         self._settings = dict(strategies=tuple(strategies), max_seq_len=max_seq_len, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, top_candidates=top_candidates,
                               strategy_options=strategy_options, follow_reference=follow_reference)
@@ -168,13 +172,15 @@ class Explorer:
         lane = self.lane
         texts = self._token_texts(lane)
         c = self.model.config
-        # after a rewind or a fork the cache is no longer as the last step left it: draw it as it is now
+        # the slots as they are now (a fork stepping after this lane changes a shared pool); the step's write and
+        # read windows only while the cache is as the last step left it (not after a rewind or a fork)
         fresh = self.session.last_op in ("prefill", "step")
-        slots = None if fresh or lane.last is None else lane.cache.slot_view()
+        slots = None if lane.last is None else lane.cache.slot_view()
         out = {}
         for name in self.views:
             if name == "cache_map":
-                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts, slots=slots, fresh=fresh)
+                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts, slots=slots, fresh=fresh,
+                                           after=self.session.last_op)
             elif name == "memory":
                 out[name] = memory.spec({n: l.history for n, l in self.lanes.items()},
                                         cuda=self.model.device.type == "cuda")
@@ -196,7 +202,7 @@ class Explorer:
         lanes = self.lanes
         return compare.rows({n: l.history for n, l in lanes.items()}, {n: l.kl for n, l in lanes.items()},
                             {n: l.top1 for n, l in lanes.items()}, self.session.reference.name,
-                            forced={n for n, l in lanes.items() if l.follows})
+                            forced={n: l.forced_at for n, l in lanes.items()})
 
     def refresh(self) -> None:
         """Redraw the token strip, status and every figure from the session (in place)."""
@@ -246,15 +252,18 @@ class Explorer:
         try:
             fn()
         except Exception as e:
-            self.error = str(e)
-            self._w["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
-                                      f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
-                                      f'{html.escape(str(e))}</div>')
+            self._show_error(e)
             raise
         finally:
             self._busy = False
             self._set_enabled(True)
             self.refresh()
+
+    def _show_error(self, e: Exception) -> None:
+        self.error = str(e)
+        self._w["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
+                                  f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
+                                  f'{html.escape(str(e))}</div>')
 
     def _prompt_texts(self, lane: Lane) -> list[str]:
         tok = self.model.tokenizer
@@ -289,7 +298,9 @@ class Explorer:
     def _status(self, lane: Lane) -> str:
         last = lane.last
         if last is None:
-            return f"{lane.name} · no sequence yet"
+            n = len(lane.generator.tokens)
+            return (f"{lane.name} · no sequence yet" if not n else
+                    f"{lane.name} · {n} prompt tokens, nothing generated yet (Step continues)")
         cache = lane.cache
         cap = "unbounded" if cache.capacity is None else cache.capacity
         eos = " · end of sequence" if last.is_eos else ""
@@ -373,7 +384,7 @@ class Explorer:
         w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
         for name in ("temperature", "top_k", "top_p"):
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
-        w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
+        w["seed"].observe(lambda ch: self._seed_changed(ch["new"]), names="value")
 
         row = lambda *items: W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center"))
         self._figure_box = W.VBox()
@@ -423,14 +434,24 @@ class Explorer:
 
     def _sync_pickers(self) -> None:
         c = self.model.config
-        self._w["layer"].options = list(range(c.num_layers))
-        self._w["layer"].value = self.layer
-        self._w["head"].options = list(range(c.num_heads))
-        self._w["head"].value = self.head
+        self._syncing = True  # setting options selects the first one: the observers must not take it
+        try:
+            self._w["layer"].options = list(range(c.num_layers))
+            self._w["layer"].value = self.layer
+            self._w["head"].options = list(range(c.num_heads))
+            self._w["head"].value = self.head
+        finally:
+            self._syncing = False
         self._w["chat"].layout.display = "" if self._has_chat() else "none"
         self._prompt_key = None
 
+    def _seed_changed(self, seed: int) -> None:
+        self.session.seed = seed
+        self._settings["seed"] = seed
+
     def _pick(self, layer: int | None = None, head: int | None = None) -> None:
+        if getattr(self, "_syncing", False):
+            return
         if layer is not None:
             self.layer = layer
         if head is not None:
@@ -438,8 +459,12 @@ class Explorer:
         self._redraw()
 
     def _redraw(self) -> None:
-        if not self._busy:
+        if self._busy or getattr(self, "_syncing", False):
+            return
+        try:
             self.refresh()
+        except Exception as e:  # a picker's change has no caller to raise to: show it
+            self._show_error(e)
 
     def _sampling_changed(self) -> None:
         w = self._w

@@ -50,11 +50,11 @@ def _written(record: StepRecord) -> set[int]:
 
 
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
-         title: str = "", slots: SlotView | None = None, fresh: bool = True) -> FigureSpec:
+         title: str = "", slots: SlotView | None = None, fresh: bool = True, after: str = "") -> FigureSpec:
     """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
 
-    ``slots``: the cache's slot view now, when it has changed since the step (a rewind: ``fresh=False``, and the
-    step's write and read windows are no longer drawn)."""
+    ``slots``: the cache's slot view now (default: the one recorded with the step); ``fresh=False`` when the cache
+    is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not drawn."""
     classes, positions, layout_info = [], [], {}
     if record is not None and record.trace is not None and (slots or record.trace.slots) is not None:
         view = slots if slots is not None else record.trace.slots
@@ -86,7 +86,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     elif kind == "none":
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
-    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh), font=dict(size=13)),
+    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh, after), font=dict(size=13)),
                   xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})" + _zoomed(view_range, n), standoff=4),
                              range=view_range, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
@@ -117,13 +117,16 @@ def _order(kind: str) -> str:
             "sink": "sinks, then the ring", "concat": "grows by one every step"}.get(kind, "storage order")
 
 
-def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str], fresh: bool = True) -> str:
+def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str], fresh: bool = True,
+           after: str = "") -> str:
     if record is None:
         return f"{kind}: empty"
     held = sum(c in ("read", "shared", "written", "not read") for c in classes)
     head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
-    if not fresh:
+    if not fresh and after == "rewind":
         head += f" · after a rewind ({classes.count('stale')} stale)"
+    elif not fresh and after:
+        head += f" · after a {after}"
     elif record.trace and record.trace.events:
         (w0, wn), (_, rn) = record.trace.events[0].write, record.trace.events[0].read
         if kind == "preallocated":  # literally the tensor windows

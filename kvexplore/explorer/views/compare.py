@@ -22,14 +22,19 @@ COLUMNS = ("strategy", "own choice = reference token", "top-1 agreement", "mean 
 
 def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
          top1: Mapping[str, Sequence[bool | None]], reference: str,
-         forced: Collection[str] = ()) -> list[list[str]]:
-    """One row per strategy, the columns of :data:`COLUMNS` as text. ``forced``: the lanes fed the reference's
-    tokens, whose own choice is their most likely token (the token they were given says nothing)."""
+         forced: Mapping[str, Collection[int]] | None = None) -> list[list[str]]:
+    """One row per strategy, the columns of :data:`COLUMNS` as text. ``forced[name]``: the steps at which that
+    lane was fed the reference's token; there its own choice is its most likely token, compared with the
+    reference's most likely token (the token it was given says nothing)."""
     ref = lanes.get(reference, [])
+    forced = forced or {}
     out = []
     for name, records in lanes.items():
-        own = (lambda r: r.top[0].token_id) if name in forced else (lambda r: r.token_id)
-        same = sum(own(a) == b.token_id for a, b in zip(records, ref))
+        given = forced.get(name, ())
+        # where the lane was given the reference's token, compare most likely tokens (the reference's token may
+        # have been sampled); elsewhere the tokens each one took
+        same = sum((a.top[0].token_id == b.top[0].token_id) if a.step in given else (a.token_id == b.token_id)
+                   for a, b in zip(records, ref))
         agree = [x for x in top1.get(name, []) if x is not None]
         kls = [x for x in kl.get(name, []) if x is not None]
         decode = [r.forward_s + r.sample_s for r in records if r.kind == "decode"]

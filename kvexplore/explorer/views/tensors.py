@@ -33,7 +33,7 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots
     positions = list(slots.positions) if slots is not None and slots.positions else (
-        list(range(record.position - 1)) if record is not None else [])
+        list(range(record.position)) if record is not None else [])  # no cache: every position was recomputed
     empty = np.zeros((0, 0), np.float32)
     k_rows = physical(norms[0], positions) if norms is not None else empty
     v_rows = physical(norms[1], positions) if norms is not None else empty
