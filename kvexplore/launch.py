@@ -146,7 +146,13 @@ def lab_command(folder: str | os.PathLike[str], port: int | None = None, no_brow
         argv.append(f"--port={port}")
     if no_browser:
         argv.append("--no-browser")
+    if _is_root() and "--allow-root" not in extra:  # containers and CI machines: JupyterLab refuses root otherwise
+        argv.append("--allow-root")
     return argv + list(extra)
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
 def app_notebook() -> Traversable:

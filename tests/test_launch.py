@@ -100,6 +100,7 @@ def test_the_installed_package_finds_the_repository_notebooks():
 
 def test_lab_copies_then_runs_jupyterlab_on_the_folder(bundle, tmp_path, monkeypatch, no_exec, capsys):
     monkeypatch.setattr(launch, "bundled_notebooks", lambda root=None: sorted(bundle.glob("*.ipynb")))
+    monkeypatch.setattr(launch, "_is_root", lambda: False)  # the exact command line (root adds --allow-root)
     dest = tmp_path / "nbs"
     assert cli.main(["lab", "--dir", str(dest), "--port", "8123", "--no-browser", "--ServerApp.token=abc"]) == 0
     (argv, env), = no_exec
@@ -203,3 +204,14 @@ def test_every_package_folder_is_listed_in_pyproject():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(r.startswith("voila") for r in extras["notebook"])
     assert {"nbclient", "nbformat", "ipykernel", "playwright"} <= {r.split(">")[0].split("=")[0] for r in extras["dev"]}
+
+
+def test_lab_as_root_allows_root(monkeypatch):
+    """JupyterLab refuses to start as root unless told; kvexplore lab tells it (containers, CI machines)."""
+    from kvexplore import launch
+
+    monkeypatch.setattr(launch, "_is_root", lambda: True)
+    assert "--allow-root" in launch.lab_command("/tmp", port=8899)
+    assert launch.lab_command("/tmp", extra=["--allow-root"]).count("--allow-root") == 1
+    monkeypatch.setattr(launch, "_is_root", lambda: False)
+    assert "--allow-root" not in launch.lab_command("/tmp")
