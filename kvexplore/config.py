@@ -72,6 +72,12 @@ class ModelConfig:
         """How many query heads share one key/value head (1 = multi-head attention)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def gqa_groups(self) -> list[list[int]]:
+        """For each key/value head, the query heads that read it."""
+        g = self.kv_groups
+        return [list(range(kv * g, (kv + 1) * g)) for kv in range(self.num_kv_heads)]
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -164,7 +164,7 @@ class Tracer:
         c = cache.config
         step.read_positions = cache.read_positions() or list(range(self._pos + self._q_len))
         step.heads = list(range(c.num_heads)) if self.heads is None else list(self.heads)
-        step.gqa_groups = [[h for h in range(c.num_heads) if h // c.kv_groups == g] for g in range(c.num_kv_heads)]
+        step.gqa_groups = c.gqa_groups
         if "cache" in self.capture:
             step.slots = cache.slot_view()
         self._cache = None  # a tracer kept after the run must not keep the cache alive

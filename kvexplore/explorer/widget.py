@@ -185,9 +185,7 @@ class Explorer:
                 out[name] = memory.spec({n: l.history for n, l in self.lanes.items()},
                                         cuda=self.model.device.type == "cuda")
             elif name == "attention":
-                groups = lane.last.trace.gqa_groups if lane.last is not None and lane.last.trace else \
-                    [[h for h in range(c.num_heads) if h // c.kv_groups == g] for g in range(c.num_kv_heads)]
-                out[name] = attention.spec(lane.history, self.layer, self.head, texts, groups, c.num_heads)
+                out[name] = attention.spec(lane.history, self.layer, self.head, texts, c.gqa_groups, c.num_heads)
             elif name == "tensors":
                 norms = lane.tracer.norms[self.layer] if lane.history else None
                 err = lane.cache.quantization_error(self.layer)[0] if lane.kind == "quantized" and lane.history else None
