@@ -64,7 +64,6 @@ def main() -> None:
         ex.refresh = timed_refresh
     ex.refresh = real_refresh
     # the views one at a time, as refresh() runs them after a step: spec (pure) then apply (changes only)
-    from kvexplore.explorer.views.spec import apply
     spec_ms: dict[str, list[float]] = {name: [] for name in ex.views}
     for _ in range(5):
         ex.session.step()
@@ -72,8 +71,7 @@ def main() -> None:
             t = time.perf_counter()
             spec = _one(ex, name)
             mid = time.perf_counter()
-            apply(ex.figures[name], spec, ex._shown[name])
-            ex._shown[name] = spec
+            ex._live.update(name, spec)
             spec_ms[name].append(1000 * (mid - t))
             per_view[name].append(1000 * (time.perf_counter() - mid))
         ex.session.rewind(1)

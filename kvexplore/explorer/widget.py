@@ -2,8 +2,8 @@
 
 A thin controller over :class:`~kvexplore.explorer.session.Session` (the state: several strategies in
 lockstep) and the views (pure ``records -> FigureSpec`` builders in :mod:`kvexplore.explorer.views`). Controls are
-ipywidgets; plots are plotly ``FigureWidget``s built once and updated in place inside ``batch_update`` after every
-operation. Buttons are disabled while an operation runs, so clicks cannot interleave; an error (cache full, bad
+ipywidgets (:mod:`.controls`); plots are plotly ``FigureWidget``s built once and updated in place after every
+operation (:mod:`.figures`); the token strip is made once per token (:mod:`.strip`). Buttons are disabled while an operation runs, so clicks cannot interleave; an error (cache full, bad
 prompt, an impossible rewind) is shown in the widget and leaves every lane as it was. The same operations are
 methods (:meth:`Explorer.step`, ...), which raise instead.
 """
@@ -11,7 +11,6 @@ methods (:meth:`Explorer.step`, ...), which raise instead.
 from __future__ import annotations
 
 import html
-from copy import deepcopy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,12 @@ from typing import Any
 from ..generate import Generator
 from ..loading import load
 from ..model import Model
-from ..store import MODELS
+from . import controls
+from .figures import LiveFigures
 from .session import Lane, Session
-from .views import attention, cache_map, compare, memory, tensors, tokens
-from .views.spec import FigureSpec, apply, figure, signature
+from .strip import TokenStrip
+from .views import attention, cache_map, compare, memory, tensors
+from .views.spec import FigureSpec
 
 FIGURE_WIDTH = 960  # pixels: fits a notebook column in JupyterLab and the Voila page
 VIEWS = ("cache_map", "memory", "attention", "tensors", "compare")
@@ -63,14 +64,13 @@ class Explorer:
         self.views = tuple(views)
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
+        self._syncing = False  # True while the pickers are given new options (their observers stand still)
+        self._strip = TokenStrip()
         self.model = self._load(source)
         self._check_picks(layer, head)
         self.session = Session(self.model, generator=generator, **self._settings)
         self.layer, self.head = layer, head
         self._build_widgets(prompt or "", chat, source)
-        self.figures: dict[str, Any] = {}
-        self._signatures: dict[str, tuple] = {}
-        self._shown: dict[str, FigureSpec] = {}  # what each figure shows now: only changes are sent
         self._make_figures()
         if prompt:
             self.prefill(prompt, chat=chat)
@@ -170,7 +170,7 @@ class Explorer:
     def specs(self) -> dict[str, FigureSpec]:
         """What every view draws now (the same data the figures hold)."""
         lane = self.lane
-        texts = self._token_texts(lane)
+        texts = self._strip.texts(self.model.tokenizer, lane.generator)
         c = self.model.config
         # the slots as they are now (a fork stepping after this lane changes a shared pool); the step's write and
         # read windows only while the cache is as the last step left it (not after a rewind or a fork)
@@ -207,22 +207,12 @@ class Explorer:
         lane = self.lane
         self._sync_lanes()
         w = self._w
-        w["tokens"].value = self._strip(lane)
+        w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
         w["status"].value = html.escape(self._status(lane))
         if "compare" in self.views:
             w["compare"].value = compare.table_html(self.compare_rows())
         for name, spec in self.specs().items():
-            fig = self.figures[name]
-            sig = signature(spec)
-            previous = self._shown.get(name)
-            if sig != self._signatures[name]:  # lanes were added or dropped: new traces, same widget
-                with fig.batch_update():
-                    fig.data = ()
-                    fig.add_traces(figure(spec).data)
-                self._signatures[name] = sig
-                previous = None
-            apply(fig, spec, previous)
-            self._shown[name] = spec
+            self._live.update(name, spec)
 
     # -- internals ---------------------------------------------------------------------------------------
     def _load(self, source):
@@ -263,36 +253,6 @@ class Explorer:
                                   f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
                                   f'{html.escape(str(e))}</div>')
 
-    def _prompt_texts(self, lane: Lane) -> list[str]:
-        tok = self.model.tokenizer
-        ids = lane.generator.prompt_tokens
-        key = tuple(ids)
-        if getattr(self, "_prompt_key", None) != key:
-            self._prompt_key = key
-            self._prompt_cache = [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)]
-        return self._prompt_cache
-
-    def _strip(self, lane: Lane) -> str:
-        """The token strip; each token's span is made once (only the newest token's outline moves)."""
-        self._prompt_texts(lane)
-        if getattr(self, "_prompt_html_key", None) != self._prompt_key:
-            self._prompt_html_key, self._prompt_html = self._prompt_key, tokens.prompt_spans(self._prompt_cache)
-        old, spans = getattr(self, "_spans", {}), {}
-        out = []
-        for r in lane.history[:-1]:
-            entry = old.get(id(r))
-            if entry is None or entry[0] is not r:
-                entry = (r, tokens.token_span(r))
-            spans[id(r)] = entry
-            out.append(entry[1])
-        if lane.history:
-            out.append(tokens.token_span(lane.history[-1], last=True))
-        self._spans = spans
-        return tokens.strip_html(self._prompt_html, out)
-
-    def _token_texts(self, lane: Lane) -> list[str]:
-        return self._prompt_texts(lane) + [r.text for r in lane.history]
-
     def _status(self, lane: Lane) -> str:
         last = lane.last
         if last is None:
@@ -307,59 +267,8 @@ class Explorer:
 
     # -- widgets ---------------------------------------------------------------------------------------
     def _build_widgets(self, prompt: str, chat: bool, source) -> None:
-        import ipywidgets as W
-
-        c = self.model.config
-        w: dict[str, Any] = {}
-
-        def button(name: str, text: str, tip: str, style: str = "") -> W.Button:
-            b = W.Button(description=text, tooltip=tip, button_style=style, layout=W.Layout(width="auto"))
-            b.add_class(f"kvx-{name}")
-            w[name] = b
-            return b
-
-        w["prompt"] = W.Textarea(value=prompt, placeholder="Type a prompt, then press Prefill",
-                                 layout=W.Layout(width="100%", height="3.2em"))
-        w["chat"] = W.Checkbox(value=chat, description="chat template", indent=False,
-                               layout=W.Layout(width="auto", display="" if self._has_chat() else "none"))
-        button("prefill", "Prefill", "run the whole prompt through every strategy", "primary")
-        button("step", "Step", "one token on every strategy", "success")
-        button("run", "Run", "this many steps (stops at end of sequence)")
-        button("rewind", "Rewind", "forget this many tokens (slots turn stale)", "warning")
-        button("reset", "Reset", "empty every cache")
-        button("fork", "Fork", "a second sequence from here (paged caches share pages)")
-        w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5.5em"))
-        w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
-        wide = {"description_width": "initial"}
-        names = list(MODELS)
-        src = source if isinstance(source, str) and source in MODELS else None
-        w["model"] = W.Dropdown(options=names, value=src or names[0], description="model", style=wide,
-                                layout=W.Layout(width="15em"))
-        button("load", "Load", "load the chosen model and start over")
-        w["lane"] = W.Dropdown(options=list(self.session.lanes), description="strategy", style=wide,
-                               layout=W.Layout(width="18em"))
-        w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=self.layer, description="layer", style=wide,
-                                layout=W.Layout(width="8em"))
-        w["head"] = W.Dropdown(options=list(range(c.num_heads)), value=self.head, description="head", style=wide,
-                               layout=W.Layout(width="8em"))
-        s = self._settings
-        w["temperature"] = W.BoundedFloatText(value=s["temperature"], min=0, max=10, step=0.1, style=wide,
-                                              description="temperature", layout=W.Layout(width="13em"))
-        w["top_k"] = W.BoundedIntText(value=s["top_k"] or 0, min=0, max=1000000, description="top-k (0 = off)",
-                                      style=wide, layout=W.Layout(width="13em"))
-        w["top_p"] = W.BoundedFloatText(value=s["top_p"] or 1.0, min=0.01, max=1, step=0.05, description="top-p",
-                                        style=wide, layout=W.Layout(width="10em"))
-        w["seed"] = W.IntText(value=s["seed"], description="seed (next prefill)", style=wide,
-                              layout=W.Layout(width="14em"))
-        w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(visibility="hidden",
-                                                                                        width="20em"))
-        w["status"] = W.HTML()
-        w["error"] = W.HTML()
-        w["tokens"] = W.HTML(layout=W.Layout(width="100%"))
-        w["compare"] = W.HTML()
-        for name in ("prompt", "chat", "run_n", "rewind_n", "model", "lane", "layer", "head", "temperature", "top_k",
-                     "top_p", "seed", "progress", "status", "error", "tokens", "compare"):
-            w[name].add_class(f"kvx-{name.replace('_', '-')}")
+        w = controls.make(self.model.config, list(self.session.lanes), self.layer, self.head, self._settings,
+                          prompt, chat, self._has_chat(), source if isinstance(source, str) else None)
         self._w = w
 
         def safely(fn):  # a button reports its error in the widget; the traceback stays out of the page
@@ -383,31 +292,16 @@ class Explorer:
         for name in ("temperature", "top_k", "top_p"):
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
         w["seed"].observe(lambda ch: self._seed_changed(ch["new"]), names="value")
-
-        row = lambda *items: W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center"))
-        self._figure_box = W.VBox()
-        self.widget = W.VBox([
-            row(w["model"], w["load"], w["progress"]),
-            row(w["prompt"]),
-            row(w["chat"], w["prefill"], w["step"], w["run"], w["run_n"], w["rewind"], w["rewind_n"], w["reset"],
-                w["fork"]),
-            row(w["lane"], w["layer"], w["head"], w["temperature"], w["top_k"], w["top_p"], w["seed"]),
-            w["status"], w["error"], w["tokens"], self._figure_box,
-        ], layout=W.Layout(width="100%"))
-        self.widget.add_class("kvx-explorer")
-        self._buttons = [w[n] for n in ("prefill", "step", "run", "rewind", "reset", "fork", "load")]
+        self._figure_box, self.widget = controls.arrange(w)
+        self._buttons = [w[n] for n in controls.BUTTONS]
 
     def _make_figures(self) -> None:
         import ipywidgets as W
 
+        self._live = LiveFigures(self.specs(), FIGURE_WIDTH)
+        self.figures: dict[str, Any] = self._live.widgets  # name -> plotly FigureWidget
         boxes = []
-        for name, spec in self.specs().items():
-            fig = figure(spec, widget=True)
-            fig.layout.width = FIGURE_WIDTH  # plotly cannot size itself inside a widget box (it falls back to 700 px)
-            fig.add_class(f"kvx-fig-{name}")
-            self.figures[name] = fig
-            self._signatures[name] = signature(spec)
-            self._shown[name] = spec
+        for name, fig in self.figures.items():
             boxes.append(W.HTML(f"<b>{HEADINGS[name]}</b>"))
             if name == "compare":
                 boxes.append(self._w["compare"])
@@ -441,14 +335,13 @@ class Explorer:
         finally:
             self._syncing = False
         self._w["chat"].layout.display = "" if self._has_chat() else "none"
-        self._prompt_key = None
 
     def _seed_changed(self, seed: int) -> None:
         self.session.seed = seed
         self._settings["seed"] = seed
 
     def _pick(self, layer: int | None = None, head: int | None = None) -> None:
-        if getattr(self, "_syncing", False):
+        if self._syncing:
             return
         if layer is not None:
             self.layer = layer
@@ -457,7 +350,7 @@ class Explorer:
         self._redraw()
 
     def _redraw(self) -> None:
-        if self._busy or getattr(self, "_syncing", False):
+        if self._busy or self._syncing:
             return
         try:
             self.refresh()
@@ -466,31 +359,23 @@ class Explorer:
 
     def _sampling_changed(self) -> None:
         w = self._w
+        chosen = dict(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
+                      top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
         try:
-            self.session.set_sampling(w["temperature"].value, w["top_k"].value or None,
-                                      None if w["top_p"].value >= 1 else w["top_p"].value)
-            self._settings.update(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
-                                  top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
+            self.session.set_sampling(**chosen)
+            self._settings.update(chosen)
             w["error"].value = ""
         except ValueError as e:
-            w["error"].value = f'<div style="color:#b30000">{html.escape(str(e))}</div>'
-
-    def _sync_figures(self) -> None:
-        """Give every figure widget its whole current state. Updates made before a figure has a view in the
-        browser are lost (in Voila the notebook runs before the page connects); plotly resyncs a figure displayed
-        on its own, but not one inside a box, so the explorer does it when it is displayed."""
-        for fig in self.figures.values():
-            fig._widget_layout = deepcopy(fig._layout_obj._props)
-            fig._widget_data = deepcopy(fig._data)
+            self._show_error(e)
 
     def _repr_mimebundle_(self, **kwargs):
-        self._sync_figures()
+        self._live.sync()
         return self.widget._repr_mimebundle_(**kwargs)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        self._sync_figures()
+        self._live.sync()
         display(self.widget)
 
     def __repr__(self) -> str:

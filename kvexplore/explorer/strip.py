@@ -1,0 +1,45 @@
+"""The names of a lane's tokens and the token strip's HTML, made once per prompt and once per generated token (only
+the newest token's outline moves from one step to the next)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..generate import Generator
+from .views import tokens
+
+
+class TokenStrip:
+    def __init__(self) -> None:
+        self._tokenizer: Any = None
+        self._ids: tuple[int, ...] | None = None
+        self._texts: list[str] = []  # the prompt's token texts
+        self._prompt_html = ""
+        self._spans: dict[int, tuple] = {}  # id(record) -> (record, its span)
+
+    def _prompt(self, tokenizer: Any, ids: list[int]) -> None:
+        if tokenizer is not self._tokenizer or tuple(ids) != self._ids:
+            self._tokenizer, self._ids = tokenizer, tuple(ids)
+            self._texts = [tokenizer.token_text(t, ids[:i]) if tokenizer is not None else str(t)
+                           for i, t in enumerate(ids)]
+            self._prompt_html = tokens.prompt_spans(self._texts)
+
+    def texts(self, tokenizer: Any, gen: Generator) -> list[str]:
+        """The text of every position: the prompt's tokens, then the generated ones."""
+        self._prompt(tokenizer, gen.prompt_tokens)
+        return self._texts + [r.text for r in gen.history]
+
+    def html(self, tokenizer: Any, gen: Generator) -> str:
+        self._prompt(tokenizer, gen.prompt_tokens)
+        history = gen.history
+        old, self._spans = self._spans, {}
+        out = []
+        for r in history[:-1]:
+            entry = old.get(id(r))
+            if entry is None or entry[0] is not r:
+                entry = (r, tokens.token_span(r))
+            self._spans[id(r)] = entry
+            out.append(entry[1])
+        if history:
+            out.append(tokens.token_span(history[-1], last=True))
+        return tokens.strip_html(self._prompt_html, out)
