@@ -7,7 +7,10 @@ itself with ``python -m jupyterlab`` on that folder, run by this same interprete
 
 ``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
 strategies and the first prompt to the notebook in the environment variables ``KVEXPLORE_APP_MODEL``,
-``KVEXPLORE_APP_STRATEGIES`` and ``KVEXPLORE_APP_PROMPT``.
+``KVEXPLORE_APP_STRATEGIES`` and ``KVEXPLORE_APP_PROMPT``. It renders the page with kvexplore's own Voila template,
+``kvexplore`` (``kvexplore/explorer/voila/``, a Jupyter data folder put first on ``JUPYTER_PATH``): Voila's ``lab``
+template without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that
+leaves 127.0.0.1 (Voila's own static bundle already carries Font Awesome).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ APP_MODEL_ENV = "KVEXPLORE_APP_MODEL"
 APP_STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
 APP_PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
 APP_PROMPT = "Call me Ishmael."
+APP_TEMPLATE = "kvexplore"  # kvexplore/explorer/voila/voila/templates/kvexplore: conf.json + index.html.j2
 
 
 class LaunchError(KVExploreError):
@@ -163,10 +167,24 @@ def app_notebook() -> Traversable:
     return nb
 
 
+def app_jupyter_data() -> Path:
+    """The Jupyter data folder inside the package that holds kvexplore's Voila template: ``kvexplore/explorer/voila``,
+    laid out as Voila looks for templates (``<data folder>/voila/templates/kvexplore/``)."""
+    folder = resources.files("kvexplore").joinpath("explorer", "voila")
+    template = folder.joinpath("voila", "templates", APP_TEMPLATE)
+    if not (isinstance(folder, Path) and template.joinpath("conf.json").is_file()
+            and template.joinpath("index.html.j2").is_file()):
+        raise LaunchError(f"kvexplore's Voila template (kvexplore/explorer/voila/voila/templates/{APP_TEMPLATE}) is "
+                          "missing from this installation, or kvexplore is not installed as plain files; "
+                          "reinstall kvexplore: pip install .")
+    return folder
+
+
 def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_browser: bool = True,
                 extra: Sequence[str] = ()) -> list[str]:
-    """The ``python -m voila`` command line serving the explorer notebook on loopback."""
-    argv = [sys.executable, "-m", "voila", str(notebook), "--Voila.ip=127.0.0.1"]
+    """The ``python -m voila`` command line serving the explorer notebook on loopback, with kvexplore's template
+    (which Voila finds through the ``JUPYTER_PATH`` of :func:`app_environment`)."""
+    argv = [sys.executable, "-m", "voila", str(notebook), "--Voila.ip=127.0.0.1", f"--template={APP_TEMPLATE}"]
     if no_browser:
         argv.append("--no-browser")
     if port is not None:
@@ -176,8 +194,13 @@ def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_br
 
 def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = APP_PROMPT,
                     base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the Voila kernel: the model, strategies and prompt the app notebook reads."""
+    """The environment for Voila and its kernel: the model, strategies and prompt the app notebook reads, and
+    ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after it), where Voila
+    finds the template of :func:`app_command`."""
     env = dict(os.environ if base is None else base)
+    data = str(app_jupyter_data())
+    others = [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p and p.rstrip(os.sep) != data]
+    env["JUPYTER_PATH"] = os.pathsep.join([data, *others])
     env[APP_MODEL_ENV] = model
     env[APP_PROMPT_ENV] = prompt
     if strategies:

@@ -86,6 +86,10 @@ class StepTrace:
     _attention: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     _history: AttentionHistory | None = None
 
+    def has_attention(self, layer: int) -> bool:
+        """Whether the attention of ``layer`` was recorded."""
+        return layer in self._attention
+
     @property
     def attention_layers(self) -> list[int]:
         return sorted(self._attention)

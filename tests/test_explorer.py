@@ -39,13 +39,19 @@ def slot_row(ex, layer=0):
     return [int(v) for v in slot_rows(ex)[layer]]
 
 
+def shown(ex, view):
+    """The figure of a tab's view, with that tab picked (a view off screen is drawn when its tab is picked)."""
+    ex.view = view
+    return ex.figures[view]
+
+
 def click(ex, name):
-    ex._w[name].click()
+    ex.controls[name].click()
 
 
 def test_prefill_and_step_move_the_write_window_one_slot(model):
     ex = explorer(model)
-    ex._w["prompt"].value = PROMPT
+    ex.controls["prompt"].value = PROMPT
     click(ex, "prefill")
     assert ex.error == ""
     n_prompt = len(ex.lane.generator.prompt_tokens)
@@ -58,40 +64,55 @@ def test_prefill_and_step_move_the_write_window_one_slot(model):
         assert [i for i, c in enumerate(row) if c == CODE["written"]] == [pos]
         assert [i for i, c in enumerate(row) if c == CODE["read"]] == list(range(pos))
         assert row[pos + 1:] == [CODE["free"]] * (len(row) - pos - 1)
-        title = ex.figures["cache_map"].layout.title.text
+        title = ex.figures["cache_map"].plot_layout.title.text
         assert f"write narrow(2, {pos}, 1) · read narrow(2, 0, {pos + 1})" in title
-        assert f"step {k + 1}" in ex._w["status"].value
+        assert f"step {k + 1}" in ex.controls["status"].value
     # every layer row is the same slot map
     assert all([int(v) for v in r] == row for r in slot_rows(ex))
     assert len(slot_rows(ex)) == model.config.num_layers
 
 
-def test_figures_update_in_place(model):
+def test_figures_are_made_once_and_carry_the_specs_on_screen(model):
+    from kvexplore.explorer.plot import _to_json
+
     ex = explorer(model, prompt=PROMPT)
     figs = dict(ex.figures)
-    traces = {name: list(fig.data) for name, fig in figs.items()}
     ex.run(3)
-    for name, fig in ex.figures.items():
-        assert fig is figs[name]
-        assert all(a is b for a, b in zip(fig.data, traces[name])), name
+    assert ex.figures == figs and all(ex.figures[n] is f for n, f in figs.items())
+    specs = ex.specs()
+    for name in ex.shown():  # the synced state is the spec: traces and layout as they are
+        state = ex.figures[name].figure
+        assert len(state["data"]) == len(specs[name].traces)
+        for sent, want in zip(state["data"], specs[name].traces):
+            assert _to_json(sent) == _to_json(want), name
+        assert state["layout"]["title"] == specs[name].layout["title"]
+    before = ex.figures["tensors"].spec  # off screen: not redrawn every step...
+    assert before.layout["title"]["text"] == specs["tensors"].layout["title"]["text"]
+    ex.step()
+    assert ex.figures["tensors"].spec is before
+    ex.view = "tensors"  # ...until its tab is picked
+    now = ex.specs(["tensors"])["tensors"]
+    assert ex.figures["tensors"].spec is not before
+    assert _to_json(ex.figures["tensors"].spec.traces) == _to_json(now.traces)
+    assert ex.shown() == ["cache_map", "tensors"]
 
 
 def test_run_rewind_marks_stale_and_token_strip_follows(model):
     ex = explorer(model, prompt=PROMPT)
-    ex._w["run_n"].value = 5
+    ex.controls["run_n"].value = 5
     click(ex, "run")
     assert len(ex.lane.history) == 6
-    strip = ex._w["tokens"].value
+    strip = ex.controls["tokens"].value
     assert strip.count('class="kvx-tok') == len(ex.lane.generator.tokens)
     assert "candidates:" in strip and "position" in strip
-    assert ex._w["progress"].layout.visibility == "hidden"
-    ex._w["rewind_n"].value = 2
+    assert ex.controls["progress"].layout.visibility == "hidden"
+    ex.controls["rewind_n"].value = 2
     click(ex, "rewind")
     row = slot_row(ex)
     assert row.count(CODE["stale"]) == 2
     assert row.count(CODE["written"]) == 0
-    assert "after a rewind (2 stale)" in ex.figures["cache_map"].layout.title.text
-    assert ex._w["tokens"].value.count('class="kvx-tok') == len(ex.lane.generator.tokens)
+    assert "after a rewind (2 stale)" in ex.figures["cache_map"].plot_layout.title.text
+    assert ex.controls["tokens"].value.count('class="kvx-tok') == len(ex.lane.generator.tokens)
     click(ex, "step")  # the next write reuses the first stale slot
     row = slot_row(ex)
     assert row.count(CODE["stale"]) == 1 and row.count(CODE["written"]) == 1
@@ -101,7 +122,7 @@ def test_memory_follows_the_formula(model):
     ex = explorer(model, prompt=PROMPT)
     ex.run(4)
     c = model.config
-    fig = ex.figures["memory"]
+    fig = shown(ex, "memory")
     by_name = {t.name: t for t in fig.data}
     n = len(ex.lane.history)
     pre = by_name["reserved · preallocated"].y
@@ -118,10 +139,10 @@ def test_memory_follows_the_formula(model):
 def test_attention_rows_sum_to_one_and_layer_picker(model):
     ex = explorer(model, prompt=PROMPT)
     ex.run(3)
-    ex._w["layer"].value = 3
-    ex._w["head"].value = 5
-    fig = ex.figures["attention"]
-    assert "layer 3 · query head 5 (reads KV head 1)" in fig.layout.title.text  # 8 heads over 2 kv heads
+    ex.controls["layer"].value = 3
+    ex.controls["head"].value = 5
+    fig = shown(ex, "attention")
+    assert "layer 3 · query head 5 (reads KV head 1)" in fig.plot_layout.title.text  # 8 heads over 2 kv heads
     bar = fig.data[0]
     assert sum(bar.y) == pytest.approx(1.0, abs=1e-5)
     history = grid(fig.data[1])
@@ -140,13 +161,13 @@ def test_attention_rows_sum_to_one_and_layer_picker(model):
 def test_strategy_picker_and_fork_show_shared_pages(model):
     ex = explorer(model, prompt=PROMPT)
     ex.run(2)
-    ex._w["lane"].value = "paged"
-    assert ex.figures["cache_map"].layout.title.text.startswith("paged")
-    assert "block table" in ex.figures["cache_map"].layout.title.text
+    ex.controls["lane"].value = "paged"
+    assert ex.figures["cache_map"].plot_layout.title.text.startswith("paged")
+    assert "block table" in ex.figures["cache_map"].plot_layout.title.text
     held_at_fork = ex.lanes["paged"].cache.length
     click(ex, "fork")
-    assert ex._w["lane"].value == "paged fork 1"
-    assert "paged fork 1" in ex._w["lane"].options
+    assert ex.controls["lane"].value == "paged fork 1"
+    assert "paged fork 1" in ex.controls["lane"].options
     row = slot_row(ex)
     held = len(ex.lane.generator.tokens) - 1
     assert row.count(CODE["shared"]) == held  # every position's page is shared with the original
@@ -154,37 +175,38 @@ def test_strategy_picker_and_fork_show_shared_pages(model):
     assert held_at_fork % 8 != 0  # (the fork happened mid-page)
     copied = [ex.lanes[n].last.memory.copied_bytes for n in ("paged", "paged fork 1")]
     # the filled slots of that page, once
-    assert copied == [kvexplore.kv_bytes(model.config, held_at_fork % 8), 0]
+    # (the lanes step in a rotating order: whichever wrote first)
+    assert sorted(copied) == [0, kvexplore.kv_bytes(model.config, held_at_fork % 8)]
     # the original's map shows the pool as it is now, with the page its fork took after it stepped
-    ex._w["lane"].value = "paged"
+    ex.controls["lane"].value = "paged"
     cache = ex.lanes["paged"].cache
-    assert f"{cache.free_blocks} free pages" in ex.figures["cache_map"].layout.title.text
+    assert f"{cache.free_blocks} free pages" in ex.figures["cache_map"].plot_layout.title.text
     assert slot_row(ex).count(CODE["free"]) == cache.slot_view().count("free")
     # forks get their own traces in the memory and compare figures
-    names = [t.name for t in ex.figures["memory"].data]
+    names = [t.name for t in shown(ex, "memory").data]
     assert "reserved · paged fork 1" in names
 
 
 def test_errors_are_shown_and_change_nothing(model):
     ex = explorer(model, max_seq_len=16, prompt="Call me Ishmael.")
     before = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
-    ex._w["run_n"].value = 50
+    ex.controls["run_n"].value = 50
     click(ex, "run")  # stops when the cache is full
-    assert "cache full" in ex.error and "cache full" in ex._w["error"].value
+    assert "cache full" in ex.error and "cache full" in ex.controls["error"].value
     after = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
     assert len({tuple(t) for t, _ in after.values()}) == 1  # every lane stopped at the same token
     full = after["preallocated"]
     click(ex, "step")
     assert {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()} == after
-    ex._w["prompt"].value = "   "
+    ex.controls["prompt"].value = "   "
     click(ex, "prefill")
-    assert "prompt is empty" in ex._w["error"].value
+    assert "prompt is empty" in ex.controls["error"].value
     assert (list(ex.lane.generator.tokens), ex.lane.cache.length) == full
-    ex._w["rewind_n"].value = 99
+    ex.controls["rewind_n"].value = 99
     click(ex, "rewind")
     assert "cannot rewind 99" in ex.error
     click(ex, "reset")
-    assert ex.error == "" and ex._w["error"].value == ""
+    assert ex.error == "" and ex.controls["error"].value == ""
     assert before  # the explorer started from a prefilled state
 
 
@@ -237,25 +259,25 @@ def test_compare_exact_and_lossy(model):
     assert [row[0] for row in table] == ["preallocated (ref.)", "concat", "quantized", "none"]
     assert table[1][1] == f"{len(lanes['concat'].history)}/{len(lanes['concat'].history)}"  # own choice = reference
     assert table[1][2] == "100.0%"
-    assert "<td>concat</td>" in ex._w["compare"].value and "kvx-compare-table" in ex._w["compare"].value
-    kl = {t.name: t for t in ex.figures["compare"].data}["KL · quantized"]
+    assert "<td>concat</td>" in ex.controls["compare"].value and "kvx-compare-table" in ex.controls["compare"].value
+    kl = {t.name: t for t in shown(ex, "compare").data}["KL · quantized"]
     assert list(kl.y) == lanes["quantized"].kl
-    assert len(ex.figures["tensors"].data[2].z) == 0  # quantization error: only for the quantized lane
-    ex._w["lane"].value = "quantized"
-    err = grid(ex.figures["tensors"].data[2])
+    assert len(shown(ex, "tensors").data[2].z) == 0  # quantization error: only for the quantized lane
+    ex.controls["lane"].value = "quantized"
+    err = grid(shown(ex, "tensors").data[2])
     assert len(err) == model.config.num_kv_heads and err.max() > 0
     assert list(err[0]) == pytest.approx(ex.lane.cache.quantization_error(0)[0, 0].tolist())
-    ex._w["lane"].value = "none"
-    notes = [a.text for a in ex.figures["cache_map"].layout.annotations]
+    ex.controls["lane"].value = "none"
+    notes = [a.text for a in ex.figures["cache_map"].plot_layout.annotations]
     assert any("no cache" in t for t in notes)
 
 
 def test_tensor_norms_are_the_stored_keys(model):
     ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
     ex.run(3)
-    ex._w["layer"].value = 2
+    ex.controls["layer"].value = 2
     keys = ex.lane.cache.key(2)[0]  # (kv_heads, slots, head_dim), after RoPE
-    trace = ex.figures["tensors"].data[0]
+    trace = shown(ex, "tensors").data[0]
     n = ex.lane.cache.length
     expected = keys[:, :n].norm(dim=-1)
     got = torch.tensor(grid(trace)[:, :n])
@@ -269,8 +291,8 @@ def test_sink_lane_refuses_a_rewind_into_evicted_positions(model):
                   strategy_options={"sink": {"sinks": 2, "window": 12}}, prompt="Call me Ishmael.")
     ex.run(14)
     tokens = {n: list(l.generator.tokens) for n, l in ex.lanes.items()}
-    ex._w["lane"].value = "sink"
-    assert "evicted" in ex.figures["cache_map"].layout.title.text
+    ex.controls["lane"].value = "sink"
+    assert "evicted" in ex.figures["cache_map"].plot_layout.title.text
     with pytest.raises(ValueError, match="evicted"):
         ex.rewind(14)  # back to position 6, but 2..7 were evicted
     assert {n: list(l.generator.tokens) for n, l in ex.lanes.items()} == tokens
@@ -280,7 +302,7 @@ def test_sink_lane_refuses_a_rewind_into_evicted_positions(model):
 
 def test_chat_toggle_only_with_a_template(model):
     ex = explorer(model, strategies=("preallocated",))
-    assert ex._w["chat"].layout.display == "none"
+    assert ex.controls["chat"].layout.display == "none"
     with pytest.raises(ValueError, match="no chat template"):
         ex.prefill("hello", chat=True)
 
@@ -291,7 +313,7 @@ def test_bad_arguments_are_named(model):
     with pytest.raises(ValueError, match="layer 9 does not exist"):
         kvexplore.Explorer(model, layer=9)
     with pytest.raises(ValueError, match="unknown view"):
-        kvexplore.Explorer(model, views=("cache",))
+        kvexplore.Explorer(model, view="cache")
 
 
 def test_views_are_pure_functions_of_records(model):
@@ -335,7 +357,7 @@ def test_every_view_is_json_safe_for_every_strategy(model):
     ex.rewind(2)
     ex.fork("paged")
     for lane in ex.lanes:
-        ex._w["lane"].value = lane
+        ex.controls["lane"].value = lane
         for name, spec in ex.specs().items():
             json.dumps(_plain({"traces": spec.traces, "layout": spec.layout}), allow_nan=False)
 
@@ -386,9 +408,9 @@ def test_display_sends_the_figures_current_state(model):
     ex.run(2)
     bundle = ex._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    state = ex.figures["cache_map"]._widget_data[0]
+    state = ex.figures["cache_map"].figure["data"][0]
     assert len(state["z"]) == model.config.num_layers * 48  # every slot of every layer, not the empty first state
-    title = ex.figures["cache_map"]._widget_layout["title"]["text"]
+    title = ex.figures["cache_map"].figure["layout"]["title"]["text"]
     assert title.startswith("preallocated · step 2")
 
 
@@ -396,12 +418,12 @@ def test_a_wide_cache_is_shown_zoomed_to_its_used_slots(model):
     ex = explorer(model, strategies=("preallocated",), max_seq_len=512, prompt=PROMPT)
     ex.run(2)
     held = ex.lane.cache.length
-    lo, hi = ex.figures["cache_map"].layout.xaxis.range
+    lo, hi = ex.figures["cache_map"].plot_layout.xaxis.range
     assert lo == -0.5 and held <= hi < 511 and hi == 63.5
-    assert "slots 0..63 of 512 shown" in ex.figures["cache_map"].layout.xaxis.title.text
-    assert ex.figures["tensors"].layout.xaxis.range == (-0.5, 63.5)
+    assert "slots 0..63 of 512 shown" in ex.figures["cache_map"].plot_layout.xaxis.title.text
+    assert shown(ex, "tensors").plot_layout.xaxis.range == (-0.5, 63.5)
     small = explorer(model, strategies=("preallocated",), max_seq_len=48, prompt=PROMPT)
-    assert small.figures["cache_map"].layout.xaxis.range == (-0.5, 47.5)
+    assert small.figures["cache_map"].plot_layout.xaxis.range == (-0.5, 47.5)
 
 
 def test_an_existing_generator_becomes_the_reference_lane(model):
@@ -476,7 +498,7 @@ def test_review_findings_stay_fixed(model):
     ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
     ex.run(2)
     ex.rewind(3)
-    assert "nothing generated yet" in ex._w["status"].value
+    assert "nothing generated yet" in ex.controls["status"].value
     ex.step()
     assert len(ex.lane.history) == 1 and ex.error == ""
 
@@ -488,9 +510,9 @@ def test_review_findings_stay_fixed(model):
 
 def test_loading_a_model_keeps_the_pickers_and_the_seed(model):
     ex = explorer(model, strategies=("preallocated",), layer=3, head=2, prompt=PROMPT)
-    ex._w["seed"].value = 7
+    ex.controls["seed"].value = 7
     ex.load_model(model)
-    assert (ex.layer, ex.head, ex._w["layer"].value, ex._w["head"].value) == (3, 2, 3, 2)
+    assert (ex.layer, ex.head, ex.controls["layer"].value, ex.controls["head"].value) == (3, 2, 3, 2)
     assert ex.session.seed == 7
 
 
@@ -500,8 +522,8 @@ def test_an_attached_generator_keeps_its_sampling(model):
     gen.prefill(PROMPT)
     gen.run(2)
     ex = kvexplore.Explorer(gen, strategies=("preallocated", "concat"), max_seq_len=64)
-    assert (ex._w["temperature"].value, ex._w["top_k"].value, ex._w["seed"].value) == (1.5, 50, 3)
+    assert (ex.controls["temperature"].value, ex.controls["top_k"].value, ex.controls["seed"].value) == (1.5, 50, 3)
     assert ex.lanes["concat"].generator.sampling == gen.sampling
     ex.run(4)
     assert ex.lanes["concat"].generator.tokens == gen.tokens  # fed the reference's tokens
-    assert all(math.isnan(v) for v in grid(ex.figures["tensors"].data[0])[0, :3])  # before it attached: no norms
+    assert all(math.isnan(v) for v in grid(shown(ex, "tensors").data[0])[0, :3])  # before it attached: no norms

@@ -155,6 +155,12 @@ class KVCache(ABC):
         (``0 .. length-1`` unless the strategy reads in storage order)."""
         return list(range(self.length))
 
+    def stored_error(self, layer: int) -> torch.Tensor | None:
+        """How far what this cache stores for ``layer`` is from what the model wrote: ``(kv_heads, length)`` max
+        absolute error per position, on the CPU, for the first sequence of the batch; None for a cache that stores
+        keys and values exactly (every cache but the quantized one)."""
+        return None
+
     @abstractmethod
     def slot_view(self) -> SlotView:
         """The state of every physical slot (what the cache map draws)."""

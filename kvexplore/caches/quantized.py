@@ -251,6 +251,9 @@ class QuantizedCache(KVCache):
             raise ValueError(f"part must be 'k', 'v' or 'kv', got {part!r}")
         return chosen[part].clone()
 
+    def stored_error(self, layer: int) -> torch.Tensor:
+        return self.quantization_error(layer)[0].float().cpu()
+
     def storage(self, layer: int) -> list[torch.Tensor]:
         return [self._rk[layer], self._rv[layer]]  # a read is a view of these only while nothing is quantized
 

@@ -1,6 +1,7 @@
 """The explorer: notebook widgets over a session of cache strategies in lockstep (see :class:`Explorer`)."""
 
 from .session import Lane, Session
-from .widget import VIEWS, Explorer
+from .registry import TABS, VIEWS
+from .widget import Explorer
 
-__all__ = ["Explorer", "Lane", "Session", "VIEWS"]
+__all__ = ["Explorer", "Lane", "Session", "TABS", "VIEWS"]

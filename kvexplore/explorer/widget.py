@@ -1,11 +1,12 @@
 """``kvexplore.Explorer``: step generation token by token in a notebook and watch the KV cache.
 
-A thin controller over :class:`~kvexplore.explorer.session.Session` (the state: several strategies in
-lockstep) and the views (pure ``records -> FigureSpec`` builders in :mod:`kvexplore.explorer.views`). Controls are
-ipywidgets (:mod:`.controls`); plots are plotly ``FigureWidget``s built once and updated in place after every
-operation (:mod:`.figures`); the token strip is made once per token (:mod:`.strip`). Buttons are disabled while an operation runs, so clicks cannot interleave; an error (cache full, bad
-prompt, an impossible rewind) is shown in the widget and leaves every lane as it was. The same operations are
-methods (:meth:`Explorer.step`, ...), which raise instead.
+A thin controller: the state is a :class:`~kvexplore.explorer.session.Session` (several strategies in lockstep); every
+refresh takes one :class:`~.snapshot.Snapshot` of it and draws the views on screen from it (:mod:`.registry`: name
+-> function of the snapshot -> figure spec) into :class:`~.plot.PlotWidget`s, which always show the kernel's whole
+figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``). Buttons are disabled while an
+operation runs, so clicks cannot interleave; an error (cache full, bad prompt, an impossible rewind) is shown in the
+widget and leaves every lane as it was. The same operations are methods (:meth:`Explorer.step`, ...), which raise
+instead.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from typing import Any
 from ..generate import Generator
 from ..loading import load
 from ..model import Model
-from . import controls
-from .figures import LiveFigures
+from . import controls as layout
+from . import inspect, snapshot
+from .plot import PlotWidget, loader
+from .registry import TABS, VIEWS
 from .session import Lane, Session
 from .strip import TokenStrip
-from .views import attention, cache_map, compare, memory, tensors
+from .views import compare
 from .views.spec import FigureSpec
 
-FIGURE_WIDTH = 960  # pixels: fits a notebook column in JupyterLab and the Voila page
-VIEWS = ("cache_map", "memory", "attention", "tensors", "compare")
-HEADINGS = {"cache_map": "Cache map — layers × physical slots", "memory": "Memory per step",
-            "attention": "Attention", "tensors": "Stored keys and values", "compare": "Strategies compared"}
+DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
+HEIGHT = 430  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 
 
 class Explorer:
@@ -38,7 +39,9 @@ class Explorer:
     :class:`~kvexplore.Model`, or a :class:`~kvexplore.Generator` (it becomes the first lane as it is).
     ``strategies``: cache kinds run in lockstep on the same prompt and seed; the first is the reference the others
     are compared with (and, with ``follow_reference``, fed the tokens of). ``strategy_options``: per kind, options
-    for :func:`~kvexplore.make_cache` (e.g. ``{"paged": {"block_size": 8}}``). ``views``: which plots to show.
+    for :func:`~kvexplore.make_cache` (e.g. ``{"paged": {"block_size": 8}}``). ``prompt``: prefilled at once when
+    given; otherwise the prompt box holds :data:`DEFAULT_PROMPT` and Step or Run prefill it first. ``view``: the view
+    beside the cache map (one of :data:`~.registry.TABS`). ``presentation``: bigger fonts, fewer controls.
     """
 
     def __init__(self, source: str | Path | Model | Generator = "tiny", strategies: Sequence[str] | None = None,
@@ -46,10 +49,9 @@ class Explorer:
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, top_candidates: int = 5,
                  layer: int = 0, head: int = 0, strategy_options: dict[str, dict[str, Any]] | None = None,
                  follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
-                 views: Sequence[str] = VIEWS) -> None:
-        unknown = [v for v in views if v not in VIEWS]
-        if unknown:
-            raise ValueError(f"unknown view {unknown[0]!r}; choose from {', '.join(VIEWS)}")
+                 view: str = "attention", presentation: bool = False) -> None:
+        if view not in TABS:
+            raise ValueError(f"unknown view {view!r}; choose from {', '.join(TABS)}")
         generator = source if isinstance(source, Generator) else None
         if strategies is None:
             strategies = (generator.cache.kind,) if generator is not None else ("preallocated",)
@@ -57,21 +59,31 @@ class Explorer:
             g = generator.sampling
             temperature, top_k, top_p, seed = g.temperature, g.top_k, g.top_p, generator.seed
             top_candidates = generator.top_candidates
-        self._settings = dict(strategies=tuple(strategies), max_seq_len=max_seq_len, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, top_candidates=top_candidates,
-                              strategy_options=strategy_options, follow_reference=follow_reference)
+        self._lanes_args = dict(strategies=tuple(strategies), max_seq_len=max_seq_len, top_candidates=top_candidates,
+                                strategy_options=strategy_options, follow_reference=follow_reference)
         self._device, self._dtype = device, dtype
-        self.views = tuple(views)
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
         self._strip = TokenStrip()
         self.model = self._load(source)
         self._check_picks(layer, head)
-        self.session = Session(self.model, generator=generator, **self._settings)
+        self.session = Session(self.model, generator=generator, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, **self._lanes_args)
         self.layer, self.head = layer, head
-        self._build_widgets(prompt or "", chat, source)
-        self._make_figures()
+        self.controls = layout.make(
+            self.model.config, list(self.session.lanes), layer, head, self.session.sampling, self.session.seed,
+            prompt or DEFAULT_PROMPT, chat, self._has_chat(), source if isinstance(source, str) else None,
+            [(VIEWS[n].title, n) for n in TABS], view, presentation)
+        snap = self.snapshot()
+        self.figures: dict[str, PlotWidget] = {name: PlotWidget(self._fit(name, v.build(snap)), name)
+                                               for name, v in VIEWS.items()}
+        self.widget, self._panel = layout.arrange(self.controls, self.figures, loader())
+        self._wire()
+        self.number = inspect.track(self)
+        self.widget.add_class(f"kvx-id-{self.number}")
+        self._apply_presentation()
+        self._show_view()
         if prompt:
             self.prefill(prompt, chat=chat)
         else:
@@ -85,37 +97,60 @@ class Explorer:
     @property
     def lane(self) -> Lane:
         """The lane the cache map, attention and tensor views show (the strategy picker)."""
-        return self.session.lanes.get(self._w["lane"].value) or self.session.reference
+        return self.session.lanes.get(self.controls["lane"].value) or self.session.reference
+
+    @property
+    def view(self) -> str:
+        """The view beside the cache map (the tabs)."""
+        return self.controls["view"].value
+
+    @view.setter
+    def view(self, name: str) -> None:
+        if name not in TABS:
+            raise ValueError(f"unknown view {name!r}; choose from {', '.join(TABS)}")
+        self.controls["view"].value = name
+
+    @property
+    def presentation(self) -> bool:
+        return self.controls["presentation"].value
+
+    @presentation.setter
+    def presentation(self, on: bool) -> None:
+        self.controls["presentation"].value = bool(on)
+
+    @property
+    def side_by_side(self) -> str | None:
+        """The second strategy whose cache map is drawn under the first (None when off). Set a lane name or None."""
+        w = self.controls
+        return w["lane_b"].value if w["side_by_side"].value else None
+
+    @side_by_side.setter
+    def side_by_side(self, lane: str | None) -> None:
+        w = self.controls
+        if lane is not None:
+            if lane not in self.session.lanes:
+                raise ValueError(f"no strategy {lane!r}; lanes: {', '.join(self.session.lanes)}")
+            w["lane_b"].value = lane
+        w["side_by_side"].value = lane is not None
 
     def prefill(self, prompt: str | Sequence[int] | None = None, chat: bool | None = None) -> None:
         """Start every strategy on ``prompt`` (default: the prompt box)."""
-        if prompt is None:
-            prompt = self._w["prompt"].value
-        if chat is None:
-            chat = self._w["chat"].value
-
-        def go():
-            if isinstance(prompt, str):
-                if not prompt.strip():
-                    raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
-                self._w["prompt"].value = prompt
-            self.session.prefill(prompt, chat=chat)
-
-        self._operate(go)
+        self._operate(lambda: self._prefill(prompt, chat))
 
     def step(self) -> None:
-        """One token on every strategy."""
-        self._operate(self.session.step)
+        """One token on every strategy; with nothing run yet, the prefill of the prompt box (its first token)."""
+        self._operate(lambda: self._prefill(None, None) if not self.session.tokens else self.session.step())
 
     def run(self, n: int | None = None) -> None:
-        """Up to ``n`` steps (default: the Run box), stopping after an end-of-sequence token; the figures follow
-        every step and a progress bar shows how far the run is."""
-        n = self._w["run_n"].value if n is None else n
+        """Up to ``n`` tokens (default: the Run box; a prefill of the prompt box first when nothing has run),
+        stopping after an end-of-sequence token; the figures follow every step and a progress bar shows how far
+        the run is."""
+        n = self.controls["run_n"].value if n is None else n
         if n < 1:
             raise ValueError(f"run needs a positive number of steps, got {n}")
 
         def go():
-            bar = self._w["progress"]
+            bar = self.controls["progress"]
             bar.max, bar.value, bar.description = n, 0, "running"
             bar.layout.visibility = "visible"
             try:
@@ -123,7 +158,10 @@ class Explorer:
                     last = self.session.reference.last
                     if last is not None and last.is_eos:
                         break
-                    self.session.step()
+                    if not self.session.tokens:
+                        self._prefill(None, None)
+                    else:
+                        self.session.step()
                     bar.value = i + 1
                     self.refresh()
             finally:
@@ -133,7 +171,7 @@ class Explorer:
 
     def rewind(self, n: int | None = None) -> None:
         """Forget the last ``n`` tokens on every strategy (the pre-allocated cache's slots turn stale)."""
-        n = self._w["rewind_n"].value if n is None else n
+        n = self.controls["rewind_n"].value if n is None else n
         self._operate(lambda: self.session.rewind(n))
 
     def reset(self) -> None:
@@ -145,18 +183,22 @@ class Explorer:
         it appears in the strategy picker."""
         out: list[Lane] = []
         self._operate(lambda: out.append(self.session.fork(lane or self.lane.name)))
-        self._w["lane"].value = out[0].name
+        self.controls["lane"].value = out[0].name
         return out[0]
 
     def load_model(self, source: str | Path | Model) -> None:
-        """Load another model and start over with the same strategies (the progress bar shows the load)."""
+        """Load another model and start over with the same strategies and sampling (the progress bar shows the
+        load)."""
         def go():
-            bar = self._w["progress"]
+            bar = self.controls["progress"]
             bar.max, bar.value, bar.description = 1, 0, "loading"
             bar.layout.visibility = "visible"
+            old = self.session
             try:
                 model = self._load(source)
-                session = Session(model, **self._settings)
+                s = old.sampling
+                session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
+                                  **self._lanes_args)
             finally:
                 bar.layout.visibility = "hidden"
             self.model, self.session = model, session
@@ -167,54 +209,66 @@ class Explorer:
         self._operate(go)
 
     # -- state shown -------------------------------------------------------------------------------------
-    def specs(self) -> dict[str, FigureSpec]:
-        """What every view draws now (the same data the figures hold)."""
-        lane = self.lane
-        texts = self._strip.texts(self.model.tokenizer, lane.generator)
-        c = self.model.config
-        # the slots as they are now (a fork stepping after this lane changes a shared pool); the step's write and
-        # read windows only while the cache is as the last step left it (not after a rewind or a fork)
-        fresh = self.session.last_op in ("prefill", "step")
-        slots = None if lane.last is None else lane.cache.slot_view()
-        out = {}
-        for name in self.views:
-            if name == "cache_map":
-                out[name] = cache_map.spec(lane.last, lane.kind, c.num_layers, texts, slots=slots, fresh=fresh,
-                                           after=self.session.last_op)
-            elif name == "memory":
-                out[name] = memory.spec({n: l.history for n, l in self.lanes.items()},
-                                        cuda=self.model.device.type == "cuda")
-            elif name == "attention":
-                out[name] = attention.spec(lane.history, self.layer, self.head, texts, c.gqa_groups, c.num_heads)
-            elif name == "tensors":
-                norms = lane.tracer.norms[self.layer] if lane.history else None
-                err = lane.cache.quantization_error(self.layer)[0] if lane.kind == "quantized" and lane.history else None
-                out[name] = tensors.spec(lane.last, norms, self.layer, err, slots)
-            elif name == "compare":
-                out[name] = compare.spec({n: l.history for n, l in self.lanes.items()},
-                                         {n: l.kl for n, l in self.lanes.items()}, self.session.reference.name)
-        return out
+    def snapshot(self) -> snapshot.Snapshot:
+        """What the views need of the session now (the lanes on screen in detail)."""
+        return snapshot.take(self.session, self._strip, self.lane.name, self.side_by_side, self.layer, self.head)
+
+    def specs(self, names: Sequence[str] | None = None) -> dict[str, FigureSpec]:
+        """What each view draws now (default: every view; :meth:`shown` are the ones on screen)."""
+        snap = self.snapshot()
+        return {name: self._fit(name, VIEWS[name].build(snap)) for name in (names or VIEWS)}
+
+    def shown(self) -> list[str]:
+        """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view."""
+        return ["cache_map", *(["cache_map_b"] if self.side_by_side else []), self.view]
 
     def compare_rows(self) -> list[list[str]]:
         """The comparison table: one row per strategy (see :data:`~kvexplore.explorer.views.compare.COLUMNS`)."""
-        lanes = self.lanes
-        return compare.rows({n: l.history for n, l in lanes.items()}, {n: l.kl for n, l in lanes.items()},
-                            {n: l.top1 for n, l in lanes.items()}, self.session.reference.name,
-                            forced={n: l.forced_at for n, l in lanes.items()})
+        return compare.rows_from_snapshot(self.snapshot())
 
     def refresh(self) -> None:
-        """Redraw the token strip, status and every figure from the session (in place)."""
-        lane = self.lane
+        """Redraw the token strip, status and the figures on screen from one snapshot of the session."""
         self._sync_lanes()
-        w = self._w
+        lane = self.lane
+        w = self.controls
         w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
         w["status"].value = html.escape(self._status(lane))
-        if "compare" in self.views:
-            w["compare"].value = compare.table_html(self.compare_rows())
-        for name, spec in self.specs().items():
-            self._live.update(name, spec)
+        snap = self.snapshot()
+        w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap))
+        for name in self.shown():
+            self.figures[name].show(self._fit(name, VIEWS[name].build(snap)))
 
     # -- internals ---------------------------------------------------------------------------------------
+    def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
+        """The spec as drawn here: its height for the one-screen layout, bigger type when presenting."""
+        height = HEIGHT if name != "compare" else HEIGHT - 130
+        if name == "cache_map_b" or (name == "cache_map" and self._side_by_side_on()):
+            height = HEIGHT // 2 + 60
+        spec.layout["height"] = height
+        if self._presenting():
+            spec.layout["font"] = dict(size=15)
+            if isinstance(spec.layout.get("title"), dict):
+                spec.layout["title"]["font"] = dict(size=17)
+        return spec
+
+    def _side_by_side_on(self) -> bool:
+        w = getattr(self, "controls", None)
+        return bool(w and w["side_by_side"].value)
+
+    def _presenting(self) -> bool:
+        w = getattr(self, "controls", None)
+        return bool(w and w["presentation"].value)
+
+    def _prefill(self, prompt, chat) -> None:
+        w = self.controls
+        prompt = w["prompt"].value if prompt is None else prompt
+        chat = w["chat"].value if chat is None else chat
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
+            w["prompt"].value = prompt
+        self.session.prefill(prompt, chat=chat)
+
     def _load(self, source):
         if isinstance(source, Generator):
             return source.model
@@ -236,7 +290,7 @@ class Explorer:
         self._busy = True
         self._set_enabled(False)
         self.error = ""
-        self._w["error"].value = ""
+        self.controls["error"].value = ""
         try:
             fn()
         except Exception as e:
@@ -249,15 +303,15 @@ class Explorer:
 
     def _show_error(self, e: Exception) -> None:
         self.error = str(e)
-        self._w["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
-                                  f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
-                                  f'{html.escape(str(e))}</div>')
+        self.controls["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
+                                        f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
+                                        f'{html.escape(str(e))}</div>')
 
     def _status(self, lane: Lane) -> str:
         last = lane.last
         if last is None:
             n = len(lane.generator.tokens)
-            return (f"{lane.name} · no sequence yet" if not n else
+            return (f"{lane.name} · no sequence yet: press Step (or Prefill) to run the prompt" if not n else
                     f"{lane.name} · {n} prompt tokens, nothing generated yet (Step continues)")
         cache = lane.cache
         cap = "unbounded" if cache.capacity is None else cache.capacity
@@ -265,11 +319,8 @@ class Explorer:
         return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens)} tokens "
                 f"({len(lane.generator.prompt_tokens)} prompt) · cache holds {cache.held} of {cap} slots{eos}")
 
-    # -- widgets ---------------------------------------------------------------------------------------
-    def _build_widgets(self, prompt: str, chat: bool, source) -> None:
-        w = controls.make(self.model.config, list(self.session.lanes), self.layer, self.head, self._settings,
-                          prompt, chat, self._has_chat(), source if isinstance(source, str) else None)
-        self._w = w
+    def _wire(self) -> None:
+        w = self.controls
 
         def safely(fn):  # a button reports its error in the widget; the traceback stays out of the page
             def handler(*_):
@@ -286,27 +337,38 @@ class Explorer:
         w["reset"].on_click(safely(self.reset))
         w["fork"].on_click(safely(lambda: self.fork()))
         w["load"].on_click(safely(lambda: self.load_model(w["model"].value)))
-        w["lane"].observe(lambda ch: self._redraw(), names="value")
+        for name in ("lane", "lane_b"):
+            w[name].observe(lambda ch: self._redraw(), names="value")
         w["layer"].observe(lambda ch: self._pick(layer=ch["new"]), names="value")
         w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
+        w["view"].observe(lambda ch: self._show_view(), names="value")
+        w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
+        w["presentation"].observe(lambda ch: (self._apply_presentation(), self._redraw()), names="value")
         for name in ("temperature", "top_k", "top_p"):
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
-        w["seed"].observe(lambda ch: self._seed_changed(ch["new"]), names="value")
-        self._figure_box, self.widget = controls.arrange(w)
-        self._buttons = [w[n] for n in controls.BUTTONS]
+        w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
+        self._buttons = [w[n] for n in layout.BUTTONS]
 
-    def _make_figures(self) -> None:
-        import ipywidgets as W
+    def _show_view(self) -> None:
+        name = self.view
+        self._panel.children = [self.controls["compare"], self.figures[name]] if name == "compare" else [
+            self.figures[name]]
+        self._redraw()
 
-        self._live = LiveFigures(self.specs(), FIGURE_WIDTH)
-        self.figures: dict[str, Any] = self._live.widgets  # name -> plotly FigureWidget
-        boxes = []
-        for name, fig in self.figures.items():
-            boxes.append(W.HTML(f"<b>{HEADINGS[name]}</b>"))
-            if name == "compare":
-                boxes.append(self._w["compare"])
-            boxes.append(fig)
-        self._figure_box.children = boxes
+    def _side_by_side_changed(self) -> None:
+        on = self.controls["side_by_side"].value
+        self.controls["lane_b"].layout.display = "" if on else "none"
+        self.figures["cache_map_b"].layout.display = "" if on else "none"
+        self._redraw()
+
+    def _apply_presentation(self) -> None:
+        on = self.presentation
+        for name in layout.HIDDEN_WHEN_PRESENTING:
+            self.controls[name].layout.display = "none" if on else ""
+        self.figures["cache_map_b"].layout.display = "" if self._side_by_side_on() else "none"
+        self.widget.remove_class("kvx-presenting")
+        if on:
+            self.widget.add_class("kvx-presenting")
 
     def _has_chat(self) -> bool:
         tok = self.model.tokenizer
@@ -317,28 +379,30 @@ class Explorer:
             b.disabled = not enabled
 
     def _sync_lanes(self) -> None:
-        dd = self._w["lane"]
         names = list(self.session.lanes)
-        if list(dd.options) != names:
-            current = dd.value
-            dd.options = names
-            dd.value = current if current in names else names[0]
+        for key in ("lane", "lane_b"):
+            dd = self.controls[key]
+            if list(dd.options) != names:
+                current = dd.value
+                self._syncing = True
+                try:
+                    dd.options = names
+                    dd.value = current if current in names else names[min(len(names) - 1, int(key == "lane_b"))]
+                finally:
+                    self._syncing = False
 
     def _sync_pickers(self) -> None:
         c = self.model.config
+        w = self.controls
         self._syncing = True  # setting options selects the first one: the observers must not take it
         try:
-            self._w["layer"].options = list(range(c.num_layers))
-            self._w["layer"].value = self.layer
-            self._w["head"].options = list(range(c.num_heads))
-            self._w["head"].value = self.head
+            w["layer"].options = list(range(c.num_layers))
+            w["layer"].value = self.layer
+            w["head"].options = list(range(c.num_heads))
+            w["head"].value = self.head
         finally:
             self._syncing = False
-        self._w["chat"].layout.display = "" if self._has_chat() else "none"
-
-    def _seed_changed(self, seed: int) -> None:
-        self.session.seed = seed
-        self._settings["seed"] = seed
+        w["chat"].layout.display = "" if self._has_chat() else "none"
 
     def _pick(self, layer: int | None = None, head: int | None = None) -> None:
         if self._syncing:
@@ -350,7 +414,7 @@ class Explorer:
         self._redraw()
 
     def _redraw(self) -> None:
-        if self._busy or self._syncing:
+        if self._busy or self._syncing or not hasattr(self, "_buttons"):
             return
         try:
             self.refresh()
@@ -358,25 +422,21 @@ class Explorer:
             self._show_error(e)
 
     def _sampling_changed(self) -> None:
-        w = self._w
-        chosen = dict(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
-                      top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
+        w = self.controls
         try:
-            self.session.set_sampling(**chosen)
-            self._settings.update(chosen)
+            self.session.set_sampling(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
+                                      top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
             w["error"].value = ""
         except ValueError as e:
             self._show_error(e)
 
-    def _repr_mimebundle_(self, **kwargs):
-        self._live.sync()
-        return self.widget._repr_mimebundle_(**kwargs)
-
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        self._live.sync()
         display(self.widget)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
 
     def __repr__(self) -> str:
         return f"Explorer({self.session!r}, layer={self.layer}, head={self.head})"

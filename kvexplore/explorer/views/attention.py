@@ -30,7 +30,7 @@ def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
     width = 0
     for r in reversed(records):  # newest first, until enough rows
         t = r.trace
-        if t is None or layer not in t._attention:
+        if t is None or not t.has_attention(layer):
             continue
         raw = t.attention_raw(layer)[:, t.heads.index(head)]  # (T, keys read) in the order attention read them
         cols = np.asarray(t.read_positions)
@@ -55,7 +55,7 @@ def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
 def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequence[str] = (),
          gqa_groups: Sequence[Sequence[int]] = (), num_heads: int = 0) -> FigureSpec:
     last = records[-1] if records else None
-    have = last is not None and last.trace is not None and layer in last.trace._attention
+    have = last is not None and last.trace is not None and last.trace.has_attention(layer)
     bar_x, bar_y, bar_text = [], [], []
     if have:
         t = last.trace
@@ -105,3 +105,9 @@ def _causal(qpos: Sequence[int], width: int) -> np.ndarray:
 
 def _tok(pos: int, token_texts: Sequence[str]) -> str:
     return repr(token_texts[pos]) if 0 <= pos < len(token_texts) else ""
+
+
+def from_snapshot(s) -> FigureSpec:
+    ln = s.lane
+    c = s.config
+    return spec(ln.history, s.layer, s.head, ln.detail.texts if ln.detail else (), c.gqa_groups, c.num_heads)

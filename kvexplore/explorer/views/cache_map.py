@@ -173,3 +173,18 @@ def _strategy_layout(kind: str, info: dict, n: int, num_layers: int) -> tuple[li
                                 xref="x", yref="paper", yanchor="bottom", showarrow=False, xanchor="left",
                                 font=dict(size=11)))
     return shapes, annotations, ticks
+
+
+def from_snapshot(s, lane: str | None = None) -> FigureSpec:
+    """The cache map of lane ``lane`` (default: the lane shown) of a :class:`~..snapshot.Snapshot`."""
+    ln = s.lanes[lane or s.shown]
+    d = ln.detail
+    return spec(ln.last, ln.kind, s.config.num_layers, d.texts if d else (), slots=d.slots if d else None,
+                fresh=s.fresh, after=s.last_op)
+
+
+def second_from_snapshot(s) -> FigureSpec:
+    """The second strategy's cache map (side by side); empty when there is none."""
+    if s.second is None:
+        return spec(None, "—", s.config.num_layers, title="pick a second strategy to compare")
+    return from_snapshot(s, s.second)

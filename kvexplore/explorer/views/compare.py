@@ -1,8 +1,9 @@
 """Compare: strategies run in lockstep on the same prompt and seed, side by side.
 
 The table (HTML): does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
-the reference (lossy caches: quantized, a sink that has evicted), the median time per step, the bytes it holds and
-copies. Below, time per step and KL per step for every strategy.
+the reference (lossy caches: quantized, a sink that has evicted), the model's forward time per step (median and the
+middle half of the steps: the lanes step in a rotating order after an untimed warm-up, so their times compare), the
+bytes it holds and copies. Below, forward time per step and KL per step for every strategy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ...memory import format_bytes as size
 from .palette import strategy_colour
 from .spec import FigureSpec
 
-COLUMNS = ("strategy", "own choice = reference token", "top-1 agreement", "mean KL (nats)", "ms / step (median)",
+COLUMNS = ("strategy", "own choice = reference token", "top-1 agreement", "mean KL (nats)",
+           "forward ms / step (median, middle half)",
            "reserved", "copied / step (last)")
 
 
@@ -37,18 +39,30 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                    for a, b in zip(records, ref))
         agree = [x for x in top1.get(name, []) if x is not None]
         kls = [x for x in kl.get(name, []) if x is not None]
-        decode = [r.forward_s + r.sample_s for r in records if r.kind == "decode"]
+        decode = [r.forward_s for r in records if r.kind == "decode"]
         last = records[-1].memory if records else None
         out.append([
             name + (" (ref.)" if name == reference else ""),
             f"{same}/{len(records)}" if name != reference else "—",
             f"{100 * sum(agree) / len(agree):.1f}%" if agree else "—",
             f"{statistics.fmean(kls):.2e}" if kls else "—",
-            f"{1000 * statistics.median(decode):.1f}" if decode else "—",
+            _timing(decode),
             size(last.reserved_bytes) if last else "—",
             size(last.copied_bytes) if last else "—",
         ])
     return out
+
+
+def _timing(seconds: Sequence[float]) -> str:
+    """Median forward time in ms, with the 25th to 75th percentile once there are four steps."""
+    if not seconds:
+        return "—"
+    ms = [1000 * s for s in seconds]
+    text = f"{statistics.median(ms):.1f}"
+    if len(ms) >= 4:
+        q1, _, q3 = statistics.quantiles(ms, n=4)
+        text += f" ({q1:.1f}–{q3:.1f})"
+    return text
 
 
 def table_html(table: Sequence[Sequence[str]]) -> str:
@@ -68,7 +82,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
     for i, (name, records) in enumerate(lanes.items()):
         decode = [r for r in records if r.kind == "decode"]
         traces.append(dict(type="scatter", mode="lines+markers", name=f"ms/step · {name}", legendgroup=name,
-                           x=[r.step for r in decode], y=[1000 * (r.forward_s + r.sample_s) for r in decode],
+                           x=[r.step for r in decode], y=[1000 * r.forward_s for r in decode],
                            line=dict(color=strategy_colour(i)), marker=dict(size=4), xaxis="x", yaxis="y",
                            hovertemplate=f"{name}<br>step %{{x}}: %{{y:.1f}} ms<extra></extra>"))
         ks = list(kl.get(name, []))
@@ -79,9 +93,18 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
     layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=40),
                   title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
                   xaxis=dict(domain=[0, 0.44], anchor="y", title=dict(text="step")),
-                  yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms per step"), rangemode="tozero"),
+                  yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="forward ms per step"), rangemode="tozero"),
                   xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
                   yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
                               rangemode="tozero", exponentformat="e"),
                   legend=dict(font=dict(size=11)))
     return FigureSpec(traces, layout)
+
+
+def from_snapshot(s) -> FigureSpec:
+    return spec(s.records(), {n: l.kl for n, l in s.lanes.items()}, s.reference)
+
+
+def rows_from_snapshot(s) -> list[list[str]]:
+    return rows(s.records(), {n: l.kl for n, l in s.lanes.items()}, {n: l.top1 for n, l in s.lanes.items()},
+                s.reference, forced={n: l.forced for n, l in s.lanes.items()})

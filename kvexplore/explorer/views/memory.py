@@ -61,3 +61,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
         layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}", tickformat="~s",
                                         ticksuffix="B", title=dict(text=title), rangemode="tozero")
     return FigureSpec(traces, layout)
+
+
+def from_snapshot(s) -> FigureSpec:
+    return spec(s.records(), cuda=s.cuda)

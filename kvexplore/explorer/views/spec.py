@@ -1,10 +1,9 @@
 """A view's output: a plain description of a plotly figure, built once and then applied in place.
 
 Each view module has a pure function ``spec(...) -> FigureSpec`` from records to trace and layout properties
-(plain lists and numbers; tests assert on them). :func:`figure` turns a spec into a ``go.Figure`` (or a
-``FigureWidget``) once; :func:`apply` copies a later spec into the same figure inside ``batch_update``, so a step
-sends the changed properties to the browser instead of a new figure. A view keeps its number and kinds of traces
-fixed for a given set of lanes; only when lanes are added does the controller start a new figure.
+(plain lists and numbers; tests assert on them). The explorer draws a spec in the page as it is
+(:class:`~kvexplore.explorer.plot.PlotWidget`); :func:`figure` makes a static ``go.Figure`` of it (which also checks
+every property against plotly's schema).
 """
 
 from __future__ import annotations
@@ -78,17 +77,11 @@ def grid(trace: Any) -> np.ndarray:
     return out
 
 
-def figure(spec: FigureSpec, widget: bool = False):
-    """A new ``go.Figure`` (or ``go.FigureWidget`` with ``widget=True``) drawing ``spec``."""
+def figure(spec: FigureSpec):
+    """A static ``go.Figure`` drawing ``spec`` (plotly checks every property name and value on the way)."""
     import plotly.graph_objects as go
 
-    cls = go.FigureWidget if widget else go.Figure
-    return cls(data=[_plotly_trace(t) for t in spec.traces], layout=spec.layout)
-
-
-def signature(spec: FigureSpec) -> tuple[tuple[str, str], ...]:
-    """What must match for :func:`apply` to update a figure in place: the kinds and names of its traces."""
-    return tuple((t["type"], str(t.get("name"))) for t in spec.traces)
+    return go.Figure(data=[_plotly_trace(t) for t in spec.traces], layout=spec.layout)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -101,18 +94,3 @@ def _same(a: Any, b: Any) -> bool:
 def changes(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
     """The properties of ``new`` that differ from ``old`` (all of them without ``old``)."""
     return {k: v for k, v in new.items() if k != "type" and (old is None or k not in old or not _same(v, old[k]))}
-
-
-def apply(fig, spec: FigureSpec, previous: FigureSpec | None = None) -> None:
-    """Update ``fig`` (built from a spec with the same :func:`signature`) to show ``spec``, in one batch. With
-    ``previous`` (the spec ``fig`` shows now) only the properties that changed are sent."""
-    if len(fig.data) != len(spec.traces):
-        raise ValueError(f"figure has {len(fig.data)} traces but the spec has {len(spec.traces)}: build a new figure")
-    with fig.batch_update():
-        for i, (trace, t) in enumerate(zip(fig.data, spec.traces)):
-            changed = changes(t, previous.traces[i] if previous is not None else None)
-            if changed:
-                trace.update(changed)
-        changed = changes(spec.layout, previous.layout if previous is not None else None)
-        if changed:
-            fig.update_layout(changed, overwrite=True)

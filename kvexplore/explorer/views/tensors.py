@@ -72,3 +72,9 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
         annotations=note,
     )
     return FigureSpec(traces, layout)
+
+
+def from_snapshot(s) -> FigureSpec:
+    ln = s.lane
+    d = ln.detail
+    return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None, d.slots if d else None)

@@ -1,0 +1,183 @@
+"""What the page shows against what the kernel holds: every plotly figure's ``gd.data`` and layout, and the compare
+table's text, read from the browser and compared with the explorer's specs read from its kernel.
+
+The kernel is asked directly, on the comm target of ``kvexplore.explorer.inspect``: in JupyterLab through
+``window.jupyterapp``'s kernel connection, in Voila through a second websocket on the page's own kernel (Voila puts
+the kernel id in the page). It answers ``{"specs": {view: {"traces": [...], "layout": {...}}}, "compare": rows, ...}``.
+
+:func:`mismatches` compares the two: every property the kernel's spec gives a trace (recursively, numbers within a
+float tolerance, NaN equal to NaN or to a missing value) must be in the page's trace, and the layout's titles,
+annotations' texts, shapes and axis ranges must be the page's. A mismatch names the figure, the trace and the
+property.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# every figure of an explorer in the page, by its kvx-fig-<view> class: data with typed arrays made plain lists
+PAGE_FIGURES = """(root) => {
+  const plain = (v) => {
+    if (ArrayBuffer.isView(v)) return Array.from(v, x => Number.isNaN(x) ? null : x);
+    if (Array.isArray(v)) return v.map(plain);
+    if (typeof v === 'number') return Number.isNaN(v) ? null : v;
+    if (v && typeof v === 'object') { const o = {};
+      for (const [k, x] of Object.entries(v)) if (!k.startsWith('_')) o[k] = plain(x); return o; }
+    return v;
+  };
+  const out = {};
+  for (const gd of root.querySelectorAll('.js-plotly-plot')) {
+    const cls = [...gd.classList, ...(gd.parentElement ? gd.parentElement.classList : [])]
+      .find(c => c.startsWith('kvx-fig-'));
+    if (!cls || !gd.data) continue;
+    out[cls.slice(8)] = {data: plain(gd.data), layout: plain(gd.layout || {})};
+  }
+  return out;
+}"""
+
+COMPARE_TABLE = """(root) => [...root.querySelectorAll('.kvx-compare-table tbody tr')]
+  .map(tr => [...tr.querySelectorAll('td')].map(td => td.textContent))"""
+
+
+# the explorer's number (its kvx-id-<n> class), which the kernel knows it by
+EXPLORER_ID = """(root) => { const c = [...root.classList].find(c => c.startsWith('kvx-id-'));
+  return c ? Number(c.slice(7)) : null; }"""
+
+# one question to the kernel on the kvexplore.inspect comm target. JupyterLab: through the notebook's own kernel
+# connection (window.jupyterapp). Voila: a second websocket on the page's kernel (its id is in the page's config);
+# Voila refuses execute requests from the page but passes comm messages.
+ASK = """async ([target, number, lab]) => {
+  const msgs = (resolve, reject, timer) => ({resolve, reject, timer});
+  if (lab) {
+    const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+    const comm = k.createComm(target);
+    return await new Promise((resolve, reject) => {
+      const timer = setTimeout(() => reject(new Error('the kernel did not answer on ' + target)), 60000);
+      comm.onMsg = (m) => { clearTimeout(timer); comm.close(); resolve(m.content.data); };
+      comm.open({}).done.then(() => comm.send({explorer: number}));
+    });
+  }
+  const cfg = JSON.parse(document.getElementById('jupyter-config-data').textContent);
+  if (!cfg.kernelId) throw new Error('no kernelId in the Voila page config');
+  const base = (cfg.baseUrl || '/').replace(/\\/?$/, '/');
+  const ws = new WebSocket(`ws://${location.host}${base}api/kernels/${cfg.kernelId}/channels?session_id=kvx-${Date.now()}`);
+  const commId = 'kvx-' + Math.random().toString(16).slice(2);
+  const send = (type, content) => ws.send(JSON.stringify({
+    header: {msg_id: commId + type + Math.random(), username: 'kvx', session: 'kvx-inspect', msg_type: type,
+             version: '5.3', date: new Date().toISOString()},
+    parent_header: {}, metadata: {}, channel: 'shell', buffers: [], content}));
+  return await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => { ws.close(); reject(new Error('the kernel did not answer on ' + target)); }, 60000);
+    ws.onerror = () => reject(new Error('websocket error'));
+    ws.onopen = () => { send('comm_open', {comm_id: commId, target_name: target, data: {}});
+                        send('comm_msg', {comm_id: commId, data: {explorer: number}}); };
+    ws.onmessage = (ev) => {
+      if (typeof ev.data !== 'string') return;
+      const m = JSON.parse(ev.data);
+      if (m.header.msg_type === 'comm_msg' && m.content.comm_id === commId) {
+        clearTimeout(timer); send('comm_close', {comm_id: commId, data: {}}); ws.close(); resolve(m.content.data); }
+    };
+  });
+}"""
+
+
+def kernel_truth(page, explorer, lab: bool) -> dict:
+    """What the kernel's explorer (the one drawn in ``explorer``, a locator of its root) holds: its specs, compare
+    rows, view shown and last error (see ``kvexplore.explorer.inspect``)."""
+    from kvexplore.explorer.inspect import TARGET
+
+    number = explorer.evaluate(EXPLORER_ID)
+    assert number is not None, "the explorer's root has no kvx-id-<n> class"
+    answer = page.evaluate(ASK, [TARGET, number, lab])
+    assert "state" in answer, f"the kernel could not say what explorer {number} holds: {answer.get('error')}"
+    return answer["state"]
+
+
+def page_truth(explorer) -> dict:
+    """What the page holds: ``{"figures": {view: {"data", "layout"}}, "compare": rows}``."""
+    return {"figures": explorer.evaluate(PAGE_FIGURES), "compare": explorer.evaluate(COMPARE_TABLE)}
+
+
+def _close(a: Any, b: Any, rel: float = 1e-5, abs_: float = 1e-6) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+    return a == b
+
+
+def _diff(want: Any, got: Any, path: str, out: list[str], missing_is_nan: bool = True) -> None:
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            out.append(f"{path}: the kernel has an object, the page {_short(got)}")
+            return
+        for k, v in want.items():
+            if k == "colorscale" and isinstance(v, str) and isinstance(got.get(k), list):
+                continue  # plotly.js expands a named colour scale into its stops
+            if k not in got:
+                if v is None or v == [] or v == {}:
+                    continue  # an empty property the page did not keep
+                out.append(f"{path}.{k}: missing in the page (kernel: {_short(v)})")
+                continue
+            _diff(v, got[k], f"{path}.{k}", out)
+        return
+    if isinstance(want, list):
+        if not isinstance(got, list):
+            if got is None and not want:
+                return
+            out.append(f"{path}: the kernel has a list of {len(want)}, the page {_short(got)}")
+            return
+        if len(want) != len(got):
+            out.append(f"{path}: {len(want)} items in the kernel, {len(got)} in the page")
+            return
+        bad = [i for i, (a, b) in enumerate(zip(want, got)) if not isinstance(a, (dict, list)) and not _close(a, b)]
+        if bad:
+            i = bad[0]
+            out.append(f"{path}[{i}]: kernel {_short(want[i])}, page {_short(got[i])} ({len(bad)} items differ)")
+        for i, (a, b) in enumerate(zip(want, got)):
+            if isinstance(a, (dict, list)):
+                _diff(a, b, f"{path}[{i}]", out)
+        return
+    if not _close(want, got):
+        out.append(f"{path}: kernel {_short(want)}, page {_short(got)}")
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+LAYOUT_KEYS = ("title", "annotations", "shapes", "height")
+
+
+def mismatches(kernel: dict, page: dict, views: list[str] | None = None) -> list[str]:
+    """Every difference between the kernel's specs and the page's figures (and the compare table), by name."""
+    out: list[str] = []
+    figures = page["figures"]
+    for view, spec in kernel["specs"].items():
+        if views is not None and view not in views:
+            continue
+        if view not in figures:
+            out.append(f"{view}: figure not in the page")
+            continue
+        data, layout = figures[view]["data"], figures[view]["layout"]
+        if len(data) != len(spec["traces"]):
+            out.append(f"{view}: {len(spec['traces'])} traces in the kernel, {len(data)} in the page")
+            continue
+        for i, (want, got) in enumerate(zip(spec["traces"], data)):
+            want = {k: v for k, v in want.items() if k != "type"}
+            if want.get("type", got.get("type")) != got.get("type", want.get("type")):
+                out.append(f"{view} trace {i}: type {want.get('type')} in the kernel, {got.get('type')} in the page")
+            _diff(want, got, f"{view} trace {i} {want.get('name')!r}", out)
+        for key in LAYOUT_KEYS:
+            if key in spec["layout"]:
+                _diff(spec["layout"][key], layout.get(key), f"{view} layout.{key}", out)
+        for key, axis in spec["layout"].items():
+            if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict) and "range" in axis:
+                _diff(axis["range"], (layout.get(key) or {}).get("range"), f"{view} layout.{key}.range", out)
+    if "compare" in kernel and (views is None or "compare" in views):
+        if kernel["compare"] != page["compare"]:
+            out.append(f"compare table: kernel {kernel['compare']}, page {page['compare']}")
+    return out
