@@ -167,7 +167,8 @@ def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...]
 def chromium(viewport: dict | None = None) -> Iterator[object]:
     """A Playwright browser context on Debian Chromium with a fresh profile, able to reach only 127.0.0.1.
 
-    ``context.console_errors`` collects the pages' console errors (for the report, not for asserting).
+    ``context.console_errors`` collects the pages' console errors (for the report, not for asserting);
+    ``context.external_requests`` every URL a page asked for outside 127.0.0.1 (refused).
     """
     from playwright.sync_api import sync_playwright
 
@@ -176,7 +177,16 @@ def chromium(viewport: dict | None = None) -> Iterator[object]:
                                                    args=CHROMIUM_ARGS,
                                                    viewport=viewport or {"width": 1400, "height": 1000})
         ctx.console_errors = []
-        ctx.route("**/*", lambda r: r.continue_() if r.request.url.startswith(LOCAL) else r.abort())
+        ctx.external_requests = []  # every request that would have left 127.0.0.1 (aborted): tests assert none
+
+        def route(r):
+            if r.request.url.startswith(LOCAL):
+                r.continue_()
+            else:
+                ctx.external_requests.append(r.request.url)
+                r.abort()
+
+        ctx.route("**/*", route)
         ctx.set_default_timeout(60_000)
         try:
             yield ctx

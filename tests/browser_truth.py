@@ -49,7 +49,6 @@ EXPLORER_ID = """(root) => { const c = [...root.classList].find(c => c.startsWit
 # connection (window.jupyterapp). Voila: a second websocket on the page's kernel (its id is in the page's config);
 # Voila refuses execute requests from the page but passes comm messages.
 ASK = """async ([target, number, lab]) => {
-  const msgs = (resolve, reject, timer) => ({resolve, reject, timer});
   if (lab) {
     const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
     const comm = k.createComm(target);
@@ -156,6 +155,8 @@ def mismatches(kernel: dict, page: dict, views: list[str] | None = None) -> list
     """Every difference between the kernel's specs and the page's figures (and the compare table), by name."""
     out: list[str] = []
     figures = page["figures"]
+    if views is None:
+        views = kernel.get("shown")  # the views on screen (the others are drawn when their tab is picked)
     for view, spec in kernel["specs"].items():
         if views is not None and view not in views:
             continue
@@ -177,7 +178,7 @@ def mismatches(kernel: dict, page: dict, views: list[str] | None = None) -> list
         for key, axis in spec["layout"].items():
             if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict) and "range" in axis:
                 _diff(axis["range"], (layout.get(key) or {}).get("range"), f"{view} layout.{key}.range", out)
-    if "compare" in kernel and (views is None or "compare" in views):
+    if "compare" in kernel and views is not None and "compare" in views:
         if kernel["compare"] != page["compare"]:
             out.append(f"compare table: kernel {kernel['compare']}, page {page['compare']}")
     return out

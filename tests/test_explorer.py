@@ -73,7 +73,7 @@ def test_prefill_and_step_move_the_write_window_one_slot(model):
 
 
 def test_figures_are_made_once_and_carry_the_specs_on_screen(model):
-    from kvexplore.explorer.plot import _to_json
+    from kvexplore.explorer.inspect import plain as _to_json
 
     ex = explorer(model, prompt=PROMPT)
     figs = dict(ex.figures)

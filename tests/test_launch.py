@@ -5,6 +5,7 @@ JupyterLab or Voila is missing, and the packaging that ships the notebooks. No s
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -215,3 +216,46 @@ def test_lab_as_root_allows_root(monkeypatch):
     assert launch.lab_command("/tmp", extra=["--allow-root"]).count("--allow-root") == 1
     monkeypatch.setattr(launch, "_is_root", lambda: False)
     assert "--allow-root" not in launch.lab_command("/tmp")
+
+
+def test_app_uses_the_packaged_voila_template_that_links_nothing_remote(monkeypatch):
+    """``kvexplore app`` renders with kvexplore's Voila template (Voila's "lab" template minus the two Font Awesome
+    stylesheets that one links from cdn.jsdelivr.net): the option is on the command line, the template ships inside
+    the installed package where ``JUPYTER_PATH`` points Voila, and it adds no remote URL of its own."""
+    from importlib import resources
+
+    argv = launch.app_command("app.ipynb", port=8866)
+    assert "--template=kvexplore" in argv and argv.index("--template=kvexplore") < argv.index("--port=8866")
+    template = resources.files("kvexplore").joinpath("explorer", "voila", "voila", "templates", "kvexplore")
+    assert json.loads(template.joinpath("conf.json").read_text()) == {"base_template": "lab"}
+    page = template.joinpath("index.html.j2").read_text()
+    assert "https://" not in page and "http://" not in page
+    assert "{%- extends 'voila/templates/lab/index.html.j2' -%}" in page and "block notebook_css" in page
+    assert "cdn.jsdelivr.net/npm/@fortawesome/fontawesome-free" in page  # the lines it filters out
+
+    # Voila looks for <JUPYTER_PATH entry>/voila/templates/<name>: the package's data folder comes first, whether
+    # JUPYTER_PATH was unset or already held entries (kept after it, in order, without a duplicate of ours)
+    data = launch.app_jupyter_data()
+    assert (data / "voila" / "templates" / "kvexplore" / "index.html.j2").is_file()
+    monkeypatch.delenv("JUPYTER_PATH", raising=False)
+    assert launch.app_environment("tiny", None)["JUPYTER_PATH"] == str(data)
+    assert launch.app_environment("tiny", None, base={})["JUPYTER_PATH"] == str(data)
+    base = {"JUPYTER_PATH": os.pathsep.join(["/a", str(data), "/b"])}
+    assert launch.app_environment("tiny", None, base=base)["JUPYTER_PATH"].split(os.pathsep) == [str(data), "/a", "/b"]
+    assert base["JUPYTER_PATH"].startswith("/a")  # the caller's dict is not changed
+
+
+def test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out():
+    """If a Voila upgrade adds another remote link to the "lab" template's stylesheets, or changes the Font Awesome
+    ones so that our filter no longer matches them, say so here rather than in an offline browser."""
+    voila = pytest.importorskip("voila")
+    from voila.paths import collect_template_paths
+
+    lab = next(Path(p) / "index.html.j2" for p in collect_template_paths(["voila"], "lab")
+               if (Path(p) / "index.html.j2").is_file())
+    text = lab.read_text()
+    block = text[text.index("{%- block notebook_css -%}"):text.index("{%- endblock notebook_css -%}")]
+    remote = [line.strip() for line in block.splitlines() if "://" in line]
+    assert len(remote) == 2 and all("cdn.jsdelivr.net/npm/@fortawesome/fontawesome-free" in line for line in remote), (
+        f"{lab} (voila {voila.__version__}) changed its remote links: {remote}; update "
+        "kvexplore/explorer/voila/voila/templates/kvexplore/index.html.j2")

@@ -48,7 +48,7 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     names = list(MODELS)
     src = source if source in MODELS else None
     w["model"] = W.Dropdown(options=names, value=src or names[0], description="model", style=wide,
-                            layout=W.Layout(width="15em"))
+                            layout=W.Layout(width="12em"))
     button("load", "Load", "load the chosen model and start over")
     w["lane"] = W.Dropdown(options=lanes, description="strategy", style=wide, layout=W.Layout(width="17em"))
     w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=layer, description="layer", style=wide,
@@ -62,12 +62,12 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     w["presentation"] = W.Checkbox(value=presentation, description="presentation", indent=False,
                                    layout=W.Layout(width="auto"))
     w["temperature"] = W.BoundedFloatText(value=sampling.temperature, min=0, max=10, step=0.1, style=wide,
-                                          description="temperature", layout=W.Layout(width="12em"))
+                                          description="temperature", layout=W.Layout(width="10.5em"))
     w["top_k"] = W.BoundedIntText(value=sampling.top_k or 0, min=0, max=1000000, description="top-k (0 = off)",
-                                  style=wide, layout=W.Layout(width="12em"))
+                                  style=wide, layout=W.Layout(width="10.5em"))
     w["top_p"] = W.BoundedFloatText(value=sampling.top_p or 1.0, min=0.01, max=1, step=0.05, description="top-p",
-                                    style=wide, layout=W.Layout(width="9em"))
-    w["seed"] = W.IntText(value=seed, description="seed (next prefill)", style=wide, layout=W.Layout(width="13em"))
+                                    style=wide, layout=W.Layout(width="7.5em"))
+    w["seed"] = W.IntText(value=seed, description="seed", style=wide, layout=W.Layout(width="7.5em"))
     w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(visibility="hidden",
                                                                                     width="12em"))
     w["view"] = W.ToggleButtons(options=tabs, value=view, style={"button_width": "auto"},
@@ -93,10 +93,10 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     settings.add_class("kvx-settings")
     w["settings"] = settings
     left = W.VBox([figures["cache_map"], figures["cache_map_b"]],
-                  layout=W.Layout(flex="1 1 440px", min_width="400px"))
+                  layout=W.Layout(flex="1 1 360px", min_width="330px"))
     left.add_class("kvx-left")
     panel = W.VBox([], layout=W.Layout(width="100%"))
-    right = W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 440px", min_width="400px"))
+    right = W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 360px", min_width="330px"))
     right.add_class("kvx-right")
     main = row(left, right, align_content="flex-start")
     main.layout.align_items = "flex-start"

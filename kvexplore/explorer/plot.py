@@ -75,18 +75,21 @@ export default {
     gd.style.width = '100%';
     el.appendChild(gd);
     let alive = true, queue = Promise.resolve(), P = null;
-    const config = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ['select2d', 'lasso2d']};
+    const config = {displaylogo: false, modeBarButtonsToRemove: ['select2d', 'lasso2d']};
     // every draw starts from the whole current state; draws run one after another, the last one wins
     const draw = () => { queue = queue.then(async () => {
       P = P || await plotly();
       if (!alive) return;
       const fig = decode(model.get('figure'));
-      await P.react(gd, fig.data || [], fig.layout || {}, config);
+      const layout = fig.layout || {};
+      if (el.clientWidth > 0) layout.width = el.clientWidth;  // the container's width, the spec's height
+      await P.react(gd, fig.data || [], layout, config);
       el.dataset.kvxDraws = String(Number(el.dataset.kvxDraws || 0) + 1);
     }).catch((e) => { el.dataset.kvxError = String(e); console.error('kvexplore figure:', e); }); };
     model.on('change:figure', draw);
-    // a figure first drawn in a hidden tab has no width: redraw to the container's width when it gets one
-    const ro = new ResizeObserver(() => { if (P && gd._fullLayout) P.Plots.resize(gd); });
+    // redrawn at the container's width whenever that changes (a figure first drawn in a hidden tab had none)
+    let width = -1;
+    const ro = new ResizeObserver(() => { if (el.clientWidth !== width) { width = el.clientWidth; draw(); } });
     ro.observe(el);
     draw();
     return () => { alive = false; model.off('change:figure', draw); ro.disconnect(); if (P) P.purge(gd); };
@@ -161,8 +164,7 @@ class PlotWidget(anywidget.AnyWidget):
         self.spec = spec
         self.__dict__.pop("_plotly", None)
         layout = dict(spec.layout)
-        layout.pop("width", None)  # the container's width (plotly.js resizes with it)
-        layout.setdefault("autosize", True)
+        layout.pop("width", None)  # the page draws at its container's width
         self.figure = {"data": [{k: v for k, v in t.items()} for t in spec.traces], "layout": layout}
         return True
 

