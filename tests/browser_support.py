@@ -65,6 +65,7 @@ def isolated_env(state: Path) -> dict[str, str]:
     env.pop("JUPYTER_CONFIG_PATH", None)
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    env["KVEXPLORE_INSPECT"] = "1"  # explorers keep their state in the page for the truth tests (browser_truth.py)
     # the "receive Jupyter news?" announcements plugin: a popup that covers elements, and a network call
     labconfig = state / "jupyter_config_dir" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """What the page shows against what the kernel holds: every plotly figure's ``gd.data`` and layout, and the compare
 table's text, read from the browser and compared with the explorer's specs read from its kernel.
 
-The kernel is asked directly, on the comm target of ``kvexplore.explorer.inspect``: in JupyterLab through
-``window.jupyterapp``'s kernel connection, in Voila through a second websocket on the page's own kernel (Voila puts
-the kernel id in the page). It answers ``{"specs": {view: {"traces": [...], "layout": {...}}}, "compare": rows, ...}``.
+The kernel's side comes from ``kvexplore.explorer.inspect``: with ``KVEXPLORE_INSPECT=1`` every explorer keeps its
+state, ``{"specs": {view: {"traces": [...], "layout": {...}}}, "compare": rows, "shown": [...], ...}``, as JSON in a
+hidden element after every refresh.
 
 :func:`mismatches` compares the two: every property the kernel's spec gives a trace (recursively, numbers within a
 float tolerance, NaN equal to NaN or to a missing value) must be in the page's trace, and the layout's titles,
@@ -41,57 +41,16 @@ COMPARE_TABLE = """(root) => [...root.querySelectorAll('.kvx-compare-table tbody
   .map(tr => [...tr.querySelectorAll('td')].map(td => td.textContent))"""
 
 
-# the explorer's number (its kvx-id-<n> class), which the kernel knows it by
-EXPLORER_ID = """(root) => { const c = [...root.classList].find(c => c.startsWith('kvx-id-'));
-  return c ? Number(c.slice(7)) : null; }"""
-
-# one question to the kernel on the kvexplore.inspect comm target. JupyterLab: through the notebook's own kernel
-# connection (window.jupyterapp). Voila: a second websocket on the page's kernel (its id is in the page's config);
-# Voila refuses execute requests from the page but passes comm messages.
-ASK = """async ([target, number, lab]) => {
-  if (lab) {
-    const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
-    const comm = k.createComm(target);
-    return await new Promise((resolve, reject) => {
-      const timer = setTimeout(() => reject(new Error('the kernel did not answer on ' + target)), 60000);
-      comm.onMsg = (m) => { clearTimeout(timer); comm.close(); resolve(m.content.data); };
-      comm.open({}).done.then(() => comm.send({explorer: number}));
-    });
-  }
-  const cfg = JSON.parse(document.getElementById('jupyter-config-data').textContent);
-  if (!cfg.kernelId) throw new Error('no kernelId in the Voila page config');
-  const base = (cfg.baseUrl || '/').replace(/\\/?$/, '/');
-  const ws = new WebSocket(`ws://${location.host}${base}api/kernels/${cfg.kernelId}/channels?session_id=kvx-${Date.now()}`);
-  const commId = 'kvx-' + Math.random().toString(16).slice(2);
-  const send = (type, content) => ws.send(JSON.stringify({
-    header: {msg_id: commId + type + Math.random(), username: 'kvx', session: 'kvx-inspect', msg_type: type,
-             version: '5.3', date: new Date().toISOString()},
-    parent_header: {}, metadata: {}, channel: 'shell', buffers: [], content}));
-  return await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => { ws.close(); reject(new Error('the kernel did not answer on ' + target)); }, 60000);
-    ws.onerror = () => reject(new Error('websocket error'));
-    ws.onopen = () => { send('comm_open', {comm_id: commId, target_name: target, data: {}});
-                        send('comm_msg', {comm_id: commId, data: {explorer: number}}); };
-    ws.onmessage = (ev) => {
-      if (typeof ev.data !== 'string') return;
-      const m = JSON.parse(ev.data);
-      if (m.header.msg_type === 'comm_msg' && m.content.comm_id === commId) {
-        clearTimeout(timer); send('comm_close', {comm_id: commId, data: {}}); ws.close(); resolve(m.content.data); }
-    };
-  });
-}"""
+TRUTH = """(root) => { const e = root.querySelector('.kvx-truth pre');
+  return e ? JSON.parse(e.textContent) : null; }"""
 
 
-def kernel_truth(page, explorer, lab: bool) -> dict:
-    """What the kernel's explorer (the one drawn in ``explorer``, a locator of its root) holds: its specs, compare
-    rows, view shown and last error (see ``kvexplore.explorer.inspect``)."""
-    from kvexplore.explorer.inspect import TARGET
-
-    number = explorer.evaluate(EXPLORER_ID)
-    assert number is not None, "the explorer's root has no kvx-id-<n> class"
-    answer = page.evaluate(ASK, [TARGET, number, lab])
-    assert "state" in answer, f"the kernel could not say what explorer {number} holds: {answer.get('error')}"
-    return answer["state"]
+def kernel_truth(explorer) -> dict:
+    """What the kernel's explorer holds: its specs, compare rows, views on screen and last error, which it puts in
+    its hidden ``kvx-truth`` element after every refresh (the kernel runs with ``KVEXPLORE_INSPECT=1``)."""
+    state = explorer.evaluate(TRUTH)
+    assert state is not None, "the explorer has no kvx-truth element: start the kernel with KVEXPLORE_INSPECT=1"
+    return state
 
 
 def page_truth(explorer) -> dict:

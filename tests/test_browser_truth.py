@@ -48,7 +48,7 @@ def _agree(page, explorer, lab: bool, label: str) -> dict:
     """Wait until the page shows what the kernel holds; fail naming every difference."""
     t0 = time.monotonic()
     while True:
-        kernel = kernel_truth(page, explorer, lab)
+        kernel = kernel_truth(explorer)
         diff = mismatches(kernel, page_truth(explorer))
         if not diff:
             return kernel

@@ -1,25 +1,24 @@
-"""Ask a running kernel what its explorers hold: a comm target the browser (or a test driving it) can open.
+"""What an explorer holds, as plain data, and (for tests in a real browser) shown in the page beside what it draws.
 
-Every :class:`~kvexplore.Explorer` made in a Jupyter kernel registers itself here under a number, and its root box
-carries the CSS class ``kvx-id-<number>``. A front end that opens a comm on target :data:`TARGET` and sends
-``{"explorer": number}`` gets back one message: the explorer's specs (every figure's traces and layout, arrays as
-plain lists, NaN as null), its comparison rows, the view shown and the last error. That is what the page must show;
-the browser tests compare it with each plotly figure's ``gd.data``. Comms are the one channel Voila leaves open
-(it refuses execute requests from the page), so the same question works in JupyterLab and in Voila.
+:func:`state` is an explorer's specs (every figure's traces and layout, arrays as plain lists, NaN as null), its
+comparison rows, the views on screen and the last error: what the page must show. With the environment variable
+``KVEXPLORE_INSPECT=1`` in the kernel, every explorer also carries a hidden element (class ``kvx-truth``) that holds
+:func:`state` as JSON after every refresh, so a browser test can read what the kernel holds next to each plotly
+figure's ``gd.data`` and compare them. (A second connection to the kernel cannot ask instead: Voila refuses
+execute requests from the page, and a second websocket on its kernel can cut the page's own updates.)
 """
 
 from __future__ import annotations
 
+import html
+import json
 import math
-import weakref
+import os
 from typing import Any
 
 import numpy as np
 
-TARGET = "kvexplore.inspect"
-_explorers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_next_id = 0
-_registered = False
+ENV = "KVEXPLORE_INSPECT"
 
 
 def plain(v: Any) -> Any:
@@ -47,47 +46,22 @@ def state(explorer: Any) -> dict[str, Any]:
             "tokens": len(explorer.lane.generator.tokens), "lane": explorer.lane.name, "shown": explorer.shown()}
 
 
-def track(explorer: Any) -> int:
-    """Number ``explorer`` (its CSS class ``kvx-id-<n>``) and answer for it on :data:`TARGET` when in a kernel."""
-    global _next_id
-    _next_id += 1
-    _explorers[_next_id] = explorer
-    _register()
-    return _next_id
+def enabled() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0")
 
 
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    try:
-        from IPython import get_ipython
+def element():
+    """The hidden element that carries :func:`state` (None unless ``KVEXPLORE_INSPECT`` is set)."""
+    if not enabled():
+        return None
+    import ipywidgets as W
 
-        shell = get_ipython()
-        kernel = getattr(shell, "kernel", None)
-        manager = getattr(kernel, "comm_manager", None)
-        if manager is None:
-            import comm
-
-            manager = comm.get_comm_manager() if kernel is not None else None
-    except Exception:  # not in a kernel: nobody to answer
-        return
-    if manager is None:
-        return
-    manager.register_target(TARGET, _opened)
-    _registered = True
+    box = W.HTML(layout=W.Layout(display="none"))
+    box.add_class("kvx-truth")
+    return box
 
 
-def _opened(comm, open_msg) -> None:
-    def answer(msg) -> None:
-        number = (msg.get("content", {}).get("data") or {}).get("explorer")
-        explorer = _explorers.get(number)
-        if explorer is None:
-            comm.send({"error": f"no explorer number {number!r}; live: {sorted(_explorers)}"})
-        else:
-            try:
-                comm.send({"state": state(explorer)})
-            except Exception as e:  # the asker gets the reason, the kernel keeps going
-                comm.send({"error": f"{type(e).__name__}: {e}"})
-
-    comm.on_msg(answer)
+def publish(box: Any, explorer: Any) -> None:
+    """Put ``explorer``'s state into ``box`` (see :func:`element`)."""
+    if box is not None:
+        box.value = f"<pre>{html.escape(json.dumps(state(explorer)))}</pre>"

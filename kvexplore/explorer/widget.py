@@ -79,9 +79,10 @@ class Explorer:
         self.figures: dict[str, PlotWidget] = {name: PlotWidget(self._fit(name, v.build(snap)), name)
                                                for name, v in VIEWS.items()}
         self.widget, self._panel = layout.arrange(self.controls, self.figures, loader())
+        self._truth = inspect.element()  # only when KVEXPLORE_INSPECT is set (browser tests)
+        if self._truth is not None:
+            self.widget.children = (*self.widget.children, self._truth)
         self._wire()
-        self.number = inspect.track(self)
-        self.widget.add_class(f"kvx-id-{self.number}")
         self._apply_presentation()
         self._show_view()
         if prompt:
@@ -237,6 +238,7 @@ class Explorer:
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap))
         for name in self.shown():
             self.figures[name].show(self._fit(name, VIEWS[name].build(snap)))
+        inspect.publish(self._truth, self)
 
     # -- internals ---------------------------------------------------------------------------------------
     def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
@@ -414,7 +416,7 @@ class Explorer:
         self._redraw()
 
     def _redraw(self) -> None:
-        if self._busy or self._syncing or not hasattr(self, "_buttons"):
+        if self._busy or self._syncing or not hasattr(self, "_truth"):
             return
         try:
             self.refresh()
