@@ -55,8 +55,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def isolated_env(state: Path) -> dict[str, str]:
-    """The environment of a server that sees no user configuration and writes only under ``state``."""
+def isolated_env(state: Path, inspect: bool = True) -> dict[str, str]:
+    """The environment of a server that sees no user configuration and writes only under ``state``; with
+    ``inspect`` its explorers keep their state in the page (``KVEXPLORE_INSPECT``, for browser_truth.py)."""
     env = dict(os.environ)
     for name in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
         env[name] = str(state / name.lower())
@@ -65,7 +66,10 @@ def isolated_env(state: Path) -> dict[str, str]:
     env.pop("JUPYTER_CONFIG_PATH", None)
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    env["KVEXPLORE_INSPECT"] = "1"  # explorers keep their state in the page for the truth tests (browser_truth.py)
+    if inspect:
+        env["KVEXPLORE_INSPECT"] = "1"
+    else:
+        env.pop("KVEXPLORE_INSPECT", None)
     # the "receive Jupyter news?" announcements plugin: a popup that covers elements, and a network call
     labconfig = state / "jupyter_config_dir" / "labconfig"
     labconfig.mkdir(parents=True, exist_ok=True)
@@ -146,12 +150,13 @@ def lab_server(notebooks: Path, workdir: Path) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...] | None = None) -> Iterator[Server]:
+def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...] | None = None,
+                 inspect: bool = True) -> Iterator[Server]:
     """``kvexplore app``'s Voila command (the same argv and environment), on a free loopback port."""
     from kvexplore import launch
 
     state = workdir / "state"
-    env = launch.app_environment(model, strategies, base=isolated_env(state))  # the default prompt, prefilled
+    env = launch.app_environment(model, strategies, base=isolated_env(state, inspect))  # the default prompt, prefilled
     port = free_port()
     with importlib.resources.as_file(launch.app_notebook()) as notebook:
         argv = launch.app_command(notebook, port=port, no_browser=True)

@@ -13,7 +13,7 @@ pytest.importorskip("ipywidgets")
 import kvexplore  # noqa: E402
 from kvexplore.explorer.views import attention, cache_map  # noqa: E402
 from kvexplore.explorer.views.palette import SLOT_CLASSES  # noqa: E402
-from kvexplore.explorer.views.spec import grid  # noqa: E402
+from kvexplore.explorer.views.spec import figure, grid  # noqa: E402
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 PROMPT = "Call me Ishmael. Some years ago"
@@ -331,19 +331,19 @@ def test_views_are_pure_functions_of_records(model):
 
 
 def _plain(v):
-    """What the widget protocol sends as JSON: plotly sends 1-D numeric arrays (not int64) as binary buffers, where
-    NaN is allowed; everything else becomes JSON."""
-    import numpy as np
+    """What the figure widget sends as JSON (``plot._to_json``), its binary buffers (where NaN is allowed) named."""
+    from kvexplore.explorer.plot import _to_json
 
-    if isinstance(v, np.ndarray):
-        if v.ndim == 1 and v.dtype.kind in "uif" and v.dtype not in (np.int64, np.uint64):
-            return "binary buffer"
-        return v.tolist()
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v
+    def walk(x):
+        if isinstance(x, dict):
+            if isinstance(x.get("buffer"), memoryview):
+                return "binary buffer"
+            return {k: walk(y) for k, y in x.items()}
+        if isinstance(x, list):
+            return [walk(y) for y in x]
+        return x
+
+    return walk(_to_json(v))
 
 
 def test_every_view_is_json_safe_for_every_strategy(model):
@@ -358,8 +358,98 @@ def test_every_view_is_json_safe_for_every_strategy(model):
     ex.fork("paged")
     for lane in ex.lanes:
         ex.controls["lane"].value = lane
+        ex.side_by_side = "sink"
         for name, spec in ex.specs().items():
             json.dumps(_plain({"traces": spec.traces, "layout": spec.layout}), allow_nan=False)
+            figure(spec)  # every property is one plotly knows, with a valid value (the page draws specs as they are)
+
+
+def test_the_figure_state_sends_numeric_arrays_as_binary_buffers():
+    import numpy as np
+
+    from kvexplore.explorer.plot import _to_json
+
+    out = _to_json({"z": np.array([1.0, float("nan")], dtype=np.float32), "x": np.arange(3, dtype=np.int64),
+                    "m": np.ones((2, 2), dtype=np.float32), "y": [1.5, float("nan"), None], "n": np.float32(2.5)})
+    assert out["z"]["dtype"] == "float32" and out["z"]["shape"] == [2] and isinstance(out["z"]["buffer"], memoryview)
+    assert np.isnan(np.frombuffer(out["z"]["buffer"], dtype=np.float32)[1])  # NaN travels in the buffer
+    assert out["x"] == [0, 1, 2]  # int64: JavaScript has no typed array for it
+    assert out["m"] == [[1.0, 1.0], [1.0, 1.0]]
+    assert out["y"] == [1.5, None, None] and out["n"] == 2.5  # JSON has no NaN
+
+
+def test_ready_to_click_with_the_default_prompt(model):
+    from kvexplore.explorer.widget import DEFAULT_PROMPT
+
+    ex = explorer(model)
+    assert ex.controls["prompt"].value == DEFAULT_PROMPT and ex.session.tokens == []
+    assert "press Step" in ex.controls["status"].value
+    click(ex, "step")  # nothing ran yet: Step prefills the box (its first token)
+    assert ex.error == ""
+    assert ex.session.prompt_tokens == explorer(model, prompt=DEFAULT_PROMPT).session.prompt_tokens
+    assert [len(l.history) for l in ex.lanes.values()] == [1, 1, 1]
+    click(ex, "step")
+    assert [len(l.history) for l in ex.lanes.values()] == [2, 2, 2]
+    fresh = explorer(model)
+    fresh.run(3)  # Run too: the prefill, then steps, three tokens in all
+    assert [len(l.history) for l in fresh.lanes.values()] == [3, 3, 3]
+    empty = explorer(model)
+    empty.controls["prompt"].value = "   "
+    click(empty, "step")
+    assert "the prompt is empty" in empty.error and empty.session.tokens == []
+    assert "the prompt is empty" in empty.controls["error"].value
+
+
+def test_tabs_side_by_side_and_presentation(model):
+    ex = explorer(model, prompt=PROMPT)
+    assert ex.view == "attention" and ex.shown() == ["cache_map", "attention"]
+    for name in ("memory", "tensors", "compare", "attention"):
+        ex.controls["view"].value = name  # a click on the tab
+        assert ex.shown()[-1] == name
+        assert ex._panel.children[-1] is ex.figures[name]
+        assert ex.figures[name].spec.layout["title"] == ex.specs([name])[name].layout["title"]
+    with pytest.raises(ValueError, match="unknown view 'heat'; choose from attention, memory, tensors, compare"):
+        ex.view = "heat"
+    with pytest.raises(ValueError, match="no strategy 'sink'"):
+        ex.side_by_side = "sink"
+    ex.side_by_side = "paged"
+    assert ex.shown() == ["cache_map", "cache_map_b", "attention"]
+    assert ex.figures["cache_map_b"].spec.layout["title"]["text"].startswith("paged · step 0")
+    assert ex.figures["cache_map"].spec.layout["title"]["text"].startswith("preallocated · step 0")
+    assert ex.figures["cache_map_b"].layout.display == ""
+    ex.step()
+    assert ex.figures["cache_map_b"].spec.layout["title"]["text"].startswith("paged · step 1")
+    ex.side_by_side = None
+    assert ex.figures["cache_map_b"].layout.display == "none" and ex.shown() == ["cache_map", "attention"]
+    ex.presentation = True
+    assert all(ex.controls[n].layout.display == "none" for n in ("settings", "fork"))
+    assert ex.figures["cache_map"].spec.layout["font"]["size"] == 15
+    ex.presentation = False
+    assert ex.controls["fork"].layout.display == "" and "font" not in ex.figures["cache_map"].spec.layout
+
+
+def test_lanes_step_in_a_rotating_order(model):
+    ex = explorer(model, strategies=("preallocated", "concat", "paged"), prompt=PROMPT)
+    orders = []
+    for _ in range(3):
+        orders.append([lane.name for lane in ex.session.step_order()])
+        ex.step()
+    assert orders == [["preallocated", "concat", "paged"], ["preallocated", "paged", "concat"],
+                      ["preallocated", "concat", "paged"]]
+
+
+def test_two_exact_lanes_report_comparable_times(model):
+    """Timed in a rotating order, forward pass only, after a warm-up when idle: two exact caches of the same size
+    must not look several times apart (a cold first lane once showed 145 ms against 21 ms)."""
+    import statistics
+
+    ex = explorer(model, strategies=("preallocated", "paged"), prompt=PROMPT, max_seq_len=64)
+    ex.run(30)
+    med = {n: statistics.median(r.forward_s for r in l.history if r.kind == "decode") for n, l in ex.lanes.items()}
+    ratio = max(med.values()) / min(med.values())
+    assert ratio < 1.5, f"median forward times {med} differ {ratio:.2f}x"
+    row = {r[0].replace(" (ref.)", ""): r for r in ex.compare_rows()}
+    assert "(" in row["paged"][4] and "–" in row["paged"][4]  # median (25th–75th percentile)
 
 
 def test_memory_view_on_cuda_draws_the_allocator(model):

@@ -9,11 +9,14 @@ does not need (the model and sampling settings, Fork) and draws bigger.
 
 from __future__ import annotations
 
+import html
+from contextlib import contextmanager
 from typing import Any
 
 from ..config import ModelConfig
 from ..store import MODELS
 
+HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disabled while an operation runs
 HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
 
@@ -109,3 +112,40 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     ], layout=W.Layout(width="100%"))
     root.add_class("kvx-explorer")
     return root, panel
+
+
+def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
+    """``spec`` as drawn on this screen: its height for the one-screen layout, bigger type when presenting."""
+    height = HEIGHT if name != "compare" else HEIGHT - 130  # the compare table sits above its figure
+    if name == "cache_map_b" or (name == "cache_map" and side_by_side):
+        height = HEIGHT // 2 + 60  # two cache maps, one above the other
+    spec.layout["height"] = height
+    if presenting:
+        spec.layout["font"] = dict(size=15)
+        if isinstance(spec.layout.get("title"), dict):
+            spec.layout["title"]["font"] = dict(size=17)
+    return spec
+
+
+def set_options(dropdown: Any, options: list, fallback: Any) -> None:
+    """New options for a picker, keeping its value when it is still one of them (else ``fallback``)."""
+    if list(dropdown.options) != options:
+        current = dropdown.value
+        dropdown.options = options
+        dropdown.value = current if current in options else fallback
+
+
+def error_html(e: Exception) -> str:
+    return (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;padding:4px 8px;'
+            f'border-radius:4px"><b>{type(e).__name__}</b>: {html.escape(str(e))}</div>')
+
+
+@contextmanager
+def progress(bar: Any, total: int, text: str):
+    """Show ``bar`` (from 0 of ``total``, labelled ``text``) while the block runs; hidden again afterwards."""
+    bar.max, bar.value, bar.description = total, 0, text
+    bar.layout.visibility = "visible"
+    try:
+        yield bar
+    finally:
+        bar.layout.visibility = "hidden"

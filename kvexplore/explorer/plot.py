@@ -83,7 +83,9 @@ export default {
       const fig = decode(model.get('figure'));
       const layout = fig.layout || {};
       if (el.clientWidth > 0) layout.width = el.clientWidth;  // the container's width, the spec's height
+      const t0 = performance.now();
       await P.react(gd, fig.data || [], layout, config);
+      el.dataset.kvxDrawMs = (performance.now() - t0).toFixed(1);  // for benchmarks/explorer_click.py
       el.dataset.kvxDraws = String(Number(el.dataset.kvxDraws || 0) + 1);
     }).catch((e) => { el.dataset.kvxError = String(e); console.error('kvexplore figure:', e); }); };
     model.on('change:figure', draw);

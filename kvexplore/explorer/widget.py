@@ -24,12 +24,12 @@ from . import inspect, snapshot
 from .plot import PlotWidget, loader
 from .registry import TABS, VIEWS
 from .session import Lane, Session
+from .status import status_line
 from .strip import TokenStrip
 from .views import compare
 from .views.spec import FigureSpec
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
-HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 
 
 class Explorer:
@@ -151,10 +151,7 @@ class Explorer:
             raise ValueError(f"run needs a positive number of steps, got {n}")
 
         def go():
-            bar = self.controls["progress"]
-            bar.max, bar.value, bar.description = n, 0, "running"
-            bar.layout.visibility = "visible"
-            try:
+            with layout.progress(self.controls["progress"], n, "running") as bar:
                 for i in range(n):
                     last = self.session.reference.last
                     if last is not None and last.is_eos:
@@ -165,8 +162,6 @@ class Explorer:
                         self.session.step()
                     bar.value = i + 1
                     self.refresh()
-            finally:
-                bar.layout.visibility = "hidden"
 
         self._operate(go)
 
@@ -191,17 +186,12 @@ class Explorer:
         """Load another model and start over with the same strategies and sampling (the progress bar shows the
         load)."""
         def go():
-            bar = self.controls["progress"]
-            bar.max, bar.value, bar.description = 1, 0, "loading"
-            bar.layout.visibility = "visible"
             old = self.session
-            try:
+            with layout.progress(self.controls["progress"], 1, "loading"):
                 model = self._load(source)
                 s = old.sampling
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
                                   **self._lanes_args)
-            finally:
-                bar.layout.visibility = "hidden"
             self.model, self.session = model, session
             self.layer = min(self.layer, model.config.num_layers - 1)
             self.head = min(self.head, model.config.num_heads - 1)
@@ -233,7 +223,7 @@ class Explorer:
         lane = self.lane
         w = self.controls
         w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
-        w["status"].value = html.escape(self._status(lane))
+        w["status"].value = html.escape(status_line(lane))
         snap = self.snapshot()
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap))
         for name in self.shown():
@@ -242,24 +232,7 @@ class Explorer:
 
     # -- internals ---------------------------------------------------------------------------------------
     def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
-        """The spec as drawn here: its height for the one-screen layout, bigger type when presenting."""
-        height = HEIGHT if name != "compare" else HEIGHT - 130
-        if name == "cache_map_b" or (name == "cache_map" and self._side_by_side_on()):
-            height = HEIGHT // 2 + 60
-        spec.layout["height"] = height
-        if self._presenting():
-            spec.layout["font"] = dict(size=15)
-            if isinstance(spec.layout.get("title"), dict):
-                spec.layout["title"]["font"] = dict(size=17)
-        return spec
-
-    def _side_by_side_on(self) -> bool:
-        w = getattr(self, "controls", None)
-        return bool(w and w["side_by_side"].value)
-
-    def _presenting(self) -> bool:
-        w = getattr(self, "controls", None)
-        return bool(w and w["presentation"].value)
+        return layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
 
     def _prefill(self, prompt, chat) -> None:
         w = self.controls
@@ -305,21 +278,7 @@ class Explorer:
 
     def _show_error(self, e: Exception) -> None:
         self.error = str(e)
-        self.controls["error"].value = (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
-                                        f'padding:4px 8px;border-radius:4px"><b>{type(e).__name__}</b>: '
-                                        f'{html.escape(str(e))}</div>')
-
-    def _status(self, lane: Lane) -> str:
-        last = lane.last
-        if last is None:
-            n = len(lane.generator.tokens)
-            return (f"{lane.name} · no sequence yet: press Step (or Prefill) to run the prompt" if not n else
-                    f"{lane.name} · {n} prompt tokens, nothing generated yet (Step continues)")
-        cache = lane.cache
-        cap = "unbounded" if cache.capacity is None else cache.capacity
-        eos = " · end of sequence" if last.is_eos else ""
-        return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens)} tokens "
-                f"({len(lane.generator.prompt_tokens)} prompt) · cache holds {cache.held} of {cap} slots{eos}")
+        self.controls["error"].value = layout.error_html(e)
 
     def _wire(self) -> None:
         w = self.controls
@@ -367,7 +326,7 @@ class Explorer:
         on = self.presentation
         for name in layout.HIDDEN_WHEN_PRESENTING:
             self.controls[name].layout.display = "none" if on else ""
-        self.figures["cache_map_b"].layout.display = "" if self._side_by_side_on() else "none"
+        self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
         self.widget.remove_class("kvx-presenting")
         if on:
             self.widget.add_class("kvx-presenting")
@@ -382,26 +341,20 @@ class Explorer:
 
     def _sync_lanes(self) -> None:
         names = list(self.session.lanes)
-        for key in ("lane", "lane_b"):
-            dd = self.controls[key]
-            if list(dd.options) != names:
-                current = dd.value
-                self._syncing = True
-                try:
-                    dd.options = names
-                    dd.value = current if current in names else names[min(len(names) - 1, int(key == "lane_b"))]
-                finally:
-                    self._syncing = False
+        self._syncing = True  # setting options selects the first one: the observers must not take it
+        try:
+            layout.set_options(self.controls["lane"], names, names[0])
+            layout.set_options(self.controls["lane_b"], names, names[min(1, len(names) - 1)])
+        finally:
+            self._syncing = False
 
     def _sync_pickers(self) -> None:
         c = self.model.config
         w = self.controls
-        self._syncing = True  # setting options selects the first one: the observers must not take it
+        self._syncing = True
         try:
-            w["layer"].options = list(range(c.num_layers))
-            w["layer"].value = self.layer
-            w["head"].options = list(range(c.num_heads))
-            w["head"].value = self.head
+            layout.set_options(w["layer"], list(range(c.num_layers)), self.layer)
+            layout.set_options(w["head"], list(range(c.num_heads)), self.head)
         finally:
             self._syncing = False
         w["chat"].layout.display = "" if self._has_chat() else "none"
