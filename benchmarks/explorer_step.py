@@ -1,5 +1,6 @@
-"""How long one Step of the explorer takes on the server: the model step with attention capture, then every figure
-updated in place (inside ``batch_update``). Target: under 100 ms for SmolLM2 at context 512 on a normal CPU.
+"""How long one Step of the explorer takes on the server: the model step with attention capture, then the figures on
+screen redrawn (the cache map and the tab's view: each a spec from one snapshot, then the whole figure serialized as
+the widget sends it). Target: under 100 ms for SmolLM2 at context 512 on a normal CPU.
 
     python benchmarks/explorer_step.py [--model smollm2-135m] [--context 512] [--steps 12] [--threads 2]
         [--strategies preallocated]
@@ -18,6 +19,8 @@ from pathlib import Path
 import torch
 
 import kvexplore
+from kvexplore.explorer.plot import _to_json
+from kvexplore.explorer.registry import VIEWS
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "moby_dick_chapter_1.txt"
 
@@ -38,7 +41,8 @@ def main() -> None:
     ex.step()  # warm up
     ex.rewind(1)
     model_ms, views_ms, total_ms = [], [], []
-    per_view: dict[str, list[float]] = {name: [] for name in ex.views}
+    views = list(VIEWS)
+    per_view: dict[str, list[float]] = {name: [] for name in views}
     real_refresh = ex.refresh
     real_step = ex.session.step
 
@@ -63,15 +67,18 @@ def main() -> None:
         ex.rewind(1)
         ex.refresh = timed_refresh
     ex.refresh = real_refresh
-    # the views one at a time, as refresh() runs them after a step: spec (pure) then apply (changes only)
-    spec_ms: dict[str, list[float]] = {name: [] for name in ex.views}
+    # every view one at a time, as refresh() draws those on screen: the spec from the snapshot, then the figure's
+    # state serialized as the widget protocol sends it
+    spec_ms: dict[str, list[float]] = {name: [] for name in views}
     for _ in range(5):
         ex.session.step()
-        for name in ex.views:
+        snap = ex.snapshot()
+        for name in views:
             t = time.perf_counter()
-            spec = _one(ex, name)
+            spec = VIEWS[name].build(snap)
             mid = time.perf_counter()
-            ex._live.update(name, spec)
+            ex.figures[name].show(spec, force=True)
+            _to_json(ex.figures[name].figure)
             spec_ms[name].append(1000 * (mid - t))
             per_view[name].append(1000 * (time.perf_counter() - mid))
         ex.session.rewind(1)
@@ -79,18 +86,10 @@ def main() -> None:
     med = statistics.median
     print(f"{args.model}, {args.strategies}, context {length}, {args.threads} threads, {args.steps} steps, medians:")
     print(f"  model step (attention of every layer captured): {med(model_ms):7.1f} ms")
-    print(f"  figure updates (token strip, status, {len(ex.views)} figures):  {med(views_ms):7.1f} ms")
+    print(f"  refresh (token strip, status, compare table, {len(ex.shown())} figures on screen):  {med(views_ms):7.1f} ms")
     print(f"  one Step, total:                                 {med(total_ms):7.1f} ms   (target < 100 ms)")
-    print("  per view, spec (pure) + apply (in place): "
+    print("  per view, spec (pure) + figure state serialized: "
           + ", ".join(f"{n} {med(spec_ms[n]):.1f} + {med(v):.1f} ms" for n, v in per_view.items()))
-
-
-def _one(ex, name):
-    views, ex.views = ex.views, (name,)
-    try:
-        return ex.specs()[name]
-    finally:
-        ex.views = views
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def _select(explorer, name: str, label: str) -> None:
     explorer.locator(f".kvx-{name} select").first.select_option(label=label)
 
 
-def _operations(page, explorer, lab: bool, two_lanes: bool = False) -> list[str]:
-    """Every kind of operation, each followed by the truth check; returns the labels checked."""
+def _operations(page, explorer, lab: bool, shots: Path, prefix: str, two_lanes: bool = False) -> list[str]:
+    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
+    returns the labels checked."""
     done = []
 
     def check(label):
@@ -111,13 +112,17 @@ def _operations(page, explorer, lab: bool, two_lanes: bool = False) -> list[str]
     for title in ("Memory", "Stored K/V", "Compare strategies", "Attention"):
         explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
         check(f"tab {title}")
+    _screenshots(page, explorer, shots, prefix)
+    check("after the screenshots")
     explorer.locator(".kvx-side-by-side input").first.check()
     check("side by side")
     click("step", "step side by side")
+    _shot(page, explorer, shots / f"{prefix}_1280x800_side_by_side.png")
     explorer.locator(".kvx-side-by-side input").first.uncheck()
     check("side by side off")
     explorer.locator(".kvx-presentation input").first.check()
     check("presentation")
+    _shot(page, explorer, shots / f"{prefix}_1280x800_presentation.png")
     explorer.locator(".kvx-presentation input").first.uncheck()
     _set(explorer, "temperature", "0.8")
     click("step", "step at temperature 0.8")
@@ -146,6 +151,12 @@ def _on_one_screen(page, explorer) -> None:
             f"{what} spans y={box['y']:.0f}..{box['y'] + box['height']:.0f}, outside the {height} px screen")
 
 
+def _shot(page, explorer, path: Path) -> None:
+    explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+    page.wait_for_timeout(300)  # the scroll settles
+    page.screenshot(path=str(path))
+
+
 def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
     for size in ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080}):
         page.set_viewport_size(size)
@@ -153,9 +164,8 @@ def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
                             ("compare", "Compare strategies")):
             explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
             _idle(page, explorer)
-            explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
-            page.wait_for_timeout(500)  # plotly redraws at the new width
-            page.screenshot(path=str(shots / f"{prefix}_{size['width']}x{size['height']}_{name}.png"))
+            page.wait_for_timeout(200)  # plotly redraws at the new width
+            _shot(page, explorer, shots / f"{prefix}_{size['width']}x{size['height']}_{name}.png")
     page.set_viewport_size({"width": 1280, "height": 800})
     explorer.locator(".kvx-view button:text-is('Attention')").first.click()
     _idle(page, explorer)
@@ -177,15 +187,14 @@ def _run_lab(tmp_path, shots, name: str, source: str, two_lanes: bool = False):
             figure(explorer, "cache_map").wait_for(timeout=120_000)
             _on_one_screen(page, explorer)
             page.screenshot(path=str(shots / f"{name}_1280x800.png"))
-            done = _operations(page, explorer, lab=True, two_lanes=two_lanes)
-            _screenshots(page, explorer, shots, name)
+            done = _operations(page, explorer, True, shots, name, two_lanes=two_lanes)
         except Exception:
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
         finally:
             shutdown_kernel(page)
         assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
-    assert len(done) > 20
+    assert len(done) >= 20, done
 
 
 def test_lab_tiny_three_strategies_page_equals_kernel(tmp_path, shots):
@@ -222,12 +231,11 @@ def test_voila_app_page_equals_kernel(tmp_path, shots):
             timings["page_to_widgets"] = time.monotonic() - t0
             _on_one_screen(page, explorer)
             page.screenshot(path=str(shots / "truth_voila_1280x800.png"))
-            done = _operations(page, explorer, lab=False)
-            _screenshots(page, explorer, shots, "truth_voila")
+            done = _operations(page, explorer, False, shots, "truth_voila")
         except Exception:
             page.screenshot(path=str(shots / "truth_voila_FAILED.png"))
             raise
         assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
     save_timings(shots, "voila_truth", timings)
-    assert len(done) > 20
+    assert len(done) >= 20, done
     (shots / "voila_truth_checks.json").write_text(json.dumps(done, indent=1))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...records import StepRecord
-from .spec import FigureSpec, columns, slot_range
+from .spec import FigureSpec, columns, hide_axes, slot_range
 
 MAX_ROWS = 256  # history rows drawn (the most recent); older rows scroll out
 
@@ -95,7 +95,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         annotations=[] if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,
                                           y=0.8, showarrow=False)],
     )
-    return FigureSpec(traces, layout)
+    return FigureSpec(traces, layout if have else hide_axes(layout))
 
 
 def _causal(qpos: Sequence[int], width: int) -> np.ndarray:

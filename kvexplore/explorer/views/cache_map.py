@@ -15,7 +15,7 @@ import numpy as np
 from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
-from .spec import FigureSpec, columns, slot_range
+from .spec import FigureSpec, columns, hide_axes, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 
@@ -97,7 +97,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
                               title=dict(text="slot")),
                   margin=dict(l=60, r=20, t=90, b=50))
-    return FigureSpec([heat, names, *legend], layout)
+    return FigureSpec([heat, names, *legend], hide_axes(layout) if not n else layout)
 
 
 def _zoomed(view_range: list[float], n: int) -> str:

@@ -63,6 +63,14 @@ def slot_range(slots: int, highest: int) -> list[float]:
     return [-0.5, min(slots, max(64, int(1.5 * (highest + 1)) + 8)) - 0.5]
 
 
+def hide_axes(layout: dict[str, Any]) -> dict[str, Any]:
+    """``layout`` with every axis hidden: a view with nothing to draw yet shows its note alone, not empty axes."""
+    for key, axis in layout.items():
+        if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict):
+            axis["visible"] = False
+    return layout
+
+
 def grid(trace: Any) -> np.ndarray:
     """The 2-D matrix of a heatmap given as :func:`columns` (a trace dict or a plotly trace); cells not sent are 0."""
     get = trace.get if isinstance(trace, dict) else (lambda k: getattr(trace, k))

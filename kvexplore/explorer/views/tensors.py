@@ -14,7 +14,7 @@ import torch
 
 from ...caches.base import SlotView
 from ...records import StepRecord
-from .spec import FigureSpec, columns, slot_range
+from .spec import FigureSpec, columns, hide_axes, slot_range
 
 
 def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
@@ -44,34 +44,34 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     # array would travel as JSON, which has no NaN
     traces = [
         dict(type="heatmap", name="key norms", **columns(k_rows), xaxis="x", hoverongaps=False,
-             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.28, y=1, yanchor="top", thickness=12),
+             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · slot %{x}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
         dict(type="heatmap", name="value norms", **columns(v_rows), xaxis="x2", hoverongaps=False,
-             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.28, y=0.64, yanchor="top", thickness=12),
+             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · slot %{x}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds",
+        dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds", zmin=0,
              xaxis="x3", yaxis="y3", ygap=1,
-             colorbar=dict(title=dict(text="max err"), len=0.28, y=0.28, yanchor="top", thickness=12),
+             colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
     held = [i for i, p in enumerate(positions) if p >= 0]
     span = slot_range(len(positions), held[-1] if held else 0)
     note = [] if quant_error is not None else [dict(
-        text="exact cache: keys and values are stored as computed (no quantization error)", xref="paper",
-        yref="paper", x=0.5, y=0.14, showarrow=False, font=dict(size=12, color="#666"))]
+        text="exact cache: stored as computed, no error", xref="paper",
+        yref="paper", x=0.46, y=0.11, showarrow=False, font=dict(size=11, color="#666"))]
     layout = dict(
         height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
         title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
-        xaxis=dict(domain=[0, 0.92], anchor="y", title=dict(text="physical slot", standoff=2), range=span),
-        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="KV head (keys)"), dtick=1, range=[-0.5, kvh - 0.5]),
-        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=2), range=span),
-        yaxis2=dict(domain=[0.38, 0.64], anchor="x2", title=dict(text="KV head (values)"), dtick=1,
+        xaxis=dict(domain=[0, 0.92], anchor="y", range=span, matches="x2"),
+        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="keys<br>KV head"), dtick=1, range=[-0.5, kvh - 0.5]),
+        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=0), range=span),
+        yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
                     range=[-0.5, kvh - 0.5]),
-        xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=2)),
-        yaxis3=dict(domain=[0.02, 0.28], anchor="x3", title=dict(text="KV head (error)"), dtick=1),
+        xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=0)),
+        yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1),
         annotations=note,
     )
-    return FigureSpec(traces, layout)
+    return FigureSpec(traces, layout if positions else hide_axes(layout))
 
 
 def from_snapshot(s) -> FigureSpec:
