@@ -1,11 +1,11 @@
 """The page shows exactly what the kernel holds, after every kind of operation, in JupyterLab and in Voila.
 
 After each operation (prefill, step, run N, rewind, fork, a strategy switch, layer and head picks, every tab, side
-by side, presentation, a sampling change, a model load) the kernel is asked what its explorer holds
+by side, presentation, a sampling change, reset, a model load) the kernel is asked what its explorer holds
 (``kvexplore.explorer.inspect``) and every figure on screen is read from the page (each plotly div's ``gd.data`` and
 layout, and the compare table's text); they must agree (:func:`browser_truth.mismatches` names the figure, trace and
-property that do not). The page may not ask for anything outside 127.0.0.1. Screenshots of every view at 1280x800 and
-1920x1080 go to ``$KVX_SCREENSHOTS``; at 1280x800 the controls, token strip, cache map and attention must be on
+property that do not). The page may not ask for anything outside 127.0.0.1. Screenshots of every view at 1280x800,
+1920x1080 and 1024x768 go to ``$KVX_SCREENSHOTS``; at 1280x800 the controls, token strip, cache map and attention must be on
 screen together.
 """
 
@@ -158,7 +158,7 @@ def _shot(page, explorer, path: Path) -> None:
 
 
 def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
-    for size in ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080}):
+    for size in ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080}, {"width": 1024, "height": 768}):
         page.set_viewport_size(size)
         for name, title in (("attention", "Attention"), ("memory", "Memory"), ("tensors", "Stored K/V"),
                             ("compare", "Compare strategies")):

@@ -424,6 +424,8 @@ def test_tabs_side_by_side_and_presentation(model):
     ex.presentation = True
     assert all(ex.controls[n].layout.display == "none" for n in ("settings", "fork"))
     assert ex.figures["cache_map"].spec.layout["font"]["size"] == 15
+    assert ex.figures["cache_map"].spec.trace("free")["marker"]["size"] == 19  # legend squares 12 -> 19
+    assert "kvx-presenting" in ex.widget._dom_classes
     ex.presentation = False
     assert ex.controls["fork"].layout.display == "" and "font" not in ex.figures["cache_map"].spec.layout
 

@@ -120,10 +120,16 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     if name == "cache_map_b" or (name == "cache_map" and side_by_side):
         height = HEIGHT // 2 + 60  # two cache maps, one above the other
     spec.layout["height"] = height
-    if presenting:
+    if name == "cache_map_b":
+        spec.layout["showlegend"] = False  # the first cache map's legend says it
+    if presenting:  # read from the back of a lecture hall
         spec.layout["font"] = dict(size=15)
         if isinstance(spec.layout.get("title"), dict):
             spec.layout["title"]["font"] = dict(size=17)
+        for t in spec.traces:
+            marker = t.get("marker")
+            if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
+                t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}
     return spec
 
 

@@ -24,10 +24,10 @@ CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> FigureSpec:
     """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill)."""
-    panels = [("held after the step<br>reserved ━ logical ╌ analytic ┈", HELD, "y"),
-              ("moved by the step<br>written ━ copied ╌ allocated ┈", MOVED, "y2")]
+    panels = [("held after the step: reserved ━ logical ╌ analytic ┈", HELD, "y"),
+              ("moved by the step: written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
-        panels.append(("CUDA caching allocator (whole process)<br>reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
+        panels.append(("CUDA caching allocator (whole process): reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
         steps = [r.step for r in records]
@@ -46,20 +46,23 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
                     line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
                     hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)
-    gap = 0.12
+    gap = 0.14
     height = (1 - gap * (n - 1)) / n
-    layout = dict(height=260 * n + 60, margin=dict(l=70, r=20, t=40, b=40),
-                  title=dict(text="memory per step, bytes (colour: strategy · line style: which figure, see the axis)",
-                             font=dict(size=13)),
+    layout = dict(height=260 * n + 60, margin=dict(l=60, r=10, t=60, b=40),
+                  title=dict(text="memory per step (colour: strategy · line style: which figure)", font=dict(size=13)),
                   legend=dict(groupclick="togglegroup", font=dict(size=12), title=dict(text="strategy")),
-                  hovermode="closest")
+                  hovermode="closest", annotations=[])
     for p, (title, _, _) in enumerate(panels):
         top = 1 - p * (height + gap)
         suffix = "" if p == 0 else str(p + 1)
-        layout[f"xaxis{suffix}"] = dict(domain=[0, 1], anchor=f"y{suffix}", title=dict(text="step"),
+        layout[f"xaxis{suffix}"] = dict(domain=[0, 1], anchor=f"y{suffix}",
+                                        title=dict(text="step" if p == n - 1 else "", standoff=2),
                                         **({} if p == 0 else {"matches": "x"}))
-        layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}", tickformat="~s",
-                                        ticksuffix="B", title=dict(text=title), rangemode="tozero")
+        layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}",
+                                        tickformat="~s", ticksuffix="B", rangemode="tozero")
+        # each panel's name and its line styles, above the panel (a y-axis title that long would not fit)
+        layout["annotations"].append(dict(text=title, xref="paper", yref="paper", x=0, y=round(top, 6),
+                                          xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=12)))
     return FigureSpec(traces, layout)
 
 

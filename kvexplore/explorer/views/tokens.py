@@ -16,6 +16,7 @@ STYLE = """<style>
 .kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
 .kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
 .kvx-tok.kvx-last {outline: 2px solid #f16913;}
+.kvx-presenting .kvx-strip {font-size: 18px;}
 </style>"""
 
 
