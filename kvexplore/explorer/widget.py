@@ -84,11 +84,9 @@ class Explorer:
             self.widget.children = (*self.widget.children, self._truth)
         self._wire()
         self._apply_presentation()
-        self._show_view()
+        self._show_view()  # draws what there is
         if prompt:
             self.prefill(prompt, chat=chat)
-        else:
-            self.refresh()
 
     # -- the operations (also what the buttons do) ---------------------------------------------------------
     @property
@@ -304,7 +302,7 @@ class Explorer:
         w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
         w["view"].observe(lambda ch: self._show_view(), names="value")
         w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
-        w["presentation"].observe(lambda ch: (self._apply_presentation(), self._redraw()), names="value")
+        w["presentation"].observe(lambda ch: self._presentation_changed(), names="value")
         for name in ("temperature", "top_k", "top_p"):
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
         w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
@@ -320,6 +318,10 @@ class Explorer:
         on = self.controls["side_by_side"].value
         self.controls["lane_b"].layout.display = "" if on else "none"
         self.figures["cache_map_b"].layout.display = "" if on else "none"
+        self._redraw()
+
+    def _presentation_changed(self) -> None:
+        self._apply_presentation()
         self._redraw()
 
     def _apply_presentation(self) -> None:
