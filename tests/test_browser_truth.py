@@ -169,6 +169,22 @@ def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
     _idle(page, explorer)
 
 
+def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = None, t0: float = 0.0) -> list[str]:
+    """Wait for the explorer, check it fits one screen, then every operation (a screenshot if anything fails)."""
+    try:
+        explorer = page.locator(".kvx-explorer").first
+        explorer.wait_for(timeout=300_000)
+        figure(explorer, "cache_map").wait_for(timeout=120_000)
+        if timings is not None:
+            timings["page_to_widgets"] = time.monotonic() - t0
+        _on_one_screen(page, explorer)
+        page.screenshot(path=str(shots / f"{name}_1280x800.png"))
+        return _operations(page, explorer, lab, shots, name)
+    except Exception:
+        page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+        raise
+
+
 def _run_lab(tmp_path, shots, name: str, source: str):
     require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
     folder = tmp_path / "nb"
@@ -179,16 +195,8 @@ def _run_lab(tmp_path, shots, name: str, source: str):
         try:
             open_notebook(page, server, f"{name}.ipynb")
             start_run_all(page)
-            explorer = page.locator(".kvx-explorer").first
-            explorer.wait_for(timeout=300_000)
             assert not wait_run_finished(page)
-            figure(explorer, "cache_map").wait_for(timeout=120_000)
-            _on_one_screen(page, explorer)
-            page.screenshot(path=str(shots / f"{name}_1280x800.png"))
-            done = _operations(page, explorer, True, shots, name)
-        except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
-            raise
+            done = _session(page, True, shots, name)
         finally:
             shutdown_kernel(page)
         assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
@@ -230,19 +238,9 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, shots):
     with voila_server(tmp_path, model=model, strategies=strategies) as server, \
             chromium({"width": 1280, "height": 800}) as ctx:
         page = new_page(ctx)
-        try:
-            t0 = time.monotonic()
-            page.goto(server.base_url + "/")
-            explorer = page.locator(".kvx-explorer").first
-            explorer.wait_for(timeout=300_000)
-            figure(explorer, "cache_map").wait_for(timeout=120_000)
-            timings["page_to_widgets"] = time.monotonic() - t0
-            _on_one_screen(page, explorer)
-            page.screenshot(path=str(shots / f"{name}_1280x800.png"))
-            done = _operations(page, explorer, False, shots, name)
-        except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
-            raise
+        t0 = time.monotonic()
+        page.goto(server.base_url + "/")
+        done = _session(page, False, shots, name, timings, t0)
         assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
     save_timings(shots, name, timings)
     assert len(done) >= 20, done

@@ -21,7 +21,7 @@ import anywidget
 import numpy as np
 import traitlets
 
-from .views.spec import FigureSpec, figure
+from .views.spec import FigureSpec, changes, figure
 
 # the page's copy of plotly.js: the first loader to initialize runs it (as a classic script, with AMD and CommonJS
 # hidden so that it defines window.Plotly); figures wait for it
@@ -100,7 +100,7 @@ export default {
 """
 
 
-def _to_json(value: Any, widget: Any = None) -> Any:
+def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the widget too)
     """A figure as JSON with binary buffers: 1-D numeric arrays (not 64-bit integers) as ``{buffer, dtype, shape}``,
     other arrays as lists, numpy scalars as numbers, NaN as null."""
     if isinstance(value, dict):
@@ -149,14 +149,12 @@ class PlotWidget(anywidget.AnyWidget):
     ``data`` and ``plot_layout`` give the figure shown as plotly objects (built when asked), for tests and notebooks."""
 
     _esm = _FIGURE_ESM
-    figure = traitlets.Dict().tag(sync=True, to_json=lambda v, w: _to_json(v))
+    figure = traitlets.Dict().tag(sync=True, to_json=_to_json)
 
     def __init__(self, spec: FigureSpec, name: str) -> None:
         super().__init__()
-        self.name = name
         self.add_class(f"kvx-fig-{name}")
         self.layout.width = "100%"
-        self.spec = spec
         self.show(spec, force=True)
 
     def show(self, spec: FigureSpec, force: bool = False) -> bool:
@@ -165,9 +163,7 @@ class PlotWidget(anywidget.AnyWidget):
             return False
         self.spec = spec
         self.__dict__.pop("_plotly", None)
-        layout = dict(spec.layout)
-        layout.pop("width", None)  # the page draws at its container's width
-        self.figure = {"data": [{k: v for k, v in t.items()} for t in spec.traces], "layout": layout}
+        self.figure = {"data": spec.traces, "layout": spec.layout}  # (the page sets the width: its container's)
         return True
 
     @cached_property
@@ -185,9 +181,5 @@ class PlotWidget(anywidget.AnyWidget):
 
 
 def _same_spec(a: FigureSpec, b: FigureSpec) -> bool:
-    from .views.spec import changes
-
-    if len(a.traces) != len(b.traces):
-        return False
-    return (not any(changes(x, y) or set(x) != set(y) for x, y in zip(a.traces, b.traces))
-            and not changes(a.layout, b.layout) and set(a.layout) == set(b.layout))
+    pairs = [*zip(a.traces, b.traces), (a.layout, b.layout)]
+    return len(a.traces) == len(b.traces) and all(x.keys() == y.keys() and not changes(x, y) for x, y in pairs)
