@@ -3,7 +3,8 @@
 from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
 from .config import ModelConfig
-from .errors import CacheFullError, KVExploreError, LoadError, UnsupportedModelError
+from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreError, LoadError, MissingFileError,
+                     NonFiniteWeightsError, SettingsError, StateError, StepError, UnsupportedModelError)
 from .evaluate import perplexity
 from .explorer import Explorer
 from .generate import Generator
@@ -18,7 +19,8 @@ from .trace_io import load_trace, save_trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheEvent", "CacheFullError", "Explorer", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
+    "CacheEvent", "CacheFullError", "ConfigError", "CorruptFileError", "Explorer", "MissingFileError",
+    "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
     "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "perplexity", "save_trace",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import LoadError, UnsupportedModelError
+from .errors import ConfigError, LoadError, UnsupportedModelError
+from .fields import BOOL, DICT, FLOAT, IDS, INT, STR, STR_LIST, Field, check, read, read_json_object
 
 # architecture name in config.json -> whether q/k/v projections carry a bias by design
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
@@ -16,6 +16,59 @@ SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "Qwen2ForCausalLM": True,
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# plausibility bounds: past these a config is damaged (the largest released models are far inside them), and
+# sizes this large would make the loader build millions of names or allocate terabytes before failing
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 2048
+MAX_HIDDEN, MAX_FFN, MAX_VOCAB, MAX_POSITIONS = 1 << 16, 1 << 20, 1 << 22, 1 << 30
+
+# config.json: every field kvexplore reads, with its type and range (transformers v4 and v5 layouts)
+CONFIG_FIELDS = (
+    Field("architectures", STR_LIST), Field("model_type", STR),
+    Field("vocab_size", INT, 1, MAX_VOCAB, required=True),
+    Field("hidden_size", INT, 1, MAX_HIDDEN, required=True),
+    Field("intermediate_size", INT, 1, MAX_FFN, required=True),
+    Field("num_hidden_layers", INT, 1, MAX_LAYERS, required=True),
+    Field("num_attention_heads", INT, 1, MAX_HEADS, required=True),
+    Field("num_key_value_heads", INT, 1, MAX_HEADS),
+    Field("head_dim", INT, 1, MAX_HEAD_DIM),
+    Field("rms_norm_eps", FLOAT, 0, 1, lo_open=True, hint="a small positive number such as 1e-5"),
+    Field("rope_theta", FLOAT, 0, 1e12, lo_open=True, hint="the RoPE base, such as 10000"),
+    Field("rope_scaling", DICT), Field("rope_parameters", DICT),
+    Field("max_position_embeddings", INT, 1, MAX_POSITIONS),
+    Field("tie_word_embeddings", BOOL), Field("attention_bias", BOOL), Field("mlp_bias", BOOL),
+    Field("use_sliding_window", BOOL), Field("sliding_window", INT, 1, MAX_POSITIONS),
+    Field("bos_token_id", INT, 0, MAX_VOCAB - 1), Field("eos_token_id", IDS, 0, MAX_VOCAB - 1),
+    Field("torch_dtype", STR), Field("dtype", STR),
+)
+# rope_scaling / rope_parameters entries, by scaling type
+_ROPE_FIELDS = {
+    "linear": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),),
+    "llama3": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("low_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("high_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("original_max_position_embeddings", INT, 1, MAX_POSITIONS)),
+}
+
+
+def checked_rope_scaling(rope: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """``rope`` (without ``rope_theta``) checked for its type: ``None`` for plain RoPE, else a dict with
+    ``rope_type`` and the numbers that type needs, each checked."""
+    if not rope:
+        return None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ConfigError(where, "rope_scaling.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{where}: rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    values = read(rope, _ROPE_FIELDS[kind], f"{where} (rope_scaling)")
+    if kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ConfigError(where, "rope_scaling.high_freq_factor", values["high_freq_factor"],
+                          f"more than low_freq_factor ({values['low_freq_factor']})")
+    return {**rope, **{k: v for k, v in values.items() if v is not None}, "rope_type": kind}
 
 
 @dataclass
@@ -45,27 +98,33 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, if it says
+    source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
+        where = self.source
+        if self.num_heads < 1 or self.num_kv_heads < 1:
+            raise ConfigError(where, "num_attention_heads / num_key_value_heads",
+                              (self.num_heads, self.num_kv_heads), "at least 1 head each")
         if not self.head_dim:
             if self.hidden_size % self.num_heads:
                 raise LoadError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{where}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                     f"{self.num_heads}; give head_dim explicitly in config.json"
                 )
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise LoadError(
-                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{where}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
                 f"{self.num_kv_heads}; grouped-query attention needs whole groups"
             )
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in SUPPORTED_ROPE_TYPES:
-                raise UnsupportedModelError(
-                    f"rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-                )
-            self.rope_scaling = None if kind == "default" else {**self.rope_scaling, "rope_type": kind}
+        if self.head_dim % 2:
+            raise ConfigError(where, "head_dim", self.head_dim, "an even number (RoPE rotates pairs of channels)")
+        self.rope_scaling = checked_rope_scaling(self.rope_scaling, where)
+        for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
+                          ("eos_token_id", self.eos_token_id)):
+            if any(not 0 <= i < self.vocab_size for i in ids):
+                raise ConfigError(where, name, ids[0] if name == "bos_token_id" else ids,
+                                  f"token ids in 0..{self.vocab_size - 1} (vocab_size is {self.vocab_size})")
 
     @property
     def kv_groups(self) -> int:
@@ -79,7 +138,9 @@ class ModelConfig:
         return [list(range(kv * g, (kv + 1) * g)) for kv in range(self.num_kv_heads)]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("source")
+        return d
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that both :meth:`from_hf` and transformers read back to this config."""
@@ -106,54 +167,52 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
         """Build from the parsed ``config.json`` of a transformers checkpoint (v4 or v5 layout)."""
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(raw.get("model_type"))
+        if not isinstance(raw, dict):
+            raise ConfigError(where, "the top level", type(raw).__name__, "a JSON object ({...})")
+        v = read(raw, CONFIG_FIELDS, where)
+        archs = v["architectures"] or []
+        arch = archs[0] if archs else _arch_from_model_type(v["model_type"])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{where}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in raw]
-        if missing:
-            raise LoadError(f"{where}: missing required keys {missing}")
         # transformers v5 moved rope_theta and rope_scaling into one "rope_parameters" dict
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-        eos = raw.get("eos_token_id")
-        bias = bool(raw.get("attention_bias", False))
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        rope = dict(v["rope_parameters"] or v["rope_scaling"] or {})
+        theta = v["rope_theta"]
+        if "rope_theta" in rope:
+            theta = check(rope.pop("rope_theta"), Field("rope_parameters.rope_theta", FLOAT, 0, 1e12, lo_open=True,
+                                                        required=True), where)
+        eos = v["eos_token_id"]
+        bias = bool(v["attention_bias"])
+        window = v["sliding_window"] if v["use_sliding_window"] is not False else None
         return cls(
             architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=int(raw["num_attention_heads"]),
-            num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-            head_dim=int(raw.get("head_dim") or 0),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            vocab_size=v["vocab_size"],
+            hidden_size=v["hidden_size"],
+            intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"],
+            num_heads=v["num_attention_heads"],
+            num_kv_heads=v["num_key_value_heads"] or v["num_attention_heads"],
+            head_dim=v["head_dim"] or 0,
+            rms_norm_eps=1e-6 if v["rms_norm_eps"] is None else v["rms_norm_eps"],
+            rope_theta=10000.0 if theta is None else theta,
             rope_scaling=rope or None,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=v["max_position_embeddings"] or 2048,
+            tie_word_embeddings=bool(v["tie_word_embeddings"]),
             qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bias,
             o_bias=bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=int(window) if window else None,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            mlp_bias=bool(v["mlp_bias"]),
+            sliding_window=window,
+            bos_token_id=v["bos_token_id"],
+            eos_token_id=eos or [],
+            torch_dtype=v["torch_dtype"] or v["dtype"],
+            source=where,
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise LoadError(f"{path} not found: a model folder needs a config.json") from None
-        except json.JSONDecodeError as e:
-            raise LoadError(f"{path} is not valid JSON ({e})") from None
+        raw = read_json_object(path, "a model folder needs a config.json (saved with the weights)")
         return cls.from_hf(raw, where=str(path))
 
 

@@ -1,6 +1,15 @@
-"""Errors kvexplore raises on purpose: each message names the problem, the value and the fix."""
+"""Errors kvexplore raises on purpose: each message names the problem, the value and the fix.
+
+Everything a user can cause (a damaged file, a wrong setting, a call at the wrong time) raises a subclass of
+:class:`KVExploreError`, which also subclasses the standard exception a caller would expect (``ValueError`` for
+bad values and files, ``FileNotFoundError`` for a missing file, ``RuntimeError`` for a call out of order), so
+``except ValueError`` keeps working. An error from a library underneath (safetensors, gguf, tokenizers,
+sentencepiece, torch) is wrapped in one of these, with the original kept as ``__cause__``.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class KVExploreError(Exception):
@@ -11,8 +20,47 @@ class LoadError(KVExploreError, ValueError):
     """A checkpoint, config or tokenizer could not be loaded (missing file, wrong shape, corrupt data)."""
 
 
+class MissingFileError(LoadError, FileNotFoundError):
+    """A file a model needs is not there."""
+
+
+class CorruptFileError(LoadError):
+    """A file is there but cannot be read as what it claims to be (truncated, bit-flipped, wrong format)."""
+
+
+class ConfigError(LoadError):
+    """A config field (``config.json``, GGUF metadata, tokenizer or generation config) has a value of the
+    wrong type or out of range. ``file``, ``field``, ``value`` and ``expected`` say which and why."""
+
+    def __init__(self, file: str, field: str, value: Any, expected: str, fix: str = "",
+                 message: str | None = None) -> None:
+        self.file, self.field, self.value, self.expected = file, field, value, expected
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        tail = f"; {fix}" if fix else "; fix the file, or download or convert the model again"
+        super().__init__(message or f"{file}: {field} is {shown}, expected {expected}{tail}")
+
+
+class NonFiniteWeightsError(LoadError):
+    """A tensor holds NaN or Inf: the model would give NaN logits. ``allow_nonfinite=True`` loads it anyway."""
+
+
 class UnsupportedModelError(LoadError):
     """The checkpoint is of an architecture or option kvexplore does not implement."""
+
+
+class SettingsError(KVExploreError, ValueError):
+    """An argument or setting of the wrong type or out of range (sampling, cache sizes, rewinds, layers)."""
+
+
+class StateError(KVExploreError, RuntimeError):
+    """A call that the object's current state does not allow (a step before the prefill, a fork of nothing)."""
+
+
+class StepError(KVExploreError, RuntimeError):
+    """A step failed while computing (for example the logits are not finite); the generator and its cache were
+    put back exactly as they were before the step."""
 
 
 class CacheFullError(KVExploreError, RuntimeError):

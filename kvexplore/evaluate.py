@@ -9,15 +9,16 @@ import torch
 
 from .caches.none import NoCache
 from .model import Model
+from .errors import SettingsError
 
 
 def perplexity(model: Model, ids: Sequence[int], window: int = 256) -> float:
     """Perplexity of ``ids`` in non-overlapping windows of ``window`` tokens (each window scored on its own:
     token t is predicted from the tokens before it in its window)."""
     if len(ids) < 2:
-        raise ValueError(f"perplexity needs at least 2 tokens, got {len(ids)}")
+        raise SettingsError(f"perplexity needs at least 2 tokens, got {len(ids)}")
     if window < 2:
-        raise ValueError(f"window must be at least 2 tokens, got {window}")
+        raise SettingsError(f"window must be at least 2 tokens, got {window}")
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = list(ids[start:start + window])

@@ -21,6 +21,8 @@ from .records import Candidate, StepRecord
 from .sampling import SamplingSettings, choose
 from .trace import Tracer
 from .trace_io import History
+from .errors import SettingsError, StateError
+from .settings import integer
 
 
 class Generator:
@@ -35,22 +37,76 @@ class Generator:
     def __init__(self, model: Model, cache: KVCache | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  top_candidates: int = 5, tracer: Tracer | None = None) -> None:
+        if not isinstance(model, Model):
+            raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load), got {type(model).__name__}")
         if cache is None:
             cache = make_cache("preallocated", model)
+        if not isinstance(cache, KVCache):
+            raise SettingsError(f"cache must be a KVCache (from kvexplore.make_cache), got {type(cache).__name__}")
         if cache.batch_size != 1:
-            raise ValueError(f"the generator drives one sequence but the cache has batch_size={cache.batch_size}; "
+            raise SettingsError(f"the generator drives one sequence but the cache has batch_size={cache.batch_size}; "
                              f"make the cache with batch_size=1")
         self.model = model
         self.cache = cache
         self.tracer = tracer
+        if tracer is not None and not isinstance(tracer, Tracer):
+            raise SettingsError(f"tracer must be a kvexplore Tracer, got {type(tracer).__name__}")
         self.sampling = SamplingSettings(temperature, top_k, top_p)
-        self.seed = int(torch.seed()) if seed is None else seed
+        self.seed = int(torch.seed()) if seed is None else integer(seed, "seed", 0, 2 ** 64 - 1)
         self.top_candidates = top_candidates
         self._rng = torch.Generator().manual_seed(self.seed)
         self._tokens: list[int] = []
         self._prompt_len = 0
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
+
+    # -- settings (checked when set, so a step never fails on them) -------------------------------------
+    @property
+    def sampling(self) -> SamplingSettings:
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, settings: SamplingSettings) -> None:
+        if not isinstance(settings, SamplingSettings):
+            raise SettingsError(f"sampling must be a SamplingSettings(temperature, top_k, top_p), got "
+                                f"{type(settings).__name__}")
+        self._sampling = settings
+
+    @property
+    def temperature(self) -> float:
+        return self._sampling.temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        s = self._sampling
+        self._sampling = SamplingSettings(value, s.top_k, s.top_p)
+
+    @property
+    def top_k(self) -> int | None:
+        return self._sampling.top_k
+
+    @top_k.setter
+    def top_k(self, value: int | None) -> None:
+        s = self._sampling
+        self._sampling = SamplingSettings(s.temperature, value, s.top_p)
+
+    @property
+    def top_p(self) -> float | None:
+        return self._sampling.top_p
+
+    @top_p.setter
+    def top_p(self, value: float | None) -> None:
+        s = self._sampling
+        self._sampling = SamplingSettings(s.temperature, s.top_k, value)
+
+    @property
+    def top_candidates(self) -> int:
+        """How many likely tokens each record lists (at least 1, at most the vocabulary)."""
+        return self._top_candidates
+
+    @top_candidates.setter
+    def top_candidates(self, value: int) -> None:
+        self._top_candidates = integer(value, "top_candidates", 1, self.model.config.vocab_size)
 
     # -- the sequence -----------------------------------------------------------------------------------
     @property
@@ -90,7 +146,7 @@ class Generator:
         try:
             record = self._forward(ids, pos=0, kind="prefill", context=ids, force=force)
         except BaseException:
-            self._rng.set_state(saved)
+            self._rng.set_state(saved)  # _forward put the cache back
             raise
         self._tokens = [*ids, record.token_id]
         self._prompt_len = len(ids)
@@ -104,7 +160,7 @@ class Generator:
     def check_step(self) -> None:
         """Raise, changing nothing, if :meth:`step` would be refused before computing (no sequence, cache full)."""
         if not self._tokens:
-            raise RuntimeError("nothing to continue: call prefill(prompt) first")
+            raise StateError("nothing to continue: call prefill(prompt) first")
         start = self.cache.length
         if start < len(self._tokens):
             self.cache.check_write(start, len(self._tokens) - start, 1)
@@ -116,11 +172,11 @@ class Generator:
         the model's own candidates and the forced token's probability), e.g. to keep two caches on one sequence.
         """
         if not self._tokens:
-            raise RuntimeError("nothing to continue: call prefill(prompt) first")
+            raise StateError("nothing to continue: call prefill(prompt) first")
         self._check_force(force)
         start = self.cache.length
         if start >= len(self._tokens):
-            raise RuntimeError(
+            raise StateError(
                 f"the cache holds {start} positions but the sequence has only {len(self._tokens)} tokens: the cache "
                 f"was written by something else. Call reset() and prefill again, or give each generator its own cache"
             )
@@ -132,8 +188,7 @@ class Generator:
     def run(self, n: int, stop_at_eos: bool = True) -> list[StepRecord]:
         """Up to ``n`` steps; stops after an end-of-sequence token when ``stop_at_eos`` (and does not start
         past one). If a step fails, the steps before it are kept and the error is raised."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+        n = integer(n, "n (the number of steps)", minimum=0)
         records: list[StepRecord] = []
         for _ in range(n):
             if stop_at_eos and self.history and self.history[-1].is_eos:
@@ -143,8 +198,9 @@ class Generator:
 
     def check_rewind(self, n: int) -> None:
         """Raise, changing nothing, if :meth:`rewind` ``(n)`` would be refused."""
+        integer(n, "n (the number of tokens to rewind)")
         if not 0 <= n <= len(self.history):
-            raise ValueError(f"cannot rewind {n} tokens: {len(self.history)} have been generated "
+            raise SettingsError(f"cannot rewind {n} tokens: {len(self.history)} have been generated "
                              f"(0 <= n <= {len(self.history)})")
         if n:
             self.cache.check_truncate(min(self.cache.length, len(self._tokens) - n - 1))  # evicted positions
@@ -152,6 +208,7 @@ class Generator:
     def rewind(self, n: int = 1) -> None:
         """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match."""
         self.check_rewind(n)
+        n = int(n)
         if n == 0:
             return
         keep = len(self._tokens) - n
@@ -169,7 +226,7 @@ class Generator:
         """A second generator that continues from the same sequence, with the cache's ``fork()`` (a copy, or
         storage shared until the two diverge where the strategy allows)."""
         if not self._tokens:
-            raise RuntimeError("nothing to fork: call prefill(prompt) first")
+            raise StateError("nothing to fork: call prefill(prompt) first")
         twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates, self.tracer)
         twin._rng.set_state(self._rng.get_state())
@@ -179,17 +236,29 @@ class Generator:
 
     # -- internals --------------------------------------------------------------------------------------
     def _forward(self, feed: list[int], pos: int, kind: str, context: list[int], force: int | None = None) -> StepRecord:
-        model = self.model
-        ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
+        """One forward pass and its record. Anything that fails, in the model or after it (sampling, the record),
+        rolls the cache back, so the step leaves no trace: the caller changes tokens and history only after."""
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step(self.cache, pos, len(feed))
+        state = self._rng.get_state()
+        self.cache.settle()  # a failure before the cache's begin_step must not undo the previous step
+        try:
+            return self._compute(feed, pos, kind, context, force, state)
+        except BaseException:
+            self.cache.rollback()
+            self._rng.set_state(state)
+            raise
+
+    def _compute(self, feed: list[int], pos: int, kind: str, context: list[int], force: int | None,
+                 state: torch.Tensor) -> StepRecord:
+        model, tracer = self.model, self.tracer
+        ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         t0 = time.perf_counter()
         logits = model(ids, self.cache, pos, tracer=tracer, last_only=True)[0, -1]  # (vocab,) for the last position
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t1 = time.perf_counter()
-        state = self._rng.get_state()
         token = choose(logits, self.sampling, self._rng)
         if force is not None:
             token = force
@@ -212,8 +281,10 @@ class Generator:
         return record
 
     def _check_force(self, force: int | None) -> None:
+        if force is not None:
+            integer(force, "force (a token id)")
         if force is not None and not 0 <= force < self.model.config.vocab_size:
-            raise ValueError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+            raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
 
     def _prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(prompt, str):
@@ -223,22 +294,27 @@ class Generator:
                 ids = [tok.bos_id, *ids]
         elif isinstance(prompt, torch.Tensor):
             if prompt.dim() != 1:
-                raise ValueError(f"prompt ids must be one sequence (1-D), got shape {tuple(prompt.shape)}")
+                raise SettingsError(f"prompt ids must be one sequence (1-D), got shape {tuple(prompt.shape)}")
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise SettingsError(f"prompt ids must be an integer tensor, got {prompt.dtype}")
             ids = [int(i) for i in prompt.tolist()]
+        elif isinstance(prompt, (list, tuple, range)):
+            ids = [integer(i, f"prompt token {n}") for n, i in enumerate(prompt)]
         else:
-            ids = [int(i) for i in prompt]
+            raise SettingsError(f"prompt must be text (str) or token ids (a list of ints or a 1-D tensor), got "
+                                f"{type(prompt).__name__}")
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token (empty text encodes to nothing "
+            raise SettingsError("the prompt is empty: give at least one token (empty text encodes to nothing "
                              "for a model without a bos token)")
         vocab = self.model.config.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
     def _tokenizer(self):
         if self.model.tokenizer is None:
-            raise ValueError("this model was loaded without a tokenizer: pass token ids instead of text")
+            raise SettingsError("this model was loaded without a tokenizer: pass token ids instead of text")
         return self.model.tokenizer
 
     def __repr__(self) -> str:

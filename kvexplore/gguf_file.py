@@ -17,10 +17,41 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig
-from .errors import LoadError, UnsupportedModelError
+from .config import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
+from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, UnsupportedModelError
+from .fields import BOOL, FLOAT, INT, STR, STR_LIST, Field, read
 from .tokenizer import Tokenizer
-from .weights import check_tensors, expected_shapes
+from .weights import check_layer_count, check_tensors, expected_shapes
+
+# {arch}.* metadata kvexplore reads, with types and ranges (keys without the architecture prefix)
+MODEL_FIELDS = (
+    Field("block_count", INT, 1, MAX_LAYERS, required=True),
+    Field("embedding_length", INT, 1, MAX_HIDDEN, required=True),
+    Field("feed_forward_length", INT, 1, MAX_FFN, required=True),
+    Field("attention.head_count", INT, 1, MAX_HEADS, required=True),
+    Field("attention.head_count_kv", INT, 1, MAX_HEADS),
+    Field("attention.key_length", INT, 1, MAX_HEAD_DIM),
+    Field("rope.dimension_count", INT, 1, MAX_HEAD_DIM),
+    Field("attention.layer_norm_rms_epsilon", FLOAT, 0, 1, lo_open=True),
+    Field("rope.freq_base", FLOAT, 0, 1e12, lo_open=True),
+    Field("rope.scaling.type", STR),
+    Field("rope.scaling.factor", FLOAT, 0, 1e6, lo_open=True),
+    Field("context_length", INT, 1, MAX_POSITIONS),
+    Field("vocab_size", INT, 1, MAX_VOCAB),
+)
+# tokenizer.ggml.* metadata (token ids are checked against the token list separately)
+TOKENIZER_FIELDS = (
+    Field("tokenizer.ggml.model", STR), Field("tokenizer.ggml.pre", STR),
+    Field("tokenizer.ggml.tokens", STR_LIST),
+    Field("tokenizer.ggml.merges", STR_LIST),
+    Field("tokenizer.ggml.bos_token_id", INT, 0, MAX_VOCAB - 1),
+    Field("tokenizer.ggml.eos_token_id", INT, 0, MAX_VOCAB - 1),
+    Field("tokenizer.ggml.eot_token_id", INT, 0, MAX_VOCAB - 1),
+    Field("tokenizer.ggml.unknown_token_id", INT, 0, MAX_VOCAB - 1),
+    Field("tokenizer.ggml.add_bos_token", BOOL), Field("tokenizer.ggml.add_space_prefix", BOOL),
+    Field("tokenizer.chat_template", STR),
+)
+TOKEN_TYPES = range(1, 7)  # normal, unknown, control, user-defined, unused, byte
 
 # GGUF general.architecture -> (Hugging Face architecture, whether q/k rows are in llama.cpp's rope order)
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -68,62 +99,88 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         from gguf import GGUFReader
 
+        from .gguf_scan import scan
+
         self.path = Path(path)
         if not self.path.is_file():
-            raise LoadError(f"GGUF file {self.path} not found")
+            raise MissingFileError(f"GGUF file {self.path} not found")
+        scan(self.path)  # every declared length against the file's size, before the reader believes them
         try:
             self.reader = GGUFReader(str(self.path))
         except Exception as e:  # the reader raises ValueError, struct errors, numpy errors on bad files
-            raise LoadError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); it is probably "
-                            f"truncated or corrupt: download it again") from None
+            raise CorruptFileError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); it is "
+                                   f"probably truncated or corrupt: download it again") from e
         self.arch = self.get("general.architecture")
-        if self.arch not in GGUF_ARCHITECTURES:
+        if not isinstance(self.arch, str) or self.arch not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported; "
                                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:  # UnicodeDecodeError on a damaged string, numpy errors on a damaged array
+            raise CorruptFileError(f"{self.path.name}: metadata {key} could not be read ({type(e).__name__}: {e}); "
+                                   f"the file is corrupt: download or convert it again") from e
+
+    def metadata(self, fields: tuple[Field, ...], prefix: str = "") -> dict[str, Any]:
+        """Checked values of ``fields`` (keys after ``prefix``), None where absent."""
+        raw = {f.key: self.get(prefix + f.key) for f in fields if prefix + f.key in self.reader.fields}
+        named = tuple(Field(prefix + f.key, f.kind, f.lo, f.hi, f.required, f.lo_open, f.nullable, f.hint)
+                      for f in fields)
+        values = read({prefix + k: v for k, v in raw.items()}, named, f"{self.path.name} (GGUF metadata)")
+        return {k[len(prefix):]: v for k, v in values.items()}
 
     def config(self) -> ModelConfig:
         a = self.arch
-        need = [f"{a}.{k}" for k in ("block_count", "embedding_length", "feed_forward_length",
-                                     "attention.head_count")]
-        missing = [k for k in need if k not in self.reader.fields]
-        if missing:
-            raise LoadError(f"{self.path.name}: GGUF metadata lacks {missing}")
         if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
             raise UnsupportedModelError(f"{self.path.name}: per-frequency rope factors (rope_freqs.weight, as in "
                                         f"Llama 3.1 GGUFs) are not supported; load the Hugging Face folder instead")
-        heads = int(self.get(f"{a}.attention.head_count"))
-        hidden = int(self.get(f"{a}.embedding_length"))
+        m = self.metadata(MODEL_FIELDS, f"{a}.")
+        tk = self.metadata(TOKENIZER_FIELDS)
         scaling = None
-        if self.get(f"{a}.rope.scaling.type", "none") not in ("none", None):
-            kind = self.get(f"{a}.rope.scaling.type")
+        if m["rope.scaling.type"] not in ("none", None):
+            kind = m["rope.scaling.type"]
             if kind != "linear":
                 raise UnsupportedModelError(f"{self.path.name}: GGUF rope scaling {kind!r} is not supported; "
                                             f"supported: linear")
-            scaling = {"rope_type": "linear", "factor": float(self.get(f"{a}.rope.scaling.factor"))}
-        tokens = self.get("tokenizer.ggml.tokens") or []
-        eos = self.get("tokenizer.ggml.eos_token_id")
+            if m["rope.scaling.factor"] is None:
+                raise ConfigError(f"{self.path.name} (GGUF metadata)", f"{a}.rope.scaling.factor", None,
+                                  "a number > 0 (linear rope scaling needs its factor)")
+            scaling = {"rope_type": "linear", "factor": m["rope.scaling.factor"]}
+        tokens = tk["tokenizer.ggml.tokens"] or []
+        eos = tk["tokenizer.ggml.eos_token_id"]
+        heads = m["attention.head_count"]
+        eps, theta = m["attention.layer_norm_rms_epsilon"], m["rope.freq_base"]
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[a][0],
-            vocab_size=int(self.get(f"{a}.vocab_size", len(tokens))),
-            hidden_size=hidden,
-            intermediate_size=int(self.get(f"{a}.feed_forward_length")),
-            num_layers=int(self.get(f"{a}.block_count")),
+            vocab_size=m["vocab_size"] or len(tokens) or self._embedding_rows(),
+            hidden_size=m["embedding_length"],
+            intermediate_size=m["feed_forward_length"],
+            num_layers=m["block_count"],
             num_heads=heads,
-            num_kv_heads=int(self.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(self.get(f"{a}.attention.key_length", self.get(f"{a}.rope.dimension_count", 0)) or 0),
-            rms_norm_eps=_float32_value(self.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=_float32_value(self.get(f"{a}.rope.freq_base", 10000.0)),
+            num_kv_heads=m["attention.head_count_kv"] or heads,
+            head_dim=m["attention.key_length"] or m["rope.dimension_count"] or 0,
+            rms_norm_eps=1e-6 if eps is None else _float32_value(eps),
+            rope_theta=10000.0 if theta is None else _float32_value(theta),
             rope_scaling=scaling,
-            max_position_embeddings=int(self.get(f"{a}.context_length", 2048)),
+            max_position_embeddings=m["context_length"] or 2048,
             tie_word_embeddings=not any(t.name == "output.weight" for t in self.reader.tensors),
             qkv_bias=any(t.name.endswith("attn_q.bias") for t in self.reader.tensors),
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=[] if eos is None else [int(eos)],
+            bos_token_id=tk["tokenizer.ggml.bos_token_id"],
+            eos_token_id=[] if eos is None else [eos],
+            source=f"{self.path.name} (GGUF metadata)",
         )
+
+    def _embedding_rows(self) -> int:
+        """The vocabulary size from the embedding's shape, for a file with neither vocab_size nor tokens."""
+        embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise LoadError(f"{self.path.name}: no vocab_size, no token list and no token_embd.weight: the file "
+                            f"does not say how large the vocabulary is")
+        return int(embd.shape[-1])
 
     def tensors(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                 progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
@@ -131,6 +188,7 @@ class GGUFFile:
         from gguf import GGMLQuantizationType, quants
 
         by_name = {}
+        check_layer_count([hf_name(t.name) or "" for t in self.reader.tensors], config, self.path.name)
         for t in self.reader.tensors:
             name = hf_name(t.name)
             if name is None:
@@ -144,10 +202,13 @@ class GGUFFile:
         for name, t in by_name.items():
             try:
                 array = quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError:
+            except NotImplementedError as e:
                 kind = GGMLQuantizationType(t.tensor_type).name
                 raise UnsupportedModelError(f"{self.path.name}: tensor {t.name} uses quantization {kind}, which the "
-                                            f"gguf package cannot dequantize; use a file with another type") from None
+                                            f"gguf package cannot dequantize; use a file with another type") from e
+            except Exception as e:
+                raise CorruptFileError(f"{self.path.name}: tensor {t.name} could not be dequantized "
+                                       f"({type(e).__name__}: {e}); the file is corrupt: download it again") from e
             w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(found[name])  # a writable copy
             if permuted and ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, config.num_heads)
@@ -159,22 +220,24 @@ class GGUFFile:
         return out
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
-        kind = self.get("tokenizer.ggml.model")
+        tk = self.tokenizer_metadata()
+        kind = tk["tokenizer.ggml.model"]
         if kind == "gpt2":
-            backend, tok_kind = self._bpe_tokenizer(), "tokenizers"
+            backend, tok_kind = self._bpe_tokenizer(tk), "tokenizers"
             default_add_bos = False
         elif kind == "llama":
-            backend, tok_kind = self._sentencepiece_tokenizer(), "sentencepiece"
+            backend, tok_kind = self._sentencepiece_tokenizer(tk), "sentencepiece"
             default_add_bos = True
         else:
             raise UnsupportedModelError(f"{self.path.name}: tokenizer type {kind!r} is not supported; supported: "
                                         f"gpt2 (byte-level BPE), llama (sentencepiece)")
-        tokens = self.get("tokenizer.ggml.tokens")
-        bos, eos = self.get("tokenizer.ggml.bos_token_id"), self.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [int(i) for i in (eos, self.get("tokenizer.ggml.eot_token_id")) if i is not None]
-        tok = Tokenizer(backend, tok_kind, None if bos is None else int(bos), list(dict.fromkeys(eos_ids)),
-                        bool(self.get("tokenizer.ggml.add_bos_token", default_add_bos)),
-                        chat_template=self.get("tokenizer.chat_template"),
+        tokens = tk["tokenizer.ggml.tokens"]
+        bos, eos = tk["tokenizer.ggml.bos_token_id"], tk["tokenizer.ggml.eos_token_id"]
+        eos_ids = [i for i in (eos, tk["tokenizer.ggml.eot_token_id"]) if i is not None]
+        add_bos = tk["tokenizer.ggml.add_bos_token"]
+        tok = Tokenizer(backend, tok_kind, bos, list(dict.fromkeys(eos_ids)),
+                        default_add_bos if add_bos is None else add_bos,
+                        chat_template=tk["tokenizer.chat_template"],
                         bos_token=tokens[bos] if bos is not None else "",
                         eos_token=tokens[eos] if eos is not None else "")
         if tok.vocab_size > config.vocab_size:
@@ -182,10 +245,44 @@ class GGUFFile:
                             f"is {config.vocab_size}")
         return tok
 
-    def _bpe_tokenizer(self):
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """The ``tokenizer.ggml.*`` metadata, checked: types, ids inside the token list, per-token lists as long
+        as the token list (scores finite, token types known)."""
+        where = f"{self.path.name} (GGUF metadata)"
+        tk = self.metadata(TOKENIZER_FIELDS)
+        tokens = tk["tokenizer.ggml.tokens"]
+        if tk["tokenizer.ggml.model"] is None or not tokens:
+            raise LoadError(f"{where}: no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens are needed); "
+                            f"convert the model again with its tokenizer")
+        n = len(tokens)
+        for key in ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id"):
+            i = tk[f"tokenizer.ggml.{key}"]
+            if i is not None and i >= n:
+                raise ConfigError(where, f"tokenizer.ggml.{key}", i, f"a token id in 0..{n - 1} (the token list "
+                                  f"has {n} tokens)")
+        for key, ok, expected in (("scores", np.isfinite, "finite numbers"),
+                                  ("token_type", lambda a: np.isin(a, list(TOKEN_TYPES)), "token types 1..6")):
+            field = f"tokenizer.ggml.{key}"
+            values = self.get(field)
+            if values is None:
+                tk[field] = None
+                continue
+            try:
+                array = np.asarray(values, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(where, field, values[:3], f"a list of {expected}") from e
+            if array.ndim != 1 or len(array) != n:
+                raise ConfigError(where, field, f"{array.size} entries", f"one entry per token ({n})")
+            if not ok(array).all():
+                first = array[~ok(array)][0]
+                raise ConfigError(where, field, float(first), f"{expected} (entry {int(np.argmin(ok(array)))})")
+            tk[field] = array.tolist() if key == "scores" else array.astype(int).tolist()
+        return tk
+
+    def _bpe_tokenizer(self, tk: dict[str, Any]):
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-        pre = self.get("tokenizer.ggml.pre", "default")
+        pre = tk["tokenizer.ggml.pre"] or "default"
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre_tokenizer = {
             "default": byte_level, "gpt2": byte_level,
@@ -195,33 +292,48 @@ class GGUFFile:
         if pre_tokenizer is None:
             raise UnsupportedModelError(f"{self.path.name}: BPE pre-tokenizer {pre!r} is not supported (supported: "
                                         f"default, gpt2, smollm); its text would be split differently")
-        tokens = self.get("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.get("tokenizer.ggml.merges")]
-        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        tokens = tk["tokenizer.ggml.tokens"]
+        where = f"{self.path.name} (GGUF metadata)"
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+            raise ConfigError(where, "tokenizer.ggml.tokens", dup, "each token once (this one is listed twice)")
+        merges = [tuple(m.split(" ", 1)) for m in tk["tokenizer.ggml.merges"] or []]
+        for i, m in enumerate(merges):
+            if len(m) != 2 or m[0] not in vocab or m[1] not in vocab:
+                raise ConfigError(where, f"tokenizer.ggml.merges[{i}]", " ".join(m),
+                                  "two tokens of the token list separated by one space")
+        try:
+            tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        except Exception as e:  # tokenizers raises a bare Exception
+            raise CorruptFileError(f"{where}: the BPE tokenizer could not be built ({e}); the token list or the "
+                                   f"merges are damaged: convert the model again") from e
         tok.pre_tokenizer = pre_tokenizer
         tok.decoder = decoders.ByteLevel()
-        types = self.get("tokenizer.ggml.token_type") or []
+        types = tk["tokenizer.ggml.token_type"] or []
         special = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind in (3, 4)]
         tok.add_special_tokens(special)
         return tok
 
-    def _sentencepiece_tokenizer(self):
+    def _sentencepiece_tokenizer(self, tk: dict[str, Any]):
         import sentencepiece as spm
         from sentencepiece import sentencepiece_model_pb2 as pb
 
-        tokens = self.get("tokenizer.ggml.tokens")
-        scores = self.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        types = self.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        tokens = tk["tokenizer.ggml.tokens"]
+        scores = tk["tokenizer.ggml.scores"] or [0.0] * len(tokens)
+        types = tk["tokenizer.ggml.token_type"] or [1] * len(tokens)
         proto = pb.ModelProto()
         proto.trainer_spec.model_type = pb.TrainerSpec.BPE
         proto.trainer_spec.vocab_size = len(tokens)
         proto.trainer_spec.byte_fallback = 6 in types
-        proto.trainer_spec.unk_id = int(self.get("tokenizer.ggml.unknown_token_id", 0))
-        proto.trainer_spec.bos_id = int(self.get("tokenizer.ggml.bos_token_id", -1))
-        proto.trainer_spec.eos_id = int(self.get("tokenizer.ggml.eos_token_id", -1))
+        unk, bos, eos = (tk[f"tokenizer.ggml.{k}"] for k in ("unknown_token_id", "bos_token_id", "eos_token_id"))
+        proto.trainer_spec.unk_id = 0 if unk is None else unk
+        proto.trainer_spec.bos_id = -1 if bos is None else bos
+        proto.trainer_spec.eos_id = -1 if eos is None else eos
         proto.trainer_spec.pad_id = -1  # padding plays no part in generation (and may repeat the eos id)
         proto.normalizer_spec.name = "identity"
-        proto.normalizer_spec.add_dummy_prefix = bool(self.get("tokenizer.ggml.add_space_prefix", True))
+        space = tk["tokenizer.ggml.add_space_prefix"]
+        proto.normalizer_spec.add_dummy_prefix = True if space is None else space
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
         for piece, score, kind in zip(tokens, scores, types):
@@ -229,6 +341,7 @@ class GGUFFile:
         sp = spm.SentencePieceProcessor()
         try:
             sp.load_from_serialized_proto(proto.SerializeToString())
-        except RuntimeError as e:
-            raise LoadError(f"{self.path.name}: its sentencepiece vocabulary could not be rebuilt ({e})") from None
+        except Exception as e:  # RuntimeError, or protobuf's errors on an impossible vocabulary
+            raise CorruptFileError(f"{self.path.name}: its sentencepiece vocabulary could not be rebuilt ({e}); the "
+                                   f"token list is damaged: convert the model again") from e
         return sp

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import LoadError
+from .errors import LoadError, MissingFileError, SettingsError
 from .model import Model
 from .rope import Rotary
 from .store import MODELS, fetch
 from .tokenizer import Tokenizer
-from .weights import load_weights
+from .weights import check_finite, load_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -24,10 +24,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+            raise SettingsError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise SettingsError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -37,19 +37,23 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a device torch knows ({e}); use 'cpu' or 'cuda'") from None
+    except (RuntimeError, TypeError) as e:
+        raise SettingsError(f"device {device!r} is not a device torch knows ({e}); use 'cpu' or 'cuda'") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for but torch sees no CUDA device here; use device='cpu'")
-        return torch.empty(0, device=device).device
+            raise SettingsError("device 'cuda' asked for but torch sees no CUDA device here; use device='cpu'")
+        try:
+            return torch.empty(0, device=device).device
+        except (RuntimeError, AssertionError) as e:
+            raise SettingsError(f"device {str(device)!r} cannot be used ({e}); torch sees "
+                                f"{torch.cuda.device_count()} CUDA device(s): use 'cuda:0'") from e
     if device.type != "cpu":
-        raise ValueError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
+        raise SettingsError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
     return device
 
 
 def load(source: str | Path, dtype: str | torch.dtype | None = None,
-         device: str | torch.device | None = None) -> Model:
+         device: str | torch.device | None = None, allow_nonfinite: bool = False) -> Model:
     """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``; see ``kvexplore models
     list``), a Hugging Face style folder or a ``.gguf`` file.
 
@@ -58,7 +62,14 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
     ``tokenizer_config.json`` / ``generation_config.json``. A GGUF file carries config, weights (dequantized)
     and tokenizer in one. Every tensor is checked for presence and shape before any is used.
     ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
+
+    Every config value is checked for type and range, sizes against the files, and every weight for NaN and Inf
+    (refused unless ``allow_nonfinite=True``, for studying a broken checkpoint). Anything wrong raises a
+    :class:`~kvexplore.errors.LoadError` that names the file and the fix.
     """
+    if not isinstance(source, (str, Path)):
+        raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
+                            f"{type(source).__name__}")
     path = Path(source).expanduser()
     if isinstance(source, str) and source in MODELS and not path.exists():
         path = fetch(source)
@@ -76,9 +87,11 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
         tokenizer = Tokenizer.from_folder(path, config)
         tensors = load_weights(path, config, dtype)
     else:
-        raise LoadError(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
+        raise (MissingFileError if not path.exists() else LoadError)(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
                         f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
                         f"or a GGUF file")
+    if not allow_nonfinite:
+        check_finite(tensors, str(path))
     return assemble(config, tensors, tokenizer, device, str(path))
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from .caches.base import KVCache
 from .config import ModelConfig
 from .rope import Rotary, rotate
+from .errors import SettingsError
 
 # hook points of one layer, in the order they fire; the model's full list is embed, layers..., norm, logits
 LAYER_HOOK_POINTS = ("attn.q", "attn.k_new", "attn.v_new", "attn.cache_write", "attn.cache_read", "attn.scores",
@@ -216,8 +217,7 @@ class Model(nn.Module):
             if tracer is not None:
                 logits = _hook(tracer, "logits", logits)
         except BaseException:
-            # slots from pos on may be half written: never let the cache claim them
-            cache.truncate(min(cache.length, pos))
+            cache.rollback()  # some layers may have written: put the cache back exactly as it was
             raise
         cache.commit(pos + T)
         return logits
@@ -225,15 +225,15 @@ class Model(nn.Module):
     def _check_inputs(self, ids: torch.Tensor, cache: KVCache, pos: int) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one sequence")
+            raise SettingsError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one sequence")
         if ids.shape[1] == 0:
-            raise ValueError("ids has no tokens (seq length 0); pass at least one token")
+            raise SettingsError("ids has no tokens (seq length 0); pass at least one token")
         lo, hi = (int(v) for v in torch.aminmax(ids))  # one sync; the generator passes CPU ids, so none on CUDA
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise SettingsError(f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         if cache.dtype != self.dtype or cache.device != self.device:
-            raise ValueError(
+            raise SettingsError(
                 f"cache holds {cache.dtype} on {cache.device} but the model runs {self.dtype} on {self.device}; "
                 f"create the cache with dtype=model.dtype, device=model.device"
             )

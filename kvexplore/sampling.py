@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from .errors import StepError
+from .settings import integer, real
 
 
 @dataclass(frozen=True)
@@ -16,12 +18,12 @@ class SamplingSettings:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+        # checked (and normalised to float / int) here, so a step never finds out mid-way
+        object.__setattr__(self, "temperature", real(self.temperature, "temperature (0 = greedy)", minimum=0))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", integer(self.top_k, "top_k (None = no limit)", minimum=1))
+        if self.top_p is not None:
+            object.__setattr__(self, "top_p", real(self.top_p, "top_p (None = no limit)", above=0, maximum=1))
 
     @property
     def greedy(self) -> bool:
@@ -45,8 +47,22 @@ def filtered_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Te
 
 
 def choose(logits: torch.Tensor, settings: SamplingSettings, rng: torch.Generator) -> int:
-    """Pick one token id from ``logits`` ``[vocab]``."""
+    """Pick one token id from ``logits`` ``[vocab]``; a StepError if they hold NaN or cannot be sampled."""
     if settings.greedy:
-        return int(logits.argmax())
+        token = int(logits.argmax())
+        if logits[token].isnan():  # argmax returns a NaN when there is one
+            raise StepError(_nan_logits(logits))
+        return token
     probs = filtered_probs(logits, settings).cpu()
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        cause = _nan_logits(logits) if bool(logits.isnan().any()) else (
+            f"the logits divided by temperature={settings.temperature} overflow float32, so there is no "
+            f"distribution to sample from; use a larger temperature, or 0 for greedy")
+        raise StepError(cause)
     return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def _nan_logits(logits: torch.Tensor) -> str:
+    n = int(logits.isnan().sum())
+    return (f"the model's logits hold {n} NaN value{'s' * (n > 1)}: its weights or activations are not finite "
+            f"(a checkpoint loaded with allow_nonfinite=True, or a float16 overflow); nothing was changed")

@@ -11,8 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig
-from .errors import LoadError
+from .config import MAX_VOCAB, ModelConfig
+from .errors import ConfigError, CorruptFileError, LoadError, SettingsError
+from .fields import BOOL, IDS, INT, STR, Field, read, read_json_object
+
+# tokenizer_config.json and generation_config.json: the fields read, with their types
+TOKENIZER_CONFIG_FIELDS = (Field("add_bos_token", BOOL), Field("bos_token", STR), Field("eos_token", STR))
+GENERATION_CONFIG_FIELDS = (Field("bos_token_id", INT, 0, MAX_VOCAB - 1), Field("eos_token_id", IDS, 0, MAX_VOCAB - 1))
 
 
 class Tokenizer:
@@ -60,7 +65,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template."""
         if not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
+            raise SettingsError("this model's tokenizer has no chat template; pass a plain prompt instead")
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -74,8 +79,9 @@ class Tokenizer:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:
-            raise ValueError(f"chat template rejected the messages: {e}") from None
+        except Exception as e:  # TemplateError, or a Python error raised inside the template
+            kind = "" if isinstance(e, TemplateError) else f" ({type(e).__name__} inside the template)"
+            raise SettingsError(f"chat template rejected the messages{kind}: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Ids of a chat prompt: the rendered template, with bos prepended unless the template wrote it."""
@@ -103,15 +109,20 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: Path, config: ModelConfig) -> "Tokenizer | None":
         """Load the tokenizer of a Hugging Face model folder, or ``None`` if it has none."""
-        tok_config = _read_json(folder / "tokenizer_config.json")
-        gen_config = _read_json(folder / "generation_config.json")
+        tok_path, gen_path = folder / "tokenizer_config.json", folder / "generation_config.json"
+        tok_config = read_json_object(tok_path, required=False) or {}
+        tok_config.update({k: _token_str(tok_config[k], tok_path, k) for k in ("bos_token", "eos_token")
+                           if k in tok_config})
+        tok_fields = read(tok_config, TOKENIZER_CONFIG_FIELDS, str(tok_path))
+        gen_config = read(read_json_object(gen_path, required=False) or {}, GENERATION_CONFIG_FIELDS, str(gen_path))
         if (folder / "tokenizer.json").exists():
             from tokenizers import Tokenizer as HFTokenizer
 
             try:
                 backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
             except Exception as e:  # tokenizers raises plain Exception subclasses
-                raise LoadError(f"{folder / 'tokenizer.json'} could not be read ({e})") from None
+                raise CorruptFileError(f"{folder / 'tokenizer.json'} could not be read ({e}); it is damaged or from "
+                                       f"a newer tokenizers: download it again") from e
             kind = "tokenizers"
         elif (folder / "tokenizer.model").exists():
             import sentencepiece as spm
@@ -119,26 +130,28 @@ class Tokenizer:
             backend = spm.SentencePieceProcessor()
             try:
                 backend.load(str(folder / "tokenizer.model"))
-            except (OSError, RuntimeError) as e:
-                raise LoadError(f"{folder / 'tokenizer.model'} is not a sentencepiece model ({e})") from None
+            except Exception as e:  # OSError, RuntimeError, and a bare Exception for some damage
+                raise CorruptFileError(f"{folder / 'tokenizer.model'} is not a sentencepiece model ({e}); download "
+                                       f"it again") from e
             kind = "sentencepiece"
         else:
             return None
         tok = cls(backend, kind, None, [], False)
-        bos_token, eos_token = _token_str(tok_config.get("bos_token")), _token_str(tok_config.get("eos_token"))
+        bos_token, eos_token = tok_fields["bos_token"] or "", tok_fields["eos_token"] or ""
         native_bos = backend.bos_id() if kind == "sentencepiece" else None
         native_eos = backend.eos_id() if kind == "sentencepiece" else None
-        bos_id = _first(tok.id_of(bos_token) if bos_token else None, gen_config.get("bos_token_id"),
+        gen_eos = gen_config["eos_token_id"]
+        bos_id = _first(tok.id_of(bos_token) if bos_token else None, gen_config["bos_token_id"],
                         config.bos_token_id, native_bos if native_bos is not None and native_bos >= 0 else None)
         eos_ids: list[int] = []
-        for source in (gen_config.get("eos_token_id"), config.eos_token_id,
+        for source in (gen_eos, config.eos_token_id,
                        tok.id_of(eos_token) if eos_token else None,
                        native_eos if native_eos is not None and native_eos >= 0 else None):
             for i in source if isinstance(source, list) else [source]:
                 if i is not None and i not in eos_ids:
                     eos_ids.append(int(i))
-        if "add_bos_token" in tok_config:
-            add_bos = bool(tok_config["add_bos_token"])
+        if tok_fields["add_bos_token"] is not None:
+            add_bos = tok_fields["add_bos_token"]
         elif kind == "sentencepiece":
             add_bos = bos_id is not None
         else:  # a tokenizer.json adds bos through its post-processor if the model wants one
@@ -147,40 +160,47 @@ class Tokenizer:
         tok.bos_id, tok.eos_ids, tok.add_bos = bos_id, eos_ids, bool(add_bos and bos_id is not None)
         tok.bos_token = bos_token or (tok.decode([bos_id]) if bos_id is not None else "")
         tok.eos_token = eos_token or (tok.decode([eos_ids[0]]) if eos_ids else "")
-        tok.chat_template = _chat_template(folder, tok_config)
+        tok.chat_template = _chat_template(folder, tok_config, tok_path)
         if tok.vocab_size > config.vocab_size:
             raise LoadError(
                 f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size "
                 f"{config.vocab_size}; ids past {config.vocab_size - 1} have no embedding. Use the tokenizer "
                 f"saved with these weights"
             )
+        bad = [i for i in [bos_id, *eos_ids] if i is not None and not 0 <= i < config.vocab_size]
+        if bad:
+            raise ConfigError(str(folder), "bos/eos token id", bad[0], f"a token id in 0..{config.vocab_size - 1}",
+                              fix="fix generation_config.json or config.json")
         return tok
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path} is not valid JSON ({e})") from None
-
-
-def _token_str(value: Any) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config.json files
-        return value.get("content", "")
-    return value or ""
+def _token_str(value: Any, path: Path, key: str) -> str | None:
+    """A special token as a string: ``"<s>"``, or ``{"content": "<s>", ...}`` in older tokenizer configs."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(str(path), key, value, 'a string such as "<s>", or {"content": "<s>"}')
+    return value
 
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
-    if (folder / "chat_template.jinja").exists():
-        return (folder / "chat_template.jinja").read_text()
+def _chat_template(folder: Path, tok_config: dict[str, Any], where: Path) -> str | None:
+    path = folder / "chat_template.jinja"
+    if path.exists():
+        try:
+            return path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptFileError(f"{path} is not UTF-8 text; download it again") from e
     template = tok_config.get("chat_template")
+    expected = 'a string, or a list of {"name": ..., "template": ...} objects'
     if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template}
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise ConfigError(str(where), "chat_template", template, expected)
+        named = {t.get("name"): t["template"] for t in template}
         template = named.get("default") or next(iter(named.values()), None)
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(str(where), "chat_template", template, expected)
     return template

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches.base import KVCache, SlotView
+from .errors import SettingsError
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
@@ -108,7 +109,7 @@ class StepTrace:
     def physical_attention(self, layer: int) -> torch.Tensor:
         """``(T, heads, slots)`` in the cache's physical slot order (needs ``"cache"`` capture for the slot map)."""
         if self.slots is None:
-            raise ValueError("physical order needs the slot view: trace with capture including 'cache'")
+            raise SettingsError("physical order needs the slot view: trace with capture including 'cache'")
         slot_of = {p: s for s, p in enumerate(self.slots.positions) if p >= 0}
         raw = self.attention_raw(layer)
         out = raw.new_zeros(*raw.shape[:2], len(self.slots.positions))
@@ -123,7 +124,7 @@ class Tracer:
                  layers: list[int] | None = None, heads: list[int] | None = None) -> None:
         unknown = set(capture) - CAPTURES
         if unknown:
-            raise ValueError(f"unknown capture {sorted(unknown)}; choose from {sorted(CAPTURES)}")
+            raise SettingsError(f"unknown capture {sorted(unknown)}; choose from {sorted(CAPTURES)}")
         self.capture = frozenset(capture)
         self.layers = None if layers is None else set(layers)
         self.heads = heads

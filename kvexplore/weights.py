@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
-from .errors import LoadError
+from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, NonFiniteWeightsError
+from .fields import read_json_object
 
 # tensors some checkpoints carry that the model recomputes or ignores
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layer_count(names: list[str], config: ModelConfig, where: str) -> None:
+    """The checkpoint's layers are ``0..num_layers-1``, checked from its tensor names before any per-layer work
+    (a damaged ``num_hidden_layers: 1000000000`` must not build a billion names first)."""
+    found = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    n = config.num_layers
+    if found != set(range(n)):
+        held = f"layers {min(found)}..{max(found)} ({len(found)} of them)" if found else "no layers"
+        gaps = sorted(set(range(max(found, default=-1) + 1)) - found)
+        gap = f", missing {gaps[:5]}" if gaps else ""
+        raise ConfigError(config.source, "num_hidden_layers", n,
+                          f"the number of layers the weights hold: {where} has {held}{gap}",
+                          fix="is the config the one saved with these weights?")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a tensor holding NaN or Inf (one pass over the weights, about 0.1 s for SmolLM2-135M here)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = t[~torch.isfinite(t)]
+            raise NonFiniteWeightsError(
+                f"{where}: tensor {name} holds {bad.numel()} non-finite value{'s' * (bad.numel() > 1)} (first: "
+                f"{float(bad[0])}); the model would give NaN logits. The file is probably damaged: download or "
+                f"convert it again, or pass allow_nonfinite=True to load it anyway (to study a broken checkpoint)")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -45,10 +74,14 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it (``model.safetensors`` or sharded)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise LoadError(f"{index} is not a valid shard index (needs a 'weight_map' object): {e}") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ConfigError(str(index), "weight_map", weight_map, "an object mapping each tensor name to the "
+                              "shard file that holds it", fix="save the model again with save_pretrained")
+        bad = [f for f in set(weight_map.values()) if Path(f).name != f or not f.endswith(".safetensors")]
+        if bad:
+            raise ConfigError(str(index), "weight_map", bad[0], "a .safetensors file name in the model folder")
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / "model.safetensors"
     if not single.exists():
@@ -63,14 +96,22 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
 
 def _open(path: Path):
     if not path.exists():
-        raise LoadError(f"weights file {path} is missing (listed in the shard index)")
+        raise MissingFileError(f"weights file {path} is missing (listed in the shard index); download it again")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise LoadError(
+    except Exception as e:  # SafetensorError, OSError, and a bare Exception for some header damage
+        raise CorruptFileError(
             f"{path} is not a readable safetensors file ({e}); it is probably truncated or corrupt: "
             f"download or convert it again"
-        ) from None
+        ) from e
+
+
+def _shape(handle, path: Path, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(handle.get_slice(name).get_shape())
+    except Exception as e:
+        raise CorruptFileError(f"{path.name}: tensor {name} is not in that file ({e}), though the shard index "
+                               f"puts it there; the index and the shards do not match: download them again") from e
 
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
@@ -99,17 +140,18 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[
     """Read and check every tensor (all present with the expected shape before any is loaded), as ``dtype`` on
     the CPU; :func:`kvexplore.loading.assemble` moves them to the device, as it does for GGUF tensors."""
     where = checkpoint_files(folder)
+    check_layer_count(list(where), config, str(folder))
     expected = expected_shapes(config)
     handles = {path: _open(path) for path in {where[n] for n in expected if n in where}}
-    found = {n: tuple(handles[where[n]].get_slice(n).get_shape()) if where[n] in handles else () for n in where}
+    found = {n: _shape(handles[where[n]], where[n], n) if where[n] in handles else () for n in where}
     check_tensors(expected, found, config, str(folder), {n: where[n].name for n in where})
     tensors = {}
     for name in expected:
         path = where[name]
         try:
             t = handles[path].get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise LoadError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
-                            f"truncated or corrupt: download or convert it again") from None
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise CorruptFileError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
+                                   f"truncated or corrupt: download or convert it again") from e
         tensors[name] = t.to(dtype=dtype)
     return tensors

@@ -145,13 +145,18 @@ def test_model_rejects_bad_ids(tiny):
     assert cache.length == 0
 
 
-def test_a_failure_mid_forward_never_leaves_claimed_slots_half_written(tiny):
+def test_a_failure_mid_forward_puts_the_overwritten_slots_back(tiny):
     cache = PreallocatedCache(tiny.config, 16)
     tiny(torch.tensor([[3, 4, 5, 6]]), cache, 0)
+    before = [cache.key(i).clone() for i in range(tiny.config.num_layers)]
+    report = cache.memory_report()
 
     with pytest.raises(RuntimeError, match="boom"):
         tiny(torch.tensor([[7, 8]]), cache, 2, tracer=FailingTracer())  # layer 0 already overwrote slots 2..3
-    assert cache.length == 2
+    assert cache.length == 4
+    assert cache.memory_report() is report
+    for i in range(tiny.config.num_layers):
+        assert torch.equal(cache.key(i), before[i])
 
 
 def test_hook_point_names_are_pinned():

@@ -138,7 +138,7 @@ def test_bad_input_leaves_everything_unchanged(tiny):
         gen.prefill([])
     with pytest.raises(ValueError, match=r"cannot rewind 5 tokens: 1 have been generated \(0 <= n <= 1\)"):
         gen.rewind(5)
-    with pytest.raises(ValueError, match="n must be >= 0"):
+    with pytest.raises(ValueError, match=r"n \(the number of steps\) must be at least 0, got -1"):
         gen.run(-1)
     assert_unchanged(gen, before)
     with pytest.raises(ValueError, match="temperature must be >= 0"):

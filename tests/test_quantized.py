@@ -251,7 +251,7 @@ def test_write_before_the_frontier_rewinds_like_truncate(tiny):
     assert torch.equal(out_a, out_b) and same(state(a), state(b))
 
 
-def test_a_failure_mid_forward_leaves_one_layout_and_the_retry_matches(tiny):
+def test_a_failure_mid_forward_puts_the_cache_back_exactly(tiny):
     cache = QuantizedCache(tiny.config, 96, bits=4, group_size=8, residual=8)
     feed(tiny, cache, IDS[:39])  # the next token moves the frontier from 24 to 32
     twin = cache.clone()
@@ -266,7 +266,8 @@ def test_a_failure_mid_forward_leaves_one_layout_and_the_retry_matches(tiny):
 
     with pytest.raises(RuntimeError, match="boom"):
         tiny(torch.tensor([IDS[39:40]]), cache, 39, tracer=Boom())
-    assert cache.length == 39 and cache._qf == [32] * tiny.config.num_layers
+    assert cache.length == 39 and cache._qf == [24] * tiny.config.num_layers  # layer 0's quantizing undone
+    assert same(state(cache), state(twin)) and cache.slot_view() == twin.slot_view()
     assert torch.equal(tiny(torch.tensor([IDS[39:40]]), cache, 39), tiny(torch.tensor([IDS[39:40]]), twin, 39))
     assert same(state(cache), state(twin))
 

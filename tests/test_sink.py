@@ -224,7 +224,7 @@ def test_rewind_into_the_window_then_to_the_sinks(tiny):
     assert (logits - tiny(torch.tensor([again]), NoCache(tiny.config), 0)[0, -1]).abs().max() < 1e-5
 
 
-def test_a_failed_step_loses_nothing_it_still_claims(tiny):
+def test_a_failed_step_puts_back_the_position_it_evicted(tiny):
     cache = SinkCache(tiny.config, window=8, sinks=4)
     tokens = [tok(p) for p in range(20)]
     tiny(torch.tensor([tokens[:10]]), cache, 0)
@@ -233,7 +233,10 @@ def test_a_failed_step_loses_nothing_it_still_claims(tiny):
 
     with pytest.raises(RuntimeError, match="boom"):  # layer 0 already overwrote position 12's slot with 20
         tiny(torch.tensor([[7]]), cache, 20, tracer=FailingTracer())
-    assert cache.length == 20 and 12 not in cache.held_positions() and cache.evicted_count == 9
+    assert cache.length == 20 and 12 in cache.held_positions() and cache.evicted_count == twin.evicted_count == 8
+    assert cache.slot_view() == twin.slot_view()
+    for layer in range(tiny.config.num_layers):
+        assert torch.equal(cache.key(layer), twin.key(layer)) and torch.equal(cache.value(layer), twin.value(layer))
     a, b = tiny(torch.tensor([[7]]), cache, 20)[0, -1], tiny(torch.tensor([[7]]), twin, 20)[0, -1]
     assert (a - b).abs().max() < 1e-6 and cache.held_positions() == twin.held_positions()
 

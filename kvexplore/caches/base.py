@@ -7,6 +7,12 @@ only records how many leading positions hold valid data (``length``). A forward 
 ``check_write(pos, q_len)`` before touching anything, ``write(layer, pos, k, v)`` once per layer, then
 ``commit(pos + q_len)``. A check that fails raises before any layer writes, so a failed step leaves the cache
 exactly as it was.
+
+A step can also fail after some layers wrote (an exception in a hook, an interrupt) or after ``commit`` (the
+generator then finds the logits unusable): :meth:`rollback` puts back everything the last step changed, so the
+cache is exactly as it was before ``begin_step`` (its length, slot map, memory report and the keys and values it
+held). ``begin_step`` saves the bookkeeping (:meth:`_snapshot`); a strategy that overwrites held slots in place
+saves those slots first (:meth:`_keep`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
+from ..errors import SettingsError
+from ..settings import positive_int
 from ..memory import MemoryReport, StepCounters, cuda_stats, kv_bytes
 
 FREE, FILLED, STALE, EVICTED, SHARED = "free", "filled", "stale", "evicted", "shared"
@@ -39,7 +47,7 @@ class SlotView:
 
     def __post_init__(self) -> None:
         if not len(self.states) == len(self.positions) == len(self.sharers):
-            raise ValueError("slot view lists differ in length")
+            raise AssertionError("slot view lists differ in length")
 
     def count(self, state: str) -> int:
         return self.states.count(state)
@@ -52,8 +60,7 @@ class KVCache(ABC):
     kind: str = "base"
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        positive_int(batch_size, "batch_size")
         self.config = config
         self.batch_size = batch_size
         self.dtype = dtype
@@ -62,6 +69,8 @@ class KVCache(ABC):
         self._step = StepCounters()
         self._cuda_before: dict[str, int] = {}
         self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
+        self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
+        self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []  # held slots a step overwrote
 
     @property
     def length(self) -> int:
@@ -76,20 +85,55 @@ class KVCache(ABC):
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         """Raise, before anything is written, if ``q_len`` positions cannot be written at ``pos``."""
         if batch_size != self.batch_size:
-            raise ValueError(
+            raise SettingsError(
                 f"batch of {batch_size} sequences but the cache was made for batch_size={self.batch_size}; "
                 f"make a cache with batch_size={batch_size}"
             )
         if pos < 0 or pos > self.length:
-            raise ValueError(
+            raise SettingsError(
                 f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
 
     def begin_step(self) -> None:
-        """Start counting a forward pass's writes, copies and allocations (after ``check_write`` passed)."""
+        """Start counting a forward pass's writes, copies and allocations (after ``check_write`` passed), and save
+        what :meth:`rollback` needs to undo the step."""
+        self._undo, self._undo_data = self._snapshot(), []
         self._step = StepCounters()
         self._cuda_before = cuda_stats(self.device)
+
+    def _snapshot(self) -> dict:
+        """The bookkeeping a step may change, as copies (subclasses add theirs)."""
+        return {"_length": self._length, "_step": self._step, "_report": self._report,
+                "_cuda_before": self._cuda_before}
+
+    def _restore(self, snapshot: dict) -> None:
+        for name, value in snapshot.items():
+            setattr(self, name, value)
+
+    def _keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place (held data only)."""
+        if self._undo is not None and n > 0:
+            self._undo_data.append((t, dim, start, t.narrow(dim, start, n).clone()))
+
+    @property
+    def undo_length(self) -> int:
+        """The length before the current step began (what a rollback returns to)."""
+        return self._length if self._undo is None else self._undo["_length"]
+
+    def settle(self) -> None:
+        """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins."""
+        self._undo, self._undo_data = None, []
+
+    def rollback(self) -> None:
+        """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
+        Does nothing when there is no step to undo (none began, or it was already rolled back)."""
+        if self._undo is None:
+            return
+        for t, dim, start, saved in reversed(self._undo_data):
+            t.narrow(dim, start, saved.shape[dim]).copy_(saved)
+        self._restore(self._undo)
+        self._undo, self._undo_data = None, []
 
     @abstractmethod
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +166,7 @@ class KVCache(ABC):
         """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
         checked before any is rewound)."""
         if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
 
     def truncate(self, n: int) -> None:
         """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
@@ -130,6 +174,7 @@ class KVCache(ABC):
         self._length = n
         self._step = StepCounters()
         self._report = None
+        self._undo, self._undo_data = None, []
 
     @abstractmethod
     def clone(self) -> "KVCache":
@@ -143,7 +188,7 @@ class KVCache(ABC):
 
     def _check_forkable(self) -> None:
         if self.length == 0:
-            raise ValueError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
+            raise SettingsError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
                              f"make a new cache instead")
 
     def storage(self, layer: int) -> list[torch.Tensor]:

@@ -44,6 +44,9 @@ class ConcatCache(KVCache):
         self._k[layer], self._v[layer] = new_k, new_v
         return new_k, new_v
 
+    def _snapshot(self) -> dict:
+        return {**super()._snapshot(), "_k": list(self._k), "_v": list(self._v)}  # writes replace, never modify
+
     def truncate(self, n: int) -> None:
         super().truncate(n)
         for i, (k, v) in enumerate(zip(self._k, self._v)):

@@ -13,6 +13,7 @@ from .paged import PagedCache
 from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
 from .sink import SinkCache
+from ..errors import SettingsError
 
 STRATEGIES: dict[str, type[KVCache]] = {
     "preallocated": PreallocatedCache,
@@ -35,7 +36,7 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     ``device`` default to the model's. Other keyword arguments go to the strategy's constructor.
     """
     if kind not in STRATEGIES:
-        raise ValueError(f"unknown cache kind {kind!r}; available: {', '.join(STRATEGIES)}")
+        raise SettingsError(f"unknown cache kind {kind!r}; available: {', '.join(STRATEGIES)}")
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)
     slots = max_seq_len or min(model.config.max_position_embeddings, 2048)
     if kind in BOUNDED:
@@ -45,4 +46,4 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     try:
         return STRATEGIES[kind](model.config, **common, **strategy_options)
     except TypeError as e:
-        raise ValueError(f"cache kind {kind!r} does not take {sorted(strategy_options)}: {e}") from None
+        raise SettingsError(f"cache kind {kind!r} does not take {sorted(strategy_options)}: {e}") from None

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..errors import CacheFullError
+from ..errors import CacheFullError, SettingsError
 from ..memory import kv_bytes
 from .base import FILLED, FREE, SHARED, STALE, KVCache, SlotView
 
@@ -73,16 +73,16 @@ class PagedCache(KVCache):
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  block_size: int = 16, num_blocks: int | None = None) -> None:
         if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
+            raise SettingsError(f"block_size must be at least 1, got {block_size}")
         if max_seq_len is None and num_blocks is None:
-            raise ValueError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
+            raise SettingsError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
         if max_seq_len is not None and max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}")
+            raise SettingsError(f"max_seq_len must be at least 1, got {max_seq_len}")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         if num_blocks is None:
             num_blocks = math.ceil(max_seq_len / block_size) * batch_size
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+            raise SettingsError(f"num_blocks must be at least 1, got {num_blocks}")
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.pool = PagePool(config, num_blocks, block_size, self.dtype, self.device)
         self._tables: list[list[int]] = [[] for _ in range(batch_size)]
@@ -182,6 +182,9 @@ class PagedCache(KVCache):
         B, nkv, q_len, hd = k.shape
         if self._prepared != (pos, q_len):
             self._prepare(pos, q_len)
+        if pos < self.undo_length:  # a write before the end overwrites held slots in place: keep the pools
+            for pool in (self.pool.k[layer], self.pool.v[layer]):
+                self._keep(pool, 0, 0, pool.shape[0])
         out = []
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             pool[self._write_page, :, self._write_slot] = new.transpose(1, 2)  # (B, T, nkv, hd) into the pages
@@ -193,6 +196,16 @@ class PagedCache(KVCache):
     def commit(self, end: int) -> None:
         self._prepared = None
         super().commit(end)
+
+    def _snapshot(self) -> dict:
+        pool = self.pool
+        return {**super()._snapshot(), "_tables": self.block_tables, "_prepared": None,
+                "pool": (list(pool.refcount), list(pool.written), list(pool.free))}
+
+    def _restore(self, snapshot: dict) -> None:
+        refcount, written, free = snapshot["pool"]
+        self.pool.refcount[:], self.pool.written[:], self.pool.free[:] = refcount, written, free  # shared: in place
+        super()._restore({k: v for k, v in snapshot.items() if k != "pool"})
 
     def truncate(self, n: int) -> None:
         """Rewind to ``n`` positions: block-table entries past them are dropped and pages no sequence holds any

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..errors import CacheFullError
+from ..errors import CacheFullError, SettingsError
 from ..memory import StepCounters
 from .base import FILLED, FREE, STALE, KVCache, SlotView
 
@@ -110,14 +110,14 @@ class QuantizedCache(KVCache):
                  device: str | torch.device | None = None) -> None:
         D, H = config.head_dim, config.num_kv_heads
         if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}")
+            raise SettingsError(f"max_seq_len must be at least 1, got {max_seq_len}")
         if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
+            raise SettingsError(f"bits must be 4 or 8, got {bits}")
         if group_size < 1 or residual < 0:
-            raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size} and {residual}")
+            raise SettingsError(f"group_size must be >= 1 and residual >= 0, got {group_size} and {residual}")
         gv = min(group_size, D)
         if D % gv or D % 2:
-            raise ValueError(f"head_dim {D} must be even and a multiple of the value group {gv}; pick a "
+            raise SettingsError(f"head_dim {D} must be even and a multiple of the value group {gv}; pick a "
                              f"group_size that divides it")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.bits, self.group_size, self.residual, self.value_group = bits, group_size, residual, gv
@@ -152,8 +152,24 @@ class QuantizedCache(KVCache):
         if pos + q_len > self.capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
 
+    _LAYER_STATE = ("_kq", "_vq", "_ks", "_kz", "_vs", "_vz", "_rk", "_rv", "_kerr", "_verr")
+
+    def _snapshot(self) -> dict:
+        return {**super()._snapshot(), "_qf": list(self._qf), "_q_high": self._q_high, "_r_high": self._r_high}
+
+    def _restore(self, snapshot: dict) -> None:
+        super()._restore({**snapshot, "_qf": list(snapshot["_qf"])})
+
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         G, step = self.group_size, self._step
+        end = pos + k.shape[2]
+        if pos < self.undo_length:  # a write before the end rewrites held codes and residual: keep the layer
+            for name in self._LAYER_STATE:
+                t = getattr(self, name)[layer]
+                self._keep(t, 2, 0, t.shape[2])
+        elif min(self._nq, max(self._qf[layer], (end - self.residual) // G * G)) != self._qf[layer]:
+            for t in (self._rk[layer], self._rv[layer]):  # the residual shifts down: keep it
+                self._keep(t, 2, 0, t.shape[2])
         if pos < self._qf[layer]:
             step.copied_bytes += self._unquantize_tail(layer, pos)
         qf, end = self._qf[layer], pos + k.shape[2]
@@ -248,7 +264,7 @@ class QuantizedCache(KVCache):
         k, v = self._kerr[layer][:, :, :n], self._verr[layer][:, :, :n]
         chosen = {"k": k, "v": v, "kv": torch.maximum(k, v)}
         if part not in chosen:
-            raise ValueError(f"part must be 'k', 'v' or 'kv', got {part!r}")
+            raise SettingsError(f"part must be 'k', 'v' or 'kv', got {part!r}")
         return chosen[part].clone()
 
     def stored_error(self, layer: int) -> torch.Tensor:
@@ -273,7 +289,7 @@ class QuantizedCache(KVCache):
     def clone(self) -> "QuantizedCache":
         twin = object.__new__(QuantizedCache)
         twin.__dict__.update(self.__dict__)
-        for name in ("_kq", "_vq", "_ks", "_kz", "_vs", "_vz", "_rk", "_rv", "_kerr", "_verr"):
+        for name in self._LAYER_STATE:
             setattr(twin, name, [t.clone() for t in getattr(self, name)])
         twin._qf = list(self._qf)
         return twin

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..errors import CacheFullError
+from ..errors import CacheFullError, SettingsError
 from ..memory import kv_bytes
 from .base import EVICTED, FILLED, FREE, STALE, KVCache, SlotView
 
@@ -50,11 +50,11 @@ class SinkCache(KVCache):
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  max_seq_len: int | None = None) -> None:
         if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+            raise SettingsError(f"window must be at least 1, got {window}")
         if not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be at least 0, got {sinks}")
+            raise SettingsError(f"sinks must be at least 0, got {sinks}")
         if max_seq_len is not None and max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be at least 1 (or None for unbounded), got {max_seq_len}")
+            raise SettingsError(f"max_seq_len must be at least 1 (or None for unbounded), got {max_seq_len}")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.sinks, self.window, self._max = sinks, window, max_seq_len
         shape = (batch_size, config.num_kv_heads, sinks + window, config.head_dim)
@@ -114,7 +114,7 @@ class SinkCache(KVCache):
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
         if pos < self.length and (msg := self._rewind_error(pos)):
-            raise ValueError(f"write at position {pos} needs a rewind: {msg}")
+            raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         end = pos + q_len
         if self._max is not None and end > self._max:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._max)
@@ -124,13 +124,13 @@ class SinkCache(KVCache):
         if evicts and q_len > 1:
             held = f"has evicted positions {self.sinks}..{ws_before - 1}" if ws_before > self.sinks else (
                 f"holds {self.sinks + self.window} positions")
-            raise ValueError(
+            raise SettingsError(
                 f"window too small for a prompt of {q_len} tokens at position {pos}: SinkCache(sinks={self.sinks}, "
                 f"window={self.window}) {held}, and a write of several tokens must fit without evicting (the "
                 f"model's causal mask assumes keys 0..{end - 1}); use window >= {end - self.sinks} or feed the "
                 f"tokens one at a time")
         if evicts and sliding is not None and end > sliding:
-            raise ValueError(f"the model's sliding window ({sliding}) builds a mask over keys 0..{end - 1}, but this "
+            raise SettingsError(f"the model's sliding window ({sliding}) builds a mask over keys 0..{end - 1}, but this "
                              f"SinkCache has evicted some of them: past position {sliding} a sliding-window model "
                              f"needs another cache")
 
@@ -158,6 +158,10 @@ class SinkCache(KVCache):
             self._pending = self._plan(pos, pos + q_len)
         read = self._pending[4]
         slot = self._slot(pos)  # a write of several tokens never wraps (check_write), so its slots are contiguous
+        before = self._undo["_slot_pos"] if self._undo is not None else []
+        if any(p >= 0 for p in before[slot:slot + q_len]):  # overwrites (evicts) a position: keep it for rollback
+            self._keep(self._k[layer], 2, slot, q_len)
+            self._keep(self._v[layer], 2, slot, q_len)
         self._k[layer].narrow(2, slot, q_len).copy_(k)  # in place: no allocation
         self._v[layer].narrow(2, slot, q_len).copy_(v)
         step = self._step
@@ -182,10 +186,17 @@ class SinkCache(KVCache):
         self._pending = None
         super().commit(end)
 
+    def _snapshot(self) -> dict:
+        return {**super()._snapshot(), "_slot_pos": list(self._slot_pos), "_ws": self._ws,
+                "_evicted_last": list(self._evicted_last), "_pending": None}
+
+    def _restore(self, snapshot: dict) -> None:
+        super()._restore({**snapshot, "_slot_pos": list(snapshot["_slot_pos"])})
+
     def check_truncate(self, n: int) -> None:
         super().check_truncate(n)
         if msg := self._rewind_error(n):
-            raise ValueError(msg)
+            raise SettingsError(msg)
 
     def truncate(self, n: int) -> None:
         if self._pending is not None:  # a step failed mid-forward: positions it overwrote in some layers are lost

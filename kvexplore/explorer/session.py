@@ -25,6 +25,7 @@ from ..model import Model
 from ..records import StepRecord
 from ..sampling import SamplingSettings
 from .probe import LaneTracer
+from ..errors import SettingsError, StateError
 
 
 @dataclass
@@ -78,16 +79,16 @@ class Session:
                  follow_reference: bool = True, generator: Generator | None = None) -> None:
         strategies = list(strategies)
         if not strategies:
-            raise ValueError("give at least one strategy, e.g. strategies=('preallocated',)")
+            raise SettingsError("give at least one strategy, e.g. strategies=('preallocated',)")
         unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown:
-            raise ValueError(f"unknown strategy {unknown[0]!r}; available: {', '.join(STRATEGIES)}")
+            raise SettingsError(f"unknown strategy {unknown[0]!r}; available: {', '.join(STRATEGIES)}")
         if len(set(strategies)) != len(strategies):
-            raise ValueError(f"strategies repeat: {strategies}; give each once (use fork() for a second sequence)")
+            raise SettingsError(f"strategies repeat: {strategies}; give each once (use fork() for a second sequence)")
         options = dict(strategy_options or {})
         bad = [k for k in options if k not in strategies]
         if bad:
-            raise ValueError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
+            raise SettingsError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
         self.model = model
         self.max_seq_len = max_seq_len
         self.strategies = strategies
@@ -155,7 +156,7 @@ class Session:
         if chat:
             tok = self.model.tokenizer
             if tok is None or not tok.chat_template:
-                raise ValueError("this model has no chat template: untick chat and give plain text")
+                raise SettingsError("this model has no chat template: untick chat and give plain text")
             prompt = tok.encode_chat([{"role": "user", "content": str(prompt)}])
         fresh: dict[str, Lane] = {}
         for name, lane in self.lanes.items():
@@ -178,7 +179,7 @@ class Session:
         """One token on every lane; if any lane fails, the lanes that stepped are rewound and the error raised."""
         ref = self.reference
         if not ref.generator.tokens:
-            raise RuntimeError("nothing to continue: enter a prompt and prefill first")
+            raise StateError("nothing to continue: enter a prompt and prefill first")
         for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
             lane.generator.check_step()
         self._warm_up()
@@ -243,7 +244,7 @@ class Session:
         cache's ``fork()`` (the paged cache shares its pages until the two diverge)."""
         src = self.lanes[name] if name is not None else self.reference
         if src.kind == "none":
-            raise ValueError("a strategy without a cache has nothing to fork; pick another strategy")
+            raise SettingsError("a strategy without a cache has nothing to fork; pick another strategy")
         twin = src.generator.fork()
         tracer = src.tracer.clone()
         twin.tracer = tracer

@@ -28,6 +28,7 @@ from .status import status_line
 from .strip import TokenStrip
 from .views import compare
 from .views.spec import FigureSpec
+from ..errors import SettingsError, StateError
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
 
@@ -51,7 +52,7 @@ class Explorer:
                  follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
                  view: str = "attention", presentation: bool = False) -> None:
         if view not in TABS:
-            raise ValueError(f"unknown view {view!r}; choose from {', '.join(TABS)}")
+            raise SettingsError(f"unknown view {view!r}; choose from {', '.join(TABS)}")
         generator = source if isinstance(source, Generator) else None
         if strategies is None:
             strategies = (generator.cache.kind,) if generator is not None else ("preallocated",)
@@ -106,7 +107,7 @@ class Explorer:
     @view.setter
     def view(self, name: str) -> None:
         if name not in TABS:
-            raise ValueError(f"unknown view {name!r}; choose from {', '.join(TABS)}")
+            raise SettingsError(f"unknown view {name!r}; choose from {', '.join(TABS)}")
         self.controls["view"].value = name
 
     @property
@@ -128,7 +129,7 @@ class Explorer:
         w = self.controls
         if lane is not None:
             if lane not in self.session.lanes:
-                raise ValueError(f"no strategy {lane!r}; lanes: {', '.join(self.session.lanes)}")
+                raise SettingsError(f"no strategy {lane!r}; lanes: {', '.join(self.session.lanes)}")
             w["lane_b"].value = lane
         w["side_by_side"].value = lane is not None
 
@@ -146,7 +147,7 @@ class Explorer:
         the run is."""
         n = self.controls["run_n"].value if n is None else n
         if n < 1:
-            raise ValueError(f"run needs a positive number of steps, got {n}")
+            raise SettingsError(f"run needs a positive number of steps, got {n}")
 
         def go():
             with layout.progress(self.controls["progress"], n, "running") as bar:
@@ -238,7 +239,7 @@ class Explorer:
         chat = w["chat"].value if chat is None else chat
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ValueError("the prompt is empty: type some text in the prompt box, then press Prefill")
+                raise SettingsError("the prompt is empty: type some text in the prompt box, then press Prefill")
             w["prompt"].value = prompt
         self.session.prefill(prompt, chat=chat)
 
@@ -252,14 +253,14 @@ class Explorer:
     def _check_picks(self, layer: int, head: int) -> None:
         c = self.model.config
         if not 0 <= layer < c.num_layers:
-            raise ValueError(f"layer {layer} does not exist: the model has layers 0..{c.num_layers - 1}")
+            raise SettingsError(f"layer {layer} does not exist: the model has layers 0..{c.num_layers - 1}")
         if not 0 <= head < c.num_heads:
-            raise ValueError(f"head {head} does not exist: the model has query heads 0..{c.num_heads - 1}")
+            raise SettingsError(f"head {head} does not exist: the model has query heads 0..{c.num_heads - 1}")
 
     def _operate(self, fn) -> None:
         """Run one operation with the buttons disabled; show its error in the widget and raise it."""
         if self._busy:
-            raise RuntimeError("another operation is still running; wait for it to finish")
+            raise StateError("another operation is still running; wait for it to finish")
         self._busy = True
         self._set_enabled(False)
         self.error = ""
