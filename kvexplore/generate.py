@@ -49,11 +49,13 @@ class Generator:
         self.model = model
         self.cache = cache
         self.tracer = tracer
-        if tracer is not None and not isinstance(tracer, Tracer):
-            raise SettingsError(f"tracer must be a kvexplore Tracer, got {type(tracer).__name__}")
+        if tracer is not None and not all(callable(getattr(tracer, m, None)) for m in
+                                          ("begin_step", "end_step", "hook", "wants_attention")):
+            raise SettingsError(f"tracer must be a kvexplore Tracer (or have its begin_step, end_step, hook and "
+                                f"wants_attention methods), got {type(tracer).__name__}")
         self.sampling = SamplingSettings(temperature, top_k, top_p)
-        self.seed = int(torch.seed()) if seed is None else integer(seed, "seed", 0, 2 ** 64 - 1)
         self.top_candidates = top_candidates
+        self.seed = int(torch.seed()) if seed is None else integer(seed, "seed", 0, 2 ** 64 - 1)
         self._rng = torch.Generator().manual_seed(self.seed)
         self._tokens: list[int] = []
         self._prompt_len = 0
@@ -188,7 +190,7 @@ class Generator:
     def run(self, n: int, stop_at_eos: bool = True) -> list[StepRecord]:
         """Up to ``n`` steps; stops after an end-of-sequence token when ``stop_at_eos`` (and does not start
         past one). If a step fails, the steps before it are kept and the error is raised."""
-        n = integer(n, "n (the number of steps)", minimum=0)
+        n = integer(n, "n", minimum=0, hint=" (the number of steps)")
         records: list[StepRecord] = []
         for _ in range(n):
             if stop_at_eos and self.history and self.history[-1].is_eos:
@@ -198,7 +200,7 @@ class Generator:
 
     def check_rewind(self, n: int) -> None:
         """Raise, changing nothing, if :meth:`rewind` ``(n)`` would be refused."""
-        integer(n, "n (the number of tokens to rewind)")
+        integer(n, "n", hint=" (the number of tokens to rewind)")
         if not 0 <= n <= len(self.history):
             raise SettingsError(f"cannot rewind {n} tokens: {len(self.history)} have been generated "
                              f"(0 <= n <= {len(self.history)})")
@@ -282,7 +284,7 @@ class Generator:
 
     def _check_force(self, force: int | None) -> None:
         if force is not None:
-            integer(force, "force (a token id)")
+            integer(force, "force", hint=" (a token id)")
         if force is not None and not 0 <= force < self.model.config.vocab_size:
             raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
 

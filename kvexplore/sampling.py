@@ -19,11 +19,11 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         # checked (and normalised to float / int) here, so a step never finds out mid-way
-        object.__setattr__(self, "temperature", real(self.temperature, "temperature (0 = greedy)", minimum=0))
+        object.__setattr__(self, "temperature", real(self.temperature, "temperature", minimum=0, hint=" (0 = greedy)"))
         if self.top_k is not None:
-            object.__setattr__(self, "top_k", integer(self.top_k, "top_k (None = no limit)", minimum=1))
+            object.__setattr__(self, "top_k", integer(self.top_k, "top_k", minimum=1, hint=" (or None for no limit)"))
         if self.top_p is not None:
-            object.__setattr__(self, "top_p", real(self.top_p, "top_p (None = no limit)", above=0, maximum=1))
+            object.__setattr__(self, "top_p", real(self.top_p, "top_p", above=0, maximum=1, hint=" (or None for no limit)"))
 
     @property
     def greedy(self) -> bool:

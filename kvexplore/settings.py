@@ -16,15 +16,15 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def integer(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+def integer(value: Any, name: str, minimum: int | None = None, maximum: int | None = None, hint: str = "") -> int:
     """``value`` as an int (Python or numpy integers; not bools, floats or strings) within the bounds."""
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SettingsError(f"{name} must be an integer, got {_shown(value)} ({type(value).__name__})")
+        raise SettingsError(f"{name} must be an integer{hint}, got {_shown(value)} ({type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum or maximum is not None and value > maximum:
         bounds = (f"between {minimum} and {maximum}" if minimum is not None and maximum is not None
                   else f"at least {minimum}" if minimum is not None else f"at most {maximum}")
-        raise SettingsError(f"{name} must be {bounds}, got {value}")
+        raise SettingsError(f"{name} must be {bounds}{hint}, got {value}")
     return value
 
 
@@ -33,16 +33,16 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def real(value: Any, name: str, minimum: float | None = None, maximum: float | None = None,
-         above: float | None = None) -> float:
+         above: float | None = None, hint: str = "") -> float:
     """``value`` as a finite float (not a bool or a string) with ``minimum <= value <= maximum``, ``value > above``."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise SettingsError(f"{name} must be a finite number, got {_shown(value)}")
+        raise SettingsError(f"{name} must be a finite number{hint}, got {_shown(value)}")
     value = float(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) or (
             above is not None and value <= above):
         parts = [f">= {minimum}" if minimum is not None else "", f"> {above}" if above is not None else "",
                  f"<= {maximum}" if maximum is not None else ""]
-        raise SettingsError(f"{name} must be {' and '.join(p for p in parts if p)}, got {value}")
+        raise SettingsError(f"{name} must be {' and '.join(p for p in parts if p)}{hint}, got {value}")
     return value
 
 

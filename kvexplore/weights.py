@@ -110,7 +110,7 @@ def _shape(handle, path: Path, name: str) -> tuple[int, ...]:
     try:
         return tuple(handle.get_slice(name).get_shape())
     except Exception as e:
-        raise CorruptFileError(f"{path.name}: tensor {name} is not in that file ({e}), though the shard index "
+        raise CorruptFileError(f"{path}: tensor {name} is not in that file ({e}), though the shard index "
                                f"puts it there; the index and the shards do not match: download them again") from e
 
 
@@ -144,14 +144,17 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[
     expected = expected_shapes(config)
     handles = {path: _open(path) for path in {where[n] for n in expected if n in where}}
     found = {n: _shape(handles[where[n]], where[n], n) if where[n] in handles else () for n in where}
-    check_tensors(expected, found, config, str(folder), {n: where[n].name for n in where})
+    check_tensors(expected, found, config, str(folder), {n: str(where[n]) for n in where})
     tensors = {}
     for name in expected:
         path = where[name]
         try:
             t = handles[path].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise CorruptFileError(f"{path.name}: tensor {name} could not be read ({e}); the file is probably "
+            raise CorruptFileError(f"{path}: tensor {name} could not be read ({e}); the file is probably "
                                    f"truncated or corrupt: download or convert it again") from e
+        if not t.is_floating_point():
+            raise CorruptFileError(f"{path}: tensor {name} is stored as {t.dtype}, but weights are floating "
+                                   f"point; the file is damaged or not this model's: convert it again")
         tensors[name] = t.to(dtype=dtype)
     return tensors

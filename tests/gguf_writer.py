@@ -30,7 +30,8 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: Path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                spm_model: Path | None = None, bpe_tokenizer=None, chat_template: str | None = None,
-               raw_override: dict[str, GGMLQuantizationType] | None = None) -> Path:
+               raw_override: dict[str, GGMLQuantizationType] | None = None, edit=None) -> Path:
+    """``edit(writer)``, when given, runs last before writing: it can overwrite or drop metadata (``kv_data``)."""
     cfg = hf_model.config
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -90,6 +91,8 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
             w.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name), quants.quantize(x, kind), raw_dtype=kind)
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -58,7 +58,7 @@ def exit_code(argv):
     (["generate", "{src}", "--prompt", "x", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["generate", "{src}", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer, got 0"),
     (["generate", "{src}", "--prompt", "x", "--cache", "ring"], "argument --cache: invalid choice: 'ring'"),
-    (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p (None = no limit) must be > 0 and <= 1, got 2.0"),
+    (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p must be > 0 and <= 1 (or None for no limit), got 2.0"),
     (["generate", "{src}"], "the following arguments are required: --prompt"),
 ])
 def test_bad_arguments(source, capsys, argv, message):

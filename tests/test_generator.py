@@ -138,12 +138,12 @@ def test_bad_input_leaves_everything_unchanged(tiny):
         gen.prefill([])
     with pytest.raises(ValueError, match=r"cannot rewind 5 tokens: 1 have been generated \(0 <= n <= 1\)"):
         gen.rewind(5)
-    with pytest.raises(ValueError, match=r"n \(the number of steps\) must be at least 0, got -1"):
+    with pytest.raises(ValueError, match=r"n must be at least 0 \(the number of steps\), got -1"):
         gen.run(-1)
     assert_unchanged(gen, before)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -1.0"):
         Generator(tiny, PreallocatedCache(tiny.config, 8), temperature=-1)
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"top_p must be > 0 and <= 1 \(or None for no limit\), got 1.5"):
         Generator(tiny, PreallocatedCache(tiny.config, 8), top_p=1.5)
     with pytest.raises(ValueError, match="the generator drives one sequence but the cache has batch_size=2"):
         Generator(tiny, PreallocatedCache(tiny.config, 8, batch_size=2))

@@ -56,8 +56,8 @@ def test_wrong_shape_names_file_tensor_and_both_shapes(folder):
     edit_weights(folder, shrink)
     with pytest.raises(LoadError) as err:
         kvexplore.load(folder)
-    assert str(err.value) == ("model.safetensors: tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], "
-                              "expected [32, 64] from the config")
+    assert str(err.value) == (f"{folder / 'model.safetensors'}: tensor model.layers.0.self_attn.k_proj.weight has "
+                              f"shape [16, 64], expected [32, 64] from the config")
 
 
 def test_config_disagreeing_with_weights(folder):

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..config import ModelConfig
+from ..settings import positive_int
 from ..errors import CacheFullError, SettingsError
 from ..memory import kv_bytes
 from .base import FILLED, FREE, SHARED, STALE, KVCache, SlotView
@@ -72,12 +73,13 @@ class PagedCache(KVCache):
     def __init__(self, config: ModelConfig, max_seq_len: int | None = None, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  block_size: int = 16, num_blocks: int | None = None) -> None:
-        if block_size < 1:
-            raise SettingsError(f"block_size must be at least 1, got {block_size}")
+        block_size = positive_int(block_size, "block_size")
         if max_seq_len is None and num_blocks is None:
             raise SettingsError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
-        if max_seq_len is not None and max_seq_len < 1:
-            raise SettingsError(f"max_seq_len must be at least 1, got {max_seq_len}")
+        if max_seq_len is not None:
+            max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        if num_blocks is not None:
+            num_blocks = positive_int(num_blocks, "num_blocks")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         if num_blocks is None:
             num_blocks = math.ceil(max_seq_len / block_size) * batch_size
@@ -88,6 +90,7 @@ class PagedCache(KVCache):
         self._tables: list[list[int]] = [[] for _ in range(batch_size)]
         self._prepared: tuple[int, int] | None = None  # (pos, q_len) whose pages are allocated
         self._read_idx = self._write_page = self._write_slot = None
+        self._pages_written: list[int] = []
 
     # -- pages ------------------------------------------------------------------------------------------
     @property
@@ -161,6 +164,7 @@ class PagedCache(KVCache):
             if pos % bs and self.pool.refcount[table[-1]] > 1:  # copy-on-write: the filled slots, every layer
                 old, new = table[-1], self._take()
                 for pool in (*self.pool.k, *self.pool.v):
+                    self._keep(pool, 0, new, 1)  # the free page as it was, for a rollback
                     pool[new, :, : pos % bs].copy_(pool[old, :, : pos % bs])
                 self.pool.release(old)
                 table[-1] = new
@@ -170,6 +174,7 @@ class PagedCache(KVCache):
             for p in range(pos, pos + q_len):
                 page = table[p // bs]
                 self.pool.written[page] = max(self.pool.written[page], p % bs + 1)
+        self._pages_written = sorted({t[p // bs] for t in self._tables for p in range(pos, pos + q_len)})
         dev = self.device
         self._read_idx = torch.tensor(self._tables, dtype=torch.long, device=dev)  # (B, blocks)
         p = torch.arange(pos, pos + q_len, device=dev)
@@ -182,9 +187,9 @@ class PagedCache(KVCache):
         B, nkv, q_len, hd = k.shape
         if self._prepared != (pos, q_len):
             self._prepare(pos, q_len)
-        if pos < self.undo_length:  # a write before the end overwrites held slots in place: keep the pools
+        for page in self._pages_written:  # the pages written, as they were (for a rollback)
             for pool in (self.pool.k[layer], self.pool.v[layer]):
-                self._keep(pool, 0, 0, pool.shape[0])
+                self._keep(pool, 0, page, 1)
         out = []
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             pool[self._write_page, :, self._write_slot] = new.transpose(1, 2)  # (B, T, nkv, hd) into the pages

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..settings import positive_int
 from ..errors import CacheFullError, SettingsError
 from ..memory import kv_bytes
 from .base import FILLED, FREE, STALE, KVCache, SlotView
@@ -21,8 +22,7 @@ class PreallocatedCache(KVCache):
 
     def __init__(self, config: ModelConfig, max_seq_len: int, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> None:
-        if max_seq_len < 1:
-            raise SettingsError(f"max_seq_len must be at least 1, got {max_seq_len}")
+        max_seq_len = positive_int(max_seq_len, "max_seq_len")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         shape = (batch_size, config.num_kv_heads, max_seq_len, config.head_dim)
         self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
@@ -41,9 +41,8 @@ class PreallocatedCache(KVCache):
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = k.shape[2]
-        held = min(q_len, self.undo_length - pos)  # held positions this write overwrites (a write before the end)
-        self._keep(self._k[layer], 2, pos, held)
-        self._keep(self._v[layer], 2, pos, held)
+        self._keep(self._k[layer], 2, pos, q_len)  # what the slots held before (for a rollback, bit for bit)
+        self._keep(self._v[layer], 2, pos, q_len)
         self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
         self._v[layer].narrow(2, pos, q_len).copy_(v)
         self._step.written_bytes += k.nbytes + v.nbytes

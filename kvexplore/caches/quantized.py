@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
 from ..memory import StepCounters
 from .base import FILLED, FREE, STALE, KVCache, SlotView
@@ -109,12 +110,10 @@ class QuantizedCache(KVCache):
                  residual: int = 32, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:
         D, H = config.head_dim, config.num_kv_heads
-        if max_seq_len < 1:
-            raise SettingsError(f"max_seq_len must be at least 1, got {max_seq_len}")
-        if bits not in (4, 8):
+        max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        if integer(bits, "bits") not in (4, 8):
             raise SettingsError(f"bits must be 4 or 8, got {bits}")
-        if group_size < 1 or residual < 0:
-            raise SettingsError(f"group_size must be >= 1 and residual >= 0, got {group_size} and {residual}")
+        group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
         gv = min(group_size, D)
         if D % gv or D % 2:
             raise SettingsError(f"head_dim {D} must be even and a multiple of the value group {gv}; pick a "
@@ -167,9 +166,21 @@ class QuantizedCache(KVCache):
             for name in self._LAYER_STATE:
                 t = getattr(self, name)[layer]
                 self._keep(t, 2, 0, t.shape[2])
-        elif min(self._nq, max(self._qf[layer], (end - self.residual) // G * G)) != self._qf[layer]:
-            for t in (self._rk[layer], self._rv[layer]):  # the residual shifts down: keep it
-                self._keep(t, 2, 0, t.shape[2])
+        else:  # keep every slot this write touches, so a rollback restores all of the storage bit for bit
+            qf = self._qf[layer]
+            new_qf = min(self._nq, max(qf, (end - self.residual) // G * G))
+            for t in (self._kerr[layer], self._verr[layer]):
+                self._keep(t, 2, pos, end - pos)
+            if new_qf == qf:
+                for t in (self._rk[layer], self._rv[layer]):
+                    self._keep(t, 2, pos - qf, end - pos)
+            else:  # blocks leave the window: the residual shifts down, codes and scales of the blocks are written
+                for t in (self._rk[layer], self._rv[layer]):
+                    self._keep(t, 2, 0, t.shape[2])
+                for name in ("_kq", "_vq", "_vs", "_vz", "_kerr", "_verr"):
+                    self._keep(getattr(self, name)[layer], 2, qf, new_qf - qf)
+                for name in ("_ks", "_kz"):
+                    self._keep(getattr(self, name)[layer], 2, qf // G, (new_qf - qf) // G)
         if pos < self._qf[layer]:
             step.copied_bytes += self._unquantize_tail(layer, pos)
         qf, end = self._qf[layer], pos + k.shape[2]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
 from ..memory import kv_bytes
 from .base import EVICTED, FILLED, FREE, STALE, KVCache, SlotView
@@ -49,12 +50,10 @@ class SinkCache(KVCache):
     def __init__(self, config: ModelConfig, window: int, sinks: int = 4, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  max_seq_len: int | None = None) -> None:
-        if not isinstance(window, int) or window < 1:
-            raise SettingsError(f"window must be at least 1, got {window}")
-        if not isinstance(sinks, int) or sinks < 0:
-            raise SettingsError(f"sinks must be at least 0, got {sinks}")
-        if max_seq_len is not None and max_seq_len < 1:
-            raise SettingsError(f"max_seq_len must be at least 1 (or None for unbounded), got {max_seq_len}")
+        window = positive_int(window, "window")
+        sinks = integer(sinks, "sinks", minimum=0)
+        if max_seq_len is not None:
+            max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1, hint=" (or None for unbounded)")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.sinks, self.window, self._max = sinks, window, max_seq_len
         shape = (batch_size, config.num_kv_heads, sinks + window, config.head_dim)
@@ -158,10 +157,8 @@ class SinkCache(KVCache):
             self._pending = self._plan(pos, pos + q_len)
         read = self._pending[4]
         slot = self._slot(pos)  # a write of several tokens never wraps (check_write), so its slots are contiguous
-        before = self._undo["_slot_pos"] if self._undo is not None else []
-        if any(p >= 0 for p in before[slot:slot + q_len]):  # overwrites (evicts) a position: keep it for rollback
-            self._keep(self._k[layer], 2, slot, q_len)
-            self._keep(self._v[layer], 2, slot, q_len)
+        self._keep(self._k[layer], 2, slot, q_len)  # what the slots held (an evicted position): for a rollback
+        self._keep(self._v[layer], 2, slot, q_len)
         self._k[layer].narrow(2, slot, q_len).copy_(k)  # in place: no allocation
         self._v[layer].narrow(2, slot, q_len).copy_(v)
         step = self._step

@@ -1,0 +1,582 @@
+"""The hostile-input sweep: damaged model folders and GGUF files, and misuses of the Python API.
+
+:func:`build_corpus` writes the damaged files (in the test process); :func:`load_and_generate` and :func:`misuse`
+run inside a sandboxed child (see ``sandbox.py``). Each corruption says what it may give: ``"error"`` (a
+kvexplore error must be raised) or ``"any"`` (harmless damage, such as a bit flip inside a weight: a clean load
+or a kvexplore error). A misuse must raise a kvexplore error and leave the generator exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import struct
+from pathlib import Path
+
+ERROR, ANY = "error", "any"
+
+
+# -- run in the child ----------------------------------------------------------------------------------------------
+def load_and_generate(path: str, allow_nonfinite: bool = False) -> str:
+    import kvexplore
+
+    model = kvexplore.load(path, allow_nonfinite=allow_nonfinite)
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=32))
+    gen.prefill("The cache keeps" if model.tokenizer is not None else [1, 5, 9])
+    gen.run(3)
+    if model.tokenizer is not None:
+        model.tokenizer.decode(gen.tokens)
+    return f"{len(gen.tokens)} tokens"
+
+
+def state(gen) -> tuple:
+    """Everything a failed call must leave as it was: tokens, history, RNG, settings, the cache's length, slot
+    map, memory report and every tensor it holds."""
+    import torch
+
+    cache = gen.cache
+    tensors = [t.clone() for layer in range(gen.model.config.num_layers) for t in cache.storage(layer)]
+    return (gen.tokens, [(r.step, r.token_id) for r in gen.history], gen._rng.get_state().clone(), gen.sampling,
+            gen.top_candidates, gen.seed, cache.length, cache.slot_view(), cache.memory_report(), tensors,
+            torch.get_rng_state().clone())
+
+
+def same_state(a: tuple, b: tuple) -> bool:
+    import torch
+
+    def eq(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+            return len(x) == len(y) and all(map(eq, x, y))
+        return x == y
+
+    return all(eq(x, y) for x, y in zip(a, b))
+
+
+def misuse(folder: str, name: str) -> str:
+    """Set up a generator mid-sequence on ``folder``'s model, commit misuse ``name``; raise its kvexplore error if
+    nothing changed (an AssertionError if something did, or if the misuse was accepted)."""
+    import kvexplore
+
+    model = kvexplore.load(folder)
+    kind, action = MISUSES[name]
+    cache = kvexplore.make_cache(kind, model, max_seq_len=24) if kind not in ("concat", "none") else (
+        kvexplore.make_cache(kind, model))
+    gen = kvexplore.Generator(model, cache, seed=3, temperature=0.8, top_k=20)
+    if name != "step before prefill":
+        gen.prefill("The cache keeps the keys")
+        gen.run(2)
+    if name.startswith("cache full"):
+        while gen.cache.length < gen.cache.capacity:
+            gen.step()
+    before = state(gen)
+    try:
+        action(gen, model, Path(folder))
+    except kvexplore.KVExploreError as e:
+        if not same_state(before, state(gen)):
+            raise AssertionError(f"state changed after the refused misuse ({e})") from e
+        twin_check(gen, before)
+        raise
+    raise AssertionError(f"misuse {name!r} was accepted")
+
+
+def twin_check(gen, before) -> None:
+    """After a refused call the generator still steps (unless it had no sequence)."""
+    if gen.tokens and gen.cache.length + 1 < (gen.cache.capacity or 10 ** 9):
+        gen.step()
+
+
+def _set(attr: str, value):
+    def action(gen, model, folder):
+        setattr(gen, attr, value)
+    return action
+
+
+def _gen(**kw):
+    def action(gen, model, folder):
+        import kvexplore
+        kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=8), **kw)
+    return action
+
+
+def _call(method: str, *args, **kw):
+    def action(gen, model, folder):
+        getattr(gen, method)(*args, **kw)
+    return action
+
+
+def _cache(kind: str, **kw):
+    def action(gen, model, folder):
+        import kvexplore
+        kvexplore.make_cache(kind, model, **kw)
+    return action
+
+
+def _load(source=None, **kw):
+    def action(gen, model, folder):
+        import kvexplore
+        kvexplore.load(folder if source is None else source, **kw)
+    return action
+
+
+def _fill(gen, model, folder):
+    gen.step()  # the cache (24 slots) is full: the step that does not fit is refused
+
+
+def _nan_temperature_step(gen, model, folder):
+    gen.temperature = 1e-45  # legal, but logits / 1e-45 overflow: the step fails after the forward pass
+    try:
+        gen.step()
+    finally:
+        gen.temperature = 0.8
+
+
+def _hook_fails(gen, model, folder):
+    import kvexplore
+
+    class Failing(kvexplore.Tracer):
+        def hook(self, name, t):
+            if name == f"layers.{model.config.num_layers - 1}.attn.q":
+                raise kvexplore.StepError("hook failed mid-forward (on purpose)")
+            return super().hook(name, t)
+
+    gen.tracer = Failing(capture=("cache",))
+    try:
+        gen.step()
+    finally:
+        gen.tracer = None
+
+
+def _explorer(**kw):
+    def action(gen, model, folder):
+        from kvexplore.explorer.session import Session
+        Session(model, **kw)
+    return action
+
+
+def _tracer(**kw):
+    def action(gen, model, folder):
+        import kvexplore
+        kvexplore.Tracer(**kw)
+    return action
+
+
+def _chat(gen, model, folder):
+    model.tokenizer.chat_template = None
+    gen.prefill_chat([{"role": "user", "content": "hi"}])
+
+
+def _model_ids(ids):
+    def action(gen, model, folder):
+        model(ids(), gen.cache, gen.cache.length)
+    return action
+
+
+def _t(*shape_or_values, dtype=None):
+    def make():
+        import torch
+        return torch.tensor(*shape_or_values, dtype=dtype) if dtype else torch.tensor(*shape_or_values)
+    return make
+
+
+MISUSES = {
+    "temperature nan": ("preallocated", _gen(temperature=float("nan"))),
+    "temperature -1": ("preallocated", _gen(temperature=-1)),
+    "temperature inf": ("preallocated", _gen(temperature=float("inf"))),
+    "temperature str": ("preallocated", _gen(temperature="0.5")),
+    "temperature bool": ("preallocated", _gen(temperature=True)),
+    "top_k 2.5": ("preallocated", _gen(top_k=2.5)),
+    "top_k 0": ("preallocated", _gen(top_k=0)),
+    "top_k str": ("preallocated", _gen(top_k="3")),
+    "top_p 0": ("preallocated", _gen(top_p=0)),
+    "top_p 1.5": ("preallocated", _gen(top_p=1.5)),
+    "top_p nan": ("preallocated", _gen(top_p=float("nan"))),
+    "top_candidates -1": ("preallocated", _gen(top_candidates=-1)),
+    "top_candidates 2.5": ("preallocated", _gen(top_candidates=2.5)),
+    "top_candidates huge": ("preallocated", _gen(top_candidates=10 ** 9)),
+    "seed -1": ("preallocated", _gen(seed=-1)),
+    "seed str": ("preallocated", _gen(seed="x")),
+    "live temperature nan": ("preallocated", _set("temperature", float("nan"))),
+    "live top_k 2.5": ("paged", _set("top_k", 2.5)),
+    "live top_p 2": ("quantized", _set("top_p", 2.0)),
+    "live top_candidates -1": ("sink", _set("top_candidates", -1)),
+    "live sampling str": ("concat", _set("sampling", "greedy")),
+    "step before prefill": ("preallocated", _call("step")),
+    "prefill empty list": ("preallocated", _call("prefill", [])),
+    "prefill negative id": ("paged", _call("prefill", [-1, 3])),
+    "prefill id past vocab": ("quantized", _call("prefill", [1, 10 ** 6])),
+    "prefill float id": ("sink", _call("prefill", [1.5, 2])),
+    "prefill str ids": ("concat", _call("prefill", ["a", "b"])),
+    "prefill None": ("none", _call("prefill", None)),
+    "prefill int": ("preallocated", _call("prefill", 5)),
+    "prefill 2-D tensor": ("preallocated", _call("prefill", _t([[1, 2], [3, 4]])())),
+    "prefill float tensor": ("preallocated", _call("prefill", _t([0.5, 1.5])())),
+    "force -1": ("preallocated", _call("step", force=-1)),
+    "force past vocab": ("paged", _call("step", force=10 ** 9)),
+    "force str": ("quantized", _call("step", force="a")),
+    "force float": ("sink", _call("step", force=1.5)),
+    "run -1": ("concat", _call("run", -1)),
+    "run 2.5": ("none", _call("run", 2.5)),
+    "run str": ("preallocated", _call("run", "3")),
+    "rewind -1": ("preallocated", _call("rewind", -1)),
+    "rewind past history": ("paged", _call("rewind", 99)),
+    "rewind 1.5": ("quantized", _call("rewind", 1.5)),
+    "cache full preallocated": ("preallocated", _fill),
+    "cache full paged": ("paged", _fill),
+    "cache full quantized": ("quantized", _fill),
+    "overflowing temperature preallocated": ("preallocated", _nan_temperature_step),
+    "overflowing temperature concat": ("concat", _nan_temperature_step),
+    "overflowing temperature none": ("none", _nan_temperature_step),
+    "overflowing temperature paged": ("paged", _nan_temperature_step),
+    "overflowing temperature quantized": ("quantized", _nan_temperature_step),
+    "overflowing temperature sink": ("sink", _nan_temperature_step),
+    "hook fails preallocated": ("preallocated", _hook_fails),
+    "hook fails concat": ("concat", _hook_fails),
+    "hook fails none": ("none", _hook_fails),
+    "hook fails paged": ("paged", _hook_fails),
+    "hook fails quantized": ("quantized", _hook_fails),
+    "hook fails sink": ("sink", _hook_fails),
+    "cache kind bogus": ("preallocated", _cache("bogus")),
+    "cache kind list": ("preallocated", _cache(["preallocated"])),
+    "max_seq_len 0": ("preallocated", _cache("preallocated", max_seq_len=0)),
+    "max_seq_len -1 sink": ("preallocated", _cache("sink", max_seq_len=-1)),
+    "max_seq_len 2.5": ("preallocated", _cache("paged", max_seq_len=2.5)),
+    "max_seq_len str": ("preallocated", _cache("quantized", max_seq_len="8")),
+    "max_seq_len huge": ("preallocated", _cache("preallocated", max_seq_len=10 ** 12)),
+    "sink window 0": ("preallocated", _cache("sink", window=0)),
+    "sink sinks -2": ("preallocated", _cache("sink", sinks=-2, window=4)),
+    "paged block_size 0": ("preallocated", _cache("paged", max_seq_len=16, block_size=0)),
+    "quantized bits 3": ("preallocated", _cache("quantized", max_seq_len=16, bits=3)),
+    "quantized group_size 0": ("preallocated", _cache("quantized", max_seq_len=16, group_size=0)),
+    "cache unknown option": ("preallocated", _cache("preallocated", max_seq_len=16, windw=3)),
+    "cache batch_size 0": ("preallocated", _cache("preallocated", max_seq_len=16, batch_size=0)),
+    "cache dtype int": ("preallocated", _cache("preallocated", max_seq_len=16, dtype="int8")),
+    "cache device tpu": ("preallocated", _cache("preallocated", max_seq_len=16, device="tpu")),
+    "load missing": ("preallocated", _load("/nonexistent/model")),
+    "load number": ("preallocated", _load(123)),
+    "load dtype int8": ("preallocated", _load(dtype="int8")),
+    "load dtype torch.int8": ("preallocated", _load(dtype=__import__("torch").int8)),
+    "load device tpu": ("preallocated", _load(device="tpu")),
+    "load device cuda:7": ("preallocated", _load(device="cuda:7")),
+    "session no strategies": ("preallocated", _explorer(strategies=())),
+    "session bogus strategy": ("preallocated", _explorer(strategies=("bogus",))),
+    "session repeated strategy": ("preallocated", _explorer(strategies=("paged", "paged"))),
+    "tracer bogus capture": ("preallocated", _tracer(capture=("bogus",))),
+    "chat without template": ("preallocated", _chat),
+    "model ids 1-D": ("preallocated", _model_ids(_t([1, 2, 3]))),
+    "model ids float": ("preallocated", _model_ids(_t([[1.0, 2.0]]))),
+    "model ids past vocab": ("preallocated", _model_ids(_t([[10 ** 6]]))),
+}
+
+
+# -- built in the test process ---------------------------------------------------------------------------------------
+def build_corpus(root: Path, folder: Path, sharded: Path, gguf_path: Path, bpe_gguf: Path,
+                 rewrite_gguf) -> list[tuple[str, Path, str]]:
+    """Every damaged copy of the pristine ``folder`` (safetensors + sentencepiece), ``sharded`` (a shard index),
+    and GGUF files, under ``root``. ``rewrite_gguf(dst, edit)`` writes the GGUF again with ``edit(writer)``."""
+    cases: list[tuple[str, Path, str]] = []
+    rng = random.Random(0)
+
+    def copy(name: str, src: Path = folder) -> Path:
+        dst = root / f"case{len(cases):03d}"
+        shutil.copytree(src, dst)
+        return dst
+
+    def add(name: str, path: Path, expect: str = ERROR) -> None:
+        cases.append((name, path, expect))
+
+    # config.json: each field, each kind of wrong value
+    config = json.loads((folder / "config.json").read_text())
+    bad_values = {"str": "abc", "null": None, "nan": math.nan, "list": [1], "negative": -1, "zero": 0,
+                  "huge": 10 ** 12, "fraction": 64.5, "string bool": "false", "bool": True, "object": {}}
+    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+              "tie_word_embeddings", "bos_token_id", "eos_token_id", "attention_bias"]
+    for field in fields:
+        for label, value in bad_values.items():
+            dst = copy(f"config {field}={label}")
+            raw = dict(config)
+            if field == "rope_theta" and "rope_parameters" in raw:
+                raw["rope_parameters"] = {**raw["rope_parameters"], "rope_theta": value}
+            else:
+                raw[field] = value
+            (dst / "config.json").write_text(json.dumps(raw))
+            # a null optional field falls back to its default; every other value here is wrong
+            harmless = label == "null" and field in ("num_key_value_heads", "head_dim", "rms_norm_eps",
+                                                     "max_position_embeddings", "tie_word_embeddings",
+                                                     "bos_token_id", "eos_token_id", "attention_bias")
+            valid = (field, label) in {("rope_theta", "huge"), ("rope_theta", "fraction"), ("bos_token_id", "zero"),
+                                       ("tie_word_embeddings", "bool"), ("eos_token_id", "list"),
+                                       ("eos_token_id", "zero")}  # legal values, just not the saved ones
+            add(f"config {field}={label}", dst, ANY if harmless or valid else ERROR)
+    num_layers = config["num_hidden_layers"]
+    for label, text in {
+        "top-level list": "[1, 2]", "top-level string": '"config"', "empty": "", "truncated": json.dumps(config)[:40],
+        "deeply nested": "[" * 100000 + "]" * 100000, "layers 10^9": json.dumps({**config, "num_hidden_layers": 10 ** 9}),
+        "layers one more": json.dumps({**config, "num_hidden_layers": num_layers + 1}),
+        "layers one fewer": json.dumps({**config, "num_hidden_layers": num_layers - 1}),
+        "architecture unknown": json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}),
+        "architecture not str": json.dumps({**config, "architectures": [5]}),
+        "no architecture": json.dumps({k: v for k, v in config.items() if k not in ("architectures", "model_type")}),
+        "no vocab_size": json.dumps({k: v for k, v in config.items() if k != "vocab_size"}),
+        "rope string": json.dumps({**config, "rope_scaling": "linear", "rope_parameters": None}),
+        "rope no factor": json.dumps({**config, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}),
+        "rope llama3 partial": json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                                         "rope_theta": 1e4}}),
+        "rope yarn": json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}),
+        "rope factor zero": json.dumps({**config, "rope_parameters": {"rope_type": "linear", "factor": 0,
+                                                                      "rope_theta": 1e4}}),
+        "rope theta big": json.dumps({**config, "rope_parameters": {"rope_type": "default", "rope_theta": "big"}}),
+        "heads not dividing": json.dumps({**config, "num_attention_heads": 3, "head_dim": None}),
+        "kv heads not dividing": json.dumps({**config, "num_key_value_heads": 3}),
+        "eps negative": json.dumps({**config, "rms_norm_eps": -1}),
+    }.items():
+        dst = copy(f"config {label}")
+        (dst / "config.json").write_text(text)
+        add(f"config {label}", dst)
+    dst = copy("config not utf-8")
+    (dst / "config.json").write_bytes(b'{"vocab_size": "\xff\xfe"}')
+    add("config not utf-8", dst)
+    dst = copy("config missing")
+    (dst / "config.json").unlink()
+    add("config missing", dst)
+
+    # safetensors: truncations, header damage, bit flips in the data
+    weights = (folder / "model.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", weights[:8])
+    for frac in (0.0, 0.001, 0.01, 0.1, 0.5, 0.9, 0.999):
+        dst = copy(f"safetensors truncated {frac}")
+        (dst / "model.safetensors").write_bytes(weights[: max(0, int(len(weights) * frac))])
+        add(f"safetensors truncated {frac}", dst)
+    for label, data in {"header length huge": struct.pack("<Q", 1 << 60) + weights[8:],
+                        "header length zero": struct.pack("<Q", 0) + weights[8:],
+                        "header not json": weights[:8] + b"x" * header_len + weights[8 + header_len:],
+                        "empty file": b""}.items():
+        dst = copy(f"safetensors {label}")
+        (dst / "model.safetensors").write_bytes(data)
+        add(f"safetensors {label}", dst)
+    for i in range(8):
+        at = rng.randrange(8, 8 + header_len)
+        dst = copy(f"safetensors header bit flip {at}")
+        data = bytearray(weights)
+        data[at] ^= 1 << rng.randrange(8)
+        (dst / "model.safetensors").write_bytes(bytes(data))
+        add(f"safetensors header bit flip {at}", dst, ANY)  # a flip inside a name or a digit may still parse
+    for i in range(6):
+        at = rng.randrange(8 + header_len, len(weights))
+        dst = copy(f"safetensors data bit flip {at}")
+        data = bytearray(weights)
+        data[at] ^= 1 << rng.randrange(8)
+        (dst / "model.safetensors").write_bytes(bytes(data))
+        add(f"safetensors data bit flip {at}", dst, ANY)  # a changed weight, or an Inf/NaN the loader refuses
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    first = sorted(tensors)[0]
+    for label, change in {
+        "tensor missing": lambda t: t.pop("model.norm.weight"),
+        "tensor extra": lambda t: t.__setitem__("model.extra.weight", torch.zeros(2)),
+        "tensor wrong shape": lambda t: t.__setitem__("model.norm.weight", torch.zeros(3)),
+        "tensor integer": lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.int32)),
+        "tensor nan": lambda t: t[first].view(-1).__setitem__(0, float("nan")),
+        "tensor inf": lambda t: t[first].view(-1).__setitem__(3, float("inf")),
+        "layer missing": lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.1.")],
+        "layer renumbered": lambda t: [t.__setitem__(n.replace("layers.1.", "layers.5."), t.pop(n))
+                                       for n in list(t) if n.startswith("model.layers.1.")],
+    }.items():
+        dst = copy(f"safetensors {label}")
+        changed = {k: v.clone() for k, v in tensors.items()}
+        change(changed)
+        save_file(changed, dst / "model.safetensors", metadata={"format": "pt"})
+        add(f"safetensors {label}", dst)
+    dst = copy("weights missing")
+    (dst / "model.safetensors").unlink()
+    add("weights missing", dst)
+
+    # the shard index
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = dict(index["weight_map"])
+    name = next(n for n, f in wrong.items() if f == shards[0])
+    wrong[name] = shards[1]
+    for label, text in {
+        "index not json": "{", "index a list": "[]", "index no weight_map": json.dumps({"metadata": {}}),
+        "index weight_map list": json.dumps({"weight_map": [1]}),
+        "index file missing": json.dumps({"weight_map": {**index["weight_map"], name: "nope.safetensors"}}),
+        "index path outside": json.dumps({"weight_map": {**index["weight_map"], name: "../x.safetensors"}}),
+        "index wrong shard": json.dumps({"weight_map": wrong}),
+        "index value number": json.dumps({"weight_map": {**index["weight_map"], name: 3}}),
+    }.items():
+        dst = copy(f"shards {label}", sharded)
+        (dst / "model.safetensors.index.json").write_text(text)
+        add(f"shards {label}", dst)
+    dst = copy("shards one shard truncated", sharded)
+    shard = dst / shards[0]
+    shard.write_bytes(shard.read_bytes()[:200])
+    add("shards one shard truncated", dst)
+
+    # tokenizer files
+    sp = (folder / "tokenizer.model").read_bytes()
+    for label, data in {"truncated": sp[: len(sp) // 2], "garbage": b"\x00\x01garbage" * 10, "empty": b""}.items():
+        dst = copy(f"tokenizer.model {label}")
+        (dst / "tokenizer.model").write_bytes(data)
+        add(f"tokenizer.model {label}", dst)
+    for label, (file, content) in {
+        "tokenizer_config list": ("tokenizer_config.json", "[1]"),
+        "tokenizer_config not json": ("tokenizer_config.json", "{"),
+        "tokenizer_config bos number": ("tokenizer_config.json", json.dumps({"bos_token": 5})),
+        "tokenizer_config bos dict number": ("tokenizer_config.json", json.dumps({"bos_token": {"content": 5}})),
+        "tokenizer_config add_bos string": ("tokenizer_config.json", json.dumps({"add_bos_token": "yes"})),
+        "tokenizer_config template number": ("tokenizer_config.json", json.dumps({"chat_template": 5})),
+        "tokenizer_config template list": ("tokenizer_config.json", json.dumps({"chat_template": [{"x": 1}]})),
+        "generation_config list": ("generation_config.json", "[]"),
+        "generation_config eos string": ("generation_config.json", json.dumps({"eos_token_id": "2"})),
+        "generation_config eos past vocab": ("generation_config.json", json.dumps({"eos_token_id": 99999})),
+        "generation_config bos negative": ("generation_config.json", json.dumps({"bos_token_id": -1})),
+        "generation_config eos list of str": ("generation_config.json", json.dumps({"eos_token_id": ["a"]})),
+        "tokenizer.json garbage": ("tokenizer.json", "{not json"),
+        "tokenizer.json wrong model": ("tokenizer.json", json.dumps({"model": {"type": "Nope"}})),
+        "chat_template.jinja not utf-8": ("chat_template.jinja", b"\xff\xfe{{"),
+    }.items():
+        dst = copy(label)
+        target = dst / file
+        target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+        add(label, dst)
+
+    # GGUF: truncations and bit flips
+    data = gguf_path.read_bytes()
+    for i, frac in enumerate((0.0, 0.0001, 0.001, 0.003, 0.01, 0.05, 0.1, 0.3, 0.6, 0.9, 0.999)):
+        dst = root / f"case{len(cases):03d}.gguf"
+        dst.write_bytes(data[: int(len(data) * frac)])
+        add(f"gguf truncated {frac}", dst)
+    meta_end = data.find(b"token_embd.weight")  # tensor infos follow the metadata
+    for i in range(12):
+        at = rng.randrange(0, meta_end)
+        dst = root / f"case{len(cases):03d}.gguf"
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << rng.randrange(8)
+        dst.write_bytes(bytes(flipped))
+        add(f"gguf metadata bit flip {at}", dst, ANY)
+    for i in range(3):
+        at = rng.randrange(len(data) - 4096, len(data))
+        dst = root / f"case{len(cases):03d}.gguf"
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << rng.randrange(8)
+        dst.write_bytes(bytes(flipped))
+        add(f"gguf data bit flip {at}", dst, ANY)
+
+    # GGUF: values patched in place
+    def patch(label: str, key: bytes, fmt: str, value, skip: int = 0, expect: str = ERROR) -> None:
+        at = data.find(struct.pack("<Q", len(key)) + key)
+        assert at > 0, key
+        at += 8 + len(key) + skip
+        patched = bytearray(data)
+        struct.pack_into("<" + fmt, patched, at, value)
+        dst = root / f"case{len(cases):03d}.gguf"
+        dst.write_bytes(bytes(patched))
+        add(f"gguf {label}", dst, expect)
+
+    u32 = 4  # the value type (u32) sits between a key and its value
+    patch("block_count 10^9", b"llama.block_count", "I", 10 ** 9, u32)
+    patch("block_count 0", b"llama.block_count", "I", 0, u32)
+    patch("block_count one more", b"llama.block_count", "I", num_layers + 1, u32)
+    patch("head_count 0", b"llama.attention.head_count", "I", 0, u32)
+    patch("head_count 3", b"llama.attention.head_count", "I", 3, u32)
+    patch("embedding_length 0", b"llama.embedding_length", "I", 0, u32)
+    patch("context_length 0", b"llama.context_length", "I", 0, u32)
+    patch("rms eps -1", b"llama.attention.layer_norm_rms_epsilon", "f", -1.0, u32)
+    patch("rms eps nan", b"llama.attention.layer_norm_rms_epsilon", "f", math.nan, u32)
+    patch("freq_base 0", b"llama.rope.freq_base", "f", 0.0, u32)
+    patch("bos past vocab", b"tokenizer.ggml.bos_token_id", "I", 99999, u32)
+    patch("eos past vocab", b"tokenizer.ggml.eos_token_id", "I", 99999, u32)
+    patch("value type unknown", b"llama.block_count", "I", 77)
+    patch("key length huge", b"llama.block_count", "Q", 1 << 62, -len(b"llama.block_count") - 8)
+    for key in (b"tokenizer.ggml.tokens", b"tokenizer.ggml.scores", b"tokenizer.ggml.token_type"):
+        patch(f"{key.decode()} count 2^60", key, "Q", 1 << 60, u32 + 4)
+        count_at = data.find(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 8
+        patch(f"{key.decode()} count +1", key, "Q", struct.unpack_from("<Q", data, count_at)[0] + 1, u32 + 4)
+    patch("token_type element 99", b"tokenizer.ggml.token_type", "i", 99, u32 + 4 + 8)
+    patch("array element type unknown", b"tokenizer.ggml.scores", "I", 77, u32)
+    tname = b"blk.0.attn_q.weight"
+    tat = data.find(tname, meta_end - 1)
+    for label, fmt, value, skip in (("n_dims 9", "I", 9, 0), ("dim huge", "Q", 1 << 40, 4),
+                                    ("type unknown", "I", 99, 4 + 16), ("offset huge", "Q", 1 << 50, 4 + 16 + 4)):
+        patched = bytearray(data)
+        struct.pack_into("<" + fmt, patched, tat + len(tname) + skip, value)
+        dst = root / f"case{len(cases):03d}.gguf"
+        dst.write_bytes(bytes(patched))
+        add(f"gguf tensor {label}", dst)
+
+    # GGUF: metadata rewritten with other types or contents
+    from gguf import GGUFValueType as V
+
+    def put(key, value, vtype, sub=None):
+        return lambda w: w.add_key_value(key, value, vtype, sub)
+
+    def drop(key):
+        return lambda w: w.kv_data[0].pop(key)
+
+    def tokens_edit(fn):
+        def edit(w):
+            v = w.kv_data[0]["tokenizer.ggml.tokens"]
+            w.add_key_value("tokenizer.ggml.tokens", fn(list(v.value)), V.ARRAY, V.STRING)
+        return edit
+
+    def scores_short(w):
+        v = w.kv_data[0]["tokenizer.ggml.scores"]
+        w.add_key_value("tokenizer.ggml.scores", list(v.value)[:-5], V.ARRAY, V.FLOAT32)
+
+    def scores_nan(w):
+        v = list(w.kv_data[0]["tokenizer.ggml.scores"].value)
+        v[7] = math.nan
+        w.add_key_value("tokenizer.ggml.scores", v, V.ARRAY, V.FLOAT32)
+
+    for label, edit in {
+        "head_count string": put("llama.attention.head_count", "four", V.STRING),
+        "block_count float": put("llama.block_count", 2.5, V.FLOAT32),
+        "block_count missing": drop("llama.block_count"),
+        "architecture unknown": put("general.architecture", "bert", V.STRING),
+        "architecture number": put("general.architecture", 7, V.UINT32),
+        "tokenizer model unknown": put("tokenizer.ggml.model", "bert", V.STRING),
+        "tokenizer tokens missing": drop("tokenizer.ggml.tokens"),
+        "tokens not strings": put("tokenizer.ggml.tokens", [1, 2, 3], V.ARRAY, V.UINT32),
+        "token invalid utf-8": tokens_edit(lambda t: [b"\xff\xfe" if i == 10 else x for i, x in enumerate(t)]),
+        "token duplicated": tokens_edit(lambda t: [t[5] if i == 6 else x for i, x in enumerate(t)]),
+        "scores short": scores_short,
+        "scores nan": scores_nan,
+        "scores strings": put("tokenizer.ggml.scores", ["a"] * 5, V.ARRAY, V.STRING),
+        "rope scaling yarn": put("llama.rope.scaling.type", "yarn", V.STRING),
+        "rope scaling linear no factor": put("llama.rope.scaling.type", "linear", V.STRING),
+        "add_bos string": put("tokenizer.ggml.add_bos_token", "yes", V.STRING),
+        "chat template number": put("tokenizer.chat_template", 5, V.UINT32),
+        "alignment 3": put("general.alignment", 3, V.UINT32),
+    }.items():
+        dst = root / f"case{len(cases):03d}.gguf"
+        rewrite_gguf(dst, edit)
+        add(f"gguf {label}", dst)
+
+    # the BPE (gpt2) tokenizer of a GGUF
+    def merges_edit(fn):
+        def edit(w):
+            v = w.kv_data[0]["tokenizer.ggml.merges"]
+            w.add_key_value("tokenizer.ggml.merges", fn(list(v.value)), V.ARRAY, V.STRING)
+        return edit
+
+    for label, edit in {
+        "merge of unknown tokens": merges_edit(lambda m: ["zzqq xxyy", *m[1:]]),
+        "merge without space": merges_edit(lambda m: ["abc", *m[1:]]),
+        "pre-tokenizer unknown": put("tokenizer.ggml.pre", "nope", V.STRING),
+        "merges not strings": put("tokenizer.ggml.merges", [1, 2], V.ARRAY, V.UINT32),
+    }.items():
+        dst = root / f"case{len(cases):03d}.gguf"
+        rewrite_gguf(dst, edit, True)
+        add(f"gguf bpe {label}", dst)
+    dst = root / f"case{len(cases):03d}.gguf"
+    dst.write_bytes(b"not a gguf file at all, just text" * 4)
+    add("gguf not gguf", dst)
+    add("gguf missing", root / "missing.gguf")
+    return cases
