@@ -29,8 +29,21 @@ _context: mp.context.BaseContext | None = None
 def context() -> mp.context.BaseContext:
     global _context
     if _context is None:
+        from multiprocessing import forkserver
+
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
+        # the server imports PRELOAD with its own sys.path (not the caller's): let it find these test modules
+        saved = os.environ.get("PYTHONPATH")
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = here + (os.pathsep + saved if saved else "")
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _context
 
 

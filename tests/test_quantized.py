@@ -302,7 +302,7 @@ def test_generator_rewinds_and_forks(trained):
 def test_bad_options(tiny):
     c = tiny.config  # head_dim 16
     for kwargs, msg in [(dict(bits=3), "bits must be 4 or 8, got 3"), (dict(group_size=0), "group_size must be"),
-                        (dict(residual=-1), "residual >= 0"), (dict(group_size=6), "multiple of the value group 6")]:
+                        (dict(residual=-1), "residual must be at least 0, got -1"), (dict(group_size=6), "multiple of the value group 6")]:
         with pytest.raises(ValueError, match=msg):
             QuantizedCache(c, 32, **kwargs)
     with pytest.raises(ValueError, match="max_seq_len must be at least 1"):

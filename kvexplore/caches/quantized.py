@@ -96,9 +96,9 @@ class QuantizedCache(KVCache):
     gone), so regenerated positions may read quantized what was full precision when they were first written:
     bit-for-bit the same only if ``Q`` has not advanced since position ``n`` was first written; otherwise
     close, and deterministic (the same rewind and writes on a copy give the same cache). A write at
-    ``pos < length`` rewinds to ``pos`` first, the same way. A forward pass that fails after a layer
-    quantized part of its own chunk (a chunk longer than ``residual``) is rewound the same way, so that
-    layer's straddling block comes back dequantized rather than exactly as before the pass.
+    ``pos < length`` rewinds to ``pos`` first, the same way. A forward pass that fails (in the model or after
+    it) is rolled back exactly: each write keeps the slots, codes and scales it is about to change, so
+    :meth:`rollback` puts the storage back bit for bit (the residual and one block when blocks leave the window).
 
     ``write`` returns what the cache holds after the write: the quantized positions dequantized (in the
     dtype), then the residual; a chunk long enough to push blocks out of the window is read dequantized too.
@@ -251,9 +251,9 @@ class QuantizedCache(KVCache):
     def truncate(self, n: int) -> None:
         """Keep positions ``0..n-1`` (see the class docstring for what happens inside a quantized block).
 
-        After a forward pass that failed midway, the layers written before the failure may have advanced their
-        frontier: the others are brought to the same frontier (quantizing kept positions, exactly as the retry
-        of the pass would), so every layer holds the same layout again."""
+        Truncated in the middle of a forward pass (some layers written, a failed pass rolls back instead), the
+        layers written may have advanced their frontier: the others are brought to the same frontier (quantizing
+        kept positions, exactly as the retry of the pass would), so every layer holds the same layout again."""
         super().truncate(n)
         for layer in range(self.config.num_layers):
             if self._qf[layer] > n:

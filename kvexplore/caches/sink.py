@@ -196,7 +196,7 @@ class SinkCache(KVCache):
             raise SettingsError(msg)
 
     def truncate(self, n: int) -> None:
-        if self._pending is not None:  # a step failed mid-forward: positions it overwrote in some layers are lost
+        if self._pending is not None:  # truncated mid-step (a failed step rolls back instead): overwritten = lost
             self._ws = max(self._ws, self._pending[3])
             self._pending = None
         super().truncate(n)
