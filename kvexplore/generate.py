@@ -61,6 +61,7 @@ class Generator:
         self._prompt_len = 0
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
+        self._undoable = False  # the cache's undo record is the last step's (see undo_step)
 
     # -- settings (checked when set, so a step never fails on them) -------------------------------------
     @property
@@ -151,6 +152,7 @@ class Generator:
             self._rng.set_state(saved)  # _forward put the cache back
             raise
         self._tokens = [*ids, record.token_id]
+        self._undoable = False
         self._prompt_len = len(ids)
         self.history = History([record])
         return record
@@ -185,7 +187,20 @@ class Generator:
         record = self._forward(self._tokens[start:], pos=start, kind="decode", context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
+        self._undoable = True
         return record
+
+    def undo_step(self) -> None:
+        """Take back the last :meth:`step` exactly: its token, record and RNG draw, and the cache rolled back bit
+        for bit (a sink cache gets back the position the step evicted). Only right after the step (no rewind,
+        reset or prefill since); otherwise raises StateError. The explorer uses it when one lane of a step fails."""
+        if not getattr(self, "_undoable", False):
+            raise StateError("undo_step() takes back only the last step, right after it; use rewind(1) instead")
+        self.cache.rollback()
+        self._rng.set_state(self._rng_states.pop())
+        self._tokens.pop()
+        self.history.pop()
+        self._undoable = False
 
     def run(self, n: int, stop_at_eos: bool = True) -> list[StepRecord]:
         """Up to ``n`` steps; stops after an end-of-sequence token when ``stop_at_eos`` (and does not start
@@ -210,6 +225,7 @@ class Generator:
     def rewind(self, n: int = 1) -> None:
         """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match."""
         self.check_rewind(n)
+        self._undoable = False
         n = int(n)
         if n == 0:
             return
@@ -220,6 +236,7 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the sequence and empty the cache (its storage is kept)."""
+        self._undoable = False
         self.cache.truncate(0)
         self._tokens, self._prompt_len, self.history, self._rng_states = [], 0, History(), []
         self._rng.manual_seed(self.seed)
@@ -229,6 +246,8 @@ class Generator:
         storage shared until the two diverge where the strategy allows)."""
         if not self._tokens:
             raise StateError("nothing to fork: call prefill(prompt) first")
+        self._undoable = False  # the fork shares what the last step wrote (paged pages): it stays
+        self.cache.settle()
         twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates, self.tracer)
         twin._rng.set_state(self._rng.get_state())
@@ -245,6 +264,7 @@ class Generator:
             tracer.begin_step(self.cache, pos, len(feed))
         state = self._rng.get_state()
         self.cache.settle()  # a failure before the cache's begin_step must not undo the previous step
+        self._undoable = False
         try:
             return self._compute(feed, pos, kind, context, force, state)
         except BaseException:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import kvexplore
+
 from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache
 
 PROMPT = "Call me Ishmael. Some years ago"
@@ -205,3 +207,23 @@ def test_chat_template(tiny):
         tok.chat_template = saved
     with pytest.raises(ValueError, match="has no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "concat", "none", "paged", "quantized", "sink"])
+def test_undo_step_takes_the_last_step_back_exactly(tiny, kind):
+    from hostile_cases import same_state, state
+
+    options = {"window": 6, "sinks": 2} if kind == "sink" else {}
+    gen = Generator(tiny, kvexplore.make_cache(kind, tiny, max_seq_len=80, **options), temperature=0.9, seed=5)
+    twin = Generator(tiny, kvexplore.make_cache(kind, tiny, max_seq_len=80, **options), temperature=0.9, seed=5)
+    for g in (gen, twin):
+        g.prefill([1, 40, 77])
+        g.run(8)  # past the sink window: the next step evicts
+    before = state(gen)
+    gen.step()
+    gen.undo_step()
+    assert same_state(before, state(gen))
+    assert gen.step().token_id == twin.step().token_id and same_state(state(gen), state(twin))
+    gen.rewind(1)
+    with pytest.raises(kvexplore.StateError, match=r"undo_step\(\) takes back only the last step"):
+        gen.undo_step()

@@ -176,7 +176,8 @@ class Session:
         self._active = time.perf_counter()
 
     def step(self) -> dict[str, StepRecord]:
-        """One token on every lane; if any lane fails, the lanes that stepped are rewound and the error raised."""
+        """One token on every lane; if any lane fails, the lanes that stepped take their step back exactly
+        (:meth:`Generator.undo_step`) and the error is raised."""
         ref = self.reference
         if not ref.generator.tokens:
             raise StateError("nothing to continue: enter a prompt and prefill first")
@@ -192,9 +193,9 @@ class Session:
                 if force is not None:
                     lane.forced_at.add(out[lane.name].step)
                 done.append(lane)
-        except BaseException:  # unexpected (the checks passed): undo what the other lanes did
+        except BaseException:  # unexpected (the checks passed): undo exactly what the other lanes did
             for lane in done:
-                lane.generator.rewind(1)
+                lane.generator.undo_step()
                 lane.forget_after(len(lane.history))
             raise
         self._compare_last()
