@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .caches.base import SlotView
-from .errors import LoadError
+from .errors import CorruptFileError, LoadError, MissingFileError
 from .memory import MemoryReport
 from .records import Candidate, StepRecord
 from .trace import AttentionHistory, CacheEvent, StepTrace
@@ -62,20 +62,34 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
 def load_trace(path: str | Path) -> list[StepRecord]:
     """Read records written by :func:`save_trace` (no model needed)."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"trace {path} not found; save one with history.save(path) or kvexplore generate "
+                               f"--trace")
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise LoadError(f"{path} is not a readable kvexplore trace ({e})") from None
+    except Exception as e:  # SafetensorError, OSError
+        raise CorruptFileError(f"{path} is not a readable kvexplore trace ({e})") from e
     meta = f.metadata() or {}
     if meta.get("format") != FORMAT:
         raise LoadError(f"{path} is not a kvexplore trace (format {meta.get('format')!r})")
-    version = int(meta.get("version", 0))
+    try:
+        version = int(meta.get("version", 0))
+    except ValueError as e:
+        raise CorruptFileError(f"{path}: trace format version {meta.get('version')!r} is not a number") from e
     if version > VERSION:
         raise LoadError(f"{path} is a trace of format version {version}, newer than this kvexplore reads "
                         f"({VERSION}); upgrade kvexplore to open it")
+    try:
+        return _records(json.loads(meta["records"]), f)
+    except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:  # json errors are ValueErrors
+        raise CorruptFileError(f"{path}: the trace's records are damaged ({type(e).__name__}: {e}); record the run "
+                               f"again") from e
+
+
+def _records(rows: list, f) -> list[StepRecord]:
     history = AttentionHistory()
     records = []
-    for i, row in enumerate(json.loads(meta["records"])):
+    for i, row in enumerate(rows):
         trace = row.pop("trace")
         memory = row.pop("memory")
         records.append(StepRecord(

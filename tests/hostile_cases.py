@@ -182,7 +182,29 @@ def _t(*shape_or_values, dtype=None):
     return make
 
 
+def _trace(damage: str):
+    def action(gen, model, folder):
+        import tempfile
+
+        import kvexplore
+        path = Path(tempfile.mkdtemp()) / "run.kvtrace"
+        gen.history.save(path)
+        data = path.read_bytes()
+        if damage == "truncated":
+            path.write_bytes(data[: len(data) // 2])
+        elif damage == "records":
+            assert b"token_id" in data
+            path.write_bytes(data.replace(b"token_id", b"token_jd", 1))
+        elif damage == "missing":
+            path.unlink()
+        kvexplore.load_trace(path)
+    return action
+
+
 MISUSES = {
+    "trace truncated": ("preallocated", _trace("truncated")),
+    "trace records damaged": ("preallocated", _trace("records")),
+    "trace missing": ("preallocated", _trace("missing")),
     "temperature nan": ("preallocated", _gen(temperature=float("nan"))),
     "temperature -1": ("preallocated", _gen(temperature=-1)),
     "temperature inf": ("preallocated", _gen(temperature=float("inf"))),
