@@ -151,6 +151,7 @@ class Generator:
         except BaseException:
             self._rng.set_state(saved)  # _forward put the cache back
             raise
+        self.cache.settle()
         self._tokens = [*ids, record.token_id]
         self._undoable = False
         self._prompt_len = len(ids)
@@ -169,11 +170,13 @@ class Generator:
         if start < len(self._tokens):
             self.cache.check_write(start, len(self._tokens) - start, 1)
 
-    def step(self, force: int | None = None) -> StepRecord:
+    def step(self, force: int | None = None, keep_undo: bool = False) -> StepRecord:
         """Feed what the cache does not hold yet, write it, and pick the next token.
 
         ``force`` (a token id) is appended instead of the chosen token (teacher forcing: the record still lists
         the model's own candidates and the forced token's probability), e.g. to keep two caches on one sequence.
+        ``keep_undo``: keep what :meth:`undo_step` needs (the slots the step overwrote and, for the concatenating
+        cache, the storage it replaced) until :meth:`settle`; by default it is dropped when the step succeeds.
         """
         if not self._tokens:
             raise StateError("nothing to continue: call prefill(prompt) first")
@@ -187,15 +190,25 @@ class Generator:
         record = self._forward(self._tokens[start:], pos=start, kind="decode", context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
-        self._undoable = True
+        if keep_undo:
+            self._undoable = True
+        else:
+            self.settle()
         return record
+
+    def settle(self) -> None:
+        """Drop what :meth:`undo_step` would need (after a ``step(keep_undo=True)``)."""
+        self._undoable = False
+        self.cache.settle()
 
     def undo_step(self) -> None:
         """Take back the last :meth:`step` exactly: its token, record and RNG draw, and the cache rolled back bit
-        for bit (a sink cache gets back the position the step evicted). Only right after the step (no rewind,
-        reset or prefill since); otherwise raises StateError. The explorer uses it when one lane of a step fails."""
-        if not getattr(self, "_undoable", False):
-            raise StateError("undo_step() takes back only the last step, right after it; use rewind(1) instead")
+        for bit (a sink cache gets back the position the step evicted). Only right after a
+        ``step(keep_undo=True)`` (no rewind, reset, prefill or settle since); otherwise raises StateError. The
+        explorer uses it when one lane of a step fails."""
+        if not self._undoable:
+            raise StateError("undo_step() takes back only the last step(keep_undo=True), right after it; use "
+                             "rewind(1) instead")
         self.cache.rollback()
         self._rng.set_state(self._rng_states.pop())
         self._tokens.pop()
@@ -277,7 +290,7 @@ class Generator:
         model, tracer = self.model, self.tracer
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         t0 = time.perf_counter()
-        logits = model(ids, self.cache, pos, tracer=tracer, last_only=True)[0, -1]  # (vocab,) for the last position
+        logits = model(ids, self.cache, pos, tracer=tracer, last_only=True, keep_undo=True)[0, -1]  # (vocab,) for the last position
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         t1 = time.perf_counter()

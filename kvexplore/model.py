@@ -187,13 +187,15 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, keep_undo: bool = False) -> torch.Tensor:
         """Run ``ids`` ``[batch, seq]`` at positions ``pos..pos+seq-1``, writing their K/V into ``cache``.
 
         Returns logits ``[batch, seq, vocab]`` in float32 (``[batch, 1, vocab]`` for the last position only with
         ``last_only``: generation needs no more, and the output head over a long prompt is a large share of its
         cost). Raises before touching the cache if the ids, the position or the cache do not fit; a failed call
-        leaves the cache as it was.
+        leaves the cache as it was (rolled back if some layers wrote). ``keep_undo`` keeps what
+        ``cache.rollback()`` needs after the pass succeeded (the generator uses it while it picks the token); by
+        default it is dropped at once, so nothing outlives the pass (a concatenating cache holds one storage).
         """
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
@@ -220,6 +222,8 @@ class Model(nn.Module):
             cache.rollback()  # some layers may have written: put the cache back exactly as it was
             raise
         cache.commit(pos + T)
+        if not keep_undo:
+            cache.settle()
         return logits
 
     def _check_inputs(self, ids: torch.Tensor, cache: KVCache, pos: int) -> None:

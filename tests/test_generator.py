@@ -220,10 +220,14 @@ def test_undo_step_takes_the_last_step_back_exactly(tiny, kind):
         g.prefill([1, 40, 77])
         g.run(8)  # past the sink window: the next step evicts
     before = state(gen)
-    gen.step()
+    gen.step(keep_undo=True)
     gen.undo_step()
     assert same_state(before, state(gen))
     assert gen.step().token_id == twin.step().token_id and same_state(state(gen), state(twin))
     gen.rewind(1)
     with pytest.raises(kvexplore.StateError, match=r"undo_step\(\) takes back only the last step"):
         gen.undo_step()
+    gen.step()  # without keep_undo nothing is kept: the concatenating cache holds one storage per layer
+    with pytest.raises(kvexplore.StateError, match=r"undo_step\(\) takes back only the last step"):
+        gen.undo_step()
+    assert gen.cache._undo is None and gen.cache._undo_data == []

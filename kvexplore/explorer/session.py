@@ -189,7 +189,7 @@ class Session:
         try:
             for lane in self.step_order():
                 force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
-                out[lane.name] = lane.generator.step(force=force)
+                out[lane.name] = lane.generator.step(force=force, keep_undo=True)
                 if force is not None:
                     lane.forced_at.add(out[lane.name].step)
                 done.append(lane)
@@ -198,6 +198,8 @@ class Session:
                 lane.generator.undo_step()
                 lane.forget_after(len(lane.history))
             raise
+        for lane in done:
+            lane.generator.settle()
         self._compare_last()
         self.last_op = "step"
         self._steps += 1
