@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -23,6 +24,17 @@ from .trace import Tracer
 from .trace_io import History
 from .errors import SettingsError, StateError
 from .settings import integer
+
+
+def _sampling_setting(name: str) -> property:
+    """A generator attribute that reads ``sampling.<name>`` and sets it through a new, checked SamplingSettings."""
+    def get(self: "Generator"):
+        return getattr(self._sampling, name)
+
+    def set_(self: "Generator", value) -> None:
+        self._sampling = replace(self._sampling, **{name: value})  # __post_init__ checks the new value
+
+    return property(get, set_, doc=f"``sampling.{name}``; setting it checks the value first (SettingsError)")
 
 
 class Generator:
@@ -75,32 +87,9 @@ class Generator:
                                 f"{type(settings).__name__}")
         self._sampling = settings
 
-    @property
-    def temperature(self) -> float:
-        return self._sampling.temperature
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        s = self._sampling
-        self._sampling = SamplingSettings(value, s.top_k, s.top_p)
-
-    @property
-    def top_k(self) -> int | None:
-        return self._sampling.top_k
-
-    @top_k.setter
-    def top_k(self, value: int | None) -> None:
-        s = self._sampling
-        self._sampling = SamplingSettings(s.temperature, value, s.top_p)
-
-    @property
-    def top_p(self) -> float | None:
-        return self._sampling.top_p
-
-    @top_p.setter
-    def top_p(self, value: float | None) -> None:
-        s = self._sampling
-        self._sampling = SamplingSettings(s.temperature, s.top_k, value)
+    temperature = _sampling_setting("temperature")
+    top_k = _sampling_setting("top_k")
+    top_p = _sampling_setting("top_p")
 
     @property
     def top_candidates(self) -> int:

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from .config import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
 from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, UnsupportedModelError
 from .fields import BOOL, FLOAT, INT, STR, STR_LIST, Field, read
+from .gguf_scan import scan
 from .tokenizer import Tokenizer
 from .weights import check_layer_count, check_tensors, expected_shapes
 
@@ -99,8 +102,6 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         from gguf import GGUFReader
 
-        from .gguf_scan import scan
-
         self.path = Path(path)
         if not self.path.is_file():
             raise MissingFileError(f"GGUF file {self.path} not found")
@@ -127,11 +128,15 @@ class GGUFFile:
 
     def metadata(self, fields: tuple[Field, ...], prefix: str = "") -> dict[str, Any]:
         """Checked values of ``fields`` (keys after ``prefix``), None where absent."""
-        raw = {f.key: self.get(prefix + f.key) for f in fields if prefix + f.key in self.reader.fields}
-        named = tuple(Field(prefix + f.key, f.kind, f.lo, f.hi, f.required, f.lo_open, f.nullable, f.hint)
-                      for f in fields)
-        values = read({prefix + k: v for k, v in raw.items()}, named, f"{self.path.name} (GGUF metadata)")
+        named = tuple(replace(f, key=prefix + f.key) for f in fields)
+        raw = {f.key: self.get(f.key) for f in named if f.key in self.reader.fields}
+        values = read(raw, named, f"{self.path.name} (GGUF metadata)")
         return {k[len(prefix):]: v for k, v in values.items()}
+
+    @cached_property
+    def _tokenizer_fields(self) -> dict[str, Any]:
+        """``TOKENIZER_FIELDS``, checked, read once (the config and the tokenizer both need them)."""
+        return self.metadata(TOKENIZER_FIELDS)
 
     def config(self) -> ModelConfig:
         a = self.arch
@@ -139,7 +144,7 @@ class GGUFFile:
             raise UnsupportedModelError(f"{self.path.name}: per-frequency rope factors (rope_freqs.weight, as in "
                                         f"Llama 3.1 GGUFs) are not supported; load the Hugging Face folder instead")
         m = self.metadata(MODEL_FIELDS, f"{a}.")
-        tk = self.metadata(TOKENIZER_FIELDS)
+        tk = self._tokenizer_fields
         scaling = None
         if m["rope.scaling.type"] not in ("none", None):
             kind = m["rope.scaling.type"]
@@ -249,7 +254,7 @@ class GGUFFile:
         """The ``tokenizer.ggml.*`` metadata, checked: types, ids inside the token list, per-token lists as long
         as the token list (scores finite, token types known)."""
         where = f"{self.path.name} (GGUF metadata)"
-        tk = self.metadata(TOKENIZER_FIELDS)
+        tk = dict(self._tokenizer_fields)
         tokens = tk["tokenizer.ggml.tokens"]
         if tk["tokenizer.ggml.model"] is None or not tokens:
             raise LoadError(f"{where}: no tokenizer (tokenizer.ggml.model and tokenizer.ggml.tokens are needed); "

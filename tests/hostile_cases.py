@@ -78,12 +78,12 @@ def misuse(folder: str, name: str) -> str:
     except kvexplore.KVExploreError as e:
         if not same_state(before, state(gen)):
             raise AssertionError(f"state changed after the refused misuse ({e})") from e
-        twin_check(gen, before)
+        still_steps(gen)
         raise
     raise AssertionError(f"misuse {name!r} was accepted")
 
 
-def twin_check(gen, before) -> None:
+def still_steps(gen) -> None:
     """After a refused call the generator still steps (unless it had no sequence)."""
     if gen.tokens and gen.cache.length + 1 < (gen.cache.capacity or 10 ** 9):
         gen.step()

@@ -74,7 +74,7 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
 def _check_fits(kind: str, model: Any, slots: int, batch_size: int, dtype: torch.dtype,
                 device: torch.device) -> None:
     """Refuse, before allocating, a cache larger than the device's memory (it would fail or swap for minutes)."""
-    need = kv_bytes(model.config, slots if isinstance(slots, int) else 0, batch_size, dtype)
+    need = kv_bytes(model.config, slots, batch_size, dtype)
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
         where = f"free on {device}"

@@ -6,7 +6,7 @@ import torch
 
 from ..config import ModelConfig
 from ..settings import positive_int
-from ..errors import CacheFullError, SettingsError
+from ..errors import CacheFullError
 from ..memory import kv_bytes
 from .base import FILLED, FREE, STALE, KVCache, SlotView
 

@@ -162,32 +162,20 @@ class QuantizedCache(KVCache):
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         G, step = self.group_size, self._step
         end = pos + k.shape[2]
-        if pos < self.undo_length:  # a write before the end rewrites held codes and residual: keep the layer
+        rewrites = pos < self.undo_length  # a write before the end rewrites held codes and residual
+        if rewrites:  # keep the whole layer
             for name in self._LAYER_STATE:
                 t = getattr(self, name)[layer]
                 self._keep(t, 2, 0, t.shape[2])
-        else:  # keep every slot this write touches, so a rollback restores all of the storage bit for bit
-            qf = self._qf[layer]
-            new_qf = min(self._nq, max(qf, (end - self.residual) // G * G))
-            for t in (self._kerr[layer], self._verr[layer]):
-                self._keep(t, 2, pos, end - pos)
-            if new_qf == qf:
-                for t in (self._rk[layer], self._rv[layer]):
-                    self._keep(t, 2, pos - qf, end - pos)
-            else:  # blocks leave the window: the residual shifts down, codes and scales of the blocks are written
-                for t in (self._rk[layer], self._rv[layer]):
-                    self._keep(t, 2, 0, t.shape[2])
-                for name in ("_kq", "_vq", "_vs", "_vz", "_kerr", "_verr"):
-                    self._keep(getattr(self, name)[layer], 2, qf, new_qf - qf)
-                for name in ("_ks", "_kz"):
-                    self._keep(getattr(self, name)[layer], 2, qf // G, (new_qf - qf) // G)
         if pos < self._qf[layer]:
             step.copied_bytes += self._unquantize_tail(layer, pos)
-        qf, end = self._qf[layer], pos + k.shape[2]
+        qf = self._qf[layer]
+        new_qf = min(self._nq, max(qf, (end - self.residual) // G * G))
+        if not rewrites:
+            self._keep_touched(layer, pos, end, qf, new_qf)
         rk, rv = self._rk[layer], self._rv[layer]
         self._kerr[layer][:, :, pos:end] = 0
         self._verr[layer][:, :, pos:end] = 0
-        new_qf = min(self._nq, max(qf, (end - self.residual) // G * G))
         if new_qf == qf:  # everything new goes to the residual, in place
             rk[:, :, pos - qf:end - qf] = k
             rv[:, :, pos - qf:end - qf] = v
@@ -207,6 +195,24 @@ class QuantizedCache(KVCache):
         self._q_high = max(self._q_high, new_qf)
         self._r_high = max(self._r_high, end - new_qf)
         return self._read(layer, end)
+
+    def _keep_touched(self, layer: int, pos: int, end: int, qf: int, new_qf: int) -> None:
+        """Keep every slot a write of ``pos..end-1`` at the end of the sequence touches, so a rollback restores
+        the storage bit for bit: the error records and the residual slots written, or, when blocks leave the
+        window (``new_qf > qf``), the whole residual (it shifts down) and the codes and scales of those blocks."""
+        G = self.group_size
+        for t in (self._kerr[layer], self._verr[layer]):
+            self._keep(t, 2, pos, end - pos)
+        if new_qf == qf:
+            for t in (self._rk[layer], self._rv[layer]):
+                self._keep(t, 2, pos - qf, end - pos)
+            return
+        for t in (self._rk[layer], self._rv[layer]):
+            self._keep(t, 2, 0, t.shape[2])
+        for name in ("_kq", "_vq", "_vs", "_vz", "_kerr", "_verr"):
+            self._keep(getattr(self, name)[layer], 2, qf, new_qf - qf)
+        for name in ("_ks", "_kz"):
+            self._keep(getattr(self, name)[layer], 2, qf // G, (new_qf - qf) // G)
 
     def _read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values ``(B, H, end, D)`` in the dtype: dequantized ``0..Q-1``, then the residual (views)."""
