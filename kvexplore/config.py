@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, LoadError, UnsupportedModelError
+from .architectures import ARCHITECTURES, GEMMA4_REFUSED, LLAMA_NORM, MODEL_TYPES, default_layer_types
 from .fields import BOOL, DICT, FLOAT, IDS, INT, STR, STR_LIST, Field, check, read, read_json_object
 
-# architecture name in config.json -> whether q/k/v projections carry a bias by design
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # plausibility bounds: past these a config is damaged (the largest released models are far inside them), and
 # sizes this large would make the loader build millions of names or allocate terabytes before failing
@@ -40,7 +39,22 @@ CONFIG_FIELDS = (
     Field("use_sliding_window", BOOL), Field("sliding_window", INT, 1, MAX_POSITIONS),
     Field("bos_token_id", INT, 0, MAX_VOCAB - 1), Field("eos_token_id", IDS, 0, MAX_VOCAB - 1),
     Field("torch_dtype", STR), Field("dtype", STR),
+    Field("layer_types", STR_LIST), Field("sliding_window_pattern", INT, 1, MAX_LAYERS),
+    Field("query_pre_attn_scalar", FLOAT, 0, 1e9, lo_open=True), Field("rope_local_base_freq", FLOAT, 0, 1e12,
+                                                                        lo_open=True),
+    Field("hidden_activation", STR), Field("hidden_act", STR),
+    Field("final_logit_softcapping", FLOAT, 0, 1e9, lo_open=True),
+    Field("attn_logit_softcapping", FLOAT, 0, 1e9, lo_open=True),
+    # gpt-oss's experts
+    Field("num_local_experts", INT, 1, 4096), Field("num_experts", INT, 1, 4096),
+    Field("num_experts_per_tok", INT, 1, 4096), Field("swiglu_alpha", FLOAT, 0, 1e6, lo_open=True),
+    Field("swiglu_limit", FLOAT, 0, 1e9, lo_open=True),
+    # Gemma 4's shared layers and per-layer sizes
+    Field("num_kv_shared_layers", INT, 0, MAX_LAYERS), Field("global_head_dim", INT, 1, MAX_HEAD_DIM),
+    Field("num_global_key_value_heads", INT, 1, MAX_HEADS), Field("per_layer_config", DICT),
+    Field("use_double_wide_mlp", BOOL),
 )
+_LAYER_FIELDS = (Field("head_dim", INT, 1, MAX_HEAD_DIM), Field("num_key_value_heads", INT, 1, MAX_HEADS))
 # rope_scaling / rope_parameters entries, by scaling type
 _ROPE_FIELDS = {
     "linear": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),),
@@ -48,6 +62,11 @@ _ROPE_FIELDS = {
                Field("low_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
                Field("high_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
                Field("original_max_position_embeddings", INT, 1, MAX_POSITIONS)),
+    "yarn": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True), Field("beta_fast", FLOAT, 0, 1e6),
+             Field("beta_slow", FLOAT, 0, 1e6), Field("original_max_position_embeddings", INT, 1, MAX_POSITIONS),
+             Field("truncate", BOOL), Field("attention_factor", FLOAT, 0, 1e6, lo_open=True),
+             Field("mscale", FLOAT, 0, 1e6), Field("mscale_all_dim", FLOAT, 0, 1e6)),
+    "proportional": (Field("partial_rotary_factor", FLOAT, 0, 1), Field("factor", FLOAT, 0, 1e6, lo_open=True)),
 }
 
 
@@ -98,6 +117,31 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, if it says
+    # per-layer caches (see kvexplore.layer_plan): each layer's attention type, and the last layers that share
+    # an earlier layer's cache; [] = every layer full attention (every layer sliding when sliding_window is set)
+    layer_types: list[str] = field(default_factory=list)
+    num_kv_shared_layers: int = 0
+    rope_by_type: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer type -> its own rope_theta/scaling
+    layer_head_dims: dict[int, int] = field(default_factory=dict)  # layers whose head size is not head_dim
+    layer_kv_head_counts: dict[int, int] = field(default_factory=dict)  # layers with their own kv head count
+    # what the architecture adds to the Llama layer (see kvexplore.architectures)
+    qk_norm: bool = False  # Qwen3, Gemma: RMSNorm over each head of q and k before RoPE
+    v_norm: bool = False  # Gemma 4: a weightless RMSNorm over each head of v
+    norm_style: str = LLAMA_NORM
+    sandwich_norms: bool = False  # Gemma: norms before and after attention and the MLP
+    embed_scale: bool = False  # Gemma: embeddings * sqrt(hidden_size)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale is query_pre_attn_scalar ** -0.5 when given
+    unit_attention_scale: bool = False  # Gemma 4: scores are q . k (its q/k norms keep them in range)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    layer_scalar: bool = False  # Gemma 4: each layer's output times a stored scalar
+    num_experts: int = 0  # gpt-oss: experts per layer (0: a dense MLP)
+    experts_per_token: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    double_wide_mlp: bool = False  # Gemma 4: shared layers' MLP is twice as wide
     source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
@@ -120,11 +164,75 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(where, "head_dim", self.head_dim, "an even number (RoPE rotates pairs of channels)")
         self.rope_scaling = checked_rope_scaling(self.rope_scaling, where)
+        self._check_layers(where)
         for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
                           ("eos_token_id", self.eos_token_id)):
             if any(not 0 <= i < self.vocab_size for i in ids):
                 raise ConfigError(where, name, ids[0] if name == "bos_token_id" else ids,
                                   f"token ids in 0..{self.vocab_size - 1} (vocab_size is {self.vocab_size})")
+
+    def _check_layers(self, where: str) -> None:
+        if not self.layer_types:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(where, "layer_types", f"{len(self.layer_types)} entries",
+                              f"one per layer ({self.num_layers}, num_hidden_layers)")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPE_NAMES]
+        if bad:
+            raise UnsupportedModelError(f"{where}: layer type {bad[0]!r} is not supported; supported: "
+                                        f"{', '.join(LAYER_TYPE_NAMES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError(where, "sliding_window", None, "a window size (the config has sliding_attention layers)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"{where}: activation {self.hidden_act!r} is not supported; supported: "
+                                        f"{', '.join(ACTIVATIONS)}")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ConfigError(where, "num_kv_shared_layers", self.num_kv_shared_layers,
+                              f"0..{self.num_layers - 1} (fewer than num_hidden_layers)")
+        stored = self.layer_types[: self.num_layers - self.num_kv_shared_layers]
+        for kind in set(self.layer_types[len(stored):]) - set(stored):
+            raise ConfigError(where, "num_kv_shared_layers", self.num_kv_shared_layers,
+                              f"a value that leaves a {kind} layer before the shared ones to read from")
+        for kind, rope in self.rope_by_type.items():
+            rope["rope_scaling"] = checked_rope_scaling(rope.get("rope_scaling"), f"{where} ({kind})")
+        for i in (*self.layer_head_dims, *self.layer_kv_head_counts):
+            if not 0 <= i < self.num_layers:
+                raise ConfigError(where, "per_layer_config", i, f"layer numbers 0..{self.num_layers - 1}")
+        for i in range(self.num_layers):
+            heads, dim = self.layer_kv_heads(i), self.layer_head_dim(i)
+            if self.num_heads % heads:
+                raise LoadError(f"{where}: layer {i} has {heads} key/value heads, which does not divide "
+                                f"num_attention_heads {self.num_heads}; grouped-query attention needs whole groups")
+            if dim % 2:
+                raise ConfigError(where, f"head_dim of layer {i}", dim, "an even number (RoPE rotates pairs)")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(where, "num_experts_per_tok", self.experts_per_token,
+                              f"1..{self.num_experts} (num_local_experts)")
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Key/value heads of ``layer``."""
+        return self.layer_kv_head_counts.get(layer, self.num_kv_heads)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Head size of ``layer``'s queries, keys and values."""
+        return self.layer_head_dims.get(layer, self.head_dim)
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """Width of ``layer``'s MLP."""
+        shared = layer >= self.num_layers - self.num_kv_shared_layers
+        return self.intermediate_size * (2 if self.double_wide_mlp and shared else 1)
+
+    def rope_for(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        """``(rope_theta, rope_scaling)`` of the layers of ``layer_type``."""
+        own = self.rope_by_type.get(layer_type, {})
+        return own.get("rope_theta", self.rope_theta), own.get("rope_scaling", self.rope_scaling)
+
+    def attention_scale(self, layer: int) -> float:
+        """What ``layer``'s query-key dot products are multiplied by before the softmax."""
+        if self.unit_attention_scale:
+            return 1.0
+        return (self.query_pre_attn_scalar or self.layer_head_dim(layer)) ** -0.5
 
     @property
     def kv_groups(self) -> int:
@@ -144,7 +252,7 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that both :meth:`from_hf` and transformers read back to this config."""
-        model_type = {v: k for k, v in _MODEL_TYPES.items()}[self.architecture]
+        model_type = ARCHITECTURES[self.architecture].model_type
         raw = {
             "architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -176,15 +284,15 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{where}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        # transformers v5 moved rope_theta and rope_scaling into one "rope_parameters" dict
-        rope = dict(v["rope_parameters"] or v["rope_scaling"] or {})
-        theta = v["rope_theta"]
-        if "rope_theta" in rope:
-            theta = check(rope.pop("rope_theta"), Field("rope_parameters.rope_theta", FLOAT, 0, 1e12, lo_open=True,
-                                                        required=True), where)
+        traits = ARCHITECTURES[arch]
+        _refuse_options(raw, arch, where)
+        rope_theta, rope_scaling, rope_by_type = _rope(v, arch, where)
         eos = v["eos_token_id"]
-        bias = bool(v["attention_bias"])
+        bias = bool(v["attention_bias"]) if v["attention_bias"] is not None else traits.attention_sinks
         window = v["sliding_window"] if v["use_sliding_window"] is not False else None
+        layer_types = _layer_types(v, arch, window)
+        head_dims, kv_heads = _per_layer_sizes(v, layer_types, arch, where)
+        experts = v["num_local_experts"] or v["num_experts"] or 0
         return cls(
             architecture=arch,
             vocab_size=v["vocab_size"],
@@ -195,17 +303,39 @@ class ModelConfig:
             num_kv_heads=v["num_key_value_heads"] or v["num_attention_heads"],
             head_dim=v["head_dim"] or 0,
             rms_norm_eps=1e-6 if v["rms_norm_eps"] is None else v["rms_norm_eps"],
-            rope_theta=10000.0 if theta is None else theta,
-            rope_scaling=rope or None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=v["max_position_embeddings"] or 2048,
             tie_word_embeddings=bool(v["tie_word_embeddings"]),
-            qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bias,
+            qkv_bias=traits.qkv_bias or bias,
             o_bias=bias,
             mlp_bias=bool(v["mlp_bias"]),
             sliding_window=window,
             bos_token_id=v["bos_token_id"],
             eos_token_id=eos or [],
             torch_dtype=v["torch_dtype"] or v["dtype"],
+            layer_types=layer_types,
+            num_kv_shared_layers=v["num_kv_shared_layers"] or 0,
+            rope_by_type=rope_by_type,
+            layer_head_dims=head_dims,
+            layer_kv_head_counts=kv_heads,
+            qk_norm=traits.qk_norm,
+            v_norm=traits.v_norm,
+            norm_style=traits.norm,
+            sandwich_norms=traits.sandwich_norms,
+            embed_scale=traits.embed_scale,
+            hidden_act=v["hidden_activation"] or v["hidden_act"] or traits.hidden_act,
+            query_pre_attn_scalar=v["query_pre_attn_scalar"] if traits.query_pre_attn_scalar else None,
+            unit_attention_scale=traits.unit_attention_scale,
+            attn_logit_softcapping=v["attn_logit_softcapping"],
+            final_logit_softcapping=v["final_logit_softcapping"],
+            attention_sinks=traits.attention_sinks,
+            layer_scalar=traits.layer_scalar,
+            num_experts=experts if traits.mixture_of_experts else 0,
+            experts_per_token=(v["num_experts_per_tok"] or 4) if traits.mixture_of_experts else 0,
+            swiglu_alpha=1.702 if v["swiglu_alpha"] is None else v["swiglu_alpha"],
+            swiglu_limit=7.0 if v["swiglu_limit"] is None else v["swiglu_limit"],
+            double_wide_mlp=bool(v["use_double_wide_mlp"]),
             source=where,
         )
 
@@ -216,8 +346,87 @@ class ModelConfig:
         return cls.from_hf(raw, where=str(path))
 
 
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ROPE_THETA = Field("rope_parameters.rope_theta", FLOAT, 0, 1e12, lo_open=True, required=True)
+
+
+def _refuse_options(raw: dict[str, Any], arch: str, where: str) -> None:
+    """Gemma 4 options that kvexplore does not implement raise a clear error (they do not touch the cache)."""
+    if arch != "Gemma4ForCausalLM":
+        return
+    for key, what in GEMMA4_REFUSED.items():
+        value = raw.get(key)
+        if value not in (None, False, 0, "vision"):
+            raise UnsupportedModelError(
+                f"{where}: {key}={value!r} asks for {what}, which kvexplore does not implement for Gemma 4 (it does "
+                f"not change the KV cache); set {key} to {0 if key == 'hidden_size_per_layer_input' else 'false'} "
+                f"or null, or run the model in transformers")
+
+
+def _per_layer_sizes(v: dict[str, Any], layer_types: list[str], arch: str,
+                     where: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Layers whose head size or kv head count differ from the config's (Gemma 4's full layers): from
+    ``global_head_dim`` or transformers' ``per_layer_config`` (``{"2": {"head_dim": 512}, ...}``)."""
+    dims: dict[int, int] = {}
+    heads: dict[int, int] = {}
+    if arch != "Gemma4ForCausalLM":
+        return dims, heads
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    for key, entry in (v["per_layer_config"] or {}).items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise ConfigError(where, "per_layer_config", key, "layer numbers as keys (\"0\", \"1\", ...)")
+        got = read(check(entry, Field(f"per_layer_config.{key}", DICT, required=True), where), _LAYER_FIELDS,
+                   f"{where} (per_layer_config.{key})")
+        if got["head_dim"] is not None:
+            dims[int(key)] = got["head_dim"]
+        if got["num_key_value_heads"] is not None:
+            heads[int(key)] = got["num_key_value_heads"]
+    if not dims:  # transformers' default for Gemma 4 full layers when the config names none: 512
+        dims = {i: v["global_head_dim"] or 512 for i in full}
+    return dims, heads
+
+
+def _rope(v: dict[str, Any], arch: str, where: str) -> tuple[float, dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """``(rope_theta, rope_scaling, rope_by_type)`` from a v4 layout (``rope_theta``, ``rope_scaling``, Gemma 3's
+    ``rope_local_base_freq``) or a v5 one (one ``rope_parameters`` dict, or one per layer type)."""
+    params = v["rope_parameters"] or {}
+    if params and all(k in LAYER_TYPE_NAMES for k in params):  # v5, one entry per layer type
+        by_type = {}
+        for kind, entry in params.items():
+            entry = dict(check(entry, Field(f"rope_parameters.{kind}", DICT, required=True), where))
+            theta = check(entry.pop("rope_theta", None), _ROPE_THETA, where)
+            by_type[kind] = {"rope_theta": theta, "rope_scaling": entry or None}
+        full = by_type.get("full_attention") or next(iter(by_type.values()))
+        return full["rope_theta"], full["rope_scaling"], by_type
+    # transformers v5 moved rope_theta and rope_scaling into one "rope_parameters" dict
+    rope = dict(params or v["rope_scaling"] or {})
+    theta = v["rope_theta"]
+    if "rope_theta" in rope:
+        theta = check(rope.pop("rope_theta"), _ROPE_THETA, where)
+    traits = ARCHITECTURES[arch]
+    if theta is None:
+        theta = traits.default_theta
+    by_type = {}
+    if traits.local_theta is not None:  # local layers: their own base and no scaling
+        local = v["rope_local_base_freq"]
+        by_type["sliding_attention"] = {"rope_theta": traits.local_theta if local is None else local,
+                                        "rope_scaling": None}
+    return theta, rope or None, by_type
+
+
+def _layer_types(v: dict[str, Any], arch: str, window: int | None) -> list[str]:
+    """Each layer's attention type: ``layer_types`` when given, else Gemma 3's ``sliding_window_pattern`` (every
+    n-th layer full), else all sliding when a window is set (Mistral), else all full."""
+    if v["layer_types"]:
+        if window is None:  # Qwen3 lists layer types but turns the window off with use_sliding_window: false
+            return ["full_attention"] * len(v["layer_types"])
+        return list(v["layer_types"])
+    traits = ARCHITECTURES[arch]
+    if traits.pattern is not None and window is not None:
+        if v["sliding_window_pattern"]:
+            traits = dataclasses.replace(traits, pattern=v["sliding_window_pattern"])
+        return default_layer_types(traits, v["num_hidden_layers"])
+    return []
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    return _MODEL_TYPES.get(model_type or "", f"<model_type {model_type!r}>")
+    return MODEL_TYPES.get(model_type or "", f"<model_type {model_type!r}>")

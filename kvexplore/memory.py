@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
+from .layer_plan import FULL, LayerSpec, layer_plan
 
 
 def format_bytes(n: float) -> str:
@@ -18,9 +19,37 @@ def format_bytes(n: float) -> str:
 
 
 def kv_bytes(config: ModelConfig, tokens: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes to hold keys and values for ``tokens`` positions of ``batch_size`` sequences:
+    """Bytes the model's caches hold for ``batch_size`` sequences of ``tokens`` positions: the sum over layers of
+    ``2 * kv_heads * head_dim * element_size * batch * held``, where a full layer holds every position, a sliding
+    layer its last ``window`` and a shared layer none. For a model whose layers are all full (Llama) this is
     ``2 * layers * kv_heads * head_dim * element_size * batch * tokens``."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize * batch_size * tokens
+    return sum(layer_bytes(s, s.held(tokens), batch_size, dtype) for s in layer_plan(config))
+
+
+def layer_bytes(spec: LayerSpec, positions: int, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``positions`` keys and values in one layer: ``2 * kv_heads * head_dim * element_size * batch *
+    positions`` (0 for a shared layer)."""
+    return spec.position_bytes(dtype.itemsize) * batch_size * positions
+
+
+def full_layer_bytes(config: ModelConfig, positions: int, batch_size: int = 1,
+                     dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``positions`` keys and values in every full-attention layer (what a strategy's storage holds)."""
+    return sum(layer_bytes(s, positions, batch_size, dtype) for s in layer_plan(config) if s.kind == FULL)
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer's cache after a step: its ``kind`` (full, sliding, shared), bytes held and moved."""
+
+    layer: int
+    kind: str
+    held: int  # positions held
+    logical_bytes: int
+    reserved_bytes: int
+    analytic_bytes: int
+    written_bytes: int = 0
+    copied_bytes: int = 0
 
 
 @dataclass
@@ -51,14 +80,22 @@ class MemoryReport:
     frees: int = 0
     cuda: dict[str, int] = field(default_factory=dict)  # deltas of torch.cuda.memory_stats() over the step
     cuda_now: dict[str, int] = field(default_factory=dict)  # the same statistics after the step (absolute)
-    layers: int = 1
+    layers: tuple[LayerMemory, ...] = ()
 
-    def per_layer(self) -> dict[str, int]:
-        """Each byte figure for one layer. Every strategy stores and moves the same amount in each layer (same
-        shapes, same positions), so a layer's share is exactly the total divided by the number of layers."""
-        names = ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes",
-                 "allocated_bytes", "freed_bytes", "allocations", "frees")
-        return {name: getattr(self, name) // self.layers for name in names}
+    def per_layer(self) -> list[LayerMemory]:
+        """One report per layer, measured on that layer's own storage (full, sliding and shared layers differ)."""
+        return list(self.layers)
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        """Byte figures summed over the layers of each kind (full, sliding, shared)."""
+        out: dict[str, dict[str, int]] = {}
+        for m in self.layers:
+            d = out.setdefault(m.kind, dict(layers=0, logical_bytes=0, reserved_bytes=0, analytic_bytes=0,
+                                            written_bytes=0, copied_bytes=0))
+            d["layers"] += 1
+            for name in ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes"):
+                d[name] += getattr(m, name)
+        return out
 
 
 CUDA_STATS = {"allocated_bytes": "allocated_bytes.all.current", "reserved_bytes": "reserved_bytes.all.current",

@@ -1,4 +1,9 @@
-"""A Llama-family decoder (Llama 1/2/3, Mistral, Qwen2) whose KV cache is an object passed into ``forward``.
+"""A decoder of the Llama family and its 2025 descendants (Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 3) whose KV
+cache is an object passed into ``forward``.
+
+Each layer's cache may differ (see :mod:`kvexplore.layer_plan`): the cache object gives every layer the keys it
+must read and the mask that goes with them (:meth:`~kvexplore.KVCache.mask`), and a layer that shares another
+layer's cache reads it with :meth:`~kvexplore.KVCache.read_shared` instead of writing.
 
 Parameter names follow Hugging Face (``model.layers.3.self_attn.q_proj.weight`` ...) so a checkpoint loads
 by a 1:1 key check. Shapes in comments: B batch, T new tokens, S positions attention reads, nh query heads,
@@ -21,6 +26,9 @@ from torch import nn
 
 from .caches.base import KVCache
 from .config import ModelConfig
+from .layer_plan import SHARED, LayerSpec, layer_plan
+from .architectures import GEMMA_NORM, LLAMA_NORM
+from .experts import MixtureOfExperts
 from .rope import Rotary, rotate
 from .errors import SettingsError
 
@@ -41,102 +49,169 @@ def _hook(tracer: Any, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm, normalised in float32. ``style`` says how the weight is applied (see
+    :mod:`kvexplore.architectures`): Llama casts back to the dtype before ``* weight``; Gemma 3 multiplies by
+    ``1 + weight`` in float32, gpt-oss and Gemma 4 by ``weight`` in float32. ``scale=False``: no weight at all
+    (Gemma 4's value norm)."""
+
+    def __init__(self, dim: int, eps: float, style: str = LLAMA_NORM, scale: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        if scale:
+            self.weight = nn.Parameter(torch.zeros(dim) if style == GEMMA_NORM else torch.ones(dim))
+        self.eps, self.style, self.scale = eps, style, scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32 and cast back before the weight, as transformers does (matters in bf16/fp16)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if not self.scale:
+            return xf.to(x.dtype)
+        if self.style == LLAMA_NORM:
+            return self.weight * xf.to(x.dtype)
+        w = self.weight.float() + 1.0 if self.style == GEMMA_NORM else self.weight.float()
+        return (xf * w).to(x.dtype)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu; Gemma's GeGLU with gelu-tanh)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        d, f, bias = config.hidden_size, config.layer_intermediate_size(layer), config.mlp_bias
         self.gate_proj = nn.Linear(d, f, bias=bias)
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
-        self.layer = layer
-        self.nh, self.nkv, self.hd = config.num_heads, config.num_kv_heads, config.head_dim
+        self.layer, self.spec = spec.index, spec
+        self.nh, self.nkv, self.hd = config.num_heads, spec.kv_heads, spec.head_dim
         d = config.hidden_size
         self.q_proj = nn.Linear(d, self.nh * self.hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, d, bias=config.o_bias)
-        self.scale = self.hd ** -0.5
+        shared = spec.kind == SHARED
+        if shared:  # a shared layer computes queries only (transformers' checkpoints hold no k/v weights for it)
+            del self.k_proj, self.v_proj
+        eps, style = config.rms_norm_eps, config.norm_style
+        if config.qk_norm:  # one RMSNorm over each head's channels, before RoPE
+            self.q_norm = RMSNorm(self.hd, eps, style)
+            if not shared:
+                self.k_norm = RMSNorm(self.hd, eps, style)
+        self.v_norm = RMSNorm(self.hd, eps, style, scale=False) if config.v_norm else None
+        self.qk_norm = config.qk_norm
+        self.scale = config.attention_scale(spec.index)
+        self.softcap = config.attn_logit_softcapping
+        if config.attention_sinks:  # one learned logit per query head, in every softmax's denominator
+            self.sinks = nn.Parameter(torch.zeros(self.nh))
+        self.has_sinks = config.attention_sinks
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, tracer: Any) -> torch.Tensor:
+                tracer: Any) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # keys are cached after RoPE
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = rotate(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
         name = f"layers.{self.layer}.attn"
         if tracer is not None:
-            q, k, v = _hook(tracer, f"{name}.q", q), _hook(tracer, f"{name}.k_new", k), _hook(tracer, f"{name}.v_new", v)
-            k = _hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
-        k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd), S = pos + T
+            q = _hook(tracer, f"{name}.q", q)
+        if self.spec.kind == SHARED:  # no keys of its own: read what the source layer's attention read
+            k_all, v_all = cache.read_shared(self.layer)
+        else:
+            k = self.k_proj(x).view(B, T, self.nkv, self.hd)
+            if self.qk_norm:
+                k = self.k_norm(k)
+            k = rotate(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd): keys are cached after RoPE
+            v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            v = v.transpose(1, 2)  # (B, nkv, T, hd)
+            if tracer is not None:
+                k, v = _hook(tracer, f"{name}.k_new", k), _hook(tracer, f"{name}.v_new", v)
+                k = _hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
+            k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
         if tracer is not None:
             k_all = _hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
-        if tracer is not None and tracer.wants_attention(self.layer):
+        mask = cache.mask(self.layer, pos, T)
+        if self.softcap is not None or self.has_sinks or (tracer is not None and tracer.wants_attention(self.layer)):
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
         else:
             # grouped-query attention without a repeat_kv copy of K/V
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
-                                               enable_gqa=True)  # (B, nh, T, hd)
+                                               scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         out = self.o_proj(y)
         return out if tracer is None else _hook(tracer, f"{name}.out", out)
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   tracer: Any, name: str) -> torch.Tensor:
-        """Attention with the probabilities materialised, for the layers a tracer asks about."""
+        """Attention with the probabilities materialised, for the layers a tracer asks about (and for soft-capped
+        scores and learned sinks, which SDPA cannot compute). With sinks, ``attn.probs`` sums to less than 1 per
+        row: the rest is the sink's share, which reads no value."""
         B, nh, T, hd = q.shape
         S, g = k.shape[2], nh // self.nkv
         # query head h reads kv head h // g: stack each group's queries as rows, so K/V are read, never repeated
         qg = q.reshape(B, self.nkv, g * T, hd)  # rows ordered (head in group, token)
         scores = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, nkv, g*T, S)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         if mask is not None:  # one token needs none: it may read every position held
             scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
-        scores = _hook(tracer, f"{name}.scores", scores.view(B, nh, T, S))
-        probs = _hook(tracer, f"{name}.probs", scores.softmax(dim=-1))  # (B, nh, T, S)
+        scores = scores.view(B, nh, T, S)
+        if tracer is not None:
+            scores = _hook(tracer, f"{name}.scores", scores)
+        if self.has_sinks:  # the sink is one more column of the softmax, dropped after it
+            sink = self.sinks.float().view(1, nh, 1, 1).expand(B, nh, T, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)  # (B, nh, T, S)
+        if tracer is not None:
+            probs = _hook(tracer, f"{name}.probs", probs)
         y = probs.to(v.dtype).reshape(B, self.nkv, g * T, S) @ v  # (B, nkv, g*T, hd)
         return y.view(B, nh, T, hd)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
-        self.layer = layer
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.layer = spec.index
+        d, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
+        self.input_layernorm = RMSNorm(d, eps, style)
+        self.self_attn = Attention(config, spec)
+        self.post_attention_layernorm = RMSNorm(d, eps, style)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:  # Gemma normalises each sublayer's input and output: four norms per layer
+            self.pre_feedforward_layernorm = RMSNorm(d, eps, style)
+            self.post_feedforward_layernorm = RMSNorm(d, eps, style)
+        self.mlp = MixtureOfExperts(config) if config.num_experts else MLP(config, spec.index)
+        if config.layer_scalar:  # Gemma 4: a stored scalar (a buffer in the checkpoint) scales the whole output
+            self.register_buffer("layer_scalar", torch.ones(1))
+        self.scaled = config.layer_scalar
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, tracer: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, pos, cos, sin, mask, tracer)
-        m = self.mlp(self.post_attention_layernorm(x))
+                tracer: Any) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), cache, pos, cos, sin, tracer)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            m = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + a
+            m = self.mlp(self.post_attention_layernorm(x))
         if tracer is not None:
             m = _hook(tracer, f"layers.{self.layer}.mlp.out", m)
-        return x + m
+        return (x + m) * self.layer_scalar if self.scaled else x + m
 
 
 class Decoder(nn.Module):
@@ -145,23 +220,8 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-def attention_mask(pos: int, q_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Boolean ``(T, S)`` mask of which cached positions each new query may read, or ``None`` when plain causal
-    attention with the queries at the end (SDPA's ``is_causal`` for T > 1, nothing for T == 1) is exact."""
-    kv_len = pos + q_len
-    windowed = window is not None and kv_len > window
-    if not windowed and (q_len == 1 or pos == 0):
-        return None
-    q_pos = torch.arange(pos, kv_len, device=device)[:, None]
-    k_pos = torch.arange(kv_len, device=device)[None, :]
-    allowed = k_pos <= q_pos
-    if windowed:
-        allowed &= k_pos > q_pos - window
-    return allowed
+        self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in layer_plan(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
 
 
 class Model(nn.Module):
@@ -200,15 +260,17 @@ class Model(nn.Module):
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
         cache.check_write(pos, T, B)
-        cache.begin_step()
+        cache.begin_step(pos, T)
         try:
             x = self.model.embed_tokens(ids.to(self.device))  # (B, T, D)
+            if self.config.embed_scale:  # scaled by sqrt(hidden), rounded to the dtype first as transformers does
+                x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
             if tracer is not None:
                 x = _hook(tracer, "embed", x)
-            cos, sin = self.rotary.cos_sin(pos, T, x.dtype)
-            mask = attention_mask(pos, T, self.config.sliding_window, x.device)
-            for layer in self.model.layers:
-                x = layer(x, cache, pos, cos, sin, mask, tracer)
+            types = self.config.layer_types
+            angles = {t: self.rotary.cos_sin(pos, T, x.dtype, t) for t in dict.fromkeys(types)}
+            for layer, kind in zip(self.model.layers, types):
+                x = layer(x, cache, pos, *angles[kind], tracer)
             if last_only:
                 x = x[:, -1:]
             x = self.model.norm(x)
@@ -216,6 +278,9 @@ class Model(nn.Module):
                 x = _hook(tracer, "norm", x)
             head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(x, head).float()  # (B, T, vocab)
+            if self.config.final_logit_softcapping is not None:
+                cap = self.config.final_logit_softcapping
+                logits = torch.tanh(logits / cap) * cap
             if tracer is not None:
                 logits = _hook(tracer, "logits", logits)
         except BaseException:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches.base import KVCache, SlotView
+from .caches.layout import SharedLayout
 from .errors import SettingsError
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
@@ -76,16 +77,43 @@ class AttentionHistory:
 
 @dataclass
 class StepTrace:
-    """The trace of one step. Attention rows live in the run's :class:`AttentionHistory`."""
+    """The trace of one step. Attention rows live in the run's :class:`AttentionHistory`.
+
+    Layers may keep different caches (full, sliding, shared): ``layer_slots[i]`` is layer ``i``'s slot view after
+    the step and ``layer_reads[i]`` the position of each key column its attention read (layers that look the same
+    share one object). ``slots`` and ``read_positions`` are those of ``main_layer``, the first full layer."""
 
     events: list[CacheEvent] = field(default_factory=list)
-    slots: SlotView | None = None
-    read_positions: list[int] = field(default_factory=list)  # position of each key column read
+    layer_slots: list[SlotView] = field(default_factory=list)
+    layer_reads: list[list[int]] = field(default_factory=list)
+    main_layer: int = 0
     gqa_groups: list[list[int]] = field(default_factory=list)  # query heads reading each kv head
     heads: list[int] = field(default_factory=list)  # the query heads recorded
     qkv: dict[str, torch.Tensor] = field(default_factory=dict)
     _attention: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     _history: AttentionHistory | None = None
+
+    @property
+    def slots(self) -> SlotView | None:
+        """The slot view of the main layer (see :meth:`slots_of` for any layer), None without ``"cache"``."""
+        return self.slots_of(self.main_layer) if self.layer_slots else None
+
+    @property
+    def read_positions(self) -> list[int]:
+        """The positions the main layer's attention read (see :meth:`reads_of`)."""
+        return self.reads_of(self.main_layer)
+
+    def slots_of(self, layer: int) -> SlotView | None:
+        """Layer ``layer``'s slot view after the step (a trace of one view serves every layer)."""
+        if not self.layer_slots:
+            return None
+        return self.layer_slots[layer if len(self.layer_slots) > 1 else 0]
+
+    def reads_of(self, layer: int) -> list[int]:
+        """The position of each key column layer ``layer``'s attention read, in the order it read them."""
+        if not self.layer_reads:
+            return []
+        return self.layer_reads[layer if len(self.layer_reads) > 1 else 0]
 
     def has_attention(self, layer: int) -> bool:
         """Whether the attention of ``layer`` was recorded."""
@@ -101,19 +129,22 @@ class StepTrace:
 
     def attention(self, layer: int) -> torch.Tensor:
         """``(T, heads, max position + 1)`` in logical position order (0 where a position was not read)."""
-        raw = self.attention_raw(layer)
-        out = raw.new_zeros(*raw.shape[:2], max(self.read_positions) + 1)
-        out[..., self.read_positions] = raw
+        raw, reads = self.attention_raw(layer), self.reads_of(layer)
+        out = raw.new_zeros(*raw.shape[:2], max(reads) + 1)
+        out[..., reads] = raw
         return out
 
     def physical_attention(self, layer: int) -> torch.Tensor:
         """``(T, heads, slots)`` in the cache's physical slot order (needs ``"cache"`` capture for the slot map)."""
-        if self.slots is None:
+        slots = self.slots_of(layer)
+        if slots is None:
             raise SettingsError("physical order needs the slot view: trace with capture including 'cache'")
-        slot_of = {p: s for s, p in enumerate(self.slots.positions) if p >= 0}
+        if isinstance(slots.layout, SharedLayout):  # a shared layer read its source's slots
+            slots = self.slots_of(slots.layout.source)
+        slot_of = {p: s for s, p in enumerate(slots.positions) if p >= 0}
         raw = self.attention_raw(layer)
-        out = raw.new_zeros(*raw.shape[:2], len(self.slots.positions))
-        out[..., [slot_of[p] for p in self.read_positions]] = raw
+        out = raw.new_zeros(*raw.shape[:2], len(slots.positions))
+        out[..., [slot_of[p] for p in self.reads_of(layer)]] = raw
         return out
 
 
@@ -167,11 +198,18 @@ class Tracer:
     def end_step(self, cache: KVCache) -> StepTrace:
         step, self._step = self._step, None
         c = cache.config
-        step.read_positions = cache.read_positions() or list(range(self._pos + self._q_len))
+        computed = list(range(self._pos + self._q_len))  # what a cache that keeps nothing read
+        by_kind: dict[tuple[str, int], list[int]] = {}
+        for spec in cache.plan:  # one list per kind of read (full, sliding, each shared source)
+            key = (spec.attends, spec.source if spec.kind == "shared" else -1)
+            if key not in by_kind:
+                by_kind[key] = cache.read_positions(spec.index) or computed
+            step.layer_reads.append(by_kind[key])
+        step.main_layer = cache.full_layers[0] if cache.full_layers else 0
         step.heads = list(range(c.num_heads)) if self.heads is None else list(self.heads)
         step.gqa_groups = c.gqa_groups
         if "cache" in self.capture:
-            step.slots = cache.slot_view()
+            step.layer_slots = cache.slot_views()
         self._cache = None  # a tracer kept after the run must not keep the cache alive
         return step
 
@@ -180,8 +218,10 @@ class Tracer:
         return self.layers is None or layer in self.layers
 
     def _event(self, layer: int, k_read: torch.Tensor) -> CacheEvent:
-        storages = {t.untyped_storage().data_ptr() for t in self._cache.storage(layer)}
-        return CacheEvent(layer=layer, write=(self._pos, self._q_len), read=(0, k_read.shape[2]),
+        cache = self._cache
+        storages = {t.untyped_storage().data_ptr() for t in cache.storage(layer)}
+        wrote = 0 if cache.plan[layer].kind == "shared" else self._q_len
+        return CacheEvent(layer=layer, write=(self._pos, wrote), read=cache.read_window(layer, k_read.shape[2]),
                           read_shape=tuple(k_read.shape), data_ptr=k_read.data_ptr(),
                           storage_offset=k_read.storage_offset(), stride=tuple(k_read.stride()),
                           view=k_read.untyped_storage().data_ptr() in storages)

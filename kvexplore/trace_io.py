@@ -16,13 +16,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .caches.base import SlotView
+from .caches.layout import LinearLayout, layout_from_dict
 from .errors import CorruptFileError, LoadError, MissingFileError
-from .memory import MemoryReport
+from .memory import LayerMemory, MemoryReport
 from .records import Candidate, StepRecord
 from .trace import AttentionHistory, CacheEvent, StepTrace
 
 FORMAT = "kvexplore-trace"
-VERSION = 1
+VERSION = 2  # 2: slot views and reads per layer, typed layouts
 
 
 class History(list):
@@ -54,9 +55,25 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
         tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
     for name, value in t.qkv.items():
         tensors[f"{key}.qkv.{name}"] = value.detach().cpu()
-    return {"events": [asdict(e) for e in t.events], "slots": None if t.slots is None else asdict(t.slots),
-            "read_positions": t.read_positions, "gqa_groups": t.gqa_groups, "heads": t.heads,
+    views, view_of = _unique(t.layer_slots)
+    reads, read_of = _unique(t.layer_reads)
+    return {"events": [asdict(e) for e in t.events],
+            "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": view_of,
+            "reads": reads, "read_of": read_of, "main_layer": t.main_layer,
+            "gqa_groups": t.gqa_groups, "heads": t.heads,
             "attention_layers": t.attention_layers, "qkv": sorted(t.qkv)}
+
+
+def _unique(items: list) -> tuple[list, list[int]]:
+    """The distinct objects of ``items`` (layers of one kind share one) and the index of each item's."""
+    index: dict[int, int] = {}
+    unique, of = [], []
+    for item in items:
+        if id(item) not in index:
+            index[id(item)] = len(unique)
+            unique.append(item)
+        of.append(index[id(item)])
+    return unique, of
 
 
 def load_trace(path: str | Path) -> list[StepRecord]:
@@ -94,19 +111,35 @@ def _records(rows: list, f) -> list[StepRecord]:
         memory = row.pop("memory")
         records.append(StepRecord(
             **row | {"top": [Candidate(**c) for c in row["top"]]},
-            memory=None if memory is None else MemoryReport(**memory),
+            memory=None if memory is None else _memory(memory),
             trace=None if trace is None else _trace(trace, f"{i}", f, history)))
     return records
 
 
+def _memory(row: dict) -> MemoryReport:
+    layers = row.pop("layers", ())
+    return MemoryReport(**row, layers=tuple(LayerMemory(**m) for m in layers) if isinstance(layers, list) else ())
+
+
+def _view(row: dict) -> SlotView:
+    layout = row.pop("layout", None)
+    return SlotView(**row, layout=layout_from_dict(layout) if layout else LinearLayout())
+
+
 def _trace(row: dict, key: str, f, history: AttentionHistory) -> StepTrace:
-    slots = row["slots"]
+    if "views" in row:
+        views = [_view(v) for v in row["views"]]
+        layer_slots = [views[i] for i in row["view_of"]]
+        layer_reads = [row["reads"][i] for i in row["read_of"]]
+    else:  # version 1: one slot view and one read for every layer
+        layer_slots = [] if row["slots"] is None else [_view(row["slots"])]
+        layer_reads = [row["read_positions"]]
     return StepTrace(
         events=[CacheEvent(**(e | {"write": tuple(e["write"]), "read": tuple(e["read"]),
                                     "read_shape": tuple(e["read_shape"]), "stride": tuple(e["stride"])}))
                 for e in row["events"]],
-        slots=None if slots is None else SlotView(**slots),
-        read_positions=row["read_positions"], gqa_groups=row["gqa_groups"], heads=row["heads"],
+        layer_slots=layer_slots, layer_reads=layer_reads, main_layer=row.get("main_layer", 0),
+        gqa_groups=row["gqa_groups"], heads=row["heads"],
         qkv={name: f.get_tensor(f"{key}.qkv.{name}") for name in row["qkv"]},
         _attention={layer: history.append(f.get_tensor(f"{key}.attention.{layer}"))
                     for layer in row["attention_layers"]},

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig
 from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, NonFiniteWeightsError
 from .fields import read_json_object
+from .layer_plan import SHARED, LayerSpec, layer_plan
 
 # tensors some checkpoints carry that the model recomputes or ignores
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,27 +52,65 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config must hold, by Hugging Face name, with its shape."""
     c = config
-    d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    d = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, d)
+    plan = layer_plan(c)
     for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        proj = {"q_proj": c.num_heads * hd, "k_proj": c.num_kv_heads * hd, "v_proj": c.num_kv_heads * hd}
-        for name, out in proj.items():
-            shapes[f"{p}self_attn.{name}.weight"] = (out, d)
-            if c.qkv_bias:
-                shapes[f"{p}self_attn.{name}.bias"] = (out,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
-        if c.o_bias:
-            shapes[f"{p}self_attn.o_proj.bias"] = (d,)
+        shapes.update(_layer_shapes(c, plan[i]))
+    return shapes
+
+
+def _layer_shapes(c: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...]]:
+    p, d, f = f"model.layers.{spec.index}.", c.hidden_size, c.layer_intermediate_size(spec.index)
+    hd, kv = spec.head_dim, spec.kv_heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    proj = {"q_proj": c.num_heads * hd} if spec.kind == SHARED else {
+        "q_proj": c.num_heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
+    for name, out in proj.items():
+        shapes[f"{p}self_attn.{name}.weight"] = (out, d)
+        if c.qkv_bias:
+            shapes[f"{p}self_attn.{name}.bias"] = (out,)
+    shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
+    if c.o_bias:
+        shapes[f"{p}self_attn.o_proj.bias"] = (d,)
+    if c.qk_norm:
+        shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
+        if spec.kind != SHARED:
+            shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
+    if c.attention_sinks:
+        shapes[f"{p}self_attn.sinks"] = (c.num_heads,)
+    if c.num_experts:
+        e = c.num_experts
+        shapes.update({f"{p}mlp.router.weight": (e, d), f"{p}mlp.router.bias": (e,),
+                       f"{p}mlp.experts.gate_up_proj": (e, d, 2 * f), f"{p}mlp.experts.gate_up_proj_bias": (e, 2 * f),
+                       f"{p}mlp.experts.down_proj": (e, f, d), f"{p}mlp.experts.down_proj_bias": (e, d)})
+    else:
         for name, shape in {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}.items():
             shapes[f"{p}mlp.{name}.weight"] = shape
             if c.mlp_bias:
                 shapes[f"{p}mlp.{name}.bias"] = (shape[0],)
-        shapes[f"{p}input_layernorm.weight"] = (d,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (d,)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if c.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    shapes.update({f"{p}{n}.weight": (d,) for n in norms})
+    if c.layer_scalar:
+        shapes[f"{p}layer_scalar"] = (1,)
     return shapes
+
+
+def ignorable(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that the model does not use: a tied output head, rotary buffers, and the
+    key/value weights of layers that share another layer's cache (Gemma 4 checkpoints keep them)."""
+    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+        return True
+    parts = name.split(".")
+    if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] == "self_attn":
+        layer = int(parts[2])
+        shared = config.num_layers - config.num_kv_shared_layers <= layer < config.num_layers
+        return shared and parts[4] in ("k_proj", "v_proj", "k_norm")
+    return False
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -126,8 +165,7 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise LoadError(f"{where}: tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
-    unexpected = [n for n in found if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    unexpected = [n for n in found if n not in expected and not ignorable(n, config)]
     if unexpected:
         raise LoadError(
             f"{where}: the checkpoint has tensors a {config.architecture} of this config does not use: "

@@ -46,6 +46,16 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                                         "sliding_window": 8, "sliding_window_pattern": 3}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}}),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+        "head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 8, "final_logit_softcapping": 3.0}),
 }
 
 
@@ -73,11 +83,16 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
         kwargs["rope_parameters"] = rope
     config = getattr(transformers, cfg_cls)(**kwargs)
     torch.manual_seed(seed)
+    if arch == "gemma4":  # transformers 5.24 crashes on multi-token passes with kv sharing and no per-layer
+        config.output_hidden_states = True  # inputs unless hidden states are asked for (same logits)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # RMSNorm weights start at 1; perturb them so a wrong norm cannot pass
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+            if "norm" in name or name.endswith(("bias", "sinks")):
+                p.add_(torch.randn_like(p) * (1.0 if name.endswith("sinks") else 0.1))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: a stored scalar per layer, 1 at init
+                b.uniform_(0.7, 1.3)
     save = {"safe_serialization": True} if "safe_serialization" in model.save_pretrained.__code__.co_varnames else {}
     model.save_pretrained(folder, max_shard_size=shard_bytes or "10GB", **save)
     if tokenizer:

@@ -81,9 +81,9 @@ def test_unsupported_architecture_lists_the_supported_ones(folder):
 
 
 def test_unsupported_rope_scaling(folder):
-    edit_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn' is not supported; supported: "
-                                                    "default, linear, llama3"):
+    edit_config(folder, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope' is not supported; supported: "
+                                                    "default, linear, llama3, yarn, proportional"):
         kvexplore.load(folder)
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import kvexplore
 from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache, kv_bytes
-from kvexplore.caches import FILLED, FREE, SHARED, STALE
+from kvexplore.caches import FILLED, FREE, SHARED, STALE, PagedLayout
 from kvexplore.caches.paged import PagedCache, PagePoolFullError
 
 
@@ -145,7 +145,7 @@ def test_slot_view_states(trained):
     view = cache.slot_view()
     assert view.states == [FILLED] * 5 + [STALE] + [FREE] * 2 + [FREE] * 8  # slots 6, 7 were never written
     assert view.positions == [0, 1, 2, 3, 4] + [-1] * 11 and view.sharers == [1] * 5 + [0] * 11
-    assert view.layout == {"block_size": 4, "block_table": [0, 1], "block_tables": [[0, 1]], "free_blocks": 2}
+    assert view.layout == PagedLayout(block_size=4, block_table=[0, 1], block_tables=[[0, 1]], free_blocks=2)
     twin = cache.fork()
     assert twin.slot_view().states == [SHARED] * 5 + [STALE] + [FREE] * 2 + [FREE] * 8
     assert twin.slot_view().sharers == [2] * 5 + [0] * 11
@@ -154,7 +154,7 @@ def test_slot_view_states(trained):
     assert view.states == [SHARED] * 4 + [FILLED] * 4 + [FILLED] * 2 + [FREE] * 2 + [FREE] * 4
     assert view.positions == [0, 1, 2, 3] + [-1] * 4 + [4, 5, -1, -1] + [-1] * 4  # page 1: the original's only
     assert view.sharers == [2] * 4 + [1] * 4 + [1, 1, 0, 0] + [0] * 4
-    assert view.layout["block_table"] == [0, 2] and view.layout["free_blocks"] == 1
+    assert view.layout.block_table == [0, 2] and view.layout.free_blocks == 1
 
 
 def test_memory_figures(trained):

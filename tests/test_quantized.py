@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kvexplore
 from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache, kv_bytes
-from kvexplore.caches import FILLED, FREE, STALE
+from kvexplore.caches import FILLED, FREE, STALE, QuantizedLayout
 from kvexplore.caches.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack, quantize_keys,
                                         quantize_values, unpack)
 
@@ -193,13 +193,13 @@ def test_slot_view(tiny):
     view = cache.slot_view()
     assert view.states == [FILLED] * 16 + [FREE] * 24 + [FILLED] * 6 + [FREE] * 5
     assert view.positions == list(range(16)) + [-1] * 24 + list(range(16, 22)) + [-1] * 5
-    assert view.layout == {"bits": 8, "group_size": 8, "residual_window": 4, "quantized_upto": 16,
-                           "quantized_slots": 40, "residual": list(range(40, 46))}
+    assert view.layout == QuantizedLayout(bits=8, group_size=8, residual_window=4, quantized_upto=16,
+                                          quantized_slots=40, residual=list(range(40, 46)))
     cache.truncate(12)  # into the second block: positions 8..11 move, dequantized, to the residual
     view = cache.slot_view()
     assert view.states == [FILLED] * 8 + [STALE] * 8 + [FREE] * 24 + [FILLED] * 4 + [STALE] * 2 + [FREE] * 5
     assert view.positions == list(range(8)) + [-1] * 32 + list(range(8, 12)) + [-1] * 7
-    assert view.sharers == [1] * 8 + [0] * 32 + [1] * 4 + [0] * 7 and view.layout["quantized_upto"] == 8
+    assert view.sharers == [1] * 8 + [0] * 32 + [1] * 4 + [0] * 7 and view.layout.quantized_upto == 8
 
 
 def test_rewind_inside_the_residual_keeps_everything(tiny):
@@ -307,4 +307,4 @@ def test_bad_options(tiny):
             QuantizedCache(c, 32, **kwargs)
     with pytest.raises(ValueError, match="max_seq_len must be at least 1"):
         QuantizedCache(c, 0)
-    assert QuantizedCache(c, 32, group_size=32).value_group == 16
+    assert QuantizedCache(c, 32, group_size=32).value_group(0) == 16

@@ -9,7 +9,7 @@ import torch
 import kvexplore
 from helpers import FailingTracer
 from kvexplore import Generator, NoCache, PreallocatedCache, kv_bytes
-from kvexplore.caches import FILLED, FREE, STALE
+from kvexplore.caches import FILLED, FREE, STALE, RingLayout
 from kvexplore.caches.sink import SinkCache
 
 
@@ -103,7 +103,8 @@ def test_overflow_keeps_memory_flat_and_reports_each_eviction(tiny):
     view = cache.slot_view()
     ring = [399 - (399 - S - i) % W for i in range(W)]  # slot S + (p - S) % W holds position p
     assert view.states == [FILLED] * (S + W) and view.positions == [0, 1, 2, 3, *ring]
-    assert view.layout == {"sinks": S, "window": W, "ring_start": S + (400 - W - S) % W, "evicted": 400 - W - S}
+    assert view.layout == RingLayout(sinks=S, window=W, ring_start=S + (400 - W - S) % W,
+                                     write_slot=S + (400 - S) % W, evicted=400 - W - S)
     assert cache.held_positions() == view.positions  # keys are read in storage order
 
 
@@ -188,13 +189,15 @@ def test_position_limit_and_sliding_window_models(tiny):
     decode(tiny, cache, [tok(p) for p in range(10)], 6)
     with pytest.raises(kvexplore.CacheFullError, match="cache full: 10 of 10"):
         tiny(torch.tensor([[5]]), cache, 10)
+    # a model whose layers all slide (Mistral): every layer gets a ring of the model's window, so the sinks serve
+    # no layer; the cache says so and decodes exactly like the pre-allocated cache past the window
     mistral = kvexplore.load("tiny")
-    mistral.config = dataclasses.replace(mistral.config, sliding_window=10)  # its mask needs keys 0..pos
-    cache = SinkCache(mistral.config, window=4, sinks=2)
-    decode(mistral, cache, [tok(p) for p in range(10)], 0)  # evicting is fine while the model builds no mask
-    with pytest.raises(ValueError, match=r"the model's sliding window \(10\) builds a mask over keys 0..10"):
-        mistral(torch.tensor([[5]]), cache, 10)
-    assert cache.length == 10 and cache.evicted_count == 4
+    mistral.config = dataclasses.replace(mistral.config, sliding_window=6, layer_types=[])
+    cache, ref = SinkCache(mistral.config, window=4, sinks=2), PreallocatedCache(mistral.config, 32)
+    assert cache.full_layers == [] and "sliding layers: a ring of 6 slots" in cache.describe_layers()
+    tokens = [tok(p) for p in range(20)]
+    got, want = decode(mistral, cache, tokens, 0), decode(mistral, ref, tokens, 0)
+    assert torch.equal(torch.stack(got), torch.stack(want)) and cache.reserved_bytes == ref.reserved_bytes == kv_bytes(mistral.config, 6)
 
 
 def test_rewind_into_the_window_then_to_the_sinks(tiny):

@@ -101,8 +101,11 @@ def test_concat_copies_the_whole_cache_every_step(trained):
         assert cache.key(0).data_ptr() != ptr  # a new storage every step
         ptr = cache.key(0).data_ptr()
     assert cache.reserved_bytes == r.logical_bytes == r.analytic_bytes == 9 * per_token
-    layer = r.per_layer()  # one layer's K and V: 2 * kv_heads * head_dim * 4 bytes per position
-    assert layer["copied_bytes"] == 8 * 2 * c.num_kv_heads * c.head_dim * 4 and layer["allocations"] == 2
+    layers = r.per_layer()  # measured per layer: one layer's K and V are 2 * kv_heads * head_dim * 4 bytes a position
+    assert len(layers) == c.num_layers and {m.kind for m in layers} == {"full"}
+    for m in layers:
+        assert m.copied_bytes == 8 * 2 * c.num_kv_heads * c.head_dim * 4 and m.held == 9
+        assert m.logical_bytes == m.reserved_bytes == m.analytic_bytes == 9 * per_token // c.num_layers
     cache.truncate(4)  # a rewind keeps the storage (a view) until the next write
     assert cache.length == 4 and cache.reserved_bytes == 9 * per_token and cache.key(0).shape[2] == 4
     assert cache.memory_report().logical_bytes == 4 * per_token

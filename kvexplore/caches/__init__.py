@@ -1,6 +1,9 @@
 """KV cache strategies, all behind :class:`KVCache`; :func:`make_cache` builds one by name."""
 
 from .base import EVICTED, FILLED, FREE, SHARED, STALE, KVCache, SlotView
+from .layout import (EmptyLayout, GrowingLayout, Layout, LinearLayout, Mark, PagedLayout, QuantizedLayout, RingLayout,
+                     SharedLayout)
+from .ring import SlidingLayers
 from .concat import ConcatCache
 from .factory import STRATEGIES, make_cache
 from .none import NoCache
@@ -9,5 +12,6 @@ from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
 from .sink import SinkCache
 
-__all__ = ["ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "QuantizedCache", "SHARED", "SinkCache",
+__all__ = ["EmptyLayout", "GrowingLayout", "Layout", "LinearLayout", "Mark", "PagedLayout", "QuantizedLayout",
+           "RingLayout", "SharedLayout", "SlidingLayers", "ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "QuantizedCache", "SHARED", "SinkCache",
            "STALE", "STRATEGIES", "SlotView", "make_cache"]

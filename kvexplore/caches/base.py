@@ -2,6 +2,12 @@
 
 Layout, stated once: keys and values are ``[batch, kv_heads, seq, head_dim]`` and keys are stored *after* RoPE.
 
+A cache is a stack of layer caches that may differ (see :mod:`kvexplore.layer_plan`): the strategy (pre-allocated,
+paged, ...) serves the *full-attention* layers; *sliding-window* layers always get a ring of the model's window
+(:mod:`.ring`), whatever the strategy; *shared* layers store nothing and read their source layer's keys and
+values. This class does the dispatch, the per-layer accounting and the shared-layer reads; a strategy implements
+``_write``, ``_slot_view``, ``full_reserved_bytes`` and ``_clone_storage`` for its full layers.
+
 Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
 only records how many leading positions hold valid data (``length``). A forward pass calls
 ``check_write(pos, q_len)`` before touching anything, ``write(layer, pos, k, v)`` once per layer, then
@@ -18,46 +24,28 @@ saves those slots first (:meth:`_keep`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import SettingsError
+from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, LayerSpec, kinds_present, layer_plan
+from ..memory import LayerMemory, MemoryReport, StepCounters, cuda_stats, full_layer_bytes, kv_bytes, layer_bytes
 from ..settings import positive_int
-from ..memory import MemoryReport, StepCounters, cuda_stats, kv_bytes
-
-FREE, FILLED, STALE, EVICTED, SHARED = "free", "filled", "stale", "evicted", "shared"
-
-
-@dataclass(frozen=True)
-class SlotView:
-    """The physical slots of a cache (the same for every layer), in storage order.
-
-    ``states[i]``: ``free`` (never written), ``filled`` (holds ``positions[i]``), ``stale`` (left behind by a
-    rewind: written once, no longer part of the sequence), ``evicted`` (its position was dropped by the strategy),
-    ``shared`` (filled and shared by ``sharers[i]`` > 1 sequences). ``positions[i]`` is -1 where no position is
-    held. ``layout`` carries what a strategy adds (a page table, a ring start).
-    """
-
-    states: list[str]
-    positions: list[int]
-    sharers: list[int]
-    layout: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not len(self.states) == len(self.positions) == len(self.sharers):
-            raise AssertionError("slot view lists differ in length")
-
-    def count(self, state: str) -> int:
-        return self.states.count(state)
+from .layout import SharedLayout
+from .masks import causal_mask
+from .ring import SlidingLayers
+from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 
 
 class KVCache(ABC):
-    """Base class of the cache strategies. Subclasses implement storage; this class keeps the length."""
+    """Base class of the cache strategies. Subclasses implement storage for the full layers; this class keeps the
+    length, the sliding layers' rings and the shared layers' reads."""
 
     #: short name used by the CLI and in records
     kind: str = "base"
+    #: whether sliding layers get rings (a cache that stores nothing recomputes them under a window mask instead)
+    rings_for_sliding = True
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         positive_int(batch_size, "batch_size")
@@ -65,16 +53,34 @@ class KVCache(ABC):
         self.batch_size = batch_size
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        self.plan: list[LayerSpec] = layer_plan(config)
+        self.full_layers = [s.index for s in self.plan if s.kind == FULL]  # the layers the strategy serves
+        sliding = [s for s in self.plan if s.kind == SLIDING]
+        self.rings = SlidingLayers(sliding, batch_size, dtype, self.device) if sliding and self.rings_for_sliding \
+            else None
         self._length = 0
         self._step = StepCounters()
+        self._layer_moved: dict[int, tuple[int, int]] = {}  # layer -> (written, copied) bytes this step
+        self._reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's reads of shared layers' sources
+        self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
+        self._sources = {s.source for s in self.plan if s.kind == SHARED_LAYER}
         self._cuda_before: dict[str, int] = {}
         self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
         self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
         self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []  # held slots a step overwrote
 
+    def _full_shape(self, layer: int, slots: int) -> tuple[int, int, int, int]:
+        """``(batch, kv_heads, slots, head_dim)`` of a full layer's storage of ``slots`` positions."""
+        s = self.plan[layer]
+        return (self.batch_size, s.kv_heads, slots, s.head_dim)
+
+    def _per_full_layer(self, make) -> list:
+        """``make(layer)`` for each full layer, None for the others (a list indexed by layer)."""
+        return [make(s.index) if s.kind == FULL else None for s in self.plan]
+
     @property
     def length(self) -> int:
-        """Number of leading positions whose keys and values are held."""
+        """Number of positions of the sequence the cache has taken in (full layers hold all of them)."""
         return self._length
 
     @property
@@ -94,20 +100,31 @@ class KVCache(ABC):
                 f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
+        if self.rings is not None and (msg := self.rings.rewind_error(pos, self.length)):
+            raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
-    def begin_step(self) -> None:
-        """Start counting a forward pass's writes, copies and allocations (after ``check_write`` passed), and save
-        what :meth:`rollback` needs to undo the step."""
+    def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
+        """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): count its
+        writes, copies and allocations, and save what :meth:`rollback` needs to undo it."""
         self._undo, self._undo_data = self._snapshot(), []
         self._step = StepCounters()
+        self._layer_moved, self._reads, self._masks = {}, {}, {}
+        if self.rings is not None:
+            self.rings.begin()
         self._cuda_before = cuda_stats(self.device)
 
     def _snapshot(self) -> dict:
         """The bookkeeping a step may change, as copies (subclasses add theirs)."""
         return {"_length": self._length, "_step": self._step, "_report": self._report,
-                "_cuda_before": self._cuda_before}
+                "_cuda_before": self._cuda_before, "_layer_moved": dict(self._layer_moved),
+                "_rings": None if self.rings is None else self.rings.snapshot()}
 
     def _restore(self, snapshot: dict) -> None:
+        snapshot = dict(snapshot)
+        rings = snapshot.pop("_rings")
+        if self.rings is not None:
+            self.rings.restore(rings)
+        self._reads, self._masks = {}, {}
         for name, value in snapshot.items():
             setattr(self, name, value)
 
@@ -124,6 +141,7 @@ class KVCache(ABC):
     def settle(self) -> None:
         """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins."""
         self._undo, self._undo_data = None, []
+        self._reads = {}
 
     def rollback(self) -> None:
         """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
@@ -135,14 +153,64 @@ class KVCache(ABC):
         self._restore(self._undo)
         self._undo, self._undo_data = None, []
 
-    @abstractmethod
+    # -- the write protocol --------------------------------------------------------------------------------
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
-        return the keys/values attention must read, ``(B, kv_heads, pos + q_len, hd)``."""
+        return the keys/values its attention must read (in the order :meth:`read_positions` gives; use
+        :meth:`mask` for the mask that goes with them). A shared layer stores nothing: use :meth:`read_shared`."""
+        spec = self.plan[layer]
+        if spec.kind == SHARED_LAYER:
+            raise SettingsError(f"layer {layer} shares layer {spec.source}'s cache and stores nothing; read it with "
+                                f"read_shared({layer})")
+        step = self._step
+        before = (step.written_bytes, step.copied_bytes)
+        if spec.kind == SLIDING and self.rings is not None:
+            out = self.rings.write(self, layer, pos, k, v)
+        else:
+            out = self._write(layer, pos, k, v)
+        self._layer_moved[layer] = (step.written_bytes - before[0], step.copied_bytes - before[1])
+        if layer in self._sources:
+            self._reads[layer] = out
+        return out
+
+    def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a shared layer reads: what its source layer's attention read this step."""
+        spec = self.plan[layer]
+        if spec.kind != SHARED_LAYER:
+            raise SettingsError(f"layer {layer} stores its own cache ({spec.kind}); write it with write()")
+        if spec.source not in self._reads:
+            raise SettingsError(f"layer {layer} reads layer {spec.source}'s cache, which has not been written this "
+                                f"step; run the layers in order")
+        return self._reads[spec.source]
+
+    def mask(self, layer: int, pos: int, q_len: int) -> torch.Tensor | None:
+        """The boolean ``(q_len, keys)`` mask for what ``write`` (or ``read_shared``) returned for ``layer`` this
+        step, or None when plain causal attention (or none, for one token) is exact. The same for every layer of
+        one attention type, so it is built once per step."""
+        spec = self.plan[layer]
+        if spec.attends not in self._masks:
+            if spec.attends == SLIDING and self.rings is not None:
+                m = self.rings.plan.mask
+            elif spec.attends == SLIDING:
+                m = causal_mask(pos, q_len, spec.window, self.device)
+            else:
+                m = self._full_mask(pos, q_len)
+            self._masks[spec.attends] = m
+        return self._masks[spec.attends]
+
+    def _full_mask(self, pos: int, q_len: int) -> torch.Tensor | None:
+        """The mask of a full layer's read (keys ``0..pos+q_len-1`` in position order, unless a strategy says)."""
+        return causal_mask(pos, q_len, None, self.device)
+
+    @abstractmethod
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The strategy's write of one full layer: store ``k``/``v`` and return ``(B, kv_heads, keys, hd)``."""
 
     def commit(self, end: int) -> None:
         """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""
         self._length = end
+        if self.rings is not None:
+            self.rings.commit()
         self._report = self._make_report()  # now: the CUDA deltas are the step's
 
     def memory_report(self) -> MemoryReport:
@@ -157,28 +225,68 @@ class KVCache(ABC):
         s = self._step
         return MemoryReport(
             length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
-            analytic_bytes=kv_bytes(self.config, self.held, self.batch_size, self.dtype),
+            analytic_bytes=self.analytic_bytes,
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
             freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas, cuda_now=after,
-            layers=self.config.num_layers)
+            layers=tuple(self.layer_memory()))
+
+    def layer_memory(self) -> list[LayerMemory]:
+        """One :class:`LayerMemory` per layer, each from that layer's own storage and positions."""
+        out = []
+        for spec in self.plan:
+            held = self.layer_held(spec.index)
+            written, copied = self._layer_moved.get(spec.index, (0, 0))
+            if spec.kind == SHARED_LAYER:
+                logical = reserved = 0
+            elif spec.kind == SLIDING and self.rings is not None:
+                logical = layer_bytes(spec, held, self.batch_size, self.dtype)
+                reserved = self.rings.layer_reserved(spec.index)
+            elif spec.kind == SLIDING:  # nothing stored between steps
+                logical = reserved = 0
+            else:
+                logical, reserved = self.full_layer_used(spec.index), self.full_layer_reserved(spec.index)
+            out.append(LayerMemory(spec.index, spec.kind, held, logical, reserved,
+                                   layer_bytes(spec, held, self.batch_size, self.dtype), written, copied))
+        return out
+
+    def layer_held(self, layer: int) -> int:
+        """Positions ``layer`` holds: the strategy's for a full layer, the ring's for a sliding one, 0 shared."""
+        spec = self.plan[layer]
+        if spec.kind == SLIDING:
+            return len(self.rings.held_positions(self.length)) if self.rings is not None else 0
+        return 0 if spec.kind == SHARED_LAYER else self.held
 
     def check_truncate(self, n: int) -> None:
         """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
         checked before any is rewound)."""
         if not 0 <= n <= self.length:
             raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+        if self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
+            raise SettingsError(f"cannot truncate to {n}: {msg}")
 
     def truncate(self, n: int) -> None:
         """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
         self.check_truncate(n)
         self._length = n
         self._step = StepCounters()
+        self._layer_moved, self._reads = {}, {}
+        if self.rings is not None:
+            self.rings.last_read = None
         self._report = None
         self._undo, self._undo_data = None, []
 
-    @abstractmethod
     def clone(self) -> "KVCache":
         """An independent copy: writes to either never show in the other."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin.rings = None if self.rings is None else self.rings.clone()
+        twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
+        self._clone_storage(twin)
+        return twin
+
+    @abstractmethod
+    def _clone_storage(self, twin: "KVCache") -> None:
+        """Give ``twin`` (a shallow copy of this cache) its own copies of the strategy's storage."""
 
     def fork(self) -> "KVCache":
         """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
@@ -191,14 +299,48 @@ class KVCache(ABC):
             raise SettingsError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
                              f"make a new cache instead")
 
+    # -- inspection ----------------------------------------------------------------------------------------
+    def _layer(self, layer: int | None) -> LayerSpec:
+        """The spec of ``layer`` (None: the first full layer, or layer 0 when there is none)."""
+        if layer is None:
+            return self.plan[self.full_layers[0] if self.full_layers else 0]
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(self.plan):
+            raise SettingsError(f"layer must be 0..{len(self.plan) - 1}, got {layer!r}")
+        return self.plan[layer]
+
     def storage(self, layer: int) -> list[torch.Tensor]:
-        """The tensors that hold ``layer``'s cache (a read that shares their memory is a view, not a copy)."""
+        """The tensors that hold ``layer``'s cache (a read that shares their memory is a view, not a copy); a
+        shared layer's are its source's."""
+        spec = self._layer(layer)
+        if spec.kind == SHARED_LAYER:
+            return self.storage(spec.source)
+        if spec.kind == SLIDING:
+            return [] if self.rings is None else [self.rings.k[layer], self.rings.v[layer]]
+        return self._storage(layer)
+
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return []
 
-    def read_positions(self) -> list[int]:
-        """The position of each key column the last forward pass read, in the order attention saw them
-        (``0 .. length-1`` unless the strategy reads in storage order)."""
+    def read_positions(self, layer: int | None = None) -> list[int]:
+        """The position of each key column ``layer``'s attention read in the last forward pass, in the order it
+        saw them (default: a full layer's)."""
+        spec = self._layer(layer)
+        if spec.kind == SHARED_LAYER:
+            return self.read_positions(spec.source)
+        if spec.attends == SLIDING and self.rings is not None:
+            return self.rings.read_positions(self.length)
+        return self._read_positions()
+
+    def _read_positions(self) -> list[int]:
         return list(range(self.length))
+
+    def read_window(self, layer: int, count: int) -> tuple[int, int]:
+        """``(first position, count)`` of what ``layer``'s attention reads in the step under way (``count`` keys):
+        a sliding layer's ring reads its window, every other layer from position 0."""
+        spec = self.plan[layer]
+        if spec.attends == SLIDING and self.rings is not None and self.rings.plan is not None:
+            return min(self.rings.plan.positions), count
+        return 0, count
 
     def stored_error(self, layer: int) -> torch.Tensor | None:
         """How far what this cache stores for ``layer`` is from what the model wrote: ``(kv_heads, length)`` max
@@ -206,26 +348,89 @@ class KVCache(ABC):
         keys and values exactly (every cache but the quantized one)."""
         return None
 
+    def slot_view(self, layer: int | None = None) -> SlotView:
+        """The state of every physical slot of ``layer`` (default: a full layer; what the cache map draws)."""
+        spec = self._layer(layer)
+        if spec.kind == SHARED_LAYER:
+            return SlotView([], [], [], SharedLayout(spec.source))
+        if spec.kind == SLIDING and self.rings is not None:
+            return self.rings.slot_view(self.length)
+        if spec.kind == SLIDING:
+            return self._empty_view()
+        return self._slot_view()
+
+    def slot_views(self) -> list[SlotView]:
+        """:meth:`slot_view` of every layer; layers that look the same share one object (one per kind)."""
+        by_kind: dict[tuple[str, int], SlotView] = {}
+        out = []
+        for spec in self.plan:
+            key = (spec.kind, spec.source if spec.kind == SHARED_LAYER else -1)
+            if key not in by_kind:
+                by_kind[key] = self.slot_view(spec.index)
+            out.append(by_kind[key])
+        return out
+
+    def _empty_view(self) -> SlotView:
+        from .layout import EmptyLayout
+
+        return SlotView([], [], [], EmptyLayout())
+
     @abstractmethod
-    def slot_view(self) -> SlotView:
-        """The state of every physical slot (what the cache map draws)."""
+    def _slot_view(self) -> SlotView:
+        """The strategy's slots (the same for every full layer)."""
 
     @property
     @abstractmethod
+    def full_reserved_bytes(self) -> int:
+        """Bytes of the strategy's storage for the full layers, used or not."""
+
+    @property
     def reserved_bytes(self) -> int:
-        """Bytes of storage the cache holds now, used or not."""
+        """Bytes of storage the cache holds now, used or not: the strategy's plus the sliding layers' rings."""
+        return self.full_reserved_bytes + (0 if self.rings is None else self.rings.reserved_bytes())
+
+    def full_layer_reserved(self, layer: int) -> int:
+        """Bytes of one full layer's storage (its storages, each counted once)."""
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._storage(layer)}
+        return sum(seen.values())
+
+    def full_layer_used(self, layer: int) -> int:
+        """Bytes of one full layer's slots that hold valid positions."""
+        return layer_bytes(self.plan[layer], self.held, self.batch_size, self.dtype)
 
     @property
     def held(self) -> int:
-        """Positions whose keys and values the cache holds (``length``, unless the strategy evicts)."""
+        """Positions a full layer holds (``length``, unless the strategy evicts)."""
         return self.length
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the slots that hold valid positions."""
-        return kv_bytes(self.config, self.held, self.batch_size, self.dtype)
+        """Bytes of the slots that hold valid positions, summed over layers."""
+        return sum(m.logical_bytes for m in self.layer_memory())
+
+    @property
+    def analytic_bytes(self) -> int:
+        """The formula for what the cache holds: ``2 * kv_heads * head_dim * element_size * batch * held`` summed
+        over the layers that store their own cache."""
+        return sum(layer_bytes(s, self.layer_held(s.index), self.batch_size, self.dtype) for s in self.plan)
+
+    def describe_layers(self) -> str:
+        """What the cache keeps for each kind of layer, in one line."""
+        parts = []
+        for kind in kinds_present(self.plan):
+            n = sum(1 for s in self.plan if s.kind == kind)
+            if kind == FULL:
+                parts.append(f"{n} full layer{'s' * (n != 1)}: {self.kind}")
+            elif kind == SLIDING:
+                what = f"a ring of {self.rings.window} slots each" if self.rings is not None else \
+                    f"recomputed under a window of {self.config.sliding_window}"
+                parts.append(f"{n} sliding layer{'s' * (n != 1)}: {what}")
+            else:
+                parts.append(f"{n} shared layer{'s' * (n != 1)}: nothing stored (they read an earlier layer)")
+        return "; ".join(parts)
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity
         return (f"{type(self).__name__}(length={self.length}, capacity={cap}, batch_size={self.batch_size}, "
-                f"dtype={self.dtype}, device={self.device}, reserved={self.reserved_bytes} B)")
+                f"dtype={self.dtype}, device={self.device}, reserved={self.reserved_bytes} B, "
+                f"layers: {self.describe_layers()})")

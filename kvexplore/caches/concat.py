@@ -6,6 +6,7 @@ import torch
 
 from ..config import ModelConfig
 from .base import FILLED, KVCache, SlotView
+from .layout import GrowingLayout
 
 
 class ConcatCache(KVCache):
@@ -21,10 +22,10 @@ class ConcatCache(KVCache):
     def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self._k: list[torch.Tensor | None] = [None] * config.num_layers
+        self._k: list[torch.Tensor | None] = [None] * config.num_layers  # full layers only
         self._v: list[torch.Tensor | None] = [None] * config.num_layers
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         old_k, old_v = self._k[layer], self._v[layer]
         if old_k is not None and (pos < old_k.shape[2] or pos == 0):
             old_k, old_v = old_k.narrow(2, 0, pos), old_v.narrow(2, 0, pos)  # rewound: drop what is past pos
@@ -53,7 +54,7 @@ class ConcatCache(KVCache):
             if k is not None:
                 self._k[i], self._v[i] = k.narrow(2, 0, n), v.narrow(2, 0, n)  # views: storage kept
 
-    def storage(self, layer: int) -> list[torch.Tensor]:
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return [t for t in (self._k[layer], self._v[layer]) if t is not None]
 
     def key(self, layer: int) -> torch.Tensor | None:
@@ -63,18 +64,15 @@ class ConcatCache(KVCache):
     def value(self, layer: int) -> torch.Tensor | None:
         return self._v[layer]
 
-    def slot_view(self) -> SlotView:
+    def _slot_view(self) -> SlotView:
         n = self.length
-        return SlotView([FILLED] * n, list(range(n)), [1] * n)
+        return SlotView([FILLED] * n, list(range(n)), [1] * n, GrowingLayout())
 
-    def clone(self) -> "ConcatCache":
-        twin = object.__new__(ConcatCache)
-        twin.__dict__.update(self.__dict__)
+    def _clone_storage(self, twin: "ConcatCache") -> None:
         twin._k = [None if t is None else t.clone() for t in self._k]
         twin._v = [None if t is None else t.clone() for t in self._v]
-        return twin
 
     @property
-    def reserved_bytes(self) -> int:
+    def full_reserved_bytes(self) -> int:
         """Bytes of the storages held (after a rewind, the storage is still the pre-rewind size)."""
         return sum(t.untyped_storage().nbytes() for t in (*self._k, *self._v) if t is not None)

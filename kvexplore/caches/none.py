@@ -13,26 +13,27 @@ class NoCache(KVCache):
     the cost of a step grows with the sequence (this is what "disabling the cache" means)."""
 
     kind = "none"
+    rings_for_sliding = False  # sliding layers recompute under their window mask like the others
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # attention reads exactly what this pass computed; nothing outlives it
 
     def commit(self, end: int) -> None:
-        pass  # nothing is kept, so nothing is held
+        self._report = self._make_report()  # nothing is kept (the length stays 0), but the step wrote
 
-    def slot_view(self) -> SlotView:
-        return SlotView([], [], [])  # no storage: nothing survives a step
+    def _slot_view(self) -> SlotView:
+        return self._empty_view()  # no storage: nothing survives a step
 
     def fork(self) -> "NoCache":
         return self.clone()  # nothing is held, so there is nothing to share: any time is a fine time to fork
 
-    def clone(self) -> "NoCache":
-        return NoCache(self.config, self.batch_size, self.dtype, self.device)
+    def _clone_storage(self, twin: "NoCache") -> None:
+        pass
 
     @property
-    def reserved_bytes(self) -> int:
+    def full_reserved_bytes(self) -> int:
         return 0

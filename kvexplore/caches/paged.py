@@ -15,8 +15,10 @@ import torch
 from ..config import ModelConfig
 from ..settings import positive_int
 from ..errors import CacheFullError, SettingsError
-from ..memory import kv_bytes
+from ..layer_plan import FULL, LayerSpec
+from ..memory import full_layer_bytes
 from .base import FILLED, FREE, SHARED, STALE, KVCache, SlotView
+from .layout import PagedLayout
 
 
 class PagePoolFullError(CacheFullError):
@@ -32,14 +34,18 @@ class PagePoolFullError(CacheFullError):
 
 
 class PagePool:
-    """What a cache and its forks share: per layer ``k``/``v`` ``[num_blocks, kv_heads, block_size, head_dim]``,
+    """What a cache and its forks share: per full layer ``k``/``v`` ``[num_blocks, kv_heads, block_size, head_dim]``,
     a reference count per page (how many block tables hold it) and the free list."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, plan: list[LayerSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        def pages(s: LayerSpec) -> torch.Tensor | None:
+            if s.kind != FULL:
+                return None
+            return torch.zeros((num_blocks, s.kv_heads, block_size, s.head_dim), dtype=dtype, device=device)
+
+        self.k = [pages(s) for s in plan]  # full layers only (None for the others)
+        self.v = [None if t is None else torch.zeros_like(t) for t in self.k]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
         self.written = [0] * num_blocks  # slots of each page written since it was taken (for the slot view)
@@ -86,7 +92,7 @@ class PagedCache(KVCache):
         if num_blocks < 1:
             raise SettingsError(f"num_blocks must be at least 1, got {num_blocks}")
         self.max_seq_len, self.block_size = max_seq_len, block_size
-        self.pool = PagePool(config, num_blocks, block_size, self.dtype, self.device)
+        self.pool = PagePool(self.plan, num_blocks, block_size, self.dtype, self.device)
         self._tables: list[list[int]] = [[] for _ in range(batch_size)]
         self._prepared: tuple[int, int] | None = None  # (pos, q_len) whose pages are allocated
         self._read_idx = self._write_page = self._write_slot = None
@@ -109,8 +115,9 @@ class PagedCache(KVCache):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, keys and values: ``2 * layers * kv_heads * block_size * hd * elt``."""
-        return kv_bytes(self.config, self.block_size, 1, self.dtype)
+        """Bytes of one page across the full layers, keys and values: ``2 * layers * kv_heads * block_size * hd *
+        elt`` summed over them."""
+        return full_layer_bytes(self.config, self.block_size, 1, self.dtype)
 
     def _pages_needed(self, pos: int, q_len: int) -> tuple[int, int]:
         """(pages this write takes from the free list, pages it gives back first by dropping blocks past pos)."""
@@ -163,13 +170,13 @@ class PagedCache(KVCache):
         for table in self._tables:
             if pos % bs and self.pool.refcount[table[-1]] > 1:  # copy-on-write: the filled slots, every layer
                 old, new = table[-1], self._take()
-                for pool in (*self.pool.k, *self.pool.v):
+                for pool in (t for t in (*self.pool.k, *self.pool.v) if t is not None):
                     self._keep(pool, 0, new, 1)  # the free page as it was, for a rollback
                     pool[new, :, : pos % bs].copy_(pool[old, :, : pos % bs])
                 self.pool.release(old)
                 table[-1] = new
                 self.pool.written[new] = pos % bs
-                self._step.copied_bytes += kv_bytes(self.config, pos % bs, 1, self.dtype)
+                self._step.copied_bytes += full_layer_bytes(self.config, pos % bs, 1, self.dtype)
             table.extend(self._take() for _ in range(math.ceil((pos + q_len) / bs) - keep))
             for p in range(pos, pos + q_len):
                 page = table[p // bs]
@@ -183,7 +190,7 @@ class PagedCache(KVCache):
         self._prepared = (pos, q_len)
 
     # -- the interface ----------------------------------------------------------------------------------
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, nkv, q_len, hd = k.shape
         if self._prepared != (pos, q_len):
             self._prepare(pos, q_len)
@@ -227,24 +234,24 @@ class PagedCache(KVCache):
         twin.__dict__.update(self.__dict__)
         twin._tables = self.block_tables
         twin._prepared = None
+        twin.rings = None if self.rings is None else self.rings.clone()  # rings are per sequence: never shared
+        twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
         for table in self._tables:
             for page in table:
                 self.pool.refcount[page] += 1
         return twin
 
-    def clone(self) -> "PagedCache":
+    def _clone_storage(self, twin: "PagedCache") -> None:
         """An independent copy: its own pool (copied tensors, reference counts, free list)."""
-        twin = object.__new__(PagedCache)
-        twin.__dict__.update(self.__dict__)
         pool = object.__new__(PagePool)
         pool.__dict__.update(self.pool.__dict__)
-        pool.k, pool.v = [t.clone() for t in self.pool.k], [t.clone() for t in self.pool.v]
+        pool.k = [None if t is None else t.clone() for t in self.pool.k]
+        pool.v = [None if t is None else t.clone() for t in self.pool.v]
         held = {p for t in self._tables for p in t}  # this cache's pages; pages only other forks hold are free
         pool.refcount = [1 if p in held else 0 for p in range(self.num_blocks)]
         pool.written = list(self.pool.written)
         pool.free = [p for p in reversed(range(self.num_blocks)) if p not in held]
         twin.pool, twin._tables, twin._prepared = pool, self.block_tables, None
-        return twin
 
     def __del__(self) -> None:
         # a dropped fork gives its pages back to the pool it shares
@@ -256,10 +263,10 @@ class PagedCache(KVCache):
         except Exception:  # half-built object, or interpreter shutdown
             pass
 
-    def storage(self, layer: int) -> list[torch.Tensor]:
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return [self.pool.k[layer], self.pool.v[layer]]
 
-    def slot_view(self) -> SlotView:
+    def _slot_view(self) -> SlotView:
         """Every slot of the pool, page by page. This sequence's pages: ``filled``/``shared`` (sharers = the
         page's reference count) below the length; past it ``stale`` where written before a rewind, else ``free``.
         Free pages: ``free``. Pages only other forks hold: ``filled`` with position -1 and their reference count
@@ -283,12 +290,12 @@ class PagedCache(KVCache):
                     states.append(FREE if rc == 0 else FILLED)
                     positions.append(-1)
                     sharers.append(rc)
-        layout = {"block_size": bs, "block_table": list(self._tables[0]), "block_tables": self.block_tables,
-                  "free_blocks": self.free_blocks}
+        layout = PagedLayout(block_size=bs, block_table=list(self._tables[0]), block_tables=self.block_tables,
+                             free_blocks=self.free_blocks)
         return SlotView(states, positions, sharers, layout)
 
     @property
-    def reserved_bytes(self) -> int:
+    def full_reserved_bytes(self) -> int:
         """Bytes of the whole pool. Forks share it, so each reports the whole pool (do not sum over forks);
         :attr:`pool_bytes_in_use` is the part held by any of them."""
         return self.num_blocks * self.page_bytes

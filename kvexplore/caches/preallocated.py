@@ -7,7 +7,7 @@ import torch
 from ..config import ModelConfig
 from ..settings import positive_int
 from ..errors import CacheFullError
-from ..memory import kv_bytes
+from ..memory import full_layer_bytes
 from .base import FILLED, FREE, STALE, KVCache, SlotView
 
 
@@ -24,9 +24,9 @@ class PreallocatedCache(KVCache):
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> None:
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        shape = (batch_size, config.num_kv_heads, max_seq_len, config.head_dim)
-        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
-        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, max_seq_len), dtype=self.dtype,
+                                                             device=self.device))
+        self._v = self._per_full_layer(lambda i: torch.zeros_like(self._k[i]))
         self._capacity = max_seq_len
         self._high_water = 0  # slots below this were written at some point (stale if past the length)
 
@@ -39,7 +39,7 @@ class PreallocatedCache(KVCache):
         if pos + q_len > self.capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = k.shape[2]
         self._keep(self._k[layer], 2, pos, q_len)  # what the slots held before (for a rollback, bit for bit)
         self._keep(self._v[layer], 2, pos, q_len)
@@ -55,13 +55,13 @@ class PreallocatedCache(KVCache):
     def _snapshot(self) -> dict:
         return {**super()._snapshot(), "_high_water": self._high_water}
 
-    def slot_view(self) -> SlotView:
+    def _slot_view(self) -> SlotView:
         n, hw = self.length, self._high_water
         states = [FILLED] * n + [STALE] * (hw - n) + [FREE] * (self.capacity - hw)
         positions = list(range(n)) + [-1] * (self.capacity - n)
         return SlotView(states, positions, [1] * n + [0] * (self.capacity - n))
 
-    def storage(self, layer: int) -> list[torch.Tensor]:
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return [self._k[layer], self._v[layer]]
 
     def key(self, layer: int) -> torch.Tensor:
@@ -72,13 +72,10 @@ class PreallocatedCache(KVCache):
         """The live value storage of ``layer``, all ``capacity`` slots."""
         return self._v[layer]
 
-    def clone(self) -> "PreallocatedCache":
-        twin = object.__new__(PreallocatedCache)
-        twin.__dict__.update(self.__dict__)
-        twin._k = [t.clone() for t in self._k]
-        twin._v = [t.clone() for t in self._v]
-        return twin
+    def _clone_storage(self, twin: "PreallocatedCache") -> None:
+        twin._k = [None if t is None else t.clone() for t in self._k]
+        twin._v = [None if t is None else t.clone() for t in self._v]
 
     @property
-    def reserved_bytes(self) -> int:
-        return kv_bytes(self.config, self.capacity, self.batch_size, self.dtype)
+    def full_reserved_bytes(self) -> int:
+        return full_layer_bytes(self.config, self.capacity, self.batch_size, self.dtype)

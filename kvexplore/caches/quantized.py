@@ -16,6 +16,7 @@ from ..settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
 from ..memory import StepCounters
 from .base import FILLED, FREE, STALE, KVCache, SlotView
+from .layout import QuantizedLayout
 
 F32 = torch.float32
 
@@ -109,32 +110,35 @@ class QuantizedCache(KVCache):
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int = 8, group_size: int = 32,
                  residual: int = 32, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:
-        D, H = config.head_dim, config.num_kv_heads
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         if integer(bits, "bits") not in (4, 8):
             raise SettingsError(f"bits must be 4 or 8, got {bits}")
         group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
-        gv = min(group_size, D)
-        if D % gv or D % 2:
-            raise SettingsError(f"head_dim {D} must be even and a multiple of the value group {gv}; pick a "
-                             f"group_size that divides it")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self.bits, self.group_size, self.residual, self.value_group = bits, group_size, residual, gv
+        for D in sorted({self.plan[i].head_dim for i in self.full_layers}):
+            if D % min(group_size, D) or D % 2:
+                raise SettingsError(f"head_dim {D} must be even and a multiple of the value group "
+                                    f"{min(group_size, D)}; pick a group_size that divides it")
+        self.bits, self.group_size, self.residual = bits, group_size, residual
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
-        B, L = batch_size, config.num_layers
+        B, G, nq, nr = batch_size, group_size, self._nq, self._nr
 
-        def zeros(*shape: int, dtype: torch.dtype = F32) -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(L)]
+        def zeros(shape, dtype: torch.dtype = F32) -> list[torch.Tensor | None]:
+            """One tensor per full layer, of ``shape(kv_heads, head_dim)``."""
+            return self._per_full_layer(lambda i: torch.zeros(
+                shape(self.plan[i].kv_heads, self.plan[i].head_dim), dtype=dtype, device=self.device))
 
-        codes = (B, H, self._nq, D * bits // 8)
-        self._kq, self._vq = zeros(*codes, dtype=torch.uint8), zeros(*codes, dtype=torch.uint8)
-        self._ks, self._kz = zeros(B, H, self._nq // group_size, D), zeros(B, H, self._nq // group_size, D)
-        self._vs, self._vz = zeros(B, H, self._nq, D // gv), zeros(B, H, self._nq, D // gv)
-        self._rk, self._rv = zeros(B, H, self._nr, D, dtype=self.dtype), zeros(B, H, self._nr, D, dtype=self.dtype)
-        self._kerr, self._verr = zeros(B, H, max_seq_len), zeros(B, H, max_seq_len)  # max abs error per position
-        self._qf = [0] * L  # quantized frontier per layer (equal across layers after every commit/truncate)
+        self._kq = zeros(lambda H, D: (B, H, nq, D * bits // 8), torch.uint8)
+        self._vq = zeros(lambda H, D: (B, H, nq, D * bits // 8), torch.uint8)
+        self._ks, self._kz = zeros(lambda H, D: (B, H, nq // G, D)), zeros(lambda H, D: (B, H, nq // G, D))
+        self._vs = zeros(lambda H, D: (B, H, nq, D // min(G, D)))
+        self._vz = zeros(lambda H, D: (B, H, nq, D // min(G, D)))
+        self._rk, self._rv = zeros(lambda H, D: (B, H, nr, D), self.dtype), zeros(lambda H, D: (B, H, nr, D), self.dtype)
+        self._kerr = zeros(lambda H, D: (B, H, max_seq_len))  # max abs error per position
+        self._verr = zeros(lambda H, D: (B, H, max_seq_len))
+        self._qf = [0] * config.num_layers  # quantized frontier per full layer (equal after every commit/truncate)
         self._q_high = self._r_high = 0  # slots below these were written at some point
 
     @property
@@ -144,7 +148,11 @@ class QuantizedCache(KVCache):
     @property
     def quantized_upto(self) -> int:
         """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
-        return self._qf[0]
+        return self._qf[self.full_layers[0]] if self.full_layers else 0
+
+    def value_group(self, layer: int) -> int:
+        """Channels per value scale in ``layer``: ``min(group_size, head_dim)``."""
+        return min(self.group_size, self.plan[layer].head_dim)
 
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
@@ -159,7 +167,7 @@ class QuantizedCache(KVCache):
     def _restore(self, snapshot: dict) -> None:
         super()._restore({**snapshot, "_qf": list(snapshot["_qf"])})
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         G, step = self.group_size, self._step
         end = pos + k.shape[2]
         rewrites = pos < self.undo_length  # a write before the end rewrites held codes and residual
@@ -230,7 +238,7 @@ class QuantizedCache(KVCache):
         """Quantize whole blocks ``k``/``v`` ``(B, H, n * G, D)`` holding positions ``start..``; record errors."""
         G, b, end = self.group_size, self.bits, start + k.shape[2]
         kc, ks, kz = quantize_keys(k, b, G)
-        vc, vs, vz = quantize_values(v, b, self.value_group)
+        vc, vs, vz = quantize_values(v, b, self.value_group(layer))
         self._kq[layer][:, :, start:end], self._vq[layer][:, :, start:end] = kc, vc
         self._ks[layer][:, :, start // G:end // G], self._kz[layer][:, :, start // G:end // G] = ks, kz
         self._vs[layer][:, :, start:end], self._vz[layer][:, :, start:end] = vs, vz
@@ -261,11 +269,12 @@ class QuantizedCache(KVCache):
         layers written may have advanced their frontier: the others are brought to the same frontier (quantizing
         kept positions, exactly as the retry of the pass would), so every layer holds the same layout again."""
         super().truncate(n)
-        for layer in range(self.config.num_layers):
+        for layer in self.full_layers:
             if self._qf[layer] > n:
                 self._unquantize_tail(layer, n)
-        target = max(self._qf)
-        for layer, qf in enumerate(self._qf):
+        target = max((self._qf[i] for i in self.full_layers), default=0)
+        for layer in self.full_layers:
+            qf = self._qf[layer]
             if qf < target:  # positions qf..target-1 < n are valid in this layer's residual
                 rk, rv = self._rk[layer], self._rv[layer]
                 self._quantize(layer, qf, rk[:, :, :target - qf], rv[:, :, :target - qf])
@@ -284,13 +293,15 @@ class QuantizedCache(KVCache):
             raise SettingsError(f"part must be 'k', 'v' or 'kv', got {part!r}")
         return chosen[part].clone()
 
-    def stored_error(self, layer: int) -> torch.Tensor:
+    def stored_error(self, layer: int) -> torch.Tensor | None:
+        if layer not in self.full_layers:  # a ring or a shared layer stores exactly
+            return None
         return self.quantization_error(layer)[0].float().cpu()
 
-    def storage(self, layer: int) -> list[torch.Tensor]:
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return [self._rk[layer], self._rv[layer]]  # a read is a view of these only while nothing is quantized
 
-    def slot_view(self) -> SlotView:
+    def _slot_view(self) -> SlotView:
         """The ``Nq`` quantized slots, then the ``Nr`` full-precision residual slots."""
         q, n, nq, nr = self.quantized_upto, self.length, self._nq, self._nr
         r = n - q
@@ -299,40 +310,40 @@ class QuantizedCache(KVCache):
                   + [FILLED] * r + [STALE] * (rh - r) + [FREE] * (nr - rh))
         positions = list(range(q)) + [-1] * (nq - q) + list(range(q, n)) + [-1] * (nr - r)
         sharers = [1] * q + [0] * (nq - q) + [1] * r + [0] * (nr - r)
-        layout = {"bits": self.bits, "group_size": self.group_size, "residual_window": self.residual,
-                  "quantized_upto": q, "quantized_slots": nq, "residual": list(range(nq, nq + r))}
+        layout = QuantizedLayout(bits=self.bits, group_size=self.group_size, residual_window=self.residual,
+                                 quantized_upto=q, quantized_slots=nq, residual=list(range(nq, nq + r)))
         return SlotView(states, positions, sharers, layout)
 
-    def clone(self) -> "QuantizedCache":
-        twin = object.__new__(QuantizedCache)
-        twin.__dict__.update(self.__dict__)
+    def _clone_storage(self, twin: "QuantizedCache") -> None:
         for name in self._LAYER_STATE:
-            setattr(twin, name, [t.clone() for t in getattr(self, name)])
+            setattr(twin, name, [None if t is None else t.clone() for t in getattr(self, name)])
         twin._qf = list(self._qf)
-        return twin
 
     def bytes_breakdown(self) -> dict[str, int]:
         """Bytes of storage held, by part: integer codes, scales + zeros, full-precision residual."""
         def size(*names: str) -> int:
-            return sum(t.nbytes for name in names for t in getattr(self, name))
+            return sum(t.nbytes for name in names for t in getattr(self, name) if t is not None)
         return {"integers": size("_kq", "_vq"), "scales": size("_ks", "_kz", "_vs", "_vz"),
                 "residual": size("_rk", "_rv")}
 
     @property
-    def reserved_bytes(self) -> int:
+    def full_reserved_bytes(self) -> int:
         return sum(self.bytes_breakdown().values())
+
+    def full_layer_reserved(self, layer: int) -> int:
+        return sum(getattr(self, name)[layer].nbytes for name in self._LAYER_STATE[:8])
 
     @property
     def diagnostic_bytes(self) -> int:
         """Bytes of the per-position error records (not part of ``reserved_bytes``)."""
-        return sum(t.nbytes for t in (*self._kerr, *self._verr))
+        return sum(t.nbytes for t in (*self._kerr, *self._verr) if t is not None)
 
-    @property
-    def used_bytes(self) -> int:
-        """Bytes holding the ``length`` positions: codes and scales of ``0..Q-1``, residual of ``Q..length-1``."""
-        c, q, G = self.config, self.quantized_upto, self.group_size
-        bhd = self.batch_size * c.num_kv_heads * c.head_dim
+    def full_layer_used(self, layer: int) -> int:
+        """Bytes of ``layer`` holding the ``length`` positions: codes and scales of ``0..Q-1``, residual of
+        ``Q..length-1``."""
+        q, G, spec = self._qf[layer], self.group_size, self.plan[layer]
+        bhd = self.batch_size * spec.kv_heads * spec.head_dim
         codes = 2 * bhd * q * self.bits // 8
-        scales = 2 * 4 * bhd * (q // G + q // self.value_group)
-        residual = 2 * bhd * (self.length - q) * self._rk[0].element_size()
-        return c.num_layers * (codes + scales + residual)
+        scales = 2 * 4 * bhd * (q // G + q // self.value_group(layer))
+        residual = 2 * bhd * (self.length - q) * self.dtype.itemsize
+        return codes + scales + residual

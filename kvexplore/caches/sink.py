@@ -38,8 +38,9 @@ import torch
 from ..config import ModelConfig
 from ..settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
-from ..memory import kv_bytes
+from ..memory import full_layer_bytes
 from .base import EVICTED, FILLED, FREE, STALE, KVCache, SlotView
+from .layout import RingLayout
 
 
 class SinkCache(KVCache):
@@ -56,9 +57,9 @@ class SinkCache(KVCache):
             max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1, hint=" (or None for unbounded)")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.sinks, self.window, self._max = sinks, window, max_seq_len
-        shape = (batch_size, config.num_kv_heads, sinks + window, config.head_dim)
-        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
-        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_layers)]
+        self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window), dtype=self.dtype,
+                                                             device=self.device))
+        self._v = self._per_full_layer(lambda i: torch.zeros_like(self._k[i]))
         self._ws = sinks  # window start: first window position held; sinks..ws-1 were evicted
         self._slot_pos = [-1] * (sinks + window)  # position last written to each slot (-1: never)
         self._pending: tuple | None = None  # (pos, end, ws_before, ws_after, read) of the step being written
@@ -119,7 +120,6 @@ class SinkCache(KVCache):
             raise CacheFullError(used=pos, needed=q_len, capacity=self._max)
         ws_before = self.sinks if pos <= self.sinks else self._ws
         evicts = max(ws_before, end - self.window) > self.sinks  # keys read would not be positions 0..end-1
-        sliding = self.config.sliding_window
         if evicts and q_len > 1:
             held = f"has evicted positions {self.sinks}..{ws_before - 1}" if ws_before > self.sinks else (
                 f"holds {self.sinks + self.window} positions")
@@ -128,13 +128,9 @@ class SinkCache(KVCache):
                 f"window={self.window}) {held}, and a write of several tokens must fit without evicting (the "
                 f"model's causal mask assumes keys 0..{end - 1}); use window >= {end - self.sinks} or feed the "
                 f"tokens one at a time")
-        if evicts and sliding is not None and end > sliding:
-            raise SettingsError(f"the model's sliding window ({sliding}) builds a mask over keys 0..{end - 1}, but this "
-                             f"SinkCache has evicted some of them: past position {sliding} a sliding-window model "
-                             f"needs another cache")
 
-    def begin_step(self) -> None:
-        super().begin_step()
+    def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
+        super().begin_step(pos, q_len)
         self._pending = None
 
     def _plan(self, pos: int, end: int) -> tuple:
@@ -151,7 +147,7 @@ class SinkCache(KVCache):
             read = torch.tensor(self._held_slots(end, ws_after), device=self.device)
         return pos, end, ws_before, ws_after, read
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = k.shape[2]
         if self._pending is None:
             self._pending = self._plan(pos, pos + q_len)
@@ -205,7 +201,7 @@ class SinkCache(KVCache):
         self._evicted_last = []
 
     # -- inspection ----------------------------------------------------------------------------------------
-    def slot_view(self) -> SlotView:
+    def _slot_view(self) -> SlotView:
         states, positions, sharers = [], [], []
         for p in self._slot_pos:
             held = 0 <= p < self.length and (p < self.sinks or p >= self._ws)
@@ -213,14 +209,14 @@ class SinkCache(KVCache):
             states.append(state)
             positions.append(p if held else -1)
             sharers.append(1 if held else 0)
-        layout = {"sinks": self.sinks, "window": self.window, "ring_start": self._slot(self._ws),
-                  "evicted": self.evicted_count}
+        layout = RingLayout(sinks=self.sinks, window=self.window, ring_start=self._slot(self._ws),
+                            write_slot=self._slot(self.length), evicted=self.evicted_count)
         return SlotView(states, positions, sharers, layout)
 
-    def storage(self, layer: int) -> list[torch.Tensor]:
+    def _storage(self, layer: int) -> list[torch.Tensor]:
         return [self._k[layer], self._v[layer]]
 
-    def read_positions(self) -> list[int]:
+    def _read_positions(self) -> list[int]:
         return self.held_positions()  # write() returns the held slots in storage order
 
     def key(self, layer: int) -> torch.Tensor:
@@ -230,18 +226,11 @@ class SinkCache(KVCache):
     def value(self, layer: int) -> torch.Tensor:
         return self._v[layer]
 
-    def clone(self) -> "SinkCache":
-        twin = object.__new__(SinkCache)
-        twin.__dict__.update(self.__dict__)
-        twin._k = [t.clone() for t in self._k]
-        twin._v = [t.clone() for t in self._v]
+    def _clone_storage(self, twin: "SinkCache") -> None:
+        twin._k = [None if t is None else t.clone() for t in self._k]
+        twin._v = [None if t is None else t.clone() for t in self._v]
         twin._slot_pos, twin._evicted_last, twin._pending = list(self._slot_pos), list(self._evicted_last), None
-        return twin
 
     @property
-    def reserved_bytes(self) -> int:
-        return kv_bytes(self.config, self.sinks + self.window, self.batch_size, self.dtype)
-
-    @property
-    def used_bytes(self) -> int:
-        return kv_bytes(self.config, self.held, self.batch_size, self.dtype)
+    def full_reserved_bytes(self) -> int:
+        return full_layer_bytes(self.config, self.sinks + self.window, self.batch_size, self.dtype)

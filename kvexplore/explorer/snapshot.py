@@ -22,7 +22,7 @@ class LaneDetail:
     """A lane on screen, as it is now."""
 
     texts: list[str]  # the text of every position
-    slots: SlotView | None  # the cache's slots now (None before any step)
+    slots: list[SlotView] | None  # the cache's slots now, per layer (None before any step)
     norms: torch.Tensor | None  # (2, kv_heads, positions) of the chosen layer; NaN where nothing was recorded
     stored_error: torch.Tensor | None  # (kv_heads, length): the cache's error for the chosen layer (lossy caches)
 
@@ -78,7 +78,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
         has = bool(lane.history)
         lanes[name].detail = LaneDetail(
             texts=strip.texts(tokenizer, lane.generator),
-            slots=lane.cache.slot_view() if has else None,
+            slots=lane.cache.slot_views() if has else None,
             norms=lane.tracer.norms[layer] if has else None,
             stored_error=lane.cache.stored_error(layer) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,

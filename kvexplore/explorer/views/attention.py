@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...caches.layout import SharedLayout
 from ...records import StepRecord
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
@@ -33,7 +34,7 @@ def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
         if t is None or not t.has_attention(layer):
             continue
         raw = t.attention_raw(layer)[:, t.heads.index(head)]  # (T, keys read) in the order attention read them
-        cols = np.asarray(t.read_positions)
+        cols = np.asarray(t.reads_of(layer))
         first = r.position - r.input_len
         chosen = range(raw.shape[0]) if r.kind == "prefill" else [raw.shape[0] - 1]
         for i in reversed(chosen):
@@ -52,17 +53,28 @@ def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
     return [q for q, _ in picked], matrix
 
 
+def _physical_slots(t, layer: int):
+    """The slot view attention of ``layer`` read from (a shared layer reads its source's), or None."""
+    slots = t.slots_of(layer)
+    if slots is not None and isinstance(slots.layout, SharedLayout):
+        slots = t.slots_of(slots.layout.source)
+    return slots if slots is not None and slots.positions else None
+
+
 def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequence[str] = (),
-         gqa_groups: Sequence[Sequence[int]] = (), num_heads: int = 0) -> FigureSpec:
+         gqa_groups: Sequence[Sequence[int]] = (), num_heads: int = 0, sinks: bool = False) -> FigureSpec:
+    """``sinks``: the model has learned attention sinks (gpt-oss); their share of each row (what the keys do not
+    get) is drawn as its own column, left of slot 0 and of key position 0."""
     last = records[-1] if records else None
     have = last is not None and last.trace is not None and last.trace.has_attention(layer)
     bar_x, bar_y, bar_text = [], [], []
     if have:
         t = last.trace
-        probs = (t.physical_attention(layer) if t.slots is not None and t.slots.positions else t.attention(layer))[-1, t.heads.index(head)]
+        slots = _physical_slots(t, layer)
+        probs = (t.physical_attention(layer) if slots is not None else t.attention(layer))[-1, t.heads.index(head)]
         bar_y = probs.numpy()
         bar_x = list(range(len(bar_y)))
-        positions = t.slots.positions if t.slots is not None and t.slots.positions else bar_x
+        positions = slots.positions if slots is not None else bar_x
         bar_text = [f"slot {s} · position {p} {_tok(p, token_texts)}" if p >= 0 else f"slot {s}: empty"
                     for s, p in enumerate(positions)]
     qpos, matrix = history_matrix(records, layer, head) if have else ([], np.zeros((0, 0), np.float32))
@@ -80,13 +92,25 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
              colorscale=[[0, "#f7f7f7"], [0.5, "#9ecae1"], [1, "#e6550d"]], showscale=False, xgap=2, ygap=2,
              xaxis="x3", yaxis="y3", hovertemplate="query head %{x} reads KV head %{y}<extra></extra>"),
     ]
+    if sinks and have:  # the learned sink: one more column of the softmax, which reads no value
+        traces.append(dict(type="bar", name="sink", x=[-1], y=[max(0.0, 1.0 - float(np.sum(bar_y)))],
+                           marker=dict(color="#e6550d"), xaxis="x", yaxis="y",
+                           hovertemplate="learned sink: p = %{y:.4f} (reads no value)<extra></extra>"))
+        traces.append(dict(type="heatmap", name="sink history", x=np.full(len(qpos), -1, dtype=np.int32),
+                           y=np.asarray(qpos, dtype=np.int32), z=np.clip(1.0 - matrix.sum(1), 0, 1),
+                           colorscale="Oranges", zmin=0, zmax=1, showscale=False, xaxis="x2", yaxis="y2",
+                           hovertemplate="query position %{y} → learned sink<br>p = %{z:.4f}<extra></extra>"))
+    bar_range = slot_range(len(bar_x), max((i for i, y in enumerate(bar_y) if y > 0), default=0))
+    if sinks:
+        bar_range[0] = -1.5
     layout = dict(
         height=620, margin=dict(l=60, r=10, t=50, b=40), showlegend=False,
         title=dict(text=f"attention · layer {layer} · query head {head} (reads KV head "
                         f"{next((g for g, hs in enumerate(gqa_groups) if head in hs), '?')}){current}",
                    font=dict(size=13)),
-        xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="physical slot", standoff=2),
-                   range=slot_range(len(bar_x), max((i for i, y in enumerate(bar_y) if y > 0), default=0))),
+        xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="physical slot" + (" (-1: the learned sink)" if sinks
+                                                                                  else ""), standoff=2),
+                   range=bar_range),
         yaxis=dict(domain=[0.68, 1], anchor="x", title=dict(text="p (now)"), rangemode="tozero"),
         xaxis2=dict(domain=[0, 0.6], anchor="y2", title=dict(text="key position", standoff=2)),
         yaxis2=dict(domain=[0, 0.5], anchor="x2", title=dict(text="query position"), autorange="reversed"),
@@ -110,4 +134,5 @@ def _tok(pos: int, token_texts: Sequence[str]) -> str:
 def from_snapshot(s) -> FigureSpec:
     ln = s.lane
     c = s.config
-    return spec(ln.history, s.layer, s.head, ln.detail.texts if ln.detail else (), c.gqa_groups, c.num_heads)
+    return spec(ln.history, s.layer, s.head, ln.detail.texts if ln.detail else (), c.gqa_groups, c.num_heads,
+                c.attention_sinks)

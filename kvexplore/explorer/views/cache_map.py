@@ -1,9 +1,12 @@
 """Cache map: layers x physical slots, coloured by what each slot holds and what this step did with it.
 
-For the pre-allocated cache the write window is ``k.narrow(2, pos, q_len)`` and the read window
-``k.narrow(2, 0, pos + q_len)``; other strategies draw their own storage order: the paged cache its pages (the
-block table in the title), the quantized cache its quantized slots then its full-precision residual, the sink
-cache its sinks then its ring. Every layer stores the same positions, so the rows agree; hover names the token.
+Each layer is drawn in its own layout (its :class:`~kvexplore.caches.SlotView`): a full layer's fill grows (the
+pre-allocated cache's write window is ``k.narrow(2, pos, q_len)`` and its read window ``k.narrow(2, 0, pos + q_len)``),
+a sliding layer's ring is only ``window`` slots wide and the written slot moves round it, a shared layer has no
+slots and points at the layer it reads. The strategy's own storage order is kept: the paged cache its pages, the
+quantized cache its quantized slots then its residual, the sink cache its sinks then its ring. What a layout adds
+(marks, ticks, a line of title) comes from the typed layout itself, so a new strategy draws with no change here.
+One row of tokens per kind of layout, on top, names what each slot holds when hovered.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
+from ...caches.layout import Layout, SharedLayout
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .spec import FigureSpec, columns, hide_axes, slot_range
@@ -20,12 +24,16 @@ from .spec import FigureSpec, columns, hide_axes, slot_range
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 
 
-def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True) -> list[str]:
-    """The class of every physical slot (see :data:`SLOT_CLASSES`): after ``record``'s step, or in ``slots`` (the
-    cache now) with the step's windows marked only when the cache is still as the step left it (``fresh``)."""
-    slots = slots if slots is not None else record.trace.slots
-    written = _written(record) if fresh else set()
-    read = set(record.trace.read_positions) if fresh else {p for p in slots.positions if p >= 0}
+def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
+                 layer: int | None = None) -> list[str]:
+    """The class of every physical slot of ``layer`` (see :data:`SLOT_CLASSES`): after ``record``'s step, or in
+    ``slots`` (the cache now) with the step's windows marked only when the cache is still as the step left it
+    (``fresh``). ``layer`` None: the trace's main layer."""
+    trace = record.trace
+    layer = trace.main_layer if layer is None else layer
+    slots = slots if slots is not None else trace.slots_of(layer)
+    written = _written(record, layer) if fresh else set()
+    read = set(trace.reads_of(layer)) if fresh else {p for p in slots.positions if p >= 0}
     out = []
     for state, pos, sharers in zip(slots.states, slots.positions, slots.sharers):
         if state in (FILLED, SHARED) and pos >= 0:
@@ -42,62 +50,127 @@ def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool 
     return out
 
 
-def _written(record: StepRecord) -> set[int]:
-    if record.trace.events:
-        start, count = record.trace.events[0].write
-        return set(range(start, start + count))
+def _written(record: StepRecord, layer: int) -> set[int]:
+    for event in record.trace.events:
+        if event.layer == layer:
+            start, count = event.write
+            return set(range(start, start + count))
     return set()
 
 
+def _groups(views: Sequence[SlotView]) -> list[tuple[SlotView, list[int]]]:
+    """The distinct slot views (layers of one kind share one) and the layers drawn with each."""
+    out: dict[int, tuple[SlotView, list[int]]] = {}
+    for layer, view in enumerate(views):
+        out.setdefault(id(view), (view, []))[1].append(layer)
+    return list(out.values())
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``(first, last)`` of a sorted list of layer numbers."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]
+
+
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
-         title: str = "", slots: SlotView | None = None, fresh: bool = True, after: str = "") -> FigureSpec:
+         title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "") -> FigureSpec:
     """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
 
-    ``slots``: the cache's slot view now (default: the one recorded with the step); ``fresh=False`` when the cache
-    is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not drawn."""
-    classes, positions, layout_info = [], [], {}
-    if record is not None and record.trace is not None and (slots or record.trace.slots) is not None:
-        view = slots if slots is not None else record.trace.slots
-        classes = slot_classes(record, view, fresh)
-        positions = view.positions
-        layout_info = view.layout
-    n = len(classes)
-    row = np.array([CODE[c] for c in classes], dtype=np.int8)
+    ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
+    when the cache is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not
+    drawn."""
+    views: list[SlotView] = []
+    if record is not None and record.trace is not None:
+        recorded = record.trace.layer_slots
+        views = list(slots) if slots is not None else [record.trace.slots_of(i) for i in range(num_layers)] \
+            if recorded else []
+    groups = [(v, layers, slot_classes(record, v, fresh, layers[0]) if v.states else [])
+              for v, layers in _groups(views)]
+    drawn = [(v, layers, classes) for v, layers, classes in groups if classes]
+    n = max((len(c) for _, _, c in drawn), default=0)
+    grid = np.zeros((num_layers, max(n, 1)), dtype=np.int8)
+    keep = np.zeros_like(grid, dtype=bool)
+    for _, layers, classes in drawn:
+        row = np.array([CODE[c] for c in classes], dtype=np.int8)
+        grid[layers, : len(row)] = row
+        keep[layers, : len(row)] = True
     scale = dict(zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5, colorscale=discrete_colorscale(SLOT_COLOURS))
-    # every layer holds the same positions: the layer rows carry numbers only (sent as binary arrays), and one row
-    # on top names the token in each slot when hovered
-    heat = dict(type="heatmap", name="slots", **columns(np.tile(row, (num_layers, 1))),
-                xgap=1 if n <= 128 else 0, ygap=1, xaxis="x", yaxis="y",
-                hovertemplate="layer %{y} · slot %{x}<br>(hover the token row for what it holds)<extra></extra>",
-                showscale=False, **scale)
-    hover_row = [_hover(i, positions[i], classes[i], token_texts) for i in range(n)]
-    names = dict(type="heatmap", name="tokens", z=row[None, :], customdata=[hover_row], x=np.arange(n), y=[0],
-                 xgap=1 if n <= 128 else 0, xaxis="x", yaxis="y2", showscale=False,
-                 hovertemplate="%{customdata}<extra></extra>", **scale)
+    heat = dict(type="heatmap", name="slots", **columns(grid, keep), xgap=1 if n <= 128 else 0, ygap=1, xaxis="x",
+                yaxis="y", hovertemplate="layer %{y} · slot %{x}<br>(hover the token rows for what it holds)"
+                                         "<extra></extra>", showscale=False, **scale)
+    traces = [heat]
+    labels = []
+    for i, (view, layers, classes) in enumerate(drawn):  # one token row per kind of layout
+        row = np.array([CODE[c] for c in classes], dtype=np.int8)
+        hover = [_hover(s, view.positions[s], classes[s], token_texts) for s in range(len(classes))]
+        traces.append(dict(type="heatmap", name="tokens" if i == 0 else f"tokens {i + 1}", z=row[None, :],
+                           customdata=[hover], x=np.arange(len(classes)), y=[i], xgap=1 if n <= 128 else 0,
+                           xaxis="x", yaxis="y2", showscale=False, hovertemplate="%{customdata}<extra></extra>",
+                           **scale))
+        labels.append(_row_label(view.layout, layers, len(drawn)))
     # the legend: one square per slot class (a heatmap has none of its own)
-    legend = [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
-                   marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
-                   hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
-    used = [i for i, c in enumerate(classes) if c != "free"]
-    view_range = slot_range(n, used[-1] if used else 0)
-    shapes, annotations, ticks = _strategy_layout(kind, layout_info, n, num_layers)
+    traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
+                    marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
+                    hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
+    used = [s for _, _, classes in drawn for s, c in enumerate(classes) if c != "free"]
+    view_range = slot_range(n, max(used) if used else 0)
+    shapes, annotations = _marks(groups, n)
+    main = drawn[0][0].layout if drawn else None
+    ticks = {}
+    if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
+        ticks = dict(tickvals=t[0], ticktext=t[1])
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
     elif kind == "none":
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
-    layout = dict(title=dict(text=title or _title(record, kind, layout_info, classes, fresh, after), font=dict(size=13)),
-                  xaxis=dict(title=dict(text=f"physical slot ({_order(kind)})" + _zoomed(view_range, n), standoff=4),
+    order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
+    rows = max(1, len(drawn))
+    layout = dict(title=dict(text=title or _title(record, kind, groups, fresh, after), font=dict(size=13)),
+                  xaxis=dict(title=dict(text=f"physical slot ({order})" + _zoomed(view_range, n), standoff=4),
                              range=view_range, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
-                             domain=[0, 0.84]),
-                  yaxis2=dict(domain=[0.88, 1], anchor="x", tickvals=[0], ticktext=["token"], range=[-0.5, 0.5],
-                              fixedrange=True),
+                             domain=[0, 0.84 - 0.04 * (rows - 1)]),
+                  yaxis2=dict(domain=[0.88 - 0.04 * (rows - 1), 1], anchor="x", tickvals=list(range(rows)),
+                              ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
                               title=dict(text="slot")),
-                  margin=dict(l=60, r=20, t=90, b=50))
-    return FigureSpec([heat, names, *legend], hide_axes(layout) if not n else layout)
+                  margin=dict(l=60 if rows == 1 else 90, r=20, t=90 + 14 * max(0, len(groups) - 1), b=50))
+    return FigureSpec(traces, hide_axes(layout) if not n else layout)
+
+
+def _row_label(layout: Layout, layers: list[int], rows: int) -> str:
+    if rows == 1:
+        return "token"
+    return f"{type(layout).__name__.replace('Layout', '').lower() or 'slots'} ({len(layers)})"
+
+
+def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
+    """Each layout's marks over the rows of its layers, and a note on every shared layer's row."""
+    shapes, annotations = [], []
+    for view, layers, _ in groups:
+        if isinstance(view.layout, SharedLayout):
+            for layer in layers:
+                annotations.append(dict(text=f"shared: reads layer {view.layout.source}'s cache, stores nothing",
+                                        x=-0.5, y=layer, xref="x", yref="y", xanchor="left", showarrow=False,
+                                        font=dict(size=10, color="#555")))
+            continue
+        for first, last in _runs(layers):
+            for mark in view.layout.marks(len(view.states)):
+                shapes.append(dict(type="line", xref="x", yref="y", x0=mark.at - 0.5, x1=mark.at - 0.5,
+                                   y0=first - 0.5, y1=last + 0.5, line=dict(color=mark.colour, width=1.5,
+                                                                             dash=mark.dash)))
+                if mark.label and first == layers[0]:
+                    annotations.append(dict(text=mark.label, x=mark.at - 0.5, y=first - 0.5, xref="x", yref="y",
+                                            yanchor="bottom", xanchor="left", showarrow=False,
+                                            font=dict(size=11, color=mark.colour)))
+    return shapes, annotations
 
 
 def _zoomed(view_range: list[float], n: int) -> str:
@@ -112,67 +185,44 @@ def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
     return f"slot {slot} · position {pos} {tok}<br>{cls}: {SLOT_MEANING[cls]}"
 
 
-def _order(kind: str) -> str:
-    return {"paged": "pool pages in order", "quantized": "quantized slots, then full-precision residual",
-            "sink": "sinks, then the ring", "concat": "grows by one every step"}.get(kind, "storage order")
-
-
-def _title(record: StepRecord | None, kind: str, info: dict, classes: list[str], fresh: bool = True,
-           after: str = "") -> str:
+def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, after: str = "") -> str:
     if record is None:
         return f"{kind}: empty"
+    main = next(((v, layers, c) for v, layers, c in groups if c), None)
+    classes = main[2] if main else []
     held = sum(c in ("read", "shared", "written", "not read") for c in classes)
     head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
     if not fresh and after == "rewind":
         head += f" · after a rewind ({classes.count('stale')} stale)"
     elif not fresh and after:
         head += f" · after a {after}"
-    elif record.trace and record.trace.events:
-        (w0, wn), (_, rn) = record.trace.events[0].write, record.trace.events[0].read
-        if kind == "preallocated":  # literally the tensor windows
+    elif record.trace and record.trace.events and main is not None:
+        event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
+        (w0, wn), (_, rn) = event.write, event.read
+        if kind == "preallocated" and len(groups) == 1:  # literally the tensor windows
             head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, 0, {rn})"
         else:
             wrote = f"position {w0}" if wn == 1 else f"positions {w0}..{w0 + wn - 1}"
             head += f" · wrote {wrote} · attention read {rn} positions"
-    if kind == "paged":
-        head += f"<br>block table {info.get('block_table')} · {info.get('free_blocks')} free pages"
-    elif kind == "sink":
-        head += f"<br>{info.get('sinks')} sinks + ring of {info.get('window')} · ring starts at slot {info.get('ring_start')} · {info.get('evicted')} evicted"
-    elif kind == "quantized":
-        head += f"<br>int{info.get('bits')} blocks of {info.get('group_size')} · positions < {info.get('quantized_upto')} quantized"
-    return head
+    lines = []
+    for view, layers, _ in groups:
+        summary = view.layout.summary()
+        if len(groups) > 1:
+            name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_span(layers)}"
+            summary = f"{name}: {summary or view.layout.order}"
+        if summary:
+            lines.append(summary)
+    return "<br>".join([head, *lines[:3]])
+
+
+def _span(layers: list[int]) -> str:
+    runs = _runs(layers)
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:4])
+    return text + (", ..." if len(runs) > 4 else "")
 
 
 def _note(text: str) -> dict:
     return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=13))
-
-
-def _vline(x: float, num_layers: int, colour: str = "#444", dash: str = "solid") -> dict:
-    return dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1, line=dict(color=colour, width=1.5, dash=dash))
-
-
-def _strategy_layout(kind: str, info: dict, n: int, num_layers: int) -> tuple[list, list, dict]:
-    """Separators and ticks that show a strategy's own physical layout."""
-    shapes, annotations, ticks = [], [], {}
-    if kind == "paged" and info.get("block_size"):
-        bs = info["block_size"]
-        pages = n // bs
-        shapes = [_vline(p * bs - 0.5, num_layers, "#888") for p in range(1, pages)]
-        step = max(1, pages // 16)
-        ticks = dict(tickvals=[p * bs + (bs - 1) / 2 for p in range(0, pages, step)],
-                     ticktext=[f"page {p}" for p in range(0, pages, step)])
-    elif kind == "sink" and "sinks" in info:
-        shapes = [_vline(info["sinks"] - 0.5, num_layers)]
-        if info.get("ring_start") is not None:
-            shapes.append(_vline(info["ring_start"] - 0.5, num_layers, "#d62728", "dot"))
-            annotations.append(dict(text="ring start", x=info["ring_start"] - 0.5, y=1, yref="paper", xref="x",
-                                    yanchor="bottom", showarrow=False, font=dict(size=11, color="#d62728")))
-    elif kind == "quantized" and "quantized_slots" in info:
-        shapes = [_vline(info["quantized_slots"] - 0.5, num_layers)]
-        annotations.append(dict(text="full-precision residual →", x=info["quantized_slots"] - 0.5, y=1,
-                                xref="x", yref="paper", yanchor="bottom", showarrow=False, xanchor="left",
-                                font=dict(size=11)))
-    return shapes, annotations, ticks
 
 
 def from_snapshot(s, lane: str | None = None) -> FigureSpec:

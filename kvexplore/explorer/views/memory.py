@@ -22,12 +22,22 @@ CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated
         ("fragmentation", "inactive_split_bytes", "dot"))
 
 
-def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> FigureSpec:
-    """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill)."""
+KIND_COLOURS = {"full": "#08519c", "sliding": "#31a354", "shared": "#756bb1"}
+
+
+def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: str | None = None) -> FigureSpec:
+    """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill). When the
+    layers keep different caches (full, sliding, shared), one more panel splits lane ``shown``'s bytes by layer
+    kind, each from its layers' own reports."""
     panels = [("held after the step: reserved ━ logical ╌ analytic ┈", HELD, "y"),
               ("moved by the step: written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
         panels.append(("CUDA caching allocator (whole process): reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
+    shown = shown if shown in lanes else next(iter(lanes), None)
+    kinds = _kinds(lanes.get(shown, ()))
+    if len(kinds) > 1:
+        panels.append((f"held by layer kind · {shown}: logical ━ reserved ┈ (colour: full, sliding, shared)", (),
+                       f"y{len(panels) + 1}"))
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
         steps = [r.step for r in records]
@@ -35,6 +45,8 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
         traces.append(dict(type="scatter", name=lane, legendgroup=lane, x=[None], y=[None], mode="lines",
                            line=dict(color=strategy_colour(i), width=3), showlegend=True, hoverinfo="skip"))
         for p, (_, metrics, axis) in enumerate(panels):
+            if not metrics:  # the layer-kind panel: drawn once, below, for the lane shown
+                continue
             for label, attr, dash in metrics:
                 if axis == "y3":
                     ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems]
@@ -45,6 +57,17 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
                     legendgroup=lane, showlegend=False, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
                     line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
                     hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
+    if len(kinds) > 1:
+        records = lanes[shown]
+        steps = [r.step for r in records]
+        axis, xaxis = f"y{len(panels)}", f"x{len(panels)}"
+        for kind in kinds:
+            for attr, dash, label in (("logical_bytes", "solid", "logical"), ("reserved_bytes", "dot", "reserved")):
+                ys = [r.memory.by_kind().get(kind, {}).get(attr) if r.memory is not None else None for r in records]
+                traces.append(dict(type="scatter", mode="lines", name=f"{kind} layers {label}", x=steps, y=ys,
+                                   xaxis=xaxis, yaxis=axis, showlegend=False,
+                                   line=dict(color=KIND_COLOURS.get(kind, "#444"), dash=dash, width=2),
+                                   hovertemplate=f"{kind} layers · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)
     gap = 0.14
     height = (1 - gap * (n - 1)) / n
@@ -66,5 +89,11 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False) -> Figur
     return FigureSpec(traces, layout)
 
 
+def _kinds(records: Sequence[StepRecord]) -> list[str]:
+    """The layer kinds of a lane's reports, in the order full, sliding, shared."""
+    found = {m.kind for r in records if r.memory is not None for m in r.memory.layers}
+    return [k for k in ("full", "sliding", "shared") if k in found]
+
+
 def from_snapshot(s) -> FigureSpec:
-    return spec(s.records(), cuda=s.cuda)
+    return spec(s.records(), cuda=s.cuda, shown=s.shown)

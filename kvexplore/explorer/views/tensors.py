@@ -31,7 +31,7 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``)."""
     if slots is None and record is not None and record.trace is not None:
-        slots = record.trace.slots
+        slots = record.trace.slots_of(layer)
     positions = list(slots.positions) if slots is not None and slots.positions else (
         list(range(record.position)) if record is not None else [])  # no cache: every position was recomputed
     empty = np.zeros((0, 0), np.float32)
@@ -77,4 +77,5 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
 def from_snapshot(s) -> FigureSpec:
     ln = s.lane
     d = ln.detail
-    return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None, d.slots if d else None)
+    return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
+                d.slots[s.layer] if d and d.slots else None)

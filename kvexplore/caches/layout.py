@@ -1,0 +1,149 @@
+"""How one layer cache arranges its physical slots, as typed values the views draw without knowing the strategy.
+
+Every :class:`~kvexplore.caches.SlotView` carries one :class:`Layout`. A layout says, in plain data, what the cache
+map needs beyond the slot states: how to read the x axis (``order``), a line of text for the title
+(:meth:`Layout.summary`), vertical marks between slots (:meth:`Layout.marks`) and tick labels
+(:meth:`Layout.ticks`). A new strategy or layer type adds a layout here and nothing in the explorer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A vertical line before slot ``at`` (drawn at ``at - 0.5``), with an optional label above it."""
+
+    at: int
+    label: str = ""
+    colour: str = "#444"
+    dash: str = "solid"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Slots in storage order: slot ``i`` holds position ``i`` (the pre-allocated and concatenating caches)."""
+
+    order = "storage order: slot i holds position i"
+
+    def summary(self) -> str:
+        return ""
+
+    def marks(self, slots: int) -> list[Mark]:
+        return []
+
+    def ticks(self, slots: int) -> tuple[list[float], list[str]] | None:
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class LinearLayout(Layout):
+    pass
+
+
+@dataclass(frozen=True)
+class GrowingLayout(Layout):
+    """A cache that is exactly as long as the sequence (concatenation): a new, longer tensor every step."""
+
+    order = "grows by one slot every step"
+
+
+@dataclass(frozen=True)
+class EmptyLayout(Layout):
+    """No storage: nothing survives a step (no cache at all)."""
+
+    order = "nothing is stored"
+
+
+@dataclass(frozen=True)
+class PagedLayout(Layout):
+    block_size: int = 16
+    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    free_blocks: int = 0
+
+    order = "pool pages in order"
+
+    def summary(self) -> str:
+        return f"block table {self.block_table} · {self.free_blocks} free pages"
+
+    def marks(self, slots: int) -> list[Mark]:
+        return [Mark(p * self.block_size, colour="#888") for p in range(1, slots // self.block_size)]
+
+    def ticks(self, slots: int) -> tuple[list[float], list[str]]:
+        bs = self.block_size
+        pages = slots // bs
+        every = max(1, pages // 16)
+        return ([p * bs + (bs - 1) / 2 for p in range(0, pages, every)],
+                [f"page {p}" for p in range(0, pages, every)])
+
+
+@dataclass(frozen=True)
+class RingLayout(Layout):
+    """``sinks`` fixed slots, then a ring of ``window`` slots written round and round (StreamingLLM sinks, or a
+    sliding-window layer with ``sinks == 0``). ``ring_start``: the slot of the oldest position in the ring;
+    ``write_slot``: where the next position goes; ``evicted``: positions dropped so far."""
+
+    sinks: int = 0
+    window: int = 0
+    ring_start: int = 0
+    write_slot: int = 0
+    evicted: int = 0
+
+    @property
+    def order(self) -> str:  # type: ignore[override]
+        return "sinks, then the ring" if self.sinks else "a ring: position p in slot p mod window"
+
+    def summary(self) -> str:
+        head = f"{self.sinks} sinks + ring of {self.window}" if self.sinks else f"ring of {self.window} (sliding window)"
+        return f"{head} · oldest in slot {self.ring_start} · next write slot {self.write_slot} · {self.evicted} evicted"
+
+    def marks(self, slots: int) -> list[Mark]:
+        out = [Mark(self.sinks)] if self.sinks else []
+        out.append(Mark(self.ring_start, "oldest", "#d62728", "dot"))
+        return out
+
+
+@dataclass(frozen=True)
+class QuantizedLayout(Layout):
+    bits: int = 8
+    group_size: int = 32
+    residual_window: int = 32
+    quantized_upto: int = 0
+    quantized_slots: int = 0
+    residual: list[int] = field(default_factory=list)
+
+    order = "quantized slots, then full-precision residual"
+
+    def summary(self) -> str:
+        return f"int{self.bits} blocks of {self.group_size} · positions < {self.quantized_upto} quantized"
+
+    def marks(self, slots: int) -> list[Mark]:
+        return [Mark(self.quantized_slots, "full-precision residual →")]
+
+
+@dataclass(frozen=True)
+class SharedLayout(Layout):
+    """A layer that stores nothing and reads layer ``source``'s cache (Gemma 4's KV sharing)."""
+
+    source: int = 0
+
+    order = "no slots of its own"
+
+    def summary(self) -> str:
+        return f"stores nothing: reads layer {self.source}'s cache"
+
+
+LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,
+                                         QuantizedLayout, SharedLayout)}
+
+
+def layout_from_dict(d: dict[str, Any]) -> Layout:
+    """Inverse of :meth:`Layout.to_dict` (for saved traces)."""
+    d = dict(d)
+    return LAYOUTS[d.pop("type")](**d)
