@@ -125,7 +125,7 @@ def _generate(args: argparse.Namespace) -> None:
     def show() -> None:
         nonlocal shown
         if args.trace:
-            out.write(step_view(gen.history[-1], cache.slot_view(), model.config.num_layers) + "\n")
+            out.write(step_view(gen.history[-1], cache.slot_views(), model.config.num_layers) + "\n")
             return
         text = gen.text
         if text.startswith(shown):  # print only what is new (decoding token by token would drop spaces)

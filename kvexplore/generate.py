@@ -222,19 +222,39 @@ class Generator:
             raise SettingsError(f"cannot rewind {n} tokens: {len(self.history)} have been generated "
                              f"(0 <= n <= {len(self.history)})")
         if n:
-            self.cache.check_truncate(min(self.cache.length, len(self._tokens) - n - 1))  # evicted positions
+            target = min(self.cache.length, len(self._tokens) - n - 1)
+            if not self.cache.needs_replay(target):
+                self.cache.check_truncate(target)  # evicted positions
 
     def rewind(self, n: int = 1) -> None:
-        """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match."""
+        """Forget the last ``n`` generated tokens (and their records); the cache is truncated to match. When a
+        sliding layer's ring has overwritten what the kept sequence needs, the cache is rebuilt by one forward
+        pass over the kept tokens (the same cache a fresh prefill of them gives; no record is added)."""
         self.check_rewind(n)
         self._undoable = False
         n = int(n)
         if n == 0:
             return
         keep = len(self._tokens) - n
-        self.cache.truncate(min(self.cache.length, keep - 1))
+        target = min(self.cache.length, keep - 1)
+        if self.cache.needs_replay(target):
+            self._replay(target)
+        else:
+            self.cache.truncate(target)
         self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
+
+    def _replay(self, n: int) -> None:
+        """Rebuild the cache as the first ``n`` tokens' prefill leaves it; on failure the cache is as before."""
+        backup = self.cache.clone()
+        try:
+            self.cache.truncate(0)
+            if n:
+                self.model(torch.tensor([self._tokens[:n]]), self.cache, 0, last_only=True)
+        except BaseException:
+            self.cache.__dict__.update(backup.__dict__)  # every strategy keeps its state in its attributes
+            backup.__dict__ = {}  # its storage is the cache's again: dropping the backup must not release it
+            raise
 
     def reset(self) -> None:
         """Forget the sequence and empty the cache (its storage is kept)."""

@@ -11,6 +11,8 @@ Everything ``=``, ``+`` or shared is what attention reads this step: for the pre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from .memory import MemoryReport, format_bytes
 from .records import StepRecord
@@ -55,13 +57,28 @@ def memory_line(m: MemoryReport) -> str:
             f"  freed {format_bytes(m.freed_bytes)} ({m.frees})")
 
 
-def step_view(record: StepRecord, view: SlotView, num_layers: int, width: int = 96) -> str:
-    """Two lines for one step: the token, then the slot map of the layers (all alike) and the step's memory."""
+def step_view(record: StepRecord, views: SlotView | Sequence[SlotView], num_layers: int, width: int = 96) -> str:
+    """The token, then one slot map per kind of layer cache (``views``: one per layer, as ``cache.slot_views()``
+    gives, or one for all layers) and the step's memory on the first."""
     start = record.position - record.input_len
     written = set(range(start, record.position)) if record.cache_length else set()
-    held = sum(s in (FILLED, SHARED) for s in view.states)
     head = (f"#{record.step:<4d} {record.kind:7s} fed {start}..{record.position - 1} -> {record.text!r} "
             f"at {record.position} (p={record.prob:.2f})")
-    slots = f"{held}/{len(view.states)} slots" if view.states else "no cache"
+    per_layer = [views] * num_layers if isinstance(views, SlotView) else list(views)
+    groups: dict[int, tuple[SlotView, list[int]]] = {}
+    for layer, view in enumerate(per_layer):
+        groups.setdefault(id(view), (view, []))[1].append(layer)
     mem = memory_line(record.memory) if record.memory is not None else ""
-    return f"{head}\n  layers 0-{num_layers - 1}  {cache_map(view, written, width)}  {slots}  {mem}"
+    lines = [head]
+    for i, (view, layers) in enumerate(groups.values()):
+        held = sum(s in (FILLED, SHARED) for s in view.states)
+        slots = f"{held}/{len(view.states)} slots" if view.states else view.layout.summary() or "no cache"
+        if len(layers) == 1:
+            name = f"layer {layers[0]}"
+        elif layers == list(range(layers[0], layers[-1] + 1)):
+            name = f"layers {layers[0]}-{layers[-1]}"
+        else:
+            name = "layers " + ",".join(map(str, layers))
+        body = cache_map(view, written, width) if view.states else ""
+        lines.append(f"  {name}  {body}  {slots}" + (f"  {mem}" if i == 0 else ""))
+    return "\n".join(lines)

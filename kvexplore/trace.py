@@ -135,7 +135,8 @@ class StepTrace:
         return out
 
     def physical_attention(self, layer: int) -> torch.Tensor:
-        """``(T, heads, slots)`` in the cache's physical slot order (needs ``"cache"`` capture for the slot map)."""
+        """``(T, heads, slots)`` in the cache's physical slot order (needs ``"cache"`` capture for the slot map);
+        positions the step read that the cache no longer holds after it have no slot and are left out."""
         slots = self.slots_of(layer)
         if slots is None:
             raise SettingsError("physical order needs the slot view: trace with capture including 'cache'")
@@ -144,7 +145,12 @@ class StepTrace:
         slot_of = {p: s for s, p in enumerate(slots.positions) if p >= 0}
         raw = self.attention_raw(layer)
         out = raw.new_zeros(*raw.shape[:2], len(slots.positions))
-        out[..., [slot_of[p] for p in self.reads_of(layer)]] = raw
+        # a position read in the step may be gone by its end (a prompt longer than a sliding layer's ring is read
+        # whole, then only its last `window` positions are kept): it has no slot, so no column here
+        kept = [(i, slot_of[p]) for i, p in enumerate(self.reads_of(layer)) if p in slot_of]
+        if kept:
+            columns, slots_at = zip(*kept)
+            out[..., list(slots_at)] = raw[..., list(columns)]
         return out
 
 

@@ -209,6 +209,25 @@ def test_lab_tiny_three_strategies_page_equals_kernel(tmp_path, shots):
              'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
 
 
+PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sinks
+    "gemma4": ('"gemma4", layers=6, sliding_window=16, layer_types=["sliding_attention"] * 2 + ["full_attention"] + '
+               '["sliding_attention"] * 2 + ["full_attention"]', ("preallocated", "paged", "sink")),
+    "gptoss": ('"gpt_oss", layers=4, sliding_window=16', ("preallocated", "concat")),
+}
+
+
+@pytest.mark.parametrize("arch", list(PER_LAYER))
+def test_lab_per_layer_caches_page_equals_kernel(arch, tmp_path, shots):
+    """A random-weight Gemma 4 style model (full, sliding and shared layers) and a gpt-oss style one (learned
+    sinks): the cache map draws each layer's own layout, and the page still shows what the kernel holds."""
+    options, strategies = PER_LAYER[arch]
+    folder = tmp_path / f"{arch}-tiny"
+    _run_lab(tmp_path, shots, f"truth_lab_{arch}",
+             f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore\n"
+             f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), {options})\n"
+             f"ex = kvexplore.Explorer({str(folder)!r}, strategies={strategies!r}, max_seq_len=64)\nex")
+
+
 def _smollm2() -> None:
     """Skip unless SmolLM2 can be had (it is fetched here once, so no kernel waits for the download)."""
     pytest.importorskip("gguf")

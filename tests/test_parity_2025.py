@@ -8,6 +8,8 @@ proportional RoPE). Random weights, float32; windows smaller than the sequence s
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvexplore
 from helpers import FailingTracer, make_checkpoint
@@ -209,3 +211,58 @@ def test_gemma4_refuses_what_it_does_not_implement(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**raw, key: value}))
         with pytest.raises(kvexplore.UnsupportedModelError, match=f"{key}=.* kvexplore does not implement"):
             kvexplore.load(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["preallocated", "paged"])
+def test_generator_rewinds_past_the_ring_by_recomputing_it(built, kind):
+    """A rewind further back than a sliding layer's ring holds rebuilds the cache from the kept tokens (one pass):
+    the run that follows is the run a fresh prefill of them gives."""
+    model, _ = built("gemma3-w4")
+    gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 64))
+    gen.prefill(ids_for(model, 6))
+    gen.run(12, stop_at_eos=False)
+    kept = gen.tokens[:-5]
+    assert gen.cache.needs_replay(len(kept) - 1)
+    gen.rewind(5)
+    assert gen.tokens == kept and gen.cache.length == len(kept) - 1
+    fresh = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 64))
+    fresh.prefill(kept[:6])
+    for token in kept[6:]:
+        fresh.step(force=token)
+    again = [r.token_id for r in gen.run(8, stop_at_eos=False)]
+    assert again == [r.token_id for r in fresh.run(8, stop_at_eos=False)]
+    # a replay that fails leaves the generator and its cache as they were
+    before = (list(gen.tokens), gen.cache.length, [t.clone() for t in gen.cache.storage(0)])
+    original = model.forward
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            gen.rewind(6)
+    finally:
+        model.forward = original
+    assert (gen.tokens, gen.cache.length) == before[:2]
+    assert all(torch.equal(a, b) for a, b in zip(gen.cache.storage(0), before[2]))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_chunking_and_rewinds_match_recomputation_on_every_layer_kind(built, data):
+    """Full, sliding (window 4, rings wrapping) and shared layers: any chunking of 30 tokens, with every rewind the
+    rings allow, gives the no-cache logits, on the pre-allocated and the paged cache."""
+    model, _ = built("gemma4-w4")
+    ids = ids_for(model, 30)
+    want = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+    cache = kvexplore.make_cache(data.draw(st.sampled_from(["preallocated", "paged"]), label="kind"), model, 30)
+    got = torch.empty_like(want)
+    while cache.length < len(ids):
+        pos = cache.length
+        n = data.draw(st.integers(1, len(ids) - pos), label="chunk")
+        got[pos:pos + n] = model(torch.tensor([ids[pos:pos + n]]), cache, pos)[0]
+        if data.draw(st.booleans(), label="rewind"):
+            to = data.draw(st.integers(0, cache.length), label="to")
+            if cache.needs_replay(to):
+                with pytest.raises(ValueError, match="no longer hold position"):
+                    cache.truncate(to)
+            else:
+                cache.truncate(to)
+    assert (got - want).abs().max() < TOL

@@ -47,3 +47,17 @@ def test_cli_trace(checkpoint, capsys):
     maps = re.findall(r"layers 0-1  \|([.=+~x2-9*]+)\|", out)
     assert len(maps) == 3 and maps[0].count("+") > 1 and maps[1].count("+") == maps[2].count("+") == 1
     assert [m.count("=") + m.count("+") for m in maps] == [len(maps[0].rstrip(".")) + i for i in range(3)]
+
+
+def test_one_line_per_kind_of_layer_cache(tmp_path):
+    from helpers import make_checkpoint
+
+    types = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    make_checkpoint(tmp_path, "gemma4", layers=6, sliding_window=4, layer_types=types)
+    model = kvexplore.load(tmp_path)
+    gen = Generator(model, PreallocatedCache(model.config, 12))
+    gen.prefill([1, 5, 6, 7, 8, 9])
+    lines = step_view(gen.step(), gen.cache.slot_views(), model.config.num_layers).splitlines()
+    assert lines[1].startswith("  layers 0,1,3  |==+=|  4/4 slots  reserved ")  # rings of the window, then memory
+    assert lines[2].startswith("  layer 2  |======+.....|  7/12 slots") and "reserved" not in lines[2]  # full
+    assert lines[3] == "  layer 4    stores nothing, reads layer 3" and lines[4] == "  layer 5    stores nothing, reads layer 2"

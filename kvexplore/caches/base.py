@@ -59,6 +59,7 @@ class KVCache(ABC):
         self.rings = SlidingLayers(sliding, batch_size, dtype, self.device) if sliding and self.rings_for_sliding \
             else None
         self._length = 0
+        self._capacity: int | None = None  # most positions a sequence may reach (None: unbounded)
         self._step = StepCounters()
         self._layer_moved: dict[int, tuple[int, int]] = {}  # layer -> (written, copied) bytes this step
         self._reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's reads of shared layers' sources
@@ -86,7 +87,7 @@ class KVCache(ABC):
     @property
     def capacity(self) -> int | None:
         """Most positions the cache can hold, or ``None`` when unbounded."""
-        return None
+        return self._capacity
 
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         """Raise, before anything is written, if ``q_len`` positions cannot be written at ``pos``."""
@@ -256,13 +257,25 @@ class KVCache(ABC):
             return len(self.rings.held_positions(self.length)) if self.rings is not None else 0
         return 0 if spec.kind == SHARED_LAYER else self.held
 
-    def check_truncate(self, n: int) -> None:
+    def check_truncate(self, n: int, rings: bool = True) -> None:
         """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
-        checked before any is rewound)."""
+        checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
         if not 0 <= n <= self.length:
             raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
-        if self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
+        if rings and self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
             raise SettingsError(f"cannot truncate to {n}: {msg}")
+
+    def needs_replay(self, n: int) -> bool:
+        """True when only the sliding layers' rings stop a truncate to ``n``: they overwrote positions the next query
+        reads, so going back means recomputing the sequence's first ``n`` positions (what
+        :meth:`kvexplore.Generator.rewind` does)."""
+        if self.rings is None or not 0 <= n <= self.length or self.rings.rewind_error(n, self.length) is None:
+            return False
+        try:
+            self.check_truncate(n, rings=False)
+        except SettingsError:
+            return False
+        return True
 
     def truncate(self, n: int) -> None:
         """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""

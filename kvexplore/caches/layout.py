@@ -37,13 +37,24 @@ class Layout:
     def ticks(self, slots: int) -> tuple[list[float], list[str]] | None:
         return None
 
+    def step(self, write: tuple[int, int], read: int) -> str:
+        """What a step did, for the title: ``write`` (first position, count) and the keys read."""
+        w0, wn = write
+        if wn == 0:
+            return f"wrote nothing · attention read {read} positions"
+        wrote = f"position {w0}" if wn == 1 else f"positions {w0}..{w0 + wn - 1}"
+        return f"wrote {wrote} · attention read {read} positions"
+
     def to_dict(self) -> dict[str, Any]:
         return {"type": type(self).__name__, **asdict(self)}
 
 
 @dataclass(frozen=True)
 class LinearLayout(Layout):
-    pass
+    """Storage allocated once and written in place: the step's windows are literally ``narrow()`` views."""
+
+    def step(self, write: tuple[int, int], read: int) -> str:
+        return f"write narrow(2, {write[0]}, {write[1]}) · read narrow(2, 0, {read})"
 
 
 @dataclass(frozen=True)
@@ -100,8 +111,8 @@ class RingLayout(Layout):
         return "sinks, then the ring" if self.sinks else "a ring: position p in slot p mod window"
 
     def summary(self) -> str:
-        head = f"{self.sinks} sinks + ring of {self.window}" if self.sinks else f"ring of {self.window} (sliding window)"
-        return f"{head} · oldest in slot {self.ring_start} · next write slot {self.write_slot} · {self.evicted} evicted"
+        head = f"{self.sinks} sinks + ring of {self.window}" if self.sinks else f"ring of {self.window}"
+        return f"{head} · next write slot {self.write_slot} · {self.evicted} evicted"
 
     def marks(self, slots: int) -> list[Mark]:
         out = [Mark(self.sinks)] if self.sinks else []
@@ -136,7 +147,7 @@ class SharedLayout(Layout):
     order = "no slots of its own"
 
     def summary(self) -> str:
-        return f"stores nothing: reads layer {self.source}'s cache"
+        return f"stores nothing, reads layer {self.source}"
 
 
 LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,

@@ -30,10 +30,6 @@ class PreallocatedCache(KVCache):
         self._capacity = max_seq_len
         self._high_water = 0  # slots below this were written at some point (stale if past the length)
 
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
         if pos + q_len > self.capacity:

@@ -142,10 +142,6 @@ class QuantizedCache(KVCache):
         self._q_high = self._r_high = 0  # slots below these were written at some point
 
     @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
     def quantized_upto(self) -> int:
         """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
         return self._qf[self.full_layers[0]] if self.full_layers else 0

@@ -56,7 +56,7 @@ class SinkCache(KVCache):
         if max_seq_len is not None:
             max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1, hint=" (or None for unbounded)")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self.sinks, self.window, self._max = sinks, window, max_seq_len
+        self.sinks, self.window, self._capacity = sinks, window, max_seq_len
         self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window), dtype=self.dtype,
                                                              device=self.device))
         self._v = self._per_full_layer(lambda i: torch.zeros_like(self._k[i]))
@@ -66,10 +66,6 @@ class SinkCache(KVCache):
         self._evicted_last: list[int] = []
 
     # -- positions and slots -------------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int | None:
-        return self._max
-
     @property
     def window_start(self) -> int:
         """First window position held (positions ``sinks .. window_start - 1`` were evicted)."""
@@ -116,8 +112,8 @@ class SinkCache(KVCache):
         if pos < self.length and (msg := self._rewind_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         end = pos + q_len
-        if self._max is not None and end > self._max:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self._max)
+        if self._capacity is not None and end > self._capacity:
+            raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
         ws_before = self.sinks if pos <= self.sinks else self._ws
         evicts = max(ws_before, end - self.window) > self.sinks  # keys read would not be positions 0..end-1
         if evicts and q_len > 1:
@@ -186,8 +182,8 @@ class SinkCache(KVCache):
     def _restore(self, snapshot: dict) -> None:
         super()._restore({**snapshot, "_slot_pos": list(snapshot["_slot_pos"])})
 
-    def check_truncate(self, n: int) -> None:
-        super().check_truncate(n)
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        super().check_truncate(n, rings)
         if msg := self._rewind_error(n):
             raise SettingsError(msg)
 

@@ -13,7 +13,8 @@ class LaneTracer(Tracer):
 
     def __init__(self, num_layers: int, num_kv_heads: int) -> None:
         super().__init__(capture={"cache", "attention", "memory", "timing"})
-        # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached)
+        # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached, or
+        # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
         self.last_logprobs: torch.Tensor | None = None
         # without a cache every decode step recomputes all rows of attention; only the newest is new, and keeping
@@ -36,7 +37,7 @@ class LaneTracer(Tracer):
             grown = torch.full((*self.norms.shape[:-1], max(end, 2 * self.norms.shape[-1], 64)), float("nan"))
             grown[..., : self.norms.shape[-1]] = self.norms
             self.norms = grown
-        self.norms[layer, which, :, self._pos:end] = t[0].detach().float().norm(dim=-1).cpu()
+        self.norms[layer, which, : t.shape[1], self._pos:end] = t[0].detach().float().norm(dim=-1).cpu()
 
     def clone(self) -> "LaneTracer":
         """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""

@@ -132,7 +132,7 @@ class Session:
 
     def _tracer(self) -> LaneTracer:
         c = self.model.config
-        return LaneTracer(c.num_layers, c.num_kv_heads)
+        return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)))
 
     def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
         options = dict(self.options.get(kind, {}))

@@ -79,7 +79,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
         lanes[name].detail = LaneDetail(
             texts=strip.texts(tokenizer, lane.generator),
             slots=lane.cache.slot_views() if has else None,
-            norms=lane.tracer.norms[layer] if has else None,
+            norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
             stored_error=lane.cache.stored_error(layer) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...caches.layout import SharedLayout
 from ...records import StepRecord
+from .palette import PROBABILITY_SCALE, SINK_SCALE
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
 MAX_ROWS = 256  # history rows drawn (the most recent); older rows scroll out
@@ -85,7 +86,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         dict(type="bar", name="current", x=bar_x, y=bar_y, customdata=bar_text, marker=dict(color="#3182bd"),
              hovertemplate="%{customdata}<br>p = %{y:.4f}<extra></extra>", xaxis="x", yaxis="y"),
         dict(type="heatmap", name="history", **columns(matrix, _causal(qpos, matrix.shape[1]), rows=qpos),
-             colorscale="Blues", zmin=0, zmax=1, xaxis="x2", yaxis="y2",
+             colorscale=PROBABILITY_SCALE, zmin=0, zmax=1, xaxis="x2", yaxis="y2",
              colorbar=dict(title=dict(text="p"), len=0.5, y=0, yanchor="bottom", x=0.62, xanchor="left", thickness=10),
              hovertemplate="query position %{y} → key position %{x}<br>p = %{z:.4f}<extra></extra>"),
         dict(type="heatmap", name="gqa", z=group_z, x=list(range(num_heads)), y=list(range(kvh)), zmin=0, zmax=2,
@@ -98,11 +99,14 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
                            hovertemplate="learned sink: p = %{y:.4f} (reads no value)<extra></extra>"))
         traces.append(dict(type="heatmap", name="sink history", x=np.full(len(qpos), -1, dtype=np.int32),
                            y=np.asarray(qpos, dtype=np.int32), z=np.clip(1.0 - matrix.sum(1), 0, 1),
-                           colorscale="Oranges", zmin=0, zmax=1, showscale=False, xaxis="x2", yaxis="y2",
+                           colorscale=SINK_SCALE, zmin=0, zmax=1, showscale=False, xaxis="x2", yaxis="y2",
                            hovertemplate="query position %{y} → learned sink<br>p = %{z:.4f}<extra></extra>"))
     bar_range = slot_range(len(bar_x), max((i for i, y in enumerate(bar_y) if y > 0), default=0))
-    if sinks:
+    notes = []
+    if sinks and have:
         bar_range[0] = -1.5
+        notes.append(dict(text="sink", x=-1, y=1, xref="x", yref="paper", yanchor="bottom", showarrow=False,
+                          font=dict(size=11, color="#e6550d")))
     layout = dict(
         height=620, margin=dict(l=60, r=10, t=50, b=40), showlegend=False,
         title=dict(text=f"attention · layer {layer} · query head {head} (reads KV head "
@@ -116,7 +120,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         yaxis2=dict(domain=[0, 0.5], anchor="x2", title=dict(text="query position"), autorange="reversed"),
         xaxis3=dict(domain=[0.86, 1], anchor="y3", title=dict(text="query head"), dtick=1),
         yaxis3=dict(domain=[0, 0.5], anchor="x3", title=dict(text="KV head"), dtick=1, autorange="reversed"),
-        annotations=[] if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,
+        annotations=notes if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,
                                           y=0.8, showarrow=False)],
     )
     return FigureSpec(traces, layout if have else hide_axes(layout))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
-from ...caches.layout import Layout, SharedLayout
+from ...caches.layout import EmptyLayout, SharedLayout
 from ...records import StepRecord
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .spec import FigureSpec, columns, hide_axes, slot_range
@@ -91,7 +91,10 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
             if recorded else []
     groups = [(v, layers, slot_classes(record, v, fresh, layers[0]) if v.states else [])
               for v, layers in _groups(views)]
+    main_layer = record.trace.main_layer if views else 0
+    groups.sort(key=lambda g: main_layer not in g[1])  # the main (first full) layer's layout first
     drawn = [(v, layers, classes) for v, layers, classes in groups if classes]
+    kinds = {m.layer: m.kind for m in record.memory.layers} if views and record.memory is not None else {}
     n = max((len(c) for _, _, c in drawn), default=0)
     grid = np.zeros((num_layers, max(n, 1)), dtype=np.int8)
     keep = np.zeros_like(grid, dtype=bool)
@@ -112,7 +115,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                            customdata=[hover], x=np.arange(len(classes)), y=[i], xgap=1 if n <= 128 else 0,
                            xaxis="x", yaxis="y2", showscale=False, hovertemplate="%{customdata}<extra></extra>",
                            **scale))
-        labels.append(_row_label(view.layout, layers, len(drawn)))
+        labels.append("token" if len(drawn) == 1 else f"{kinds.get(layers[0], 'layer')} ({len(layers)})")
     # the legend: one square per slot class (a heatmap has none of its own)
     traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
                     marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
@@ -126,12 +129,13 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         ticks = dict(tickvals=t[0], ticktext=t[1])
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
-    elif kind == "none":
+    elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in groups):
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
     rows = max(1, len(drawn))
-    layout = dict(title=dict(text=title or _title(record, kind, groups, fresh, after), font=dict(size=13)),
+    layout = dict(title=dict(text=title or _title(record, kind, groups, fresh, after), font=dict(size=13), x=0.01,
+                             xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + _zoomed(view_range, n), standoff=4),
                              range=view_range, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
@@ -145,19 +149,13 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
 
 
-def _row_label(layout: Layout, layers: list[int], rows: int) -> str:
-    if rows == 1:
-        return "token"
-    return f"{type(layout).__name__.replace('Layout', '').lower() or 'slots'} ({len(layers)})"
-
-
 def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
     """Each layout's marks over the rows of its layers, and a note on every shared layer's row."""
     shapes, annotations = [], []
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):
             for layer in layers:
-                annotations.append(dict(text=f"shared: reads layer {view.layout.source}'s cache, stores nothing",
+                annotations.append(dict(text=f"shared: {view.layout.summary()}",
                                         x=-0.5, y=layer, xref="x", yref="y", xanchor="left", showarrow=False,
                                         font=dict(size=10, color="#555")))
             continue
@@ -198,20 +196,20 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         head += f" · after a {after}"
     elif record.trace and record.trace.events and main is not None:
         event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
-        (w0, wn), (_, rn) = event.write, event.read
-        if kind == "preallocated" and len(groups) == 1:  # literally the tensor windows
-            head += f" · write narrow(2, {w0}, {wn}) · read narrow(2, 0, {rn})"
-        else:
-            wrote = f"position {w0}" if wn == 1 else f"positions {w0}..{w0 + wn - 1}"
-            head += f" · wrote {wrote} · attention read {rn} positions"
-    lines = []
+        head += " · " + main[0].layout.step(event.write, event.read[1])
+    lines, shared = [], []
     for view, layers, _ in groups:
+        if isinstance(view.layout, SharedLayout):  # one line for every shared layer
+            shared += [f"{layer} reads {view.layout.source}" for layer in layers]
+            continue
         summary = view.layout.summary()
         if len(groups) > 1:
             name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_span(layers)}"
             summary = f"{name}: {summary or view.layout.order}"
         if summary:
             lines.append(summary)
+    if shared:
+        lines.append(f"shared layers store nothing: {', '.join(shared[:6])}{', ...' if len(shared) > 6 else ''}")
     return "<br>".join([head, *lines[:3]])
 
 

@@ -36,7 +36,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     shown = shown if shown in lanes else next(iter(lanes), None)
     kinds = _kinds(lanes.get(shown, ()))
     if len(kinds) > 1:
-        panels.append((f"held by layer kind · {shown}: logical ━ reserved ┈ (colour: full, sliding, shared)", (),
+        panels.append((f"held by layer kind · {shown}: logical ━ reserved ┈ (colour: layer kind)", (),
                        f"y{len(panels) + 1}"))
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
@@ -62,10 +62,14 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
         steps = [r.step for r in records]
         axis, xaxis = f"y{len(panels)}", f"x{len(panels)}"
         for kind in kinds:
+            traces.append(dict(type="scatter", name=f"{kind} layers", legendgroup="layer kinds", x=[None], y=[None],
+                               mode="lines", line=dict(color=KIND_COLOURS.get(kind, "#444"), width=3),
+                               showlegend=True, hoverinfo="skip",
+                               legendgrouptitle=dict(text=f"layer kind ({shown})")))
             for attr, dash, label in (("logical_bytes", "solid", "logical"), ("reserved_bytes", "dot", "reserved")):
                 ys = [r.memory.by_kind().get(kind, {}).get(attr) if r.memory is not None else None for r in records]
                 traces.append(dict(type="scatter", mode="lines", name=f"{kind} layers {label}", x=steps, y=ys,
-                                   xaxis=xaxis, yaxis=axis, showlegend=False,
+                                   xaxis=xaxis, yaxis=axis, showlegend=False, legendgroup="layer kinds",
                                    line=dict(color=KIND_COLOURS.get(kind, "#444"), dash=dash, width=2),
                                    hovertemplate=f"{kind} layers · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)

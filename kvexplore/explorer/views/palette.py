@@ -15,6 +15,11 @@ SLOT_MEANING = {
     "evicted": "its position was dropped by the strategy",
 }
 
+# probability scales as explicit colour lists: the page's plotly.js reads a named scale its own way ("Blues" runs
+# dark to light there, light to dark in plotly for Python) or not at all ("Oranges")
+PROBABILITY_SCALE = [[0.0, "#f7fbff"], [0.25, "#c6dbef"], [0.5, "#6baed6"], [0.75, "#2171b5"], [1.0, "#08306b"]]
+SINK_SCALE = [[0.0, "#fff5eb"], [0.5, "#fd8d3c"], [1.0, "#a63603"]]
+
 STRATEGY_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 
