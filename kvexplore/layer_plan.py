@@ -51,13 +51,6 @@ class LayerSpec:
             return 0
         return min(positions, self.window) if self.kind == SLIDING else positions
 
-    def describe(self) -> str:
-        if self.kind == SHARED:
-            return f"layer {self.index}: shared, reads layer {self.source}'s cache"
-        if self.kind == SLIDING:
-            return f"layer {self.index}: sliding window of {self.window}"
-        return f"layer {self.index}: full attention"
-
 
 def layer_plan(config: ModelConfig) -> list[LayerSpec]:
     """One :class:`LayerSpec` per layer of ``config``."""

@@ -32,7 +32,7 @@ from ..errors import SettingsError
 from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, LayerSpec, kinds_present, layer_plan
 from ..memory import LayerMemory, MemoryReport, StepCounters, cuda_stats, full_layer_bytes, kv_bytes, layer_bytes
 from ..settings import positive_int
-from .layout import SharedLayout
+from .layout import EmptyLayout, SharedLayout
 from .masks import causal_mask
 from .ring import SlidingLayers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
@@ -384,8 +384,6 @@ class KVCache(ABC):
         return out
 
     def _empty_view(self) -> SlotView:
-        from .layout import EmptyLayout
-
         return SlotView([], [], [], EmptyLayout())
 
     @abstractmethod
