@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,14 @@ CONFIG_FIELDS = (
     Field("num_kv_shared_layers", INT, 0, MAX_LAYERS), Field("global_head_dim", INT, 1, MAX_HEAD_DIM),
     Field("num_global_key_value_heads", INT, 1, MAX_HEADS), Field("per_layer_config", DICT),
     Field("use_double_wide_mlp", BOOL),
+    # DeepSeek's latent attention and its experts
+    Field("kv_lora_rank", INT, 1, MAX_HIDDEN), Field("q_lora_rank", INT, 1, MAX_HIDDEN),
+    Field("qk_nope_head_dim", INT, 1, MAX_HEAD_DIM), Field("qk_rope_head_dim", INT, 2, MAX_HEAD_DIM),
+    Field("v_head_dim", INT, 1, MAX_HEAD_DIM), Field("rope_interleave", BOOL),
+    Field("n_routed_experts", INT, 1, 4096), Field("n_shared_experts", INT, 0, 4096), Field("n_group", INT, 1, 4096),
+    Field("topk_group", INT, 1, 4096), Field("routed_scaling_factor", FLOAT, 0, 1e6, lo_open=True),
+    Field("norm_topk_prob", BOOL), Field("first_k_dense_replace", INT, 0, MAX_LAYERS),
+    Field("moe_intermediate_size", INT, 1, MAX_FFN),
 )
 _LAYER_FIELDS = (Field("head_dim", INT, 1, MAX_HEAD_DIM), Field("num_key_value_heads", INT, 1, MAX_HEADS))
 # rope_scaling / rope_parameters entries, by scaling type
@@ -142,6 +151,21 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     double_wide_mlp: bool = False  # Gemma 4: shared layers' MLP is twice as wide
+    # DeepSeek: multi-head latent attention (kv_lora_rank > 0) and routed + shared experts after the dense layers
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries by one projection
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    mla: str = "absorbed"  # how attention reads the latents: "absorbed" (directly) or "decompressed" (per-head K/V)
+    shared_experts: int = 0
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_dense_layers: int = 0
+    moe_intermediate_size: int = 0
     source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
@@ -206,9 +230,29 @@ class ModelConfig:
                                 f"num_attention_heads {self.num_heads}; grouped-query attention needs whole groups")
             if dim % 2:
                 raise ConfigError(where, f"head_dim of layer {i}", dim, "an even number (RoPE rotates pairs)")
+        if self.kv_lora_rank:
+            self._check_latent(where)
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError(where, "num_experts_per_tok", self.experts_per_token,
                               f"1..{self.num_experts} (num_local_experts)")
+
+    def _check_latent(self, where: str) -> None:
+        if self.mla not in ("absorbed", "decompressed"):
+            raise ConfigError(where, "mla", self.mla, '"absorbed" or "decompressed"')
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(where, name, getattr(self, name), "a positive size (latent attention needs it)")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(where, "qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE turns pairs)")
+        if self.num_experts and (self.num_experts % self.expert_groups
+                                 or not 1 <= self.groups_per_token <= self.expert_groups):
+            raise ConfigError(where, "n_group / topk_group", (self.expert_groups, self.groups_per_token),
+                              f"groups that divide n_routed_experts ({self.num_experts}), 1 <= topk_group <= n_group")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a latent-attention query and key head: the part without position plus the rope part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def layer_kv_heads(self, layer: int) -> int:
         """Key/value heads of ``layer``."""
@@ -232,6 +276,8 @@ class ModelConfig:
         """What ``layer``'s query-key dot products are multiplied by before the softmax."""
         if self.unit_attention_scale:
             return 1.0
+        if self.kv_lora_rank:  # over the whole query head, times YaRN's mscale squared (DeepSeek)
+            return self.qk_head_dim ** -0.5 * _mscale_all_dim(self.rope_scaling) ** 2
         return (self.query_pre_attn_scalar or self.layer_head_dim(layer)) ** -0.5
 
     @property
@@ -273,8 +319,9 @@ class ModelConfig:
         return raw
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], where: str = "config.json") -> "ModelConfig":
-        """Build from the parsed ``config.json`` of a transformers checkpoint (v4 or v5 layout)."""
+    def from_hf(cls, raw: dict[str, Any], where: str = "config.json", mla: str = "absorbed") -> "ModelConfig":
+        """Build from the parsed ``config.json`` of a transformers checkpoint (v4 or v5 layout). ``mla``: how a
+        latent-attention model (DeepSeek) reads its cache, ``"absorbed"`` or ``"decompressed"``."""
         if not isinstance(raw, dict):
             raise ConfigError(where, "the top level", type(raw).__name__, "a JSON object ({...})")
         v = read(raw, CONFIG_FIELDS, where)
@@ -292,7 +339,9 @@ class ModelConfig:
         window = v["sliding_window"] if v["use_sliding_window"] is not False else None
         layer_types = _layer_types(v, arch, window)
         head_dims, kv_heads = _per_layer_sizes(v, layer_types, arch, where)
-        experts = v["num_local_experts"] or v["num_experts"] or 0
+        experts = v["num_local_experts"] or v["num_experts"] or v["n_routed_experts"] or 0
+        latent = traits.latent_attention
+        dense = (v["first_k_dense_replace"] or 0) if latent else 0
         return cls(
             architecture=arch,
             vocab_size=v["vocab_size"],
@@ -331,22 +380,44 @@ class ModelConfig:
             final_logit_softcapping=v["final_logit_softcapping"],
             attention_sinks=traits.attention_sinks,
             layer_scalar=traits.layer_scalar,
-            num_experts=experts if traits.mixture_of_experts else 0,
-            experts_per_token=(v["num_experts_per_tok"] or 4) if traits.mixture_of_experts else 0,
+            num_experts=experts if traits.mixture_of_experts or latent else 0,
+            experts_per_token=(v["num_experts_per_tok"] or 4) if traits.mixture_of_experts or latent else 0,
             swiglu_alpha=1.702 if v["swiglu_alpha"] is None else v["swiglu_alpha"],
             swiglu_limit=7.0 if v["swiglu_limit"] is None else v["swiglu_limit"],
             double_wide_mlp=bool(v["use_double_wide_mlp"]),
+            kv_lora_rank=(v["kv_lora_rank"] or 0) if latent else 0,
+            q_lora_rank=(v["q_lora_rank"] or 0) if latent else 0,
+            qk_nope_head_dim=(v["qk_nope_head_dim"] or 0) if latent else 0,
+            qk_rope_head_dim=(v["qk_rope_head_dim"] or 0) if latent else 0,
+            v_head_dim=(v["v_head_dim"] or 0) if latent else 0,
+            rope_interleave=bool(v["rope_interleave"]) if latent else False,
+            mla=mla,
+            shared_experts=(v["n_shared_experts"] or 0) if latent else 0,
+            expert_groups=(v["n_group"] or 1) if latent else 1,
+            groups_per_token=(v["topk_group"] or 1) if latent else 1,
+            routed_scaling_factor=1.0 if v["routed_scaling_factor"] is None else v["routed_scaling_factor"],
+            norm_topk_prob=v["norm_topk_prob"] is not False,
+            first_dense_layers=dense,
+            moe_intermediate_size=(v["moe_intermediate_size"] or 0) if latent else 0,
             source=where,
         )
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path, mla: str = "absorbed") -> "ModelConfig":
         path = Path(path)
         raw = read_json_object(path, "a model folder needs a config.json (saved with the weights)")
-        return cls.from_hf(raw, where=str(path))
+        return cls.from_hf(raw, where=str(path), mla=mla)
 
 
 _ROPE_THETA = Field("rope_parameters.rope_theta", FLOAT, 0, 1e12, lo_open=True, required=True)
+
+
+def _mscale_all_dim(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's correction of the softmax scale under YaRN: ``0.1 * mscale_all_dim * ln(factor) + 1``."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
 
 
 def _refuse_options(raw: dict[str, Any], arch: str, where: str) -> None:

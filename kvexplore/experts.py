@@ -1,4 +1,7 @@
-"""gpt-oss's mixture of experts: a router picks ``experts_per_token`` of ``num_experts`` MLPs for each token.
+"""Mixtures of experts: a router picks ``experts_per_token`` of ``num_experts`` MLPs for each token (gpt-oss's and
+DeepSeek's). Nothing here touches the KV cache.
+
+gpt-oss (:class:`MixtureOfExperts`):
 
 As transformers 5.24 computes it (checked in tests/test_parity_2025.py): the router's logits (with a bias) are
 cut to the top k, and the softmax runs over those k only. Each chosen expert is a clamped, biased GLU whose gate
@@ -10,7 +13,12 @@ and up projections are one fused matrix with their columns interleaved (even: ga
     y_e = ((up + 1) * gate * sigmoid(alpha * gate)) @ down[e] + down_bias[e]
 
 and the token's output is the routing-weighted sum of its experts' ``y_e`` (the down bias weighted too).
-Nothing here touches the KV cache.
+
+DeepSeek-V3 (:class:`DeepseekExperts`): sigmoid scores; a per-expert correction bias used only to choose; experts
+in ``n_group`` groups, of which the ``topk_group`` with the best two-expert sums are eligible; the top k of those;
+their (uncorrected) scores normalised to sum 1 (``norm_topk_prob``) and times ``routed_scaling_factor``; each expert
+a SwiGLU MLP of ``moe_intermediate_size`` (``experts.N.gate_proj``... as the checkpoints store them); plus
+``n_shared_experts`` always on, as one MLP of ``n_shared_experts * moe_intermediate_size``.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .blocks import MLP
 from .config import ModelConfig
 
 
@@ -62,3 +71,51 @@ class MixtureOfExperts(nn.Module):
             y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ ex.down_proj[e] + ex.down_proj_bias[e]
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out.view(shape)
+
+
+class DeepseekRouter(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+        self.k, self.groups, self.group_k = config.experts_per_token, config.expert_groups, config.groups_per_token
+        self.normalise, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and the chosen experts, each ``(N, k)``, for tokens ``x`` ``(N, D)``."""
+        scores = (x.float() @ self.weight.float().t()).sigmoid()  # (N, E), in float32 like transformers
+        choice = scores + self.e_score_correction_bias
+        N, E = choice.shape
+        by_group = choice.view(N, self.groups, E // self.groups)
+        best = by_group.topk(2, dim=-1).values.sum(-1).topk(self.group_k, dim=-1, sorted=False).indices  # (N, g)
+        eligible = torch.zeros(N, self.groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        choice = choice.masked_fill(~eligible.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+        chosen = choice.topk(self.k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if self.normalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, chosen
+
+
+class DeepseekExperts(nn.Module):
+    """``mlp`` of a DeepSeek-V3 MoE layer: ``mlp.gate``, ``mlp.experts`` and ``mlp.shared_experts``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = DeepseekRouter(config)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        if config.shared_experts:
+            self.shared_experts = MLP(config, config.moe_intermediate_size * config.shared_experts)
+        self.shared = bool(config.shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, chosen = self.gate(flat)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](flat[rows])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        out = out.view(shape)
+        return out + self.shared_experts(x) if self.shared else out

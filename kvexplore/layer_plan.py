@@ -25,7 +25,9 @@ LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
 class LayerSpec:
     """One layer's cache: ``kind`` full, sliding (a ring of ``window`` slots) or shared (stores nothing, reads
     layer ``source``); ``attends`` is the attention the layer computes (full or sliding), which a shared layer
-    takes from its source; ``kv_heads`` and ``head_dim`` give its keys' shape."""
+    takes from its source; ``kv_heads`` and ``head_dim`` give its keys' shape, ``value_width`` its values' width.
+    An MLA layer (DeepSeek) stores per position one latent of ``kv_lora_rank`` (in the keys' place) and one rope key
+    of ``qk_rope_head_dim`` (in the values' place): ``kv_heads`` is 1 and nothing is per head."""
 
     index: int
     kind: str
@@ -34,6 +36,12 @@ class LayerSpec:
     source: int
     kv_heads: int
     head_dim: int
+    value_dim: int = 0  # the second stored tensor's width (0: head_dim, as keys and values are)
+    latent: bool = False  # stores MLA's compressed latent (as "keys") and its rope key (as "values")
+
+    @property
+    def value_width(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def stores(self) -> bool:
@@ -42,7 +50,7 @@ class LayerSpec:
 
     def position_bytes(self, itemsize: int) -> int:
         """Bytes of one position's key and value in this layer (0 for a shared layer)."""
-        return 2 * self.kv_heads * self.head_dim * itemsize if self.stores else 0
+        return self.kv_heads * (self.head_dim + self.value_width) * itemsize if self.stores else 0
 
     def held(self, positions: int) -> int:
         """Positions this layer holds after a sequence of ``positions``: all for full, the last ``window`` for
@@ -60,11 +68,14 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
     for i, attends in enumerate(kinds):
         heads, dim = config.layer_kv_heads(i), config.layer_head_dim(i)
         window = config.sliding_window if attends == SLIDING else None
+        shape = dict(kv_heads=heads, head_dim=dim)
+        if config.kv_lora_rank:  # MLA: one latent of kv_lora_rank and one rope key per position, no heads
+            shape = dict(kv_heads=1, head_dim=config.kv_lora_rank, value_dim=config.qk_rope_head_dim, latent=True)
         if i >= first_shared:  # reads the last layer of the same type that stores its own cache
             source = max(j for j in range(first_shared) if kinds[j] == attends)
-            plan.append(LayerSpec(i, SHARED, attends, window, source, heads, dim))
+            plan.append(LayerSpec(i, SHARED, attends, window, source, **shape))
         else:
-            plan.append(LayerSpec(i, attends, attends, window, i, heads, dim))
+            plan.append(LayerSpec(i, attends, attends, window, i, **shape))
     return plan
 
 

@@ -8,6 +8,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import LoadError, MissingFileError, SettingsError
+from .settings import choice
 from .model import Model
 from .rope import Rotary
 from .store import MODELS, fetch
@@ -53,7 +54,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def load(source: str | Path, dtype: str | torch.dtype | None = None,
-         device: str | torch.device | None = None, allow_nonfinite: bool = False) -> Model:
+         device: str | torch.device | None = None, allow_nonfinite: bool = False, mla: str = "absorbed") -> Model:
     """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``; see ``kvexplore models
     list``), a Hugging Face style folder or a ``.gguf`` file.
 
@@ -66,7 +67,12 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
     Every config value is checked for type and range, sizes against the files, and every weight for NaN and Inf
     (refused unless ``allow_nonfinite=True``, for studying a broken checkpoint). Anything wrong raises a
     :class:`~kvexplore.errors.LoadError` that names the file and the fix.
+
+    ``mla``: how a latent-attention model (DeepSeek-V3) reads its latent cache: ``"absorbed"`` (the key and value
+    up-projections folded into the query and the output, so attention reads the latents directly) or
+    ``"decompressed"`` (the latents expanded into per-head keys and values every step). Both are exact.
     """
+    choice(mla, "mla", ("absorbed", "decompressed"))
     if not isinstance(source, (str, Path)):
         raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
                             f"{type(source).__name__}")
@@ -83,7 +89,7 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
         tokenizer = gguf.tokenizer(config)
         tensors = gguf.tensors(config, dtype)
     elif path.is_dir():
-        config = ModelConfig.from_file(path / "config.json")
+        config = ModelConfig.from_file(path / "config.json", mla=mla)
         tokenizer = Tokenizer.from_folder(path, config)
         tensors = load_weights(path, config, dtype)
     else:

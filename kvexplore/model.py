@@ -27,8 +27,10 @@ from torch import nn
 from .caches.base import KVCache
 from .config import ModelConfig
 from .layer_plan import SHARED, LayerSpec, layer_plan
-from .architectures import GEMMA_NORM, LLAMA_NORM
-from .experts import MixtureOfExperts
+from .blocks import MLP, RMSNorm
+from .experts import DeepseekExperts, MixtureOfExperts
+from .hooks import hook
+from .latent import LatentAttention
 from .rope import Rotary, rotate
 from .errors import SettingsError
 
@@ -41,52 +43,6 @@ def hook_point_names(num_layers: int) -> list[str]:
     """Every hook point of a model with ``num_layers`` layers, in firing order."""
     per_layer = [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_HOOK_POINTS]
     return ["embed", *per_layer, "norm", "logits"]
-
-
-def _hook(tracer: Any, name: str, t: torch.Tensor) -> torch.Tensor:
-    replaced = tracer.hook(name, t)
-    return t if replaced is None else replaced
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm, normalised in float32. ``style`` says how the weight is applied (see
-    :mod:`kvexplore.architectures`): Llama casts back to the dtype before ``* weight``; Gemma 3 multiplies by
-    ``1 + weight`` in float32, gpt-oss and Gemma 4 by ``weight`` in float32. ``scale=False``: no weight at all
-    (Gemma 4's value norm)."""
-
-    def __init__(self, dim: int, eps: float, style: str = LLAMA_NORM, scale: bool = True) -> None:
-        super().__init__()
-        if scale:
-            self.weight = nn.Parameter(torch.zeros(dim) if style == GEMMA_NORM else torch.ones(dim))
-        self.eps, self.style, self.scale = eps, style, scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if not self.scale:
-            return xf.to(x.dtype)
-        if self.style == LLAMA_NORM:
-            return self.weight * xf.to(x.dtype)
-        w = self.weight.float() + 1.0 if self.style == GEMMA_NORM else self.weight.float()
-        return (xf * w).to(x.dtype)
-
-
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class MLP(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu; Gemma's GeGLU with gelu-tanh)."""
-
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        d, f, bias = config.hidden_size, config.layer_intermediate_size(layer), config.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
-        self.act = ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
@@ -124,7 +80,7 @@ class Attention(nn.Module):
         q = rotate(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
         name = f"layers.{self.layer}.attn"
         if tracer is not None:
-            q = _hook(tracer, f"{name}.q", q)
+            q = hook(tracer, f"{name}.q", q)
         if self.spec.kind == SHARED:  # no keys of its own: read what the source layer's attention read
             k_all, v_all = cache.read_shared(self.layer)
         else:
@@ -137,11 +93,11 @@ class Attention(nn.Module):
                 v = self.v_norm(v)
             v = v.transpose(1, 2)  # (B, nkv, T, hd)
             if tracer is not None:
-                k, v = _hook(tracer, f"{name}.k_new", k), _hook(tracer, f"{name}.v_new", v)
-                k = _hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
+                k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
+                k = hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
             k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
         if tracer is not None:
-            k_all = _hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
+            k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
         if self.softcap is not None or self.has_sinks or (tracer is not None and tracer.wants_attention(self.layer)):
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
@@ -151,7 +107,7 @@ class Attention(nn.Module):
                                                scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         out = self.o_proj(y)
-        return out if tracer is None else _hook(tracer, f"{name}.out", out)
+        return out if tracer is None else hook(tracer, f"{name}.out", out)
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   tracer: Any, name: str) -> torch.Tensor:
@@ -171,14 +127,14 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
         scores = scores.view(B, nh, T, S)
         if tracer is not None:
-            scores = _hook(tracer, f"{name}.scores", scores)
+            scores = hook(tracer, f"{name}.scores", scores)
         if self.has_sinks:  # the sink is one more column of the softmax, dropped after it
             sink = self.sinks.float().view(1, nh, 1, 1).expand(B, nh, T, 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         else:
             probs = scores.softmax(dim=-1)  # (B, nh, T, S)
         if tracer is not None:
-            probs = _hook(tracer, f"{name}.probs", probs)
+            probs = hook(tracer, f"{name}.probs", probs)
         y = probs.to(v.dtype).reshape(B, self.nkv, g * T, S) @ v  # (B, nkv, g*T, hd)
         return y.view(B, nh, T, hd)
 
@@ -189,13 +145,13 @@ class DecoderLayer(nn.Module):
         self.layer = spec.index
         d, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(d, eps, style)
-        self.self_attn = Attention(config, spec)
+        self.self_attn = LatentAttention(config, spec) if config.kv_lora_rank else Attention(config, spec)
         self.post_attention_layernorm = RMSNorm(d, eps, style)
         self.sandwich = config.sandwich_norms
         if self.sandwich:  # Gemma normalises each sublayer's input and output: four norms per layer
             self.pre_feedforward_layernorm = RMSNorm(d, eps, style)
             self.post_feedforward_layernorm = RMSNorm(d, eps, style)
-        self.mlp = MixtureOfExperts(config) if config.num_experts else MLP(config, spec.index)
+        self.mlp = _mlp(config, spec.index)
         if config.layer_scalar:  # Gemma 4: a stored scalar (a buffer in the checkpoint) scales the whole output
             self.register_buffer("layer_scalar", torch.ones(1))
         self.scaled = config.layer_scalar
@@ -210,8 +166,17 @@ class DecoderLayer(nn.Module):
             x = x + a
             m = self.mlp(self.post_attention_layernorm(x))
         if tracer is not None:
-            m = _hook(tracer, f"layers.{self.layer}.mlp.out", m)
+            m = hook(tracer, f"layers.{self.layer}.mlp.out", m)
         return (x + m) * self.layer_scalar if self.scaled else x + m
+
+
+def _mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """The layer's feed-forward block: experts (gpt-oss's, or DeepSeek's after its first dense layers) or one MLP."""
+    if config.num_experts and config.kv_lora_rank and layer >= config.first_dense_layers:
+        return DeepseekExperts(config)
+    if config.num_experts and not config.kv_lora_rank:
+        return MixtureOfExperts(config)
+    return MLP(config, config.layer_intermediate_size(layer))
 
 
 class Decoder(nn.Module):
@@ -266,7 +231,7 @@ class Model(nn.Module):
             if self.config.embed_scale:  # scaled by sqrt(hidden), rounded to the dtype first as transformers does
                 x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
             if tracer is not None:
-                x = _hook(tracer, "embed", x)
+                x = hook(tracer, "embed", x)
             types = self.config.layer_types
             angles = {t: self.rotary.cos_sin(pos, T, x.dtype, t) for t in dict.fromkeys(types)}
             for layer, kind in zip(self.model.layers, types):
@@ -275,14 +240,14 @@ class Model(nn.Module):
                 x = x[:, -1:]
             x = self.model.norm(x)
             if tracer is not None:
-                x = _hook(tracer, "norm", x)
+                x = hook(tracer, "norm", x)
             head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(x, head).float()  # (B, T, vocab)
             if self.config.final_logit_softcapping is not None:
                 cap = self.config.final_logit_softcapping
                 logits = torch.tanh(logits / cap) * cap
             if tracer is not None:
-                logits = _hook(tracer, "logits", logits)
+                logits = hook(tracer, "logits", logits)
         except BaseException:
             cache.rollback()  # some layers may have written: put the cache back exactly as it was
             raise

@@ -62,26 +62,63 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _latent_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's latent attention (see kvexplore/latent.py)."""
+    d, nh, a = c.hidden_size, c.num_heads, f"{p}self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    if c.q_lora_rank:
+        shapes.update({f"{a}q_a_proj.weight": (c.q_lora_rank, d), f"{a}q_a_layernorm.weight": (c.q_lora_rank,),
+                       f"{a}q_b_proj.weight": (nh * c.qk_head_dim, c.q_lora_rank)})
+    else:
+        shapes[f"{a}q_proj.weight"] = (nh * c.qk_head_dim, d)
+    shapes.update({f"{a}kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
+                   f"{a}kv_a_layernorm.weight": (c.kv_lora_rank,),
+                   f"{a}kv_b_proj.weight": (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+                   f"{a}o_proj.weight": (d, nh * c.v_head_dim)})
+    if c.o_bias:
+        shapes.update({f"{a}q_a_proj.bias": (c.q_lora_rank,)} if c.q_lora_rank else {})
+        shapes.update({f"{a}kv_a_proj_with_mqa.bias": (c.kv_lora_rank + c.qk_rope_head_dim,), f"{a}o_proj.bias": (d,)})
+    return shapes
+
+
+def _deepseek_expert_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    e, d, f, m = c.num_experts, c.hidden_size, c.moe_intermediate_size, f"{p}mlp."
+    shapes = {f"{m}gate.weight": (e, d), f"{m}gate.e_score_correction_bias": (e,)}
+    for i in range(e):
+        shapes.update({f"{m}experts.{i}.gate_proj.weight": (f, d), f"{m}experts.{i}.up_proj.weight": (f, d),
+                       f"{m}experts.{i}.down_proj.weight": (d, f)})
+    if c.shared_experts:
+        s = f * c.shared_experts
+        shapes.update({f"{m}shared_experts.gate_proj.weight": (s, d), f"{m}shared_experts.up_proj.weight": (s, d),
+                       f"{m}shared_experts.down_proj.weight": (d, s)})
+    return shapes
+
+
 def _layer_shapes(c: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...]]:
     p, d, f = f"model.layers.{spec.index}.", c.hidden_size, c.layer_intermediate_size(spec.index)
     hd, kv = spec.head_dim, spec.kv_heads
     shapes: dict[str, tuple[int, ...]] = {}
-    proj = {"q_proj": c.num_heads * hd} if spec.kind == SHARED else {
-        "q_proj": c.num_heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
-    for name, out in proj.items():
-        shapes[f"{p}self_attn.{name}.weight"] = (out, d)
-        if c.qkv_bias:
-            shapes[f"{p}self_attn.{name}.bias"] = (out,)
-    shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
-    if c.o_bias:
-        shapes[f"{p}self_attn.o_proj.bias"] = (d,)
+    if c.kv_lora_rank:
+        shapes.update(_latent_shapes(c, p))
+    else:
+        proj = {"q_proj": c.num_heads * hd} if spec.kind == SHARED else {
+            "q_proj": c.num_heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
+        for name, out in proj.items():
+            shapes[f"{p}self_attn.{name}.weight"] = (out, d)
+            if c.qkv_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (out,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
+        if c.o_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (d,)
     if c.qk_norm:
         shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
         if spec.kind != SHARED:
             shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
     if c.attention_sinks:
         shapes[f"{p}self_attn.sinks"] = (c.num_heads,)
-    if c.num_experts:
+    if c.num_experts and c.kv_lora_rank and spec.index >= c.first_dense_layers:
+        shapes.update(_deepseek_expert_shapes(c, p))
+    elif c.num_experts and not c.kv_lora_rank:
         e = c.num_experts
         shapes.update({f"{p}mlp.router.weight": (e, d), f"{p}mlp.router.bias": (e,),
                        f"{p}mlp.experts.gate_up_proj": (e, d, 2 * f), f"{p}mlp.experts.gate_up_proj_bias": (e, 2 * f),

@@ -53,6 +53,10 @@ ARCHITECTURES = {
         "head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
         "head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
         "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 8, "final_logit_softcapping": 3.0}),
@@ -93,6 +97,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4: a stored scalar per layer, 1 at init
                 b.uniform_(0.7, 1.3)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek: the router's choice bias, 0 at init
+                b.copy_(torch.randn_like(b) * 0.1)
     save = {"safe_serialization": True} if "safe_serialization" in model.save_pretrained.__code__.co_varnames else {}
     model.save_pretrained(folder, max_shard_size=shard_bytes or "10GB", **save)
     if tokenizer:

@@ -70,10 +70,11 @@ class KVCache(ABC):
         self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
         self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []  # held slots a step overwrote
 
-    def _full_shape(self, layer: int, slots: int) -> tuple[int, int, int, int]:
-        """``(batch, kv_heads, slots, head_dim)`` of a full layer's storage of ``slots`` positions."""
+    def _full_shape(self, layer: int, slots: int, values: bool = False) -> tuple[int, int, int, int]:
+        """``(batch, kv_heads, slots, head_dim)`` of a full layer's key storage of ``slots`` positions (``values``:
+        its value storage, which an MLA layer makes narrower)."""
         s = self.plan[layer]
-        return (self.batch_size, s.kv_heads, slots, s.head_dim)
+        return (self.batch_size, s.kv_heads, slots, s.value_width if values else s.head_dim)
 
     def _per_full_layer(self, make) -> list:
         """``make(layer)`` for each full layer, None for the others (a list indexed by layer)."""

@@ -39,13 +39,13 @@ class PagePool:
 
     def __init__(self, plan: list[LayerSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        def pages(s: LayerSpec) -> torch.Tensor | None:
+        def pages(s: LayerSpec, width: int) -> torch.Tensor | None:
             if s.kind != FULL:
                 return None
-            return torch.zeros((num_blocks, s.kv_heads, block_size, s.head_dim), dtype=dtype, device=device)
+            return torch.zeros((num_blocks, s.kv_heads, block_size, width), dtype=dtype, device=device)
 
-        self.k = [pages(s) for s in plan]  # full layers only (None for the others)
-        self.v = [None if t is None else torch.zeros_like(t) for t in self.k]
+        self.k = [pages(s, s.head_dim) for s in plan]  # full layers only (None for the others)
+        self.v = [pages(s, s.value_width) for s in plan]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
         self.written = [0] * num_blocks  # slots of each page written since it was taken (for the slot view)
@@ -191,7 +191,7 @@ class PagedCache(KVCache):
 
     # -- the interface ----------------------------------------------------------------------------------
     def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, nkv, q_len, hd = k.shape
+        B, nkv, q_len, _ = k.shape
         if self._prepared != (pos, q_len):
             self._prepare(pos, q_len)
         for page in self._pages_written:  # the pages written, as they were (for a rollback)
@@ -201,7 +201,7 @@ class PagedCache(KVCache):
         for pool, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
             pool[self._write_page, :, self._write_slot] = new.transpose(1, 2)  # (B, T, nkv, hd) into the pages
             pages = pool[self._read_idx]  # (B, blocks, nkv, bs, hd): a gather, a copy
-            out.append(pages.transpose(1, 2).reshape(B, nkv, -1, hd).narrow(2, 0, pos + q_len))
+            out.append(pages.transpose(1, 2).reshape(B, nkv, -1, new.shape[-1]).narrow(2, 0, pos + q_len))
         self._step.written_bytes += k.nbytes + v.nbytes
         return out[0], out[1]
 

@@ -26,7 +26,8 @@ class PreallocatedCache(KVCache):
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, max_seq_len), dtype=self.dtype,
                                                              device=self.device))
-        self._v = self._per_full_layer(lambda i: torch.zeros_like(self._k[i]))
+        self._v = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, max_seq_len, values=True),
+                                                             dtype=self.dtype, device=self.device))
         self._capacity = max_seq_len
         self._high_water = 0  # slots below this were written at some point (stale if past the length)
 

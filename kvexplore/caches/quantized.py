@@ -115,6 +115,10 @@ class QuantizedCache(KVCache):
             raise SettingsError(f"bits must be 4 or 8, got {bits}")
         group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        if any(self.plan[i].latent for i in self.full_layers):
+            raise SettingsError("the quantized cache stores keys and values of one width; an MLA model's latent cache "
+                                "(DeepSeek) stores a latent and a rope key instead: use preallocated, concat, paged "
+                                "or none")
         for D in sorted({self.plan[i].head_dim for i in self.full_layers}):
             if D % min(group_size, D) or D % 2:
                 raise SettingsError(f"head_dim {D} must be even and a multiple of the value group "

@@ -49,7 +49,8 @@ class SlidingLayers:
         self.specs = {s.index: s for s in specs}
         self.k = {s.index: torch.zeros(batch_size, s.kv_heads, self.window, s.head_dim, dtype=dtype, device=device)
                   for s in specs}
-        self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self.v = {s.index: torch.zeros(batch_size, s.kv_heads, self.window, s.value_width, dtype=dtype, device=device)
+                  for s in specs}
         self.slot_pos = [-1] * self.window  # position last written to each slot (-1: never)
         self.plan: RingPlan | None = None
         self.last_read: list[int] | None = None  # the positions the last step's attention read
@@ -119,7 +120,7 @@ class SlidingLayers:
             owner._keep(rv, 2, start, count)
             rk.narrow(2, start, count).copy_(k.narrow(2, offset, count))  # in place: no allocation
             rv.narrow(2, start, count).copy_(v.narrow(2, offset, count))
-            step.written_bytes += 2 * k.narrow(2, offset, count).nbytes
+            step.written_bytes += k.narrow(2, offset, count).nbytes + v.narrow(2, offset, count).nbytes
         if gathered is not None:
             return gathered
         if plan.read is None:

@@ -59,7 +59,8 @@ class SinkCache(KVCache):
         self.sinks, self.window, self._capacity = sinks, window, max_seq_len
         self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window), dtype=self.dtype,
                                                              device=self.device))
-        self._v = self._per_full_layer(lambda i: torch.zeros_like(self._k[i]))
+        self._v = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window, values=True),
+                                                             dtype=self.dtype, device=self.device))
         self._ws = sinks  # window start: first window position held; sinks..ws-1 were evicted
         self._slot_pos = [-1] * (sinks + window)  # position last written to each slot (-1: never)
         self._pending: tuple | None = None  # (pos, end, ws_before, ws_after, read) of the step being written

@@ -1,0 +1,115 @@
+"""DeepSeek-V3's multi-head latent attention against transformers, reading kvexplore's latent cache.
+
+The cache holds per layer and position one latent of ``kv_lora_rank`` and one rope key of ``qk_rope_head_dim``,
+nothing per head. Both attention paths (absorbed, the default, and decompressed) must give transformers' logits.
+Random weights, float32, 40 tokens; a config with low-rank queries and interleaved RoPE, and one with a plain query
+projection and YaRN (whose mscale changes the softmax scale).
+"""
+
+import pytest
+import torch
+
+import kvexplore
+from helpers import make_checkpoint
+from kvexplore.latent import bytes_per_token
+
+TOL = 1e-4
+YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+CONFIGS = {"low-rank-q": dict(layers=3), "plain-q-yarn": dict(layers=3, q_lora_rank=None, rope_parameters=YARN)}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    built = {}
+
+    def get(name):
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            built[name] = (folder, make_checkpoint(folder, "deepseek_v3", **CONFIGS[name]))
+        return built[name]
+
+    return get
+
+
+def ids_for(n=40):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def decode(model, kind, ids, prefill=5):
+    cache = kvexplore.make_cache(kind, model, 64)
+    out = [model(torch.tensor([ids[:prefill]]), cache, 0)[0]]
+    for pos in range(prefill, len(ids)):
+        out.append(model(torch.tensor([[ids[pos]]]), cache, pos)[0])
+    return torch.cat(out), cache
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("mla", ["absorbed", "decompressed"])
+def test_latent_attention_matches_transformers(deepseek, name, mla):
+    folder, ref = deepseek(name)
+    model = kvexplore.load(folder, mla=mla)
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    full = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+    assert (full - want).abs().max().item() < TOL
+    for kind in ("preallocated", "concat", "paged"):
+        got, _ = decode(model, kind, ids)
+        assert (got - want).abs().max().item() < TOL, kind
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_64_greedy_tokens_match_transformers(deepseek, name):
+    folder, ref = deepseek(name)
+    model = kvexplore.load(folder)
+    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    for kind in ("preallocated", "none"):
+        gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 128))
+        gen.prefill(prompt)
+        gen.run(63, stop_at_eos=False)
+        assert gen.generated_tokens == want.tolist(), kind
+
+
+def test_both_paths_give_the_same_logits(deepseek):
+    folder, _ = deepseek("low-rank-q")
+    ids = ids_for()
+    absorbed, _ = decode(kvexplore.load(folder, mla="absorbed"), "preallocated", ids)
+    decompressed, _ = decode(kvexplore.load(folder, mla="decompressed"), "preallocated", ids)
+    assert (absorbed - decompressed).abs().max().item() < 1e-5
+
+
+def test_the_latent_cache_holds_a_latent_and_a_rope_key_per_position(deepseek):
+    folder, ref = deepseek("low-rank-q")
+    model = kvexplore.load(folder)
+    c = model.config
+    _, cache = decode(model, "preallocated", ids_for())
+    per_token = c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4  # float32
+    assert cache.used_bytes == 40 * per_token == kvexplore.kv_bytes(c, 40)
+    assert cache.reserved_bytes == 64 * per_token
+    for m in cache.memory_report().per_layer():
+        assert m.logical_bytes == 40 * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert [t.shape for t in cache.storage(0)] == [(1, 1, 64, c.kv_lora_rank), (1, 1, 64, c.qk_rope_head_dim)]
+    sizes = bytes_per_token(c, itemsize=4, gqa_heads=2)
+    assert sizes["latent"] == per_token
+    assert sizes["per_head"] == c.num_layers * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    assert sizes["per_head"] / sizes["latent"] == c.num_heads * (12 + 8) / (16 + 4)  # 4 heads x (12 + 8) vs 16 + 4
+    assert sizes["gqa"] == sizes["per_head"] // 2
+    # what transformers 5.24's own cache holds per layer: the same latent and rope key
+    from transformers import DynamicCache
+
+    hf = DynamicCache(config=ref.config)
+    with torch.no_grad():
+        ref(torch.tensor([ids_for()]), past_key_values=hf, use_cache=True)
+    assert [tuple(t.shape) for t in (hf.layers[0].keys, hf.layers[0].values)] == [(1, 1, 40, 16), (1, 1, 40, 4)]
+
+
+def test_the_quantized_cache_refuses_a_latent_cache(deepseek):
+    model = kvexplore.load(deepseek("low-rank-q")[0])
+    with pytest.raises(kvexplore.SettingsError, match="latent cache .* use preallocated, concat, paged or none"):
+        kvexplore.make_cache("quantized", model, 64)
+    with pytest.raises(kvexplore.SettingsError, match="unknown mla 'fused'"):
+        kvexplore.load(deepseek("low-rank-q")[0], mla="fused")
