@@ -432,7 +432,9 @@ class KVCache(ABC):
         for kind in kinds_present(self.plan):
             n = sum(1 for s in self.plan if s.kind == kind)
             if kind == FULL:
-                parts.append(f"{n} full layer{'s' * (n != 1)}: {self.kind}")
+                spec = self.plan[self.full_layers[0]]
+                what = f" (latent: {spec.head_dim} + rope key {spec.value_width} per position)" if spec.latent else ""
+                parts.append(f"{n} full layer{'s' * (n != 1)}{what}: {self.kind}")
             elif kind == SLIDING:
                 what = f"a ring of {self.rings.window} slots each" if self.rings is not None else \
                     f"recomputed under a window of {self.config.sliding_window}"
