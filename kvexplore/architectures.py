@@ -31,6 +31,7 @@ class Traits:
     query_pre_attn_scalar: bool = False  # scale = query_pre_attn_scalar ** -0.5 (Gemma 3)
     mixture_of_experts: bool = False  # gpt-oss's router and experts instead of one MLP
     latent_attention: bool = False  # DeepSeek's MLA: one latent and one rope key cached per position
+    gated_attention: bool = False  # Qwen3-Next: q_proj also gives a per-head output gate, sigmoid(gate) * out
     default_theta: float = 10000.0
     local_theta: float | None = None  # RoPE base of the sliding layers when the config gives none (Gemma 3)
     pattern: int | None = None  # without layer_types: every pattern-th layer is full, the others slide
@@ -47,6 +48,8 @@ ARCHITECTURES: dict[str, Traits] = {
                                 local_theta=1e4, pattern=6),
     "GptOssForCausalLM": Traits("gpt_oss", norm=FLOAT32_NORM, attention_sinks=True, mixture_of_experts=True,
                                 default_theta=150000.0, pattern=2),
+    "Qwen3NextForCausalLM": Traits("qwen3_next", qk_norm=True, norm=GEMMA_NORM, gated_attention=True,
+                                   pattern=4),
     "DeepseekV3ForCausalLM": Traits("deepseek_v3", norm=FLOAT32_NORM, latent_attention=True),
     "Gemma4ForCausalLM": Traits("gemma4_text", qk_norm=True, v_norm=True, norm=FLOAT32_NORM, sandwich_norms=True,
                                 embed_scale=True, hidden_act="gelu_pytorch_tanh", layer_scalar=True,

@@ -14,7 +14,7 @@ from .fields import BOOL, DICT, FLOAT, IDS, INT, STR, STR_LIST, Field, check, re
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
+LAYER_TYPE_NAMES = ("full_attention", "sliding_attention", "linear_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # plausibility bounds: past these a config is damaged (the largest released models are far inside them), and
@@ -62,6 +62,12 @@ CONFIG_FIELDS = (
     Field("topk_group", INT, 1, 4096), Field("routed_scaling_factor", FLOAT, 0, 1e6, lo_open=True),
     Field("norm_topk_prob", BOOL), Field("first_k_dense_replace", INT, 0, MAX_LAYERS),
     Field("moe_intermediate_size", INT, 1, MAX_FFN),
+    # Qwen3-Next's linear-attention (gated DeltaNet) layers and its experts
+    Field("linear_num_key_heads", INT, 1, MAX_HEADS), Field("linear_num_value_heads", INT, 1, MAX_HEADS),
+    Field("linear_key_head_dim", INT, 1, MAX_HEAD_DIM), Field("linear_value_head_dim", INT, 1, MAX_HEAD_DIM),
+    Field("linear_conv_kernel_dim", INT, 1, 64), Field("shared_expert_intermediate_size", INT, 0, MAX_FFN),
+    Field("decoder_sparse_step", INT, 1, MAX_LAYERS), Field("mlp_only_layers", IDS, 0, MAX_LAYERS - 1),
+    Field("full_attention_interval", INT, 1, MAX_LAYERS), Field("partial_rotary_factor", FLOAT, 0, 1, lo_open=True),
 )
 _LAYER_FIELDS = (Field("head_dim", INT, 1, MAX_HEAD_DIM), Field("num_key_value_heads", INT, 1, MAX_HEADS))
 # rope_scaling / rope_parameters entries, by scaling type
@@ -166,6 +172,16 @@ class ModelConfig:
     norm_topk_prob: bool = True
     first_dense_layers: int = 0
     moe_intermediate_size: int = 0
+    # Qwen3-Next: gated DeltaNet layers (a fixed-size state per layer) and gated, partly rotated attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0
+    gated_attention: bool = False
+    rotary_fraction: float = 1.0  # the share of each head's channels RoPE turns (the first ones)
+    shared_expert_size: int = 0  # one shared expert of this width, scaled by a sigmoid gate (Qwen3-Next)
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP among experts
     source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
@@ -232,6 +248,13 @@ class ModelConfig:
                 raise ConfigError(where, f"head_dim of layer {i}", dim, "an even number (RoPE rotates pairs)")
         if self.kv_lora_rank:
             self._check_latent(where)
+        if "linear_attention" in self.layer_types:
+            for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "conv_kernel"):
+                if getattr(self, name) < 1:
+                    raise ConfigError(where, name, getattr(self, name), "a positive size (linear attention needs it)")
+            if self.linear_value_heads % self.linear_key_heads:
+                raise ConfigError(where, "linear_num_value_heads", self.linear_value_heads,
+                                  f"a multiple of linear_num_key_heads ({self.linear_key_heads})")
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError(where, "num_experts_per_tok", self.experts_per_token,
                               f"1..{self.num_experts} (num_local_experts)")
@@ -253,6 +276,25 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         """Width of a latent-attention query and key head: the part without position plus the rope part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of a linear-attention layer's causal convolution: its queries, keys and values."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    def state_bytes(self, batch_size: int = 1, itemsize: int = 4) -> int:
+        """Bytes of one linear-attention layer's state: the last ``conv_kernel - 1`` inputs of its convolution (in
+        the dtype) and the recurrent ``(value heads, key dim, value dim)`` matrix (float32)."""
+        conv = self.conv_channels * (self.conv_kernel - 1) * itemsize
+        return batch_size * (conv + self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4)
+
+    def uses_experts(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward block is a mixture of experts."""
+        if not self.num_experts:
+            return False
+        if self.kv_lora_rank:
+            return layer >= self.first_dense_layers
+        return layer not in self.dense_layers
 
     def layer_kv_heads(self, layer: int) -> int:
         """Key/value heads of ``layer``."""
@@ -333,14 +375,15 @@ class ModelConfig:
             )
         traits = ARCHITECTURES[arch]
         _refuse_options(raw, arch, where)
-        rope_theta, rope_scaling, rope_by_type = _rope(v, arch, where)
+        rope_theta, rope_scaling, rope_by_type, fraction = _rope(v, arch, where)
         eos = v["eos_token_id"]
         bias = bool(v["attention_bias"]) if v["attention_bias"] is not None else traits.attention_sinks
         window = v["sliding_window"] if v["use_sliding_window"] is not False else None
         layer_types = _layer_types(v, arch, window)
         head_dims, kv_heads = _per_layer_sizes(v, layer_types, arch, where)
         experts = v["num_local_experts"] or v["num_experts"] or v["n_routed_experts"] or 0
-        latent = traits.latent_attention
+        latent, next_ = traits.latent_attention, traits.gated_attention
+        rotary_fraction = fraction or v["partial_rotary_factor"] or 1.0
         dense = (v["first_k_dense_replace"] or 0) if latent else 0
         return cls(
             architecture=arch,
@@ -380,8 +423,8 @@ class ModelConfig:
             final_logit_softcapping=v["final_logit_softcapping"],
             attention_sinks=traits.attention_sinks,
             layer_scalar=traits.layer_scalar,
-            num_experts=experts if traits.mixture_of_experts or latent else 0,
-            experts_per_token=(v["num_experts_per_tok"] or 4) if traits.mixture_of_experts or latent else 0,
+            num_experts=experts if traits.mixture_of_experts or latent or next_ else 0,
+            experts_per_token=(v["num_experts_per_tok"] or 4) if traits.mixture_of_experts or latent or next_ else 0,
             swiglu_alpha=1.702 if v["swiglu_alpha"] is None else v["swiglu_alpha"],
             swiglu_limit=7.0 if v["swiglu_limit"] is None else v["swiglu_limit"],
             double_wide_mlp=bool(v["use_double_wide_mlp"]),
@@ -398,7 +441,17 @@ class ModelConfig:
             routed_scaling_factor=1.0 if v["routed_scaling_factor"] is None else v["routed_scaling_factor"],
             norm_topk_prob=v["norm_topk_prob"] is not False,
             first_dense_layers=dense,
-            moe_intermediate_size=(v["moe_intermediate_size"] or 0) if latent else 0,
+            moe_intermediate_size=(v["moe_intermediate_size"] or 0) if latent or next_ else 0,
+            linear_key_heads=v["linear_num_key_heads"] or 0,
+            linear_value_heads=v["linear_num_value_heads"] or 0,
+            linear_key_dim=v["linear_key_head_dim"] or 0,
+            linear_value_dim=v["linear_value_head_dim"] or 0,
+            conv_kernel=v["linear_conv_kernel_dim"] or 0,
+            gated_attention=traits.gated_attention,
+            rotary_fraction=rotary_fraction,
+            shared_expert_size=v["shared_expert_intermediate_size"] or 0,
+            dense_layers=sorted({*(v["mlp_only_layers"] or []), *(
+                i for i in range(v["num_hidden_layers"]) if (i + 1) % (v["decoder_sparse_step"] or 1))}),
             source=where,
         )
 
@@ -456,9 +509,11 @@ def _per_layer_sizes(v: dict[str, Any], layer_types: list[str], arch: str,
     return dims, heads
 
 
-def _rope(v: dict[str, Any], arch: str, where: str) -> tuple[float, dict[str, Any] | None, dict[str, dict[str, Any]]]:
-    """``(rope_theta, rope_scaling, rope_by_type)`` from a v4 layout (``rope_theta``, ``rope_scaling``, Gemma 3's
-    ``rope_local_base_freq``) or a v5 one (one ``rope_parameters`` dict, or one per layer type)."""
+def _rope(v: dict[str, Any], arch: str,
+          where: str) -> tuple[float, dict[str, Any] | None, dict[str, dict[str, Any]], float | None]:
+    """``(rope_theta, rope_scaling, rope_by_type, partial_rotary_factor)`` from a v4 layout (``rope_theta``,
+    ``rope_scaling``, Gemma 3's ``rope_local_base_freq``) or a v5 one (one ``rope_parameters`` dict, or one per
+    layer type)."""
     params = v["rope_parameters"] or {}
     if params and all(k in LAYER_TYPE_NAMES for k in params):  # v5, one entry per layer type
         by_type = {}
@@ -467,9 +522,10 @@ def _rope(v: dict[str, Any], arch: str, where: str) -> tuple[float, dict[str, An
             theta = check(entry.pop("rope_theta", None), _ROPE_THETA, where)
             by_type[kind] = {"rope_theta": theta, "rope_scaling": entry or None}
         full = by_type.get("full_attention") or next(iter(by_type.values()))
-        return full["rope_theta"], full["rope_scaling"], by_type
+        return full["rope_theta"], full["rope_scaling"], by_type, None
     # transformers v5 moved rope_theta and rope_scaling into one "rope_parameters" dict
     rope = dict(params or v["rope_scaling"] or {})
+    fraction = rope.pop("partial_rotary_factor", None) if rope.get("rope_type", "default") == "default" else None
     theta = v["rope_theta"]
     if "rope_theta" in rope:
         theta = check(rope.pop("rope_theta"), _ROPE_THETA, where)
@@ -481,7 +537,9 @@ def _rope(v: dict[str, Any], arch: str, where: str) -> tuple[float, dict[str, An
         local = v["rope_local_base_freq"]
         by_type["sliding_attention"] = {"rope_theta": traits.local_theta if local is None else local,
                                         "rope_scaling": None}
-    return theta, rope or None, by_type
+    if fraction is not None:  # Qwen3-Next: RoPE turns only the first part of each head
+        fraction = check(fraction, Field("rope_parameters.partial_rotary_factor", FLOAT, 0, 1, lo_open=True), where)
+    return theta, rope or None, by_type, fraction
 
 
 def _layer_types(v: dict[str, Any], arch: str, window: int | None) -> list[str]:
@@ -489,8 +547,11 @@ def _layer_types(v: dict[str, Any], arch: str, window: int | None) -> list[str]:
     n-th layer full), else all sliding when a window is set (Mistral), else all full."""
     if v["layer_types"]:
         if window is None:  # Qwen3 lists layer types but turns the window off with use_sliding_window: false
-            return ["full_attention"] * len(v["layer_types"])
+            return ["full_attention" if t == "sliding_attention" else t for t in v["layer_types"]]
         return list(v["layer_types"])
+    if arch == "Qwen3NextForCausalLM":  # every full_attention_interval-th layer attends, the others are linear
+        every = v["full_attention_interval"] or 4
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(v["num_hidden_layers"])]
     traits = ARCHITECTURES[arch]
     if traits.pattern is not None and window is not None:
         if v["sliding_window_pattern"]:

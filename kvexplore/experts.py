@@ -1,5 +1,5 @@
-"""Mixtures of experts: a router picks ``experts_per_token`` of ``num_experts`` MLPs for each token (gpt-oss's and
-DeepSeek's). Nothing here touches the KV cache.
+"""Mixtures of experts: a router picks ``experts_per_token`` of ``num_experts`` MLPs for each token (gpt-oss's,
+DeepSeek's and Qwen3-Next's). Nothing here touches the KV cache.
 
 gpt-oss (:class:`MixtureOfExperts`):
 
@@ -119,3 +119,29 @@ class DeepseekExperts(nn.Module):
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
         out = out.view(shape)
         return out + self.shared_experts(x) if self.shared else out
+
+
+class SharedExpertMoE(nn.Module):
+    """``mlp`` of a Qwen3-Next layer: a softmax router over every expert, the top k renormalised
+    (``norm_topk_prob``), each expert a SwiGLU MLP, plus one shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = MLP(config, config.shared_expert_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.k, self.normalise = config.experts_per_token, config.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, chosen = self.gate(flat).softmax(dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, (self.experts[e](flat[rows]) * weights[rows, slot, None]).to(out.dtype))
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 
-FULL, SLIDING, SHARED = "full", "sliding", "shared"
+FULL, SLIDING, SHARED, STATE = "full", "sliding", "shared", "state"
 #: config.json's layer type names -> the layer kinds here
-LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
+LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING, "linear_attention": STATE}
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,17 @@ class LayerSpec:
 
     @property
     def stores(self) -> bool:
-        """Whether this layer holds keys and values of its own."""
-        return self.kind != SHARED
+        """Whether this layer holds keys and values of its own (a linear-attention layer holds a state instead)."""
+        return self.kind not in (SHARED, STATE)
 
     def position_bytes(self, itemsize: int) -> int:
-        """Bytes of one position's key and value in this layer (0 for a shared layer)."""
+        """Bytes of one position's key and value in this layer (0 for a shared or a state layer)."""
         return self.kv_heads * (self.head_dim + self.value_width) * itemsize if self.stores else 0
 
     def held(self, positions: int) -> int:
         """Positions this layer holds after a sequence of ``positions``: all for full, the last ``window`` for
-        sliding, none for shared."""
-        if self.kind == SHARED:
+        sliding, none for shared or state layers."""
+        if self.kind in (SHARED, STATE):
             return 0
         return min(positions, self.window) if self.kind == SLIDING else positions
 
@@ -71,7 +71,9 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
         shape = dict(kv_heads=heads, head_dim=dim)
         if config.kv_lora_rank:  # MLA: one latent of kv_lora_rank and one rope key per position, no heads
             shape = dict(kv_heads=1, head_dim=config.kv_lora_rank, value_dim=config.qk_rope_head_dim, latent=True)
-        if i >= first_shared:  # reads the last layer of the same type that stores its own cache
+        if attends == STATE:  # a fixed-size recurrent state, no positions
+            plan.append(LayerSpec(i, STATE, STATE, None, i, 0, 0))
+        elif i >= first_shared:  # reads the last layer of the same type that stores its own cache
             source = max(j for j in range(first_shared) if kinds[j] == attends)
             plan.append(LayerSpec(i, SHARED, attends, window, source, **shape))
         else:
@@ -80,5 +82,5 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
 
 
 def kinds_present(plan: list[LayerSpec]) -> list[str]:
-    """The layer kinds of a plan, in the order full, sliding, shared (those present)."""
-    return [k for k in (FULL, SLIDING, SHARED) if any(s.kind == k for s in plan)]
+    """The layer kinds of a plan, in the order full, sliding, shared, state (those present)."""
+    return [k for k in (FULL, SLIDING, SHARED, STATE) if any(s.kind == k for s in plan)]

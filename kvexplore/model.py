@@ -26,9 +26,10 @@ from torch import nn
 
 from .caches.base import KVCache
 from .config import ModelConfig
-from .layer_plan import SHARED, LayerSpec, layer_plan
+from .layer_plan import SHARED, STATE, LayerSpec, layer_plan
 from .blocks import MLP, RMSNorm
-from .experts import DeepseekExperts, MixtureOfExperts
+from .deltanet import GatedDeltaNet
+from .experts import DeepseekExperts, MixtureOfExperts, SharedExpertMoE
 from .hooks import hook
 from .latent import LatentAttention
 from .rope import Rotary, rotate
@@ -51,7 +52,8 @@ class Attention(nn.Module):
         self.layer, self.spec = spec.index, spec
         self.nh, self.nkv, self.hd = config.num_heads, spec.kv_heads, spec.head_dim
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.nh * self.hd, bias=config.qkv_bias)
+        self.gated = config.gated_attention  # Qwen3-Next: each head's queries come with an output gate
+        self.q_proj = nn.Linear(d, self.nh * self.hd * (2 if self.gated else 1), bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, d, bias=config.o_bias)
@@ -74,7 +76,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 tracer: Any) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        q = self.q_proj(x).view(B, T, self.nh, -1)
+        gate = None
+        if self.gated:  # per head [query | gate]
+            q, gate = q[..., : self.hd], q[..., self.hd:].reshape(B, T, self.nh * self.hd)
         if self.qk_norm:
             q = self.q_norm(q)
         q = rotate(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
@@ -106,6 +111,8 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
                                                scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
         out = self.o_proj(y)
         return out if tracer is None else hook(tracer, f"{name}.out", out)
 
@@ -145,7 +152,11 @@ class DecoderLayer(nn.Module):
         self.layer = spec.index
         d, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(d, eps, style)
-        self.self_attn = LatentAttention(config, spec) if config.kv_lora_rank else Attention(config, spec)
+        if spec.kind == STATE:  # transformers names the linear-attention mixer linear_attn
+            self.linear_attn = GatedDeltaNet(config, spec.index)
+        else:
+            self.self_attn = LatentAttention(config, spec) if config.kv_lora_rank else Attention(config, spec)
+        self.linear = spec.kind == STATE
         self.post_attention_layernorm = RMSNorm(d, eps, style)
         self.sandwich = config.sandwich_norms
         if self.sandwich:  # Gemma normalises each sublayer's input and output: four norms per layer
@@ -158,7 +169,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 tracer: Any) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cache, pos, cos, sin, tracer)
+        mixer = self.linear_attn if self.linear else self.self_attn
+        a = mixer(self.input_layernorm(x), cache, pos, cos, sin, tracer)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             m = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -171,12 +183,13 @@ class DecoderLayer(nn.Module):
 
 
 def _mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """The layer's feed-forward block: experts (gpt-oss's, or DeepSeek's after its first dense layers) or one MLP."""
-    if config.num_experts and config.kv_lora_rank and layer >= config.first_dense_layers:
+    """The layer's feed-forward block: experts (gpt-oss's, DeepSeek's after its first dense layers, Qwen3-Next's)
+    or one MLP."""
+    if not config.uses_experts(layer):
+        return MLP(config, config.layer_intermediate_size(layer))
+    if config.kv_lora_rank:
         return DeepseekExperts(config)
-    if config.num_experts and not config.kv_lora_rank:
-        return MixtureOfExperts(config)
-    return MLP(config, config.layer_intermediate_size(layer))
+    return SharedExpertMoE(config) if config.shared_expert_size else MixtureOfExperts(config)
 
 
 class Decoder(nn.Module):

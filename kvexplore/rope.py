@@ -44,8 +44,10 @@ def inverse_frequencies(config: ModelConfig, layer_type: str = "full_attention")
 
 
 def _head_dim(config: ModelConfig, layer_type: str) -> int:
-    return config.layer_head_dim(config.layer_types.index(layer_type)) if layer_type in config.layer_types \
+    """The channels RoPE turns in a head of the layers of ``layer_type`` (Qwen3-Next: the first quarter)."""
+    dim = config.layer_head_dim(config.layer_types.index(layer_type)) if layer_type in config.layer_types \
         else config.head_dim
+    return int(dim * config.rotary_fraction) if config.rotary_fraction < 1 else dim
 
 
 def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, old_len: float,
@@ -109,7 +111,11 @@ class Rotary(torch.nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE to ``x`` of shape ``(B, heads, T, hd)`` with ``cos``/``sin`` of shape ``(T, hd)``."""
+    """Apply RoPE to ``x`` of shape ``(B, heads, T, hd)`` with ``cos``/``sin`` of shape ``(T, rot)``: the first
+    ``rot`` channels turn (all of them unless the model rotates only part of each head), the rest pass."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelConfig
 from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, NonFiniteWeightsError
 from .fields import read_json_object
-from .layer_plan import SHARED, LayerSpec, layer_plan
+from .layer_plan import SHARED, STATE, LayerSpec, layer_plan
 
 # tensors some checkpoints carry that the model recomputes or ignores
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -94,15 +94,38 @@ def _deepseek_expert_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]
     return shapes
 
 
+def _deltanet_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's gated DeltaNet (see kvexplore/deltanet.py)."""
+    d, a, r = c.hidden_size, f"{p}linear_attn.", c.linear_value_heads // c.linear_key_heads
+    return {f"{a}in_proj_qkvz.weight": (c.linear_key_heads * (2 * c.linear_key_dim + 2 * r * c.linear_value_dim), d),
+            f"{a}in_proj_ba.weight": (c.linear_key_heads * 2 * r, d),
+            f"{a}conv1d.weight": (c.conv_channels, 1, c.conv_kernel), f"{a}A_log": (c.linear_value_heads,),
+            f"{a}dt_bias": (c.linear_value_heads,), f"{a}norm.weight": (c.linear_value_dim,),
+            f"{a}out_proj.weight": (d, c.linear_value_heads * c.linear_value_dim)}
+
+
+def _shared_expert_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    e, d, f, s, m = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_size, f"{p}mlp."
+    shapes = {f"{m}gate.weight": (e, d), f"{m}shared_expert_gate.weight": (1, d),
+              f"{m}shared_expert.gate_proj.weight": (s, d), f"{m}shared_expert.up_proj.weight": (s, d),
+              f"{m}shared_expert.down_proj.weight": (d, s)}
+    for i in range(e):
+        shapes.update({f"{m}experts.{i}.gate_proj.weight": (f, d), f"{m}experts.{i}.up_proj.weight": (f, d),
+                       f"{m}experts.{i}.down_proj.weight": (d, f)})
+    return shapes
+
+
 def _layer_shapes(c: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...]]:
     p, d, f = f"model.layers.{spec.index}.", c.hidden_size, c.layer_intermediate_size(spec.index)
     hd, kv = spec.head_dim, spec.kv_heads
     shapes: dict[str, tuple[int, ...]] = {}
     if c.kv_lora_rank:
         shapes.update(_latent_shapes(c, p))
+    elif spec.kind == STATE:
+        shapes.update(_deltanet_shapes(c, p))
     else:
-        proj = {"q_proj": c.num_heads * hd} if spec.kind == SHARED else {
-            "q_proj": c.num_heads * hd, "k_proj": kv * hd, "v_proj": kv * hd}
+        q = c.num_heads * hd * (2 if c.gated_attention else 1)  # Qwen3-Next: each head's output gate too
+        proj = {"q_proj": q} if spec.kind == SHARED else {"q_proj": q, "k_proj": kv * hd, "v_proj": kv * hd}
         for name, out in proj.items():
             shapes[f"{p}self_attn.{name}.weight"] = (out, d)
             if c.qkv_bias:
@@ -110,15 +133,17 @@ def _layer_shapes(c: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...]]
         shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
         if c.o_bias:
             shapes[f"{p}self_attn.o_proj.bias"] = (d,)
-    if c.qk_norm:
+    if c.qk_norm and spec.kind != STATE:
         shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
         if spec.kind != SHARED:
             shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
     if c.attention_sinks:
         shapes[f"{p}self_attn.sinks"] = (c.num_heads,)
-    if c.num_experts and c.kv_lora_rank and spec.index >= c.first_dense_layers:
+    if c.uses_experts(spec.index) and c.kv_lora_rank:
         shapes.update(_deepseek_expert_shapes(c, p))
-    elif c.num_experts and not c.kv_lora_rank:
+    elif c.uses_experts(spec.index) and c.shared_expert_size:
+        shapes.update(_shared_expert_shapes(c, p))
+    elif c.uses_experts(spec.index):
         e = c.num_experts
         shapes.update({f"{p}mlp.router.weight": (e, d), f"{p}mlp.router.bias": (e,),
                        f"{p}mlp.experts.gate_up_proj": (e, d, 2 * f), f"{p}mlp.experts.gate_up_proj_bias": (e, 2 * f),

@@ -29,12 +29,13 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SettingsError
-from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, LayerSpec, kinds_present, layer_plan
+from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, kinds_present, layer_plan
 from ..memory import LayerMemory, MemoryReport, StepCounters, cuda_stats, full_layer_bytes, kv_bytes, layer_bytes
 from ..settings import positive_int
 from .layout import EmptyLayout, SharedLayout
 from .masks import causal_mask
 from .ring import SlidingLayers
+from .state import StateLayers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 
 
@@ -58,6 +59,8 @@ class KVCache(ABC):
         sliding = [s for s in self.plan if s.kind == SLIDING]
         self.rings = SlidingLayers(sliding, batch_size, dtype, self.device) if sliding and self.rings_for_sliding \
             else None
+        states = [s for s in self.plan if s.kind == STATE]
+        self.states = StateLayers(states, config, batch_size, dtype, self.device) if states else None
         self._length = 0
         self._capacity: int | None = None  # most positions a sequence may reach (None: unbounded)
         self._step = StepCounters()
@@ -102,8 +105,18 @@ class KVCache(ABC):
                 f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
-        if self.rings is not None and (msg := self.rings.rewind_error(pos, self.length)):
+        if msg := self._recompute_error(pos):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
+
+    def _recompute_error(self, n: int) -> str | None:
+        """Why the sliding rings or the linear-attention states cannot go back to ``n`` positions (None: they can);
+        the generator then recomputes instead (:meth:`needs_replay`)."""
+        if self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
+            return msg
+        if self.states is not None and 0 < n < self.length:
+            return (f"the linear-attention layers keep one state, of position {self.length - 1}, and cannot go back "
+                    f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
+        return None
 
     def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
         """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): count its
@@ -113,6 +126,8 @@ class KVCache(ABC):
         self._layer_moved, self._reads, self._masks = {}, {}, {}
         if self.rings is not None:
             self.rings.begin()
+        if self.states is not None and pos == 0:  # a new sequence starts from zero state
+            self.states.clear(self)
         self._cuda_before = cuda_stats(self.device)
 
     def _snapshot(self) -> dict:
@@ -174,6 +189,21 @@ class KVCache(ABC):
         if layer in self._sources:
             self._reads[layer] = out
         return out
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear-attention layer's state: its convolution's last inputs and its recurrent matrix."""
+        if self.plan[layer].kind != STATE:
+            raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state")
+        return self.states.read(layer)
+
+    def write_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Replace a linear-attention layer's state (in place: its storage never moves or grows)."""
+        if self.plan[layer].kind != STATE:
+            raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state")
+        step = self._step
+        before = step.written_bytes
+        self.states.write(self, layer, conv, recurrent)
+        self._layer_moved[layer] = (step.written_bytes - before, 0)
 
     def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a shared layer reads: what its source layer's attention read this step."""
@@ -240,6 +270,8 @@ class KVCache(ABC):
             written, copied = self._layer_moved.get(spec.index, (0, 0))
             if spec.kind == SHARED_LAYER:
                 logical = reserved = 0
+            elif spec.kind == STATE:  # a fixed block, the same after every step
+                logical = reserved = self.states.layer_bytes(spec.index)
             elif spec.kind == SLIDING and self.rings is not None:
                 logical = layer_bytes(spec, held, self.batch_size, self.dtype)
                 reserved = self.rings.layer_reserved(spec.index)
@@ -247,8 +279,9 @@ class KVCache(ABC):
                 logical = reserved = 0
             else:
                 logical, reserved = self.full_layer_used(spec.index), self.full_layer_reserved(spec.index)
-            out.append(LayerMemory(spec.index, spec.kind, held, logical, reserved,
-                                   layer_bytes(spec, held, self.batch_size, self.dtype), written, copied))
+            analytic = self.config.state_bytes(self.batch_size, self.dtype.itemsize) if spec.kind == STATE else \
+                layer_bytes(spec, held, self.batch_size, self.dtype)
+            out.append(LayerMemory(spec.index, spec.kind, held, logical, reserved, analytic, written, copied))
         return out
 
     def layer_held(self, layer: int) -> int:
@@ -263,14 +296,13 @@ class KVCache(ABC):
         checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
         if not 0 <= n <= self.length:
             raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
-        if rings and self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
+        if rings and (msg := self._recompute_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg}")
 
     def needs_replay(self, n: int) -> bool:
-        """True when only the sliding layers' rings stop a truncate to ``n``: they overwrote positions the next query
-        reads, so going back means recomputing the sequence's first ``n`` positions (what
-        :meth:`kvexplore.Generator.rewind` does)."""
-        if self.rings is None or not 0 <= n <= self.length or self.rings.rewind_error(n, self.length) is None:
+        """True when only the sliding layers' rings or the linear-attention states stop a truncate to ``n``: going
+        back means recomputing the sequence's first ``n`` positions (what :meth:`kvexplore.Generator.rewind` does)."""
+        if not 0 <= n <= self.length or self._recompute_error(n) is None:
             return False
         try:
             self.check_truncate(n, rings=False)
@@ -286,6 +318,9 @@ class KVCache(ABC):
         self._layer_moved, self._reads = {}, {}
         if self.rings is not None:
             self.rings.last_read = None
+        if self.states is not None and n == 0:
+            for t in (*self.states.conv.values(), *self.states.recurrent.values()):
+                t.zero_()
         self._report = None
         self._undo, self._undo_data = None, []
 
@@ -294,6 +329,7 @@ class KVCache(ABC):
         twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
         twin.rings = None if self.rings is None else self.rings.clone()
+        twin.states = None if self.states is None else self.states.clone()
         twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
         self._clone_storage(twin)
         return twin
@@ -330,6 +366,8 @@ class KVCache(ABC):
             return self.storage(spec.source)
         if spec.kind == SLIDING:
             return [] if self.rings is None else [self.rings.k[layer], self.rings.v[layer]]
+        if spec.kind == STATE:
+            return list(self.states.read(layer))
         return self._storage(layer)
 
     def _storage(self, layer: int) -> list[torch.Tensor]:
@@ -341,6 +379,8 @@ class KVCache(ABC):
         spec = self._layer(layer)
         if spec.kind == SHARED_LAYER:
             return self.read_positions(spec.source)
+        if spec.kind == STATE:
+            return []  # no attention: the state summarises every position
         if spec.attends == SLIDING and self.rings is not None:
             return self.rings.read_positions(self.length)
         return self._read_positions()
@@ -367,6 +407,8 @@ class KVCache(ABC):
         spec = self._layer(layer)
         if spec.kind == SHARED_LAYER:
             return SlotView([], [], [], SharedLayout(spec.source))
+        if spec.kind == STATE:
+            return self.states.slot_view(spec.index)
         if spec.kind == SLIDING and self.rings is not None:
             return self.rings.slot_view(self.length)
         if spec.kind == SLIDING:
@@ -399,7 +441,8 @@ class KVCache(ABC):
     @property
     def reserved_bytes(self) -> int:
         """Bytes of storage the cache holds now, used or not: the strategy's plus the sliding layers' rings."""
-        return self.full_reserved_bytes + (0 if self.rings is None else self.rings.reserved_bytes())
+        return (self.full_reserved_bytes + (0 if self.rings is None else self.rings.reserved_bytes())
+                + (0 if self.states is None else self.states.reserved_bytes()))
 
     def full_layer_reserved(self, layer: int) -> int:
         """Bytes of one full layer's storage (its storages, each counted once)."""
@@ -424,7 +467,7 @@ class KVCache(ABC):
     def analytic_bytes(self) -> int:
         """The formula for what the cache holds: ``2 * kv_heads * head_dim * element_size * batch * held`` summed
         over the layers that store their own cache."""
-        return sum(layer_bytes(s, self.layer_held(s.index), self.batch_size, self.dtype) for s in self.plan)
+        return sum(m.analytic_bytes for m in self.layer_memory())
 
     def describe_layers(self) -> str:
         """What the cache keeps for each kind of layer, in one line."""
@@ -439,6 +482,9 @@ class KVCache(ABC):
                 what = f"a ring of {self.rings.window} slots each" if self.rings is not None else \
                     f"recomputed under a window of {self.config.sliding_window}"
                 parts.append(f"{n} sliding layer{'s' * (n != 1)}: {what}")
+            elif kind == STATE:
+                size = self.states.layer_bytes(next(s.index for s in self.plan if s.kind == STATE))
+                parts.append(f"{n} linear-attention layer{'s' * (n != 1)}: a fixed state of {size} B each")
             else:
                 parts.append(f"{n} shared layer{'s' * (n != 1)}: nothing stored (they read an earlier layer)")
         return "; ".join(parts)

@@ -150,8 +150,23 @@ class SharedLayout(Layout):
         return f"stores nothing, reads layer {self.source}"
 
 
+@dataclass(frozen=True)
+class StateLayout(Layout):
+    """A linear-attention layer (Qwen3-Next): no slots, a fixed block of state that a step rewrites in place."""
+
+    conv_bytes: int = 0
+    recurrent_bytes: int = 0
+    shape: list[int] = field(default_factory=list)  # (value heads, key dim, value dim) of the recurrent state
+
+    order = "no slots: a fixed-size state"
+
+    def summary(self) -> str:
+        heads = "x".join(map(str, self.shape))
+        return f"a fixed state of {self.conv_bytes + self.recurrent_bytes} B (recurrent {heads}), rewritten each step"
+
+
 LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,
-                                         QuantizedLayout, SharedLayout)}
+                                         QuantizedLayout, SharedLayout, StateLayout)}
 
 
 def layout_from_dict(d: dict[str, Any]) -> Layout:

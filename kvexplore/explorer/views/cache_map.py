@@ -150,12 +150,14 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
 
 
 def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
-    """Each layout's marks over the rows of its layers, and a note on every shared layer's row."""
+    """Each layout's marks over the rows of its layers, and a note on every row whose layer has no slots (a shared
+    layer pointing at its source, a linear-attention layer's fixed state)."""
     shapes, annotations = [], []
     for view, layers, _ in groups:
-        if isinstance(view.layout, SharedLayout):
-            for layer in layers:
-                annotations.append(dict(text=f"shared: {view.layout.summary()}",
+        if not view.states:
+            label = "shared: " if isinstance(view.layout, SharedLayout) else ""
+            for layer in layers if view.layout.summary() else []:
+                annotations.append(dict(text=label + view.layout.summary(),
                                         x=-0.5, y=layer, xref="x", yref="y", xanchor="left", showarrow=False,
                                         font=dict(size=10, color="#555")))
             continue
