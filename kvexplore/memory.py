@@ -87,7 +87,7 @@ class MemoryReport:
         return list(self.layers)
 
     def by_kind(self) -> dict[str, dict[str, int]]:
-        """Byte figures summed over the layers of each kind (full, sliding, shared)."""
+        """Byte figures summed over the layers of each kind (full, sliding, shared, state)."""
         out: dict[str, dict[str, int]] = {}
         for m in self.layers:
             d = out.setdefault(m.kind, dict(layers=0, logical_bytes=0, reserved_bytes=0, analytic_bytes=0,

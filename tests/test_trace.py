@@ -32,7 +32,11 @@ def test_no_tracer_means_no_hook_work(trained, monkeypatch):
     def forbidden(*args):
         raise AssertionError("a hook ran without a tracer")
 
-    monkeypatch.setattr(model_module, "_hook", forbidden)
+    import kvexplore.deltanet
+    import kvexplore.latent
+
+    for module in (model_module, kvexplore.latent, kvexplore.deltanet):  # every module calling the hook helper
+        monkeypatch.setattr(module, "hook", forbidden)
     assert len(run(trained, "preallocated").history) == 13
 
 

@@ -22,7 +22,7 @@ CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated
         ("fragmentation", "inactive_split_bytes", "dot"))
 
 
-KIND_COLOURS = {"full": "#08519c", "sliding": "#31a354", "shared": "#756bb1"}
+KIND_COLOURS = {"full": "#08519c", "sliding": "#31a354", "shared": "#756bb1", "state": "#d94801"}
 
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: str | None = None) -> FigureSpec:
@@ -94,9 +94,9 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
 
 
 def _kinds(records: Sequence[StepRecord]) -> list[str]:
-    """The layer kinds of a lane's reports, in the order full, sliding, shared."""
+    """The layer kinds of a lane's reports, in the order full, sliding, shared, state."""
     found = {m.kind for r in records if r.memory is not None for m in r.memory.layers}
-    return [k for k in ("full", "sliding", "shared") if k in found]
+    return [k for k in KIND_COLOURS if k in found]
 
 
 def from_snapshot(s) -> FigureSpec:
