@@ -12,7 +12,9 @@ Per layer and sequence the state is the last ``kernel - 1`` inputs of a short ca
    ``S <- S + k (beta (v - k^T S))^T`` with ``beta = sigmoid(b)``; the output is ``q^T S`` (after the update);
 5. a per-head RMSNorm (plain weight), times ``silu(z)``, then ``out_proj``.
 
-Prefill runs the same recurrence token by token (transformers uses a chunked form with the same result).
+Prefill runs the same recurrence token by token (transformers uses a chunked form with the same result). These
+layers have hook points ``attn.state`` (the recurrent state after the step) and ``attn.out`` instead of the
+attention points.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class GatedDeltaNet(nn.Module):
             S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - predicted))[:, :, None, :]
             out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
         cache.write_state(self.layer, extended[..., -(self.kernel - 1):], S)
+        if tracer is not None:  # the state after the step (a point only linear-attention layers have)
+            hook(tracer, f"layers.{self.layer}.attn.state", S)
         o = self.norm(torch.stack(out, 1).to(x.dtype)) * F.silu(z)  # (B, T, hv, dv)
         o = self.out_proj(o.reshape(B, T, hv * dv))
         return o if tracer is None else hook(tracer, f"layers.{self.layer}.attn.out", o)

@@ -110,3 +110,20 @@ def test_rewind_recomputes_fork_copies_and_a_failed_pass_restores_the_state(qwen
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.tensor([[5]]), gen.cache, gen.cache.length, tracer=FailingTracer("layers.3.attn.q"))
     assert all(torch.equal(a, b) for a, b in zip(gen.cache.storage(0), before))  # layer 0 wrote, then rolled back
+
+
+def test_the_explorer_draws_the_state_as_a_fixed_block(qwen3_next):
+    ex = kvexplore.Explorer(str(qwen3_next[0]), strategies=("preallocated", "paged"), max_seq_len=64)
+    ex.run(5)
+    ex.view = "memory"
+    memory = ex.specs()["memory"]
+    state = [t for t in memory.traces if t.get("name") == "state layers logical"][0]
+    assert len(set(state["y"])) == 1 and state["y"][0] == 2 * 3200  # flat: two state layers of 3200 B
+    cache_map = ex.specs()["cache_map"]
+    notes = [a["text"] for a in cache_map.layout["annotations"]]
+    assert notes.count("a fixed state of 3200 B (recurrent 4x16x8), rewritten each step") == 2  # rows 0 and 2
+    ex.view = "tensors"
+    tensors = ex.specs()["tensors"]
+    assert tensors.layout["title"]["text"].startswith("recurrent state · layer 0") and tensors.traces[0]["z"].size == 4 * 5
+    ex.rewind(2)  # recomputed; the state drawn is the one of the kept steps
+    assert ex.error == "" and ex.specs()["tensors"].traces[0]["z"].size == 4 * 3

@@ -17,6 +17,8 @@ class LaneTracer(Tracer):
         # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
         self.last_logprobs: torch.Tensor | None = None
+        # linear-attention layers: the norm of each value head's recurrent state, by the sequence length it holds
+        self.state_norms: dict[int, dict[int, torch.Tensor]] = {}
         # without a cache every decode step recomputes all rows of attention; only the newest is new, and keeping
         # them all would grow the buffer with the cube of the length. The session sets this after a prefill.
         self.last_row_only = False
@@ -25,6 +27,10 @@ class LaneTracer(Tracer):
         if self._step is not None:
             if name == "logits":
                 self.last_logprobs = t[0, -1].detach().float().log_softmax(-1).cpu()
+            elif name.endswith(".attn.state"):
+                end = self._pos + self._q_len
+                self.state_norms.setdefault(int(name.split(".")[1]), {})[end] = \
+                    t[0].detach().float().norm(dim=(-2, -1)).cpu()
             elif name.endswith((".attn.k_new", ".attn.v_new")):
                 self._record_norms(int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, t)
             elif self.last_row_only and name.endswith(".attn.probs"):
@@ -43,4 +49,15 @@ class LaneTracer(Tracer):
         """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""
         twin = LaneTracer(self.norms.shape[0], self.norms.shape[2])
         twin.norms = self.norms.clone()
+        twin.state_norms = {layer: dict(by_end) for layer, by_end in self.state_norms.items()}
         return twin
+
+    def state_history(self, layer: int, length: int) -> tuple[list[int], torch.Tensor] | None:
+        """The sequence lengths at which ``layer``'s state was recorded (at most ``length``: later ones were
+        rewound) and the norm of each value head's state then, ``(steps, heads)``; None for a layer without."""
+        by_end = {n: v for n, v in self.state_norms.get(layer, {}).items() if n <= length}
+        if not by_end:
+            return None
+        ends = sorted(by_end)
+        return ends, torch.stack([by_end[n] for n in ends])
+

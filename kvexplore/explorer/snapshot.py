@@ -25,6 +25,7 @@ class LaneDetail:
     slots: list[SlotView] | None  # the cache's slots now, per layer (None before any step)
     norms: torch.Tensor | None  # (2, kv_heads, positions) of the chosen layer; NaN where nothing was recorded
     stored_error: torch.Tensor | None  # (kv_heads, length): the cache's error for the chosen layer (lossy caches)
+    state: tuple[list[int], torch.Tensor] | None = None  # a linear-attention layer's state norms over the steps
 
 
 @dataclass
@@ -80,7 +81,8 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             texts=strip.texts(tokenizer, lane.generator),
             slots=lane.cache.slot_views() if has else None,
             norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
-            stored_error=lane.cache.stored_error(layer) if has else None)
+            stored_error=lane.cache.stored_error(layer) if has else None,
+            state=lane.tracer.state_history(layer, lane.cache.length) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,
                     session.model.device.type == "cuda")

@@ -74,8 +74,29 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     return FigureSpec(traces, layout if positions else hide_axes(layout))
 
 
+def state_spec(history: tuple[list[int], torch.Tensor], layer: int) -> FigureSpec:
+    """A linear-attention layer: no stored keys or values, but one state matrix per value head, rewritten every step.
+    ``history``: the sequence lengths at which it was recorded and each head's ``‖S‖`` then, ``(steps, heads)``."""
+    ends, norms = history
+    z = norms.numpy().astype(np.float32).T  # (heads, steps)
+    heads = z.shape[0]
+    trace = dict(type="heatmap", name="state norms", **columns(z), colorscale="Viridis", xgap=0, ygap=1,
+                 colorbar=dict(title=dict(text="‖S‖"), thickness=12),
+                 hovertemplate="value head %{y} · record %{x}<br>‖S‖ = %{z:.3f}<extra></extra>")
+    every = max(1, len(ends) // 12)
+    layout = dict(height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
+                  title=dict(text=f"recurrent state · layer {layer} (linear attention: a fixed block, no slots)",
+                             font=dict(size=13)),
+                  xaxis=dict(title=dict(text="after the step that reached length"), tickvals=list(range(0, len(ends), every)),
+                             ticktext=[str(n) for n in ends[::every]]),
+                  yaxis=dict(title=dict(text="value head"), dtick=1, range=[-0.5, heads - 0.5]))
+    return FigureSpec([trace], layout)
+
+
 def from_snapshot(s) -> FigureSpec:
     ln = s.lane
     d = ln.detail
+    if d is not None and d.state is not None:
+        return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
                 d.slots[s.layer] if d and d.slots else None)
