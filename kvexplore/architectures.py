@@ -51,6 +51,7 @@ ARCHITECTURES: dict[str, Traits] = {
     "Qwen3NextForCausalLM": Traits("qwen3_next", qk_norm=True, norm=GEMMA_NORM, gated_attention=True,
                                    pattern=4),
     "DeepseekV3ForCausalLM": Traits("deepseek_v3", norm=FLOAT32_NORM, latent_attention=True),
+    "DeepseekV32ForCausalLM": Traits("deepseek_v32", norm=FLOAT32_NORM, latent_attention=True),
     "Gemma4ForCausalLM": Traits("gemma4_text", qk_norm=True, v_norm=True, norm=FLOAT32_NORM, sandwich_norms=True,
                                 embed_scale=True, hidden_act="gelu_pytorch_tanh", layer_scalar=True,
                                 unit_attention_scale=True, default_theta=1e6, local_theta=1e4, pattern=6,

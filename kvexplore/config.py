@@ -14,7 +14,7 @@ from .fields import BOOL, DICT, FLOAT, IDS, INT, STR, STR_LIST, Field, check, re
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-LAYER_TYPE_NAMES = ("full_attention", "sliding_attention", "linear_attention")
+LAYER_TYPE_NAMES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # plausibility bounds: past these a config is damaged (the largest released models are far inside them), and
@@ -68,6 +68,9 @@ CONFIG_FIELDS = (
     Field("linear_conv_kernel_dim", INT, 1, 64), Field("shared_expert_intermediate_size", INT, 0, MAX_FFN),
     Field("decoder_sparse_step", INT, 1, MAX_LAYERS), Field("mlp_only_layers", IDS, 0, MAX_LAYERS - 1),
     Field("full_attention_interval", INT, 1, MAX_LAYERS), Field("partial_rotary_factor", FLOAT, 0, 1, lo_open=True),
+    # DeepSeek-V3.2's lightning indexer
+    Field("index_topk", INT, 1, MAX_POSITIONS), Field("index_head_dim", INT, 2, MAX_HEAD_DIM),
+    Field("index_n_heads", INT, 1, MAX_HEADS),
 )
 _LAYER_FIELDS = (Field("head_dim", INT, 1, MAX_HEAD_DIM), Field("num_key_value_heads", INT, 1, MAX_HEADS))
 # rope_scaling / rope_parameters entries, by scaling type
@@ -172,6 +175,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     first_dense_layers: int = 0
     moe_intermediate_size: int = 0
+    # DeepSeek-V3.2: a lightning indexer picks the index_topk positions each query reads (0: every position)
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
     # Qwen3-Next: gated DeltaNet layers (a fixed-size state per layer) and gated, partly rotated attention
     linear_key_heads: int = 0
     linear_value_heads: int = 0
@@ -267,6 +274,11 @@ class ModelConfig:
                 raise ConfigError(where, name, getattr(self, name), "a positive size (latent attention needs it)")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(where, "qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE turns pairs)")
+        if self.index_topk and (self.index_heads < 1 or self.index_head_dim < self.qk_rope_head_dim
+                                or not self.q_lora_rank):
+            raise ConfigError(where, "index_n_heads / index_head_dim", (self.index_heads, self.index_head_dim),
+                              f"at least 1 head of at least qk_rope_head_dim ({self.qk_rope_head_dim}) channels, "
+                              f"and a q_lora_rank (the indexer reads the compressed query)")
         if self.num_experts and (self.num_experts % self.expert_groups
                                  or not 1 <= self.groups_per_token <= self.expert_groups):
             raise ConfigError(where, "n_group / topk_group", (self.expert_groups, self.groups_per_token),
@@ -433,7 +445,10 @@ class ModelConfig:
             qk_nope_head_dim=(v["qk_nope_head_dim"] or 0) if latent else 0,
             qk_rope_head_dim=(v["qk_rope_head_dim"] or 0) if latent else 0,
             v_head_dim=(v["v_head_dim"] or 0) if latent else 0,
-            rope_interleave=bool(v["rope_interleave"]) if latent else False,
+            rope_interleave=(v["rope_interleave"] is not False) if latent else False,  # V3.2: always interleaved
+            index_topk=(v["index_topk"] or 0) if arch == "DeepseekV32ForCausalLM" else 0,
+            index_heads=(v["index_n_heads"] or 0) if arch == "DeepseekV32ForCausalLM" else 0,
+            index_head_dim=(v["index_head_dim"] or 0) if arch == "DeepseekV32ForCausalLM" else 0,
             mla=mla,
             shared_experts=(v["n_shared_experts"] or 0) if latent else 0,
             expert_groups=(v["n_group"] or 1) if latent else 1,

@@ -18,7 +18,8 @@ from .config import ModelConfig
 
 FULL, SLIDING, SHARED, STATE = "full", "sliding", "shared", "state"
 #: config.json's layer type names -> the layer kinds here
-LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING, "linear_attention": STATE}
+LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING, "linear_attention": STATE,
+               "indexed_attention": FULL}  # DeepSeek-V3.2: full layers whose attention reads an indexer's top-k
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
         window = config.sliding_window if attends == SLIDING else None
         shape = dict(kv_heads=heads, head_dim=dim)
         if config.kv_lora_rank:  # MLA: one latent of kv_lora_rank and one rope key per position, no heads
-            shape = dict(kv_heads=1, head_dim=config.kv_lora_rank, value_dim=config.qk_rope_head_dim, latent=True)
+            # (DeepSeek-V3.2 stores its indexer's key beside the rope key)
+            shape = dict(kv_heads=1, head_dim=config.kv_lora_rank, latent=True,
+                         value_dim=config.qk_rope_head_dim + (config.index_head_dim if config.index_topk else 0))
         if attends == STATE:  # a fixed-size recurrent state, no positions
             plan.append(LayerSpec(i, STATE, STATE, None, i, 0, 0))
         elif i >= first_shared:  # reads the last layer of the same type that stores its own cache

@@ -205,9 +205,9 @@ class Tracer:
         step, self._step = self._step, None
         c = cache.config
         computed = list(range(self._pos + self._q_len))  # what a cache that keeps nothing read
-        by_kind: dict[tuple[str, int], list[int]] = {}
-        for spec in cache.plan:  # one list per kind of read (full, sliding, each shared source)
-            key = (spec.attends, spec.source if spec.kind == "shared" else -1)
+        by_kind: dict[tuple, list[int]] = {}
+        for spec in cache.plan:  # one list per kind of read (full, sliding, each shared source, each sparse layer)
+            key = cache.read_group(spec.index)
             if key not in by_kind:
                 by_kind[key] = cache.read_positions(spec.index) or computed
             step.layer_reads.append(by_kind[key])

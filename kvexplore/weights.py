@@ -75,6 +75,11 @@ def _latent_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
                    f"{a}kv_a_layernorm.weight": (c.kv_lora_rank,),
                    f"{a}kv_b_proj.weight": (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
                    f"{a}o_proj.weight": (d, nh * c.v_head_dim)})
+    if c.index_topk:  # DeepSeek-V3.2's lightning indexer
+        i, n = f"{a}indexer.", c.index_heads * c.index_head_dim
+        shapes.update({f"{i}wq_b.weight": (n, c.q_lora_rank), f"{i}wk.weight": (c.index_head_dim, d),
+                       f"{i}k_norm.weight": (c.index_head_dim,), f"{i}k_norm.bias": (c.index_head_dim,),
+                       f"{i}weights_proj.weight": (c.index_heads, d)})
     if c.o_bias:
         shapes.update({f"{a}q_a_proj.bias": (c.q_lora_rank,)} if c.q_lora_rank else {})
         shapes.update({f"{a}kv_a_proj_with_mqa.bias": (c.kv_lora_rank + c.qk_rope_head_dim,), f"{a}o_proj.bias": (d,)})

@@ -63,6 +63,11 @@ ARCHITECTURES = {
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
         "partial_rotary_factor": 0.25}),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", {
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+        "v_head_dim": 8, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "index_topk": 8, "index_n_heads": 32, "index_head_dim": 16}),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
         "head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
         "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 8, "final_logit_softcapping": 3.0}),

@@ -213,13 +213,16 @@ PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sin
     "gemma4": ('"gemma4", layers=6, sliding_window=16, layer_types=["sliding_attention"] * 2 + ["full_attention"] + '
                '["sliding_attention"] * 2 + ["full_attention"]', ("preallocated", "paged", "sink")),
     "gptoss": ('"gpt_oss", layers=4, sliding_window=16', ("preallocated", "concat")),
+    "deepseek32": ('"deepseek_v32", layers=3', ("preallocated", "paged")),  # latent cache, sparse reads
+    "qwen3next": ('"qwen3_next", layers=4', ("preallocated", "concat")),  # fixed-size state layers
 }
 
 
 @pytest.mark.parametrize("arch", list(PER_LAYER))
 def test_lab_per_layer_caches_page_equals_kernel(arch, tmp_path, shots):
-    """A random-weight Gemma 4 style model (full, sliding and shared layers) and a gpt-oss style one (learned
-    sinks): the cache map draws each layer's own layout, and the page still shows what the kernel holds."""
+    """Random-weight models of the 2025 layouts: Gemma 4 (full, sliding and shared layers), gpt-oss (learned sinks),
+    DeepSeek-V3.2 (a latent cache read sparsely) and Qwen3-Next (fixed-size state layers): the cache map draws each
+    layer's own layout, and the page still shows what the kernel holds."""
     options, strategies = PER_LAYER[arch]
     folder = tmp_path / f"{arch}-tiny"
     _run_lab(tmp_path, shots, f"truth_lab_{arch}",

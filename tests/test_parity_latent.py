@@ -113,3 +113,74 @@ def test_the_quantized_cache_refuses_a_latent_cache(deepseek):
         kvexplore.make_cache("quantized", model, 64)
     with pytest.raises(kvexplore.SettingsError, match="unknown mla 'fused'"):
         kvexplore.load(deepseek("low-rank-q")[0], mla="fused")
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    """DeepSeek-V3.2: every query reads the indexer's top 8 of up to 40 positions (32 indexer heads: with few,
+    relu makes many scores exactly 0 and the top-k boundary ties, in transformers too)."""
+    folder = tmp_path_factory.mktemp("deepseek-v32")
+    return folder, make_checkpoint(folder, "deepseek_v32", layers=3)
+
+
+@pytest.mark.parametrize("mla", ["absorbed", "decompressed"])
+def test_sparse_attention_matches_transformers(sparse, mla):
+    folder, ref = sparse
+    model = kvexplore.load(folder, mla=mla)
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    for kind in ("preallocated", "paged", "none"):
+        if kind == "none":
+            got = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+        else:
+            got, _ = decode(model, kind, ids)
+        assert (got - want).abs().max().item() < TOL, kind
+    with torch.no_grad():  # the selection matters: reading every position gives other logits
+        ref.config.index_topk = 64
+        for layer in ref.model.layers:
+            layer.self_attn.indexer.index_topk = 64
+        every = ref(torch.tensor([ids])).logits[0].float()
+    for layer in ref.model.layers:
+        layer.self_attn.indexer.index_topk = 8
+    ref.config.index_topk = 8
+    assert (every - want).abs().max().item() > 100 * TOL
+
+
+def test_sparse_reads_are_a_gather_and_the_trace_marks_them(sparse):
+    folder, ref = sparse
+    model = kvexplore.load(folder)
+    c = model.config
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, 64),
+                              tracer=kvexplore.Tracer(capture={"cache", "attention"}))
+    gen.prefill(ids_for(20))
+    gen.run(10, stop_at_eos=False)
+    t = gen.history[-1].trace
+    for layer in range(c.num_layers):
+        reads = t.reads_of(layer)
+        assert len(reads) == 8 == len(set(reads)) and max(reads) < gen.cache.length  # 8 of 30 positions
+        assert t.attention_raw(layer).shape[-1] == 8  # attention saw exactly those keys
+        event = next(e for e in t.events if e.layer == layer)
+        assert not event.view and event.read_shape[2] == 8  # a gather, not narrow(2, 0, S)
+    assert len({tuple(t.reads_of(i)) for i in range(c.num_layers)}) > 1  # each layer picks its own
+    from kvexplore.explorer.views.cache_map import slot_classes
+
+    classes = slot_classes(gen.history[-1], layer=1)  # the cache map: exactly the positions read are "read"
+    newest = gen.cache.length - 1  # written this step (the indexer need not pick it)
+    assert {i for i, cls in enumerate(classes) if cls == "read"} == set(t.reads_of(1)) - {newest}
+    assert classes[newest] == "written" and classes.count("not read") == gen.cache.length - len(set(t.reads_of(1)) | {newest})
+    per_token = c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * 4
+    assert gen.cache.used_bytes == gen.cache.length * per_token == bytes_per_token(c, 4)["latent"] * gen.cache.length
+
+
+def test_sparse_64_greedy_tokens_match_transformers(sparse):
+    folder, ref = sparse
+    model = kvexplore.load(folder)
+    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, 128))
+    gen.prefill(prompt)
+    gen.run(63, stop_at_eos=False)
+    assert gen.generated_tokens == want.tolist()

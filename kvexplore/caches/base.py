@@ -68,6 +68,7 @@ class KVCache(ABC):
         self._reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's reads of shared layers' sources
         self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
         self._sources = {s.source for s in self.plan if s.kind == SHARED_LAYER}
+        self._sparse_reads: dict[int, list[int]] = {}  # layer -> the positions a sparse attention read this step
         self._cuda_before: dict[str, int] = {}
         self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
         self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
@@ -123,7 +124,7 @@ class KVCache(ABC):
         writes, copies and allocations, and save what :meth:`rollback` needs to undo it."""
         self._undo, self._undo_data = self._snapshot(), []
         self._step = StepCounters()
-        self._layer_moved, self._reads, self._masks = {}, {}, {}
+        self._layer_moved, self._reads, self._masks, self._sparse_reads = {}, {}, {}, {}
         if self.rings is not None:
             self.rings.begin()
         if self.states is not None and pos == 0:  # a new sequence starts from zero state
@@ -134,6 +135,7 @@ class KVCache(ABC):
         """The bookkeeping a step may change, as copies (subclasses add theirs)."""
         return {"_length": self._length, "_step": self._step, "_report": self._report,
                 "_cuda_before": self._cuda_before, "_layer_moved": dict(self._layer_moved),
+                "_sparse_reads": dict(self._sparse_reads),
                 "_rings": None if self.rings is None else self.rings.snapshot()}
 
     def _restore(self, snapshot: dict) -> None:
@@ -204,6 +206,26 @@ class KVCache(ABC):
         before = step.written_bytes
         self.states.write(self, layer, conv, recurrent)
         self._layer_moved[layer] = (step.written_bytes - before, 0)
+
+    def note_reads(self, layer: int, positions: list[int], copied_bytes: int) -> None:
+        """A layer's attention read only ``positions`` (gathered into ``copied_bytes`` of temporaries): what
+        :meth:`read_positions` reports for it until the next step (DeepSeek-V3.2's sparse attention)."""
+        self._sparse_reads[layer] = positions
+        s = self._step
+        s.copied_bytes += copied_bytes
+        s.allocated_bytes += copied_bytes
+        s.freed_bytes += copied_bytes
+        s.allocations += 2
+        s.frees += 2
+        written, copied = self._layer_moved.get(layer, (0, 0))
+        self._layer_moved[layer] = (written, copied + copied_bytes)
+
+    def read_group(self, layer: int) -> tuple:
+        """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
+        spec = self.plan[layer]
+        if layer in self._sparse_reads:
+            return ("sparse", layer)
+        return (spec.attends, spec.source if spec.kind == SHARED_LAYER else -1)
 
     def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a shared layer reads: what its source layer's attention read this step."""
@@ -315,7 +337,7 @@ class KVCache(ABC):
         self.check_truncate(n)
         self._length = n
         self._step = StepCounters()
-        self._layer_moved, self._reads = {}, {}
+        self._layer_moved, self._reads, self._sparse_reads = {}, {}, {}
         if self.rings is not None:
             self.rings.last_read = None
         if self.states is not None and n == 0:
@@ -381,6 +403,8 @@ class KVCache(ABC):
             return self.read_positions(spec.source)
         if spec.kind == STATE:
             return []  # no attention: the state summarises every position
+        if spec.index in self._sparse_reads:
+            return list(self._sparse_reads[spec.index])
         if spec.attends == SLIDING and self.rings is not None:
             return self.rings.read_positions(self.length)
         return self._read_positions()
@@ -476,7 +500,9 @@ class KVCache(ABC):
             n = sum(1 for s in self.plan if s.kind == kind)
             if kind == FULL:
                 spec = self.plan[self.full_layers[0]]
-                what = f" (latent: {spec.head_dim} + rope key {spec.value_width} per position)" if spec.latent else ""
+                index = self.config.index_head_dim if self.config.index_topk else 0
+                what = f" (latent {spec.head_dim} + rope key {spec.value_width - index}" + (
+                    f" + indexer key {index}" if index else "") + " per position)" if spec.latent else ""
                 parts.append(f"{n} full layer{'s' * (n != 1)}{what}: {self.kind}")
             elif kind == SLIDING:
                 what = f"a ring of {self.rings.window} slots each" if self.rings is not None else \

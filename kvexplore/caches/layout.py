@@ -37,8 +37,9 @@ class Layout:
     def ticks(self, slots: int) -> tuple[list[float], list[str]] | None:
         return None
 
-    def step(self, write: tuple[int, int], read: int) -> str:
-        """What a step did, for the title: ``write`` (first position, count) and the keys read."""
+    def step(self, write: tuple[int, int], read: int, view: bool = True) -> str:
+        """What a step did, for the title: ``write`` (first position, count) and the keys read (``view``: as a view
+        of the storage, else gathered into a copy)."""
         w0, wn = write
         if wn == 0:
             return f"wrote nothing · attention read {read} positions"
@@ -53,7 +54,9 @@ class Layout:
 class LinearLayout(Layout):
     """Storage allocated once and written in place: the step's windows are literally ``narrow()`` views."""
 
-    def step(self, write: tuple[int, int], read: int) -> str:
+    def step(self, write: tuple[int, int], read: int, view: bool = True) -> str:
+        if not view:  # a sparse read (DeepSeek-V3.2): only the positions chosen, gathered
+            return f"write narrow(2, {write[0]}, {write[1]}) · read a gather of {read} positions"
         return f"write narrow(2, {write[0]}, {write[1]}) · read narrow(2, 0, {read})"
 
 

@@ -198,7 +198,7 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         head += f" · after a {after}"
     elif record.trace and record.trace.events and main is not None:
         event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
-        head += " · " + main[0].layout.step(event.write, event.read[1])
+        head += " · " + main[0].layout.step(event.write, event.read[1], event.view)
     lines, shared = [], []
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):  # one line for every shared layer
