@@ -184,3 +184,18 @@ def test_sparse_64_greedy_tokens_match_transformers(sparse):
     gen.prefill(prompt)
     gen.run(63, stop_at_eos=False)
     assert gen.generated_tokens == want.tolist()
+
+
+def test_the_cache_map_draws_each_layers_own_sparse_reads(sparse):
+    import numpy as np
+
+    from kvexplore.explorer.views.palette import SLOT_CLASSES
+
+    ex = kvexplore.Explorer(str(sparse[0]), strategies=("preallocated",), max_seq_len=64)
+    ex.run(8)
+    heat = ex.specs()["cache_map"].trace("slots")
+    z, rows, x = (np.asarray(heat[k]) for k in ("z", "y", "x"))
+    trace, newest = ex.lane.history[-1].trace, ex.lane.cache.length - 1
+    drawn = [set(x[(rows == layer) & (z == SLOT_CLASSES.index("read"))].tolist()) for layer in range(3)]
+    assert drawn == [set(trace.reads_of(layer)) - {newest} for layer in range(3)]
+    assert len({frozenset(d) for d in drawn}) > 1  # each layer's row is its own

@@ -58,12 +58,25 @@ def _written(record: StepRecord, layer: int) -> set[int]:
     return set()
 
 
-def _groups(views: Sequence[SlotView]) -> list[tuple[SlotView, list[int]]]:
-    """The distinct slot views (layers of one kind share one) and the layers drawn with each."""
-    out: dict[int, tuple[SlotView, list[int]]] = {}
+def _groups(views: Sequence[SlotView], reads: Sequence[list[int]]) -> list[tuple[SlotView, list[int]]]:
+    """The layers that draw alike (the same slot view and the same positions read: layers of one kind share both,
+    a sparse attention reads its own) and the view each draws."""
+    out: dict[tuple[int, int], tuple[SlotView, list[int]]] = {}
     for layer, view in enumerate(views):
-        out.setdefault(id(view), (view, []))[1].append(layer)
+        key = (id(view), id(reads[layer]) if reads else 0)
+        out.setdefault(key, (view, []))[1].append(layer)
     return list(out.values())
+
+
+def _by_layout(groups: list) -> list:
+    """One entry per distinct slot view, with every layer that has it (for the token rows and the title)."""
+    out: dict[int, tuple] = {}
+    for view, layers, classes in groups:
+        if id(view) in out:
+            out[id(view)][1].extend(layers)
+        else:
+            out[id(view)] = (view, list(layers), classes)
+    return [(view, sorted(layers), classes) for view, layers, classes in out.values()]
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:
@@ -89,16 +102,19 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         recorded = record.trace.layer_slots
         views = list(slots) if slots is not None else [record.trace.slots_of(i) for i in range(num_layers)] \
             if recorded else []
+    reads = [record.trace.reads_of(i) for i in range(num_layers)] if views else []
     groups = [(v, layers, slot_classes(record, v, fresh, layers[0]) if v.states else [])
-              for v, layers in _groups(views)]
+              for v, layers in _groups(views, reads)]
     main_layer = record.trace.main_layer if views else 0
     groups.sort(key=lambda g: main_layer not in g[1])  # the main (first full) layer's layout first
-    drawn = [(v, layers, classes) for v, layers, classes in groups if classes]
+    rows_drawn = [(v, layers, classes) for v, layers, classes in groups if classes]
+    layouts = _by_layout(groups)
+    drawn = [(v, layers, classes) for v, layers, classes in layouts if classes]
     kinds = {m.layer: m.kind for m in record.memory.layers} if views and record.memory is not None else {}
     n = max((len(c) for _, _, c in drawn), default=0)
     grid = np.zeros((num_layers, max(n, 1)), dtype=np.int8)
     keep = np.zeros_like(grid, dtype=bool)
-    for _, layers, classes in drawn:
+    for _, layers, classes in rows_drawn:
         row = np.array([CODE[c] for c in classes], dtype=np.int8)
         grid[layers, : len(row)] = row
         keep[layers, : len(row)] = True
@@ -122,19 +138,19 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                     hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
     used = [s for _, _, classes in drawn for s, c in enumerate(classes) if c != "free"]
     view_range = slot_range(n, max(used) if used else 0)
-    shapes, annotations = _marks(groups, n)
+    shapes, annotations = _marks(layouts, n)
     main = drawn[0][0].layout if drawn else None
     ticks = {}
     if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
         ticks = dict(tickvals=t[0], ticktext=t[1])
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
-    elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in groups):
+    elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in layouts):
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
     rows = max(1, len(drawn))
-    layout = dict(title=dict(text=title or _title(record, kind, groups, fresh, after), font=dict(size=13), x=0.01,
+    layout = dict(title=dict(text=title or _title(record, kind, layouts, fresh, after), font=dict(size=13), x=0.01,
                              xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + _zoomed(view_range, n), standoff=4),
                              range=view_range, **ticks),
@@ -145,7 +161,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
                               title=dict(text="slot")),
-                  margin=dict(l=60 if rows == 1 else 90, r=20, t=90 + 14 * max(0, len(groups) - 1), b=50))
+                  margin=dict(l=60 if rows == 1 else 90, r=20, t=90 + 14 * max(0, len(layouts) - 1), b=50))
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
 
 
