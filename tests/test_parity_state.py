@@ -122,6 +122,12 @@ def test_the_explorer_draws_the_state_as_a_fixed_block(qwen3_next):
     cache_map = ex.specs()["cache_map"]
     notes = [a["text"] for a in cache_map.layout["annotations"]]
     assert notes.count("a fixed state of 3200 B (recurrent 4x16x8), rewritten each step") == 2  # rows 0 and 2
+    import numpy as np
+
+    heat = cache_map.trace("slots")
+    z, rows = np.asarray(heat["z"]), np.asarray(heat["y"])
+    assert set(rows.tolist()) == {0, 1, 2, 3}  # every layer has its row (no neighbour stretched over a state row)
+    assert np.isnan(z[rows == 0]).all() and np.isnan(z[rows == 2]).all() and not np.isnan(z[rows == 1]).any()
     ex.view = "tensors"
     tensors = ex.specs()["tensors"]
     assert tensors.layout["title"]["text"].startswith("recurrent state · layer 0") and tensors.traces[0]["z"].size == 4 * 5

@@ -118,8 +118,14 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         row = np.array([CODE[c] for c in classes], dtype=np.int8)
         grid[layers, : len(row)] = row
         keep[layers, : len(row)] = True
+    empty = [layer for layer in range(num_layers) if not keep[layer].any()]
+    if n and empty:  # a layer without slots (shared, state) still needs its row, or plotly stretches its neighbours
+        grid = grid.astype(np.float32)  # over it: one blank (NaN) cell defines the row
+        grid[empty, 0] = np.nan
+        keep[empty, 0] = True
     scale = dict(zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5, colorscale=discrete_colorscale(SLOT_COLOURS))
     heat = dict(type="heatmap", name="slots", **columns(grid, keep), xgap=1 if n <= 128 else 0, ygap=1, xaxis="x",
+                hoverongaps=False,
                 yaxis="y", hovertemplate="layer %{y} · slot %{x}<br>(hover the token rows for what it holds)"
                                          "<extra></extra>", showscale=False, **scale)
     traces = [heat]
