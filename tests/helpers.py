@@ -118,6 +118,23 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
     return model
 
 
+def greedy_tokens_match(model, ref, kinds=("preallocated", "none"), n=64) -> None:
+    """Assert that ``model`` with each cache kind generates transformers' ``n`` greedy tokens after one prompt."""
+    import kvexplore
+
+    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
+    ref.generation_config.eos_token_id = None  # exactly n tokens, as kvexplore generates below
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    want = (out.sequences if hasattr(out, "sequences") else out)[0, len(prompt):].tolist()
+    assert len(want) == n
+    for kind in kinds:
+        gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 2 * n))
+        gen.prefill(prompt)
+        gen.run(n - 1, stop_at_eos=False)
+        assert gen.generated_tokens == want, kind
+
+
 class FailingTracer:
     """A tracer whose hook raises at one hook point: a forward pass that fails part-way through the layers."""
 

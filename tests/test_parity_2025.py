@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvexplore
-from helpers import FailingTracer, make_checkpoint
+from helpers import FailingTracer, greedy_tokens_match, make_checkpoint
 
 TOL = 1e-4
 SEQ = 40
@@ -85,16 +85,7 @@ def test_prefill_and_decode_match_transformers(built, name):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_64_greedy_tokens_match_transformers(built, name):
     model, ref = built(name)
-    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)
-    want = (out.sequences if hasattr(out, "sequences") else out)[0, len(prompt):].tolist()
-    for kind in ("preallocated", "none"):
-        gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 128))
-        gen.prefill(prompt)
-        gen.run(63, stop_at_eos=False)
-        assert gen.generated_tokens == want, kind
+    greedy_tokens_match(model, ref)
 
 
 def test_the_layer_plans_are_the_models(built):

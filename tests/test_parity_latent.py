@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvexplore
-from helpers import make_checkpoint
+from helpers import greedy_tokens_match, make_checkpoint
 from kvexplore.latent import bytes_per_token
 
 TOL = 1e-4
@@ -63,15 +63,7 @@ def test_latent_attention_matches_transformers(deepseek, name, mla):
 def test_64_greedy_tokens_match_transformers(deepseek, name):
     folder, ref = deepseek(name)
     model = kvexplore.load(folder)
-    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)[0, len(prompt):]
-    for kind in ("preallocated", "none"):
-        gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 128))
-        gen.prefill(prompt)
-        gen.run(63, stop_at_eos=False)
-        assert gen.generated_tokens == want.tolist(), kind
+    greedy_tokens_match(model, ref)
 
 
 def test_both_paths_give_the_same_logits(deepseek):
@@ -176,14 +168,7 @@ def test_sparse_reads_are_a_gather_and_the_trace_marks_them(sparse):
 def test_sparse_64_greedy_tokens_match_transformers(sparse):
     folder, ref = sparse
     model = kvexplore.load(folder)
-    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)[0, len(prompt):]
-    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, 128))
-    gen.prefill(prompt)
-    gen.run(63, stop_at_eos=False)
-    assert gen.generated_tokens == want.tolist()
+    greedy_tokens_match(model, ref, kinds=("preallocated",))
 
 
 def test_the_cache_map_draws_each_layers_own_sparse_reads(sparse):

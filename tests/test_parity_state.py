@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvexplore
-from helpers import make_checkpoint
+from helpers import greedy_tokens_match, make_checkpoint
 
 TOL = 2e-4
 
@@ -57,15 +57,7 @@ def test_prefill_and_decode_match_transformers(qwen3_next):
 def test_64_greedy_tokens_match_transformers(qwen3_next):
     folder, ref = qwen3_next
     model = kvexplore.load(folder)
-    prompt = [model.tokenizer.bos_id, *model.tokenizer.encode("Call me Ishmael. Some years ago")]
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, pad_token_id=0)[0, len(prompt):]
-    for kind in ("preallocated", "none"):
-        gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 128))
-        gen.prefill(prompt)
-        gen.run(63, stop_at_eos=False)
-        assert gen.generated_tokens == want.tolist(), kind
+    greedy_tokens_match(model, ref)
 
 
 def test_the_recurrent_layers_hold_the_same_bytes_after_8_and_400_tokens(qwen3_next):
