@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import host
 from .blocks import MLP
 from .config import ModelConfig
 
@@ -64,7 +65,7 @@ class MixtureOfExperts(nn.Module):
         weights = top.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
         out = torch.zeros_like(x)
         ex = self.experts
-        for e in chosen.unique().tolist():  # only the experts some token chose run, each on its tokens
+        for e in host.values(chosen.unique()):  # only the experts some token chose run (a sync on CUDA: see host)
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             gu = x[rows] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
             gate, up = gu[:, 0::2].clamp(max=self.limit), gu[:, 1::2].clamp(-self.limit, self.limit)
@@ -113,7 +114,7 @@ class DeepseekExperts(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(flat)
         out = torch.zeros_like(flat)
-        for e in chosen.unique().tolist():
+        for e in host.values(chosen.unique()):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             y = self.experts[e](flat[rows])
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
@@ -140,7 +141,7 @@ class SharedExpertMoE(nn.Module):
         if self.normalise:
             weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros_like(flat)
-        for e in chosen.unique().tolist():
+        for e in host.values(chosen.unique()):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, (self.experts[e](flat[rows]) * weights[rows, slot, None]).to(out.dtype))
         out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

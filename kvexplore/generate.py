@@ -23,6 +23,7 @@ from .sampling import SamplingSettings, choose
 from .trace import Tracer
 from .trace_io import History
 from .errors import SettingsError, StateError
+from . import host
 from .settings import integer
 
 
@@ -300,10 +301,9 @@ class Generator:
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         t0 = time.perf_counter()
         logits = model(ids, self.cache, pos, tracer=tracer, last_only=True, keep_undo=True)[0, -1]  # (vocab,) for the last position
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
+        (logits,) = host.fetch([logits])  # the step's one sync on CUDA: it also ends the forward pass's timing
         t1 = time.perf_counter()
-        token = choose(logits, self.sampling, self._rng)
+        token = choose(logits, self.sampling, self._rng)  # on the host, with the host RNG: the same on any device
         if force is not None:
             token = force
         probs = logits.softmax(-1)

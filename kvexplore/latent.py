@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attend import weigh_values
 from .blocks import RMSNorm
 from .caches.base import KVCache
 from .config import ModelConfig
@@ -150,7 +151,7 @@ class LatentAttention(nn.Module):
         if T == 1 and B == 1:
             positions = chosen[0, 0].sort().values
             c_sel, k_sel = c_all.index_select(2, positions), k_rope_all.index_select(2, positions)
-            cache.note_reads(self.layer, positions.tolist(), c_sel.nbytes + k_sel.nbytes)
+            cache.note_reads(self.layer, positions, c_sel.nbytes + k_sel.nbytes)
             return c_sel, k_sel, None
         picked = torch.zeros(B, T, S, dtype=torch.bool, device=c_all.device).scatter_(-1, chosen, True)
         causal = torch.arange(S, device=c_all.device)[None, :] <= torch.arange(pos, pos + T, device=c_all.device)[:, None]
@@ -179,20 +180,24 @@ class LatentAttention(nn.Module):
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             tracer: Any, name: str) -> torch.Tensor:
-    """Softmax attention of ``q`` (B, nh, T, d) over ``k``/``v`` with 1 or nh heads; probabilities materialised
-    (and passed to the tracer's ``scores`` and ``probs`` points) when a tracer asks."""
+    """Softmax attention of ``q`` (B, nh, T, d) over ``k``/``v`` with 1 or nh heads; probabilities materialised in
+    float32 (and passed to the tracer's ``scores`` and ``probs`` points) when a tracer asks. The output is SDPA's
+    unless a hook replaced the scores or the probabilities: a trace does not change what it observes."""
     T, S = q.shape[2], k.shape[2]
-    if tracer is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # (B, nh, T, S); k broadcasts over heads
-    if mask is None and T > 1:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    scores = hook(tracer, f"{name}.scores", scores)
-    probs = hook(tracer, f"{name}.probs", scores.softmax(dim=-1))
-    return probs.to(v.dtype) @ v
+    if tracer is not None:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, nh, T, S); k broadcasts over heads
+        causal = mask
+        if causal is None and T > 1:
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if causal is not None:
+            scores = scores.masked_fill(~causal, float("-inf"))
+        observed = hook(tracer, f"{name}.scores", scores)
+        computed = observed.softmax(dim=-1)
+        probs = hook(tracer, f"{name}.probs", computed)
+        if observed is not scores or probs is not computed:
+            return weigh_values(probs, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def bytes_per_token(config: ModelConfig, itemsize: int = 2, gqa_heads: int = 8) -> dict[str, int]:

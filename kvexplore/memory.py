@@ -78,8 +78,10 @@ class MemoryReport:
     freed_bytes: int = 0
     allocations: int = 0
     frees: int = 0
-    cuda: dict[str, int] = field(default_factory=dict)  # deltas of torch.cuda.memory_stats() over the step
-    cuda_now: dict[str, int] = field(default_factory=dict)  # the same statistics after the step (absolute)
+    # CUDA's allocator inside the cache's writes this step: allocated_bytes, freed_bytes, allocations, frees
+    # (kvexplore.allocator; {} off CUDA), and its figures for the whole process after the step
+    cuda: dict[str, int] = field(default_factory=dict)
+    cuda_now: dict[str, int] = field(default_factory=dict)
     layers: tuple[LayerMemory, ...] = ()
 
     def per_layer(self) -> list[LayerMemory]:
@@ -96,15 +98,3 @@ class MemoryReport:
             for name in ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes"):
                 d[name] += getattr(m, name)
         return out
-
-
-CUDA_STATS = {"allocated_bytes": "allocated_bytes.all.current", "reserved_bytes": "reserved_bytes.all.current",
-              "inactive_split_bytes": "inactive_split_bytes.all.current", "alloc_retries": "num_alloc_retries"}
-
-
-def cuda_stats(device: torch.device) -> dict[str, int]:
-    """The allocator figures kvexplore reports (fragmentation = inactive split bytes), or {} off CUDA."""
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {name: int(stats.get(key, 0)) for name, key in CUDA_STATS.items()}

@@ -30,6 +30,7 @@ from .layer_plan import SHARED, STATE, LayerSpec, layer_plan
 from .blocks import MLP, RMSNorm
 from .deltanet import GatedDeltaNet
 from .experts import DeepseekExperts, MixtureOfExperts, SharedExpertMoE
+from .attend import weigh_values
 from .hooks import hook
 from .latent import LatentAttention
 from .rope import Rotary, rotate
@@ -104,9 +105,10 @@ class Attention(nn.Module):
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
+        y = None
         if self.softcap is not None or self.has_sinks or (tracer is not None and tracer.wants_attention(self.layer)):
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
-        else:
+        if y is None:
             # grouped-query attention without a repeat_kv copy of K/V
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
                                                scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
@@ -117,15 +119,19 @@ class Attention(nn.Module):
         return out if tracer is None else hook(tracer, f"{name}.out", out)
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  tracer: Any, name: str) -> torch.Tensor:
-        """Attention with the probabilities materialised, for the layers a tracer asks about (and for soft-capped
-        scores and learned sinks, which SDPA cannot compute). With sinks, ``attn.probs`` sums to less than 1 per
-        row: the rest is the sink's share, which reads no value."""
+                  tracer: Any, name: str) -> torch.Tensor | None:
+        """Attention with the probabilities materialised (in float32), for the layers a tracer asks about, and for
+        soft-capped scores and learned sinks, which SDPA cannot compute. With sinks, ``attn.probs`` sums to less
+        than 1 per row: the rest is the sink's share, which reads no value.
+
+        Returns the attention output, or None when SDPA can compute it (no softcap, no sinks, and no hook replaced
+        the scores or the probabilities): a trace must not change what it observes, and SDPA's rounding in
+        bfloat16 and float16 is not a materialised softmax's."""
         B, nh, T, hd = q.shape
         S, g = k.shape[2], nh // self.nkv
         # query head h reads kv head h // g: stack each group's queries as rows, so K/V are read, never repeated
         qg = q.reshape(B, self.nkv, g * T, hd)  # rows ordered (head in group, token)
-        scores = (qg @ k.transpose(-1, -2)).float() * self.scale  # (B, nkv, g*T, S)
+        scores = (qg.float() @ k.float().transpose(-1, -2)) * self.scale  # (B, nkv, g*T, S), in float32 as SDPA
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is None and T > 1:
@@ -133,6 +139,7 @@ class Attention(nn.Module):
         if mask is not None:  # one token needs none: it may read every position held
             scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
         scores = scores.view(B, nh, T, S)
+        observed = scores
         if tracer is not None:
             scores = hook(tracer, f"{name}.scores", scores)
         if self.has_sinks:  # the sink is one more column of the softmax, dropped after it
@@ -140,9 +147,12 @@ class Attention(nn.Module):
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         else:
             probs = scores.softmax(dim=-1)  # (B, nh, T, S)
+        computed = probs
         if tracer is not None:
             probs = hook(tracer, f"{name}.probs", probs)
-        y = probs.to(v.dtype).reshape(B, self.nkv, g * T, S) @ v  # (B, nkv, g*T, hd)
+        if self.softcap is None and not self.has_sinks and scores is observed and probs is computed:
+            return None  # only observed: the output is SDPA's, as without a tracer
+        y = weigh_values(probs.reshape(B, self.nkv, g * T, S), v)  # (B, nkv, g*T, hd)
         return y.view(B, nh, T, hd)
 
 

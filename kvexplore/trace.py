@@ -25,6 +25,7 @@ import torch
 from .caches.base import KVCache, SlotView
 from .caches.layout import SharedLayout
 from .errors import SettingsError
+from . import host
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
@@ -51,7 +52,7 @@ class AttentionHistory:
         self._used = 0
 
     def append(self, t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-        flat = t.detach().reshape(-1).float().cpu()
+        flat = t.detach().reshape(-1).float()  # a host copy (Tracer.later brought it over)
         need = self._used + flat.numel()
         if need > self._buf.numel():  # grow by a quarter: resident memory stays close to what is held
             grown = torch.empty(max(need, int(self._buf.numel() * 1.25), 1 << 16))
@@ -174,6 +175,7 @@ class Tracer:
         self._cache: KVCache | None = None
         self._pos = self._q_len = 0
         self._step: StepTrace | None = None
+        self._pending: list = []  # (device tensor, what to do with its host copy) until the step ends
 
     # -- the protocol the model calls --------------------------------------------------------------------
     def wants_attention(self, layer: int) -> bool:
@@ -191,18 +193,32 @@ class Tracer:
             step.events.append(self._event(layer, t))
         elif point == "attn.probs":
             rows = t[0] if self.heads is None else t[0, self.heads]  # (heads, T, S), first sequence
-            step._attention[layer] = self.history.append(rows.transpose(0, 1))
+            self.later(rows.transpose(0, 1).float(), lambda h: step._attention.__setitem__(layer, self.history.append(h)))
         elif "qkv" in self.capture and point in ("attn.q", "attn.k_new", "attn.v_new"):
-            step.qkv[name] = t.detach().clone()
+            self.later(t, lambda h: step.qkv.__setitem__(name, h))
         return None
+
+    def later(self, t: torch.Tensor, land) -> None:
+        """Bring ``t`` to the host after the forward pass, with everything else the step captured (one copy, one
+        sync on CUDA), and call ``land(host_copy)`` then. ``t`` must not be changed in place before the step ends
+        (the model's activations never are; a cache's storage is, so a capture of it is copied on the device)."""
+        self._pending.append((t.detach(), land))
 
     # -- the protocol the generator calls ----------------------------------------------------------------
     def begin_step(self, cache: KVCache, pos: int, q_len: int) -> None:
         self._cache, self._pos, self._q_len = cache, pos, q_len
         self._step = StepTrace(_history=self.history)
+        self._pending = []
 
     def end_step(self, cache: KVCache) -> StepTrace:
+        """The step's trace: what the hooks captured lands on the host here, in one transfer after the pass."""
         step, self._step = self._step, None
+        pending, self._pending = self._pending, []
+        sparse = cache.pending_reads()
+        landed = host.fetch([t for t, _ in pending] + list(sparse.values()))
+        for (_, land), copy in zip(pending, landed):
+            land(copy)
+        cache.land_reads(dict(zip(sparse, landed[len(pending):])))
         c = cache.config
         computed = list(range(self._pos + self._q_len))  # what a cache that keeps nothing read
         by_kind: dict[tuple, list[int]] = {}

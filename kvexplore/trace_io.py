@@ -54,7 +54,7 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
     for layer in t.attention_layers:
         tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
     for name, value in t.qkv.items():
-        tensors[f"{key}.qkv.{name}"] = value.detach().cpu()
+        tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
     views, view_of = _unique(t.layer_slots)
     reads, read_of = _unique(t.layer_reads)
     return {"events": [asdict(e) for e in t.events],

@@ -29,8 +29,10 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SettingsError
+from .. import host
 from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, kinds_present, layer_plan
-from ..memory import LayerMemory, MemoryReport, StepCounters, cuda_stats, full_layer_bytes, kv_bytes, layer_bytes
+from ..allocator import Window, allocator_for
+from ..memory import LayerMemory, MemoryReport, StepCounters, full_layer_bytes, kv_bytes, layer_bytes
 from ..settings import positive_int
 from .layout import EmptyLayout, SharedLayout
 from .masks import causal_mask
@@ -69,10 +71,13 @@ class KVCache(ABC):
         self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
         self._sources = {s.source for s in self.plan if s.kind == SHARED_LAYER}
         self._sparse_reads: dict[int, list[int]] = {}  # layer -> the positions a sparse attention read this step
-        self._cuda_before: dict[str, int] = {}
+        self.allocator = allocator_for(self.device)  # read around each write (kvexplore.allocator); None: not read
+        self._window = Window(None)  # the allocator's counters over this step's writes
         self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
         self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
-        self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []  # held slots a step overwrote
+        self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor | int]] = []  # slots a step overwrote
+        self._scratch: dict[tuple, list[torch.Tensor]] = {}  # reused buffers of _keep, by shape and dtype
+        self._scratch_used: dict[tuple, int] = {}
 
     def _full_shape(self, layer: int, slots: int, values: bool = False) -> tuple[int, int, int, int]:
         """``(batch, kv_heads, slots, head_dim)`` of a full layer's key storage of ``slots`` positions (``values``:
@@ -122,19 +127,19 @@ class KVCache(ABC):
     def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
         """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): count its
         writes, copies and allocations, and save what :meth:`rollback` needs to undo it."""
-        self._undo, self._undo_data = self._snapshot(), []
+        self._undo, self._undo_data, self._scratch_used = self._snapshot(), [], {}
         self._step = StepCounters()
         self._layer_moved, self._reads, self._masks, self._sparse_reads = {}, {}, {}, {}
         if self.rings is not None:
             self.rings.begin()
         if self.states is not None and pos == 0:  # a new sequence starts from zero state
             self.states.clear(self)
-        self._cuda_before = cuda_stats(self.device)
+        self._window = Window(self.allocator)
 
     def _snapshot(self) -> dict:
         """The bookkeeping a step may change, as copies (subclasses add theirs)."""
         return {"_length": self._length, "_step": self._step, "_report": self._report,
-                "_cuda_before": self._cuda_before, "_layer_moved": dict(self._layer_moved),
+                "_window": self._window, "_layer_moved": dict(self._layer_moved),
                 "_sparse_reads": dict(self._sparse_reads),
                 "_rings": None if self.rings is None else self.rings.snapshot()}
 
@@ -148,9 +153,27 @@ class KVCache(ABC):
             setattr(self, name, value)
 
     def _keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
-        """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place (held data only)."""
+        """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place. The copy goes into a scratch
+        buffer the cache keeps for the next steps (one per shape used in a step), so a step that saves what it
+        saved last time allocates nothing."""
+        if self._undo is None or n <= 0:
+            return
+        src = t.narrow(dim, start, n)
+        key = (tuple(src.shape), src.dtype)
+        used = self._scratch_used.get(key, 0)
+        pool = self._scratch.setdefault(key, [])
+        if used == len(pool):
+            pool.append(torch.empty_like(src, memory_format=torch.contiguous_format))
+        self._scratch_used[key] = used + 1
+        saved = pool[used]
+        saved.copy_(src)
+        self._undo_data.append((t, dim, start, saved))
+
+    def _zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        """The step writes ``t.narrow(dim, start, n)``, which was never written before (zeros): a rollback zeroes it
+        again, with no copy saved."""
         if self._undo is not None and n > 0:
-            self._undo_data.append((t, dim, start, t.narrow(dim, start, n).clone()))
+            self._undo_data.append((t, dim, start, n))
 
     @property
     def undo_length(self) -> int:
@@ -158,9 +181,16 @@ class KVCache(ABC):
         return self._length if self._undo is None else self._undo["_length"]
 
     def settle(self) -> None:
-        """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins."""
-        self._undo, self._undo_data = None, []
-        self._reads = {}
+        """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
+        the undo record kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
+        had_step = self._undo is not None
+        window = Window(self.allocator if had_step else None)
+        with window:
+            self._undo, self._undo_data = None, []
+            self._reads = {}
+        if self._report is not None:
+            for name, n in window.figures().items():
+                self._report.cuda[name] = self._report.cuda.get(name, 0) + n
 
     def rollback(self) -> None:
         """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
@@ -168,7 +198,10 @@ class KVCache(ABC):
         if self._undo is None:
             return
         for t, dim, start, saved in reversed(self._undo_data):
-            t.narrow(dim, start, saved.shape[dim]).copy_(saved)
+            if isinstance(saved, int):
+                t.narrow(dim, start, saved).zero_()
+            else:
+                t.narrow(dim, start, saved.shape[dim]).copy_(saved)
         self._restore(self._undo)
         self._undo, self._undo_data = None, []
 
@@ -183,10 +216,11 @@ class KVCache(ABC):
                                 f"read_shared({layer})")
         step = self._step
         before = (step.written_bytes, step.copied_bytes)
-        if spec.kind == SLIDING and self.rings is not None:
-            out = self.rings.write(self, layer, pos, k, v)
-        else:
-            out = self._write(layer, pos, k, v)
+        with self._window:  # what the allocator does inside the cache's own write, and nothing else
+            if spec.kind == SLIDING and self.rings is not None:
+                out = self.rings.write(self, layer, pos, k, v)
+            else:
+                out = self._write(layer, pos, k, v)
         self._layer_moved[layer] = (step.written_bytes - before[0], step.copied_bytes - before[1])
         if layer in self._sources:
             self._reads[layer] = out
@@ -204,12 +238,14 @@ class KVCache(ABC):
             raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state")
         step = self._step
         before = step.written_bytes
-        self.states.write(self, layer, conv, recurrent)
+        with self._window:
+            self.states.write(self, layer, conv, recurrent)
         self._layer_moved[layer] = (step.written_bytes - before, 0)
 
-    def note_reads(self, layer: int, positions: list[int], copied_bytes: int) -> None:
+    def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:
         """A layer's attention read only ``positions`` (gathered into ``copied_bytes`` of temporaries): what
-        :meth:`read_positions` reports for it until the next step (DeepSeek-V3.2's sparse attention)."""
+        :meth:`read_positions` reports for it until the next step (DeepSeek-V3.2's sparse attention). A tensor of
+        positions stays where it is until someone asks (a tracer brings them over with the rest of its step)."""
         self._sparse_reads[layer] = positions
         s = self._step
         s.copied_bytes += copied_bytes
@@ -219,6 +255,15 @@ class KVCache(ABC):
         s.frees += 2
         written, copied = self._layer_moved.get(layer, (0, 0))
         self._layer_moved[layer] = (written, copied + copied_bytes)
+
+    def pending_reads(self) -> dict[int, torch.Tensor]:
+        """The sparse reads of this step still on the device (layer -> positions), for :meth:`land_reads`."""
+        return {layer: p for layer, p in self._sparse_reads.items() if isinstance(p, torch.Tensor)}
+
+    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
+        """Replace sparse reads by their host copies (from :func:`kvexplore.host.fetch`)."""
+        for layer, positions in landed.items():
+            self._sparse_reads[layer] = [int(p) for p in positions.tolist()]
 
     def read_group(self, layer: int) -> tuple:
         """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
@@ -265,7 +310,7 @@ class KVCache(ABC):
         self._length = end
         if self.rings is not None:
             self.rings.commit()
-        self._report = self._make_report()  # now: the CUDA deltas are the step's
+        self._report = self._make_report()
 
     def memory_report(self) -> MemoryReport:
         """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
@@ -274,14 +319,13 @@ class KVCache(ABC):
         return self._report
 
     def _make_report(self) -> MemoryReport:
-        after = cuda_stats(self.device)
-        deltas = {k: after[k] - self._cuda_before.get(k, after[k]) for k in after}
         s = self._step
         return MemoryReport(
             length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
             analytic_bytes=self.analytic_bytes,
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
-            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=deltas, cuda_now=after,
+            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=self._window.figures(),
+            cuda_now=self.allocator.now() if self.allocator is not None else {},
             layers=tuple(self.layer_memory()))
 
     def layer_memory(self) -> list[LayerMemory]:
@@ -353,6 +397,7 @@ class KVCache(ABC):
         twin.rings = None if self.rings is None else self.rings.clone()
         twin.states = None if self.states is None else self.states.clone()
         twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
+        twin._scratch, twin._scratch_used = {}, {}
         self._clone_storage(twin)
         return twin
 
@@ -404,6 +449,8 @@ class KVCache(ABC):
         if spec.kind == STATE:
             return []  # no attention: the state summarises every position
         if spec.index in self._sparse_reads:
+            if isinstance(self._sparse_reads[spec.index], torch.Tensor):
+                self.land_reads(dict(zip(self.pending_reads(), host.fetch(list(self.pending_reads().values())))))
             return list(self._sparse_reads[spec.index])
         if spec.attends == SLIDING and self.rings is not None:
             return self.rings.read_positions(self.length)

@@ -237,6 +237,7 @@ class PagedCache(KVCache):
         twin.rings = None if self.rings is None else self.rings.clone()  # rings are per sequence: never shared
         twin.states = None if self.states is None else self.states.clone()
         twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
+        twin._scratch, twin._scratch_used = {}, {}
         for table in self._tables:
             for page in table:
                 self.pool.refcount[page] += 1

@@ -38,8 +38,12 @@ class PreallocatedCache(KVCache):
 
     def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = k.shape[2]
-        self._keep(self._k[layer], 2, pos, q_len)  # what the slots held before (for a rollback, bit for bit)
-        self._keep(self._v[layer], 2, pos, q_len)
+        # for a rollback bit for bit: slots written before (held, or stale after a rewind) are saved; slots never
+        # written hold zeros, which a rollback puts back without a copy (so a plain decode step allocates nothing)
+        seen = max(0, min(q_len, self._high_water - pos))
+        for t in (self._k[layer], self._v[layer]):
+            self._keep(t, 2, pos, seen)
+            self._zero_on_undo(t, 2, pos + seen, q_len - seen)
         self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
         self._v[layer].narrow(2, pos, q_len).copy_(v)
         self._step.written_bytes += k.nbytes + v.nbytes

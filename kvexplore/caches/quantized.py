@@ -13,6 +13,7 @@ import torch
 
 from ..config import ModelConfig
 from ..settings import integer, positive_int
+from .. import host
 from ..errors import CacheFullError, SettingsError
 from ..memory import StepCounters
 from .base import FILLED, FREE, STALE, KVCache, SlotView
@@ -296,7 +297,7 @@ class QuantizedCache(KVCache):
     def stored_error(self, layer: int) -> torch.Tensor | None:
         if layer not in self.full_layers:  # a ring or a shared layer stores exactly
             return None
-        return self.quantization_error(layer)[0].float().cpu()
+        return host.fetch([self.quantization_error(layer)[0].float()])[0]
 
     def _storage(self, layer: int) -> list[torch.Tensor]:
         return [self._rk[layer], self._rv[layer]]  # a read is a view of these only while nothing is quantized

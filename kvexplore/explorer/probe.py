@@ -24,26 +24,32 @@ class LaneTracer(Tracer):
         self.last_row_only = False
 
     def hook(self, name: str, t: torch.Tensor) -> None:
+        # what the views draw is computed on the device here and lands on the host with the rest of the step
         if self._step is not None:
             if name == "logits":
-                self.last_logprobs = t[0, -1].detach().float().log_softmax(-1).cpu()
+                self.later(t[0, -1].detach().float().log_softmax(-1), self._land_logprobs)
             elif name.endswith(".attn.state"):
-                end = self._pos + self._q_len
-                self.state_norms.setdefault(int(name.split(".")[1]), {})[end] = \
-                    t[0].detach().float().norm(dim=(-2, -1)).cpu()
+                layer, end = int(name.split(".")[1]), self._pos + self._q_len
+                self.later(t[0].detach().float().norm(dim=(-2, -1)),
+                           lambda h: self.state_norms.setdefault(layer, {}).__setitem__(end, h))
             elif name.endswith((".attn.k_new", ".attn.v_new")):
-                self._record_norms(int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, t)
+                layer, which, start = int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, self._pos
+                self.later(t[0].detach().float().norm(dim=-1), lambda h: self._record_norms(layer, which, start, h))
             elif self.last_row_only and name.endswith(".attn.probs"):
                 return super().hook(name, t[:, :, -1:])  # records the newest row; the model keeps its tensor
         return super().hook(name, t)
 
-    def _record_norms(self, layer: int, which: int, t: torch.Tensor) -> None:
-        end = self._pos + t.shape[2]
+    def _land_logprobs(self, logprobs: torch.Tensor) -> None:
+        self.last_logprobs = logprobs
+
+    def _record_norms(self, layer: int, which: int, start: int, norms: torch.Tensor) -> None:
+        """``norms`` (kv heads, positions from ``start``) of one layer's new keys (0) or values (1)."""
+        end = start + norms.shape[1]
         if end > self.norms.shape[-1]:
             grown = torch.full((*self.norms.shape[:-1], max(end, 2 * self.norms.shape[-1], 64)), float("nan"))
             grown[..., : self.norms.shape[-1]] = self.norms
             self.norms = grown
-        self.norms[layer, which, : t.shape[1], self._pos:end] = t[0].detach().float().norm(dim=-1).cpu()
+        self.norms[layer, which, : norms.shape[0], start:end] = norms
 
     def clone(self) -> "LaneTracer":
         """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""

@@ -1,0 +1,89 @@
+"""The few places that move data from the device to the host, on purpose.
+
+On CUDA every host-side conversion of a device tensor (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
+``int(t)``, ``if t: ...``) waits for the device to finish what it was given: a *sync*. kvexplore converts only
+here. :func:`fetch` brings any number of tensors (of any dtypes and shapes) over in *one* copy: they are packed
+into one byte buffer on the device, copied into pinned host memory without blocking, and waited for once. A
+generation step calls it once for the logits (and once more when a tracer records the step, after the forward
+pass); :func:`values` is the same for the few Python numbers a layer needs mid-pass (which experts a token chose).
+
+Tests put a mode around a run that treats model and cache tensors as device tensors and fails on any conversion
+outside this module (``tests/devicemode.py``), and counts the syncs made here (:data:`on_purpose`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+
+#: the host, where fetched tensors land
+HOST = torch.device("cpu")
+_ALIGN = 16  # bytes: every packed tensor starts at an offset its dtype can be viewed at
+
+
+class _Depth:
+    """How deep inside a deliberate transfer the current code is (0: outside; the test mode reads it)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.transfers = 0  # device-to-host transfers made so far (each one sync on CUDA)
+
+
+on_purpose = _Depth()
+
+
+@contextmanager
+def _transfer():
+    on_purpose.depth += 1
+    try:
+        yield
+    finally:
+        on_purpose.depth -= 1
+
+
+def fetch(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (same dtypes and shapes), brought over together: one sync on CUDA, none on the
+    CPU (where the copy is a plain one). The copies share one buffer and never change when the originals do."""
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for device, which in by_device.items():
+        for i, copy in zip(which, _fetch_one_device([tensors[i] for i in which], device)):
+            out[i] = copy
+    return out  # type: ignore[return-value]
+
+
+def _fetch_one_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    chunks, places, offset = [], [], 0
+    for t in tensors:
+        pad = -offset % _ALIGN
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            offset += pad
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        chunks.append(raw)
+        places.append((offset, raw.numel(), t.dtype, t.shape))
+        offset += raw.numel()
+    with _transfer():
+        packed = torch.cat(chunks)  # a new buffer: on the CPU this is the copy
+        if device.type != HOST.type:
+            landed = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=device.type == "cuda")
+            landed.copy_(packed, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the one wait
+            packed = landed
+        on_purpose.transfers += 1
+    return [packed[o: o + n].view(dtype).view(shape) for o, n, dtype, shape in places]
+
+
+def values(t: torch.Tensor) -> list:
+    """``t.tolist()`` through :func:`fetch`: the Python numbers a computation needs mid-pass (one sync on CUDA)."""
+    (host,) = fetch([t])
+    with _transfer():
+        return host.tolist()
