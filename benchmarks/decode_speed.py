@@ -70,9 +70,12 @@ class TimingStreamer:
         pass
 
 
-def run_kvexplore(model, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds for n-1 steps, the n generated tokens)."""
+def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode seconds for n-1 steps, the n generated tokens); ``allocator``: read CUDA's
+    allocator counters around each cache write, as a cache does by default."""
     cache = kvexplore.PreallocatedCache(model.config, len(prompt) + n, dtype=model.dtype, device=model.device)
+    if not allocator:
+        cache.allocator = None  # CUDA: the allocator's counters are not read around each write (kvexplore.allocator)
     g = kvexplore.Generator(model, cache)
     t0 = now(model.device)
     g.prefill(prompt)

@@ -26,8 +26,17 @@ Exit codes: 0 every check passed, 1 some check failed, 2 no CUDA device (one lin
     allocation retries before, after creation, and after a 256-token generation; also whether the cache
     storage stayed in place (same data pointers) and whether allocated memory grew during generation.
 (d) Strategies. Every kind in ``kvexplore.caches.STRATEGIES`` on the tiny model for the same generation:
-    greedy tokens equal the pre-allocated cache's for exact kinds, bytes copied, and the CUDA allocator deltas
-    (allocated, reserved, inactive-split bytes) that the caches' memory reports carry.
+    greedy tokens equal the pre-allocated cache's for exact kinds, bytes copied, and what the allocator did
+    inside the caches' writes (``record.memory.cuda``): 0 allocated per decode step for the pre-allocated
+    cache, a new storage allocated and the old one freed per step (as its own bookkeeping says, rounded to the
+    allocator's 512-byte blocks) for the concatenating one.
+(e) Readiness, for every cache kind in float32, bfloat16 and float16 on the device: greedy and sampled runs
+    (sampling is reproducible from its seed), a full trace (cache, attention, qkv) that leaves the logits bit
+    for bit as they are untraced, the explorer's views of every lane built after steps, a rewind and a fork,
+    and the host syncs of an untraced decode step, counted by torch's own sync debug mode (at most 2), with
+    the RoPE tables still float32 after ``.to(bfloat16)``.
+
+Speed fails below 1.0x transformers. The last line is the one-line summary.
 
 A summary with one line per check comes last.
 """
@@ -56,6 +65,7 @@ FP32_TOL = 1e-4  # times max(1, max |ref logit|)
 BF16_REL_TOL = 0.05  # of max |ref logit|, for the max diff and for what counts as a near tie
 
 RESULTS: list[tuple[str, bool | None, str]] = []  # (check, passed (None = info only), detail)
+SPEEDS: list[str] = []  # "shape dtype ratio" of each decode-speed run, for the summary line
 
 
 def record(name: str, passed: bool | None, detail: str) -> None:
@@ -161,15 +171,35 @@ def check_speed(device: torch.device, dtypes: list[torch.dtype], shapes: list[st
             try:
                 r = decode_speed.bench_shape(shape, opts, device, dtype, tmp / f"speed-{shape}")
                 target = decode_speed.TARGETS.get(shape)
+                SPEEDS.append(f"{shape} {dtype_name(dtype)} {r['ratio']:.2f}x")
                 detail = (f"kvexplore {r['kv_tps']:.1f} tok/s vs transformers {r['hf_tps']:.1f} tok/s = "
                           f"{r['ratio']:.2f}x (CPU target {target}x), greedy tokens "
                           f"{'identical' if r['same'] else 'differ'}")
-                record(name, None, detail)
+                record(name, r["ratio"] >= 1.0 if device.type == "cuda" else None, detail + " [fails below 1.0x]")
             except Exception as e:
                 traceback.print_exc()
                 record(name, False, f"raised {type(e).__name__}: {e}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    counters_overhead(device, tmp / f"speed-{shapes[0]}", args)
+
+
+def counters_overhead(device: torch.device, folder: Path, args) -> None:
+    """Decode time with the allocator's counters read around every cache write (the default) vs not read."""
+    import decode_speed
+
+    if device.type != "cuda" or not (folder / "config.json").exists():
+        return  # off CUDA there are no counters to read
+    model = kvexplore.load(folder, dtype=torch.bfloat16, device=device)
+    prompt = prompt_ids(args.prompt_len, model.config.vocab_size)
+    runs = {True: [], False: []}
+    for _ in range(max(2, args.reps)):
+        for on in (True, False):
+            runs[on].append(decode_speed.run_kvexplore(model, prompt, args.new_tokens, allocator=on)[1])
+    with_c, without = sorted(runs[True])[len(runs[True]) // 2], sorted(runs[False])[len(runs[False]) // 2]
+    record("decode: allocator counters read per cache write", None,
+           f"{with_c / without:.2f}x the decode time without them ({with_c * 1e3:.1f} vs {without * 1e3:.1f} ms for "
+           f"{args.new_tokens - 1} steps); set cache.allocator = None to skip them")
 
 
 # -- (c) memory ------------------------------------------------------------------------------------------
@@ -274,16 +304,117 @@ def check_strategies(device: torch.device, gen_tokens: int) -> None:
             if reference is None:
                 reference = gen.tokens
             copied = sum(r.memory.copied_bytes for r in records)
-            cuda = {k: sum(r.memory.cuda.get(k, 0) for r in records) for k in ("allocated_bytes", "reserved_bytes")}
-            frag = max((r.memory.cuda.get("inactive_split_bytes", 0) for r in records), default=0)
-            detail = (f"copied {copied / 2**20:.2f} MiB over {len(records)} steps; CUDA allocated {cuda['allocated_bytes']:+,} B,"
-                      f" reserved {cuda['reserved_bytes']:+,} B, largest inactive-split change {frag:+,} B; "
-                      f"cache reserved {gen.cache.reserved_bytes:,} B")
+            steps = records[1:]  # past the first decode step (one-time scratch buffers)
+            alloc = sum(r.memory.cuda.get("allocated_bytes", 0) for r in steps)
+            freed = sum(r.memory.cuda.get("freed_bytes", 0) for r in steps)
+            own = sum(r.memory.allocated_bytes for r in steps)
+            frag = max((r.memory.cuda_now.get("inactive_split_bytes", 0) for r in records), default=0)
+            detail = (f"copied {copied / 2**20:.2f} MiB over {len(records)} steps; in the cache's writes the allocator "
+                      f"allocated {alloc:,} B and freed {freed:,} B (the cache's own count: {own:,} B allocated); "
+                      f"largest inactive split {frag:,} B; cache reserved {gen.cache.reserved_bytes:,} B")
+            if device.type == "cuda" and kind == "preallocated":
+                record(f"{name}: allocates nothing per decode step", alloc == 0 and freed == 0, detail)
+            if device.type == "cuda" and kind == "concat":
+                rounded = sum(2 * gen.model.config.num_layers * 512 + r.memory.allocated_bytes for r in steps)
+                record(f"{name}: allocates and frees its storage every step", own <= alloc <= rounded and freed > 0,
+                       detail)
             exact = kind != "quantized"
             record(name, gen.tokens == reference if exact else None, detail)
         except Exception as e:
             traceback.print_exc()
             record(name, False, f"raised {type(e).__name__}: {e}")
+
+
+# -- (e) readiness: every cache kind, tracing, sampling, the explorer, syncs, in three dtypes -------------------
+def teacher_forced(model, kind: str, ids: list[int], tracer=None) -> torch.Tensor:
+    """Logits of every position after the first 8, fed one at a time (the whole prefix each time without a cache)."""
+    cache = kvexplore.make_cache(kind, model, max_seq_len=len(ids) + 8)
+    dev, out = model.device, []
+    steps = [(0, n) for n in range(8, len(ids) + 1)] if kind == "none" else \
+        [(0, 8)] + [(p, p + 1) for p in range(8, len(ids))]
+    for start, end in steps:
+        if tracer is not None:
+            tracer.begin_step(cache, start, end - start)
+        out.append(model(torch.tensor([ids[start:end]], device=dev), cache, start, tracer=tracer, last_only=True)[0, -1])
+        if tracer is not None:
+            tracer.end_step(cache)
+    return torch.stack(out)
+
+
+def syncs_per_step(gen, steps: int = 8) -> float:
+    """Host syncs of untraced decode steps, as torch's CUDA sync debug mode counts them (its warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            gen.run(steps, stop_at_eos=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught) / steps
+
+
+def check_readiness(device: torch.device) -> None:
+    print(f"\n(e) readiness on {device}: every cache kind, traced and sampled, the explorer, in three dtypes")
+    ids = prompt_ids(40, 300, seed=3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = kvexplore.load("tiny", dtype=dtype, device=device)
+        for kind in kvexplore.caches.STRATEGIES:
+            name = f"ready {kind} {dtype_name(dtype)}"
+            try:
+                plain = teacher_forced(model, kind, ids)
+                traced = teacher_forced(model, kind, ids, kvexplore.Tracer(capture={"cache", "attention", "qkv"}))
+                same = torch.equal(plain, traced)
+                runs = []
+                for _ in range(2):
+                    g = kvexplore.Generator(model, kvexplore.make_cache(kind, model, max_seq_len=96),
+                                            temperature=0.9, top_p=0.95, seed=5)
+                    g.prefill(ids[:12])
+                    g.run(16, stop_at_eos=False)
+                    runs.append(g.tokens)
+                g.rewind(3)
+                g.fork().step()
+                detail = (f"traced logits {'identical to' if same else 'DIFFER from'} untraced "
+                          f"(max |diff| {(plain - traced).abs().max().item():.3g}); sampling "
+                          f"{'reproducible' if runs[0] == runs[1] else 'NOT reproducible'}; rewind and fork ran")
+                ok = same and runs[0] == runs[1] and bool(torch.isfinite(plain).all())
+                if device.type == "cuda":
+                    per_step = syncs_per_step(_primed(model, kind, ids))
+                    detail += f"; {per_step:.1f} host syncs per untraced decode step (torch's sync debug mode)"
+                    ok = ok and per_step <= 2
+                record(name, ok, detail)
+            except Exception as e:
+                traceback.print_exc()
+                record(name, False, f"raised {type(e).__name__}: {e}")
+        rope = kvexplore.load("tiny", device=device).to(dtype).rotary.inv_freq.dtype
+        record(f"ready rope tables {dtype_name(dtype)}", rope == torch.float32, f"inv_freq {rope} after .to({dtype})")
+    try:
+        model = kvexplore.load("tiny", dtype=torch.bfloat16, device=device)
+        ex = kvexplore.Explorer(model, strategies=tuple(kvexplore.caches.STRATEGIES), max_seq_len=64)
+        ex.session.prefill("Call me Ishmael. Some years ago")
+        for _ in range(4):
+            ex.session.step()
+        drawn = 0
+        for lane in ex.session.lanes:
+            ex.controls["lane"].value = lane
+            drawn += len(ex.specs())
+        ex.session.rewind(2)
+        ex.session.fork()
+        drawn += len(ex.specs())
+        record("ready explorer bfloat16", True, f"{drawn} figure specs built over {len(ex.session.lanes)} lanes "
+                                                f"after 4 steps, a rewind and a fork")
+    except Exception as e:
+        traceback.print_exc()
+        record("ready explorer bfloat16", False, f"raised {type(e).__name__}: {e}")
+
+
+def _primed(model, kind: str, ids: list[int]):
+    g = kvexplore.Generator(model, kvexplore.make_cache(kind, model, max_seq_len=96))
+    g.prefill(ids[:12])
+    g.step()
+    return g
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--skip-readiness", action="store_true")
     ap.add_argument("--shapes", default=None, help="decode-speed shapes (default 24M,135M; cpu debug: 24M)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode speed: tokens per run (default 64; cpu 8)")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -335,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             check_memory(device, dtypes, "24M" if debug else "135M", capacity=max(512, gen_tokens + 64),
                          gen_tokens=gen_tokens, tmp=tmp)
             check_strategies(device, gen_tokens)
+        if not args.skip_readiness:
+            check_readiness(device)
 
     failed = [r for r in RESULTS if r[1] is False]
     passed = [r for r in RESULTS if r[1] is True]
@@ -346,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {mark:4} {name}: {detail}")
         else:
             print(f"  {mark:4} {name}")
-    print("gpu_check: " + ("ALL PASSED" if not failed else f"{len(failed)} CHECK(S) FAILED"))
+    speed = f"; kvexplore/transformers decode {', '.join(SPEEDS)}" if SPEEDS else ""
+    print(f"gpu_check: {'ALL PASSED' if not failed else f'{len(failed)} CHECK(S) FAILED'} ({len(passed)} of "
+          f"{len(passed) + len(failed)} checks passed on {device} in {time.perf_counter() - t0:.0f}s{speed})")
     return 1 if failed else 0
 
 

@@ -90,11 +90,21 @@ class Rotary(torch.nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.own = tuple(t for t in dict.fromkeys(config.layer_types) if t != "full_attention")
-        for t in self.own:
-            self.register_buffer(f"inv_freq_{t}", inverse_frequencies(config, t), persistent=False)
+        # float32 on the host, whatever .to() does to the model: a bfloat16 inv_freq turns position 1000 by a
+        # visibly wrong angle. The buffers are these, moved to the model's device (see _apply).
+        self._exact = {"inv_freq": inverse_frequencies(config),
+                       **{f"inv_freq_{t}": inverse_frequencies(config, t) for t in self.own}}
+        for name, table in self._exact.items():
+            self.register_buffer(name, table.clone(), persistent=False)
         self.scale = {t: attention_factor(config, t) for t in ("full_attention", *self.own)}
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device, dtype)``, ``.half()``, ``.cuda()`` ...: the tables follow the device, never the dtype."""
+        super()._apply(fn, recurse)
+        for name, table in self._exact.items():
+            self._buffers[name] = table.to(self._buffers[name].device)
+        return self
 
     def cos_sin(self, pos: int, length: int, dtype: torch.dtype,
                 layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:
