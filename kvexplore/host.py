@@ -60,26 +60,39 @@ def fetch(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _fetch_one_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    if device.type == HOST.type:  # already on the host: a copy of each, nothing to pack
+        with _transfer():
+            on_purpose.transfers += 1
+            return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+    packed, places = pack(tensors)
+    with _transfer():
+        landed = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=device.type == "cuda")
+        landed.copy_(packed, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the one wait
+        on_purpose.transfers += 1
+    return unpack(landed, places)
+
+
+def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple]]:
+    """``tensors`` (one device, any dtypes and shapes) as one uint8 buffer on that device, each at an aligned
+    offset, and where each one lies in it (for :func:`unpack`)."""
     chunks, places, offset = [], [], 0
     for t in tensors:
         pad = -offset % _ALIGN
         if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
             offset += pad
         raw = t.contiguous().reshape(-1).view(torch.uint8)
         chunks.append(raw)
-        places.append((offset, raw.numel(), t.dtype, t.shape))
+        places.append((offset, raw.numel(), t.dtype, tuple(t.shape)))
         offset += raw.numel()
-    with _transfer():
-        packed = torch.cat(chunks)  # a new buffer: on the CPU this is the copy
-        if device.type != HOST.type:
-            landed = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=device.type == "cuda")
-            landed.copy_(packed, non_blocking=True)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # the one wait
-            packed = landed
-        on_purpose.transfers += 1
-    return [packed[o: o + n].view(dtype).view(shape) for o, n, dtype, shape in places]
+    return torch.cat(chunks), places
+
+
+def unpack(buffer: torch.Tensor, places: list[tuple]) -> list[torch.Tensor]:
+    """The tensors :func:`pack` packed, as views of ``buffer``."""
+    return [buffer[o: o + n].view(dtype).view(shape) for o, n, dtype, shape in places]
 
 
 def values(t: torch.Tensor) -> list:

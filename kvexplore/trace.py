@@ -9,12 +9,14 @@
 - ``"attention"``: the new token(s)' attention probabilities per layer and head over the positions read, kept in
   one growing buffer per run (no small tensor per step); :meth:`StepTrace.attention` gives them in logical
   position order, :meth:`StepTrace.physical_attention` in the cache's physical slot order;
-- ``"qkv"``: copies of q, k_new and v_new per layer;
+- ``"qkv"``: copies of q, k_new and v_new per layer (on the host);
 - ``"memory"`` and ``"timing"``: the record's memory report and per-phase times are kept (they are always
   measured; without these the trace does not repeat them).
 
-``layers`` / ``heads`` restrict what is recorded. Everything recorded is a copy: a later in-place write into the
-cache never changes a record. Only the layers whose attention is captured take the explicit softmax path.
+``layers`` / ``heads`` restrict what is recorded. Everything recorded is a copy on the host: a later in-place write
+into the cache never changes a record. What the hooks capture stays on the device until :meth:`Tracer.end_step`,
+which brings it over in one transfer (:func:`kvexplore.host.fetch`). Only the layers whose attention is captured
+materialise their probabilities (in float32); their output is still SDPA's (see ``Attention._explicit``).
 """
 
 from __future__ import annotations

@@ -66,6 +66,15 @@ def test_the_pretend_device_catches_conversions_and_mixed_devices(tiny):
     assert not is_device(tiny.model.embed_tokens.weight)  # put back
 
 
+def test_packing_for_one_transfer_keeps_every_dtype_and_shape():
+    ts = [torch.randn(3, 5)[:, ::2], torch.tensor([True, False, True]), torch.arange(7), torch.randn(2, 3).bfloat16(),
+          torch.randn(4).half(), torch.empty(0, 3), torch.tensor(2.5, dtype=torch.float64)]
+    packed, places = host.pack(ts)
+    assert packed.dtype == torch.uint8 and packed.dim() == 1
+    back = host.unpack(packed.clone(), places)
+    assert all(b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t) for b, t in zip(back, ts))
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, arch):
     """Greedy and sampled runs, with and without a full tracer, rewind and fork: nothing converts a device tensor
