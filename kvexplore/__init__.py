@@ -14,6 +14,7 @@ from .model import Model, hook_point_names
 from .records import Candidate, StepRecord
 from .tokenizer import Tokenizer
 from .trace import CacheEvent, StepTrace, Tracer
+from .trace_diff import TraceDiff, diff_traces
 from .trace_io import load_trace, save_trace
 
 __version__ = "0.1.0"
@@ -23,5 +24,5 @@ __all__ = [
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
-    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "perplexity", "save_trace",
+    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "perplexity", "save_trace",
 ]

@@ -44,6 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
     gen.add_argument("--trace", action="store_true",
                      help="print each step's cache map (slots free, filled, written, stale, shared) and memory")
+    gen.add_argument("--save-trace", default=None, metavar="PATH",
+                     help="record the run (cache, attention, q/k/v, memory) and save it to PATH (.kvtrace), for "
+                          "kvexplore export and kvexplore diff")
+    export = sub.add_parser("export", help="write a self-contained HTML replay of recorded runs (no kernel, no "
+                                           "network)")
+    export.add_argument("traces", nargs="+", metavar="TRACE", help="one or more .kvtrace files (one lane each)")
+    export.add_argument("-o", "--output", required=True, metavar="HTML")
+    export.add_argument("--layer", type=int, default=0, help="the layer whose attention is drawn (default 0)")
+    export.add_argument("--head", type=int, default=0, help="the query head whose attention is drawn (default 0)")
+    export.add_argument("--title", default=None)
+    diff = sub.add_parser("diff", help="compare two recorded runs of one prompt: where do they part? (exit 0: they "
+                                       "agree, 1: they part, 2: bad input)")
+    diff.add_argument("a", metavar="A.kvtrace")
+    diff.add_argument("b", metavar="B.kvtrace")
+    diff.add_argument("--tolerance", type=float, default=None,
+                      help="relative for keys and values, absolute for probabilities (default by dtype: float32 1e-4, "
+                           "float16 5e-3, bfloat16 3e-2)")
+    diff.add_argument("--html", default=None, metavar="HTML",
+                      help="also write the two replays side by side, the divergence marked")
+    diff.add_argument("--layer", type=int, default=None, help="--html: the layer whose attention is drawn (default: "
+                                                              "where they part, else 0)")
     models = sub.add_parser("models", help="named models: list, fetch, path")
     verbs = models.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     verbs.add_parser("list", help="named models, whether present, size on disk")
@@ -102,7 +123,7 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from . import Generator, load, make_cache
+    from . import Generator, Tracer, load, make_cache
     from .textview import LEGEND, step_view
     from .memory import kv_bytes
 
@@ -115,8 +136,9 @@ def _generate(args: argparse.Namespace) -> None:
     if ids is None:
         ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
     cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens)
+    tracer = Tracer(capture={"cache", "attention", "qkv", "memory", "timing"}) if args.save_trace else None
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed)
+                    seed=args.seed, tracer=tracer)
     out = sys.stdout
     shown = ""
     if args.trace:
@@ -156,6 +178,38 @@ def _generate(args: argparse.Namespace) -> None:
         f"{cache.reserved_bytes / mib:.2f} MiB reserved, {cache.used_bytes / mib:.2f} MiB used for "
         f"{cache.length} positions ({kv_bytes(model.config, 1, 1, model.dtype)} bytes per token)]\n"
     )
+    if args.save_trace:
+        out.write(f"trace saved to {gen.history.save(args.save_trace)}\n")
+
+
+def _export(args: argparse.Namespace) -> None:
+    from .replay import save_html
+    from .trace_io import load_trace
+
+    runs = {}
+    for path in args.traces:
+        run = load_trace(path)
+        name = run.meta.get("kind") or path
+        runs[name if name not in runs else f"{name} ({path})"] = run
+    print(save_html(runs, args.output, layer=args.layer, head=args.head, title=args.title))
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .trace_diff import diff_traces
+    from .trace_io import load_trace
+
+    a, b = load_trace(args.a), load_trace(args.b)
+    result = diff_traces(a, b, tolerance=args.tolerance)
+    print(result.report())
+    if args.html:
+        from .replay import save_html
+
+        layer = args.layer if args.layer is not None else (result.layer or 0)
+        names = [f"A: {a.meta.get('kind', '')} ({args.a})", f"B: {b.meta.get('kind', '')} ({args.b})"]
+        marks = {} if result.step is None else {result.step: "⚠ " + result.summary()}
+        print(save_html(dict(zip(names, (a, b))), args.html, layer=layer, marks=marks,
+                        title=f"kvexplore diff · {result.summary()}"))
+    return 1 if result.diverged else 0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -175,6 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _generate(args)
         elif args.command == "models":
             _models(args)
+        elif args.command == "export":
+            _export(args)
+        elif args.command == "diff":
+            try:
+                return _diff(args)
+            except (KVExploreError, ValueError, OSError) as e:
+                print(f"kvexplore diff: error: {e}", file=sys.stderr)
+                return 2
         elif args.command == "lab":
             from .launch import lab
 

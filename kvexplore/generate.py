@@ -145,8 +145,19 @@ class Generator:
         self._tokens = [*ids, record.token_id]
         self._undoable = False
         self._prompt_len = len(ids)
-        self.history = History([record])
+        self.history = History([record], self._run_meta(ids))
         return record
+
+    def _run_meta(self, ids: list[int]) -> dict:
+        """What a saved trace carries besides its records: the prompt, the strategy, the model's shape."""
+        c, tok = self.model.config, self.model.tokenizer
+        return {"prompt_ids": list(ids),
+                "prompt_texts": [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)],
+                "kind": self.cache.kind, "dtype": str(self.model.dtype).removeprefix("torch."),
+                "device": str(self.model.device),
+                "model": {"name": self.model.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
+                          "num_kv_heads": c.num_kv_heads, "gqa_groups": c.gqa_groups,
+                          "attention_sinks": bool(c.attention_sinks)}}
 
     def prefill_chat(self, messages: list[dict[str, str]]) -> StepRecord:
         """Prefill with ``messages`` rendered by the tokenizer's chat template (ready for the reply)."""

@@ -23,19 +23,33 @@ from .records import Candidate, StepRecord
 from .trace import AttentionHistory, CacheEvent, StepTrace
 
 FORMAT = "kvexplore-trace"
-VERSION = 2  # 2: slot views and reads per layer, typed layouts
+VERSION = 3  # 2: slot views and reads per layer, typed layouts; 3: the run's meta (prompt, strategy, model)
 
 
 class History(list):
-    """A generator's records, one per generated token, with :meth:`save`."""
+    """A generator's records, one per generated token, with :meth:`save` and :meth:`save_html`.
+
+    ``meta`` describes the run (what a replay or a diff needs beyond the records): ``prompt_ids``,
+    ``prompt_texts``, ``kind`` (the cache strategy) and ``model`` (its name and the few figures the views draw:
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``gqa_groups``, ``attention_sinks``)."""
+
+    def __init__(self, records=(), meta: dict | None = None) -> None:
+        super().__init__(records)
+        self.meta = dict(meta if meta is not None else getattr(records, "meta", {}))
 
     def save(self, path: str | Path) -> Path:
         """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
         return save_trace(self, path)
 
+    def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None) -> Path:
+        """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`)."""
+        from .replay import save_html
+
+        return save_html({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
+
 
 def save_trace(records: list[StepRecord], path: str | Path) -> Path:
-    """Write ``records`` (with their traces) to ``path``."""
+    """Write ``records`` (with their traces, and the run's ``meta`` when they are a :class:`History`)."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     rows = []
@@ -45,7 +59,8 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
         row["memory"] = None if r.memory is None else asdict(r.memory)
         row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
         rows.append(row)
-    meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows)}
+    meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows),
+            "run": json.dumps(getattr(records, "meta", {}))}
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=meta)
     return path
 
@@ -76,8 +91,9 @@ def _unique(items: list) -> tuple[list, list[int]]:
     return unique, of
 
 
-def load_trace(path: str | Path) -> list[StepRecord]:
-    """Read records written by :func:`save_trace` (no model needed)."""
+def load_trace(path: str | Path) -> History:
+    """Read records written by :func:`save_trace` (no model needed), with the run's ``meta`` (empty before
+    format version 3)."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"trace {path} not found; save one with history.save(path) or kvexplore generate "
@@ -97,7 +113,7 @@ def load_trace(path: str | Path) -> list[StepRecord]:
         raise LoadError(f"{path} is a trace of format version {version}, newer than this kvexplore reads "
                         f"({VERSION}); upgrade kvexplore to open it")
     try:
-        return _records(json.loads(meta["records"]), f)
+        return History(_records(json.loads(meta["records"]), f), json.loads(meta.get("run", "{}")))
     except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:  # json errors are ValueErrors
         raise CorruptFileError(f"{path}: the trace's records are damaged ({type(e).__name__}: {e}); record the run "
                                f"again") from e

@@ -203,6 +203,16 @@ class Explorer:
         """What the views need of the session now (the lanes on screen in detail)."""
         return snapshot.take(self.session, self._strip, self.lane.name, self.side_by_side, self.layer, self.head)
 
+    def save_html(self, path, title: str | None = None):
+        """Write the session so far as one self-contained HTML replay (every lane, the layer and head chosen now;
+        see :mod:`kvexplore.replay`). Returns the path."""
+        from ..replay import save_html
+
+        runs = {name: lane.history for name, lane in self.session.lanes.items() if lane.history}
+        if not runs:
+            raise StateError("nothing to save yet: prefill first (the Prefill button, or ex.step())")
+        return save_html(runs, path, layer=self.layer, head=self.head, title=title)
+
     def specs(self, names: Sequence[str] | None = None) -> dict[str, FigureSpec]:
         """What each view draws now (default: every view; :meth:`shown` are the ones on screen)."""
         snap = self.snapshot()
