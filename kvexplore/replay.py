@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import html
 import json
 import math
@@ -135,17 +136,13 @@ def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int =
     return out, store  # type: ignore[return-value]
 
 
-def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
-              title: str | None = None, marks: Mapping[int, str] | None = None) -> Path:
-    """Write the replay of ``runs`` (lane name -> records, as ``Explorer`` or ``load_trace`` give them) to ``path``.
-    ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
-    try:
-        from plotly.offline import get_plotlyjs
-    except ImportError as e:  # pragma: no cover - the notebook extra
-        raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
+def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0, title: str | None = None,
+             marks: Mapping[int, str] | None = None, plotly: bool = True) -> str:
+    """The replay as one HTML element (its data, its player and, with ``plotly``, plotly.js), to put in a page:
+    :func:`save_html` wraps it in a document; a notebook's static copy of an explorer embeds it. Without ``plotly``
+    it waits for another fragment on the page to bring plotly.js."""
     from .explorer.views import tokens
 
-    path = Path(path)
     all_frames, store = frames(runs, layer, head)
     config = model_info(next(iter(runs.values())))
     meta = {"title": title or f"kvexplore replay · {config.name or 'model'} · {', '.join(runs)}",
@@ -157,115 +154,144 @@ def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer:
     data = json.dumps({"meta": meta, "arrays": store.arrays, "frames": all_frames}, separators=(",", ":"),
                       allow_nan=False)
     packed = base64.b64encode(gzip.compress(data.encode(), 6, mtime=0)).decode()
-    plotly_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
-    page = (_PAGE.replace("__TITLE__", html.escape(meta["title"]))
+    plotly_js = ""
+    if plotly:
+        try:
+            from plotly.offline import get_plotlyjs
+        except ImportError as e:  # pragma: no cover - the notebook extra
+            raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
+        packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
+        plotly_js = f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
+    uid = f"kvx-replay-{hashlib.sha1(packed.encode()).hexdigest()[:12]}"
+    return (_FRAGMENT.replace("__ID__", uid).replace("__TITLE__", html.escape(meta["title"]))
             .replace("__PLOTLY__", plotly_js).replace("__DATA__", packed).replace("__PLAYER__", _PLAYER))
-    path.write_text(page, encoding="utf-8")
+
+
+def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
+              title: str | None = None, marks: Mapping[int, str] | None = None) -> Path:
+    """Write the replay of ``runs`` (lane name -> records, as ``Explorer`` or ``load_trace`` give them) to ``path``.
+    ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
+    path = Path(path)
+    body = fragment(runs, layer, head, title, marks)
+    name = html.escape(title or "kvexplore replay")
+    path.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}</title></head>\n'
+                    f'<body style="margin: 12px 18px">\n{body}\n</body></html>\n', encoding="utf-8")
     return path
 
 
-_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
+_FRAGMENT = """<div class="kvx-replay" id="__ID__">
 <style>
-body {font-family: 'Liberation Sans', Arial, sans-serif; margin: 12px 18px; color: #222;}
-#kvx-controls {position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 10; border-bottom: 1px solid #ddd;
-               display: flex; gap: 12px; align-items: center;}
-#kvx-slider {flex: 1;}
-#kvx-mark {color: #b30000; font-weight: bold;}
-.kvx-lane {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin: 10px 0 18px;}
-.kvx-lane h2 {grid-column: 1 / 3; font-size: 16px; margin: 6px 0 0;}
-.kvx-lane .kvx-strip-box {grid-column: 1 / 3;}
-</style></head>
-<body>
-<h1 style="font-size:19px">__TITLE__</h1>
-<div id="kvx-controls"><button id="kvx-play">▶ play</button><input id="kvx-slider" type="range" min="0" value="0">
-<span id="kvx-label"></span><span id="kvx-mark"></span></div>
-<div id="kvx-lanes"></div><div id="kvx-memory"></div>
-<script type="application/octet-stream" id="kvx-plotly">__PLOTLY__</script>
-<script type="application/octet-stream" id="kvx-data">__DATA__</script>
-<script>__PLAYER__</script>
-</body></html>
-"""
+.kvx-replay {font-family: 'Liberation Sans', Arial, sans-serif; color: #222;}
+.kvx-replay h1 {font-size: 19px;}
+.kvx-replay .kvx-controls {position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 10;
+  border-bottom: 1px solid #ddd; display: flex; gap: 12px; align-items: center;}
+.kvx-replay .kvx-slider {flex: 1;}
+.kvx-replay .kvx-mark {color: #b30000; font-weight: bold;}
+.kvx-replay .kvx-lane {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin: 10px 0 18px;}
+.kvx-replay .kvx-lane h2 {grid-column: 1 / 3; font-size: 16px; margin: 6px 0 0;}
+.kvx-replay .kvx-strip-box {grid-column: 1 / 3;}
+</style>
+<h1>__TITLE__</h1>
+<div class="kvx-controls"><button class="kvx-play">▶ play</button>
+<input class="kvx-slider" type="range" min="0" value="0"><span class="kvx-label">loading…</span>
+<span class="kvx-mark"></span></div>
+<div class="kvx-lanes"></div><div class="kvx-memory"></div>
+__PLOTLY__
+<script type="application/octet-stream" class="kvx-data">__DATA__</script>
+<script>(__PLAYER__)(document.getElementById("__ID__"));</script>
+</div>"""
 
-_PLAYER = r"""
-(async function () {
+_PLAYER = r"""async function (root) {
   const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                  uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
-  async function gunzip(id) {
-    const bin = Uint8Array.from(atob(document.getElementById(id).textContent), (c) => c.charCodeAt(0));
+  async function gunzip(el) {
+    const bin = Uint8Array.from(atob(el.textContent), (c) => c.charCodeAt(0));
     const stream = new Blob([bin]).stream().pipeThrough(new DecompressionStream('gzip'));
     return await new Response(stream).text();
   }
-  const js = await gunzip('kvx-plotly');
-  (0, eval)(js);  // plotly.js defines window.Plotly
-  const all = JSON.parse(await gunzip('kvx-data'));
-  const meta = all.meta, frames = all.frames;
-  const arrays = all.arrays.map((a) => {
-    const b = Uint8Array.from(atob(a.b64), (c) => c.charCodeAt(0));
-    return new TYPED[a.dtype](b.buffer);
-  });
-  function decode(v) {
-    if (Array.isArray(v)) return v.map(decode);
-    if (v && typeof v === 'object') {
-      if (v['$a'] !== undefined) return arrays[v['$a']].slice(0, v.n);
-      const o = {};
-      for (const [k, x] of Object.entries(v)) o[k] = decode(x);
-      return o;
+  try {
+    const packedJs = root.querySelector('.kvx-plotly');
+    if (!window.Plotly && packedJs && !window.__kvxPlotlyLoading) {
+      window.__kvxPlotlyLoading = true;
+      (0, eval)(await gunzip(packedJs));  // plotly.js defines window.Plotly
     }
-    return v;
-  }
-  const lanesEl = document.getElementById('kvx-lanes');
-  const styleHost = document.createElement('div'); styleHost.innerHTML = meta.style; document.head.append(...styleHost.children);
-  const divs = {};
-  for (const lane of meta.lanes) {
-    const box = document.createElement('section'); box.className = 'kvx-lane'; box.dataset.lane = lane;
-    box.innerHTML = '<h2></h2><div class="kvx-strip-box"></div><div class="kvx-fig kvx-cache-map"></div>' +
-                    '<div class="kvx-fig kvx-attention"></div>';
-    box.querySelector('h2').textContent = lane;
-    lanesEl.appendChild(box);
-    divs['cache_map:' + lane] = box.querySelector('.kvx-cache-map');
-    divs['attention:' + lane] = box.querySelector('.kvx-attention');
-  }
-  divs['memory'] = document.getElementById('kvx-memory');
-  const slider = document.getElementById('kvx-slider'), label = document.getElementById('kvx-label');
-  const mark = document.getElementById('kvx-mark'), play = document.getElementById('kvx-play');
-  slider.max = String(frames.length - 1);
-  const config = {displaylogo: false, responsive: true};
-  let queue = Promise.resolve();
-  function strip(lane, n) {
-    const spans = meta.spans[lane].slice(0, n);
-    if (spans.length) spans[spans.length - 1] = spans[spans.length - 1].replace('kvx-gen"', 'kvx-gen kvx-last"');
-    return '<div class="kvx-strip">' + meta.prompt[lane] + spans.join('') + '</div>';
-  }
-  function show(i) {
-    queue = queue.then(async () => {
-      const f = frames[i];
-      for (const lane of meta.lanes) {
-        document.querySelector(`section[data-lane="${CSS.escape(lane)}"] .kvx-strip-box`).innerHTML = strip(lane, f.tokens[lane]);
+    for (let t = 0; !window.Plotly; t++) {  // another replay on the page brings it
+      if (t > 1200) throw new Error('plotly.js did not load');
+      await new Promise((r) => setTimeout(r, 50));
+    }
+    const all = JSON.parse(await gunzip(root.querySelector('.kvx-data')));
+    const meta = all.meta, frames = all.frames;
+    const arrays = all.arrays.map((a) => new TYPED[a.dtype](Uint8Array.from(atob(a.b64), (c) => c.charCodeAt(0)).buffer));
+    const decode = (v) => {
+      if (Array.isArray(v)) return v.map(decode);
+      if (v && typeof v === 'object') {
+        if (v['$a'] !== undefined) return arrays[v['$a']].slice(0, v.n);
+        const o = {};
+        for (const [k, x] of Object.entries(v)) o[k] = decode(x);
+        return o;
       }
-      for (const [key, fig] of Object.entries(f.figures)) {
-        const d = decode(fig);
-        await Plotly.react(divs[key], d.data, d.layout, config);
-      }
-      label.textContent = `step ${i} of ${frames.length - 1}`;
-      mark.textContent = meta.marks[String(i)] || '';
-      document.body.dataset.kvxStep = String(i);
+      return v;
+    };
+    const styleHost = document.createElement('div');
+    styleHost.innerHTML = meta.style;
+    root.prepend(...styleHost.children);
+    const divs = {}, strips = {};
+    for (const lane of meta.lanes) {
+      const box = document.createElement('section');
+      box.className = 'kvx-lane';
+      box.dataset.lane = lane;
+      box.innerHTML = '<h2></h2><div class="kvx-strip-box"></div><div class="kvx-fig kvx-cache-map"></div>' +
+                      '<div class="kvx-fig kvx-attention"></div>';
+      box.querySelector('h2').textContent = lane;
+      root.querySelector('.kvx-lanes').appendChild(box);
+      divs['cache_map:' + lane] = box.querySelector('.kvx-cache-map');
+      divs['attention:' + lane] = box.querySelector('.kvx-attention');
+      strips[lane] = box.querySelector('.kvx-strip-box');
+    }
+    divs['memory'] = root.querySelector('.kvx-memory');
+    const slider = root.querySelector('.kvx-slider'), label = root.querySelector('.kvx-label');
+    const mark = root.querySelector('.kvx-mark'), play = root.querySelector('.kvx-play');
+    slider.max = String(frames.length - 1);
+    const config = {displaylogo: false, responsive: true};
+    let queue = Promise.resolve();
+    const strip = (lane, n) => {
+      const spans = meta.spans[lane].slice(0, n);
+      if (spans.length) spans[spans.length - 1] = spans[spans.length - 1].replace('kvx-gen"', 'kvx-gen kvx-last"');
+      return '<div class="kvx-strip">' + meta.prompt[lane] + spans.join('') + '</div>';
+    };
+    const show = (i) => {
+      queue = queue.then(async () => {
+        const f = frames[i];
+        for (const lane of meta.lanes) strips[lane].innerHTML = strip(lane, f.tokens[lane]);
+        for (const [key, fig] of Object.entries(f.figures)) {
+          const d = decode(fig);
+          await Plotly.react(divs[key], d.data, d.layout, config);
+        }
+        label.textContent = `step ${i} of ${frames.length - 1}`;
+        mark.textContent = meta.marks[String(i)] || '';
+        root.dataset.kvxStep = String(i);
+      });
+      return queue;
+    };
+    root.kvxShow = (i) => { slider.value = String(i); return show(i); };
+    slider.addEventListener('input', () => show(Number(slider.value)));
+    let timer = null;
+    const stop = () => { clearInterval(timer); timer = null; play.textContent = '▶ play'; };
+    play.addEventListener('click', () => {
+      if (timer) return stop();
+      play.textContent = '⏸ pause';
+      timer = setInterval(() => {
+        const next = Number(slider.value) + 1;
+        if (next >= frames.length) return stop();
+        slider.value = String(next);
+        show(next);
+      }, 700);
     });
-    return queue;
+    await show(frames.length - 1);  // the run as it ended; the slider goes back to any step
+    slider.value = String(frames.length - 1);
+    root.dataset.kvxReady = '1';
+  } catch (e) {
+    root.dataset.kvxError = String(e);
+    console.error('kvexplore replay:', e);
   }
-  window.kvxShow = (i) => { slider.value = String(i); return show(i); };
-  slider.addEventListener('input', () => show(Number(slider.value)));
-  let timer = null;
-  play.addEventListener('click', () => {
-    if (timer) { clearInterval(timer); timer = null; play.textContent = '▶ play'; return; }
-    play.textContent = '⏸ pause';
-    timer = setInterval(() => {
-      const next = Number(slider.value) + 1;
-      if (next >= frames.length) { clearInterval(timer); timer = null; play.textContent = '▶ play'; return; }
-      slider.value = String(next); show(next);
-    }, 700);
-  });
-  await show(0);
-  document.body.dataset.kvxReady = '1';
-})().catch((e) => { document.body.dataset.kvxError = String(e); console.error(e); });
-"""
+}"""

@@ -138,3 +138,16 @@ def test_export_command_and_save_html(model, tmp_path, capsys):
     ex.step()
     ex.step()
     assert ex.save_html(tmp_path / "ex.html").exists()
+
+
+def test_generate_save_trace_then_export_and_diff(tmp_path, capsys):
+    trace = tmp_path / "g.kvtrace"
+    assert cli.main(["generate", "tiny", "--prompt", PROMPT, "--max-new-tokens", "6", "--save-trace", str(trace)]) == 0
+    assert "trace saved to" in capsys.readouterr().out
+    run = kvexplore.load_trace(trace)
+    assert len(run) == 6 and run[0].trace.qkv and run[0].trace.attention_layers
+    assert cli.main(["export", str(trace), "-o", str(tmp_path / "g.html")]) == 0
+    assert cli.main(["diff", str(trace), str(trace), "--html", str(tmp_path / "d.html")]) == 0
+    assert "no divergence in 6 steps" in capsys.readouterr().out
+    assert (tmp_path / "d.html").exists()
+

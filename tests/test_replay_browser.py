@@ -61,14 +61,14 @@ def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path)
 
             page.route("**/*", route)
             page.goto(path.as_uri())
-            page.wait_for_function("document.body.dataset.kvxReady === '1' || !!document.body.dataset.kvxError",
-                                   timeout=120_000)
-            assert page.evaluate("document.body.dataset.kvxError") is None
-            assert page.evaluate("document.getElementById('kvx-slider').max") == str(STEPS - 1)
+            root = "document.querySelector('.kvx-replay')"
+            page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
+            assert page.evaluate(f"{root}.dataset.kvxError") is None
+            assert page.evaluate(f"{root}.querySelector('.kvx-slider').max") == str(STEPS - 1)
             for step in range(STEPS):
-                page.evaluate("(i) => { const s = document.getElementById('kvx-slider'); s.value = String(i); "
-                              "s.dispatchEvent(new Event('input')); }", step)
-                page.wait_for_function(f"document.body.dataset.kvxStep === '{step}'", timeout=30_000)
+                page.evaluate("(i) => { const s = document.querySelector('.kvx-replay .kvx-slider'); "
+                              "s.value = String(i); s.dispatchEvent(new Event('input')); }", step)
+                page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
                 for lane, run in runs.items():
                     got = page.evaluate(READ, lane)
                     record = run[step]
@@ -91,3 +91,45 @@ def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path)
         finally:
             browser.close()
     assert requests == []  # nothing but the file itself
+
+
+def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path):
+    """nbconvert of 01_tour.ipynb after execution: each explorer's static copy replays the run, offline."""
+    require_browser("nbformat", "nbclient", "nbconvert")
+    import json
+    from pathlib import Path
+
+    import nbclient
+    import nbformat
+    from nbconvert import HTMLExporter
+    from playwright.sync_api import sync_playwright
+
+    source = Path(__file__).resolve().parent.parent / "notebooks" / "01_tour.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    size = len(nbformat.writes(nb).encode())
+    assert size < 4 * 2**20, f"the executed notebook is {size / 2**20:.1f} MiB"  # small enough to commit
+    copies = [o for c in nb.cells for o in c.get("outputs", []) if "kvx-static" in o.get("data", {}).get("text/html", "")]
+    assert len(copies) == 2  # one per explorer shown (the tiny one and SmolLM2)
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    page_path = tmp_path / "tour.html"
+    page_path.write_text(body, encoding="utf-8")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+            page.goto(page_path.as_uri())
+            done = "[...document.querySelectorAll('.kvx-replay')].every(r => r.dataset.kvxReady || r.dataset.kvxError)"
+            page.wait_for_function(done, timeout=120_000)
+            replays = page.evaluate("""[...document.querySelectorAll('.kvx-replay')].map((r) => ({
+                error: r.dataset.kvxError || null, steps: Number(r.querySelector('.kvx-slider').max) + 1,
+                lanes: [...r.querySelectorAll('section')].map((s) => s.dataset.lane),
+                cells: [...r.querySelectorAll('.kvx-cache-map')].map((d) => d.data.length)}))""")
+        finally:
+            browser.close()
+    assert len(replays) == 2 and all(r["error"] is None for r in replays), json.dumps(replays)
+    tour = replays[0]
+    assert tour["lanes"][:3] == ["preallocated", "concat", "paged"] and tour["steps"] >= 7
+    assert all(n > 0 for n in tour["cells"])  # every lane's cache map is drawn

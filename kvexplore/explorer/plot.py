@@ -31,9 +31,13 @@ export default {
     const g = globalThis;
     if (g.Plotly || g.__kvxPlotlyLoading) return;
     g.__kvxPlotlyLoading = true;
-    const s = document.createElement('script');
-    s.textContent = '(function(define, module, exports){' + model.get('source') + '\n}).call(window);';
-    document.head.appendChild(s);
+    model.on('msg:custom', (msg) => {
+      if (!msg || typeof msg.plotly !== 'string' || g.Plotly) return;
+      const s = document.createElement('script');
+      s.textContent = '(function(define, module, exports){' + msg.plotly + '\n}).call(window);';
+      document.head.appendChild(s);
+    });
+    model.send({want: 'plotly'});  // asked for, not synced: a saved notebook's widget state stays small
   },
   render({ el }) { el.style.display = 'none'; },
 };
@@ -62,7 +66,7 @@ function plotly() {
     const t0 = Date.now();
     const wait = () => {
       if (globalThis.Plotly) return resolve(globalThis.Plotly);
-      if (Date.now() - t0 > 120000) return reject(new Error('plotly.js did not load'));
+      if (Date.now() - t0 > 1800000) return reject(new Error('plotly.js did not load'));  // sent when the kernel is free
       setTimeout(wait, 20);
     };
     wait();
@@ -87,6 +91,7 @@ export default {
       await P.react(gd, fig.data || [], layout, config);
       el.dataset.kvxDrawMs = (performance.now() - t0).toFixed(1);  // for benchmarks/explorer_click.py
       el.dataset.kvxDraws = String(Number(el.dataset.kvxDraws || 0) + 1);
+      if (el.dataset.kvxDraws === '1') model.send({event: 'rendered'});  // a live page: no static copy needed
     }).catch((e) => { el.dataset.kvxError = String(e); console.error('kvexplore figure:', e); }); };
     model.on('change:figure', draw);
     // redrawn at the container's width whenever that changes (a figure first drawn in a hidden tab had none)
@@ -120,16 +125,22 @@ def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the w
 
 
 class PlotlyLoader(anywidget.AnyWidget):
-    """Hidden: brings plotly.js (the installed plotly package's copy) into the page once."""
+    """Hidden: brings plotly.js (the installed plotly package's copy) into the page once, sent when the page asks
+    (a message, not a synced trait: nbclient saves every widget's state into an executed notebook, and 4.7 MB of
+    plotly.js there would make it too big to commit)."""
 
     _esm = _LOADER_ESM
-    source = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self) -> None:
-        from plotly.offline import get_plotlyjs
-
-        super().__init__(source=get_plotlyjs())
+        super().__init__()
         self.add_class("kvx-plotly-loader")
+        self.on_msg(self._answer)
+
+    def _answer(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("want") == "plotly":
+            from plotly.offline import get_plotlyjs
+
+            self.send({"plotly": get_plotlyjs()})
 
 
 _loader: PlotlyLoader | None = None

@@ -24,6 +24,7 @@ from . import inspect, snapshot
 from .plot import PlotWidget, loader
 from .registry import TABS, VIEWS
 from .session import Lane, Session
+from .static import StaticCopy
 from .status import status_line
 from .strip import TokenStrip
 from .views import compare
@@ -83,6 +84,8 @@ class Explorer:
         self._truth = inspect.element()  # only when KVEXPLORE_INSPECT is set (browser tests)
         if self._truth is not None:
             self.widget.children = (*self.widget.children, self._truth)
+        self._static = StaticCopy(self)
+        self.figures["cache_map"].on_msg(self._on_view_message)
         self._wire()
         self._apply_presentation()
         self._show_view()  # draws what there is
@@ -402,6 +405,11 @@ class Explorer:
         from IPython.display import display
 
         display(self.widget)
+        self._static.show()  # for nbconvert and GitHub: emptied as soon as a frontend draws the widget
+
+    def _on_view_message(self, _widget, content, _buffers) -> None:
+        if isinstance(content, dict) and content.get("event") == "rendered":
+            self._static.on_live_view()
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
