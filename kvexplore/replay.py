@@ -184,8 +184,8 @@ _FRAGMENT = """<div class="kvx-replay" id="__ID__">
 .kvx-replay {font-family: 'Liberation Sans', Arial, sans-serif; color: #222;}
 .kvx-replay h1 {font-size: 19px;}
 .kvx-replay .kvx-controls {position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 10;
-  border-bottom: 1px solid #ddd; display: flex; gap: 12px; align-items: center;}
-.kvx-replay .kvx-slider {flex: 1;}
+  border-bottom: 1px solid #ddd; display: flex; flex-wrap: wrap; gap: 12px; align-items: center;}
+.kvx-replay .kvx-slider {flex: 1; min-width: 50%;}
 .kvx-replay .kvx-mark {color: #b30000; font-weight: bold;}
 .kvx-replay .kvx-lane {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin: 10px 0 18px;}
 .kvx-replay .kvx-lane h2 {grid-column: 1 / 3; font-size: 16px; margin: 6px 0 0;}

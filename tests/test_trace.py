@@ -160,7 +160,7 @@ def test_a_newer_or_foreign_trace_is_refused(trained, tmp_path):
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
     save_file({"x": torch.zeros(1)}, tmp_path / "new.kvtrace", metadata=meta | {"version": "99"})
-    with pytest.raises(kvexplore.LoadError, match=r"format version 99, newer than this kvexplore reads \(2\); "
+    with pytest.raises(kvexplore.LoadError, match=r"format version 99, newer than this kvexplore reads \(3\); "
                                                   r"upgrade kvexplore"):
         kvexplore.load_trace(tmp_path / "new.kvtrace")
     save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
