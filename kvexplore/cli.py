@@ -207,7 +207,7 @@ def _diff(args: argparse.Namespace) -> int:
         layer = args.layer if args.layer is not None else (result.layer or 0)
         names = [f"A: {a.meta.get('kind', '')} ({args.a})", f"B: {b.meta.get('kind', '')} ({args.b})"]
         marks = {} if result.step is None else {result.step: "⚠ " + result.summary()}
-        print(save_html(dict(zip(names, (a, b))), args.html, layer=layer, marks=marks,
+        print(save_html(dict(zip(names, (a, b))), args.html, layer=layer, marks=marks, side_by_side=True,
                         title=f"kvexplore diff · {result.summary()}"))
     return 1 if result.diverged else 0
 

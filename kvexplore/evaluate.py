@@ -10,6 +10,7 @@ import torch
 from .caches.none import NoCache
 from .model import Model
 from .errors import SettingsError
+from . import host
 
 
 def perplexity(model: Model, ids: Sequence[int], window: int = 256) -> float:
@@ -25,7 +26,7 @@ def perplexity(model: Model, ids: Sequence[int], window: int = 256) -> float:
         if len(chunk) < 2:
             break
         cache = NoCache(model.config, dtype=model.dtype, device=model.device)
-        logits = model(torch.tensor([chunk], device=model.device), cache, 0)[0]
+        logits = model(torch.tensor([chunk]), cache, 0)[0]  # ids on the host: the model moves them
         total += negative_log_likelihood(logits, chunk)
         count += len(chunk) - 1
     return math.exp(total / count)
@@ -35,4 +36,4 @@ def negative_log_likelihood(logits: torch.Tensor, ids: Sequence[int]) -> float:
     """Summed ``-log p(ids[t] | ids[:t])`` for t >= 1, from ``logits`` ``[len(ids), vocab]`` of any model."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
     target = torch.tensor(list(ids[1:]), device=logits.device)[:, None]
-    return -logp.gather(1, target).sum().item()
+    return -float(host.fetch([logp.gather(1, target).sum()])[0])

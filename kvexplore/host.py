@@ -8,7 +8,7 @@ generation step calls it once for the logits (and once more when a tracer record
 pass); :func:`values` is the same for the few Python numbers a layer needs mid-pass (which experts a token chose).
 
 Tests put a mode around a run that treats model and cache tensors as device tensors and fails on any conversion
-outside this module (``tests/devicemode.py``), and counts the syncs made here (:data:`on_purpose`).
+outside this module (``tests/devicemode.py``), and counts the transfers made here that a device tensor took part in (its syncs on CUDA).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class _Depth:
 
     def __init__(self) -> None:
         self.depth = 0
-        self.transfers = 0  # device-to-host transfers made so far (each one sync on CUDA)
+        self.calls = 0  # deliberate transfers begun (of host tensors too: the test mode tells them apart)
+        self.transfers = 0  # device-to-host copies made so far (each one sync on CUDA)
 
 
 on_purpose = _Depth()
@@ -37,6 +38,7 @@ on_purpose = _Depth()
 @contextmanager
 def _transfer():
     on_purpose.depth += 1
+    on_purpose.calls += 1
     try:
         yield
     finally:
@@ -60,9 +62,8 @@ def fetch(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _fetch_one_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    if device.type == HOST.type:  # already on the host: a copy of each, nothing to pack
+    if device.type == HOST.type:  # already on the host: a copy of each, nothing to pack, no sync
         with _transfer():
-            on_purpose.transfers += 1
             return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
     packed, places = pack(tensors)
     with _transfer():

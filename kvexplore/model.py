@@ -30,6 +30,7 @@ from .layer_plan import SHARED, STATE, LayerSpec, layer_plan
 from .blocks import MLP, RMSNorm
 from .deltanet import GatedDeltaNet
 from .experts import DeepseekExperts, MixtureOfExperts, SharedExpertMoE
+from . import host
 from .attend import weigh_values
 from .hooks import hook
 from .latent import LatentAttention
@@ -285,7 +286,7 @@ class Model(nn.Module):
             raise SettingsError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one sequence")
         if ids.shape[1] == 0:
             raise SettingsError("ids has no tokens (seq length 0); pass at least one token")
-        lo, hi = (int(v) for v in torch.aminmax(ids))  # one sync; the generator passes CPU ids, so none on CUDA
+        lo, hi = (int(v) for v in host.fetch(list(torch.aminmax(ids))))  # the generator's ids are on the host
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise SettingsError(f"token id {bad} is outside the vocabulary (0..{self.config.vocab_size - 1})")

@@ -137,10 +137,11 @@ def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int =
 
 
 def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0, title: str | None = None,
-             marks: Mapping[int, str] | None = None, plotly: bool = True) -> str:
+             marks: Mapping[int, str] | None = None, plotly: bool = True, side_by_side: bool = False) -> str:
     """The replay as one HTML element (its data, its player and, with ``plotly``, plotly.js), to put in a page:
     :func:`save_html` wraps it in a document; a notebook's static copy of an explorer embeds it. Without ``plotly``
-    it waits for another fragment on the page to bring plotly.js."""
+    it waits for another fragment on the page to bring plotly.js. ``side_by_side``: the lanes in columns (each
+    lane's figures one above the other), as ``kvexplore diff --html`` shows two runs."""
     from .explorer.views import tokens
 
     all_frames, store = frames(runs, layer, head)
@@ -163,23 +164,24 @@ def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int
         packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
         plotly_js = f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
     uid = f"kvx-replay-{hashlib.sha1(packed.encode()).hexdigest()[:12]}"
-    return (_FRAGMENT.replace("__ID__", uid).replace("__TITLE__", html.escape(meta["title"]))
+    return (_FRAGMENT.replace("__ID__", uid).replace("__SIDE__", " kvx-side" if side_by_side else "")
+            .replace("__TITLE__", html.escape(meta["title"]))
             .replace("__PLOTLY__", plotly_js).replace("__DATA__", packed).replace("__PLAYER__", _PLAYER))
 
 
 def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
-              title: str | None = None, marks: Mapping[int, str] | None = None) -> Path:
+              title: str | None = None, marks: Mapping[int, str] | None = None, side_by_side: bool = False) -> Path:
     """Write the replay of ``runs`` (lane name -> records, as ``Explorer`` or ``load_trace`` give them) to ``path``.
     ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
     path = Path(path)
-    body = fragment(runs, layer, head, title, marks)
+    body = fragment(runs, layer, head, title, marks, side_by_side=side_by_side)
     name = html.escape(title or "kvexplore replay")
     path.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}</title></head>\n'
                     f'<body style="margin: 12px 18px">\n{body}\n</body></html>\n', encoding="utf-8")
     return path
 
 
-_FRAGMENT = """<div class="kvx-replay" id="__ID__">
+_FRAGMENT = """<div class="kvx-replay__SIDE__" id="__ID__">
 <style>
 .kvx-replay {font-family: 'Liberation Sans', Arial, sans-serif; color: #222;}
 .kvx-replay h1 {font-size: 19px;}
@@ -190,6 +192,9 @@ _FRAGMENT = """<div class="kvx-replay" id="__ID__">
 .kvx-replay .kvx-lane {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin: 10px 0 18px;}
 .kvx-replay .kvx-lane h2 {grid-column: 1 / 3; font-size: 16px; margin: 6px 0 0;}
 .kvx-replay .kvx-strip-box {grid-column: 1 / 3;}
+.kvx-side .kvx-lanes {display: grid; grid-template-columns: 1fr 1fr; gap: 16px;}
+.kvx-side .kvx-lane {grid-template-columns: 1fr;}
+.kvx-side .kvx-lane h2, .kvx-side .kvx-strip-box {grid-column: 1;}
 </style>
 <h1>__TITLE__</h1>
 <div class="kvx-controls"><button class="kvx-play">▶ play</button>

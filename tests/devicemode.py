@@ -10,7 +10,7 @@ computed from them. :class:`PretendDevice` is the mode that marks them and
   ``allow`` can widen for a test), naming the call;
 - raises :class:`MixedDevices` when an operation mixes a device tensor with a host tensor of more than one
   element (CUDA refuses that: a missing ``.to(device)``);
-- counts the deliberate transfers (``syncs``) made through :mod:`kvexplore.host`.
+- counts the deliberate transfers of device tensors (``transfers``) made through :mod:`kvexplore.host`.
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ class PretendDevice(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module | None = None, allow: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model, self.allow = model, allow
-        self.syncs = 0
         self._saved: list = []
 
     def __enter__(self):
@@ -111,7 +110,7 @@ class PretendDevice(TorchFunctionMode):
                                 store[name] = torch.nn.Parameter(to_device(t.data), requires_grad=False)
                             else:
                                 store[name] = to_device(t)
-        self._transfers = host.on_purpose.transfers
+        self._synced: set[int] = set()  # the kvexplore.host transfers a device tensor took part in
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -123,8 +122,8 @@ class PretendDevice(TorchFunctionMode):
 
     @property
     def transfers(self) -> int:
-        """Deliberate device-to-host transfers since the mode began (each one sync on CUDA)."""
-        return host.on_purpose.transfers - self._transfers
+        """Deliberate device-to-host transfers of device tensors since the mode began (each one sync on CUDA)."""
+        return len(self._synced)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -140,6 +139,8 @@ class PretendDevice(TorchFunctionMode):
                                    f"shape {tuple(host_in[0].shape)} (CUDA refuses it): {self._where()}")
         out = func(*args, **kwargs)
         if inside:  # what kvexplore.host makes lands on the host
+            if device_in:
+                self._synced.add(host.on_purpose.calls)
             return _wrap(out, to_host)
         if func in FACTORIES and kwargs.get("device") is not None and kwargs["device"] is not host.HOST and \
                 kwargs["device"] != "cpu":

@@ -108,6 +108,15 @@ def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, 
         assert trace.attention_layers and not is_device(trace.attention_raw(trace.attention_layers[0]))
 
 
+def test_perplexity_syncs_once_per_window(tiny):
+    ids = list(range(3, 60))
+    want = kvexplore.perplexity(tiny, ids, window=20)
+    with PretendDevice(tiny) as mode:
+        got = kvexplore.perplexity(tiny, ids, window=20)
+    assert got == pytest.approx(want) and mode.transfers == 3  # three windows, one sum brought over each (the
+    # range check of the ids reads them on the host)
+
+
 def test_sampling_on_the_host_draws_the_same_tokens(tiny):
     def run():
         g = kvexplore.Generator(tiny, temperature=1.2, top_k=40, seed=11)
