@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, ModelConfig
+from .config import ModelConfig
+from .config_fields import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
 from .errors import ConfigError, CorruptFileError, LoadError, MissingFileError, UnsupportedModelError
 from .fields import BOOL, FLOAT, INT, STR, STR_LIST, Field, read
 from .gguf_scan import scan

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_VOCAB, ModelConfig
+from .config import ModelConfig
+from .config_fields import MAX_VOCAB
 from .errors import ConfigError, CorruptFileError, LoadError, SettingsError
 from .fields import BOOL, IDS, INT, STR, Field, read, read_json_object
 
