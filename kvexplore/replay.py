@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import base64
 import gzip
-import hashlib
 import html
 import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -163,7 +163,7 @@ def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int
             raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
         packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
         plotly_js = f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
-    uid = f"kvx-replay-{hashlib.sha1(packed.encode()).hexdigest()[:12]}"
+    uid = f"kvx-replay-{uuid.uuid4().hex[:12]}"  # two identical replays on one page are still two
     return (_FRAGMENT.replace("__ID__", uid).replace("__SIDE__", " kvx-side" if side_by_side else "")
             .replace("__TITLE__", html.escape(meta["title"]))
             .replace("__PLOTLY__", plotly_js).replace("__DATA__", packed).replace("__PLAYER__", _PLAYER))
@@ -203,7 +203,7 @@ _FRAGMENT = """<div class="kvx-replay__SIDE__" id="__ID__">
 <div class="kvx-lanes"></div><div class="kvx-memory"></div>
 __PLOTLY__
 <script type="application/octet-stream" class="kvx-data">__DATA__</script>
-<script>(__PLAYER__)(document.getElementById("__ID__"));</script>
+<script>(__PLAYER__)((document.currentScript && document.currentScript.parentElement) || document.getElementById("__ID__"));</script>
 </div>"""
 
 _PLAYER = r"""async function (root) {
