@@ -66,7 +66,7 @@ def allocator_for(device: torch.device) -> AllocatorStats | None:
 
 
 class Window:
-    """Allocator counters summed over the windows a step measured (see :meth:`measure`)."""
+    """Allocator counters summed over the windows a step measured: ``with window:`` around each one."""
 
     def __init__(self, source: AllocatorStats | None) -> None:
         self.source = source

@@ -14,13 +14,14 @@ plotly.js travel gzip-compressed, unpacked by the browser (``DecompressionStream
 from __future__ import annotations
 
 import base64
+import dataclasses
 import gzip
 import html
 import json
 import math
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,7 +109,8 @@ class _Store:
 
 
 def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0) -> tuple[list[dict], _Store]:
-    """Every step's figures (cache map and attention per strategy, the memory lines) and token strips."""
+    """Every step's figures (cache map and attention per strategy, the memory lines) and how many generated tokens
+    each lane's strip shows."""
     from .explorer.views import attention, cache_map, memory
 
     if not runs or not all(len(r) for r in runs.values()):
@@ -122,13 +124,12 @@ def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int =
     store = _Store()
     out: list[dict | None] = [None] * steps
     for step in reversed(range(steps)):  # last first: earlier arrays are prefixes of later ones
+        snap = snapshot_at(runs, step, next(iter(runs)), layer, head)
         figs = {}
-        snap = None
         for name in runs:
-            snap = snapshot_at(runs, step, name, layer, head)
             figs[f"cache_map:{name}"] = cache_map.from_snapshot(snap, name)
-            figs[f"attention:{name}"] = attention.from_snapshot(snap)
-        figs["memory"] = memory.from_snapshot(snap)
+            figs[f"attention:{name}"] = attention.from_snapshot(dataclasses.replace(snap, shown=name))
+        figs["memory"] = memory.from_snapshot(dataclasses.replace(snap, shown=list(runs)[-1]))
         out[step] = {"step": step,
                      "figures": {key: store.encode({"data": f.traces, "layout": f.layout}, key)
                                  for key, f in figs.items()},

@@ -203,7 +203,7 @@ class Tracer:
     def later(self, t: torch.Tensor, land) -> None:
         """Bring ``t`` to the host after the forward pass, with everything else the step captured (one copy, one
         sync on CUDA), and call ``land(host_copy)`` then. ``t`` must not be changed in place before the step ends
-        (the model's activations never are; a cache's storage is, so a capture of it is copied on the device)."""
+        (the model's activations never are; a cache's storage is, so pass a clone of it)."""
         self._pending.append((t.detach(), land))
 
     # -- the protocol the generator calls ----------------------------------------------------------------

@@ -39,6 +39,8 @@ class Difference:
 
     @property
     def relative(self) -> float:
+        """What the tolerance is compared with: ``max_diff / scale`` (the scale is 1 for attention and
+        probabilities, so for them the absolute difference)."""
         return self.max_diff / self.scale if self.scale else 0.0
 
     def describe(self) -> str:
@@ -149,12 +151,12 @@ def diff_traces(a, b, tolerance: float | None = None) -> TraceDiff:
         out.steps += 1
         for d in _step_differences(ra, rb, compared):
             seen.append(d)
-            if out.first is None and (d.relative if d.what in ("keys", "values") else d.max_diff) > tol:
+            if out.first is None and d.relative > tol:
                 out.first = d
         if ra.token_id != rb.token_id:
             out.token_step = ra.step
             break  # from here on the runs read different sequences
-    out.largest = sorted(seen, key=lambda d: -(d.relative if d.what in ("keys", "values") else d.max_diff))[:10]
+    out.largest = sorted(seen, key=lambda d: -d.relative)[:10]
     out.compared = tuple(w for w in (*WHAT, "probability") if w in compared)
     return out
 

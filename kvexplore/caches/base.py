@@ -262,7 +262,7 @@ class KVCache(CacheInspection, ABC):
     def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
         """Replace sparse reads by their host copies (from :func:`kvexplore.host.fetch`)."""
         for layer, positions in landed.items():
-            self._sparse_reads[layer] = [int(p) for p in positions.tolist()]
+            self._sparse_reads[layer] = positions.tolist()
 
     def read_group(self, layer: int) -> tuple:
         """Layers with the same read group read the same positions in a step (the tracer records one list each)."""

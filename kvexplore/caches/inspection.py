@@ -82,8 +82,9 @@ class CacheInspection:
         if spec.kind == STATE:
             return []  # no attention: the state summarises every position
         if spec.index in self._sparse_reads:
-            if isinstance(self._sparse_reads[spec.index], torch.Tensor):
-                self.land_reads(dict(zip(self.pending_reads(), host.fetch(list(self.pending_reads().values())))))
+            if isinstance(self._sparse_reads[spec.index], torch.Tensor):  # still on the device: bring them all over
+                pending = self.pending_reads()
+                self.land_reads(dict(zip(pending, host.fetch(list(pending.values())))))
             return list(self._sparse_reads[spec.index])
         if spec.attends == SLIDING and self.rings is not None:
             return self.rings.read_positions(self.length)

@@ -234,6 +234,10 @@ class Session:
         if n:
             self.last_op = "rewind"
 
+    def runs(self) -> dict[str, list[StepRecord]]:
+        """Each lane's records, for the lanes that have any (what a replay shows)."""
+        return {name: lane.history for name, lane in self.lanes.items() if lane.history}
+
     def reset(self) -> None:
         """Empty every lane (forks are dropped)."""
         self.lanes = {name: lane for name, lane in self.lanes.items() if name == lane.kind}

@@ -56,6 +56,11 @@ class StaticCopy:
             self._key = key
             self._handle.update(HTML(self.html()))
 
+    def on_message(self, _widget, content, _buffers) -> None:
+        """A message from the widget's first figure: "rendered" when a frontend drew it."""
+        if isinstance(content, dict) and content.get("event") == "rendered":
+            self.on_live_view()
+
     def on_live_view(self) -> None:
         """The widget was drawn by a frontend: empty the copy and stop updating it."""
         if self.live:
@@ -84,7 +89,7 @@ class StaticCopy:
         from .views import compare
 
         ex = self.explorer
-        runs = {name: lane.history for name, lane in ex.session.lanes.items() if lane.history}
+        runs = ex.session.runs()
         intro = (f"<p><b>kvexplore explorer</b> · {html.escape(ex.model.source or 'model')} · strategies "
                  f"{html.escape(', '.join(ex.session.lanes))} · a static copy for pages without a kernel "
                  f"(run the notebook for the live widget)</p>")

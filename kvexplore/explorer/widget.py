@@ -85,7 +85,7 @@ class Explorer:
         if self._truth is not None:
             self.widget.children = (*self.widget.children, self._truth)
         self._static = StaticCopy(self)
-        self.figures["cache_map"].on_msg(self._on_view_message)
+        self.figures["cache_map"].on_msg(self._static.on_message)
         self._wire()
         self._apply_presentation()
         self._show_view()  # draws what there is
@@ -211,7 +211,7 @@ class Explorer:
         see :mod:`kvexplore.replay`). Returns the path."""
         from ..replay import save_html
 
-        runs = {name: lane.history for name, lane in self.session.lanes.items() if lane.history}
+        runs = self.session.runs()
         if not runs:
             raise StateError("nothing to save yet: prefill first (the Prefill button, or ex.step())")
         return save_html(runs, path, layer=self.layer, head=self.head, title=title)
@@ -406,10 +406,6 @@ class Explorer:
 
         display(self.widget)
         self._static.show()  # for nbconvert and GitHub: emptied as soon as a frontend draws the widget
-
-    def _on_view_message(self, _widget, content, _buffers) -> None:
-        if isinstance(content, dict) and content.get("event") == "rendered":
-            self._static.on_live_view()
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
