@@ -126,6 +126,7 @@ def test_tour_runs_and_step_updates_the_explorer(lab, browser, shots):
         assert not errors, f"{TOUR} raised: {errors}"
 
         timings["click_to_update"] = _step_and_check(page, explorer)
+        expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
         tall_screenshot(page, shots / "lab_tour_after_step.png", LAB_SCROLLER)
         tall_screenshot(page, shots / "lab_tour_explorer.png", LAB_SCROLLER, element=explorer,
                         parts={shots / f"lab_tour_fig_{name}.png": figure(explorer, name) for name in FIGURES})
@@ -181,6 +182,7 @@ def test_voila_app_shows_the_explorer_without_code(voila, browser, shots):
         assert not shown, f"Voila shows code: {shown}"
         expect(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")).to_have_count(0)
         timings["click_to_update"] = _step_and_check(page, explorer)
+        expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
         tall_screenshot(page, shots / "voila_app.png", VOILA_SCROLLER)
         tall_screenshot(page, shots / "voila_explorer.png", VOILA_SCROLLER, element=explorer,
                         parts={shots / f"voila_fig_{name}.png": figure(explorer, name) for name in FIGURES})

@@ -6,7 +6,8 @@ the comparison table (readable even where scripts are stripped), then the replay
 (:func:`kvexplore.replay.fragment`: slider, cache maps, attention, memory). It is brought up to date after every
 cell that changed the session (IPython's ``post_run_cell``), so an executed notebook ends with the run as it ended.
 Where the widget itself is drawn (JupyterLab, Voila), its first figure tells the kernel so, and the copy is emptied
-and no longer updated: a live page shows the widget alone.
+and no longer updated; on a page that never applies that update (Voila shows outputs as they were when it built the
+page) the copy hides itself once a live figure has drawn. A live page shows the widget alone.
 
 plotly.js travels once per notebook: in the first copy that holds a replay; the others wait for it.
 """
@@ -102,4 +103,18 @@ class StaticCopy:
             _plotly_owner = id(self)
         replay = fragment(runs, ex.layer, ex.head, title=f"replay of the {max(len(r) for r in runs.values())} steps "
                           f"so far · layer {ex.layer}, head {ex.head}", plotly=_plotly_owner == id(self))
-        return f'<div class="kvx-static">{intro}<p>{html.escape(lane.name)}:</p>{strip}{table}{replay}</div>'
+        return (f'<div class="kvx-static">{intro}<p>{html.escape(lane.name)}:</p>{strip}{table}{replay}'
+                f'<script>{_HIDE_WHEN_LIVE}</script></div>')
+
+
+# A page that draws the live widget (a figure of it has drawn: data-kvx-draws) needs no copy. The kernel empties the
+# copy when it hears of the draw, but a page that shows outputs as they were when it was made (Voila) never gets
+# that update: the copy hides itself there.
+_HIDE_WHEN_LIVE = """(function (copy) {
+  if (!copy) return;
+  const live = () => document.querySelector('[data-kvx-draws]');
+  const hide = () => { copy.style.display = 'none'; };
+  if (live()) return hide();
+  const watch = new MutationObserver(() => { if (live()) { hide(); watch.disconnect(); } });
+  watch.observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-kvx-draws']});
+})(document.currentScript && document.currentScript.parentElement);"""
