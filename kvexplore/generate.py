@@ -18,6 +18,8 @@ import torch
 from .caches.base import KVCache
 from .caches.factory import make_cache
 from .model import Model
+from .hf.cache import HFCache
+from .hf.model import HFModel, is_hf_model
 from .records import Candidate, StepRecord
 from .sampling import SamplingSettings, choose
 from .trace import Tracer
@@ -50,12 +52,16 @@ class Generator:
     def __init__(self, model: Model, cache: KVCache | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  top_candidates: int = 5, tracer: Tracer | None = None) -> None:
-        if not isinstance(model, Model):
-            raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load), got {type(model).__name__}")
+        if is_hf_model(model):
+            model = HFModel(model)
+        if not isinstance(model, (Model, HFModel)):
+            raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load) or a transformers model, got "
+                                f"{type(model).__name__}")
         if cache is None:
-            cache = make_cache("preallocated", model)
-        if not isinstance(cache, KVCache):
-            raise SettingsError(f"cache must be a KVCache (from kvexplore.make_cache), got {type(cache).__name__}")
+            cache = make_cache("hf:dynamic" if isinstance(model, HFModel) else "preallocated", model)
+        if not isinstance(cache, (HFCache if isinstance(model, HFModel) else KVCache)):
+            raise SettingsError(f"cache must be a {'transformers cache (kvexplore.hf.make_cache)' if isinstance(model, HFModel) else 'KVCache (from kvexplore.make_cache)'}"
+                                f", got {type(cache).__name__}")
         if cache.batch_size != 1:
             raise SettingsError(f"the generator drives one sequence but the cache has batch_size={cache.batch_size}; "
                              f"make the cache with batch_size=1")

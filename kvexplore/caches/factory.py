@@ -37,6 +37,10 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     ``sinks + window`` slots unless ``window`` is given; ``concat`` and ``none`` grow or hold nothing); ``dtype`` and
     ``device`` default to the model's. Other keyword arguments go to the strategy's constructor.
     """
+    if isinstance(kind, str) and kind.startswith("hf:"):  # transformers' own caches (kvexplore.hf)
+        from .. import hf
+
+        return hf.make_cache(model, kind, max_seq_len)
     choice(kind, "cache kind", STRATEGIES)
     if max_seq_len is not None:
         positive_int(max_seq_len, "max_seq_len")

@@ -168,8 +168,35 @@ class StateLayout(Layout):
         return f"a fixed state of {self.conv_bytes + self.recurrent_bytes} B (recurrent {heads}), rewritten each step"
 
 
+@dataclass(frozen=True)
+class TransformersLayout(Layout):
+    """A layer of a transformers ``Cache`` (kvexplore.hf): its class, whether the step left its keys in a new
+    storage (``moved``: a concatenation) and, for a window, how many slots it keeps. Slots are in storage order."""
+
+    layer_class: str = ""
+    moved: bool = False
+    window: int = 0
+    capacity: int = 0
+
+    @property
+    def order(self) -> str:  # type: ignore[override]
+        if self.window:
+            return f"the last {self.window} positions, oldest first"
+        return "grows by torch.cat every step" if not self.capacity else "storage order: slot i holds position i"
+
+    def summary(self) -> str:
+        where = "a new storage this step (copied)" if self.moved else "the same storage as before"
+        return f"transformers {self.layer_class} · {where}"
+
+    def step(self, write: tuple[int, int], read: int, view: bool = True) -> str:
+        w0, wn = write
+        how = "cat" if self.moved else "in place"
+        return f"wrote {wn} at position {w0} ({how}) · attention read {read} keys"
+
+
 LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,
-                                         QuantizedLayout, SharedLayout, StateLayout)}
+                                         QuantizedLayout, SharedLayout, StateLayout,
+                                         TransformersLayout)}
 
 
 def layout_from_dict(d: dict[str, Any]) -> Layout:

@@ -1,0 +1,263 @@
+"""A transformers ``Cache`` object behind kvexplore's cache interface: what a :class:`~kvexplore.Generator`, a tracer
+and the explorer's views ask of a cache (length, layers, slots, reads, memory, undo, truncate, fork), answered from
+the object itself after every step (:mod:`.watch`). The transformers cache does the caching; this only watches it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..caches.layout import EmptyLayout, StateLayout, TransformersLayout
+from ..caches.slots import FILLED, FREE, STALE, SlotView
+from ..config import ModelConfig
+from ..errors import CacheFullError, SettingsError
+from ..layer_plan import FULL, SLIDING, STATE, LayerSpec, layer_plan
+from ..memory import LayerMemory, MemoryReport
+from ..allocator import Window, allocator_for
+from . import watch
+
+
+class HFCache:
+    """``kind`` ("hf:dynamic", "hf:static", ...) over ``cache``, a transformers Cache for ``config``'s model."""
+
+    batch_size = 1
+
+    def __init__(self, kind: str, cache: object, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 capacity: int | None, make=None) -> None:
+        self.kind, self.hf, self.config, self.dtype, self.capacity = kind, cache, config, dtype, capacity
+        self.device = device
+        self._make = make  # () -> a fresh transformers cache of the same kind (for replays)
+        self.length = 0
+        self._high = 0  # the most positions written since the cache was made (static slots past length are stale)
+        self.plan: list[LayerSpec] = layer_plan(config)
+        self._states: list[watch.LayerState] = []
+        self._moves: list[watch.Moves] = []
+        self._reads: dict[int, list[int]] = {}
+        self._undo: tuple | None = None
+        self._report: MemoryReport | None = None
+        self.allocator = allocator_for(device)
+        self._window = Window(self.allocator)
+
+    # -- what the generator asks ---------------------------------------------------------------------------
+    @property
+    def full_layers(self) -> list[int]:
+        return [s.index for s in self.plan if s.kind == FULL]
+
+    @property
+    def held(self) -> int:
+        return self.length
+
+    def check_write(self, pos: int, q_len: int, batch_size: int = 1) -> None:
+        if pos != self.length:
+            raise SettingsError(f"a transformers cache takes positions from its own length ({self.length}); "
+                                f"position {pos} was asked: feed the tokens from {self.length} on")
+        if self.capacity is not None and pos + q_len > self.capacity:
+            raise CacheFullError(f"the {self.kind} cache holds at most {self.capacity} positions and this step would "
+                                 f"need {pos + q_len}: make it with a larger max_seq_len, or rewind")
+
+    def begin_step(self, pos: int, q_len: int) -> None:
+        """Keep what :meth:`rollback` needs: the layers' attributes (a concatenating layer's old tensors stay as
+        they were) and copies of the tensors a layer writes in place (static and state layers)."""
+        self.check_write(pos, q_len)
+        saved = []
+        for layer in self.hf.layers:
+            attrs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(layer).items()}
+            inplace = [(t, t.clone()) for t in watch.layer_tensors(layer).values()] if self._in_place(layer) else []
+            saved.append((layer, attrs, inplace))
+        self._undo = (saved, len(self.hf.layers), self.length, self._states, self._moves, self._reads, self._report)
+        self._window = Window(self.allocator)
+        self._report = None
+
+    @staticmethod
+    def _in_place(layer: object) -> bool:
+        chain = watch.class_chain(layer)
+        return watch.FULL_STATIC in chain or "LinearAttentionCacheLayerMixin" in chain
+
+    def end_step(self, pos: int, q_len: int, reads: dict[int, list[int]]) -> None:
+        """Read every layer after the forward pass and what the step did to it."""
+        before = self._states
+        self.length = pos + q_len
+        self._high = max(self._high, self.length)
+        self._states = watch.observe(self.hf, self.length)
+        self._adopt_plan()
+        new = range(pos, pos + q_len)
+        self._moves = [watch.moves(before[i] if i < len(before) else None, s, new) for i, s in enumerate(self._states)]
+        self._reads = reads
+
+    def settle(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        """Put the cache back as it was before the step under way (also after a forward pass that failed)."""
+        if self._undo is None:
+            return
+        saved, count, self.length, self._states, self._moves, self._reads, self._report = self._undo
+        del self.hf.layers[count:]
+        for layer, attrs, inplace in saved:
+            vars(layer).clear()
+            vars(layer).update(attrs)
+            for t, kept in inplace:
+                t.copy_(kept)
+        self._undo = None
+
+    def needs_replay(self, n: int) -> bool:
+        """A crop cannot bring back what a window or a state forgot: those caches are rebuilt by a replay."""
+        if n == self.length:
+            return False
+        return not self._croppable()
+
+    def _croppable(self) -> bool:
+        layers = self.hf.layers
+        return bool(layers) and all(type(l).__name__ in (watch.FULL_DYNAMIC, watch.FULL_STATIC) for l in layers)
+
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        if not 0 <= n <= self.length:
+            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` positions: the cache's own ``crop`` (a fresh cache for 0 or where it cannot)."""
+        self.check_truncate(n)
+        if n == self.length:
+            return
+        if n and not self._croppable():
+            raise SettingsError(f"a {self.kind} cache with sliding or state layers cannot be cropped to {n}: the "
+                                f"generator replays the kept tokens instead")
+        if n == 0:
+            self.hf = self._make() if self._make is not None else self.hf
+            if self._make is None:
+                self.hf.reset()
+            self._high = 0
+        else:
+            self.hf.crop(n - self.length)  # transformers' crop takes minus the tokens to remove
+        self.length = n
+        self._undo, self._report, self._reads = None, None, {}
+        self._states = watch.observe(self.hf, n)
+        self._moves = [watch.Moves() for _ in self._states]
+
+    def clone(self) -> "HFCache":
+        """A deep copy (its own tensors)."""
+        twin = copy.copy(self)
+        twin.hf = copy.deepcopy(self.hf)
+        twin._undo = None
+        twin._states = watch.observe(twin.hf, self.length)
+        return twin
+
+    def fork(self) -> "HFCache":
+        return self.clone()
+
+    # -- what the tracer and the views ask -------------------------------------------------------------------
+    def _adopt_plan(self) -> None:
+        """Each layer's kind from the transformers layer classes (they decide, not the config)."""
+        plan = []
+        for i, layer in enumerate(self.hf.layers[: len(self.plan)]):
+            spec = self.plan[i]
+            chain = watch.class_chain(layer)
+            if watch.is_state_layer(layer):
+                kind = STATE
+            elif watch.SLIDING_DYNAMIC in chain or watch.SLIDING_STATIC in chain:
+                kind = SLIDING
+            else:
+                kind = FULL
+            window = getattr(layer, "sliding_window", None) or getattr(layer, "max_cache_len", None) \
+                if kind == SLIDING else None
+            kv = watch.kv_tensors(layer)
+            heads, dim = (kv[0].shape[1], kv[0].shape[-1]) if kv is not None else (spec.kv_heads, spec.head_dim)
+            plan.append(LayerSpec(i, kind, SLIDING if kind == SLIDING else (STATE if kind == STATE else FULL),
+                                  window, i, heads, dim))
+        self.plan = plan + self.plan[len(plan):]
+
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        if layer >= len(self.hf.layers):
+            return []
+        return list(watch.layer_tensors(self.hf.layers[layer]).values())
+
+    def read_window(self, layer: int, count: int) -> tuple[int, int]:
+        reads = self._reads.get(layer) or [0]
+        return reads[0], count
+
+    def read_group(self, layer: int) -> tuple:
+        return ("layer", layer)
+
+    def read_positions(self, layer: int | None = None) -> list[int]:
+        return list(self._reads.get(self.main_layer if layer is None else layer, []))
+
+    @property
+    def main_layer(self) -> int:
+        return self.full_layers[0] if self.full_layers else 0
+
+    def pending_reads(self) -> dict[int, torch.Tensor]:
+        return {}
+
+    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
+        pass
+
+    def stored_error(self, layer: int) -> torch.Tensor | None:
+        return None
+
+    def slot_view(self, layer: int | None = None) -> SlotView:
+        layer = self.main_layer if layer is None else layer
+        if layer >= len(self._states):
+            return SlotView([], [], [], EmptyLayout())
+        s = self._states[layer]
+        if s.state:
+            conv = sum(b for n, b in s.nbytes.items() if n.startswith("conv"))
+            recurrent = next((list(shape[1:]) for n, shape in s.shapes.items() if n.startswith("recurrent")), [])
+            return SlotView([], [], [], StateLayout(conv_bytes=conv, recurrent_bytes=s.reserved_bytes - conv,
+                                                    shape=recurrent))
+        spec = self.plan[layer]
+        moved = self._moves[layer].moved if layer < len(self._moves) else False
+        cap = len(s.positions) if watch.FULL_STATIC in s.layer_class or "Static" in s.layer_class else 0
+        layout = TransformersLayout(s.layer_class, moved, (spec.window or 0) if spec.kind == SLIDING else 0, cap)
+        states = [FILLED if p >= 0 else STALE if cap and spec.kind == FULL and i < self._high else FREE
+                  for i, p in enumerate(s.positions)]
+        return SlotView(states, list(s.positions), [1] * len(s.positions), layout)
+
+    def slot_views(self) -> list[SlotView]:
+        return [self.slot_view(i) for i in range(len(self.plan))]
+
+    def memory_report(self) -> MemoryReport:
+        if self._report is None:
+            self._report = self._make_report()
+        return self._report
+
+    def _make_report(self) -> MemoryReport:
+        layers = []
+        for i, spec in enumerate(self.plan):
+            s = self._states[i] if i < len(self._states) else None
+            m = self._moves[i] if i < len(self._moves) else watch.Moves()
+            if s is None:
+                layers.append(LayerMemory(i, spec.kind, 0, 0, 0, 0))
+                continue
+            if s.state:
+                logical = analytic = s.reserved_bytes
+                held = 0
+            else:
+                held = s.held
+                logical = held * s.position_bytes
+                analytic = spec.position_bytes(self.dtype.itemsize) * held
+            layers.append(LayerMemory(i, spec.kind, held, logical, s.reserved_bytes, analytic, m.written_bytes,
+                                      m.copied_bytes))
+        total = lambda name: sum(getattr(m, name) for m in self._moves)  # noqa: E731
+        return MemoryReport(
+            length=self.length, logical_bytes=sum(l.logical_bytes for l in layers),
+            reserved_bytes=sum(l.reserved_bytes for l in layers), analytic_bytes=sum(l.analytic_bytes for l in layers),
+            written_bytes=total("written_bytes"), copied_bytes=total("copied_bytes"),
+            allocated_bytes=total("allocated_bytes"), freed_bytes=total("freed_bytes"),
+            allocations=total("allocations"), frees=total("frees"), cuda=self._window.figures(),
+            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers))
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for s in self._states)
+
+    def describe_layers(self) -> str:
+        names: dict[str, int] = {}
+        for layer in self.hf.layers:
+            names[type(layer).__name__] = names.get(type(layer).__name__, 0) + 1
+        return "; ".join(f"{n} × transformers {name}" for name, n in names.items()) or "no layers yet"
+
+    def __repr__(self) -> str:
+        cap = "unbounded" if self.capacity is None else self.capacity
+        return f"HFCache({self.kind}, {type(self.hf).__name__}, length={self.length}, capacity={cap})"
