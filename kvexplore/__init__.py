@@ -3,6 +3,7 @@
 from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
 from .config import ModelConfig
+from .diagnosis import DoctorReport, doctor
 from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreError, LoadError, MissingFileError,
                      NonFiniteWeightsError, SettingsError, StateError, StepError, UnsupportedModelError)
 from .evaluate import perplexity
@@ -24,5 +25,5 @@ __all__ = [
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
-    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "perplexity", "save_trace",
+    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "doctor", "DoctorReport", "perplexity", "save_trace",
 ]

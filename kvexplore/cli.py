@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write the two replays side by side, the divergence marked")
     diff.add_argument("--layer", type=int, default=None, help="--html: the layer whose attention is drawn (default: "
                                                               "where they part, else 0)")
+    doc = sub.add_parser("doctor", help="step a model through a cache and compare every cached pass with a full "
+                                        "recomputation: where does cached decoding depart? (exit 0: clean, 1: it "
+                                        "departs, 2: bad input)")
+    doc.add_argument("model", help="a named model, or a Hugging Face style folder (run by transformers for a "
+                                   "transformers cache, by kvexplore for a kvexplore strategy)")
+    doc.add_argument("--cache", default="dynamic",
+                     help="transformers: dynamic, static, quantized, quantized-quanto, quantized-hqq, offloaded; "
+                          f"kvexplore: {', '.join(STRATEGIES)} (default dynamic)")
+    doc.add_argument("--prompt", default=None, help="the prompt (default: 'The capital of France is')")
+    doc.add_argument("--steps", type=_positive, default=64, help="tokens to check (default 64)")
+    doc.add_argument("--tolerance", type=float, default=None,
+                     help="relative (default by dtype: float32 1e-4, float16 5e-3, bfloat16 3e-2)")
+    doc.add_argument("--dtype", default=None, help="float32 (default on the CPU), bfloat16 or float16")
     models = sub.add_parser("models", help="named models: list, fetch, path")
     verbs = models.add_subparsers(dest="verb", required=True, parser_class=_Parser)
     verbs.add_parser("list", help="named models, whether present, size on disk")
@@ -212,6 +225,29 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if result.diverged else 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .diagnosis import doctor
+    from .diagnosis.run import DEFAULT_PROMPT
+
+    if args.cache in STRATEGIES:
+        from .loading import load
+
+        model = load(args.model, dtype=args.dtype)
+    else:
+        from .hf import available, load_hf
+
+        why = available(args.cache.removeprefix("hf:"))
+        if why and "CUDA" not in why:
+            raise ValueError(why)
+        model = load_hf(args.model, dtype=args.dtype)
+    t0 = time.perf_counter()
+    report = doctor(model, prompt=args.prompt or DEFAULT_PROMPT, steps=args.steps, cache=args.cache,
+                    tolerance=args.tolerance)
+    print(report.summary())
+    print(f"({report.steps} steps checked in {time.perf_counter() - t0:.1f} s)")
+    return 1 if report.diverged else 0
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line; ``lab`` and ``app`` keep unknown arguments in ``args.extra`` for jupyter / voila."""
     parser = build_parser()
@@ -236,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _diff(args)
             except (KVExploreError, ValueError, OSError) as e:
                 print(f"kvexplore diff: error: {e}", file=sys.stderr)
+                return 2
+        elif args.command == "doctor":
+            try:
+                return _doctor(args)
+            except (KVExploreError, ValueError, OSError) as e:
+                print(f"kvexplore doctor: error: {e}", file=sys.stderr)
                 return 2
         elif args.command == "lab":
             from .launch import lab

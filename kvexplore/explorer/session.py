@@ -28,6 +28,30 @@ from .probe import LaneTracer
 from ..errors import SettingsError, StateError
 
 
+HF_PREFIX = "hf:"
+
+
+def check_strategies(strategies: list[str], model: Any, hf: Any) -> None:
+    """Refuse, naming the fix, a strategy that is unknown or cannot run on the models given."""
+    from ..hf import HF_CACHES, available
+
+    for kind in strategies:
+        if kind.startswith(HF_PREFIX):
+            name = kind.removeprefix(HF_PREFIX)
+            if hf is None:
+                raise SettingsError(f"{kind} runs transformers' own cache: give the explorer a transformers model "
+                                    f"(Explorer(AutoModelForCausalLM..., tokenizer, strategies=...))")
+            why = available(name, hf.device.type)
+            if why:
+                raise SettingsError(f"{kind}: {why}")
+        elif kind not in STRATEGIES:
+            known = [*STRATEGIES, *(HF_PREFIX + n for n in HF_CACHES)] if hf is not None else list(STRATEGIES)
+            raise SettingsError(f"unknown strategy {kind!r}; available: {', '.join(known)}")
+        elif not isinstance(model, Model):
+            raise SettingsError(f"kvexplore does not implement {getattr(hf, 'architecture', 'this model')}, so "
+                                f"{kind!r} cannot run it: use its transformers caches ({', '.join(HF_PREFIX + n for n in HF_CACHES)})")
+
+
 @dataclass
 class Lane:
     name: str
@@ -76,20 +100,19 @@ class Session:
     def __init__(self, model: Model, strategies: Sequence[str] = ("preallocated",), max_seq_len: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  top_candidates: int = 5, strategy_options: dict[str, dict[str, Any]] | None = None,
-                 follow_reference: bool = True, generator: Generator | None = None) -> None:
+                 follow_reference: bool = True, generator: Generator | None = None, hf: Any = None) -> None:
         strategies = list(strategies)
         if not strategies:
             raise SettingsError("give at least one strategy, e.g. strategies=('preallocated',)")
-        unknown = [s for s in strategies if s not in STRATEGIES]
-        if unknown:
-            raise SettingsError(f"unknown strategy {unknown[0]!r}; available: {', '.join(STRATEGIES)}")
+        check_strategies(strategies, model, hf)
         if len(set(strategies)) != len(strategies):
             raise SettingsError(f"strategies repeat: {strategies}; give each once (use fork() for a second sequence)")
         options = dict(strategy_options or {})
         bad = [k for k in options if k not in strategies]
         if bad:
             raise SettingsError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
-        self.model = model
+        self.model = model  # a kvexplore Model, or (transformers lanes only) the HFModel
+        self.hf = hf  # the transformers model the hf:... lanes run (kvexplore.hf.HFModel), if any
         self.max_seq_len = max_seq_len
         self.strategies = strategies
         self.options = options
@@ -137,10 +160,11 @@ class Session:
     def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
         options = dict(self.options.get(kind, {}))
         slots = options.pop("max_seq_len", self.max_seq_len)  # a strategy may have its own size
-        cache = make_cache(kind, self.model, max_seq_len=slots, **options)
+        model = self.hf if kind.startswith(HF_PREFIX) else self.model
+        cache = make_cache(kind, model, max_seq_len=slots, **options)
         tracer = self._tracer()
         s = self.sampling
-        gen = Generator(self.model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer)
+        gen = Generator(model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer)
         return Lane(name, kind, gen, tracer, follows)
 
     def set_sampling(self, temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
@@ -216,7 +240,7 @@ class Session:
     def _warm_up(self) -> None:
         """After a pause (a click after reading the figures), the first forward pass pays for cold caches and idle
         threads; one untimed pass of the model on one token keeps that out of the first lane's time."""
-        if time.perf_counter() - self._active < IDLE_S:
+        if time.perf_counter() - self._active < IDLE_S or not isinstance(self.model, Model):
             return
         model = self.model
         cache = make_cache("none", model, max_seq_len=1)

@@ -34,11 +34,25 @@ from ..errors import SettingsError, StateError
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
 
 
+def hf_source(source: Any, tokenizer: Any):
+    """The transformers model the explorer was given (kvexplore.hf.HFModel), or None for a kvexplore source."""
+    from ..hf import HFModel, is_hf_model, wrap
+
+    if isinstance(source, HFModel) or is_hf_model(source):
+        return wrap(source, tokenizer)
+    if tokenizer is not None:
+        raise SettingsError("tokenizer= goes with a transformers model; a kvexplore model brings its own")
+    return None
+
+
 class Explorer:
     """An explorer widget; display it by making it a cell's last expression.
 
     ``source``: a named model (``"tiny"``, ``"smollm2-135m"``), a folder or ``.gguf`` file, a loaded
-    :class:`~kvexplore.Model`, or a :class:`~kvexplore.Generator` (it becomes the first lane as it is).
+    :class:`~kvexplore.Model`, a :class:`~kvexplore.Generator` (it becomes the first lane as it is), or a
+    transformers causal LM with its ``tokenizer`` (a transformers tokenizer or the model folder): its own caches
+    run as ``hf:dynamic``, ``hf:static``, ... lanes (default both), and kvexplore's strategies beside them on the
+    same weights where kvexplore implements the architecture.
     ``strategies``: cache kinds run in lockstep on the same prompt and seed; the first is the reference the others
     are compared with (and, with ``follow_reference``, fed the tokens of). ``strategy_options``: per kind, options
     for :func:`~kvexplore.make_cache` (e.g. ``{"paged": {"block_size": 8}}``). ``prompt``: prefilled at once when
@@ -46,12 +60,18 @@ class Explorer:
     beside the cache map (one of :data:`~.registry.TABS`). ``presentation``: bigger fonts, fewer controls.
     """
 
-    def __init__(self, source: str | Path | Model | Generator = "tiny", strategies: Sequence[str] | None = None,
+    def __init__(self, source: str | Path | Model | Generator = "tiny", tokenizer: Any = None,
+                 strategies: Sequence[str] | None = None,
                  max_seq_len: int = 256, prompt: str | None = None, chat: bool = False, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, top_candidates: int = 5,
                  layer: int = 0, head: int = 0, strategy_options: dict[str, dict[str, Any]] | None = None,
                  follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
                  view: str = "attention", presentation: bool = False) -> None:
+        if isinstance(tokenizer, (list, tuple)) and strategies is None:  # Explorer(source, strategies) still works
+            tokenizer, strategies = None, tokenizer
+        self._hf = hf_source(source, tokenizer)
+        if self._hf is not None and strategies is None:
+            strategies = ("hf:dynamic", "hf:static")
         if view not in TABS:
             raise SettingsError(f"unknown view {view!r}; choose from {', '.join(TABS)}")
         generator = source if isinstance(source, Generator) else None
@@ -71,7 +91,7 @@ class Explorer:
         self.model = self._load(source)
         self._check_picks(layer, head)
         self.session = Session(self.model, generator=generator, temperature=temperature, top_k=top_k, top_p=top_p,
-                               seed=seed, **self._lanes_args)
+                               seed=seed, hf=self._hf, **self._lanes_args)
         self.layer, self.head = layer, head
         self.controls = layout.make(
             self.model.config, list(self.session.lanes), layer, head, self.session.sampling, self.session.seed,
@@ -257,6 +277,9 @@ class Explorer:
         self.session.prefill(prompt, chat=chat)
 
     def _load(self, source):
+        if self._hf is not None:  # kvexplore's lanes run a twin on the same weights, where it has the architecture
+            wants = any(not k.startswith("hf:") for k in self._lanes_args["strategies"])
+            return self._hf.twin() if wants and self._hf.supported else self._hf
         if isinstance(source, Generator):
             return source.model
         if isinstance(source, Model):

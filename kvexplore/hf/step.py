@@ -15,7 +15,7 @@ from . import watch
 @contextmanager
 def watching(hf_cache: object, pos: int, q_len: int):
     """Wrap the transformers cache's ``update`` (and state updates) for one pass; yields what they saw."""
-    seen: dict[str, dict[int, object]] = {"new": {}, "read": {}, "reads": {}, "state": {}}
+    seen: dict[str, dict[int, object]] = {"new": {}, "read": {}, "values": {}, "reads": {}, "state": {}}
     inner_update = hf_cache.update
     inner_state = getattr(hf_cache, "update_recurrent_state", None)
     end = pos + q_len
@@ -33,6 +33,7 @@ def watching(hf_cache: object, pos: int, q_len: int):
             valid = list(range(end - keys.shape[-2], end))
         seen["new"][layer_idx] = (key_states, value_states)
         seen["read"][layer_idx] = keys[:, :, : len(valid)]
+        seen["values"][layer_idx] = values[:, :, : len(valid)]
         seen["reads"][layer_idx] = valid
         return keys, values
 

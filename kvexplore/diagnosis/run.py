@@ -1,0 +1,139 @@
+"""The doctor's loop: a greedy run through the cache under test, each step checked against a recomputation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import KVExploreError, SettingsError
+from ..settings import integer
+from ..trace_diff import TOLERANCE
+from .compare import departures
+from .hints import hint
+from .passes import HFPasses, KVPasses
+from .report import DoctorReport
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_PROMPT, steps: int = 64,
+           cache: Any = None, tolerance: float | None = None, max_seq_len: int | None = None) -> DoctorReport:
+    """Run ``steps`` greedy steps of ``model`` through ``cache`` and compare every cached pass with a full
+    recomputation (a fresh cache over the whole sequence): the logits, and per layer the keys and values
+    attention read, the recurrent state and the layer's output.
+
+    ``model``: a transformers model, a kvexplore Model, or a folder or named model (loaded with transformers for
+    a transformers ``cache``, with kvexplore otherwise). ``cache``: a transformers cache name (``"dynamic"``,
+    ``"static"``, ... see :data:`kvexplore.hf.HF_CACHES`) or object (any ``Cache``, e.g. your subclass); for a
+    kvexplore model a strategy name (``"preallocated"``, ``"paged"``, ...) or a KVCache. ``tolerance``: relative,
+    by default 1e-4 in float32, 5e-3 in float16, 3e-2 in bfloat16.
+    """
+    from .. import hf
+    from ..caches.base import KVCache
+    from ..caches.factory import STRATEGIES, make_cache
+    from ..model import Model
+
+    steps = integer(steps, "steps", 1, 100_000, " (how many tokens to check)")
+    if isinstance(model, (str, Path)):
+        kvexplore_cache = isinstance(cache, KVCache) or (isinstance(cache, str) and cache in STRATEGIES)
+        if kvexplore_cache:
+            from ..loading import load
+
+            model = load(model)
+        else:
+            model = hf.load_hf(model)
+    if hf.is_hf_model(model):
+        model = hf.wrap(model, tokenizer)
+    if isinstance(model, hf.HFModel):
+        if tokenizer is not None and model.tokenizer is None:
+            model.tokenizer = hf.model.as_tokenizer(tokenizer, model.config)
+        ids = _ids(prompt, model.tokenizer, model.config.vocab_size)
+        slots = max_seq_len or len(ids) + steps
+        if cache is None or isinstance(cache, str):
+            name = (cache or "dynamic").removeprefix("hf:")
+            why = hf.available(name, model.device.type)
+            if why:
+                raise SettingsError(why)
+            from ..hf.caches import make_hf_cache
+
+            label, cache = name, make_hf_cache(name, model.hf, slots)
+        elif not (hasattr(cache, "update") and hasattr(cache, "layers")):
+            raise SettingsError(f"cache must be a transformers cache name ({', '.join(hf.HF_CACHES)}) or a transformers "
+                                f"Cache object, got {type(cache).__name__}")
+        else:
+            label = type(cache).__name__
+        passes = HFPasses(model, cache)
+    elif isinstance(model, Model):
+        ids = _ids(prompt, model.tokenizer, model.config.vocab_size)
+        slots = max_seq_len or len(ids) + steps
+        if cache is None or isinstance(cache, str):
+            label = cache or "preallocated"
+            cache = make_cache(label, model, max_seq_len=slots)
+        elif not isinstance(cache, KVCache):
+            raise SettingsError(f"cache must be a kvexplore strategy name ({', '.join(STRATEGIES)}) or a KVCache, got "
+                                f"{type(cache).__name__}")
+        else:
+            label = cache.kind
+        passes = KVPasses(model, cache)
+    else:
+        raise SettingsError(f"model must be a transformers model, a kvexplore Model, or a folder or named model; got "
+                            f"{type(model).__name__}")
+    dtype = str(model.dtype).removeprefix("torch.")
+    tol = TOLERANCE.get(dtype, TOLERANCE["float32"]) if tolerance is None else float(tolerance)
+    name = getattr(model, "source", "") or type(model).__name__
+    return _run(passes, ids, steps, tol, label, Path(name).name if name else "model", dtype)
+
+
+def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, dtype: str) -> DoctorReport:
+    tokens = list(ids)
+    worst = None
+    report = DoctorReport(False, 0, tol, label, name, dtype)
+    with torch.inference_mode():
+        for step in range(steps):
+            feed, pos = (tokens, 0) if step == 0 else (tokens[-1:], len(tokens) - 1)
+            try:
+                got = passes.cached(feed, pos)
+            except KVExploreError:
+                raise
+            except Exception as e:  # the cache under test broke the forward pass: that is a finding of its own
+                raise SettingsError(f"the cached forward pass failed at step {step} ({type(e).__name__}: {e}); "
+                                    f"the cache cannot run this model as it is") from e
+            ref = passes.reference(tokens)
+            position = len(tokens) - 1
+            found = departures(got, ref, position)
+            report.steps = step + 1
+            first = next((d for d in found if d.relative > tol), None)
+            if first is not None:
+                report.diverged, report.step, report.layer, report.position = True, step, first.layer, first.position
+                report.max_diff, report.what, report.departures = first.max_diff, first.what, found
+                report.hint = hint(first, got, ref, passes, len(ids), position, tol)
+                report.tokens = tokens
+                return report
+            top = max(found, key=lambda d: d.relative)
+            if worst is None or top.relative > worst.relative:
+                worst = top
+            tokens.append(int(got.logits.argmax()))
+    report.worst, report.tokens = worst, tokens
+    return report
+
+
+def _ids(prompt: str | list[int], tokenizer, vocab: int) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise SettingsError("a text prompt needs a tokenizer: pass tokenizer=..., or give token ids")
+        ids = tokenizer.encode(prompt)
+        if tokenizer.add_bos:
+            ids = [tokenizer.bos_id, *ids]
+    elif isinstance(prompt, (list, tuple, range)) or isinstance(prompt, torch.Tensor):
+        values = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        ids = [integer(i, f"prompt token {n}") for n, i in enumerate(values)]
+    else:
+        raise SettingsError(f"prompt must be text or token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise SettingsError("the prompt is empty: give at least one token")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return ids
