@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("model", help="a named model, or a Hugging Face style folder (run by transformers for a "
                                    "transformers cache, by kvexplore for a kvexplore strategy)")
     doc.add_argument("--cache", default="dynamic",
-                     help="transformers: dynamic, static, quantized, quantized-quanto, quantized-hqq, offloaded; "
-                          f"kvexplore: {', '.join(STRATEGIES)} (default dynamic)")
+                     help="transformers: dynamic, static, hf:quantized (fp8), hf:quantized-quanto, hf:quantized-hqq, "
+                          f"offloaded; kvexplore: {', '.join(STRATEGIES)} (default dynamic)")
     doc.add_argument("--prompt", default=None, help="the prompt (default: 'The capital of France is')")
     doc.add_argument("--steps", type=_positive, default=64, help="tokens to check (default 64)")
     doc.add_argument("--tolerance", type=float, default=None,

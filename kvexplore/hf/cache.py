@@ -95,11 +95,12 @@ class HFCache:
             return
         saved, count, self.length, self._states, self._moves, self._reads, self._report = self._undo
         del self.hf.layers[count:]
-        for layer, attrs, inplace in saved:
-            vars(layer).clear()
-            vars(layer).update(attrs)
-            for t, kept in inplace:
-                t.copy_(kept)
+        with torch.inference_mode():  # the layers' tensors were made in inference mode (HFModel.forward)
+            for layer, attrs, inplace in saved:
+                vars(layer).clear()
+                vars(layer).update(attrs)
+                for t, kept in inplace:
+                    t.copy_(kept)
         self._undo = None
 
     def needs_replay(self, n: int) -> bool:
