@@ -231,6 +231,18 @@ def test_lab_per_layer_caches_page_equals_kernel(arch, tmp_path, shots):
              f"ex = kvexplore.Explorer({str(folder)!r}, strategies={strategies!r}, max_seq_len=64)\nex")
 
 
+def test_lab_transformers_caches_page_equals_kernel(tmp_path, shots):
+    """transformers' own DynamicCache and StaticCache as lanes beside kvexplore's pre-allocated cache, on the same
+    weights (kvexplore.hf): every click, and the page shows what the kernel holds."""
+    folder = tmp_path / "llama-hf"
+    _run_lab(tmp_path, shots, "truth_lab_transformers",
+             f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore, transformers\n"
+             f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), 'llama', layers=3)\n"
+             f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
+             f"ex = kvexplore.Explorer(model, {str(folder)!r}, strategies=('hf:dynamic', 'hf:static', 'preallocated'), "
+             f"max_seq_len=64)\nex")
+
+
 def _smollm2() -> None:
     """Skip unless SmolLM2 can be had (it is fetched here once, so no kernel waits for the download)."""
     pytest.importorskip("gguf")

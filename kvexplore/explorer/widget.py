@@ -210,11 +210,12 @@ class Explorer:
         def go():
             old = self.session
             with layout.progress(self.controls["progress"], 1, "loading"):
-                model = self._load(source)
+                hf = self._hf_for(source)
+                model = self._load(source, hf)
                 s = old.sampling
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
-                                  **self._lanes_args)
-            self.model, self.session = model, session
+                                  hf=hf, **self._lanes_args)
+            self.model, self.session, self._hf = model, session, hf
             self.layer = min(self.layer, model.config.num_layers - 1)
             self.head = min(self.head, model.config.num_heads - 1)
             self._sync_pickers()
@@ -276,10 +277,24 @@ class Explorer:
             w["prompt"].value = prompt
         self.session.prefill(prompt, chat=chat)
 
-    def _load(self, source):
-        if self._hf is not None:  # kvexplore's lanes run a twin on the same weights, where it has the architecture
+    def _hf_for(self, source):
+        """The transformers model the hf:... lanes of a newly loaded ``source`` run (None without such lanes): the
+        source itself, or the same named model or folder loaded by transformers."""
+        found = hf_source(source, None)
+        if found is not None or not any(k.startswith("hf:") for k in self._lanes_args["strategies"]):
+            return found
+        if not isinstance(source, (str, Path)):
+            raise SettingsError("the transformers lanes (hf:...) need a transformers model, a folder or a named model; "
+                                f"got a {type(source).__name__}")
+        from ..hf import load_hf
+
+        return load_hf(source, dtype=self._dtype, device=self._device)
+
+    def _load(self, source, hf=None):
+        hf = self._hf if hf is None else hf
+        if hf is not None:  # kvexplore's lanes run a twin on the same weights, where it has the architecture
             wants = any(not k.startswith("hf:") for k in self._lanes_args["strategies"])
-            return self._hf.twin() if wants and self._hf.supported else self._hf
+            return hf.twin() if wants and hf.supported else hf
         if isinstance(source, Generator):
             return source.model
         if isinstance(source, Model):
