@@ -267,17 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _models(args)
         elif args.command == "export":
             _export(args)
-        elif args.command == "diff":
+        elif args.command in ("diff", "doctor"):  # exit 0: agree, 1: they part, 2: bad input
             try:
-                return _diff(args)
+                return (_diff if args.command == "diff" else _doctor)(args)
             except (KVExploreError, ValueError, OSError) as e:
-                print(f"kvexplore diff: error: {e}", file=sys.stderr)
-                return 2
-        elif args.command == "doctor":
-            try:
-                return _doctor(args)
-            except (KVExploreError, ValueError, OSError) as e:
-                print(f"kvexplore doctor: error: {e}", file=sys.stderr)
+                print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
                 return 2
         elif args.command == "lab":
             from .launch import lab

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import host
+from ..memory import StepCounters
 
 # the transformers layer classes whose slot order kvexplore knows (others are drawn as one block of storage)
 FULL_DYNAMIC, SLIDING_DYNAMIC, FULL_STATIC, SLIDING_STATIC = "DynamicLayer", "DynamicSlidingWindowLayer", \
@@ -133,15 +134,9 @@ def observe(cache: object, length: int) -> list[LayerState]:
 
 
 @dataclass
-class Moves:
+class Moves(StepCounters):
     """What one step did to one layer, found by comparing the layer before and after it."""
 
-    written_bytes: int = 0
-    copied_bytes: int = 0
-    allocated_bytes: int = 0
-    freed_bytes: int = 0
-    allocations: int = 0
-    frees: int = 0
     moved: bool = False  # the keys are in a new storage
     rewritten: list[int] = field(default_factory=list)  # slots whose contents changed in place
 
