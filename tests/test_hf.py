@@ -163,6 +163,21 @@ def test_rewind_fork_and_a_failed_step_leave_everything_as_it_was(models, kind):
     assert gen.step().token_id == twin.tokens[len(tokens)]
 
 
+def test_transformers_fp8_cache_holds_a_byte_per_element_and_the_doctor_calls_it_lossy(models):
+    module = models("llama")
+    model = hf.wrap(module)
+    gen = kvexplore.Generator(model, kvexplore.make_cache("hf:quantized", model))
+    gen.prefill(PROMPT)
+    for _ in range(6):
+        record = gen.step()
+        assert record.memory.reserved_bytes == storage_bytes(gen.cache.hf)
+        layer = record.memory.layers[0]
+        assert layer.logical_bytes == layer.held * 2 * 2 * 16 * 1  # k and v, 2 kv heads of 16, float8: 1 byte
+        assert layer.analytic_bytes == 4 * layer.logical_bytes  # the formula counts the model's float32
+    report = kvexplore.doctor(module, prompt=PROMPT, steps=8, cache="quantized")
+    assert report.diverged and report.what == "keys" and "lower precision" in report.hint, report.summary()
+
+
 def test_attention_is_recorded_from_eager_attention(models):
     module = models("llama")
     model = hf.wrap(module)

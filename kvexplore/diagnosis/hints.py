@@ -98,6 +98,9 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
                     what = "a position off by one" if abs(d) == 1 else f"RoPE at the wrong position (off by {d})"
                     return (f"{what}: layer {L}'s key at position{span} was rotated for position {p0 + d}; the "
                             f"positions a cached step uses (the cache's length, cache_position) are off by {d:+d}")
+        if len(bad) == len(columns(g, r)[2]) and first.relative < 0.25:
+            return (f"every position's {first.what} in layer {L} differ a little (up to {first.relative:.2g} of their "
+                    f"largest value): the cache keeps them in lower precision than the model computes (quantized?)")
         return (f"layer {L}'s {first.what} at position{span} differ from the recomputation's (by up to "
                 f"{first.max_diff:.3g}): the cache holds something other than what the model computed there")
     # the keys and values agree where both hold them: what did attention read?

@@ -38,7 +38,7 @@ class HFCache:
         self._undo: tuple | None = None
         self._report: MemoryReport | None = None
         self.allocator = allocator_for(device)
-        self._window = Window(self.allocator)
+        self.window = Window(self.allocator)
 
     # -- what the generator asks ---------------------------------------------------------------------------
     @property
@@ -67,7 +67,7 @@ class HFCache:
             inplace = [(t, t.clone()) for t in watch.layer_tensors(layer).values()] if self._in_place(layer) else []
             saved.append((layer, attrs, inplace))
         self._undo = (saved, len(self.hf.layers), self.length, self._states, self._moves, self._reads, self._report)
-        self._window = Window(self.allocator)
+        self.window = Window(self.allocator)  # the CUDA allocator inside the cache's updates this step
         self._report = None
 
     @staticmethod
@@ -246,7 +246,7 @@ class HFCache:
             reserved_bytes=sum(l.reserved_bytes for l in layers), analytic_bytes=sum(l.analytic_bytes for l in layers),
             written_bytes=total("written_bytes"), copied_bytes=total("copied_bytes"),
             allocated_bytes=total("allocated_bytes"), freed_bytes=total("freed_bytes"),
-            allocations=total("allocations"), frees=total("frees"), cuda=self._window.figures(),
+            allocations=total("allocations"), frees=total("frees"), cuda=self.window.figures(),
             cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers))
 
     @property

@@ -97,7 +97,7 @@ class HFModel:
         cache.begin_step(pos, q_len)
         wants = tracer is not None and any(tracer.wants_attention(i) for i in range(self.config.num_layers))
         try:
-            with watching(cache.hf, pos, q_len) as seen, cache._window:
+            with watching(cache.hf, pos, q_len, cache.window) as seen:
                 if wants:
                     with self.eager():
                         out = self.forward(ids, cache.hf, attention=True)

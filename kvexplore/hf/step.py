@@ -13,15 +13,20 @@ from . import watch
 
 
 @contextmanager
-def watching(hf_cache: object, pos: int, q_len: int):
-    """Wrap the transformers cache's ``update`` (and state updates) for one pass; yields what they saw."""
+def watching(hf_cache: object, pos: int, q_len: int, window=None):
+    """Wrap the transformers cache's ``update`` (and state updates) for one pass; yields what they saw.
+    ``window`` (a :class:`kvexplore.allocator.Window`) measures the CUDA allocator inside each update."""
     seen: dict[str, dict[int, object]] = {"new": {}, "read": {}, "values": {}, "reads": {}, "state": {}}
     inner_update = hf_cache.update
     inner_state = getattr(hf_cache, "update_recurrent_state", None)
     end = pos + q_len
 
     def update(key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = inner_update(key_states, value_states, layer_idx, *args, **kwargs)
+        if window is not None:
+            with window:
+                keys, values = inner_update(key_states, value_states, layer_idx, *args, **kwargs)
+        else:
+            keys, values = inner_update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = hf_cache.layers[layer_idx]
         stored = watch.key_tensor(layer)
         if stored is not None and keys.data_ptr() == stored.data_ptr() and keys.shape == stored.shape:
