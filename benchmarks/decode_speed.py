@@ -1,6 +1,8 @@
-"""Decode speed: kvexplore (PreallocatedCache + Generator) vs transformers ``generate`` (default DynamicCache).
+"""Decode speed: kvexplore (PreallocatedCache + Generator, eager and compiled) vs transformers ``generate``
+(default DynamicCache, and its static cache with its own torch.compile recipe), against the memory-bandwidth bound.
 
     python benchmarks/decode_speed.py                       # 24M, 135M and real SmolLM2; 64 new tokens, 5 reps, float32
+    python benchmarks/decode_speed.py --engines eager,hf     # the two eager engines only (no compile time)
     python benchmarks/decode_speed.py --shapes smollm2 --dtype bfloat16
     python benchmarks/decode_speed.py --shapes 24M --reps 9 --new-tokens 128
     python benchmarks/decode_speed.py --device cuda --dtype bfloat16
@@ -31,7 +33,21 @@ As a cross-check the "difference method" is also reported for transformers: wall
 Repetitions are interleaved (kvexplore, transformers, kvexplore, ...) after one untimed warm-up of each, so
 slow drift of the machine hits both alike; medians over ``--reps`` are reported with min..max.
 
-Targets: kvexplore decode >= 1.5x transformers tokens/s on 24M, >= 1.2x on 135M.
+Four engines, interleaved in every repetition (the order rotates):
+
+* ``eager``: kvexplore as above; ``compiled``: the same with ``Generator(..., compile=True)`` (the one-token step is
+  one torch.compile graph over the cache's capacity; compiled in the untimed warm-up, the compile time printed);
+* ``hf``: ``generate`` with its default DynamicCache; ``hf-static``: ``generate(cache_implementation="static",
+  compile_config=CompileConfig(fullgraph=True, ...))``, transformers' own recipe for compiled decoding (on the CPU
+  ``_compile_all_devices=True`` turns it on; on CUDA it is on by default, with CUDA graphs).
+
+The bandwidth bound: decoding one token reads every weight once (plus the cache, counted too), so tokens/s cannot
+exceed read bandwidth / bytes read per token. The read bandwidth is measured here (``torch.sum`` over a 512 MiB
+tensor with the same threads, median of 5) and every engine is printed as a fraction of that bound.
+
+Targets: eager >= 1.5x transformers on 24M and >= 1.2x on 135M (issue 1); compiled >= 2.5x transformers on 24M,
+>= 1.5x on 135M, >= 1.2x transformers' static+compile on both, >= 70% of the bandwidth bound on SmolLM2 in float32,
+and >= 1.2x transformers in bfloat16 (issue 16).
 
 The machine may be shared: the script reports how many cores other processes kept busy during the timed runs
 (from /proc) and flags disturbed shapes; ``--wait-quiet S`` waits up to S seconds for quiet before each rep.
@@ -52,7 +68,11 @@ from _common import (DTYPES, REAL_MODELS, SHAPES, OtherLoad, build_checkpoint, d
 
 import kvexplore
 
-TARGETS = {"24M": 1.5, "135M": 1.2}
+# (shape, or the dtype for the non-float32 runs; engine; against) -> the ratio of tokens/s aimed at
+TARGETS = {("24M", "eager", "hf"): 1.5, ("135M", "eager", "hf"): 1.2,
+           ("24M", "compiled", "hf"): 2.5, ("135M", "compiled", "hf"): 1.5,
+           ("24M", "compiled", "hf-static"): 1.2, ("135M", "compiled", "hf-static"): 1.2,
+           ("bfloat16", "compiled", "hf"): 1.2}
 
 
 class TimingStreamer:
@@ -70,13 +90,14 @@ class TimingStreamer:
         pass
 
 
-def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False) -> tuple[float, float, list[int]]:
+def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False,
+                  compile: bool = False) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode seconds for n-1 steps, the n generated tokens); ``allocator``: read CUDA's
-    allocator counters around each cache write, as a cache does by default."""
+    allocator counters around each cache write, as a cache does by default; ``compile``: the compiled decode step."""
     cache = kvexplore.PreallocatedCache(model.config, len(prompt) + n, dtype=model.dtype, device=model.device)
     if not allocator:
         cache.allocator = None  # CUDA: the allocator's counters are not read around each write (kvexplore.allocator)
-    g = kvexplore.Generator(model, cache)
+    g = kvexplore.Generator(model, cache, compile=compile)
     t0 = now(model.device)
     g.prefill(prompt)
     t1 = now(model.device)
@@ -85,12 +106,13 @@ def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False) -> 
     return t1 - t0, t2 - t1, g.generated_tokens
 
 
-def run_hf(model, ids: torch.Tensor, n: int) -> tuple[float, float, float, list[int]]:
-    """(setup+prefill seconds, decode seconds for n-1 steps, total wall seconds, the n generated tokens)."""
+def run_hf(model, ids: torch.Tensor, n: int, **options) -> tuple[float, float, float, list[int]]:
+    """(setup+prefill seconds, decode seconds for n-1 steps, total wall seconds, the n generated tokens);
+    ``options`` go to ``generate`` (the static cache and its compile config)."""
     streamer = TimingStreamer()
     t0 = now(ids.device)
     out = model.generate(ids, max_new_tokens=n, do_sample=False, streamer=streamer, pad_token_id=None,
-                         eos_token_id=None)
+                         eos_token_id=None, **options)
     t_end = now(ids.device)
     new = out[0, ids.shape[1]:].tolist()
     # puts: [prompt, token 1 (from prefill), token 2, ..., token n]
@@ -100,13 +122,49 @@ def run_hf(model, ids: torch.Tensor, n: int) -> tuple[float, float, float, list[
     return streamer.times[1] - t0, streamer.times[-1] - streamer.times[1], t_end - t0, new
 
 
+def static_compiled(device: torch.device) -> dict:
+    """transformers' own compiled decoding: the static cache, its forward compiled by ``generate``."""
+    from transformers import CompileConfig
+
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    return dict(cache_implementation="static",
+                compile_config=CompileConfig(fullgraph=True, mode=mode, _compile_all_devices=device.type != "cuda"))
+
+
+def read_bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:
+    """Bytes per second this machine reads: ``torch.sum`` over a large tensor (median of ``reps``)."""
+    x = torch.ones(mib * 2 ** 20 // 4, device=device)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = now(device)
+        x.sum()
+        times.append(now(device) - t0)
+    return x.nbytes / median(times)
+
+
+def bytes_per_token(model, cache_positions: int) -> int:
+    """What decoding one token reads: every weight once (the embedding matrix only when it is also the output
+    head; otherwise one row of it) and the cache's keys and values."""
+    params = sum(p.nbytes for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if not model.config.tie_word_embeddings:
+        params -= embed.nbytes - embed[0].nbytes
+    return params + kvexplore.kv_bytes(model.config, cache_positions, dtype=model.dtype)
+
+
 def hf_total(model, ids: torch.Tensor, n: int) -> float:
     t0 = now(ids.device)
     model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=None, eos_token_id=None)
     return now(ids.device) - t0
 
 
-def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, folder: Path) -> dict:
+ENGINES = ("eager", "compiled", "hf", "hf-static")
+NAMES = {"eager": "kvexplore eager", "compiled": "kvexplore compiled", "hf": "transformers default",
+         "hf-static": "transformers static+compile"}
+
+
+def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, folder: Path, bandwidth: float) -> dict:
     """Time one shape; ``folder`` holds its checkpoint or is where it gets built (reused across dtypes)."""
     t_build = time.perf_counter()
     if shape in REAL_MODELS:
@@ -126,58 +184,72 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
     prompt = prompt_ids(args.prompt_len, vocab)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     n = args.new_tokens
+    engines = [e for e in ENGINES if e in args.engines]
+    run = {"eager": lambda: run_kvexplore(kv, prompt, n)[1:],
+           "compiled": lambda: run_kvexplore(kv, prompt, n, compile=True)[1:],
+           "hf": lambda: run_hf(hf, ids, n)[1::2],
+           "hf-static": lambda: run_hf(hf, ids, n, **static_compiled(device))[1::2]}
 
-    # warm-up (untimed): first calls allocate, pick kernels, fill caches
-    _, _, kv_tokens = run_kvexplore(kv, prompt, n)
-    _, _, _, hf_tokens = run_hf(hf, ids, n)
-    hf_total(hf, ids, 1)
+    # warm-up (untimed): first calls allocate, pick kernels, fill caches, compile
+    tokens, compile_s = {}, {}
+    for e in engines:
+        t0 = time.perf_counter()
+        tokens[e] = run[e]()[1]
+        compile_s[e] = time.perf_counter() - t0
+    if args.diff_check and "hf" in engines:
+        hf_total(hf, ids, 1)
+    warm = ", ".join(f"{NAMES[e]} {compile_s[e]:.1f}s" for e in engines)
+    print(f"  warm-up run (compiles the compiled engines): {warm}")
 
     load = OtherLoad()
-    kv_dec, kv_pre, hf_dec, hf_pre, hf_n, hf_1 = [], [], [], [], [], []
+    decode: dict[str, list[float]] = {e: [] for e in engines}
+    hf_n, hf_1 = [], []
     waited = 0.0
     for rep in range(args.reps):
         waited += wait_quiet(args.wait_quiet)
+        order = engines[rep % len(engines):] + engines[:rep % len(engines)]
         load.start()
-        p, d, toks = run_kvexplore(kv, prompt, n)
-        l_kv = load.stop()
-        kv_pre.append(p), kv_dec.append(d)
-        assert toks == kv_tokens, "kvexplore greedy output changed between repetitions"
-        load.start()
-        p, d, total, toks = run_hf(hf, ids, n)
-        l_hf = load.stop()
-        hf_pre.append(p), hf_dec.append(d), hf_n.append(total)
-        assert toks == hf_tokens, "transformers greedy output changed between repetitions"
-        if args.diff_check:
+        for e in order:
+            d, toks = run[e]()
+            decode[e].append(d)
+            assert toks == tokens[e], f"{NAMES[e]}: greedy output changed between repetitions"
+        if args.diff_check and "hf" in engines:
+            t0 = now(device)
+            run_hf(hf, ids, n)
+            hf_n.append(now(device) - t0)
             hf_1.append(hf_total(hf, ids, 1))
-        busy = "" if l_kv is None else f"   (other load {l_kv:.2f} / {l_hf:.2f} cores)"
-        print(f"  rep {rep + 1}/{args.reps}: kvexplore {(n - 1) / kv_dec[-1]:7.1f} tok/s"
-              f"   transformers {(n - 1) / hf_dec[-1]:7.1f} tok/s{busy}", flush=True)
+        busy = load.stop()
+        line = "   ".join(f"{e} {(n - 1) / decode[e][-1]:7.1f}" for e in engines)
+        print(f"  rep {rep + 1}/{args.reps} tok/s: {line}" + ("" if busy is None else f"   (other load {busy:.2f} cores)"),
+              flush=True)
 
-    same = kv_tokens == hf_tokens
-    first_diff = next((i for i, (a, b) in enumerate(zip(kv_tokens, hf_tokens)) if a != b), None)
-    kv_tps, hf_tps = (n - 1) / median(kv_dec), (n - 1) / median(hf_dec)
-    ratio = kv_tps / hf_tps
-    target = TARGETS.get(shape)
-    print(f"  greedy tokens identical ({n} tokens each, {len(kv_tokens)} vs {len(hf_tokens)}): {same}"
-          + ("" if same else f"  (first difference at generated token {first_diff}: kvexplore {kv_tokens[first_diff]} "
-                              f"vs transformers {hf_tokens[first_diff]})"))
-    print(f"  kvexplore    decode {n - 1} steps: median {median(kv_dec) * 1e3:8.1f} ms ({spread(kv_dec)})  "
-          f"-> {kv_tps:7.1f} tok/s, {median(kv_dec) / (n - 1) * 1e3:6.2f} ms/token;  "
-          f"prefill {median(kv_pre) * 1e3:.1f} ms")
-    print(f"  transformers decode {n - 1} steps: median {median(hf_dec) * 1e3:8.1f} ms ({spread(hf_dec)})  "
-          f"-> {hf_tps:7.1f} tok/s, {median(hf_dec) / (n - 1) * 1e3:6.2f} ms/token;  "
-          f"setup+prefill {median(hf_pre) * 1e3:.1f} ms")
+    per_token = bytes_per_token(kv, args.prompt_len + n // 2)
+    bound = bandwidth / per_token
+    tps = {e: (n - 1) / median(decode[e]) for e in engines}
+    print(f"  bandwidth bound: {per_token / 2 ** 20:.1f} MiB read per token at {bandwidth / 1e9:.1f} GB/s "
+          f"-> at most {bound:.1f} tok/s")
+    for e in engines:
+        same = tokens[e] == tokens[engines[0]]
+        print(f"  {NAMES[e]:28} decode {n - 1} steps: median {median(decode[e]) * 1e3:8.1f} ms ({spread(decode[e])})"
+              f"  -> {tps[e]:7.1f} tok/s  {tps[e] / bound:5.1%} of the bound"
+              + ("" if same else f"  (tokens differ from {NAMES[engines[0]]})"))
     if hf_1:
         diff = median(hf_n) - median(hf_1)
         rate = f"{(n - 1) / diff:.1f} tok/s" if diff > 0 else "n/a (noise)"
         print(f"  transformers difference method: median t(N={n}) {median(hf_n) * 1e3:.1f} ms - median t(N=1) "
               f"{median(hf_1) * 1e3:.1f} ms = {diff * 1e3:.1f} ms -> {rate}")
-    verdict = "" if target is None else f"   target >= {target:.2f}x: {'MET' if ratio >= target else 'MISSED'}"
-    print(f"  ratio kvexplore/transformers (decode tok/s): {ratio:.2f}x{verdict}")
+    ratios = {}
+    for a, b in (("eager", "hf"), ("compiled", "hf"), ("compiled", "hf-static"), ("compiled", "eager"),
+                 ("hf-static", "hf")):
+        if a in tps and b in tps:
+            ratios[(a, b)] = tps[a] / tps[b]
+            target = TARGETS.get((shape if dtype == torch.float32 else dtype_name(dtype), a, b))
+            verdict = "" if target is None else f"   target >= {target:.2f}x: {'MET' if ratios[(a, b)] >= target else 'MISSED'}"
+            print(f"  ratio {NAMES[a]} / {NAMES[b]}: {ratios[(a, b)]:.2f}x{verdict}")
     print(f"  {load.summary()}" + (f"; waited {waited:.1f}s for quiet" if waited else "")
           + ("  -- WARNING: timings disturbed by other processes" if load.busy else ""))
-    return dict(shape=shape, kv_tps=kv_tps, hf_tps=hf_tps, ratio=ratio, target=target, same=same,
-                busy=load.busy)
+    return dict(shape=shape, tps=tps, bound=bound, ratios=ratios, busy=load.busy,
+                same=all(tokens[e] == tokens[engines[0]] for e in engines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,10 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="before each repetition wait up to this long for other processes to go idle (Linux)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma separated, from {', '.join(ENGINES)}")
     ap.add_argument("--no-diff-check", dest="diff_check", action="store_false",
                     help="skip the transformers difference-method cross-check (one extra generate per rep)")
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if [e for e in args.engines if e not in ENGINES] or not args.engines:
+        ap.error(f"--engines: choose from {', '.join(ENGINES)}")
     unknown = [s for s in shapes if s not in SHAPES and s not in REAL_MODELS]
     if unknown or args.new_tokens < 2 or args.reps < 1:
         ap.error(f"unknown shapes {unknown}" if unknown else "--new-tokens must be >= 2 and --reps >= 1")
@@ -212,18 +288,23 @@ def main(argv: list[str] | None = None) -> int:
           f"threads {torch.get_num_threads()}, device {device}, dtype {dtype_name(dtype)}, "
           f"prompt {args.prompt_len} ids, {args.new_tokens} new tokens, {args.reps} interleaved reps")
     t0 = time.perf_counter()
+    bandwidth = read_bandwidth(device)
+    print(f"read bandwidth (torch.sum over 512 MiB, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s")
     results = []
     with tempfile.TemporaryDirectory(prefix="kvx-decode-") as tmp:
         for shape in shapes:
-            results.append(bench_shape(shape, args, device, dtype, Path(tmp) / shape))
-    print(f"\nsummary ({time.perf_counter() - t0:.0f}s):")
-    print(f"  {'shape':6} {'kvexplore tok/s':>16} {'transformers tok/s':>19} {'ratio':>7} {'target':>7}  tokens")
+            results.append(bench_shape(shape, args, device, dtype, Path(tmp) / shape, bandwidth))
+    print(f"\nsummary ({time.perf_counter() - t0:.0f}s), tok/s and share of the bandwidth bound:")
+    engines = [e for e in ENGINES if e in args.engines]
+    print("  " + f"{'shape':8}" + "".join(f"{NAMES[e]:>30}" for e in engines) + "   tokens")
     for r in results:
-        tgt = "-" if r["target"] is None else f"{r['target']:.1f}x"
-        met = "" if r["target"] is None else (" MET" if r["ratio"] >= r["target"] else " MISSED")
+        cells = "".join(f"{r['tps'][e]:>20.1f} ({r['tps'][e] / r['bound']:5.1%})" for e in engines)
         busy = "  [disturbed by other processes]" if r["busy"] else ""
-        print(f"  {r['shape']:6} {r['kv_tps']:16.1f} {r['hf_tps']:19.1f} {r['ratio']:6.2f}x {tgt:>7}{met:7}  "
-              f"{'identical' if r['same'] else 'DIFFER'}{busy}")
+        print(f"  {r['shape']:8}{cells}   {'identical' if r['same'] else 'DIFFER'}{busy}")
+        for (a, b), x in r["ratios"].items():
+            target = TARGETS.get((r["shape"] if dtype == torch.float32 else dtype_name(dtype), a, b))
+            met = "" if target is None else f" (target {target:.1f}x: {'MET' if x >= target else 'MISSED'})"
+            print(f"      {a}/{b} {x:.2f}x{met}")
     return 0
 
 

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with the compiled one-token step (pre-allocated cache; compiled on the first step)")
     gen.add_argument("--trace", action="store_true",
                      help="print each step's cache map (slots free, filled, written, stale, shared) and memory")
     gen.add_argument("--save-trace", default=None, metavar="PATH",
@@ -151,7 +153,7 @@ def _generate(args: argparse.Namespace) -> None:
     cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens)
     tracer = Tracer(capture={"cache", "attention", "qkv", "memory", "timing"}) if args.save_trace else None
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, tracer=tracer)
+                    seed=args.seed, tracer=tracer, compile=args.compile)
     out = sys.stdout
     shown = ""
     if args.trace:
@@ -174,16 +176,21 @@ def _generate(args: argparse.Namespace) -> None:
     first = gen.prefill(ids)
     show()
     decode_start = time.perf_counter()
-    for _ in range(args.max_new_tokens - 1):
+    for i in range(args.max_new_tokens - 1):
         if not args.no_stop and gen.history[-1].is_eos:
             break
         gen.step()
         show()
+        if i == 0 and gen.compile_s is not None:  # the first compiled step compiles: the rate starts after it
+            decode_start = time.perf_counter()
     end = time.perf_counter()
     if args.trace:
         out.write(f"\ntext: {gen.text!r}")
-    n_decode = len(gen.history) - 1
-    rate = n_decode / (end - decode_start) if n_decode else float("nan")
+    n_decode = len(gen.history) - 1 - (gen.compile_s is not None)
+    rate = n_decode / (end - decode_start) if n_decode > 0 else float("nan")
+    if args.compile:
+        out.write(f"\n\n[decode step compiled in {gen.compile_s:.1f} s]" if gen.compile_s is not None else
+                  f"\n\n[not compiled: {gen.compile_note or 'tracing runs eager'}]")
     mib = 1024 * 1024
     out.write(
         f"\n\n[{len(gen.history)} tokens in {end - start:.2f} s: prefill {len(ids)} tokens in "

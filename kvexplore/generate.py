@@ -10,6 +10,7 @@ stay as they were.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -51,7 +52,7 @@ class Generator:
 
     def __init__(self, model: Model, cache: KVCache | None = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 top_candidates: int = 5, tracer: Tracer | None = None) -> None:
+                 top_candidates: int = 5, tracer: Tracer | None = None, compile: bool = False) -> None:
         if is_hf_model(model):
             model = HFModel(model)
         if not isinstance(model, (Model, HFModel)):
@@ -81,6 +82,14 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
+        self.compile = bool(compile)
+        self.compile_note = ""  # why decode steps run eager although compile=True ("" when they compile)
+        if self.compile:
+            from .compiled import refusal
+
+            self.compile_note = refusal(model, cache) or ""
+            if self.compile_note:
+                warnings.warn(f"compile=True: {self.compile_note}; decoding runs eager", stacklevel=2)
 
     # -- settings (checked when set, so a step never fails on them) -------------------------------------
     @property
@@ -289,7 +298,7 @@ class Generator:
         self._undoable = False  # the fork shares what the last step wrote (paged pages): it stays
         self.cache.settle()
         twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
-                         self.sampling.top_p, self.seed, self.top_candidates, self.tracer)
+                         self.sampling.top_p, self.seed, self.top_candidates, self.tracer, self.compile)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
         twin.history, twin._rng_states = History(self.history), list(self._rng_states)
@@ -317,7 +326,10 @@ class Generator:
         model, tracer = self.model, self.tracer
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
         t0 = time.perf_counter()
-        logits = model(ids, self.cache, pos, tracer=tracer, last_only=True, keep_undo=True)[0, -1]  # (vocab,) for the last position
+        if self.compiled_step(len(feed)):
+            logits = self._compiled(feed[0], pos)
+        else:
+            logits = model(ids, self.cache, pos, tracer=tracer, last_only=True, keep_undo=True)[0, -1]  # (vocab,) for the last position
         (logits,) = host.fetch([logits])  # the step's one sync on CUDA: it also ends the forward pass's timing
         t1 = time.perf_counter()
         token = choose(logits, self.sampling, self._rng)  # on the host, with the host RNG: the same on any device
@@ -340,6 +352,40 @@ class Generator:
         else:
             self._rng_states.append(state)
         return record
+
+    def compiled_step(self, q_len: int = 1) -> bool:
+        """Whether a step feeding ``q_len`` tokens runs the compiled decode step (``compile=True``, one token, a
+        pre-allocated cache, no tracer: tracing and hooks run eager, with a message once)."""
+        if not self.compile or self.compile_note or q_len != 1:
+            return False
+        if self.tracer is not None:
+            if not getattr(self, "_traced_note", False):
+                warnings.warn("compile=True: a traced step runs eager (hooks see every layer); untraced steps "
+                              "run compiled", stacklevel=3)
+                self._traced_note = True
+            return False
+        return True
+
+    def _compiled(self, token: int, pos: int) -> torch.Tensor:
+        from .compiled import decoder_for
+
+        cache = self.cache
+        cache.check_write(pos, 1, 1)
+        cache.begin_step(pos, 1)
+        cache.note_inplace_write(pos, 1)
+        logits = decoder_for(self.model, cache.capacity)(token, cache, pos)[0]
+        cache.commit(pos + 1)
+        return logits
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds the compiled step took to compile (None before the first compiled step)."""
+        if not self.compile or self.compile_note:
+            return None
+        from .compiled import decoder_for
+
+        decoder = decoder_for(self.model, self.cache.capacity, build=False)
+        return None if decoder is None else decoder.compile_s
 
     def _check_force(self, force: int | None) -> None:
         if force is not None:

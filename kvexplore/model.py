@@ -234,6 +234,22 @@ class Model(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``(B, T, D)`` the first layer reads."""
+        x = self.model.embed_tokens(ids)
+        if self.config.embed_scale:  # scaled by sqrt(hidden), rounded to the dtype first as transformers does
+            x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the final norm's output ``x``."""
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, head).float()
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None,
                 last_only: bool = False, keep_undo: bool = False) -> torch.Tensor:
@@ -251,9 +267,7 @@ class Model(nn.Module):
         cache.check_write(pos, T, B)
         cache.begin_step(pos, T)
         try:
-            x = self.model.embed_tokens(ids.to(self.device))  # (B, T, D)
-            if self.config.embed_scale:  # scaled by sqrt(hidden), rounded to the dtype first as transformers does
-                x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+            x = self.embed(ids.to(self.device))  # (B, T, D)
             if tracer is not None:
                 x = hook(tracer, "embed", x)
             types = self.config.layer_types
@@ -265,11 +279,7 @@ class Model(nn.Module):
             x = self.model.norm(x)
             if tracer is not None:
                 x = hook(tracer, "norm", x)
-            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-            logits = F.linear(x, head).float()  # (B, T, vocab)
-            if self.config.final_logit_softcapping is not None:
-                cap = self.config.final_logit_softcapping
-                logits = torch.tanh(logits / cap) * cap
+            logits = self.logits(x)  # (B, T, vocab)
             if tracer is not None:
                 logits = hook(tracer, "logits", logits)
         except BaseException:

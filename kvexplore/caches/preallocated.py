@@ -38,16 +38,29 @@ class PreallocatedCache(KVCache):
 
     def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = k.shape[2]
-        # for a rollback bit for bit: slots written before (held, or stale after a rewind) are saved; slots never
-        # written hold zeros, which a rollback puts back without a copy (so a plain decode step allocates nothing)
+        self._prepare_write(layer, pos, q_len)
+        self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
+        self._v[layer].narrow(2, pos, q_len).copy_(v)
+        return self._k[layer].narrow(2, 0, pos + q_len), self._v[layer].narrow(2, 0, pos + q_len)  # views
+
+    def _prepare_write(self, layer: int, pos: int, q_len: int) -> int:
+        """What a write of ``q_len`` slots at ``pos`` needs besides the copy: what a rollback restores, and the bytes
+        it writes (returned). Slots written before (held, or stale after a rewind) are saved; slots never written
+        hold zeros, which a rollback puts back without a copy (so a plain decode step allocates nothing)."""
         seen = max(0, min(q_len, self._high_water - pos))
         for t in (self._k[layer], self._v[layer]):
             self._keep(t, 2, pos, seen)
             self._zero_on_undo(t, 2, pos + seen, q_len - seen)
-        self._k[layer].narrow(2, pos, q_len).copy_(k)  # in place: no allocation
-        self._v[layer].narrow(2, pos, q_len).copy_(v)
-        self._step.written_bytes += k.nbytes + v.nbytes
-        return self._k[layer].narrow(2, 0, pos + q_len), self._v[layer].narrow(2, 0, pos + q_len)  # views
+        written = sum(t.narrow(2, pos, q_len).nbytes for t in (self._k[layer], self._v[layer]))
+        self._step.written_bytes += written
+        return written
+
+    def note_inplace_write(self, pos: int, q_len: int) -> None:
+        """Every layer's write of ``q_len`` slots at ``pos``, made by someone else (the compiled decode step writes
+        the storages itself): the undo record and the bytes, as :meth:`write` keeps them. Call it after
+        ``begin_step`` and before the storages change; ``commit`` follows."""
+        for layer in self.full_layers:
+            self._layer_moved[layer] = (self._prepare_write(layer, pos, q_len), 0)
 
     def commit(self, end: int) -> None:
         self._high_water = max(self._high_water, end)

