@@ -358,10 +358,12 @@ class Generator:
         pre-allocated cache, no tracer: tracing and hooks run eager, with a message once)."""
         if not self.compile or self.compile_note or q_len != 1:
             return False
-        if self.tracer is not None:
+        t = self.tracer
+        if t is not None and ("qkv" in getattr(t, "capture", ()) or any(
+                t.wants_attention(i) for i in range(self.model.config.num_layers))):
             if not getattr(self, "_traced_note", False):
-                warnings.warn("compile=True: a traced step runs eager (hooks see every layer); untraced steps "
-                              "run compiled", stacklevel=3)
+                warnings.warn("compile=True: a step that records attention or q/k/v runs eager (its hooks see inside "
+                              "every layer); other steps run compiled", stacklevel=3)
                 self._traced_note = True
             return False
         return True
@@ -375,6 +377,14 @@ class Generator:
         cache.note_inplace_write(pos, 1)
         logits = decoder_for(self.model, cache.capacity)(token, cache, pos)[0]
         cache.commit(pos + 1)
+        if self.tracer is not None:  # what a trace without attention holds, read from the cache after the step
+            for layer in cache.full_layers:
+                name = f"layers.{layer}.attn"
+                keys, values = cache.key(layer), cache.value(layer)
+                self.tracer.hook(f"{name}.k_new", keys.narrow(2, pos, 1).clone())
+                self.tracer.hook(f"{name}.v_new", values.narrow(2, pos, 1).clone())
+                self.tracer.hook(f"{name}.cache_read", keys.narrow(2, 0, pos + 1))  # the slots the mask let through
+            self.tracer.hook("logits", logits.view(1, 1, -1))
         return logits
 
     @property

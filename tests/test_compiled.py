@@ -122,3 +122,22 @@ def test_smollm2_compiled_decodes_the_same_128_tokens():
     eager = generate(model, 128, False, 200)
     compiled = generate(model, 128, True, 200)
     assert compiled.tokens == eager.tokens
+
+
+def test_the_explorer_runs_a_compiled_lane_beside_the_eager_one():
+    ex = kvexplore.Explorer("tiny", strategies=("preallocated", "compiled"), max_seq_len=96, prompt=PROMPT)
+    for _ in range(4):
+        ex.step()
+    eager, fast = ex.lanes["preallocated"], ex.lanes["compiled"]
+    assert fast.generator.compile_s is not None and fast.generator.tokens == eager.generator.tokens
+    assert all(kl is None or kl < 1e-6 for kl in fast.kl)
+    last = fast.history[-1]
+    assert last.trace is not None and not last.trace.has_attention(0)  # the graph has no hooks inside
+    assert last.trace.events and last.trace.events[0].view  # it read the storage itself
+    assert torch.allclose(fast.tracer.norms[:, :, :, : len(fast.generator.tokens) - 1],
+                          eager.tracer.norms[:, :, :, : len(eager.generator.tokens) - 1], atol=1e-5)
+    ex.controls["lane"].value = "compiled"
+    assert all(spec.traces for spec in ex.specs(["cache_map", "memory", "compare"]).values())
+    ex.rewind(2)
+    ex.step()
+    assert fast.generator.tokens == eager.generator.tokens

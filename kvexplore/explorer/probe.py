@@ -11,8 +11,9 @@ from ..trace import Tracer
 class LaneTracer(Tracer):
     """Records everything the views draw: cache events and slots, attention of every layer, K/V norms, logits."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int) -> None:
-        super().__init__(capture={"cache", "attention", "memory", "timing"})
+    def __init__(self, num_layers: int, num_kv_heads: int, attention: bool = True) -> None:
+        # attention=False: a compiled lane's (its steps run as one graph, which no hook sees inside)
+        super().__init__(capture={"cache", "memory", "timing"} | ({"attention"} if attention else set()))
         # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached, or
         # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
@@ -53,7 +54,7 @@ class LaneTracer(Tracer):
 
     def clone(self) -> "LaneTracer":
         """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""
-        twin = LaneTracer(self.norms.shape[0], self.norms.shape[2])
+        twin = LaneTracer(self.norms.shape[0], self.norms.shape[2], "attention" in self.capture)
         twin.norms = self.norms.clone()
         twin.state_norms = {layer: dict(by_end) for layer, by_end in self.state_norms.items()}
         return twin

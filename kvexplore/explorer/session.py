@@ -29,6 +29,7 @@ from ..errors import SettingsError, StateError
 
 
 HF_PREFIX = "hf:"
+COMPILED = "compiled"  # a lane: the pre-allocated cache with Generator(compile=True) (no attention recorded)
 
 
 def check_strategies(strategies: list[str], model: Any, hf: Any) -> None:
@@ -44,8 +45,11 @@ def check_strategies(strategies: list[str], model: Any, hf: Any) -> None:
             why = available(name, hf.device.type)
             if why:
                 raise SettingsError(f"{kind}: {why}")
+        elif kind == COMPILED:
+            if not isinstance(model, Model):
+                raise SettingsError("the compiled lane runs kvexplore's own model: give a kvexplore model")
         elif kind not in STRATEGIES:
-            known = [*STRATEGIES, *(HF_PREFIX + n for n in HF_CACHES)] if hf is not None else list(STRATEGIES)
+            known = [*STRATEGIES, COMPILED, *(HF_PREFIX + n for n in HF_CACHES if hf is not None)]
             raise SettingsError(f"unknown strategy {kind!r}; available: {', '.join(known)}")
         elif not isinstance(model, Model):
             raise SettingsError(f"kvexplore does not implement {getattr(hf, 'architecture', 'this model')}, so "
@@ -153,18 +157,20 @@ class Session:
     def tokens(self) -> list[int]:
         return self.reference.generator.tokens
 
-    def _tracer(self) -> LaneTracer:
+    def _tracer(self, attention: bool = True) -> LaneTracer:
         c = self.model.config
-        return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)))
+        return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)), attention)
 
     def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
         options = dict(self.options.get(kind, {}))
         slots = options.pop("max_seq_len", self.max_seq_len)  # a strategy may have its own size
         model = self.hf if kind.startswith(HF_PREFIX) else self.model
-        cache = make_cache(kind, model, max_seq_len=slots, **options)
-        tracer = self._tracer()
+        compiled = kind == COMPILED
+        cache = make_cache("preallocated" if compiled else kind, model, max_seq_len=slots, **options)
+        tracer = self._tracer(attention=not compiled)
         s = self.sampling
-        gen = Generator(model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer)
+        gen = Generator(model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer,
+                        compile=compiled)
         return Lane(name, kind, gen, tracer, follows)
 
     def set_sampling(self, temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:

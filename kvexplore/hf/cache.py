@@ -64,16 +64,26 @@ class HFCache:
         saved = []
         for layer in self.hf.layers:
             attrs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(layer).items()}
-            inplace = [(t, t.clone()) for t in watch.layer_tensors(layer).values()] if self._in_place(layer) else []
-            saved.append((layer, attrs, inplace))
+            saved.append((layer, attrs, self._overwritten(layer, pos, q_len)))
         self._undo = (saved, len(self.hf.layers), self.length, self._states, self._moves, self._reads, self._report)
         self.window = Window(self.allocator)  # the CUDA allocator inside the cache's updates this step
         self._report = None
 
     @staticmethod
-    def _in_place(layer: object) -> bool:
+    def _overwritten(layer: object, pos: int, q_len: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """Copies of what a step will overwrite in place, as (tensor, first slot, saved): a static layer writes
+        the step's slots only; a rolling window or a recurrent state may change everywhere (saved whole). A
+        concatenating layer replaces its tensors, so keeping the old ones (the attributes) is enough."""
         chain = watch.class_chain(layer)
-        return watch.FULL_STATIC in chain or "LinearAttentionCacheLayerMixin" in chain
+        if type(layer).__name__ == watch.FULL_STATIC:
+            kv = watch.kv_tensors(layer)
+            if kv is None:  # not initialised yet: the first update allocates, nothing is overwritten
+                return []
+            n = max(0, min(q_len, kv[0].shape[2] - pos))
+            return [(t, pos, t.narrow(2, pos, n).clone()) for t in kv]
+        if watch.FULL_STATIC in chain or "LinearAttentionCacheLayerMixin" in chain:
+            return [(t, -1, t.clone()) for t in watch.layer_tensors(layer).values()]
+        return []
 
     def end_step(self, pos: int, q_len: int, reads: dict[int, list[int]]) -> None:
         """Read every layer after the forward pass and what the step did to it."""
@@ -99,8 +109,8 @@ class HFCache:
             for layer, attrs, inplace in saved:
                 vars(layer).clear()
                 vars(layer).update(attrs)
-                for t, kept in inplace:
-                    t.copy_(kept)
+                for t, start, kept in inplace:
+                    (t if start < 0 else t.narrow(2, start, kept.shape[2])).copy_(kept)
         self._undo = None
 
     def needs_replay(self, n: int) -> bool:
