@@ -43,7 +43,9 @@ Four engines, interleaved in every repetition (the order rotates):
 
 The bandwidth bound: decoding one token reads every weight once (plus the cache, counted too), so tokens/s cannot
 exceed read bandwidth / bytes read per token. The read bandwidth is measured here (``torch.sum`` over a 512 MiB
-tensor with the same threads, median of 5) and every engine is printed as a fraction of that bound.
+tensor with the same threads, median of 5) and every engine is printed as a fraction of that bound. Beside it, the
+matmul floor: the model's own matrix-vector products alone, in layer order, with torch's kernels (what any engine
+built on them pays per token, whatever it fuses around them).
 
 Targets: eager >= 1.5x transformers on 24M and >= 1.2x on 135M (issue 1); compiled >= 2.5x transformers on 24M,
 >= 1.5x on 135M, >= 1.2x transformers' static+compile on both, >= 70% of the bandwidth bound on SmolLM2 in float32,
@@ -126,9 +128,9 @@ def static_compiled(device: torch.device) -> dict:
     """transformers' own compiled decoding: the static cache, its forward compiled by ``generate``."""
     from transformers import CompileConfig
 
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
-    return dict(cache_implementation="static",
-                compile_config=CompileConfig(fullgraph=True, mode=mode, _compile_all_devices=device.type != "cuda"))
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = device.type != "cuda"  # transformers compiles on the CPU only when told to
+    return dict(cache_implementation="static", compile_config=config)
 
 
 def read_bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:
@@ -141,6 +143,34 @@ def read_bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float
         x.sum()
         times.append(now(device) - t0)
     return x.nbytes / median(times)
+
+
+def matmul_floor(model, reps: int = 5) -> float:
+    """Seconds one token's matrix-vector products alone take: every projection and the output head of ``model``
+    applied in layer order to one row (the weights stream from memory as in a real step, with torch's own
+    kernels and layouts). No engine that calls these kernels can decode faster than this."""
+    import torch.nn.functional as F
+
+    weights = [mod.weight for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+    head = model.model.embed_tokens.weight if model.lm_head is None else None
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    if head is not None:
+        rows[head.shape[1]] = torch.randn(1, head.shape[1], dtype=head.dtype, device=head.device)
+
+    def once():
+        for w in weights:
+            F.linear(rows[w.shape[1]], w)
+        if head is not None:
+            F.linear(rows[head.shape[1]], head)
+
+    with torch.no_grad():
+        once()
+        times = []
+        for _ in range(reps):
+            t0 = now(model.device)
+            once()
+            times.append(now(model.device) - t0)
+    return median(times)
 
 
 def bytes_per_token(model, cache_positions: int) -> int:
@@ -226,8 +256,12 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
     per_token = bytes_per_token(kv, args.prompt_len + n // 2)
     bound = bandwidth / per_token
     tps = {e: (n - 1) / median(decode[e]) for e in engines}
+    floor = matmul_floor(kv)
     print(f"  bandwidth bound: {per_token / 2 ** 20:.1f} MiB read per token at {bandwidth / 1e9:.1f} GB/s "
           f"-> at most {bound:.1f} tok/s")
+    print(f"  the matrix-vector products alone (torch's kernels, the model's weights, one token): "
+          f"{floor * 1e3:.2f} ms -> at most {1 / floor:.1f} tok/s ({1 / floor / bound:.0%} of the bandwidth bound; "
+          f"they stream {per_token / floor / 1e9:.1f} GB/s)")
     for e in engines:
         same = tokens[e] == tokens[engines[0]]
         print(f"  {NAMES[e]:28} decode {n - 1} steps: median {median(decode[e]) * 1e3:8.1f} ms ({spread(decode[e])})"
@@ -248,7 +282,7 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
             print(f"  ratio {NAMES[a]} / {NAMES[b]}: {ratios[(a, b)]:.2f}x{verdict}")
     print(f"  {load.summary()}" + (f"; waited {waited:.1f}s for quiet" if waited else "")
           + ("  -- WARNING: timings disturbed by other processes" if load.busy else ""))
-    return dict(shape=shape, tps=tps, bound=bound, ratios=ratios, busy=load.busy,
+    return dict(shape=shape, tps=tps, bound=bound, floor=floor, ratios=ratios, busy=load.busy,
                 same=all(tokens[e] == tokens[engines[0]] for e in engines))
 
 

@@ -82,10 +82,14 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        self.compile = bool(compile)
+        from .compiled import MODES, refusal
+
+        if not isinstance(compile, bool) and compile not in MODES:
+            raise SettingsError(f"compile must be True, False or a torch.compile mode ({', '.join(MODES)}), got "
+                                f"{compile!r}")
+        self.compile = compile  # True: the best mode for the device (CPU: max-autotune, CUDA: reduce-overhead)
         self.compile_note = ""  # why decode steps run eager although compile=True ("" when they compile)
         if self.compile:
-            from .compiled import refusal
 
             self.compile_note = refusal(model, cache) or ""
             if self.compile_note:
@@ -375,7 +379,7 @@ class Generator:
         cache.check_write(pos, 1, 1)
         cache.begin_step(pos, 1)
         cache.note_inplace_write(pos, 1)
-        logits = decoder_for(self.model, cache.capacity)(token, cache, pos)[0]
+        logits = decoder_for(self.model, cache.capacity, self._mode)(token, cache, pos)[0]
         cache.commit(pos + 1)
         if self.tracer is not None:  # what a trace without attention holds, read from the cache after the step
             for layer in cache.full_layers:
@@ -388,13 +392,17 @@ class Generator:
         return logits
 
     @property
+    def _mode(self) -> str | None:
+        return None if self.compile is True else self.compile
+
+    @property
     def compile_s(self) -> float | None:
         """Seconds the compiled step took to compile (None before the first compiled step)."""
         if not self.compile or self.compile_note:
             return None
         from .compiled import decoder_for
 
-        decoder = decoder_for(self.model, self.cache.capacity, build=False)
+        decoder = decoder_for(self.model, self.cache.capacity, self._mode, build=False)
         return None if decoder is None else decoder.compile_s
 
     def _check_force(self, force: int | None) -> None:
