@@ -252,6 +252,57 @@ def shutdown_kernel(page) -> None:
         page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
 
 
+APP_READY = "() => !!(window.jupyterapp && window.jupyterapp.shell)"
+OPEN_NOTEBOOK = "(p) => window.jupyterapp.commands.execute('docmanager:open', {path: p}).then(() => true)"
+NOTEBOOK_READY = """(p) => { const w = window.jupyterapp.shell.currentWidget;
+  const k = w && w.context && w.context.path === p && w.sessionContext && w.sessionContext.session
+    && w.sessionContext.session.kernel;
+  return !!k && k.status === 'idle' && w.content.widgets.length > 0; }"""
+CLOSE_ALL = """async () => { const app = window.jupyterapp;
+  for (const w of [...app.shell.widgets('main')]) {
+    try { if (w.sessionContext && w.sessionContext.session) await w.sessionContext.shutdown(); } catch (e) {}
+    if (w.context && w.context.model) w.context.model.dirty = false;  // no "save changes?" dialog
+    w.dispose(); }
+  return true; }"""
+
+
+class LabPage:
+    """One JupyterLab page for a whole run: notebooks are opened in it one after another (``docmanager:open``), so
+    the app loads once. After each notebook its kernel is shut down and its tab closed; a test that fails leaves
+    the next one a freshly loaded page."""
+
+    def __init__(self, server: Server, ctx) -> None:
+        self.server, self.ctx, self.page = server, ctx, None
+
+    def _page(self):
+        if self.page is None or self.page.is_closed():
+            self.page = new_page(self.ctx)
+            self.page.goto(f"{self.server.base_url}/lab?reset&token={self.server.token}")
+            self.page.wait_for_function(APP_READY, timeout=WIDGETS_S * 1000)
+            self.page.evaluate("() => window.jupyterapp.restored.then(() => true)")
+        return self.page
+
+    @contextlib.contextmanager
+    def notebook(self, name: str, viewport: dict | None = None) -> Iterator[object]:
+        """The page with notebook ``name`` (a path under the server's root) open and its kernel idle."""
+        page = self._page()
+        page.set_viewport_size(viewport or {"width": 1400, "height": 1000})
+        page.evaluate(CLOSE_ALL)
+        ok = False
+        try:
+            page.evaluate(OPEN_NOTEBOOK, name)
+            page.wait_for_function(NOTEBOOK_READY, arg=name, timeout=WIDGETS_S * 1000, polling=100)
+            yield page
+            ok = True
+        finally:
+            if ok:
+                page.evaluate(CLOSE_ALL)
+            else:
+                shutdown_kernel(page)
+                page.close()
+                self.page = None
+
+
 # --- the explorer's DOM --------------------------------------------------------------------------------------
 
 PLOT_SIGNATURE = """(el) => { const gd = el.querySelector('.js-plotly-plot') || el;
@@ -303,6 +354,28 @@ def tall_screenshot(page, path, scroller: str | None = None, element=None, max_h
             part.screenshot(path=str(part_path))
     finally:
         page.set_viewport_size(size)
+
+
+RENDERED_CELLS = """async (sel) => { const outer = document.querySelector(sel); const seen = new Set();
+  const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  let markdown = 0, code = 0, outputs = 0;
+  for (let y = 0; ; y += Math.max(100, outer.clientHeight / 2)) {
+    outer.scrollTop = y; await frame();
+    for (const c of outer.querySelectorAll('.jp-Cell')) {
+      const i = c.dataset.windowedListIndex ?? [...c.parentElement.children].indexOf(c);
+      if (seen.has(i)) continue; seen.add(i);
+      if (c.querySelector('.jp-RenderedMarkdown')) markdown++;
+      if (c.querySelector('.jp-InputArea') && c.classList.contains('jp-CodeCell')) code++;
+      outputs += c.querySelectorAll('.jp-OutputArea-output').length; }
+    if (y >= outer.scrollHeight - outer.clientHeight) break; }
+  outer.scrollTop = 0; await frame();
+  return {cells: seen.size, markdown, code, outputs}; }"""
+
+
+def rendered_cells(page, scroller: str) -> dict:
+    """Scroll a notebook from top to bottom (JupyterLab draws only the cells near the screen) and count the cells
+    drawn, the rendered markdown cells, the code cells and the output areas."""
+    return page.evaluate(RENDERED_CELLS, scroller)
 
 
 LAB_SCROLLER = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"

@@ -1,10 +1,31 @@
+"""What the whole suite shares: one model zoo, the tiers (markers) and the groups that keep servers, kernels and
+compiled graphs shared when the suite runs in two workers (``pytest -n 2``, see docs/testing.md).
+
+Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not slow"``):
+
+- ``browser``: headless Chromium with JupyterLab, Voila or a replay page;
+- ``notebooks``: the course notebooks executed in a kernel;
+- ``smollm2``: the real SmolLM2-135M (a 93 MB download the first time);
+- ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time).
+
+Groups (``xdist_group``): the tests that share a JupyterLab server, a Voila app or the compiled step of one model
+run in the same worker, so nothing is started or compiled twice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from helpers import make_checkpoint
 
-# the test models are tiny: one thread is fastest, and immune to other processes contending for cores
+# the test models are tiny: one thread is fastest, and immune to other processes contending for cores (two workers)
 torch.set_num_threads(1)
+
+TIERS = ("browser", "notebooks", "smollm2", "compile")
 
 # name -> (architecture, options): small random-weight checkpoints covering every supported variant
 VARIANTS = {
@@ -20,25 +41,198 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    """``checkpoint(name) -> (folder, transformers reference model)``, each built once per session."""
-    built = {}
+def pytest_configure(config):
+    # one inductor cache for the run and its subprocesses and kernels (inherited through the environment), kept in
+    # pytest's cache folder so that a second run reuses the compiled kernels too; a cache set by the caller wins
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and getattr(config, "cache", None) is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config.cache.mkdir("inductor"))
 
-    def get(name):
-        if name not in built:
-            arch, options = VARIANTS[name]
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, make_checkpoint(folder, arch, **options))
-        return built[name]
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.slow)
+    # the browser tests that open executed notebooks last: by then the other worker has executed most of them
+    items.sort(key=lambda item: bool(item.get_closest_marker("browser") and item.get_closest_marker("notebooks")))
+
+
+def _key(value):
+    """A hashable form of checkpoint options (dicts and lists inside)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    return value
+
+
+class Zoo:
+    """Random-weight checkpoints and loaded models, each built once per session (per worker).
+
+    ``zoo.checkpoint(arch, **options) -> (folder, transformers reference)`` (options as
+    :func:`helpers.make_checkpoint`), ``zoo.load(arch, load_options=None, **options)`` the kvexplore model on that
+    checkpoint, ``zoo.variant(name)`` one of :data:`VARIANTS`, ``zoo.get(key, build)`` anything else built once,
+    ``zoo.trained`` the packaged ``tiny`` model.
+    Tests must not change a model's weights (they are shared); one that needs to builds its own.
+    """
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._checkpoints: dict = {}
+        self._models: dict = {}
+        self._trained = None
+
+    def checkpoint(self, arch: str, **options) -> tuple[Path, torch.nn.Module]:
+        key = (arch, _key(options))
+        if key not in self._checkpoints:
+            folder = self._tmp.mktemp(arch.replace("_", "-"))
+            self._checkpoints[key] = (folder, make_checkpoint(folder, arch, **options))
+        return self._checkpoints[key]
+
+    def load(self, arch: str, load_options: dict | None = None, **options):
+        import kvexplore
+
+        key = (arch, _key(options), _key(load_options or {}))
+        if key not in self._models:
+            folder, _ = self.checkpoint(arch, **options)
+            self._models[key] = kvexplore.load(folder, **(load_options or {}))
+        return self._models[key]
+
+    def get(self, key, build):
+        """Anything else built once: ``build()``'s result under ``key`` (e.g. a transformers model built in memory)."""
+        if key not in self._models:
+            self._models[key] = build()
+        return self._models[key]
+
+    def variant(self, name: str) -> tuple[Path, torch.nn.Module]:
+        arch, options = VARIANTS[name]
+        return self.checkpoint(arch, **options)
+
+    @property
+    def trained(self):
+        """The packaged ``tiny`` model (trained weights), loaded once."""
+        if self._trained is None:
+            import kvexplore
+
+            self._trained = kvexplore.load("tiny")
+        return self._trained
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> Zoo:
+    return Zoo(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(zoo):
+    """``checkpoint(name) -> (folder, transformers reference model)`` for a name of :data:`VARIANTS`."""
+    return zoo.variant
+
+
+@pytest.fixture(scope="session")
+def tiny(zoo):
+    """The default small model for cache and generator tests (random weights, Llama with two KV heads)."""
+    return zoo.load(*VARIANTS["llama-gqa2"][:1], **VARIANTS["llama-gqa2"][1])
+
+
+@pytest.fixture(scope="session")
+def trained(zoo):
+    """The packaged ``tiny`` model, trained weights (greedy text that reads like text)."""
+    return zoo.trained
+
+
+# --- shared browser, servers and executed notebooks --------------------------------------------------------------
+
+NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
+
+
+def _run_root(tmp_path_factory) -> Path:
+    """The folder shared by this run's workers (each xdist worker's base temp is inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def shots(tmp_path_factory) -> Path:
+    """Where the browser tests put their screenshots: ``$KVX_SCREENSHOTS``, or a temporary folder."""
+    folder = Path(os.environ.get("KVX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chromium_session():
+    """One headless Chromium for the run (per worker); pages and contexts come and go inside it."""
+    from browser_support import chromium, require_browser
+
+    require_browser()
+    with chromium() as ctx:
+        yield ctx
+    if ctx.console_errors:
+        print("\nbrowser console errors:\n  " + "\n  ".join(dict.fromkeys(ctx.console_errors)))
+
+
+@pytest.fixture
+def browser(chromium_session):
+    """The run's Chromium for one test, which fails if a page of the test asked for anything outside 127.0.0.1."""
+    start = len(chromium_session.external_requests)
+    yield chromium_session
+    outside = chromium_session.external_requests[start:]
+    assert outside == [], f"pages asked for resources outside 127.0.0.1: {outside}"
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """One JupyterLab server for the run (per worker), serving a temporary copy of notebooks/; tests add their own
+    notebooks to ``lab.root``."""
+    from browser_support import lab_server, require_browser
+
+    require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
+    with lab_server(NOTEBOOKS, tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def lab_page(lab, chromium_session):
+    """One JupyterLab page for the run: ``with lab_page.notebook(name) as page:`` (see browser_support.LabPage)."""
+    from browser_support import LabPage
+
+    page = LabPage(lab, chromium_session)
+    yield page
+    if page.page is not None and not page.page.is_closed():
+        page.page.close()
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """``executed_notebook(path) -> (executed copy's path, {"seconds", "error"})``: each notebook runs top to bottom
+    in a fresh kernel once per run, whichever worker asks first (a file lock per notebook); the tests that look at
+    it (its run, its rendering in JupyterLab, its export) share the copy."""
+    import json
+    import time
+
+    from filelock import FileLock
+
+    shared = _run_root(tmp_path_factory) / "executed-notebooks"
+    shared.mkdir(exist_ok=True)
+
+    def get(path: Path) -> tuple[Path, dict]:
+        nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[notebook,dev]'")
+        nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[notebook,dev]'")
+        out, meta = shared / path.name, shared / f"{path.stem}.json"
+        with FileLock(str(shared / f"{path.stem}.lock")):
+            if not meta.exists():
+                workdir = shared / path.stem
+                workdir.mkdir(exist_ok=True)
+                nb = nbformat.read(path, as_version=4)
+                client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                                 resources={"metadata": {"path": str(workdir)}})
+                t0, error = time.monotonic(), None
+                try:
+                    client.execute()
+                except Exception as e:  # the failing cell's traceback, reported by the test that asks
+                    error = f"{type(e).__name__}: {e}"
+                nbformat.write(nb, str(out))
+                meta.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1), "error": error}))
+        return out, json.loads(meta.read_text())
 
     return get
-
-
-@pytest.fixture(scope="session")
-def tiny(checkpoint):
-    """The default small model for cache and generator tests, loaded by kvexplore."""
-    import kvexplore
-
-    folder, _ = checkpoint("llama-gqa2")
-    return kvexplore.load(folder)

@@ -20,41 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from browser_support import (LAB_SCROLLER, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, chromium, figure, lab_server,
-                             new_page, open_notebook, plot_signature, require_browser, save_timings, shutdown_kernel,
-                             start_run_all, tall_screenshot, token_count, undrawn_traces, voila_server,
-                             wait_run_finished)
+from browser_support import (LAB_SCROLLER, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, figure, new_page,
+                             plot_signature, rendered_cells, require_browser, save_timings, start_run_all,
+                             tall_screenshot, token_count, undrawn_traces, voila_server, wait_run_finished)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.browser
+LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLab server and page
 
 NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 TOUR = "01_tour.ipynb"
 FIGURES = ("cache_map", "attention")  # on screen: the cache map and the tab's view (attention first)
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    folder = Path(os.environ.get("KVX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def browser():
-    require_browser()
-    with chromium() as ctx:
-        yield ctx
-    assert ctx.external_requests == [], f"pages asked for resources outside 127.0.0.1: {ctx.external_requests}"
-    if ctx.console_errors:
-        print("\nbrowser console errors:\n  " + "\n  ".join(dict.fromkeys(ctx.console_errors)))
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    require_browser("jupyterlab", "ipywidgets", "plotly")
-    with lab_server(NOTEBOOKS, tmp_path_factory.mktemp("lab")) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -102,64 +78,67 @@ def _step_and_check(page, explorer, steps: int = 2) -> float:
     return elapsed
 
 
-def test_tour_runs_and_step_updates_the_explorer(lab, browser, shots):
+@LAB
+@pytest.mark.smollm2
+def test_tour_runs_and_step_updates_the_explorer(lab, lab_page, browser, shots):
     from playwright.sync_api import expect
 
     if not (lab.root / TOUR).exists():
         pytest.skip(f"{NOTEBOOKS / TOUR} does not exist yet")
     timings = {"lab_ready": lab.ready_s}
-    page = new_page(browser)
-    try:
-        t0 = time.monotonic()
-        open_notebook(page, lab, TOUR)
-        timings["open_to_kernel_idle"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    with lab_page.notebook(TOUR) as page:
+        try:
+            timings["open_to_kernel_idle"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            start_run_all(page)
+            explorer = page.locator(".kvx-explorer").first
+            explorer.wait_for(timeout=WIDGETS_S * 1000)
+            _wait_figures(explorer)
+            timings["run_all_to_widgets"] = time.monotonic() - t0
+            errors = wait_run_finished(page)
+            timings["run_all_to_finished"] = time.monotonic() - t0
+            tall_screenshot(page, shots / "lab_tour_after_run_all.png", LAB_SCROLLER)
+            assert not errors, f"{TOUR} raised: {errors}"
 
-        t0 = time.monotonic()
-        start_run_all(page)
-        explorer = page.locator(".kvx-explorer").first
-        explorer.wait_for(timeout=WIDGETS_S * 1000)
-        _wait_figures(explorer)
-        timings["run_all_to_widgets"] = time.monotonic() - t0
-        errors = wait_run_finished(page)
-        timings["run_all_to_finished"] = time.monotonic() - t0
-        tall_screenshot(page, shots / "lab_tour_after_run_all.png", LAB_SCROLLER)
-        assert not errors, f"{TOUR} raised: {errors}"
-
-        timings["click_to_update"] = _step_and_check(page, explorer)
-        expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
-        tall_screenshot(page, shots / "lab_tour_after_step.png", LAB_SCROLLER)
-        tall_screenshot(page, shots / "lab_tour_explorer.png", LAB_SCROLLER, element=explorer,
-                        parts={shots / f"lab_tour_fig_{name}.png": figure(explorer, name) for name in FIGURES})
-        expect(page.locator(".jp-Dialog")).to_have_count(0)
-    except Exception:
-        tall_screenshot(page, shots / "lab_tour_FAILED.png", LAB_SCROLLER)
-        raise
-    finally:
-        shutdown_kernel(page)
-        page.close()
-        save_timings(shots, "lab_tour", timings)
+            timings["click_to_update"] = _step_and_check(page, explorer)
+            expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
+            tall_screenshot(page, shots / "lab_tour_after_step.png", LAB_SCROLLER)
+            tall_screenshot(page, shots / "lab_tour_explorer.png", LAB_SCROLLER, element=explorer,
+                            parts={shots / f"lab_tour_fig_{name}.png": figure(explorer, name) for name in FIGURES})
+            expect(page.locator(".jp-Dialog")).to_have_count(0)
+        except Exception:
+            tall_screenshot(page, shots / "lab_tour_FAILED.png", LAB_SCROLLER)
+            raise
+        finally:
+            save_timings(shots, "lab_tour", timings)
 
 
-@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
-def test_notebook_opens_and_renders(path, lab, browser, shots):
+def _marks(path: Path) -> list:
+    return [LAB, pytest.mark.notebooks, *([pytest.mark.smollm2] if "smollm2" in path.read_text() else [])]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=_marks(p)) for p in ALL])
+def test_notebook_opens_and_renders(path, lab, lab_page, browser, shots, executed_notebook):
+    """The executed copy (shared with test_notebooks.py) opens in JupyterLab: every cell, the markdown rendered, the
+    code, the outputs it holds, and no error dialog."""
+    import shutil
+
     from playwright.sync_api import expect
 
-    nb = json.loads(path.read_text())
+    copy, _ = executed_notebook(path)
+    nb = json.loads(copy.read_text())
     kinds = [c["cell_type"] for c in nb["cells"]]
-    page = new_page(browser)
-    try:
-        open_notebook(page, lab, path.name)
-        panel = page.locator(".jp-NotebookPanel:visible").first
-        expect(panel.locator(".jp-Cell")).to_have_count(len(kinds))
-        if "markdown" in kinds:
-            expect(panel.locator(".jp-MarkdownCell .jp-RenderedMarkdown").first).to_be_attached()
-        if "code" in kinds:
-            expect(panel.locator(".jp-CodeCell .jp-InputArea").first).to_be_attached()
+    outputs = sum(len(c.get("outputs", [])) for c in nb["cells"] if c["cell_type"] == "code")
+    (lab.root / "executed").mkdir(exist_ok=True)
+    shutil.copy(copy, lab.root / "executed" / path.name)
+    with lab_page.notebook(f"executed/{path.name}") as page:
+        drawn = rendered_cells(page, LAB_SCROLLER)
+        assert drawn["cells"] == len(kinds), drawn
+        assert drawn["markdown"] == kinds.count("markdown") and drawn["code"] == kinds.count("code"), drawn
+        assert (drawn["outputs"] > 0) == (outputs > 0), drawn
         expect(page.locator(".jp-Dialog")).to_have_count(0)
         tall_screenshot(page, shots / f"lab_open_{path.stem}.png", LAB_SCROLLER)
-    finally:
-        shutdown_kernel(page)
-        page.close()
 
 
 def test_voila_app_shows_the_explorer_without_code(voila, browser, shots):

@@ -12,27 +12,21 @@ screen together.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from browser_support import (LAB_SCROLLER, chromium, figure, lab_server, new_page, open_notebook, require_browser,
-                             save_timings, shutdown_kernel, start_run_all, voila_server, wait_run_finished)
+from browser_support import (figure, new_page, require_browser, save_timings, start_run_all, voila_server,
+                             wait_run_finished)
 from browser_truth import kernel_truth, mismatches, page_truth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.browser
+LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLab server and page
+VIEWPORT = {"width": 1280, "height": 800}
 
 HERE = Path(__file__).resolve().parent
 SETTLE_S = 20  # how long the page may take to draw what the kernel sent (a busy 2-core machine)
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    folder = Path(os.environ.get("KVX_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def _notebook(path: Path, source: str) -> None:
@@ -136,7 +130,7 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str
 def _on_one_screen(page, explorer) -> None:
     """At the viewport's size the controls, the token strip, the cache map and the attention are all in view."""
     explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
-    page.wait_for_timeout(300)  # the scroll settles
+    _frames(page)
     height = page.viewport_size["height"]
     for what, loc in (("the Step button", explorer.locator(".kvx-step").first),
                       ("the prompt", explorer.locator(".kvx-prompt").first),
@@ -149,9 +143,14 @@ def _on_one_screen(page, explorer) -> None:
             f"{what} spans y={box['y']:.0f}..{box['y'] + box['height']:.0f}, outside the {height} px screen")
 
 
+def _frames(page) -> None:
+    """Wait until the page has drawn two more frames (a scroll or a resize has been laid out)."""
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+
+
 def _shot(page, explorer, path: Path) -> None:
     explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
-    page.wait_for_timeout(300)  # the scroll settles
+    _frames(page)
     page.screenshot(path=str(path))
 
 
@@ -185,26 +184,20 @@ def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = Non
         raise
 
 
-def _run_lab(tmp_path, shots, name: str, source: str):
-    require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
-    folder = tmp_path / "nb"
-    folder.mkdir()
-    _notebook(folder / f"{name}.ipynb", source)
-    with lab_server(folder, tmp_path) as server, chromium({"width": 1280, "height": 800}) as ctx:
-        page = new_page(ctx)
-        try:
-            open_notebook(page, server, f"{name}.ipynb")
-            start_run_all(page)
-            assert not wait_run_finished(page)
-            done = _session(page, True, shots, name)
-        finally:
-            shutdown_kernel(page)
-        assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
+def _run_lab(lab, lab_page, shots, name: str, source: str):
+    """Write a one-cell notebook into the run's JupyterLab, open it in the run's page, run it, check every
+    operation."""
+    _notebook(lab.root / f"{name}.ipynb", source)
+    with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        done = _session(page, True, shots, name)
     assert len(done) >= 20, done
 
 
-def test_lab_tiny_three_strategies_page_equals_kernel(tmp_path, shots):
-    _run_lab(tmp_path, shots, "truth_lab_tiny",
+@LAB
+def test_lab_tiny_three_strategies_page_equals_kernel(lab, lab_page, browser, shots):
+    _run_lab(lab, lab_page, shots, "truth_lab_tiny",
              'import kvexplore\nex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged", "quantized"), '
              'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
 
@@ -218,24 +211,26 @@ PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sin
 }
 
 
+@LAB
 @pytest.mark.parametrize("arch", list(PER_LAYER))
-def test_lab_per_layer_caches_page_equals_kernel(arch, tmp_path, shots):
+def test_lab_per_layer_caches_page_equals_kernel(arch, lab, lab_page, browser, shots, tmp_path):
     """Random-weight models of the 2025 layouts: Gemma 4 (full, sliding and shared layers), gpt-oss (learned sinks),
     DeepSeek-V3.2 (a latent cache read sparsely) and Qwen3-Next (fixed-size state layers): the cache map draws each
     layer's own layout, and the page still shows what the kernel holds."""
     options, strategies = PER_LAYER[arch]
     folder = tmp_path / f"{arch}-tiny"
-    _run_lab(tmp_path, shots, f"truth_lab_{arch}",
+    _run_lab(lab, lab_page, shots, f"truth_lab_{arch}",
              f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore\n"
              f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), {options})\n"
              f"ex = kvexplore.Explorer({str(folder)!r}, strategies={strategies!r}, max_seq_len=64)\nex")
 
 
-def test_lab_transformers_caches_page_equals_kernel(tmp_path, shots):
+@LAB
+def test_lab_transformers_caches_page_equals_kernel(lab, lab_page, browser, shots, tmp_path):
     """transformers' own DynamicCache and StaticCache as lanes beside kvexplore's pre-allocated cache, on the same
     weights (kvexplore.hf): every click, and the page shows what the kernel holds."""
     folder = tmp_path / "llama-hf"
-    _run_lab(tmp_path, shots, "truth_lab_transformers",
+    _run_lab(lab, lab_page, shots, "truth_lab_transformers",
              f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore, transformers\n"
              f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), 'llama', layers=3)\n"
              f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
@@ -254,28 +249,33 @@ def _smollm2() -> None:
         pytest.skip(f"SmolLM2 is not available: {e}")
 
 
-def test_lab_smollm2_two_strategies_page_equals_kernel(tmp_path, shots):
+@LAB
+@pytest.mark.smollm2
+def test_lab_smollm2_two_strategies_page_equals_kernel(lab, lab_page, browser, shots):
     _smollm2()
-    _run_lab(tmp_path, shots, "truth_lab_smollm2",
+    _run_lab(lab, lab_page, shots, "truth_lab_smollm2",
              'import kvexplore\nex = kvexplore.Explorer("smollm2-135m", strategies=("preallocated", "concat"), '
              'max_seq_len=96)\nex')
 
 
-@pytest.mark.parametrize("model, strategies", [("tiny", ("preallocated", "concat", "quantized")),
-                                               ("smollm2-135m", ("preallocated", "concat"))], ids=["tiny", "smollm2"])
-def test_voila_app_page_equals_kernel(model, strategies, tmp_path, shots):
+@pytest.mark.parametrize("model, strategies", [
+    pytest.param("tiny", ("preallocated", "concat", "quantized"), id="tiny"),
+    pytest.param("smollm2-135m", ("preallocated", "concat"), id="smollm2", marks=pytest.mark.smollm2)])
+def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shots):
     require_browser("voila", "ipywidgets", "plotly", "anywidget")
     if model != "tiny":
         _smollm2()
     name = f"truth_voila_{model.split('-')[0]}"
     timings = {}
-    with voila_server(tmp_path, model=model, strategies=strategies) as server, \
-            chromium({"width": 1280, "height": 800}) as ctx:
-        page = new_page(ctx)
-        t0 = time.monotonic()
-        page.goto(server.base_url + "/")
-        done = _session(page, False, shots, name, timings, t0)
-        assert ctx.external_requests == [], f"the page asked for outside resources: {ctx.external_requests}"
+    with voila_server(tmp_path, model=model, strategies=strategies) as server:
+        page = new_page(browser)
+        try:
+            page.set_viewport_size(VIEWPORT)
+            t0 = time.monotonic()
+            page.goto(server.base_url + "/")
+            done = _session(page, False, shots, name, timings, t0)
+        finally:
+            page.close()
     save_timings(shots, name, timings)
     assert len(done) >= 20, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))

@@ -16,6 +16,11 @@ PROMPT = "Call me Ishmael. Some years ago"
 CAP = 544  # one capacity for every test here: the compiled step is built once per model and capacity, and shared
 
 
+def COMPILES(test):
+    """Marks a test that compiles: the compile tier, and the worker that holds the compiled steps."""
+    return pytest.mark.compile(pytest.mark.xdist_group("compile")(test))
+
+
 def generate(model, n, compile, capacity, **kw):
     gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, capacity), compile=compile, **kw)
     gen.prefill(PROMPT)
@@ -23,6 +28,7 @@ def generate(model, n, compile, capacity, **kw):
     return gen
 
 
+@COMPILES
 def test_compiled_and_eager_decode_the_same_128_greedy_tokens(tiny):
     eager = generate(tiny, 128, False, CAP)
     compiled = generate(tiny, 128, True, CAP)
@@ -34,6 +40,7 @@ def test_compiled_and_eager_decode_the_same_128_greedy_tokens(tiny):
         assert a.memory.written_bytes == b.memory.written_bytes and a.memory.length == b.memory.length
 
 
+@COMPILES
 def test_compiled_logits_match_eager_within_1e_4(tiny):
     ids = tiny.tokenizer.encode(PROMPT)
     eager = kvexplore.make_cache("preallocated", tiny, CAP)
@@ -53,6 +60,7 @@ def test_compiled_logits_match_eager_within_1e_4(tiny):
     assert torch.allclose(eager.key(0)[:, :, :n], fast.key(0)[:, :, :n], atol=1e-5)
 
 
+@COMPILES
 def test_no_recompilation_after_the_first_step_across_500_steps(tiny):
     counters.clear()
     gen = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, CAP), compile=True)
@@ -72,6 +80,7 @@ def test_no_recompilation_after_the_first_step_across_500_steps(tiny):
     assert decoder_for(tiny, CAP).steps >= 520
 
 
+@COMPILES
 def test_rewind_undo_and_fork_stay_exact_when_compiled(tiny):
     eager = generate(tiny, 30, False, CAP)
     gen = generate(tiny, 30, True, CAP)
@@ -110,18 +119,26 @@ def test_where_compiling_does_not_apply_it_says_so_and_runs_eager(tiny):
         gen.step()
 
 
-def test_generate_command_compiles(tmp_path):
-    import subprocess
-    import sys
+@COMPILES
+def test_generate_command_compiles(tiny, checkpoint, monkeypatch, capsys):
+    """``kvexplore generate --compile``, in this process on the session's model (its compiled step is shared; the
+    command's own process is tested in test_cli.py)."""
+    from kvexplore.cli import main
 
-    out = subprocess.run([sys.executable, "-m", "kvexplore.cli", "generate", "tiny", "--prompt", "Call me",
-                          "--max-new-tokens", "12", "--compile", "--temperature", "0"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert "compiled" in out.stdout + out.stderr
+    folder, _ = checkpoint("llama-gqa2")
+    monkeypatch.setattr(kvexplore, "load", lambda source, **kw: tiny if source == str(folder) else None)
+    assert main(["generate", str(folder), "--prompt", "Call me", "--max-new-tokens", "12", "--compile",
+                 "--temperature", "0", "--no-stop", "--max-seq-len", str(CAP)]) == 0
+    out = capsys.readouterr()
+    assert "[decode step compiled in" in out.out, out.out + out.err
+    eager = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, CAP))
+    eager.prefill("Call me")
+    eager.run(11, stop_at_eos=False)
+    assert out.out.startswith(eager.text)  # the same 12 greedy tokens
 
 
-@pytest.mark.slow
+@COMPILES
+@pytest.mark.smollm2
 def test_smollm2_compiled_decodes_the_same_128_tokens():
     pytest.importorskip("gguf")
     try:
@@ -133,6 +150,7 @@ def test_smollm2_compiled_decodes_the_same_128_tokens():
     assert compiled.tokens == eager.tokens
 
 
+@COMPILES
 def test_the_explorer_runs_a_compiled_lane_beside_the_eager_one(tiny):
     ex = kvexplore.Explorer(tiny, strategies=("preallocated", "compiled"), max_seq_len=CAP, prompt=PROMPT)
     for _ in range(4):

@@ -33,17 +33,8 @@ PROMPT = list(range(3, 17))
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    built = {}
-
-    def get(arch):
-        if arch not in built:
-            folder = tmp_path_factory.mktemp(arch)
-            make_checkpoint(folder, arch, **ARCHS[arch][0])
-            built[arch] = kvexplore.load(folder)
-        return built[arch]
-
-    return get
+def models(zoo):
+    return lambda arch: zoo.load(arch, **ARCHS[arch][0])
 
 
 def kinds_for(model):

@@ -20,8 +20,8 @@ PROMPT = "Call me Ishmael. Some years ago"
 
 
 @pytest.fixture(scope="module")
-def model():
-    return kvexplore.load("tiny")
+def model(trained):
+    return trained
 
 
 def explorer(model, **kw):

@@ -11,7 +11,7 @@ import torch
 
 import kvexplore
 from kvexplore import hf
-from helpers import ARCHITECTURES, make_checkpoint
+from helpers import ARCHITECTURES
 import doctor_plants as plants
 
 transformers = pytest.importorskip("transformers")
@@ -46,15 +46,8 @@ ARCHS = ["gpt2", "llama", "qwen3", "gemma3", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
-def models():
-    built = {}
-
-    def get(arch):
-        if arch not in built:
-            built[arch] = build(arch)
-        return built[arch]
-
-    return get
+def models(zoo):
+    return lambda arch: zoo.get(("transformers", arch), lambda: build(arch))
 
 
 def reference_tokens(module, prompt, n):
@@ -255,28 +248,39 @@ def test_the_doctor_refuses_bad_input_clearly(models):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf-llama")
-    make_checkpoint(path, "llama", layers=2)
-    return path
+def folder(zoo):
+    return zoo.checkpoint("llama", layers=2)[0]
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvexplore.cli", *args], capture_output=True, text=True, timeout=300)
+def run_cli(capsys, *args):
+    """``kvexplore ARGS`` in this process: (exit status, stdout, stderr)."""
+    from kvexplore.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_doctor_command_exit_status(folder):
-    clean = run_cli("doctor", str(folder), "--steps", "8")
+def test_doctor_command_exit_status(folder, capsys):
+    code, out, err = run_cli(capsys, "doctor", str(folder), "--steps", "8")
+    assert code == 0, err
+    assert "no divergence in 8 steps" in out
+    code, out, _ = run_cli(capsys, "doctor", str(folder), "--steps", "8", "--cache", "hf:quantized")  # fp8 keys depart
+    assert code == 1 and "first divergence at step" in out
+    code, out, _ = run_cli(capsys, "doctor", str(folder), "--steps", "8", "--cache", "paged")
+    assert code == 0 and "cache paged" in out
+    code, _, err = run_cli(capsys, "doctor", str(folder / "missing"), "--steps", "8")
+    assert code == 2 and "error" in err
+    code, _, err = run_cli(capsys, "doctor", str(folder), "--cache", "nope")
+    assert code == 2 and "unknown transformers cache" in err
+
+
+def test_doctor_command_in_its_own_process(folder):
+    """The smoke test of the real command: a process of its own, its exit status and its report."""
+    clean = subprocess.run([sys.executable, "-m", "kvexplore.cli", "doctor", str(folder), "--steps", "8"],
+                           capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr
     assert "no divergence in 8 steps" in clean.stdout
-    lossy = run_cli("doctor", str(folder), "--steps", "8", "--cache", "hf:quantized")  # fp8 keys depart
-    assert lossy.returncode == 1 and "first divergence at step" in lossy.stdout
-    own = run_cli("doctor", str(folder), "--steps", "8", "--cache", "paged")
-    assert own.returncode == 0 and "cache paged" in own.stdout
-    bad = run_cli("doctor", str(folder / "missing"), "--steps", "8")
-    assert bad.returncode == 2 and "error" in bad.stderr
-    unknown = run_cli("doctor", str(folder), "--cache", "nope")
-    assert unknown.returncode == 2 and "unknown transformers cache" in unknown.stderr
 
 
 def test_the_explorer_runs_transformers_caches_beside_kvexplore_strategies(folder):

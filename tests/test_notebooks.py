@@ -32,13 +32,20 @@ def test_committed_without_outputs(path):
     assert "widgets" not in nb.get("metadata", {}), f"{path.name} stores widget state: clear it"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
-def test_notebook_runs(path, tmp_path):
+def _uses_smollm2(path: Path) -> bool:
+    return "smollm2" in path.read_text()
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[pytest.mark.smollm2] if _uses_smollm2(p) else [])
+                                  for p in ALL])
+def test_notebook_runs(path, executed_notebook):
+    """Executed once per run (``executed_notebook``); the copy is shared with the tests that render and export it."""
     nbformat = pytest.importorskip("nbformat", reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    copy, run = executed_notebook(path)
+    assert run["error"] is None, f"{path.name} failed: {run['error']}"
+    nb = nbformat.read(copy, as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code" and c.source.strip()), \
+        "a cell did not run"

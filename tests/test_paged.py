@@ -12,11 +12,6 @@ from kvexplore.caches import FILLED, FREE, SHARED, STALE, PagedLayout
 from kvexplore.caches.paged import PagedCache, PagePoolFullError
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return kvexplore.load("tiny")
-
-
 def recompute(model, tokens):
     return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]
 

@@ -32,16 +32,11 @@ EXACT = ("preallocated", "concat", "paged", "none")
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    cache = {}
-
+def built(zoo):
+    """``built(name) -> (kvexplore model, transformers reference)`` from the session's zoo."""
     def get(name):
-        if name not in cache:
-            arch, options = MODELS[name]
-            folder = tmp_path_factory.mktemp(name)
-            ref = make_checkpoint(folder, arch, **options)
-            cache[name] = (kvexplore.load(folder), ref)
-        return cache[name]
+        arch, options = MODELS[name]
+        return zoo.load(arch, **options), zoo.checkpoint(arch, **options)[1]
 
     return get
 

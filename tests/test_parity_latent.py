@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvexplore
-from helpers import greedy_tokens_match, make_checkpoint
+from helpers import greedy_tokens_match
 from kvexplore.latent import bytes_per_token
 
 TOL = 1e-4
@@ -20,16 +20,8 @@ CONFIGS = {"low-rank-q": dict(layers=3), "plain-q-yarn": dict(layers=3, q_lora_r
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, make_checkpoint(folder, "deepseek_v3", **CONFIGS[name]))
-        return built[name]
-
-    return get
+def deepseek(zoo):
+    return lambda name: zoo.checkpoint("deepseek_v3", **CONFIGS[name])
 
 
 def ids_for(n=40):
@@ -108,11 +100,10 @@ def test_the_quantized_cache_refuses_a_latent_cache(deepseek):
 
 
 @pytest.fixture(scope="module")
-def sparse(tmp_path_factory):
+def sparse(zoo):
     """DeepSeek-V3.2: every query reads the indexer's top 8 of up to 40 positions (32 indexer heads: with few,
     relu makes many scores exactly 0 and the top-k boundary ties, in transformers too)."""
-    folder = tmp_path_factory.mktemp("deepseek-v32")
-    return folder, make_checkpoint(folder, "deepseek_v32", layers=3)
+    return zoo.checkpoint("deepseek_v32", layers=3)
 
 
 @pytest.mark.parametrize("mla", ["absorbed", "decompressed"])

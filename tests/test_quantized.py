@@ -16,11 +16,6 @@ from kvexplore.caches.quantized import (QuantizedCache, dequantize_keys, dequant
 IDS = list(range(3, 83))  # 80 tokens
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return kvexplore.load("tiny")
-
-
 TENSORS = ("_kq", "_vq", "_ks", "_kz", "_vs", "_vz", "_rk", "_rv", "_kerr", "_verr")
 
 

@@ -18,8 +18,8 @@ PROMPT = "Call me Ishmael. Some years ago"
 
 
 @pytest.fixture(scope="module")
-def model():
-    return kvexplore.load("tiny")
+def model(trained):
+    return trained
 
 
 def run(model, kind="preallocated", steps=30, tracer=None, **kw):

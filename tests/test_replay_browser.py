@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import kvexplore
-from browser_support import CHROMIUM, CHROMIUM_ARGS, require_browser
+from browser_support import require_browser
 from kvexplore.explorer.views import cache_map
 from kvexplore.replay import save_html, snapshot_at
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.browser
 
 STEPS, LAYER, HEAD = 20, 3, 5
 READ = """(lane) => {
@@ -33,11 +33,8 @@ def same(a, b) -> bool:
     return a.shape == b.shape and np.allclose(a, b, equal_nan=True, atol=1e-6)
 
 
-def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path):
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    model = kvexplore.load("tiny")
+def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path, browser, trained):
+    model = trained
     runs = {}
     for kind, options in (("preallocated", {}), ("concat", {}), ("paged", {"block_size": 8})):
         g = kvexplore.Generator(model, kvexplore.make_cache(kind, model, max_seq_len=64, **options),
@@ -48,66 +45,66 @@ def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path)
     path = save_html(runs, tmp_path / "replay.html", layer=LAYER, head=HEAD)
 
     requests = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page()
+    try:
+        page.set_viewport_size({"width": 1400, "height": 1000})
 
-            def route(r):
-                if not r.request.url.startswith("file:"):
-                    requests.append(r.request.url)
-                    return r.abort()
-                return r.continue_()
+        def route(r):
+            if not r.request.url.startswith("file:"):
+                requests.append(r.request.url)
+                return r.abort()
+            return r.continue_()
 
-            page.route("**/*", route)
-            page.goto(path.as_uri())
-            root = "document.querySelector('.kvx-replay')"
-            page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
-            assert page.evaluate(f"{root}.dataset.kvxError") is None
-            assert page.evaluate(f"{root}.querySelector('.kvx-slider').max") == str(STEPS - 1)
-            for step in range(STEPS):
-                page.evaluate("(i) => { const s = document.querySelector('.kvx-replay .kvx-slider'); "
-                              "s.value = String(i); s.dispatchEvent(new Event('input')); }", step)
-                page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
-                for lane, run in runs.items():
-                    got = page.evaluate(READ, lane)
-                    record = run[step]
-                    # the strip: the prompt, then one token per step so far, the newest outlined
-                    assert got["generated"] == step + 1
-                    shown = record.text.replace(" ", "·").replace("\t", "→").replace("\n", "↵\n") or "∅"
-                    assert got["last"] == html_lib.unescape(shown)
-                    # the attention bar: the recorded probabilities of this step, in physical slot order
-                    bar = next(t for t in got["attention"] if t["name"] == "current")
-                    want = record.trace.physical_attention(LAYER)[-1, record.trace.heads.index(HEAD)]
-                    assert same(bar["y"], want.numpy()), (lane, step)
-                    # the cache map: the classes of this step's slots, from its recorded slot views
-                    spec = cache_map.from_snapshot(snapshot_at(runs, step, lane, LAYER, HEAD), lane)
-                    assert got["title"] == spec.layout["title"]["text"]
-                    drawn = {t["name"]: t for t in got["cache"]}
-                    for t in spec.traces:
-                        if t.get("type") == "heatmap":
-                            assert same(drawn[t["name"]]["z"], t["z"]), (lane, step, t["name"])
-            page.screenshot(path=str(tmp_path / "replay.png"))
-        finally:
-            browser.close()
+        page.route("**/*", route)
+        page.goto(path.as_uri())
+        root = "document.querySelector('.kvx-replay')"
+        page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
+        assert page.evaluate(f"{root}.dataset.kvxError") is None
+        assert page.evaluate(f"{root}.querySelector('.kvx-slider').max") == str(STEPS - 1)
+        for step in range(STEPS):
+            page.evaluate("(i) => { const s = document.querySelector('.kvx-replay .kvx-slider'); "
+                          "s.value = String(i); s.dispatchEvent(new Event('input')); }", step)
+            page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
+            for lane, run in runs.items():
+                got = page.evaluate(READ, lane)
+                record = run[step]
+                # the strip: the prompt, then one token per step so far, the newest outlined
+                assert got["generated"] == step + 1
+                shown = record.text.replace(" ", "·").replace("\t", "→").replace("\n", "↵\n") or "∅"
+                assert got["last"] == html_lib.unescape(shown)
+                # the attention bar: the recorded probabilities of this step, in physical slot order
+                bar = next(t for t in got["attention"] if t["name"] == "current")
+                want = record.trace.physical_attention(LAYER)[-1, record.trace.heads.index(HEAD)]
+                assert same(bar["y"], want.numpy()), (lane, step)
+                # the cache map: the classes of this step's slots, from its recorded slot views
+                spec = cache_map.from_snapshot(snapshot_at(runs, step, lane, LAYER, HEAD), lane)
+                assert got["title"] == spec.layout["title"]["text"]
+                drawn = {t["name"]: t for t in got["cache"]}
+                for t in spec.traces:
+                    if t.get("type") == "heatmap":
+                        assert same(drawn[t["name"]]["z"], t["z"]), (lane, step, t["name"])
+        page.screenshot(path=str(tmp_path / "replay.png"))
+    finally:
+        page.close()
     assert requests == []  # nothing but the file itself
 
 
-def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path):
-    """nbconvert of 01_tour.ipynb after execution: each explorer's static copy replays the run, offline."""
+@pytest.mark.notebooks
+@pytest.mark.smollm2
+def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path, browser, executed_notebook):
+    """nbconvert of 01_tour.ipynb after execution (the run's executed copy, shared with test_notebooks.py): each
+    explorer's static copy replays the run, offline."""
     require_browser("nbformat", "nbclient", "nbconvert")
     import json
     from pathlib import Path
 
-    import nbclient
     import nbformat
     from nbconvert import HTMLExporter
-    from playwright.sync_api import sync_playwright
 
     source = Path(__file__).resolve().parent.parent / "notebooks" / "01_tour.ipynb"
-    nb = nbformat.read(source, as_version=4)
-    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    copy, run = executed_notebook(source)
+    assert run["error"] is None, run["error"]
+    nb = nbformat.read(copy, as_version=4)
     size = len(nbformat.writes(nb).encode())
     assert size < 4 * 2**20, f"the executed notebook is {size / 2**20:.1f} MiB"  # small enough to commit
     copies = [o for c in nb.cells for o in c.get("outputs", []) if "kvx-static" in o.get("data", {}).get("text/html", "")]
@@ -115,20 +112,19 @@ def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path):
     body, _ = HTMLExporter().from_notebook_node(nb)
     page_path = tmp_path / "tour.html"
     page_path.write_text(body, encoding="utf-8")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1300, "height": 1000})
-            page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
-            page.goto(page_path.as_uri())
-            done = "[...document.querySelectorAll('.kvx-replay')].every(r => r.dataset.kvxReady || r.dataset.kvxError)"
-            page.wait_for_function(done, timeout=120_000)
-            replays = page.evaluate("""[...document.querySelectorAll('.kvx-replay')].map((r) => ({
-                error: r.dataset.kvxError || null, steps: Number(r.querySelector('.kvx-slider').max) + 1,
-                lanes: [...r.querySelectorAll('section')].map((s) => s.dataset.lane),
-                cells: [...r.querySelectorAll('.kvx-cache-map')].map((d) => d.data.length)}))""")
-        finally:
-            browser.close()
+    page = browser.new_page()
+    try:
+        page.set_viewport_size({"width": 1300, "height": 1000})
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto(page_path.as_uri())
+        done = "[...document.querySelectorAll('.kvx-replay')].every(r => r.dataset.kvxReady || r.dataset.kvxError)"
+        page.wait_for_function(done, timeout=120_000)
+        replays = page.evaluate("""[...document.querySelectorAll('.kvx-replay')].map((r) => ({
+            error: r.dataset.kvxError || null, steps: Number(r.querySelector('.kvx-slider').max) + 1,
+            lanes: [...r.querySelectorAll('section')].map((s) => s.dataset.lane),
+            cells: [...r.querySelectorAll('.kvx-cache-map')].map((d) => d.data.length)}))""")
+    finally:
+        page.close()
     assert len(replays) == 2 and all(r["error"] is None for r in replays), json.dumps(replays)
     tour = replays[0]
     assert tour["lanes"][:3] == ["preallocated", "concat", "paged"] and tour["steps"] >= 7

@@ -13,11 +13,6 @@ from kvexplore.caches import FILLED, FREE, STALE, RingLayout
 from kvexplore.caches.sink import SinkCache
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return kvexplore.load("tiny")
-
-
 @pytest.fixture(params=["tiny", "trained"])
 def model(request):
     return request.getfixturevalue(request.param)

@@ -14,11 +14,6 @@ EXACT = ["preallocated", "concat", "none", "paged", "sink"]  # sink: while the s
 OPTIONS = {"paged": {"block_size": 4}}  # small pages: many page boundaries, and forks share a partial page
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return kvexplore.load("tiny")
-
-
 def reference_logits(model, tokens):
     """Logits of the last token, recomputed from scratch."""
     return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]

@@ -13,8 +13,8 @@ CHAPTER_135 = (Path(__file__).parent / "data" / "moby_dick_chapter_135.txt").rea
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    return kvexplore.load("tiny")
+def tiny_model(trained):
+    return trained
 
 
 def test_files_are_in_the_package_and_small():

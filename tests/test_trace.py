@@ -10,11 +10,6 @@ from kvexplore import model as model_module
 PROMPT = "Call me Ishmael. Some years ago"
 
 
-@pytest.fixture(scope="module")
-def trained():
-    return kvexplore.load("tiny")
-
-
 def run(model, kind, tracer=None, steps=12, **options):
     gen = Generator(model, make_cache(kind, model, max_seq_len=64, **options), tracer=tracer)
     gen.prefill(PROMPT)
