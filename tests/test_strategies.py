@@ -19,29 +19,46 @@ def reference_logits(model, tokens):
     return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]
 
 
-@pytest.mark.parametrize("kind", EXACT)
-def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, kind):
-    gen = Generator(trained, make_cache(kind, trained, max_seq_len=256, **OPTIONS.get(kind, {})))
-    ref = Generator(trained, make_cache("none", trained))
-    prompt = "Call me Ishmael. Some years ago"
-    gen.prefill(prompt)
-    ref.prefill(prompt)
-    forks = []
-    for step in range(200):
+PROMPT = "Call me Ishmael. Some years ago"
+
+
+def rewinds_and_forks(gen, steps=200):
+    """200 steps with a rewind of 7 every 50 and a fork every 60: the step records and the forks."""
+    gen.prefill(PROMPT)
+    records, forks = [], []
+    for step in range(steps):
         if step % 50 == 49:
             gen.rewind(7)
-            ref.rewind(7)
         if step % 60 == 30:
-            forks.append((gen.fork(), ref.fork()))
-        a, b = gen.step(), ref.step()
-        assert a.token_id == b.token_id and abs(a.prob - b.prob) < 1e-5
-    assert gen.tokens == ref.tokens
+            forks.append(gen.fork())
+        records.append(gen.step())
+    return records, forks
+
+
+@pytest.fixture(scope="module")
+def recomputed(trained):
+    """The same operations without a cache (everything recomputed at every step), run once for every strategy:
+    each step's token and probability, the final tokens, and each fork's tokens after 5 more steps."""
+    ref = Generator(trained, make_cache("none", trained))
+    records, forks = rewinds_and_forks(ref)
+    for fork in forks:
+        fork.run(5, stop_at_eos=False)
+    return [(r.token_id, r.prob) for r in records], ref.tokens, [fork.tokens for fork in forks]
+
+
+@pytest.mark.parametrize("kind", EXACT)
+def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, recomputed, kind):
+    gen = Generator(trained, make_cache(kind, trained, max_seq_len=256, **OPTIONS.get(kind, {})))
+    records, forks = rewinds_and_forks(gen)
+    want_steps, want_tokens, want_forks = recomputed
+    for a, (token_id, prob) in zip(records, want_steps, strict=True):
+        assert a.token_id == token_id and abs(a.prob - prob) < 1e-5
+    assert gen.tokens == want_tokens
     logits = trained(torch.tensor([gen.tokens[gen.cache.length:]]), gen.cache, gen.cache.length)[0, -1]
     assert (logits - reference_logits(trained, gen.tokens)).abs().max() < 1e-5
-    for fork, fork_ref in forks:  # forks continue on their own and agree too
+    for fork, tokens in zip(forks, want_forks, strict=True):  # forks continue on their own and agree too
         fork.run(5, stop_at_eos=False)
-        fork_ref.run(5, stop_at_eos=False)
-        assert fork.tokens == fork_ref.tokens
+        assert fork.tokens == tokens
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
