@@ -356,26 +356,27 @@ def tall_screenshot(page, path, scroller: str | None = None, element=None, max_h
         page.set_viewport_size(size)
 
 
-RENDERED_CELLS = """async (sel) => { const outer = document.querySelector(sel); const seen = new Set();
+RENDERED_CELLS = """async () => { const nb = window.jupyterapp.shell.currentWidget.content;
   const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
-  let markdown = 0, code = 0, outputs = 0;
-  for (let y = 0; ; y += Math.max(100, outer.clientHeight / 2)) {
-    outer.scrollTop = y; await frame();
-    for (const c of outer.querySelectorAll('.jp-Cell')) {
-      const i = c.dataset.windowedListIndex ?? [...c.parentElement.children].indexOf(c);
-      if (seen.has(i)) continue; seen.add(i);
-      if (c.querySelector('.jp-RenderedMarkdown')) markdown++;
-      if (c.querySelector('.jp-InputArea') && c.classList.contains('jp-CodeCell')) code++;
-      outputs += c.querySelectorAll('.jp-OutputArea-output').length; }
-    if (y >= outer.scrollHeight - outer.clientHeight) break; }
-  outer.scrollTop = 0; await frame();
-  return {cells: seen.size, markdown, code, outputs}; }"""
+  const seen = {cells: 0, markdown: 0, code: 0, outputs: 0};
+  for (let i = 0; i < nb.widgets.length; i++) {
+    const cell = nb.widgets[i];
+    if (nb.scrollToItem) await nb.scrollToItem(i, 'start'); else cell.node.scrollIntoView();
+    for (let t = 0; t < 100 && !cell.node.isConnected; t++) await frame();  // drawn once in view
+    await frame();
+    if (!cell.node.isConnected) continue;
+    seen.cells++;
+    if (cell.node.querySelector('.jp-RenderedMarkdown')) seen.markdown++;
+    if (cell.model.type === 'code' && cell.node.querySelector('.jp-InputArea')) seen.code++;
+    seen.outputs += cell.node.querySelectorAll('.jp-OutputArea-output').length; }
+  if (nb.scrollToItem) await nb.scrollToItem(0, 'start');
+  return seen; }"""
 
 
-def rendered_cells(page, scroller: str) -> dict:
-    """Scroll a notebook from top to bottom (JupyterLab draws only the cells near the screen) and count the cells
-    drawn, the rendered markdown cells, the code cells and the output areas."""
-    return page.evaluate(RENDERED_CELLS, scroller)
+def rendered_cells(page) -> dict:
+    """Scroll the current notebook to each of its cells in turn (JupyterLab draws only the cells near the screen)
+    and count the cells drawn, the rendered markdown cells, the code cells and the output areas."""
+    return page.evaluate(RENDERED_CELLS)
 
 
 LAB_SCROLLER = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"

@@ -133,7 +133,7 @@ def test_notebook_opens_and_renders(path, lab, lab_page, browser, shots, execute
     (lab.root / "executed").mkdir(exist_ok=True)
     shutil.copy(copy, lab.root / "executed" / path.name)
     with lab_page.notebook(f"executed/{path.name}") as page:
-        drawn = rendered_cells(page, LAB_SCROLLER)
+        drawn = rendered_cells(page)
         assert drawn["cells"] == len(kinds), drawn
         assert drawn["markdown"] == kinds.count("markdown") and drawn["code"] == kinds.count("code"), drawn
         assert (drawn["outputs"] > 0) == (outputs > 0), drawn
