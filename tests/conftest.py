@@ -56,6 +56,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: bool(item.get_closest_marker("browser") and item.get_closest_marker("notebooks")))
 
 
+def pytest_collection_finish(session):
+    """Fail at once where pytest-xdist cannot keep a group in one worker (it renames node ids, which some pytest
+    versions ignore): the servers and compiled steps would be built in both workers and the run would be slower."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup")):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist cannot group tests with pytest {pytest.__version__} ({lost[0]} has no "
+                                f"group in its id): pip install -e '.[dev]' installs a pytest that it can")
+
+
 def _key(value):
     """A hashable form of checkpoint options (dicts and lists inside)."""
     if isinstance(value, dict):
