@@ -42,29 +42,34 @@ VARIANTS = {
 
 
 def pytest_configure(config):
+    # pytest-xdist (3.8) keeps a group in one worker by renaming its tests' node ids, which pytest 9.2 ignores: the
+    # servers and compiled steps would then be built in both workers. Refuse at once, naming the fix.
+    from _pytest.nodes import Node
+
+    if config.getoption("dist", "no") == "loadgroup" and "_nodeid" not in Node.nodeid.fget.__code__.co_names:
+        raise pytest.UsageError(f"pytest-xdist cannot keep --dist loadgroup's groups in one worker with pytest "
+                                f"{pytest.__version__}: pip install -e '.[dev]' installs a pytest that it can")
     # one inductor cache for the run and its subprocesses and kernels (inherited through the environment), kept in
     # pytest's cache folder so that a second run reuses the compiled kernels too; a cache set by the caller wins
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and getattr(config, "cache", None) is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config.cache.mkdir("inductor"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: two workers already
+        # keep both cores busy, and a second thread each would only contend with the other worker
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.slow)
-    # the browser tests that open executed notebooks last: by then the other worker has executed most of them
-    items.sort(key=lambda item: bool(item.get_closest_marker("browser") and item.get_closest_marker("notebooks")))
+    # the notebooks' runs first among the tests that are not in a group, and the browser tests that open executed
+    # notebooks last: by the time the JupyterLab worker reaches them, the other worker has executed most of them
+    def order(item) -> int:
+        browser, notebooks = item.get_closest_marker("browser"), item.get_closest_marker("notebooks")
+        return 2 if browser and notebooks else 0 if notebooks else 1
 
-
-def pytest_collection_finish(session):
-    """Fail at once where pytest-xdist cannot keep a group in one worker (it renames node ids, which some pytest
-    versions ignore): the servers and compiled steps would be built in both workers and the run would be slower."""
-    if not (os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup")):
-        return
-    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
-    if lost:
-        raise pytest.UsageError(f"pytest-xdist cannot group tests with pytest {pytest.__version__} ({lost[0]} has no "
-                                f"group in its id): pip install -e '.[dev]' installs a pytest that it can")
+    items.sort(key=order)
 
 
 def _key(value):

@@ -48,7 +48,7 @@ def _agree(page, explorer, lab: bool, label: str) -> dict:
             return kernel
         if time.monotonic() - t0 > SETTLE_S:
             raise AssertionError(f"after {label}: the page differs from the kernel:\n  " + "\n  ".join(diff[:20]))
-        page.wait_for_timeout(200)  # polling a condition: the page is still drawing
+        page.wait_for_timeout(100)  # polling a condition: the page is still drawing
 
 
 def _idle(page, explorer) -> None:
