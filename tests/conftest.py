@@ -64,10 +64,15 @@ def pytest_collection_modifyitems(config, items):
         if any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.slow)
     # the notebooks' runs first among the tests that are not in a group, and the browser tests that open executed
-    # notebooks last: by the time the JupyterLab worker reaches them, the other worker has executed most of them
-    def order(item) -> int:
+    # notebooks last, in reverse order: the JupyterLab worker executes the last notebooks itself while the other
+    # worker executes the first ones, and neither waits for the other (each notebook still runs once)
+    position = {id(item): i for i, item in enumerate(items)}
+
+    def order(item) -> tuple[int, int]:
         browser, notebooks = item.get_closest_marker("browser"), item.get_closest_marker("notebooks")
-        return 2 if browser and notebooks else 0 if notebooks else 1
+        if browser and notebooks:
+            return 2, -position[id(item)]
+        return (0 if notebooks else 1), position[id(item)]
 
     items.sort(key=order)
 
