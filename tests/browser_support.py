@@ -209,10 +209,6 @@ def new_page(ctx):
 
 # --- JupyterLab, through window.jupyterapp (LabApp.expose_app_in_browser) -------------------------------------
 
-KERNEL_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
-  return !!k && k.status === 'idle'; }"""
-
 RUN_FINISHED = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
   if (!k || k.status !== 'idle') return false;
@@ -227,13 +223,6 @@ ERROR_OUTPUTS = """() => { const cells = window.jupyterapp.shell.currentWidget.c
     for (const o of c.outputs.toJSON()) if (o.output_type === 'error')
       errs.push(`cell ${i}: ${o.ename}: ${o.evalue}`); }
   return errs; }"""
-
-
-def open_notebook(page, server: Server, name: str) -> None:
-    """Open ``name`` in a clean workspace and wait until its kernel is idle."""
-    page.goto(f"{server.base_url}/lab/tree/{name}?reset&token={server.token}")
-    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for()
-    page.wait_for_function(KERNEL_IDLE, timeout=WIDGETS_S * 1000)
 
 
 def start_run_all(page) -> None:
