@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")  # served
 CHROMIUM = Path(os.environ.get("KVX_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -8,8 +8,8 @@ Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not
 - ``smollm2``: the real SmolLM2-135M (a 93 MB download the first time);
 - ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time).
 
-Groups (``xdist_group``): the tests that share a JupyterLab server, a Voila app or the compiled step of one model
-run in the same worker, so nothing is started or compiled twice.
+Groups (``xdist_group``): the tests that share the JupyterLab server (``lab``) or the compiled step of one model
+(``compile``) run in the same worker, so nothing is started or compiled twice.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ def trained(zoo):
 
 # --- shared browser, servers and executed notebooks --------------------------------------------------------------
 
-NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
-
-
 def _run_root(tmp_path_factory) -> Path:
     """The folder shared by this run's workers (each xdist worker's base temp is inside it)."""
     base = tmp_path_factory.getbasetemp()
@@ -132,7 +129,7 @@ def browser(chromium_session):
 def lab(tmp_path_factory):
     """One JupyterLab server for the run (per worker), serving a temporary copy of notebooks/; tests add their own
     notebooks to ``lab.root``."""
-    from browser_support import lab_server, require_browser
+    from browser_support import NOTEBOOKS, lab_server, require_browser
 
     require_browser("jupyterlab", "ipywidgets", "plotly", "anywidget")
     with lab_server(NOTEBOOKS, tmp_path_factory.mktemp("lab")) as server:

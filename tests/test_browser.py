@@ -13,21 +13,19 @@ Run: ``KVX_SCREENSHOTS=/tmp/shots python -m pytest -q tests/test_browser.py -s``
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from browser_support import (LAB_SCROLLER, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, figure, new_page,
+from browser_support import (LAB_SCROLLER, NOTEBOOKS, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, figure, new_page,
                              plot_signature, rendered_cells, require_browser, save_timings, start_run_all,
                              tall_screenshot, token_count, undrawn_traces, voila_server, wait_run_finished)
 
 pytestmark = pytest.mark.browser
 LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLab server and page
 
-NOTEBOOKS = Path(os.environ.get("KVX_NOTEBOOKS") or Path(__file__).resolve().parent.parent / "notebooks")
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 TOUR = "01_tour.ipynb"
 FIGURES = ("cache_map", "attention")  # on screen: the cache map and the tab's view (attention first)
