@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvexplore.loading import DTYPES  # noqa: F401  (re-exported for the scripts)
+from kvexplore.formats.loading import DTYPES  # noqa: F401  (re-exported for the scripts)
 
 # name -> Llama config fields. "24M" is the llama2.c stories shape with untied embeddings (~24.4M parameters);
 # "135M" is SmolLM2-135M (GQA 9:3, tied embeddings, rope_theta 1e5).

@@ -98,7 +98,7 @@ def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False,
     allocator counters around each cache write, as a cache does by default; ``compile``: the compiled decode step."""
     cache = kvexplore.PreallocatedCache(model.config, len(prompt) + n, dtype=model.dtype, device=model.device)
     if not allocator:
-        cache.allocator = None  # CUDA: the allocator's counters are not read around each write (kvexplore.allocator)
+        cache.allocator = None  # CUDA: the allocator's counters are not read around each write (kvexplore.core.allocator)
     g = kvexplore.Generator(model, cache, compile=compile)
     t0 = now(model.device)
     g.prefill(prompt)
@@ -198,7 +198,7 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
     """Time one shape; ``folder`` holds its checkpoint or is where it gets built (reused across dtypes)."""
     t_build = time.perf_counter()
     if shape in REAL_MODELS:
-        folder = kvexplore.store.fetch(REAL_MODELS[shape][0])
+        folder = kvexplore.formats.store.fetch(REAL_MODELS[shape][0])
     elif not (folder / "config.json").exists():
         build_checkpoint(shape, folder, seed=0)
     hf = load_hf(folder, dtype, device)

@@ -74,7 +74,7 @@ def main() -> None:
 def _kernel_ms(model: str, strategies: tuple[str, ...], steps: int, pause: float) -> list[float]:
     """One Step of the app's explorer in this process (what the kernel does for a click), with the same pauses."""
     import kvexplore
-    from kvexplore import launch
+    from kvexplore.cli import launch
 
     ex = kvexplore.Explorer(model, strategies=strategies, max_seq_len=128, prompt=launch.APP_PROMPT)
     out = []

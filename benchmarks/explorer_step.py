@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import kvexplore
-from kvexplore.explorer.plot import _to_json
-from kvexplore.explorer.registry import VIEWS
+from kvexplore.views.plot import _to_json
+from kvexplore.views.registry import VIEWS
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "moby_dick_chapter_1.txt"
 

@@ -195,7 +195,7 @@ def mem_transformers(model_name: str, prompt_len: int, steps: int, threads: int)
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    folder = kvexplore.store.model_path(model_name)
+    folder = kvexplore.formats.store.model_path(model_name)
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
     hf.generation_config.eos_token_id = None  # never stop early: exactly `steps` tokens

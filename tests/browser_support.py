@@ -154,7 +154,7 @@ def lab_server(notebooks: Path, workdir: Path) -> Iterator[Server]:
 def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...] | None = None,
                  inspect: bool = True) -> Iterator[Server]:
     """``kvexplore app``'s Voila command (the same argv and environment), on a free loopback port."""
-    from kvexplore import launch
+    from kvexplore.cli import launch
 
     state = workdir / "state"
     env = launch.app_environment(model, strategies, base=isolated_env(state, inspect))  # the default prompt, prefilled

@@ -6,11 +6,11 @@ Here every tensor is on the CPU, so :class:`DeviceTensor` marks the ones that wo
 parameters and buffers, tensors a factory makes with an explicit ``device=`` (or ``.to(device)``), and everything
 computed from them. :class:`PretendDevice` is the mode that marks them and
 
-- raises :class:`HostConversion` on a conversion of a device tensor outside :mod:`kvexplore.host` (which
+- raises :class:`HostConversion` on a conversion of a device tensor outside :mod:`kvexplore.core.host` (which
   ``allow`` can widen for a test), naming the call;
 - raises :class:`MixedDevices` when an operation mixes a device tensor with a host tensor of more than one
   element (CUDA refuses that: a missing ``.to(device)``);
-- counts the deliberate transfers of device tensors (``transfers``) made through :mod:`kvexplore.host`.
+- counts the deliberate transfers of device tensors (``transfers``) made through :mod:`kvexplore.core.host`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvexplore import host
+from kvexplore.core import host
 
 
 class DeviceTensor(torch.Tensor):
@@ -76,7 +76,7 @@ def _wrap(x, fn):
 
 
 def _host_target(args, kwargs) -> bool | None:
-    """For ``.to(...)``: True when it moves to the host (``"cpu"`` as a string or kvexplore.host.HOST), False when
+    """For ``.to(...)``: True when it moves to the host (``"cpu"`` as a string or kvexplore.core.host.HOST), False when
     to a device, None when it changes only the dtype."""
     for a in (*args[1:], kwargs.get("device")):
         if a is None or isinstance(a, torch.dtype):
@@ -110,7 +110,7 @@ class PretendDevice(TorchFunctionMode):
                                 store[name] = torch.nn.Parameter(to_device(t.data), requires_grad=False)
                             else:
                                 store[name] = to_device(t)
-        self._synced: set[int] = set()  # the kvexplore.host transfers a device tensor took part in
+        self._synced: set[int] = set()  # the kvexplore.core.host transfers a device tensor took part in
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -130,7 +130,7 @@ class PretendDevice(TorchFunctionMode):
         inside = host.on_purpose.depth > 0
         device_in = [t for t in _tensors((args, kwargs)) if is_device(t)]
         if func in CONVERSIONS and device_in and not inside and not self._allowed():
-            raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside kvexplore.host "
+            raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside kvexplore.core.host "
                                  f"(a sync on CUDA): {self._where()}")
         if device_in and func not in INDEXING and not inside:
             host_in = [t for t in _tensors((args, kwargs)) if not is_device(t) and t.numel() > 1]
@@ -138,7 +138,7 @@ class PretendDevice(TorchFunctionMode):
                 raise MixedDevices(f"{getattr(func, '__qualname__', func)} mixes device tensors with a host tensor of "
                                    f"shape {tuple(host_in[0].shape)} (CUDA refuses it): {self._where()}")
         out = func(*args, **kwargs)
-        if inside:  # what kvexplore.host makes lands on the host
+        if inside:  # what kvexplore.core.host makes lands on the host
             if device_in:
                 self._synced.add(host.on_purpose.calls)
             return _wrap(out, to_host)
@@ -149,7 +149,7 @@ class PretendDevice(TorchFunctionMode):
             target = _host_target(args, kwargs)
             if target:
                 if not self._allowed():
-                    raise HostConversion(f"Tensor.to(host) of a device tensor outside kvexplore.host: {self._where()}")
+                    raise HostConversion(f"Tensor.to(host) of a device tensor outside kvexplore.core.host: {self._where()}")
                 return _wrap(out, to_host)
         elif func is _T.to and _host_target(args, kwargs) is False:
             return _wrap(out, to_device)

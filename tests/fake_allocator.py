@@ -40,7 +40,7 @@ class FakeAllocator(TorchDispatchMode):
         self.freed += n
         self.frees += 1
 
-    # -- the allocator source protocol (kvexplore.allocator) -------------------------------------------------
+    # -- the allocator source protocol (kvexplore.core.allocator) -------------------------------------------------
     def counters(self) -> tuple[int, int, int, int]:
         return (self.allocated, self.freed, self.allocations, self.frees)
 

@@ -10,7 +10,7 @@ import numpy as np
 import sentencepiece as spm
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
-from kvexplore.gguf_file import permute_rope_rows
+from kvexplore.formats.gguf_file import permute_rope_rows
 
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -241,7 +241,7 @@ def test_lab_transformers_caches_page_equals_kernel(lab, lab_page, browser, shot
 def _smollm2() -> None:
     """Skip unless SmolLM2 can be had (it is fetched here once, so no kernel waits for the download)."""
     pytest.importorskip("gguf")
-    from kvexplore import store
+    from kvexplore.formats import store
 
     try:
         store.fetch("smollm2-135m")

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import kvexplore
-from kvexplore.compiled import decoder_for
+from kvexplore.runtime.compiled import decoder_for
 
 PROMPT = "Call me Ishmael. Some years ago"
 CAP = 544  # one capacity for every test here: the compiled step is built once per model and capacity, and shared

@@ -1,8 +1,8 @@
-"""Ready for CUDA, checked on the CPU: no host conversion outside kvexplore.host, few syncs, the allocator's
+"""Ready for CUDA, checked on the CPU: no host conversion outside kvexplore.core.host, few syncs, the allocator's
 figures measured around the cache's writes, and tracing that changes nothing in bfloat16 and float16.
 
 ``devicemode.PretendDevice`` marks the tensors that would live on the GPU and fails on any conversion of one to
-Python or NumPy outside :mod:`kvexplore.host` (and on an operation mixing device and host tensors);
+Python or NumPy outside :mod:`kvexplore.core.host` (and on an operation mixing device and host tensors);
 ``fake_allocator.FakeAllocator`` stands in for CUDA's allocator statistics.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore import host
+from kvexplore.core import host
 from devicemode import HostConversion, MixedDevices, PretendDevice, is_device
 from fake_allocator import FakeAllocator
 from helpers import make_checkpoint
@@ -48,7 +48,7 @@ def test_the_pretend_device_catches_conversions_and_mixed_devices(tiny):
         assert not is_device(torch.zeros(3))  # made on the host
         for convert in (lambda: w.sum().item(), lambda: w[0].tolist(), lambda: float(w[0, 0]),
                         lambda: w.numpy(), lambda: bool(w[0, 0] > 0), lambda: w.cpu()):
-            with pytest.raises(HostConversion, match="outside kvexplore.host"):
+            with pytest.raises(HostConversion, match="outside kvexplore.core.host"):
                 convert()
         with pytest.raises(MixedDevices, match="mixes device tensors with a host tensor"):
             w[:3] + torch.ones(3, w.shape[1])
@@ -69,7 +69,7 @@ def test_packing_for_one_transfer_keeps_every_dtype_and_shape():
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, arch):
     """Greedy and sampled runs, with and without a full tracer, rewind and fork: nothing converts a device tensor
-    to the host outside kvexplore.host, and a step syncs once (plus once per expert layer, plus once for a
+    to the host outside kvexplore.core.host, and a step syncs once (plus once per expert layer, plus once for a
     trace)."""
     model = models(arch)
     expert_syncs = ARCHS[arch][1]
@@ -275,7 +275,7 @@ def test_rope_tables_stay_float32_whatever_to_does(checkpoint):
 # -- regressions -----------------------------------------------------------------------------------------
 def test_quantized_lane_tensors_view_with_the_error_on_the_device(tiny):
     pytest.importorskip("plotly")
-    from kvexplore.explorer.views import tensors
+    from kvexplore.views import tensors
 
     with PretendDevice(tiny):
         ex = kvexplore.Explorer(tiny, strategies=("preallocated", "quantized"), max_seq_len=48)
@@ -301,7 +301,7 @@ def test_physical_attention_of_a_no_cache_trace(tiny):
 
 def test_the_memory_view_draws_the_allocator_figures_of_each_step(tiny):
     pytest.importorskip("plotly")
-    from kvexplore.explorer.views import memory
+    from kvexplore.views import memory
 
     g = allocator_run(tiny, "concat")
     fig = memory.spec({"concat": list(g.history)}, cuda=True)

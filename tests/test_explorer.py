@@ -11,9 +11,9 @@ pytest.importorskip("plotly", reason="the notebook extra is not installed: pip i
 pytest.importorskip("ipywidgets")
 
 import kvexplore  # noqa: E402
-from kvexplore.explorer.views import attention, cache_map  # noqa: E402
-from kvexplore.explorer.views.palette import SLOT_CLASSES  # noqa: E402
-from kvexplore.explorer.views.spec import figure, grid  # noqa: E402
+from kvexplore.views import attention, cache_map  # noqa: E402
+from kvexplore.views.palette import SLOT_CLASSES  # noqa: E402
+from kvexplore.views.spec import figure, grid  # noqa: E402
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 PROMPT = "Call me Ishmael. Some years ago"
@@ -326,13 +326,13 @@ def test_views_are_pure_functions_of_records(model):
     assert row.count(CODE["written"]) == 1 and row.count(CODE["read"]) == gen.cache.length - 1
     att = attention.spec(gen.history, layer=0, head=0, num_heads=8, gqa_groups=gen.history[-1].trace.gqa_groups)
     assert sum(att.trace("current")["y"]) == pytest.approx(1.0, abs=1e-5)
-    fig = kvexplore.explorer.views.spec.figure(spec)  # a plain plotly figure, e.g. for a static report
+    fig = kvexplore.views.spec.figure(spec)  # a plain plotly figure, e.g. for a static report
     assert fig.data[0].type == "heatmap"
 
 
 def _plain(v):
     """What the figure widget sends as JSON (``plot._to_json``), its binary buffers (where NaN is allowed) named."""
-    from kvexplore.explorer.plot import _to_json
+    from kvexplore.views.plot import _to_json
 
     def walk(x):
         if isinstance(x, dict):
@@ -367,7 +367,7 @@ def test_every_view_is_json_safe_for_every_strategy(model):
 def test_the_figure_state_sends_numeric_arrays_as_binary_buffers():
     import numpy as np
 
-    from kvexplore.explorer.plot import _to_json
+    from kvexplore.views.plot import _to_json
 
     out = _to_json({"z": np.array([1.0, float("nan")], dtype=np.float32), "x": np.arange(3, dtype=np.int64),
                     "m": np.ones((2, 2), dtype=np.float32), "y": [1.5, float("nan"), None], "n": np.float32(2.5)})
@@ -458,7 +458,7 @@ def test_memory_view_on_cuda_draws_the_allocator(model):
     """Pure spec on made-up reports (no GPU needed): the third panel reads the allocator figures after each step."""
     from dataclasses import replace
 
-    from kvexplore.explorer.views import memory
+    from kvexplore.views import memory
 
     gen = kvexplore.Generator(model, kvexplore.make_cache("concat", model))
     gen.prefill(PROMPT)
@@ -477,7 +477,7 @@ def test_memory_view_on_cuda_draws_the_allocator(model):
 def test_compare_counts_a_forced_lanes_own_choice(model):
     from dataclasses import replace
 
-    from kvexplore.explorer.views import compare
+    from kvexplore.views import compare
 
     gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=64))
     gen.prefill(PROMPT)

@@ -10,7 +10,7 @@ from gguf_writer import write_gguf
 from helpers import make_checkpoint
 from kvexplore import LoadError, UnsupportedModelError
 from kvexplore.errors import CorruptFileError
-from kvexplore import gguf_file
+from kvexplore.formats import gguf_file
 
 IDS = list(range(3, 45))
 TEXTS = ["Call me Ishmael.", "  two  spaces\tand a tab\n\nnewlines", "naïve café 🐋 12345", "x", ""]

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvexplore import cli, launch
+from kvexplore.cli import commands as cli
+
+from kvexplore.cli import launch
 
 try:
     import tomllib
@@ -209,7 +211,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 def test_lab_as_root_allows_root(monkeypatch):
     """JupyterLab refuses to start as root unless told; kvexplore lab tells it (containers, CI machines)."""
-    from kvexplore import launch
+    from kvexplore.cli import launch
 
     monkeypatch.setattr(launch, "_is_root", lambda: True)
     assert "--allow-root" in launch.lab_command("/tmp", port=8899)

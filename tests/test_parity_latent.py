@@ -11,7 +11,7 @@ import torch
 
 import kvexplore
 from helpers import greedy_tokens_match
-from kvexplore.latent import bytes_per_token
+from kvexplore.models.latent import bytes_per_token
 
 TOL = 1e-4
 YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
@@ -146,7 +146,7 @@ def test_sparse_reads_are_a_gather_and_the_trace_marks_them(sparse):
         event = next(e for e in t.events if e.layer == layer)
         assert not event.view and event.read_shape[2] == 8  # a gather, not narrow(2, 0, S)
     assert len({tuple(t.reads_of(i)) for i in range(c.num_layers)}) > 1  # each layer picks its own
-    from kvexplore.explorer.views.cache_map import slot_classes
+    from kvexplore.views.cache_map import slot_classes
 
     classes = slot_classes(gen.history[-1], layer=1)  # the cache map: exactly the positions read are "read"
     newest = gen.cache.length - 1  # written this step (the indexer need not pick it)
@@ -165,7 +165,7 @@ def test_sparse_64_greedy_tokens_match_transformers(sparse):
 def test_the_cache_map_draws_each_layers_own_sparse_reads(sparse):
     import numpy as np
 
-    from kvexplore.explorer.views.palette import SLOT_CLASSES
+    from kvexplore.views.palette import SLOT_CLASSES
 
     ex = kvexplore.Explorer(str(sparse[0]), strategies=("preallocated",), max_seq_len=64)
     ex.run(8)

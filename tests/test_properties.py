@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvexplore import NoCache, PreallocatedCache
-from kvexplore.sampling import SamplingSettings, filtered_probs
+from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
 
 IDS = list(range(3, 43))
 

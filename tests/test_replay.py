@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore import cli
+from kvexplore.cli import commands as cli
 from kvexplore.replay import frames, save_html, snapshot_at
 
 pytest.importorskip("plotly", reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")
@@ -107,7 +107,7 @@ def test_replay_frames_are_the_explorer_views_of_each_step(model):
     assert set(all_frames[5]["figures"]) == {"cache_map:preallocated", "attention:preallocated", "cache_map:concat",
                                             "attention:concat", "memory"}
     # a frame's attention bar is the trace's attention of that step, in physical slot order
-    from kvexplore.explorer.views import attention
+    from kvexplore.views import attention
 
     snap = snapshot_at(runs, 5, "concat", layer=2, head=3)
     spec = attention.from_snapshot(snap)

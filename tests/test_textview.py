@@ -7,7 +7,7 @@ import torch
 import kvexplore
 from kvexplore import Generator, PagedCache, PreallocatedCache
 from kvexplore.cli import main
-from kvexplore.textview import cache_map, step_view
+from kvexplore.trace.textview import cache_map, step_view
 
 
 def test_preallocated_map_follows_the_narrow_windows(tiny):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore import store
+from kvexplore.formats import store
 
 CHAPTER_135 = (Path(__file__).parent / "data" / "moby_dick_chapter_135.txt").read_text()
 

@@ -5,7 +5,7 @@ import torch
 
 import kvexplore
 from kvexplore import Generator, Tracer, make_cache
-from kvexplore import model as model_module
+from kvexplore.models import model as model_module
 
 PROMPT = "Call me Ishmael. Some years ago"
 
@@ -27,10 +27,10 @@ def test_no_tracer_means_no_hook_work(trained, monkeypatch):
     def forbidden(*args):
         raise AssertionError("a hook ran without a tracer")
 
-    import kvexplore.deltanet
-    import kvexplore.latent
+    import kvexplore.models.deltanet
+    import kvexplore.models.latent
 
-    for module in (model_module, kvexplore.latent, kvexplore.deltanet):  # every module calling the hook helper
+    for module in (model_module, kvexplore.models.latent, kvexplore.models.deltanet):  # every module calling the hook helper
         monkeypatch.setattr(module, "hook", forbidden)
     assert len(run(trained, "preallocated").history) == 13
 

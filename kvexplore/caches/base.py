@@ -2,7 +2,7 @@
 
 Layout, stated once: keys and values are ``[batch, kv_heads, seq, head_dim]`` and keys are stored *after* RoPE.
 
-A cache is a stack of layer caches that may differ (see :mod:`kvexplore.layer_plan`): the strategy (pre-allocated,
+A cache is a stack of layer caches that may differ (see :mod:`kvexplore.config.layer_plan`): the strategy (pre-allocated,
 paged, ...) serves the *full-attention* layers; *sliding-window* layers always get a ring of the model's window
 (:mod:`.ring`), whatever the strategy; *shared* layers store nothing and read their source layer's keys and
 values. This class does the dispatch, the per-layer accounting and the shared-layer reads; a strategy implements
@@ -27,12 +27,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..config import ModelConfig
+from ..config.model_config import ModelConfig
 from ..errors import SettingsError
-from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, layer_plan
-from ..allocator import Window, allocator_for
-from ..memory import MemoryReport, StepCounters
-from ..settings import positive_int
+from ..config.layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, layer_plan
+from ..core.allocator import Window, allocator_for
+from .memory import MemoryReport, StepCounters
+from ..core.settings import positive_int
 from .inspection import CacheInspection
 from .masks import causal_mask
 from .ring import SlidingLayers
@@ -70,7 +70,7 @@ class KVCache(CacheInspection, ABC):
         self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
         self._sources = {s.source for s in self.plan if s.kind == SHARED_LAYER}
         self._sparse_reads: dict[int, list[int]] = {}  # layer -> the positions a sparse attention read this step
-        self.allocator = allocator_for(self.device)  # read around each write (kvexplore.allocator); None: not read
+        self.allocator = allocator_for(self.device)  # read around each write (kvexplore.core.allocator); None: not read
         self._window = Window(None)  # the allocator's counters over this step's writes
         self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
         self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
@@ -260,7 +260,7 @@ class KVCache(CacheInspection, ABC):
         return {layer: p for layer, p in self._sparse_reads.items() if isinstance(p, torch.Tensor)}
 
     def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
-        """Replace sparse reads by their host copies (from :func:`kvexplore.host.fetch`)."""
+        """Replace sparse reads by their host copies (from :func:`kvexplore.core.host.fetch`)."""
         for layer, positions in landed.items():
             self._sparse_reads[layer] = positions.tolist()
 

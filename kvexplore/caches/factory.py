@@ -14,8 +14,8 @@ from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
 from .sink import SinkCache
 from ..errors import SettingsError
-from ..memory import kv_bytes
-from ..settings import choice, positive_int
+from .memory import kv_bytes
+from ..core.settings import choice, positive_int
 
 STRATEGIES: dict[str, type[KVCache]] = {
     "preallocated": PreallocatedCache,
@@ -51,7 +51,7 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     if dtype is not None and not dtype.is_floating_point:
         raise SettingsError(f"dtype {dtype} cannot hold keys and values; use a floating-point dtype")
     if device is not None:
-        from ..loading import resolve_device
+        from ..formats.loading import resolve_device
 
         device = resolve_device(device)
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)

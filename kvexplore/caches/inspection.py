@@ -8,10 +8,10 @@ from abc import abstractmethod
 
 import torch
 
-from .. import host
+from ..core import host
 from ..errors import SettingsError
-from ..layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, kinds_present
-from ..memory import LayerMemory, layer_bytes
+from ..config.layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, kinds_present
+from .memory import LayerMemory, layer_bytes
 from .layout import EmptyLayout, SharedLayout
 from .slots import SlotView
 

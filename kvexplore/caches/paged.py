@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from ..config import ModelConfig
-from ..settings import positive_int
+from ..config.model_config import ModelConfig
+from ..core.settings import positive_int
 from ..errors import CacheFullError, SettingsError
-from ..layer_plan import FULL, LayerSpec
-from ..memory import full_layer_bytes
+from ..config.layer_plan import FULL, LayerSpec
+from .memory import full_layer_bytes
 from .base import FILLED, FREE, SHARED, STALE, KVCache, SlotView
 from .layout import PagedLayout
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..settings import positive_int
+from ..config.model_config import ModelConfig
+from ..core.settings import positive_int
 from ..errors import CacheFullError
-from ..memory import full_layer_bytes
+from .memory import full_layer_bytes
 from .base import FILLED, FREE, STALE, KVCache, SlotView
 
 

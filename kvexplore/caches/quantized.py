@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..settings import integer, positive_int
-from .. import host
+from ..config.model_config import ModelConfig
+from ..core.settings import integer, positive_int
+from ..core import host
 from ..errors import CacheFullError, SettingsError
-from ..memory import StepCounters
+from .memory import StepCounters
 from .base import FILLED, FREE, STALE, KVCache, SlotView
 from .layout import QuantizedLayout
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layer_plan import LayerSpec
+from ..config.layer_plan import LayerSpec
 from .slots import EVICTED, FILLED, FREE, STALE, SlotView
 from .layout import RingLayout
 from .masks import causal_mask, positions_mask

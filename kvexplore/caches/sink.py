@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..settings import integer, positive_int
+from ..config.model_config import ModelConfig
+from ..core.settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
-from ..memory import full_layer_bytes
+from .memory import full_layer_bytes
 from .base import EVICTED, FILLED, FREE, STALE, KVCache, SlotView
 from .layout import RingLayout
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..layer_plan import LayerSpec
+from ..config.model_config import ModelConfig
+from ..config.layer_plan import LayerSpec
 from .layout import StateLayout
 from .slots import SlotView
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import host
+from ..core import host
 
 
 @dataclass

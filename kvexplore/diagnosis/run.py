@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import KVExploreError, SettingsError
-from ..settings import integer
-from ..trace_diff import TOLERANCE
+from ..core.settings import integer
+from ..trace.diff import TOLERANCE
 from .compare import departures
 from .hints import hint
 from .passes import HFPasses, KVPasses
@@ -33,13 +33,13 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     from .. import hf
     from ..caches.base import KVCache
     from ..caches.factory import STRATEGIES, make_cache
-    from ..model import Model
+    from ..models.model import Model
 
     steps = integer(steps, "steps", 1, 100_000, " (how many tokens to check)")
     if isinstance(model, (str, Path)):
         kvexplore_cache = isinstance(cache, KVCache) or (isinstance(cache, str) and cache in STRATEGIES)
         if kvexplore_cache:
-            from ..loading import load
+            from ..formats.loading import load
 
             model = load(model)
         else:

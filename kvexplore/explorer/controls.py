@@ -13,8 +13,8 @@ import html
 from contextlib import contextmanager
 from typing import Any
 
-from ..config import ModelConfig
-from ..store import MODELS
+from ..config.model_config import ModelConfig
+from ..formats.store import MODELS
 
 HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disabled while an operation runs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..trace import Tracer
+from ..trace.tracer import Tracer
 
 
 class LaneTracer(Tracer):

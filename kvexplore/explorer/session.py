@@ -20,10 +20,10 @@ import torch
 
 
 from ..caches.factory import STRATEGIES, make_cache
-from ..generate import Generator
-from ..model import Model
-from ..records import StepRecord
-from ..sampling import SamplingSettings
+from ..runtime.generator import Generator
+from ..models.model import Model
+from ..trace.records import StepRecord
+from ..runtime.sampling import SamplingSettings
 from .probe import LaneTracer
 from ..errors import SettingsError, StateError
 

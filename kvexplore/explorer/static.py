@@ -86,8 +86,8 @@ class StaticCopy:
     def html(self) -> str:
         """The copy: a plain-HTML summary, then the replay of the steps so far."""
         global _plotly_owner
-        from ..replay import fragment
-        from .views import compare
+        from ..replay.page import fragment
+        from ..views import compare
 
         ex = self.explorer
         runs = ex.session.runs()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generate import Generator
-from .views import tokens
+from ..runtime.generator import Generator
+from ..views import tokens
 
 
 class TokenStrip:

@@ -16,19 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..generate import Generator
-from ..loading import load
-from ..model import Model
+from ..runtime.generator import Generator
+from ..formats.loading import load
+from ..models.model import Model
 from . import controls as layout
-from . import inspect, snapshot
-from .plot import PlotWidget, loader
-from .registry import TABS, VIEWS
+from . import inspect
+from ..views import snapshot
+from ..views.plot import PlotWidget, loader
+from ..views.registry import TABS, VIEWS
 from .session import Lane, Session
 from .static import StaticCopy
 from .status import status_line
 from .strip import TokenStrip
-from .views import compare
-from .views.spec import FigureSpec
+from ..views import compare
+from ..views.spec import FigureSpec
 from ..errors import SettingsError, StateError
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
@@ -230,7 +231,7 @@ class Explorer:
     def save_html(self, path, title: str | None = None):
         """Write the session so far as one self-contained HTML replay (every lane, the layer and head chosen now;
         see :mod:`kvexplore.replay`). Returns the path."""
-        from ..replay import save_html
+        from ..replay.page import save_html
 
         runs = self.session.runs()
         if not runs:
@@ -247,7 +248,7 @@ class Explorer:
         return ["cache_map", *(["cache_map_b"] if self.side_by_side else []), self.view]
 
     def compare_rows(self) -> list[list[str]]:
-        """The comparison table: one row per strategy (see :data:`~kvexplore.explorer.views.compare.COLUMNS`)."""
+        """The comparison table: one row per strategy (see :data:`~kvexplore.views.compare.COLUMNS`)."""
         return compare.rows_from_snapshot(self.snapshot())
 
     def refresh(self) -> None:

@@ -11,11 +11,11 @@ import torch
 
 from ..caches.layout import EmptyLayout, StateLayout, TransformersLayout
 from ..caches.slots import FILLED, FREE, STALE, SlotView
-from ..config import ModelConfig
+from ..config.model_config import ModelConfig
 from ..errors import CacheFullError, SettingsError
-from ..layer_plan import FULL, SLIDING, STATE, LayerSpec, layer_plan
-from ..memory import LayerMemory, MemoryReport
-from ..allocator import Window, allocator_for
+from ..config.layer_plan import FULL, SLIDING, STATE, LayerSpec, layer_plan
+from ..caches.memory import LayerMemory, MemoryReport
+from ..core.allocator import Window, allocator_for
 from . import watch
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
-from ..tokenizer import Tokenizer
+from ..formats.tokenizer import Tokenizer
 
 SUPPORTED_TRANSFORMERS = "5.0"  # the oldest major version driven here (its Cache classes have .layers)
 
@@ -127,8 +127,8 @@ class HFModel:
 
                 raise UnsupportedModelError(f"kvexplore does not implement {self.architecture}: only its transformers "
                                             f"caches (hf:dynamic, hf:static, ...) can run it")
-            from ..loading import assemble
-            from ..weights import expected_shapes
+            from ..formats.loading import assemble
+            from ..formats.weights import expected_shapes
 
             state = self.hf.state_dict()
             names = expected_shapes(self.config)
@@ -198,8 +198,8 @@ def as_tokenizer(tokenizer: Any, config: ModelConfig) -> Tokenizer | None:
 def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> HFModel:
     """Load a folder (or a named kvexplore model: its converted folder) with transformers'
     ``AutoModelForCausalLM``, with its tokenizer read by kvexplore."""
-    from ..loading import resolve_device, resolve_dtype
-    from ..store import MODELS, fetch
+    from ..formats.loading import resolve_device, resolve_dtype
+    from ..formats.store import MODELS, fetch
 
     transformers = _transformers()
     path = Path(source).expanduser()

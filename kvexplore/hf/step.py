@@ -15,7 +15,7 @@ from . import watch
 @contextmanager
 def watching(hf_cache: object, pos: int, q_len: int, window=None):
     """Wrap the transformers cache's ``update`` (and state updates) for one pass; yields what they saw.
-    ``window`` (a :class:`kvexplore.allocator.Window`) measures the CUDA allocator inside each update."""
+    ``window`` (a :class:`kvexplore.core.allocator.Window`) measures the CUDA allocator inside each update."""
     seen: dict[str, dict[int, object]] = {"new": {}, "read": {}, "values": {}, "reads": {}, "state": {}}
     inner_update = hf_cache.update
     inner_state = getattr(hf_cache, "update_recurrent_state", None)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import host
-from ..memory import StepCounters
+from ..core import host
+from ..caches.memory import StepCounters
 
 # the transformers layer classes whose slot order kvexplore knows (others are drawn as one block of storage)
 FULL_DYNAMIC, SLIDING_DYNAMIC, FULL_STATIC, SLIDING_STATIC = "DynamicLayer", "DynamicSlidingWindowLayer", \

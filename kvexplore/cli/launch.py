@@ -1,0 +1,238 @@
+"""``kvexplore lab`` and ``kvexplore app``: open the bundled notebooks in JupyterLab, or serve the explorer with Voila.
+
+``lab`` copies the notebooks that ship inside the package (``kvexplore.notebooks``, the repository's ``notebooks/``
+folder) into a writable folder, default ``~/kvexplore-notebooks``, copying only the ones missing there: a notebook the
+user already has, edited or not, is never overwritten, and the installed package is never written. Then it replaces
+itself with ``python -m jupyterlab`` on that folder, run by this same interpreter, so the kernel can import kvexplore.
+
+``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
+strategies and the first prompt to the notebook in the environment variables ``KVEXPLORE_APP_MODEL``,
+``KVEXPLORE_APP_STRATEGIES`` and ``KVEXPLORE_APP_PROMPT``. It renders the page with kvexplore's own Voila template,
+``kvexplore`` (``kvexplore/explorer/voila/``, a Jupyter data folder put first on ``JUPYTER_PATH``): Voila's ``lab``
+template without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that
+leaves 127.0.0.1 (Voila's own static bundle already carries Font Awesome).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from collections.abc import Iterable, Sequence
+
+try:
+    from importlib.resources.abc import Traversable
+except ImportError:  # Python 3.10
+    from importlib.abc import Traversable
+
+from ..errors import KVExploreError
+
+DEFAULT_DIR = Path("~") / "kvexplore-notebooks"
+INSTALL_HINT = 'pip install -e ".[notebook]"'
+APP_MODEL_ENV = "KVEXPLORE_APP_MODEL"
+APP_STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
+APP_PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
+APP_PROMPT = "Call me Ishmael."
+APP_TEMPLATE = "kvexplore"  # kvexplore/explorer/voila/voila/templates/kvexplore: conf.json + index.html.j2
+
+
+class LaunchError(KVExploreError):
+    """JupyterLab or Voila is missing, or the bundled notebooks cannot be found."""
+
+
+@dataclass
+class CopyReport:
+    """What :func:`copy_notebooks` did: names copied into ``folder`` and names already there (kept as they were)."""
+
+    folder: Path
+    copied: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"notebooks folder: {self.folder}"]
+        if self.copied:
+            lines.append(f"  copied: {', '.join(self.copied)}")
+        if self.kept:
+            lines.append(f"  kept as they are (yours, not overwritten): {', '.join(self.kept)}")
+        if not self.copied and not self.kept:
+            lines.append("  (no bundled notebooks found)")
+        return "\n".join(lines)
+
+
+def _source_checkout_notebooks() -> Path | None:
+    """``notebooks/`` next to the package when kvexplore runs from a source checkout (editable install)."""
+    here = Path(__file__).resolve().parent.parent  # the package folder
+    folder = here.parent / "notebooks"
+    if folder.is_dir() and (here.parent / "pyproject.toml").is_file():
+        return folder
+    return None
+
+
+def notebooks_root() -> Traversable:
+    """The folder of bundled notebooks: the ``kvexplore.notebooks`` resources (a wheel install), else the source
+    checkout's ``notebooks/`` (an editable install maps that package to it)."""
+    try:
+        root = resources.files("kvexplore.notebooks")
+        if root.is_dir() and any(p.name.endswith(".ipynb") for p in root.iterdir()):
+            return root
+    except (ModuleNotFoundError, TypeError, OSError):
+        pass
+    inside = resources.files("kvexplore").joinpath("notebooks")
+    if inside.is_dir():
+        return inside
+    checkout = _source_checkout_notebooks()
+    if checkout is not None:
+        return checkout
+    raise LaunchError("the bundled notebooks (package kvexplore.notebooks) are missing from this installation; "
+                      "reinstall kvexplore: pip install .")
+
+
+def bundled_notebooks(root: Traversable | None = None) -> list[Traversable]:
+    """The bundled ``*.ipynb`` files, in name order (the course order: 01_..., 02_...)."""
+    root = notebooks_root() if root is None else root
+    return sorted((p for p in root.iterdir() if p.name.endswith(".ipynb") and p.is_file()), key=lambda p: p.name)
+
+
+def _write_new(target: Path, data: bytes) -> bool:
+    """Write ``data`` to ``target`` only if ``target`` does not exist; never a half-written notebook in its place."""
+    tmp = target.with_name(f".{target.name}.kvexplore-tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    try:
+        os.link(tmp, target)  # atomic, and fails if target appeared meanwhile
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a filesystem without hard links
+        try:
+            with open(target, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def copy_notebooks(folder: str | os.PathLike[str], sources: Iterable[Traversable] | None = None) -> CopyReport:
+    """Copy each bundled notebook missing from ``folder`` into it (creating it); keep every file already there."""
+    folder = Path(folder).expanduser()
+    sources = bundled_notebooks() if sources is None else sorted(sources, key=lambda p: p.name)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(f"cannot create the notebooks folder {folder}: {e.strerror or e}; "
+                          f"choose another with --dir") from e
+    report = CopyReport(folder.resolve())
+    for src in sources:
+        target = folder / src.name
+        if target.exists() or not _write_new(target, src.read_bytes()):
+            report.kept.append(src.name)
+        else:
+            report.copied.append(src.name)
+    return report
+
+
+def _require(module: str, what: str, command: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise LaunchError(f"{what} is not installed in this environment ({sys.executable}); "
+                          f"install the notebook extra: {INSTALL_HINT}  (then run kvexplore {command} again)")
+
+
+def lab_command(folder: str | os.PathLike[str], port: int | None = None, no_browser: bool = False,
+                extra: Sequence[str] = ()) -> list[str]:
+    """The ``python -m jupyterlab`` command line serving ``folder``."""
+    argv = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={Path(folder).expanduser().resolve()}"]
+    if port is not None:
+        argv.append(f"--port={port}")
+    if no_browser:
+        argv.append("--no-browser")
+    if _is_root() and "--allow-root" not in extra:  # containers and CI machines: JupyterLab refuses root otherwise
+        argv.append("--allow-root")
+    return argv + list(extra)
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def app_notebook() -> Traversable:
+    """The Voila page: ``kvexplore/explorer/app.ipynb`` inside the installed package."""
+    nb = resources.files("kvexplore").joinpath("explorer", "app.ipynb")
+    if not nb.is_file():
+        raise LaunchError("kvexplore/explorer/app.ipynb is missing from this installation; reinstall kvexplore")
+    return nb
+
+
+def app_jupyter_data() -> Path:
+    """The Jupyter data folder inside the package that holds kvexplore's Voila template: ``kvexplore/explorer/voila``,
+    laid out as Voila looks for templates (``<data folder>/voila/templates/kvexplore/``)."""
+    folder = resources.files("kvexplore").joinpath("explorer", "voila")
+    template = folder.joinpath("voila", "templates", APP_TEMPLATE)
+    if not (isinstance(folder, Path) and template.joinpath("conf.json").is_file()
+            and template.joinpath("index.html.j2").is_file()):
+        raise LaunchError(f"kvexplore's Voila template (kvexplore/explorer/voila/voila/templates/{APP_TEMPLATE}) is "
+                          "missing from this installation, or kvexplore is not installed as plain files; "
+                          "reinstall kvexplore: pip install .")
+    return folder
+
+
+def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_browser: bool = True,
+                extra: Sequence[str] = ()) -> list[str]:
+    """The ``python -m voila`` command line serving the explorer notebook on loopback, with kvexplore's template
+    (which Voila finds through the ``JUPYTER_PATH`` of :func:`app_environment`)."""
+    argv = [sys.executable, "-m", "voila", str(notebook), "--Voila.ip=127.0.0.1", f"--template={APP_TEMPLATE}"]
+    if no_browser:
+        argv.append("--no-browser")
+    if port is not None:
+        argv.append(f"--port={port}")
+    return argv + list(extra)
+
+
+def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = APP_PROMPT,
+                    base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for Voila and its kernel: the model, strategies and prompt the app notebook reads, and
+    ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after it), where Voila
+    finds the template of :func:`app_command`."""
+    env = dict(os.environ if base is None else base)
+    data = str(app_jupyter_data())
+    others = [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p and p.rstrip(os.sep) != data]
+    env["JUPYTER_PATH"] = os.pathsep.join([data, *others])
+    env[APP_MODEL_ENV] = model
+    env[APP_PROMPT_ENV] = prompt
+    if strategies:
+        env[APP_STRATEGIES_ENV] = ",".join(strategies)
+    else:
+        env.pop(APP_STRATEGIES_ENV, None)
+    return env
+
+
+def _replace_process(argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Become ``argv`` (POSIX exec); elsewhere run it and return its exit status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        os.execve(argv[0], argv, os.environ if env is None else env)
+    return subprocess.call(argv, env=env)
+
+
+def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, no_browser: bool = False,
+        extra: Sequence[str] = ()) -> int:
+    """``kvexplore lab``: copy the missing notebooks into ``folder``, say what was copied and kept, start JupyterLab."""
+    _require("jupyterlab", "JupyterLab", "lab")
+    report = copy_notebooks(DEFAULT_DIR if folder is None else folder)
+    print(report.summary(), flush=True)
+    return _replace_process(lab_command(report.folder, port=port, no_browser=no_browser, extra=extra))
+
+
+def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int | None = None,
+        no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT) -> int:
+    """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden)."""
+    _require("voila", "Voila", "app")
+    _require("ipywidgets", "ipywidgets", "app")
+    with resources.as_file(app_notebook()) as nb:
+        return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
+                                env=app_environment(model, strategies, prompt))

@@ -1,0 +1,63 @@
+"""What a model config may hold, checked: the plausibility bounds, the supported names and the RoPE scalings.
+Shared by the config.json reader (:mod:`.config_json`), the GGUF reader and :class:`~.config.ModelConfig`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .architectures import ARCHITECTURES
+from ..errors import ConfigError, UnsupportedModelError
+from .fields import BOOL, FLOAT, INT, Field, read
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+LAYER_TYPE_NAMES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+# plausibility bounds: past these a config is damaged (the largest released models are far inside them), and
+# sizes this large would make the loader build millions of names or allocate terabytes before failing
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 2048
+MAX_HIDDEN, MAX_FFN, MAX_VOCAB, MAX_POSITIONS = 1 << 16, 1 << 20, 1 << 22, 1 << 30
+
+# rope_scaling / rope_parameters entries, by scaling type
+_ROPE_FIELDS = {
+    "linear": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),),
+    "llama3": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("low_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("high_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
+               Field("original_max_position_embeddings", INT, 1, MAX_POSITIONS)),
+    "yarn": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True), Field("beta_fast", FLOAT, 0, 1e6),
+             Field("beta_slow", FLOAT, 0, 1e6), Field("original_max_position_embeddings", INT, 1, MAX_POSITIONS),
+             Field("truncate", BOOL), Field("attention_factor", FLOAT, 0, 1e6, lo_open=True),
+             Field("mscale", FLOAT, 0, 1e6), Field("mscale_all_dim", FLOAT, 0, 1e6)),
+    "proportional": (Field("partial_rotary_factor", FLOAT, 0, 1), Field("factor", FLOAT, 0, 1e6, lo_open=True)),
+}
+
+
+def checked_rope_scaling(rope: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """``rope`` (without ``rope_theta``) checked for its type: ``None`` for plain RoPE, else a dict with
+    ``rope_type`` and the numbers that type needs, each checked."""
+    if not rope:
+        return None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(kind, str):
+        raise ConfigError(where, "rope_scaling.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{where}: rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    values = read(rope, _ROPE_FIELDS[kind], f"{where} (rope_scaling)")
+    if kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ConfigError(where, "rope_scaling.high_freq_factor", values["high_freq_factor"],
+                          f"more than low_freq_factor ({values['low_freq_factor']})")
+    return {**rope, **{k: v for k, v in values.items() if v is not None}, "rope_type": kind}
+
+
+def mscale_all_dim(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's correction of the softmax scale under YaRN: ``0.1 * mscale_all_dim * ln(factor) + 1``."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0

@@ -1,0 +1,89 @@
+"""What each layer of a model keeps in its cache: the per-layer plan every cache strategy builds from.
+
+Since 2024 the layers of one model no longer keep the same thing. Gemma 3 and gpt-oss interleave *sliding*
+layers (each query reads only the last ``window`` positions, so the layer needs a ring of ``window`` slots, not a
+growing cache) with *full* layers (every position, like Llama). Gemma 4's last layers are *shared*: they read the
+cache of an earlier layer of the same type and store nothing of their own. Gemma 4's full layers also have their
+own head size and number of key/value heads.
+
+:func:`layer_plan` turns a :class:`~kvexplore.config.model_config.ModelConfig` into one :class:`LayerSpec` per layer; the
+cache strategies, the memory formula and the views read nothing else about the model's layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_config import ModelConfig
+
+FULL, SLIDING, SHARED, STATE = "full", "sliding", "shared", "state"
+#: config.json's layer type names -> the layer kinds here
+LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING, "linear_attention": STATE,
+               "indexed_attention": FULL}  # DeepSeek-V3.2: full layers whose attention reads an indexer's top-k
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's cache: ``kind`` full, sliding (a ring of ``window`` slots) or shared (stores nothing, reads
+    layer ``source``); ``attends`` is the attention the layer computes (full or sliding), which a shared layer
+    takes from its source; ``kv_heads`` and ``head_dim`` give its keys' shape, ``value_width`` its values' width.
+    An MLA layer (DeepSeek) stores per position one latent of ``kv_lora_rank`` (in the keys' place) and one rope key
+    of ``qk_rope_head_dim`` (in the values' place): ``kv_heads`` is 1 and nothing is per head."""
+
+    index: int
+    kind: str
+    attends: str
+    window: int | None
+    source: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int = 0  # the second stored tensor's width (0: head_dim, as keys and values are)
+    latent: bool = False  # stores MLA's compressed latent (as "keys") and its rope key (as "values")
+
+    @property
+    def value_width(self) -> int:
+        return self.value_dim or self.head_dim
+
+    @property
+    def stores(self) -> bool:
+        """Whether this layer holds keys and values of its own (a linear-attention layer holds a state instead)."""
+        return self.kind not in (SHARED, STATE)
+
+    def position_bytes(self, itemsize: int) -> int:
+        """Bytes of one position's key and value in this layer (0 for a shared or a state layer)."""
+        return self.kv_heads * (self.head_dim + self.value_width) * itemsize if self.stores else 0
+
+    def held(self, positions: int) -> int:
+        """Positions this layer holds after a sequence of ``positions``: all for full, the last ``window`` for
+        sliding, none for shared or state layers."""
+        if self.kind in (SHARED, STATE):
+            return 0
+        return min(positions, self.window) if self.kind == SLIDING else positions
+
+
+def layer_plan(config: ModelConfig) -> list[LayerSpec]:
+    """One :class:`LayerSpec` per layer of ``config``."""
+    kinds = [LAYER_TYPES[t] for t in config.layer_types]
+    first_shared = config.num_layers - config.num_kv_shared_layers
+    plan = []
+    for i, attends in enumerate(kinds):
+        heads, dim = config.layer_kv_heads(i), config.layer_head_dim(i)
+        window = config.sliding_window if attends == SLIDING else None
+        shape = dict(kv_heads=heads, head_dim=dim)
+        if config.kv_lora_rank:  # MLA: one latent of kv_lora_rank and one rope key per position, no heads
+            # (DeepSeek-V3.2 stores its indexer's key beside the rope key)
+            shape = dict(kv_heads=1, head_dim=config.kv_lora_rank, latent=True,
+                         value_dim=config.qk_rope_head_dim + (config.index_head_dim if config.index_topk else 0))
+        if attends == STATE:  # a fixed-size recurrent state, no positions
+            plan.append(LayerSpec(i, STATE, STATE, None, i, 0, 0))
+        elif i >= first_shared:  # reads the last layer of the same type that stores its own cache
+            source = max(j for j in range(first_shared) if kinds[j] == attends)
+            plan.append(LayerSpec(i, SHARED, attends, window, source, **shape))
+        else:
+            plan.append(LayerSpec(i, attends, attends, window, i, **shape))
+    return plan
+
+
+def kinds_present(plan: list[LayerSpec]) -> list[str]:
+    """The layer kinds of a plan, in the order full, sliding, shared, state (those present)."""
+    return [k for k in (FULL, SLIDING, SHARED, STATE) if any(s.kind == k for s in plan)]

@@ -1,1 +1,0 @@
-"""The explorer's views: each a pure ``spec(records, ...) -> FigureSpec`` (see :mod:`.spec`)."""

@@ -1,0 +1,1 @@
+"""Model files: safetensors folders, GGUF files, tokenizers, the weight check, and :func:`~.loading.load`."""

@@ -1,0 +1,129 @@
+"""``kvexplore.load``: a Hugging Face model folder to a ready :class:`~kvexplore.models.model.Model`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config.model_config import ModelConfig
+from ..errors import LoadError, MissingFileError, SettingsError
+from ..core.settings import choice
+from ..models.model import Model
+from ..models.rope import Rotary
+from .store import MODELS, fetch
+from .tokenizer import Tokenizer
+from .weights import check_finite, load_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` means float32 on CPU and bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise SettingsError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise SettingsError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` means CUDA when there is one, else CPU."""
+    if device is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise SettingsError(f"device {device!r} is not a device torch knows ({e}); use 'cpu' or 'cuda'") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SettingsError("device 'cuda' asked for but torch sees no CUDA device here; use device='cpu'")
+        try:
+            return torch.empty(0, device=device).device
+        except (RuntimeError, AssertionError) as e:
+            raise SettingsError(f"device {str(device)!r} cannot be used ({e}); torch sees "
+                                f"{torch.cuda.device_count()} CUDA device(s): use 'cuda:0'") from e
+    if device.type != "cpu":
+        raise SettingsError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
+    return device
+
+
+def load(source: str | Path, dtype: str | torch.dtype | None = None,
+         device: str | torch.device | None = None, allow_nonfinite: bool = False, mla: str = "absorbed") -> Model:
+    """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``; see ``kvexplore models
+    list``), a Hugging Face style folder or a ``.gguf`` file.
+
+    A folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json``; optionally ``tokenizer.model`` or ``tokenizer.json`` with
+    ``tokenizer_config.json`` / ``generation_config.json``. A GGUF file carries config, weights (dequantized)
+    and tokenizer in one. Every tensor is checked for presence and shape before any is used.
+    ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
+
+    Every config value is checked for type and range, sizes against the files, and every weight for NaN and Inf
+    (refused unless ``allow_nonfinite=True``, for studying a broken checkpoint). Anything wrong raises a
+    :class:`~kvexplore.errors.LoadError` that names the file and the fix.
+
+    ``mla``: how a latent-attention model (DeepSeek-V3) reads its latent cache: ``"absorbed"`` (the key and value
+    up-projections folded into the query and the output, so attention reads the latents directly) or
+    ``"decompressed"`` (the latents expanded into per-head keys and values every step). Both are exact.
+    """
+    choice(mla, "mla", ("absorbed", "decompressed"))
+    if not isinstance(source, (str, Path)):
+        raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
+                            f"{type(source).__name__}")
+    path = Path(source).expanduser()
+    if isinstance(source, str) and source in MODELS and not path.exists():
+        path = fetch(source)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if path.suffix == ".gguf":
+        from .gguf_file import GGUFFile
+
+        gguf = GGUFFile(path)
+        config = gguf.config()
+        tokenizer = gguf.tokenizer(config)
+        tensors = gguf.tensors(config, dtype)
+    elif path.is_dir():
+        config = ModelConfig.from_file(path / "config.json", mla=mla)
+        tokenizer = Tokenizer.from_folder(path, config)
+        tensors = load_weights(path, config, dtype)
+    else:
+        raise (MissingFileError if not path.exists() else LoadError)(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
+                        f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
+                        f"or a GGUF file")
+    if not allow_nonfinite:
+        check_finite(tensors, str(path))
+    return assemble(config, tensors, tokenizer, device, str(path))
+
+
+def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
+             device: torch.device, source: str) -> Model:
+    """A ready model from checked tensors (no random initialisation: modules are built on the meta device)."""
+    if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32:
+        tensors = {n: _column_major(t) if _is_matmul_weight(n, config) else t for n, t in tensors.items()}
+    with torch.device("meta"):
+        model = Model(config)
+    model.load_state_dict({n: t.to(device) for n, t in tensors.items()}, strict=True, assign=True)
+    model.rotary = Rotary(config).to(device)
+    model.tokenizer = tokenizer
+    model.source = source
+    return model.eval()
+
+
+def _is_matmul_weight(name: str, config: ModelConfig) -> bool:
+    """Weights multiplied by activations: projections, the output head (the embedding when tied)."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight" or (
+        name == "model.embed_tokens.weight" and config.tie_word_embeddings)
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    """Same ``[out, in]`` tensor, stored transposed (stride ``(1, out)``). On CPU in float32, ``F.linear`` with
+    one token (a matrix-vector product, all of decoding) runs up to 2x faster from this layout (49152x576: 4.1 vs
+    7.0 ms); values, shape and name are unchanged. In bfloat16 and float16 it is slower (2x and 60x), so those
+    keep the row-major layout. Measured in benchmarks/decode_speed.py."""
+    return w.t().contiguous().t()

@@ -1,0 +1,149 @@
+"""Compiled decoding on the pre-allocated cache: the one-token step as one ``torch.compile`` graph, compiled once for
+the cache's capacity.
+
+What makes it possible is what the pre-allocated cache is: every layer's keys and values live at fixed addresses
+with a fixed shape, ``[1, kv_heads, capacity, head_dim]``. The step takes the position as a tensor, writes the new
+key and value with ``index_copy_`` at that position, and attends over all ``capacity`` slots under a mask
+``slot <= position``, so no shape in the graph depends on how long the sequence is and nothing recompiles as it
+grows. On CUDA the graph is captured once (``mode="reduce-overhead"``: CUDA graphs) and replayed every step.
+
+The graph runs the model's own layers (the same modules, the same numerics as the eager path); only the cache
+under them is replaced by :class:`_InPlace`. The cache's bookkeeping (length, undo, bytes written) is done outside
+the graph by :meth:`PreallocatedCache.note_inplace_write`, so records, rewind and fork work as in eager mode.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from ..caches.preallocated import PreallocatedCache
+from ..errors import SettingsError
+from ..config.layer_plan import FULL
+
+
+def refusal(model: Any, cache: Any) -> str | None:
+    """Why this model and cache cannot decode compiled (None: they can)."""
+    if not isinstance(cache, PreallocatedCache):
+        return f"compiled decoding needs the pre-allocated cache (fixed addresses and shape), not {cache.kind!r}"
+    if cache.batch_size != 1:
+        return "compiled decoding drives one sequence (batch_size=1)"
+    if cache.dtype != model.dtype or cache.device != model.device:
+        return (f"compiled decoding needs the cache in the model's dtype and device ({model.dtype}, {model.device}); "
+                f"this one is {cache.dtype} on {cache.device}")
+    c = model.config
+    if any(s.kind != FULL for s in cache.plan):
+        return "compiled decoding covers models whose layers are all full attention (no sliding, shared or state layers)"
+    if c.num_experts or c.kv_lora_rank or c.attention_sinks or c.attn_logit_softcapping is not None or c.gated_attention:
+        return (f"compiled decoding covers dense Llama-family layers; {c.architecture}'s experts, latent attention, "
+                f"sinks or soft-capping run eager")
+    return None
+
+
+class _InPlace:
+    """What the compiled step's layers see as their cache: the pre-allocated storages, written at a position tensor
+    and read whole under a mask over the capacity."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
+                 mask: torch.Tensor) -> None:
+        self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
+
+    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer].index_copy_(2, self.pos, k)
+        self.values[layer].index_copy_(2, self.pos, v)
+        return self.keys[layer], self.values[layer]
+
+    def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
+        return self._mask
+
+
+class _Step(torch.nn.Module):
+    """The one-token step as a module (so that compiling it freezes the model's weights into the graph)."""
+
+    def __init__(self, model: Any, capacity: int) -> None:
+        super().__init__()
+        self.model = model
+        cos, sin = model.rotary.cos_sin(0, capacity, model.dtype)  # one table for every slot; indexed in the graph
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("slots", torch.arange(capacity, device=model.device), persistent=False)
+
+    def forward(self, token: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> torch.Tensor:
+        model = self.model
+        mask = (self.slots <= pos).view(1, -1)  # (T=1, capacity): the slots written so far, this one included
+        cache = _InPlace(keys, values, pos, mask)
+        cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+        x = model.embed(token)
+        for layer in model.model.layers:
+            x = layer(x, cache, pos, cos, sin, None)
+        return model.logits(model.model.norm(x))[:, -1]
+
+
+class CompiledDecoder:
+    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots.
+
+    ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
+    key and value in ``cache``. One decoder serves any pre-allocated cache of that capacity and dtype (the storages
+    are inputs of the graph, not constants). ``compile_s`` is the time the first step took to compile.
+
+    On the CPU the weights are frozen into the graph and the matrix products autotuned (``freezing`` and
+    ``max_autotune``): inductor's own C++ GEMM on prepacked weights streams one-row products about twice as fast as
+    MKL on this project's machines. The packed weights are a second copy (the model's own stay for eager steps), and
+    a change to the model's weights after the first compiled step is not seen by it. On CUDA the step is captured
+    as a CUDA graph (``mode="reduce-overhead"``).
+    """
+
+    def __init__(self, model: Any, capacity: int, mode: str | None = None) -> None:
+        self.model, self.capacity = model, capacity
+        device = model.device
+        self._module = _Step(model, capacity)
+        self._pos = torch.zeros(1, dtype=torch.long, device=device)  # a fixed address: CUDA graphs replay it
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        if mode is None:
+            mode = "reduce-overhead" if device.type == "cuda" else "max-autotune"
+        self.mode = mode
+        # inductor reads freezing from its global config, not from torch.compile's options: patched per call
+        self._config = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
+                        "autotune_num_choices_displayed": 0} \
+            if mode == "max-autotune" and device.type == "cpu" else {}
+        self._step = torch.compile(self._module, fullgraph=True, dynamic=False,
+                                   mode=None if self._config else mode)
+        self.compile_s: float | None = None
+        self.steps = 0
+
+    def __call__(self, token: int, cache: PreallocatedCache, pos: int) -> torch.Tensor:
+        if cache.capacity != self.capacity:
+            raise SettingsError(f"this compiled step was built for {self.capacity} slots, the cache has "
+                                f"{cache.capacity}: make a decoder for it")
+        self._pos.fill_(pos)
+        self._token.fill_(token)
+        keys = [cache.key(i) for i in cache.full_layers]
+        values = [cache.value(i) for i in cache.full_layers]
+        first = self.compile_s is None
+        t0 = time.perf_counter()
+        import torch._inductor.config as inductor
+
+        with torch.no_grad(), inductor.patch(self._config):
+            logits = self._step(self._token, self._pos, keys, values)
+        if first:
+            self.compile_s = time.perf_counter() - t0
+        self.steps += 1
+        return logits.clone() if self.mode == "reduce-overhead" else logits  # a replayed graph reuses its output
+
+
+_DECODERS: "weakref.WeakKeyDictionary[Any, dict[tuple, CompiledDecoder]]" = weakref.WeakKeyDictionary()
+MODES = ("default", "max-autotune", "reduce-overhead")  # what Generator(compile=...) takes besides True
+
+
+def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool = True) -> CompiledDecoder | None:
+    """The model's compiled step for ``capacity`` slots (and ``mode``; None: the best for the device), built once
+    and shared by its generators (forks, resets)."""
+    by_key = _DECODERS.setdefault(model, {})
+    key = (capacity, mode)
+    if key not in by_key and build:
+        by_key[key] = CompiledDecoder(model, capacity, mode)
+    return by_key.get(key)

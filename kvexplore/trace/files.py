@@ -1,0 +1,162 @@
+"""Saving and loading a run's records: one safetensors file, tensors as tensors and the rest as JSON metadata.
+
+A trace recorded on a GPU can be opened on a laptop with no model: ``history.save("run.kvtrace")`` then
+``kvexplore.load_trace("run.kvtrace")`` gives the same :class:`~kvexplore.StepRecord` list back. The format is
+versioned; a file from a newer format is refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..caches.base import SlotView
+from ..caches.layout import LinearLayout, layout_from_dict
+from ..errors import CorruptFileError, LoadError, MissingFileError
+from ..caches.memory import LayerMemory, MemoryReport
+from .records import Candidate, StepRecord
+from .tracer import AttentionHistory, CacheEvent, StepTrace
+
+FORMAT = "kvexplore-trace"
+VERSION = 3  # 2: slot views and reads per layer, typed layouts; 3: the run's meta (prompt, strategy, model)
+
+
+class History(list):
+    """A generator's records, one per generated token, with :meth:`save` and :meth:`save_html`.
+
+    ``meta`` describes the run (what a replay or a diff needs beyond the records): ``prompt_ids``,
+    ``prompt_texts``, ``kind`` (the cache strategy) and ``model`` (its name and the few figures the views draw:
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``gqa_groups``, ``attention_sinks``)."""
+
+    def __init__(self, records=(), meta: dict | None = None) -> None:
+        super().__init__(records)
+        self.meta = dict(meta if meta is not None else getattr(records, "meta", {}))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
+        return save_trace(self, path)
+
+    def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None) -> Path:
+        """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`)."""
+        from ..replay.page import save_html
+
+        return save_html({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
+
+
+def save_trace(records: list[StepRecord], path: str | Path) -> Path:
+    """Write ``records`` (with their traces, and the run's ``meta`` when they are a :class:`History`)."""
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    rows = []
+    for i, r in enumerate(records):
+        row = {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("top", "memory", "trace")}
+        row["top"] = [asdict(c) for c in r.top]
+        row["memory"] = None if r.memory is None else asdict(r.memory)
+        row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
+        rows.append(row)
+    meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows),
+            "run": json.dumps(getattr(records, "meta", {}))}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=meta)
+    return path
+
+
+def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict:
+    for layer in t.attention_layers:
+        tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
+    for name, value in t.qkv.items():
+        tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
+    views, view_of = _unique(t.layer_slots)
+    reads, read_of = _unique(t.layer_reads)
+    return {"events": [asdict(e) for e in t.events],
+            "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": view_of,
+            "reads": reads, "read_of": read_of, "main_layer": t.main_layer,
+            "gqa_groups": t.gqa_groups, "heads": t.heads,
+            "attention_layers": t.attention_layers, "qkv": sorted(t.qkv)}
+
+
+def _unique(items: list) -> tuple[list, list[int]]:
+    """The distinct objects of ``items`` (layers of one kind share one) and the index of each item's."""
+    index: dict[int, int] = {}
+    unique, of = [], []
+    for item in items:
+        if id(item) not in index:
+            index[id(item)] = len(unique)
+            unique.append(item)
+        of.append(index[id(item)])
+    return unique, of
+
+
+def load_trace(path: str | Path) -> History:
+    """Read records written by :func:`save_trace` (no model needed), with the run's ``meta`` (empty before
+    format version 3)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"trace {path} not found; save one with history.save(path) or kvexplore generate "
+                               f"--trace")
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError
+        raise CorruptFileError(f"{path} is not a readable kvexplore trace ({e})") from e
+    meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise LoadError(f"{path} is not a kvexplore trace (format {meta.get('format')!r})")
+    try:
+        version = int(meta.get("version", 0))
+    except ValueError as e:
+        raise CorruptFileError(f"{path}: trace format version {meta.get('version')!r} is not a number") from e
+    if version > VERSION:
+        raise LoadError(f"{path} is a trace of format version {version}, newer than this kvexplore reads "
+                        f"({VERSION}); upgrade kvexplore to open it")
+    try:
+        return History(_records(json.loads(meta["records"]), f), json.loads(meta.get("run", "{}")))
+    except (KeyError, TypeError, ValueError, AttributeError, SafetensorError) as e:  # json errors are ValueErrors
+        raise CorruptFileError(f"{path}: the trace's records are damaged ({type(e).__name__}: {e}); record the run "
+                               f"again") from e
+
+
+def _records(rows: list, f) -> list[StepRecord]:
+    history = AttentionHistory()
+    records = []
+    for i, row in enumerate(rows):
+        trace = row.pop("trace")
+        memory = row.pop("memory")
+        records.append(StepRecord(
+            **row | {"top": [Candidate(**c) for c in row["top"]]},
+            memory=None if memory is None else _memory(memory),
+            trace=None if trace is None else _trace(trace, f"{i}", f, history)))
+    return records
+
+
+def _memory(row: dict) -> MemoryReport:
+    layers = row.pop("layers", ())
+    return MemoryReport(**row, layers=tuple(LayerMemory(**m) for m in layers) if isinstance(layers, list) else ())
+
+
+def _view(row: dict) -> SlotView:
+    layout = row.pop("layout", None)
+    return SlotView(**row, layout=layout_from_dict(layout) if layout else LinearLayout())
+
+
+def _trace(row: dict, key: str, f, history: AttentionHistory) -> StepTrace:
+    if "views" in row:
+        views = [_view(v) for v in row["views"]]
+        layer_slots = [views[i] for i in row["view_of"]]
+        layer_reads = [row["reads"][i] for i in row["read_of"]]
+    else:  # version 1: one slot view and one read for every layer
+        layer_slots = [] if row["slots"] is None else [_view(row["slots"])]
+        layer_reads = [row["read_positions"]]
+    return StepTrace(
+        events=[CacheEvent(**(e | {"write": tuple(e["write"]), "read": tuple(e["read"]),
+                                    "read_shape": tuple(e["read_shape"]), "stride": tuple(e["stride"])}))
+                for e in row["events"]],
+        layer_slots=layer_slots, layer_reads=layer_reads, main_layer=row.get("main_layer", 0),
+        gqa_groups=row["gqa_groups"], heads=row["heads"],
+        qkv={name: f.get_tensor(f"{key}.qkv.{name}") for name in row["qkv"]},
+        _attention={layer: history.append(f.get_tensor(f"{key}.attention.{layer}"))
+                    for layer in row["attention_layers"]},
+        _history=history)

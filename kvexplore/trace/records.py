@@ -1,0 +1,46 @@
+"""What one generation step produced: the record widgets and the CLI read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..caches.memory import MemoryReport
+from .tracer import StepTrace
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One of the most likely next tokens, under the model's unfiltered distribution."""
+
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass
+class StepRecord:
+    """One new token.
+
+    ``position`` is where the token sits in the sequence (it is written to the cache by the *next* forward
+    pass); ``input_len`` is how many tokens this step's forward pass fed (the whole prompt at prefill, 1 per
+    decode step with a cache, the whole sequence without one).
+    """
+
+    step: int  # 0 for the token chosen after prefill, then 1, 2, ...
+    kind: str  # "prefill" or "decode"
+    token_id: int
+    text: str
+    position: int
+    input_len: int
+    cache_length: int  # positions held by the cache after this step's forward pass
+    prob: float  # probability of the chosen token under the unfiltered distribution
+    top: list[Candidate] = field(default_factory=list)
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    is_eos: bool = False
+    memory: MemoryReport | None = None  # the cache's memory after this step's forward pass
+    trace: StepTrace | None = None  # what a Tracer recorded (None without one)
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.forward_s + self.sample_s

@@ -1,0 +1,262 @@
+"""Cache map: layers x physical slots, coloured by what each slot holds and what this step did with it.
+
+Each layer is drawn in its own layout (its :class:`~kvexplore.caches.SlotView`): a full layer's fill grows (the
+pre-allocated cache's write window is ``k.narrow(2, pos, q_len)`` and its read window ``k.narrow(2, 0, pos + q_len)``),
+a sliding layer's ring is only ``window`` slots wide and the written slot moves round it, a shared layer has no
+slots and points at the layer it reads. The strategy's own storage order is kept: the paged cache its pages, the
+quantized cache its quantized slots then its residual, the sink cache its sinks then its ring. What a layout adds
+(marks, ticks, a line of title) comes from the typed layout itself, so a new strategy draws with no change here.
+One row of tokens per kind of layout, on top, names what each slot holds when hovered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
+from ..caches.layout import EmptyLayout, SharedLayout
+from ..trace.records import StepRecord
+from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
+from .spec import FigureSpec, columns, hide_axes, slot_range
+
+CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
+
+
+def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
+                 layer: int | None = None) -> list[str]:
+    """The class of every physical slot of ``layer`` (see :data:`SLOT_CLASSES`): after ``record``'s step, or in
+    ``slots`` (the cache now) with the step's windows marked only when the cache is still as the step left it
+    (``fresh``). ``layer`` None: the trace's main layer."""
+    trace = record.trace
+    layer = trace.main_layer if layer is None else layer
+    slots = slots if slots is not None else trace.slots_of(layer)
+    written = _written(record, layer) if fresh else set()
+    read = set(trace.reads_of(layer)) if fresh else {p for p in slots.positions if p >= 0}
+    out = []
+    for state, pos, sharers in zip(slots.states, slots.positions, slots.sharers):
+        if state in (FILLED, SHARED) and pos >= 0:
+            if pos in written:
+                out.append("written")
+            elif pos in read:
+                out.append("shared" if state == SHARED or sharers > 1 else "read")
+            else:
+                out.append("not read")
+        elif state in (FILLED, SHARED):
+            out.append("not read")
+        else:
+            out.append({FREE: "free", STALE: "stale", EVICTED: "evicted"}[state])
+    return out
+
+
+def _written(record: StepRecord, layer: int) -> set[int]:
+    for event in record.trace.events:
+        if event.layer == layer:
+            start, count = event.write
+            return set(range(start, start + count))
+    return set()
+
+
+def _groups(views: Sequence[SlotView], reads: Sequence[list[int]]) -> list[tuple[SlotView, list[int]]]:
+    """The layers that draw alike (the same slot view and the same positions read: layers of one kind share both,
+    a sparse attention reads its own) and the view each draws."""
+    out: dict[tuple[int, int], tuple[SlotView, list[int]]] = {}
+    for layer, view in enumerate(views):
+        key = (id(view), id(reads[layer]) if reads else 0)
+        out.setdefault(key, (view, []))[1].append(layer)
+    return list(out.values())
+
+
+def _by_layout(groups: list) -> list:
+    """One entry per distinct slot view, with every layer that has it (for the token rows and the title)."""
+    out: dict[int, tuple] = {}
+    for view, layers, classes in groups:
+        if id(view) in out:
+            out[id(view)][1].extend(layers)
+        else:
+            out[id(view)] = (view, list(layers), classes)
+    return [(view, sorted(layers), classes) for view, layers, classes in out.values()]
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs ``(first, last)`` of a sorted list of layer numbers."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]
+
+
+def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
+         title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "") -> FigureSpec:
+    """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
+
+    ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
+    when the cache is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not
+    drawn."""
+    views: list[SlotView] = []
+    if record is not None and record.trace is not None:
+        recorded = record.trace.layer_slots
+        views = list(slots) if slots is not None else [record.trace.slots_of(i) for i in range(num_layers)] \
+            if recorded else []
+    reads = [record.trace.reads_of(i) for i in range(num_layers)] if views else []
+    groups = [(v, layers, slot_classes(record, v, fresh, layers[0]) if v.states else [])
+              for v, layers in _groups(views, reads)]
+    main_layer = record.trace.main_layer if views else 0
+    groups.sort(key=lambda g: main_layer not in g[1])  # the main (first full) layer's layout first
+    rows_drawn = [(v, layers, classes) for v, layers, classes in groups if classes]
+    layouts = _by_layout(groups)
+    drawn = [(v, layers, classes) for v, layers, classes in layouts if classes]
+    kinds = {m.layer: m.kind for m in record.memory.layers} if views and record.memory is not None else {}
+    n = max((len(c) for _, _, c in drawn), default=0)
+    grid = np.zeros((num_layers, max(n, 1)), dtype=np.int8)
+    keep = np.zeros_like(grid, dtype=bool)
+    for _, layers, classes in rows_drawn:
+        row = np.array([CODE[c] for c in classes], dtype=np.int8)
+        grid[layers, : len(row)] = row
+        keep[layers, : len(row)] = True
+    empty = [layer for layer in range(num_layers) if not keep[layer].any()]
+    if n and empty:  # a layer without slots (shared, state) still needs its row, or plotly stretches its neighbours
+        grid = grid.astype(np.float32)  # over it: one blank (NaN) cell defines the row
+        grid[empty, 0] = np.nan
+        keep[empty, 0] = True
+    scale = dict(zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5, colorscale=discrete_colorscale(SLOT_COLOURS))
+    heat = dict(type="heatmap", name="slots", **columns(grid, keep), xgap=1 if n <= 128 else 0, ygap=1, xaxis="x",
+                hoverongaps=False,
+                yaxis="y", hovertemplate="layer %{y} · slot %{x}<br>(hover the token rows for what it holds)"
+                                         "<extra></extra>", showscale=False, **scale)
+    traces = [heat]
+    labels = []
+    for i, (view, layers, classes) in enumerate(drawn):  # one token row per kind of layout
+        row = np.array([CODE[c] for c in classes], dtype=np.int8)
+        hover = [_hover(s, view.positions[s], classes[s], token_texts) for s in range(len(classes))]
+        traces.append(dict(type="heatmap", name="tokens" if i == 0 else f"tokens {i + 1}", z=row[None, :],
+                           customdata=[hover], x=np.arange(len(classes)), y=[i], xgap=1 if n <= 128 else 0,
+                           xaxis="x", yaxis="y2", showscale=False, hovertemplate="%{customdata}<extra></extra>",
+                           **scale))
+        labels.append("token" if len(drawn) == 1 else f"{kinds.get(layers[0], 'layer')} ({len(layers)})")
+    # the legend: one square per slot class (a heatmap has none of its own)
+    traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
+                    marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
+                    hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
+    used = [s for _, _, classes in drawn for s, c in enumerate(classes) if c != "free"]
+    view_range = slot_range(n, max(used) if used else 0)
+    shapes, annotations = _marks(layouts, n)
+    main = drawn[0][0].layout if drawn else None
+    ticks = {}
+    if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
+        ticks = dict(tickvals=t[0], ticktext=t[1])
+    if record is None:
+        annotations.append(_note("no step yet: enter a prompt and press Prefill"))
+    elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in layouts):
+        annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
+                                 f"(0..{record.position - 1}); nothing is kept between steps"))
+    order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
+    rows = max(1, len(drawn))
+    layout = dict(title=dict(text=title or _title(record, kind, layouts, fresh, after), font=dict(size=13), x=0.01,
+                             xanchor="left"),
+                  xaxis=dict(title=dict(text=f"physical slot ({order})" + _zoomed(view_range, n), standoff=4),
+                             range=view_range, **ticks),
+                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
+                             domain=[0, 0.84 - 0.04 * (rows - 1)]),
+                  yaxis2=dict(domain=[0.88 - 0.04 * (rows - 1), 1], anchor="x", tickvals=list(range(rows)),
+                              ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),
+                  shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
+                  legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
+                              title=dict(text="slot")),
+                  margin=dict(l=60 if rows == 1 else 90, r=20, t=90 + 14 * max(0, len(layouts) - 1), b=50))
+    return FigureSpec(traces, hide_axes(layout) if not n else layout)
+
+
+def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
+    """Each layout's marks over the rows of its layers, and a note on every row whose layer has no slots (a shared
+    layer pointing at its source, a linear-attention layer's fixed state)."""
+    shapes, annotations = [], []
+    for view, layers, _ in groups:
+        if not view.states:
+            label = "shared: " if isinstance(view.layout, SharedLayout) else ""
+            for layer in layers if view.layout.summary() else []:
+                annotations.append(dict(text=label + view.layout.summary(),
+                                        x=-0.5, y=layer, xref="x", yref="y", xanchor="left", showarrow=False,
+                                        font=dict(size=10, color="#555")))
+            continue
+        for first, last in _runs(layers):
+            for mark in view.layout.marks(len(view.states)):
+                shapes.append(dict(type="line", xref="x", yref="y", x0=mark.at - 0.5, x1=mark.at - 0.5,
+                                   y0=first - 0.5, y1=last + 0.5, line=dict(color=mark.colour, width=1.5,
+                                                                             dash=mark.dash)))
+                if mark.label and first == layers[0]:
+                    annotations.append(dict(text=mark.label, x=mark.at - 0.5, y=first - 0.5, xref="x", yref="y",
+                                            yanchor="bottom", xanchor="left", showarrow=False,
+                                            font=dict(size=11, color=mark.colour)))
+    return shapes, annotations
+
+
+def _zoomed(view_range: list[float], n: int) -> str:
+    shown = int(view_range[1] + 0.5)
+    return f" · slots 0..{shown - 1} of {n} shown (autoscale: all)" if shown < n else ""
+
+
+def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
+    if pos < 0:
+        return f"slot {slot}: {cls}, {SLOT_MEANING[cls]}"
+    tok = repr(token_texts[pos]) if pos < len(token_texts) else ""
+    return f"slot {slot} · position {pos} {tok}<br>{cls}: {SLOT_MEANING[cls]}"
+
+
+def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, after: str = "") -> str:
+    if record is None:
+        return f"{kind}: empty"
+    main = next(((v, layers, c) for v, layers, c in groups if c), None)
+    classes = main[2] if main else []
+    held = sum(c in ("read", "shared", "written", "not read") for c in classes)
+    head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
+    if not fresh and after == "rewind":
+        head += f" · after a rewind ({classes.count('stale')} stale)"
+    elif not fresh and after:
+        head += f" · after a {after}"
+    elif record.trace and record.trace.events and main is not None:
+        event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
+        head += " · " + main[0].layout.step(event.write, event.read[1], event.view)
+    lines, shared = [], []
+    for view, layers, _ in groups:
+        if isinstance(view.layout, SharedLayout):  # one line for every shared layer
+            shared += [f"{layer} reads {view.layout.source}" for layer in layers]
+            continue
+        summary = view.layout.summary()
+        if len(groups) > 1:
+            name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_span(layers)}"
+            summary = f"{name}: {summary or view.layout.order}"
+        if summary:
+            lines.append(summary)
+    if shared:
+        lines.append(f"shared layers store nothing: {', '.join(shared[:6])}{', ...' if len(shared) > 6 else ''}")
+    return "<br>".join([head, *lines[:3]])
+
+
+def _span(layers: list[int]) -> str:
+    runs = _runs(layers)
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:4])
+    return text + (", ..." if len(runs) > 4 else "")
+
+
+def _note(text: str) -> dict:
+    return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=13))
+
+
+def from_snapshot(s, lane: str | None = None) -> FigureSpec:
+    """The cache map of lane ``lane`` (default: the lane shown) of a :class:`~..snapshot.Snapshot`."""
+    ln = s.lanes[lane or s.shown]
+    d = ln.detail
+    return spec(ln.last, ln.kind, s.config.num_layers, d.texts if d else (), slots=d.slots if d else None,
+                fresh=s.fresh, after=s.last_op)
+
+
+def second_from_snapshot(s) -> FigureSpec:
+    """The second strategy's cache map (side by side); empty when there is none."""
+    if s.second is None:
+        return spec(None, "—", s.config.num_layers, title="pick a second strategy to compare")
+    return from_snapshot(s, s.second)

@@ -1,0 +1,88 @@
+"""What the views need of a session, taken once per refresh: every lane's records and comparison figures, and for
+the lanes on screen their slots, key/value norms, stored error and token texts.
+
+Views are functions of a :class:`Snapshot` (see :mod:`.registry`); they never reach into a session, a cache or a
+tracer, and never ask what kind of cache they look at beyond the ``kind`` label each lane carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..caches.base import SlotView
+from ..config.model_config import ModelConfig
+from ..trace.records import StepRecord
+
+
+@dataclass
+class LaneDetail:
+    """A lane on screen, as it is now."""
+
+    texts: list[str]  # the text of every position
+    slots: list[SlotView] | None  # the cache's slots now, per layer (None before any step)
+    norms: torch.Tensor | None  # (2, kv_heads, positions) of the chosen layer; NaN where nothing was recorded
+    stored_error: torch.Tensor | None  # (kv_heads, length): the cache's error for the chosen layer (lossy caches)
+    state: tuple[list[int], torch.Tensor] | None = None  # a linear-attention layer's state norms over the steps
+
+
+@dataclass
+class LaneSnapshot:
+    name: str
+    kind: str
+    history: list[StepRecord]
+    kl: list[float | None]
+    top1: list[bool | None]
+    forced: set[int]
+    detail: LaneDetail | None = None  # for the lanes on screen only
+
+    @property
+    def last(self) -> StepRecord | None:
+        return self.history[-1] if self.history else None
+
+
+@dataclass
+class Snapshot:
+    config: ModelConfig
+    lanes: dict[str, LaneSnapshot]
+    reference: str
+    shown: str  # the lane the cache map, attention and tensors draw
+    second: str | None  # the lane of the second cache map (side by side), if any
+    layer: int
+    head: int
+    last_op: str  # the session's last operation: the step's windows are drawn only right after a prefill or step
+    cuda: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lane(self) -> LaneSnapshot:
+        return self.lanes[self.shown]
+
+    @property
+    def fresh(self) -> bool:
+        return self.last_op in ("prefill", "step")
+
+    def records(self) -> dict[str, list[StepRecord]]:
+        return {n: l.history for n, l in self.lanes.items()}
+
+
+def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, head: int) -> Snapshot:
+    """The snapshot of ``session`` with ``shown`` (and ``second``) on screen; ``strip`` names the tokens."""
+    tokenizer = session.model.tokenizer
+    lanes = {}
+    for name, lane in session.lanes.items():
+        lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at))
+    for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
+        lane = session.lanes[name]
+        has = bool(lane.history)
+        lanes[name].detail = LaneDetail(
+            texts=strip.texts(tokenizer, lane.generator),
+            slots=lane.cache.slot_views() if has else None,
+            norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
+            stored_error=lane.cache.stored_error(layer) if has else None,
+            state=lane.tracer.state_history(layer, lane.cache.length) if has else None)
+    return Snapshot(session.model.config, lanes, session.reference.name, shown,
+                    second if second in session.lanes else None, layer, head, session.last_op,
+                    session.model.device.type == "cuda")

@@ -1,0 +1,102 @@
+"""Tensors: the size of every stored key and value (L2 norm over head_dim) per physical slot and KV head, and for
+the quantized cache the error its integers introduce (max |x - dequant(quant(x))| per position and head).
+
+Norms come from the keys and values as the model produced them for each position (RoPE rotates pairs of
+channels, so a key's norm is the same before and after it); empty, stale and evicted slots are left blank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..caches.base import SlotView
+from ..trace.records import StepRecord
+from .spec import FigureSpec, columns, hide_axes, slot_range
+
+
+def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
+    """``norms`` (kv_heads, logical positions) laid out over physical slots: float32, NaN where no position."""
+    pos = np.asarray(positions, dtype=np.int64)
+    ok = (pos >= 0) & (pos < norms.shape[-1])
+    out = np.full((norms.shape[0], len(pos)), np.nan, dtype=np.float32)
+    out[:, ok] = norms.numpy()[:, pos[ok]]
+    return out
+
+
+def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
+         quant_error: torch.Tensor | None = None, slots: SlotView | None = None) -> FigureSpec:
+    """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
+    ``slots``: the cache's slot view now (default: the one recorded with ``record``)."""
+    if slots is None and record is not None and record.trace is not None:
+        slots = record.trace.slots_of(layer)
+    positions = list(slots.positions) if slots is not None and slots.positions else (
+        list(range(record.position)) if record is not None else [])  # no cache: every position was recomputed
+    empty = np.zeros((0, 0), np.float32)
+    k_rows = physical(norms[0], positions) if norms is not None else empty
+    v_rows = physical(norms[1], positions) if norms is not None else empty
+    kvh = len(k_rows)
+    qe = quant_error.numpy() if quant_error is not None else empty
+    common = dict(colorscale="Viridis", xgap=0, ygap=1)
+    # flat float32 columns travel as binary buffers, where NaN (an empty slot, drawn as a gap) is allowed; a 2-D
+    # array would travel as JSON, which has no NaN
+    traces = [
+        dict(type="heatmap", name="key norms", **columns(k_rows), xaxis="x", hoverongaps=False,
+             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · slot %{x}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="value norms", **columns(v_rows), xaxis="x2", hoverongaps=False,
+             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · slot %{x}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
+        dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds", zmin=0,
+             xaxis="x3", yaxis="y3", ygap=1,
+             colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12),
+             hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
+    ]
+    held = [i for i, p in enumerate(positions) if p >= 0]
+    span = slot_range(len(positions), held[-1] if held else 0)
+    note = [] if quant_error is not None else [dict(
+        text="exact cache: stored as computed, no error", xref="paper",
+        yref="paper", x=0.46, y=0.11, showarrow=False, font=dict(size=11, color="#666"))]
+    layout = dict(
+        height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
+        title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
+        xaxis=dict(domain=[0, 0.92], anchor="y", range=span, matches="x2"),
+        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="keys<br>KV head"), dtick=1, range=[-0.5, kvh - 0.5]),
+        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=0), range=span),
+        yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
+                    range=[-0.5, kvh - 0.5]),
+        xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=0)),
+        yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1),
+        annotations=note,
+    )
+    return FigureSpec(traces, layout if positions else hide_axes(layout))
+
+
+def state_spec(history: tuple[list[int], torch.Tensor], layer: int) -> FigureSpec:
+    """A linear-attention layer: no stored keys or values, but one state matrix per value head, rewritten every step.
+    ``history``: the sequence lengths at which it was recorded and each head's ``‖S‖`` then, ``(steps, heads)``."""
+    ends, norms = history
+    z = norms.numpy().astype(np.float32).T  # (heads, steps)
+    heads = z.shape[0]
+    trace = dict(type="heatmap", name="state norms", **columns(z), colorscale="Viridis", xgap=0, ygap=1,
+                 colorbar=dict(title=dict(text="‖S‖"), thickness=12),
+                 hovertemplate="value head %{y} · record %{x}<br>‖S‖ = %{z:.3f}<extra></extra>")
+    every = max(1, len(ends) // 12)
+    layout = dict(height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
+                  title=dict(text=f"recurrent state · layer {layer} (linear attention: a fixed block, no slots)",
+                             font=dict(size=13)),
+                  xaxis=dict(title=dict(text="after the step that reached length"), tickvals=list(range(0, len(ends), every)),
+                             ticktext=[str(n) for n in ends[::every]]),
+                  yaxis=dict(title=dict(text="value head"), dtick=1, range=[-0.5, heads - 0.5]))
+    return FigureSpec([trace], layout)
+
+
+def from_snapshot(s) -> FigureSpec:
+    ln = s.lane
+    d = ln.detail
+    if d is not None and d.state is not None:
+        return state_spec(d.state, s.layer)
+    return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
+                d.slots[s.layer] if d and d.slots else None)

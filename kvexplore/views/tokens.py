@@ -1,0 +1,52 @@
+"""The token strip: the prompt and the generated tokens, coloured by step; hovering a token shows its position and
+the candidates the model weighed when it chose it. Plain HTML for an ``ipywidgets.HTML``."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from ..trace.records import StepRecord
+from .palette import step_colour
+
+STYLE = """<style>
+.kvx-strip {font-family: 'Liberation Mono', Menlo, Consolas, monospace; font-size: 13px; line-height: 1.9;
+            white-space: pre-wrap; word-break: break-all; max-height: 5.8em; overflow-y: auto; padding: 4px;
+            border: 1px solid #ddd; border-radius: 4px; background: #fff;}
+.kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
+.kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
+.kvx-tok.kvx-last {outline: 2px solid #f16913;}
+.kvx-presenting .kvx-strip {font-size: 18px;}
+</style>"""
+
+
+def _show(text: str) -> str:
+    """Whitespace made visible enough to count tokens; newlines kept as line breaks; a token with no text (a
+    special token such as bos) shows as ∅."""
+    if not text:
+        return "∅"
+    return html.escape(text.replace(" ", "·").replace("\t", "→")).replace("\n", "↵\n")
+
+
+def prompt_spans(prompt_texts: Sequence[str]) -> str:
+    """The prompt's tokens, one ``<span class="kvx-tok kvx-prompt-tok">`` each."""
+    return "".join(f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>'
+                   for pos, text in enumerate(prompt_texts))
+
+
+def token_span(record: StepRecord, last: bool = False) -> str:
+    """One generated token: its step's colour, the newest outlined; the tooltip lists the candidates."""
+    top = "\n".join(f"  {c.text!r}  {c.prob:.3f}" for c in record.top)
+    tip = html.escape(f"step {record.step} ({record.kind}) · position {record.position} · p = {record.prob:.3f}"
+                      f"\ncandidates:\n{top}", quote=True)
+    return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}" style="background:{step_colour(record.step)}" '
+            f'title="{tip}">{_show(record.text)}</span>')
+
+
+def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] | Sequence[str]) -> str:
+    """The whole strip: the prompt (texts, or :func:`prompt_spans` already made), then one span per record (or the
+    spans already made with :func:`token_span`)."""
+    head = prompt_texts if isinstance(prompt_texts, str) else prompt_spans(prompt_texts)
+    n = len(records)
+    spans = [r if isinstance(r, str) else token_span(r, last=i == n - 1) for i, r in enumerate(records)]
+    return f'{STYLE}<div class="kvx-strip">{head}{"".join(spans)}</div>'
