@@ -15,6 +15,7 @@ from .quantized import QuantizedCache
 from .sink import SinkCache
 from ..errors import SettingsError
 from .memory import kv_bytes
+from ..core.devices import resolve_device
 from ..core.settings import choice, positive_int
 
 STRATEGIES: dict[str, type[KVCache]] = {
@@ -51,8 +52,6 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     if dtype is not None and not dtype.is_floating_point:
         raise SettingsError(f"dtype {dtype} cannot hold keys and values; use a floating-point dtype")
     if device is not None:
-        from ..formats.loading import resolve_device
-
         device = resolve_device(device)
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)
     slots = max_seq_len or min(model.config.max_position_embeddings, 2048)

@@ -138,7 +138,10 @@ def _models(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .. import Generator, Tracer, load, make_cache
+    from ..caches.factory import make_cache
+    from ..formats.loading import load
+    from ..runtime.generator import Generator
+    from ..trace.tracer import Tracer
     from ..trace.textview import LEGEND, step_view
     from ..caches.memory import kv_bytes
 

@@ -45,6 +45,26 @@ class LayerSpec:
         return self.value_dim or self.head_dim
 
     @property
+    def shares(self) -> bool:
+        """Whether this layer stores nothing and reads layer ``source``'s cache (Gemma 4's last layers)."""
+        return self.kind == SHARED
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether this layer keeps a fixed-size recurrent state instead of keys and values (gated DeltaNet)."""
+        return self.kind == STATE
+
+    @property
+    def ring(self) -> bool:
+        """Whether this layer stores its own keys and values in a ring of ``window`` slots (a sliding layer)."""
+        return self.kind == SLIDING
+
+    @property
+    def windowed(self) -> bool:
+        """Whether this layer's attention reads only the last ``window`` positions (its own ring or its source's)."""
+        return self.attends == SLIDING
+
+    @property
     def stores(self) -> bool:
         """Whether this layer holds keys and values of its own (a linear-attention layer holds a state instead)."""
         return self.kind not in (SHARED, STATE)

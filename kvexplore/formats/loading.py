@@ -8,6 +8,7 @@ import torch
 
 from ..config.model_config import ModelConfig
 from ..errors import LoadError, MissingFileError, SettingsError
+from ..core.devices import resolve_device
 from ..core.settings import choice
 from ..models.model import Model
 from ..models.rope import Rotary
@@ -30,27 +31,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SettingsError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` means CUDA when there is one, else CPU."""
-    if device is None:
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise SettingsError(f"device {device!r} is not a device torch knows ({e}); use 'cpu' or 'cuda'") from e
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SettingsError("device 'cuda' asked for but torch sees no CUDA device here; use device='cpu'")
-        try:
-            return torch.empty(0, device=device).device
-        except (RuntimeError, AssertionError) as e:
-            raise SettingsError(f"device {str(device)!r} cannot be used ({e}); torch sees "
-                                f"{torch.cuda.device_count()} CUDA device(s): use 'cuda:0'") from e
-    if device.type != "cpu":
-        raise SettingsError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
-    return device
 
 
 def load(source: str | Path, dtype: str | torch.dtype | None = None,

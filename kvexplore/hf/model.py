@@ -198,7 +198,8 @@ def as_tokenizer(tokenizer: Any, config: ModelConfig) -> Tokenizer | None:
 def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None) -> HFModel:
     """Load a folder (or a named kvexplore model: its converted folder) with transformers'
     ``AutoModelForCausalLM``, with its tokenizer read by kvexplore."""
-    from ..formats.loading import resolve_device, resolve_dtype
+    from ..core.devices import resolve_device
+    from ..formats.loading import resolve_dtype
     from ..formats.store import MODELS, fetch
 
     transformers = _transformers()
