@@ -203,9 +203,7 @@ class KVCache(CacheInspection, ModelCache):
         had_step = self._journal is not None
         window = Window(self.allocator if had_step else None)
         with window:
-            self._journal, self._saved = None, None
-            if self._cur is not None:
-                self._cur.reads = {}
+            self._journal, self._saved, self._cur = None, None, None  # the step held the journal and its reads
         if self._report is not None:
             for name, n in window.figures().items():
                 self._report.cuda[name] = self._report.cuda.get(name, 0) + n
