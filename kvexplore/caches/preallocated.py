@@ -61,6 +61,16 @@ class PreallocatedCache(KVCache):
         """The live value storage of ``layer``, all ``capacity`` slots."""
         return self.layers[layer].v if layer in self.full_layers else None
 
+    # what notebooks/07's planted bugs subclass: the storages by layer (None for the layers it does not serve) and
+    # the slots written at some point
+    @property
+    def _k(self) -> list[torch.Tensor | None]:
+        return [self.key(i) for i in range(len(self.layers))]
+
+    @property
+    def _v(self) -> list[torch.Tensor | None]:
+        return [self.value(i) for i in range(len(self.layers))]
+
     @property
     def _high_water(self) -> int:
         return self.layers[self.full_layers[0]].high_water if self.full_layers else 0

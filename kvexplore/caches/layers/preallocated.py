@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from ..layer import FullLayer, Step
-from ..layout import LinearLayout
 from ..slots import FILLED, FREE, STALE, SlotView
 
 
