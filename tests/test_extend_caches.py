@@ -296,6 +296,20 @@ def test_a_toy_layer_kind_runs_in_the_generator_and_replay(every_other, tmp_path
     assert [r.token_id for r in cached.history] == [r.token_id for r in recomputed.history]
 
 
+def test_a_toy_layer_kind_shows_in_the_explorers_snapshot(every_other):
+    pytest.importorskip("plotly")
+    pytest.importorskip("ipywidgets")
+    ex = kvexplore.Explorer(every_other, strategies=("preallocated", "none"), max_seq_len=48)
+    ex.prompt = "Call me"
+    ex.run(4)
+    snap = ex.snapshot()
+    lane = snap.lanes["preallocated"]
+    n = lane.history[-1].cache_length
+    assert [r.token_id for r in lane.history] == [r.token_id for r in snap.lanes["none"].history]
+    assert lane.detail.slots[1].positions == list(range(0, n, 2))  # the every-other layer's own slots
+    assert lane.detail.slots[0].positions[:n] == list(range(n))
+
+
 # -- the model-level protocol -----------------------------------------------------------------------------------
 def test_kvexplore_and_transformers_caches_declare_the_same_protocol():
     from kvexplore.hf.cache import HFCache
