@@ -124,6 +124,9 @@ class EveryOtherLayer(StoredLayer):
     def held(self, length):
         return len(self._kept(length))
 
+    def held_positions(self, length):
+        return self._kept(length)
+
     def read_positions(self, length):
         return list(self.last_read) if self.last_read is not None else self._kept(length)
 
@@ -276,7 +279,8 @@ def test_a_toy_layer_kind_equals_its_own_recomputation(every_other, trained):
     assert (got - plain).abs().max() > 1e-3  # the kind matters: this is not plain attention
     n = len(ids)
     assert cache.layers[1].held(n) == (n + 1) // 2 and cache.read_positions(1) == [*range(0, n - 1, 2), n - 1]
-    assert cache.slot_view(1).positions == list(range(0, n, 2))
+    assert cache.slot_view(1).positions == cache.held_positions_of(1) == list(range(0, n, 2))
+    assert cache.held_positions_of(0) == list(range(n))
 
 
 def test_a_toy_layer_kind_runs_in_the_generator_and_replay(every_other, tmp_path):

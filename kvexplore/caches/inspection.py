@@ -26,6 +26,10 @@ class CacheInspection:
         """Positions ``layer`` holds: the strategy's for a full layer, the ring's for a sliding one, 0 shared."""
         return self.layers[layer].held(self.length)
 
+    def held_positions_of(self, layer: int) -> list[int]:
+        """The positions ``layer`` holds, oldest first (a shared or a recurrent layer: none of its own)."""
+        return self.layers[self._layer(layer).index].held_positions(self.length)
+
     # -- inspection ----------------------------------------------------------------------------------------
     def _layer(self, layer: int | None) -> LayerSpec:
         """The spec of ``layer`` (None: the first full layer, or layer 0 when there is none)."""

@@ -128,8 +128,12 @@ class LayerCache(ABC):
 
     # -- inspection -----------------------------------------------------------------------------------------
     def held(self, length: int) -> int:
-        """Positions this layer holds when the sequence has ``length`` positions."""
+        """How many positions this layer holds when the sequence has ``length`` positions."""
         return length
+
+    def held_positions(self, length: int) -> list[int]:
+        """The positions this layer holds, oldest first (a full layer: all of them)."""
+        return list(range(length))
 
     def read_positions(self, length: int) -> list[int]:
         """Position of each key column the last step's attention read, in the order it saw them."""

@@ -29,6 +29,9 @@ class RecomputeLayer(LayerCache):
     def held(self, length: int) -> int:
         return 0 if self.window is not None else length
 
+    def held_positions(self, length: int) -> list[int]:
+        return [] if self.window is not None else list(range(length))
+
     def storage(self) -> list[torch.Tensor]:
         return []
 

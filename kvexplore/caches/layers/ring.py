@@ -74,6 +74,9 @@ class RingLayer(StoredLayer):
     def held(self, length: int) -> int:
         return len(self.slots.held_positions(length))
 
+    def held_positions(self, length: int) -> list[int]:
+        return self.slots.held_positions(length)
+
     def read_positions(self, length: int) -> list[int]:
         return self.slots.read_positions(length)
 

@@ -37,6 +37,9 @@ class SharedLayer(LayerCache):
     def held(self, length: int) -> int:
         return 0
 
+    def held_positions(self, length: int) -> list[int]:
+        return []  # it reads its source's
+
     def read_positions(self, length: int) -> list[int]:
         return self.source.read_positions(length)
 

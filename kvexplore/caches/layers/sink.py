@@ -154,6 +154,9 @@ class SinkLayer(FullLayer):
     def held(self, length: int) -> int:
         return self.slots.held(length)
 
+    def held_positions(self, length: int) -> list[int]:
+        return sorted(self.slots.held_positions(length))
+
     def read_positions(self, length: int) -> list[int]:
         return self.slots.held_positions(length)  # write() returns the held slots in storage order
 

@@ -65,6 +65,9 @@ class StateLayer(LayerCache):
             self.conv.zero_()
             self.recurrent.zero_()
 
+    def held_positions(self, length: int) -> list[int]:
+        return []  # a state summarises every position and holds none
+
     def read_positions(self, length: int) -> list[int]:
         return []  # no attention: the state summarises every position
 
