@@ -1,5 +1,6 @@
 """kvexplore: a small Llama-family inference engine whose KV cache is a first-class, inspectable object."""
 
+from . import hf  # registers the hf: caches (kvexplore.caches.registry.PREFIXES)
 from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
 from .config.model_config import ModelConfig

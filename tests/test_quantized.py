@@ -16,13 +16,15 @@ from kvexplore.caches.quantized import (QuantizedCache, dequantize_keys, dequant
 IDS = list(range(3, 83))  # 80 tokens
 
 
-TENSORS = ("_kq", "_vq", "_ks", "_kz", "_vs", "_vz", "_rk", "_rv", "_kerr", "_verr")
+TENSORS = ("kq", "vq", "ks", "kz", "vs", "vz", "rk", "rv", "kerr", "verr")  # of each full layer's cache
 
 
 def state(cache):
     """Every storage tensor (copied, all slots) and counter of a cache, to compare before/after."""
-    return {n: [t.clone() for t in getattr(cache, n)] for n in TENSORS} | {
-        "qf": list(cache._qf), "len": cache.length, "high": (cache._q_high, cache._r_high)}
+    layers = [cache.layers[i] for i in cache.full_layers]
+    return {n: [getattr(layer, n).clone() for layer in layers] for n in TENSORS} | {
+        "qf": [layer.qf for layer in layers], "len": cache.length,
+        "high": [(layer.q_high, layer.r_high) for layer in layers]}
 
 
 def same(a, b):
@@ -177,7 +179,7 @@ def test_quantization_error_shape_and_zero_for_the_residual(tiny):
         err, k, v = (cache.quantization_error(layer, part) for part in ("kv", "k", "v"))
         assert err.shape == k.shape == (1, tiny.config.num_kv_heads, 70)
         assert (err[:, :, :q] > 0).all() and (err[:, :, q:] == 0).all() and torch.equal(err, torch.maximum(k, v))
-        assert (k[:, :, :q] <= cache._ks[layer].repeat_interleave(16, 2).amax(-1)[:, :, :q] / 2 + 1e-6).all()
+        assert (k[:, :, :q] <= cache.layers[layer].ks.repeat_interleave(16, 2).amax(-1)[:, :, :q] / 2 + 1e-6).all()
     with pytest.raises(ValueError, match="part must be 'k', 'v' or 'kv', got 'x'"):
         cache.quantization_error(0, "x")
 
@@ -216,12 +218,13 @@ def test_deep_rewind_keeps_whole_blocks_and_regenerates_consistently(tiny):
     kept = state(cache)
     cache.truncate(29)  # the block 24..31 straddles: 24..28 move, dequantized, to the residual
     assert cache.length == 29 and cache.quantized_upto == 24
-    for name in ("_kq", "_vq"):  # the whole blocks before 24 are untouched
-        assert all(torch.equal(a[:, :, :24], b[:, :, :24]) for a, b in zip(getattr(cache, name), kept[name]))
+    for name in ("kq", "vq"):  # the whole blocks before 24 are untouched
+        assert all(torch.equal(getattr(cache.layers[i], name)[:, :, :24], b[:, :, :24])
+                   for i, b in zip(cache.full_layers, kept[name]))
     for layer in range(tiny.config.num_layers):  # the moved positions hold exactly their dequantized values
-        k_all, v_all = ref._read(layer, 80)
-        assert torch.equal(cache._rk[layer][:, :, :5], k_all[:, :, 24:29])
-        assert torch.equal(cache._rv[layer][:, :, :5], v_all[:, :, 24:29])
+        k_all, v_all = ref.layers[layer].read_upto(80)
+        assert torch.equal(cache.layers[layer].rk[:, :, :5], k_all[:, :, 24:29])
+        assert torch.equal(cache.layers[layer].rv[:, :, :5], v_all[:, :, 24:29])
         assert torch.equal(cache.quantization_error(layer), ref.quantization_error(layer)[:, :, :29])  # kept
     twin = cache.clone()
     again, twice = feed(tiny, cache, IDS), feed(tiny, twin, IDS)
@@ -261,7 +264,7 @@ def test_a_failure_mid_forward_puts_the_cache_back_exactly(tiny):
 
     with pytest.raises(RuntimeError, match="boom"):
         tiny(torch.tensor([IDS[39:40]]), cache, 39, tracer=Boom())
-    assert cache.length == 39 and cache._qf == [24] * tiny.config.num_layers  # layer 0's quantizing undone
+    assert cache.length == 39 and [layer.qf for layer in cache.layers] == [24] * tiny.config.num_layers  # layer 0's quantizing undone
     assert same(state(cache), state(twin)) and cache.slot_view() == twin.slot_view()
     assert torch.equal(tiny(torch.tensor([IDS[39:40]]), cache, 39), tiny(torch.tensor([IDS[39:40]]), twin, 39))
     assert same(state(cache), state(twin))
@@ -273,7 +276,7 @@ def test_clone_and_fork_are_independent(tiny):
     before = state(cache)
     twin, fork = cache.clone(), cache.fork()
     assert same(state(twin), before) and same(state(fork), before)
-    assert twin._kq[0].data_ptr() != cache._kq[0].data_ptr() and twin._rk[0].data_ptr() != cache._rk[0].data_ptr()
+    assert twin.layers[0].kq.data_ptr() != cache.layers[0].kq.data_ptr() and twin.layers[0].rk.data_ptr() != cache.layers[0].rk.data_ptr()
     feed(tiny, twin, IDS[:60])
     fork.truncate(10)
     assert same(state(cache), before) and twin.length == 60 and fork.length == 10

@@ -101,6 +101,7 @@ def test_overflow_keeps_memory_flat_and_reports_each_eviction(tiny):
     assert view.layout == RingLayout(sinks=S, window=W, ring_start=S + (400 - W - S) % W,
                                      write_slot=S + (400 - S) % W, evicted=400 - W - S)
     assert cache.held_positions() == view.positions  # keys are read in storage order
+    assert cache.held_positions_of(0) == sorted(view.positions)  # the layer's own answer, oldest first
 
 
 def test_attention_after_overflow_equals_the_sink_reference(model):

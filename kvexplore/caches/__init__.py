@@ -1,6 +1,11 @@
 """KV cache strategies, all behind :class:`KVCache`; :func:`make_cache` builds one by name."""
 
 from .base import EVICTED, FILLED, FREE, SHARED, STALE, KVCache, SlotView
+from .journal import UndoJournal
+from .layer import FullLayer, LayerCache, Step, StoredLayer
+from .protocol import ModelCache
+from .registry import (LAYER_KINDS, PREFIXES, register_layer_kind, register_prefix, register_strategy,
+                       unregister_layer_kind, unregister_strategy)
 from .layout import (EmptyLayout, GrowingLayout, Layout, LinearLayout, Mark, PagedLayout, QuantizedLayout, RingLayout,
                      SharedLayout)
 from .ring import SlidingLayers
@@ -14,4 +19,6 @@ from .sink import SinkCache
 
 __all__ = ["EmptyLayout", "GrowingLayout", "Layout", "LinearLayout", "Mark", "PagedLayout", "QuantizedLayout",
            "RingLayout", "SharedLayout", "SlidingLayers", "ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "QuantizedCache", "SHARED", "SinkCache",
-           "STALE", "STRATEGIES", "SlotView", "make_cache"]
+           "STALE", "STRATEGIES", "SlotView", "make_cache", "UndoJournal", "FullLayer", "LayerCache", "Step",
+           "StoredLayer", "ModelCache", "LAYER_KINDS", "PREFIXES", "register_layer_kind", "register_prefix",
+           "register_strategy", "unregister_layer_kind", "unregister_strategy"]

@@ -1,53 +1,57 @@
-"""The interface every KV cache strategy implements, and the checks they share.
+"""The model-level cache: the list of layer caches plus the step's bookkeeping.
 
-Layout, stated once: keys and values are ``[batch, kv_heads, seq, head_dim]`` and keys are stored *after* RoPE.
-
-A cache is a stack of layer caches that may differ (see :mod:`kvexplore.config.layer_plan`): the strategy (pre-allocated,
-paged, ...) serves the *full-attention* layers; *sliding-window* layers always get a ring of the model's window
-(:mod:`.ring`), whatever the strategy; *shared* layers store nothing and read their source layer's keys and
-values. This class does the dispatch, the per-layer accounting and the shared-layer reads; a strategy implements
-``_write``, ``_slot_view``, ``full_reserved_bytes`` and ``_clone_storage`` for its full layers.
+A cache is a stack of layer caches that may differ (see :mod:`kvexplore.config.layer_plan`): one
+:class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
+(:mod:`kvexplore.caches.registry`). A strategy (pre-allocated, paged, ...) is a subclass of :class:`KVCache` whose
+:meth:`KVCache.full_layer` makes the cache of each *full-attention* layer; *sliding-window* layers get a ring of the
+model's window, *shared* layers read their source layer's keys and values, *linear-attention* layers keep a state.
+This class keeps the length, the step (its counters, its undo journal, its masks per attention type) and
+dispatches every call to the layer's object; it never asks what kind a layer is.
 
 Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
 only records how many leading positions hold valid data (``length``). A forward pass calls
-``check_write(pos, q_len)`` before touching anything, ``write(layer, pos, k, v)`` once per layer, then
-``commit(pos + q_len)``. A check that fails raises before any layer writes, so a failed step leaves the cache
-exactly as it was.
+``check_write(pos, q_len)`` before touching anything, ``begin_step(pos, q_len)`` (which plans the step in every
+layer), ``write(layer, pos, k, v)`` once per layer, then ``commit(pos + q_len)``. A check that fails raises before
+any layer writes, so a failed step leaves the cache exactly as it was.
 
 A step can also fail after some layers wrote (an exception in a hook, an interrupt) or after ``commit`` (the
 generator then finds the logits unusable): :meth:`rollback` puts back everything the last step changed, so the
 cache is exactly as it was before ``begin_step`` (its length, slot map, memory report and the keys and values it
-held). ``begin_step`` saves the bookkeeping (:meth:`_snapshot`); a strategy that overwrites held slots in place
-saves those slots first (:meth:`_keep`).
+held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 
+from ..config.layer_plan import LayerSpec, layer_plan
 from ..config.model_config import ModelConfig
-from ..errors import SettingsError
-from ..config.layer_plan import FULL, SHARED as SHARED_LAYER, SLIDING, STATE, LayerSpec, layer_plan
 from ..core.allocator import Window, allocator_for
-from .memory import MemoryReport, StepCounters
 from ..core.settings import positive_int
+from ..errors import SettingsError
 from .inspection import CacheInspection
-from .masks import causal_mask
+from .journal import UndoJournal
+from .layers.state import StateLayers
 from .ring import SlidingLayers
-from .state import StateLayers
+from .layer import LayerCache, Step
+from .memory import MemoryReport, StepCounters
+from .protocol import ModelCache
+from .registry import build_layers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 (the strategies import them here)
 
 
-class KVCache(CacheInspection, ABC):
-    """Base class of the cache strategies. Subclasses implement storage for the full layers; this class keeps the
-    length, the sliding layers' rings and the shared layers' reads."""
+class KVCache(CacheInspection, ModelCache):
+    """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
+    implements :meth:`full_layer` (the factory of its full-layer caches) and calls :meth:`_build` at the end of
+    its ``__init__``, once its options are set."""
 
     #: short name used by the CLI and in records
     kind: str = "base"
-    #: whether sliding layers get rings (a cache that stores nothing recomputes them under a window mask instead)
-    rings_for_sliding = True
+    #: whether the cache keeps keys and values between steps (a cache that stores nothing recomputes every layer,
+    #: sliding ones under a window mask, instead of keeping rings)
+    stores = True
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         positive_int(batch_size, "batch_size")
@@ -56,37 +60,64 @@ class KVCache(CacheInspection, ABC):
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self.plan: list[LayerSpec] = layer_plan(config)
-        self.full_layers = [s.index for s in self.plan if s.kind == FULL]  # the layers the strategy serves
-        sliding = [s for s in self.plan if s.kind == SLIDING]
-        self.rings = SlidingLayers(sliding, batch_size, dtype, self.device) if sliding and self.rings_for_sliding \
-            else None
-        states = [s for s in self.plan if s.kind == STATE]
-        self.states = StateLayers(states, config, batch_size, dtype, self.device) if states else None
+        self.layers: list[LayerCache] = []
         self._length = 0
         self._capacity: int | None = None  # most positions a sequence may reach (None: unbounded)
-        self._step = StepCounters()
+        self._counters = StepCounters()
+        self._cur: Step | None = None  # the step under way (or the last one, committed)
         self._layer_moved: dict[int, tuple[int, int]] = {}  # layer -> (written, copied) bytes this step
-        self._reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this step's reads of shared layers' sources
         self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
-        self._sources = {s.source for s in self.plan if s.kind == SHARED_LAYER}
         self._sparse_reads: dict[int, list[int]] = {}  # layer -> the positions a sparse attention read this step
         self.allocator = allocator_for(self.device)  # read around each write (kvexplore.core.allocator); None: not read
         self._window = Window(None)  # the allocator's counters over this step's writes
-        self._report: MemoryReport | None = None  # built on first request: subclasses allocate after this
-        self._undo: dict | None = None  # the bookkeeping before the current step (see rollback)
-        self._undo_data: list[tuple[torch.Tensor, int, int, torch.Tensor | int]] = []  # slots a step overwrote
-        self._scratch: dict[tuple, list[torch.Tensor]] = {}  # reused buffers of _keep, by shape and dtype
-        self._scratch_used: dict[tuple, int] = {}
+        self._report: MemoryReport | None = None  # built on first request
+        self._journal: UndoJournal | None = None  # how to undo the current step (see rollback)
+        self._saved: tuple | None = None  # the container's bookkeeping before the current step
+        self._scratch: dict[tuple, list[torch.Tensor]] = {}  # reused copy buffers of the journals
 
-    def _full_shape(self, layer: int, slots: int, values: bool = False) -> tuple[int, int, int, int]:
-        """``(batch, kv_heads, slots, head_dim)`` of a full layer's key storage of ``slots`` positions (``values``:
-        its value storage, which an MLA layer makes narrower)."""
-        s = self.plan[layer]
-        return (self.batch_size, s.kv_heads, slots, s.value_width if values else s.head_dim)
+    def _build(self) -> None:
+        """Make every layer's cache (through the layer-kind registry); strategies call it once their options are set."""
+        self.layers = build_layers(self)
+        self._index()
 
-    def _per_full_layer(self, make) -> list:
-        """``make(layer)`` for each full layer, None for the others (a list indexed by layer)."""
-        return [make(s.index) if s.kind == FULL else None for s in self.plan]
+    def _index(self) -> None:
+        """What the per-step path needs, worked out once: the layers that plan or commit a step, the sources of
+        shared layers, the full layers."""
+        self._planners = [l for l in self.layers if type(l).begin is not LayerCache.begin]
+        self._committers = [l for l in self.layers if type(l).commit is not LayerCache.commit]
+        self._sources = {s.source for s, l in zip(self.plan, self.layers) if s.shares}
+        self.full_layers = [s.index for s in self.plan if s.full]  # the layers the strategy serves
+
+    @abstractmethod
+    def full_layer(self, spec: LayerSpec) -> LayerCache:
+        """The strategy's cache for one full-attention layer (the strategy is a factory of these)."""
+
+    @classmethod
+    def sizing(cls, slots: int, options: dict) -> int | None:
+        """How :func:`~kvexplore.caches.factory.make_cache` sizes this strategy from ``slots`` (``max_seq_len``, or the
+        model's context): add to ``options`` what the constructor needs, and return the positions per sequence
+        its storage will hold (checked against the device's memory before allocating; None: it grows, no check)."""
+        return None
+
+    def refuses(self, spec: LayerSpec) -> str | None:
+        """Why this strategy cannot serve ``spec``'s full layer (None: it can); checked before any layer is made."""
+        return None
+
+    @property
+    def rings_for_sliding(self) -> bool:
+        """Whether sliding layers get rings (the same as :attr:`stores`)."""
+        return self.stores
+
+    @property
+    def states(self) -> StateLayers | None:
+        """The linear-attention layers' states by layer (``states.read(layer)``), or None when there are none."""
+        layers = {s.index: self.layers[s.index] for s in self.plan if s.recurrent}
+        return StateLayers(layers) if layers else None
+
+    @property
+    def rings(self) -> SlidingLayers | None:
+        """The slot map the sliding layers' rings share, or None when no layer keeps a ring."""
+        return next((layer.slots for s, layer in zip(self.plan, self.layers) if s.ring and self.stores), None)
 
     @property
     def length(self) -> int:
@@ -110,83 +141,69 @@ class KVCache(CacheInspection, ABC):
                 f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
-        if msg := self._recompute_error(pos):
+        if pos < self.length and (msg := self._recompute_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
     def _recompute_error(self, n: int) -> str | None:
-        """Why the sliding rings or the linear-attention states cannot go back to ``n`` positions (None: they can);
-        the generator then recomputes instead (:meth:`needs_replay`)."""
-        if self.rings is not None and (msg := self.rings.rewind_error(n, self.length)):
-            return msg
-        if self.states is not None and 0 < n < self.length:
-            return (f"the linear-attention layers keep one state, of position {self.length - 1}, and cannot go back "
-                    f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
+        """Why some layer (a ring, a recurrent state) cannot go back to ``n`` positions although recomputing would
+        rebuild it (None: every layer can); the generator then recomputes instead (:meth:`needs_replay`)."""
+        for layer in self.layers:
+            if msg := layer.replay_error(n, self.length):
+                return msg
         return None
 
+    # -- the step -------------------------------------------------------------------------------------------
     def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
-        """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): count its
-        writes, copies and allocations, and save what :meth:`rollback` needs to undo it."""
-        self._undo, self._undo_data, self._scratch_used = self._snapshot(), [], {}
-        self._step = StepCounters()
-        self._layer_moved, self._reads, self._masks, self._sparse_reads = {}, {}, {}, {}
-        if self.rings is not None:
-            self.rings.begin()
-        if self.states is not None and pos == 0:  # a new sequence starts from zero state
-            self.states.clear(self)
+        """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): plan it in
+        every layer now, count its writes, copies and allocations, and open the journal :meth:`rollback` undoes."""
+        self._saved = (self._length, self._counters, self._report, self._window, self._layer_moved,
+                       self._sparse_reads)
+        self._journal = UndoJournal(self._scratch)
+        self._start(pos, q_len, self._journal)
         self._window = Window(self.allocator)
 
-    def _snapshot(self) -> dict:
-        """The bookkeeping a step may change, as copies (subclasses add theirs)."""
-        return {"_length": self._length, "_step": self._step, "_report": self._report,
-                "_window": self._window, "_layer_moved": dict(self._layer_moved),
-                "_sparse_reads": dict(self._sparse_reads),
-                "_rings": None if self.rings is None else self.rings.snapshot()}
+    def _start(self, pos: int, q_len: int, journal: UndoJournal | None) -> Step:
+        step = self._cur = Step(pos, q_len, self._length, self.device, journal)
+        self._counters = step.counters
+        self._layer_moved, self._masks, self._sparse_reads = {}, {}, {}
+        for layer in self._planners:
+            layer.begin(step)
+        return step
 
-    def _restore(self, snapshot: dict) -> None:
-        snapshot = dict(snapshot)
-        rings = snapshot.pop("_rings")
-        if self.rings is not None:
-            self.rings.restore(rings)
-        self._reads, self._masks = {}, {}
-        for name, value in snapshot.items():
-            setattr(self, name, value)
+    def _step_for(self, pos: int, q_len: int) -> Step:
+        """The step under way, or one started now for a write without ``begin_step`` (no undo is kept)."""
+        step = self._cur
+        if step is None or step.committed:
+            return self._start(pos, q_len, None)
+        if step.pos != pos or step.q_len != q_len:  # the layers write another span than planned: plan it again
+            step.pos, step.q_len, step.end = pos, q_len, pos + q_len
+            self._masks = {}
+            for layer in self._planners:
+                layer.begin(step)
+        return step
 
-    def _keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
-        """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place. The copy goes into a scratch
-        buffer the cache keeps for the next steps (one per shape used in a step), so a step that saves what it
-        saved last time allocates nothing."""
-        if self._undo is None or n <= 0:
-            return
-        src = t.narrow(dim, start, n)
-        key = (tuple(src.shape), src.dtype)
-        used = self._scratch_used.get(key, 0)
-        pool = self._scratch.setdefault(key, [])
-        if used == len(pool):
-            pool.append(torch.empty_like(src, memory_format=torch.contiguous_format))
-        self._scratch_used[key] = used + 1
-        saved = pool[used]
-        saved.copy_(src)
-        self._undo_data.append((t, dim, start, saved))
+    @property
+    def _undo(self) -> UndoJournal | None:
+        """The journal of the step :meth:`rollback` would undo (None: nothing to undo)."""
+        return self._journal
 
-    def _zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
-        """The step writes ``t.narrow(dim, start, n)``, which was never written before (zeros): a rollback zeroes it
-        again, with no copy saved."""
-        if self._undo is not None and n > 0:
-            self._undo_data.append((t, dim, start, n))
+    @property
+    def _undo_data(self) -> list:
+        """The slots the step to undo overwrote, as the journal keeps them."""
+        return [] if self._journal is None else self._journal.entries
 
     @property
     def undo_length(self) -> int:
         """The length before the current step began (what a rollback returns to)."""
-        return self._length if self._undo is None else self._undo["_length"]
+        return self._length if self._saved is None else self._saved[0]
 
     def settle(self) -> None:
         """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
-        the undo record kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
-        had_step = self._undo is not None
+        the journal kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
+        had_step = self._journal is not None
         window = Window(self.allocator if had_step else None)
         with window:
-            self._undo, self._undo_data = None, []
-            self._reads = {}
+            self._journal, self._saved, self._cur = None, None, None  # the step held the journal and its reads
         if self._report is not None:
             for name, n in window.figures().items():
                 self._report.cuda[name] = self._report.cuda.get(name, 0) + n
@@ -194,59 +211,49 @@ class KVCache(CacheInspection, ABC):
     def rollback(self) -> None:
         """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
         Does nothing when there is no step to undo (none began, or it was already rolled back)."""
-        if self._undo is None:
+        if self._journal is None:
             return
-        for t, dim, start, saved in reversed(self._undo_data):
-            if isinstance(saved, int):
-                t.narrow(dim, start, saved).zero_()
-            else:
-                t.narrow(dim, start, saved.shape[dim]).copy_(saved)
-        self._restore(self._undo)
-        self._undo, self._undo_data = None, []
+        self._journal.undo()
+        (self._length, self._counters, self._report, self._window, self._layer_moved,
+         self._sparse_reads) = self._saved
+        self._journal, self._saved, self._cur, self._masks = None, None, None, {}
 
     # -- the write protocol --------------------------------------------------------------------------------
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
         return the keys/values its attention must read (in the order :meth:`read_positions` gives; use
         :meth:`mask` for the mask that goes with them). A shared layer stores nothing: use :meth:`read_shared`."""
-        spec = self.plan[layer]
-        if spec.kind == SHARED_LAYER:
-            raise SettingsError(f"layer {layer} shares layer {spec.source}'s cache and stores nothing; read it with "
-                                f"read_shared({layer})")
-        step = self._step
-        before = (step.written_bytes, step.copied_bytes)
+        step = self._step_for(pos, k.shape[2])
+        c = step.counters
+        written, copied = c.written_bytes, c.copied_bytes
         with self._window:  # what the allocator does inside the cache's own write, and nothing else
-            if spec.kind == SLIDING and self.rings is not None:
-                out = self.rings.write(self, layer, pos, k, v)
-            else:
-                out = self._write(layer, pos, k, v)
-        self._layer_moved[layer] = (step.written_bytes - before[0], step.copied_bytes - before[1])
+            out = self.layers[layer].write(step, k, v)
+        self._layer_moved[layer] = (c.written_bytes - written, c.copied_bytes - copied)
         if layer in self._sources:
-            self._reads[layer] = out
+            step.reads[layer] = out
         return out
 
     def read_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A linear-attention layer's state: its convolution's last inputs and its recurrent matrix."""
-        if self.plan[layer].kind != STATE:
-            raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state")
-        return self.states.read(layer)
+        return self.layers[layer].read_state()
 
     def write_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Replace a linear-attention layer's state (in place: its storage never moves or grows)."""
-        if self.plan[layer].kind != STATE:
-            raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state")
-        step = self._step
-        before = step.written_bytes
+        target, step = self.layers[layer], self._cur
+        target.read_state()  # raises for a layer that has no state, before a step is started
+        if step is None or step.committed:
+            step = self._start(self._length, 0, None)
+        before = step.counters.written_bytes
         with self._window:
-            self.states.write(self, layer, conv, recurrent)
-        self._layer_moved[layer] = (step.written_bytes - before, 0)
+            target.write_state(step, conv, recurrent)
+        self._layer_moved[layer] = (step.counters.written_bytes - before, 0)
 
     def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:
         """A layer's attention read only ``positions`` (gathered into ``copied_bytes`` of temporaries): what
         :meth:`read_positions` reports for it until the next step (DeepSeek-V3.2's sparse attention). A tensor of
         positions stays where it is until someone asks (a tracer brings them over with the rest of its step)."""
         self._sparse_reads[layer] = positions
-        s = self._step
+        s = self._counters
         s.copied_bytes += copied_bytes
         s.allocated_bytes += copied_bytes
         s.freed_bytes += copied_bytes
@@ -266,49 +273,32 @@ class KVCache(CacheInspection, ABC):
 
     def read_group(self, layer: int) -> tuple:
         """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
-        spec = self.plan[layer]
         if layer in self._sparse_reads:
             return ("sparse", layer)
-        return (spec.attends, spec.source if spec.kind == SHARED_LAYER else -1)
+        return self.layers[layer].read_group()
 
     def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a shared layer reads: what its source layer's attention read this step."""
-        spec = self.plan[layer]
-        if spec.kind != SHARED_LAYER:
-            raise SettingsError(f"layer {layer} stores its own cache ({spec.kind}); write it with write()")
-        if spec.source not in self._reads:
-            raise SettingsError(f"layer {layer} reads layer {spec.source}'s cache, which has not been written this "
-                                f"step; run the layers in order")
-        return self._reads[spec.source]
+        return self.layers[layer].read(self._cur)
 
     def mask(self, layer: int, pos: int, q_len: int) -> torch.Tensor | None:
         """The boolean ``(q_len, keys)`` mask for what ``write`` (or ``read_shared``) returned for ``layer`` this
         step, or None when plain causal attention (or none, for one token) is exact. The same for every layer of
         one attention type, so it is built once per step."""
-        spec = self.plan[layer]
-        if spec.attends not in self._masks:
-            if spec.attends == SLIDING and self.rings is not None:
-                m = self.rings.plan.mask
-            elif spec.attends == SLIDING:
-                m = causal_mask(pos, q_len, spec.window, self.device)
-            else:
-                m = self._full_mask(pos, q_len)
-            self._masks[spec.attends] = m
-        return self._masks[spec.attends]
-
-    def _full_mask(self, pos: int, q_len: int) -> torch.Tensor | None:
-        """The mask of a full layer's read (keys ``0..pos+q_len-1`` in position order, unless a strategy says)."""
-        return causal_mask(pos, q_len, None, self.device)
-
-    @abstractmethod
-    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The strategy's write of one full layer: store ``k``/``v`` and return ``(B, kv_heads, keys, hd)``."""
+        target = self.layers[layer]
+        attends = target.spec.attends
+        if attends not in self._masks:
+            self._masks[attends] = target.mask(self._step_for(pos, q_len))
+        return self._masks[attends]
 
     def commit(self, end: int) -> None:
         """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""
         self._length = end
-        if self.rings is not None:
-            self.rings.commit()
+        step = self._cur
+        if step is not None and not step.committed:
+            for layer in self._committers:
+                layer.commit(step)
+            step.committed = True
         self._report = self._make_report()
 
     def memory_report(self) -> MemoryReport:
@@ -318,15 +308,16 @@ class KVCache(CacheInspection, ABC):
         return self._report
 
     def _make_report(self) -> MemoryReport:
-        s = self._step
+        s = self._counters
+        layers = self.layer_memory()
         return MemoryReport(
-            length=self.length, logical_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
-            analytic_bytes=self.analytic_bytes,
+            length=self.length, logical_bytes=sum(m.logical_bytes for m in layers),
+            reserved_bytes=self.reserved_bytes, analytic_bytes=sum(m.analytic_bytes for m in layers),
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
             freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=self._window.figures(),
-            cuda_now=self.allocator.now() if self.allocator is not None else {},
-            layers=tuple(self.layer_memory()))
+            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers))
 
+    # -- rewinds ----------------------------------------------------------------------------------------------
     def check_truncate(self, n: int, rings: bool = True) -> None:
         """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
         checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
@@ -334,6 +325,9 @@ class KVCache(CacheInspection, ABC):
             raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
         if rings and (msg := self._recompute_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg}")
+        for layer in self.layers:
+            if msg := layer.truncate_error(n, self.length):
+                raise SettingsError(msg)
 
     def needs_replay(self, n: int) -> bool:
         """True when only the sliding layers' rings or the linear-attention states stop a truncate to ``n``: going
@@ -349,42 +343,46 @@ class KVCache(CacheInspection, ABC):
     def truncate(self, n: int) -> None:
         """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
         self.check_truncate(n)
+        length = self._length
         self._length = n
-        self._step = StepCounters()
-        self._layer_moved, self._reads, self._sparse_reads = {}, {}, {}
-        if self.rings is not None:
-            self.rings.last_read = None
-        if self.states is not None and n == 0:
-            for t in (*self.states.conv.values(), *self.states.recurrent.values()):
-                t.zero_()
+        self._counters = StepCounters()
+        self._layer_moved, self._sparse_reads, self._masks = {}, {}, {}
+        for layer in self.layers:
+            layer.truncate(n, length, self._counters)
         self._report = None
-        self._undo, self._undo_data = None, []
+        self._journal, self._saved, self._cur = None, None, None
+
+    # -- copies -------------------------------------------------------------------------------------------
+    def _copy(self, how: str) -> "KVCache":
+        """A copy whose layers are ``layer.clone`` or ``layer.fork`` (structures several layers share are copied
+        once and shared by the copies)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        memo: dict[int, object] = {}
+        twin.layers = []
+        for layer in self.layers:
+            copy = getattr(layer, how)(memo)
+            memo[id(layer)] = copy
+            twin.layers.append(copy)
+        twin._index()
+        twin._journal, twin._saved, twin._cur, twin._masks = None, None, None, {}
+        twin._scratch = {}
+        return twin
 
     def clone(self) -> "KVCache":
         """An independent copy: writes to either never show in the other."""
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        twin.rings = None if self.rings is None else self.rings.clone()
-        twin.states = None if self.states is None else self.states.clone()
-        twin._undo, twin._undo_data, twin._reads, twin._masks = None, [], {}, {}
-        twin._scratch, twin._scratch_used = {}, {}
-        self._clone_storage(twin)
-        return twin
-
-    @abstractmethod
-    def _clone_storage(self, twin: "KVCache") -> None:
-        """Give ``twin`` (a shallow copy of this cache) its own copies of the strategy's storage."""
+        return self._copy("clone")
 
     def fork(self) -> "KVCache":
         """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
         strategies that can share storage (the paged cache) share it until the sequences diverge."""
         self._check_forkable()
-        return self.clone()
+        return self._copy("fork")
 
     def _check_forkable(self) -> None:
         if self.length == 0:
             raise SettingsError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
-                             f"make a new cache instead")
+                                f"make a new cache instead")
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity

@@ -1,4 +1,8 @@
-"""``make_cache``: any strategy by name, with the model's dtype and device unless told otherwise."""
+"""``make_cache``: any strategy by name, with the model's dtype and device unless told otherwise.
+
+The names come from the registries (:mod:`.registry`): :data:`STRATEGIES` for kvexplore's strategies, and
+name prefixes other packages register (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf`).
+"""
 
 from __future__ import annotations
 
@@ -6,42 +10,36 @@ from typing import Any
 
 import torch
 
+from ..core.devices import resolve_device
+from ..core.settings import choice, positive_int
+from ..errors import SettingsError
 from .base import KVCache
 from .concat import ConcatCache
+from .memory import kv_bytes
 from .none import NoCache
 from .paged import PagedCache
 from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
+from .registry import STRATEGIES, prefix_factory, register_strategy
 from .sink import SinkCache
-from ..errors import SettingsError
-from .memory import kv_bytes
-from ..core.devices import resolve_device
-from ..core.settings import choice, positive_int
 
-STRATEGIES: dict[str, type[KVCache]] = {
-    "preallocated": PreallocatedCache,
-    "concat": ConcatCache,
-    "none": NoCache,
-    "paged": PagedCache,
-    "quantized": QuantizedCache,
-    "sink": SinkCache,
-}
-BOUNDED = {"preallocated", "paged", "quantized"}  # kinds whose storage is sized by max_seq_len
+for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache):
+    register_strategy(_cls.kind, _cls)
+
+BOUNDED = {"preallocated", "paged", "quantized"}  # kinds whose storage is sized by max_seq_len (informative)
 
 
 def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size: int = 1,
                dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                **strategy_options: Any) -> KVCache:
-    """Build a cache of ``kind`` (see :data:`STRATEGIES`) for ``model``.
+    """Build a cache of ``kind`` (see :data:`STRATEGIES`, or a registered prefix such as ``"hf:"``) for ``model``.
 
     ``max_seq_len`` sizes the storage (default: the model's context, at most 2048; for ``sink`` the ring of
     ``sinks + window`` slots unless ``window`` is given; ``concat`` and ``none`` grow or hold nothing); ``dtype`` and
     ``device`` default to the model's. Other keyword arguments go to the strategy's constructor.
     """
-    if isinstance(kind, str) and kind.startswith("hf:"):  # transformers' own caches (kvexplore.hf)
-        from .. import hf
-
-        return hf.make_cache(model, kind, max_seq_len)
+    if (make := prefix_factory(kind)) is not None:  # another package's caches (kvexplore.hf: "hf:...")
+        return make(model, kind, max_seq_len)
     choice(kind, "cache kind", STRATEGIES)
     if max_seq_len is not None:
         positive_int(max_seq_len, "max_seq_len")
@@ -55,21 +53,12 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
         device = resolve_device(device)
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)
     slots = max_seq_len or min(model.config.max_position_embeddings, 2048)
-    if kind in BOUNDED:
-        common["max_seq_len"] = slots
-    elif kind == "sink" and "window" not in strategy_options:  # the ring gets the slots: sinks + window
-        sinks = strategy_options.get("sinks", 4)
-        if isinstance(sinks, int) and not isinstance(sinks, bool) and slots <= sinks:
-            raise SettingsError(f"max_seq_len={slots} leaves no window after sinks={sinks}: a sink cache holds "
-                                f"sinks + window slots; give max_seq_len > {sinks} or window= explicitly")
-        strategy_options["window"] = slots - sinks if isinstance(sinks, int) else slots
-    if kind in BOUNDED or kind == "sink":
-        positions = slots if kind in BOUNDED else strategy_options.get("window", 0)
-        if isinstance(positions, int):
-            _check_fits(kind, model, positions + (strategy_options.get("sinks", 4) if kind == "sink" else 0),
-                        batch_size, common["dtype"], common["device"])
+    cls = STRATEGIES[kind]
+    positions = cls.sizing(slots, strategy_options)
+    if positions is not None:
+        _check_fits(kind, model, positions, batch_size, common["dtype"], common["device"])
     try:
-        return STRATEGIES[kind](model.config, **common, **strategy_options)
+        return cls(model.config, **common, **strategy_options)
     except TypeError as e:
         raise SettingsError(f"cache kind {kind!r} does not take {sorted(strategy_options)}: {e}") from e
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.model_config import ModelConfig
-from ..config.layer_plan import FULL, LayerSpec, layer_plan
+from ..config.layer_plan import LayerSpec, layer_plan
 
 
 def format_bytes(n: float) -> str:
@@ -35,7 +35,7 @@ def layer_bytes(spec: LayerSpec, positions: int, batch_size: int = 1, dtype: tor
 def full_layer_bytes(config: ModelConfig, positions: int, batch_size: int = 1,
                      dtype: torch.dtype = torch.float32) -> int:
     """Bytes of ``positions`` keys and values in every full-attention layer (what a strategy's storage holds)."""
-    return sum(layer_bytes(s, positions, batch_size, dtype) for s in layer_plan(config) if s.kind == FULL)
+    return sum(layer_bytes(s, positions, batch_size, dtype) for s in layer_plan(config) if s.full)
 
 
 @dataclass(frozen=True)

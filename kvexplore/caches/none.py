@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
-from .base import KVCache, SlotView
+from .base import KVCache
+from .layers.recompute import RecomputeLayer
 
 
 class NoCache(KVCache):
@@ -13,27 +15,18 @@ class NoCache(KVCache):
     the cost of a step grows with the sequence (this is what "disabling the cache" means)."""
 
     kind = "none"
-    rings_for_sliding = False  # sliding layers recompute under their window mask like the others
+    stores = False  # sliding layers recompute under their window mask like the others
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        self._build()
 
-    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v  # attention reads exactly what this pass computed; nothing outlives it
+    def full_layer(self, spec: LayerSpec) -> RecomputeLayer:
+        return RecomputeLayer(spec)  # attention reads exactly what this pass computed; nothing outlives it
 
     def commit(self, end: int) -> None:
-        self._report = self._make_report()  # nothing is kept (the length stays 0), but the step wrote
-
-    def _slot_view(self) -> SlotView:
-        return self._empty_view()  # no storage: nothing survives a step
+        super().commit(0)  # nothing is kept (the length stays 0), but the step wrote: its report counts it
 
     def fork(self) -> "NoCache":
         return self.clone()  # nothing is held, so there is nothing to share: any time is a fine time to fork
-
-    def _clone_storage(self, twin: "NoCache") -> None:
-        pass
-
-    @property
-    def full_reserved_bytes(self) -> int:
-        return 0

@@ -4,7 +4,7 @@ A sliding layer's query at position ``p`` reads only keys ``p - window < k <= p`
 the layer never needs more than the last ``window`` positions: position ``p`` lives in slot ``p % window`` and
 writing it overwrites (evicts) position ``p - window``. Memory is flat however long the sequence grows.
 
-What attention reads, per step (the same for every sliding layer, planned once):
+What attention reads, per step (the same for every sliding layer, planned once in ``begin_step``):
 
 - nothing has wrapped yet (``pos + q_len <= window``): slots ``0..end-1`` hold positions ``0..end-1``; attention
   reads the view ``narrow(2, 0, end)`` with the ordinary causal mask;
@@ -16,6 +16,9 @@ What attention reads, per step (the same for every sliding layer, planned once):
 
 A rewind to ``n`` is possible while the ring still holds every position the next query needs
 (``n - window + 1 .. n - 1``): one step back always, further only before the ring has wrapped past them.
+
+The slot map is the same for every sliding layer of a cache: one :class:`SlidingLayers` object (shared by the
+layers' :class:`~kvexplore.caches.layers.ring.RingLayer` objects) keeps it and plans each step once.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from .slots import EVICTED, FILLED, FREE, STALE, SlotView
+from .layer import Step
 from .layout import RingLayout
 from .masks import causal_mask, positions_mask
+from .slots import EVICTED, FILLED, FREE, STALE, SlotView
 
 
 @dataclass
@@ -42,18 +45,15 @@ class RingPlan:
 
 
 class SlidingLayers:
-    """The rings of every sliding layer of one cache (they share the window and the slot bookkeeping)."""
+    """The slot bookkeeping every sliding layer of one cache shares: the window, which position each slot holds,
+    this step's plan and what the last step read. The tensors live in the layers (:class:`RingLayer`)."""
 
-    def __init__(self, specs: list[LayerSpec], batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.window = specs[0].window
-        self.specs = {s.index: s for s in specs}
-        self.k = {s.index: torch.zeros(batch_size, s.kv_heads, self.window, s.head_dim, dtype=dtype, device=device)
-                  for s in specs}
-        self.v = {s.index: torch.zeros(batch_size, s.kv_heads, self.window, s.value_width, dtype=dtype, device=device)
-                  for s in specs}
-        self.slot_pos = [-1] * self.window  # position last written to each slot (-1: never)
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.slot_pos = [-1] * window  # position last written to each slot (-1: never)
         self.plan: RingPlan | None = None
         self.last_read: list[int] | None = None  # the positions the last step's attention read
+        self._step: Step | None = None  # the step planned (each layer asks; the first one plans)
 
     # -- positions -----------------------------------------------------------------------------------------
     def holds(self, p: int) -> bool:
@@ -75,8 +75,18 @@ class SlidingLayers:
                 f"{length - 1} or later, or start again from the prompt")
 
     # -- a step --------------------------------------------------------------------------------------------
-    def begin(self) -> None:
-        self.plan = None
+    def begin(self, step: Step) -> None:
+        """Plan ``step`` (once, whichever layer asks first) and record how to undo its bookkeeping."""
+        if self._step is step and self.plan is not None and (self.plan.pos, self.plan.end) == (step.pos, step.end):
+            return
+        if self._step is not step:
+            step.journal.remember(self._restore, (list(self.slot_pos), self.last_read))
+        self._step = step
+        self.plan = self._plan(step.pos, step.q_len, step.device)
+
+    def _restore(self, saved: tuple[list[int], list[int] | None]) -> None:
+        self.slot_pos, self.last_read = list(saved[0]), saved[1]
+        self.plan, self._step = None, None
 
     def _plan(self, pos: int, q_len: int, device: torch.device) -> RingPlan:
         W, end = self.window, pos + q_len
@@ -92,43 +102,9 @@ class SlidingLayers:
         mask = positions_mask(torch.arange(pos, end, device=device), torch.tensor(k_pos, device=device), W)
         return RingPlan(pos, end, slots, mask, k_pos)
 
-    def write(self, owner, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` of ``layer`` and return what its attention reads; ``owner`` (the cache) counts the
-        bytes and keeps what a rollback needs."""
-        W, q_len = self.window, k.shape[2]
-        if self.plan is None:
-            self.plan = self._plan(pos, q_len, k.device)
-        plan, rk, rv = self.plan, self.k[layer], self.v[layer]
-        step = owner._step
-        gathered = None
-        if isinstance(plan.read, torch.Tensor):  # gather what the queries need before the write overwrites it
-            gathered = (torch.cat([rk.index_select(2, plan.read), k.to(rk.dtype)], 2),
-                        torch.cat([rv.index_select(2, plan.read), v.to(rv.dtype)], 2))
-            n = gathered[0].nbytes + gathered[1].nbytes
-            step.copied_bytes += n - k.nbytes - v.nbytes
-            step.allocated_bytes += n
-            step.freed_bytes += n
-            step.allocations += 2
-            step.frees += 2
-        first = max(pos, plan.end - W)  # only the last `window` new positions are kept
-        p = first
-        while p < plan.end:  # runs of slots up to the end of the ring, then from slot 0
-            start = p % W
-            count, offset = min(plan.end - p, W - start), p - pos
-            p += count
-            owner._keep(rk, 2, start, count)  # what the slots held (an evicted position), for a rollback
-            owner._keep(rv, 2, start, count)
-            rk.narrow(2, start, count).copy_(k.narrow(2, offset, count))  # in place: no allocation
-            rv.narrow(2, start, count).copy_(v.narrow(2, offset, count))
-            step.written_bytes += k.narrow(2, offset, count).nbytes + v.narrow(2, offset, count).nbytes
-        if gathered is not None:
-            return gathered
-        if plan.read is None:
-            return rk, rv  # every slot, in storage order: a view
-        return rk.narrow(2, 0, plan.read), rv.narrow(2, 0, plan.read)
-
-    def commit(self) -> None:
-        if self.plan is not None:
+    def commit(self, step: Step) -> None:
+        """Once per step: the slots written now hold the step's positions."""
+        if self.plan is not None and self._step is step:
             for p in range(max(self.plan.pos, self.plan.end - self.window), self.plan.end):
                 self.slot_pos[p % self.window] = p
             self.last_read = self.plan.positions
@@ -140,12 +116,9 @@ class SlidingLayers:
             return list(self.plan.positions)
         return list(self.last_read) if self.last_read is not None else self.held_positions(length)
 
-    def snapshot(self) -> tuple[list[int], list[int] | None]:
-        return list(self.slot_pos), self.last_read
-
-    def restore(self, saved: tuple[list[int], list[int] | None]) -> None:
-        self.slot_pos, self.last_read = list(saved[0]), saved[1]
-        self.plan = None
+    def forget_reads(self) -> None:
+        """After a rewind: no step has read anything since."""
+        self.last_read, self.plan, self._step = None, None, None
 
     # -- inspection ----------------------------------------------------------------------------------------
     def slot_view(self, length: int) -> SlotView:
@@ -162,17 +135,11 @@ class SlidingLayers:
                             evicted=lo)
         return SlotView(states, positions, sharers, layout)
 
-    def reserved_bytes(self) -> int:
-        return sum(t.nbytes for t in (*self.k.values(), *self.v.values()))
-
-    def layer_reserved(self, layer: int) -> int:
-        return self.k[layer].nbytes + self.v[layer].nbytes
-
-    def clone(self) -> "SlidingLayers":
+    def copy(self) -> "SlidingLayers":
         twin = object.__new__(SlidingLayers)
         twin.__dict__.update(self.__dict__)
-        twin.k = {i: t.clone() for i, t in self.k.items()}
-        twin.v = {i: t.clone() for i, t in self.v.items()}
-        twin.slot_pos, twin.plan = list(self.slot_pos), None
+        twin.slot_pos, twin.plan, twin._step = list(self.slot_pos), None, None
         return twin
 
+
+RingSlots = SlidingLayers  # the name the layer classes use

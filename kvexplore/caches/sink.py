@@ -33,18 +33,21 @@ reads are gathered into new tensors, counted as copies). Rewinding into evicted 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
-from .memory import full_layer_bytes
-from .base import EVICTED, FILLED, FREE, STALE, KVCache, SlotView
-from .layout import RingLayout
+from .base import KVCache
+from .layers.sink import SinkLayer, SinkSlots
 
 
 class SinkCache(KVCache):
-    """``sinks`` attention-sink positions plus a ring of the last ``window`` positions (see the module docs)."""
+    """``sinks`` attention-sink positions plus a ring of the last ``window`` positions (see the module docs). The
+    eviction bookkeeping is one :class:`~kvexplore.caches.layers.sink.SinkSlots` shared by every full layer."""
 
     kind = "sink"
 
@@ -57,65 +60,71 @@ class SinkCache(KVCache):
             max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1, hint=" (or None for unbounded)")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.sinks, self.window, self._capacity = sinks, window, max_seq_len
-        self._k = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window), dtype=self.dtype,
-                                                             device=self.device))
-        self._v = self._per_full_layer(lambda i: torch.zeros(self._full_shape(i, sinks + window, values=True),
-                                                             dtype=self.dtype, device=self.device))
-        self._ws = sinks  # window start: first window position held; sinks..ws-1 were evicted
-        self._slot_pos = [-1] * (sinks + window)  # position last written to each slot (-1: never)
-        self._pending: tuple | None = None  # (pos, end, ws_before, ws_after, read) of the step being written
-        self._evicted_last: list[int] = []
+        self.slots = SinkSlots(sinks, window, self.device)
+        self._build()
+
+    @classmethod
+    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
+        """The ring gets the slots (``sinks + window`` of them) unless ``window`` is given."""
+        sinks = options.get("sinks", 4)
+        if "window" not in options:
+            if isinstance(sinks, int) and not isinstance(sinks, bool) and slots <= sinks:
+                raise SettingsError(f"max_seq_len={slots} leaves no window after sinks={sinks}: a sink cache holds "
+                                    f"sinks + window slots; give max_seq_len > {sinks} or window= explicitly")
+            options["window"] = slots - sinks if isinstance(sinks, int) else slots
+        window = options["window"]
+        return window + (sinks if isinstance(sinks, int) else 0) if isinstance(window, int) else None
+
+    def full_layer(self, spec: LayerSpec) -> SinkLayer:
+        return SinkLayer(spec, self.batch_size, self.dtype, self.device, self.slots)
+
+    def _index(self) -> None:
+        super()._index()
+        if self.full_layers:  # a copy's layers share the copy of the bookkeeping
+            self.slots = self.layers[self.full_layers[0]].slots
 
     # -- positions and slots -------------------------------------------------------------------------------
     @property
+    def _ws(self) -> int:
+        return self.slots.ws
+
+    @property
     def window_start(self) -> int:
         """First window position held (positions ``sinks .. window_start - 1`` were evicted)."""
-        return self._ws
+        return self.slots.ws
 
     @property
     def evicted_positions(self) -> range:
         """Every position of the sequence evicted so far (always contiguous)."""
-        return range(self.sinks, self._ws)
+        return range(self.sinks, self.slots.ws)
 
     @property
     def evicted_count(self) -> int:
-        return self._ws - self.sinks
+        return self.slots.ws - self.sinks
 
     @property
     def evicted_last_step(self) -> list[int]:
         """Positions the last forward pass evicted (empty after a rewind)."""
-        return list(self._evicted_last)
+        return list(self.slots.evicted_last)
 
     @property
     def held(self) -> int:
         """Number of positions held (slots filled): ``min(length, sinks + window)`` on an uninterrupted run."""
-        return min(self.length, self.sinks) + max(0, self.length - self._ws)
-
-    def _slot(self, p: int) -> int:
-        return p if p < self.sinks else self.sinks + (p - self.sinks) % self.window
-
-    def _held_slots(self, end: int, ws: int) -> list[int]:
-        return sorted([*range(min(end, self.sinks)), *(self._slot(p) for p in range(ws, end))])
+        return self.slots.held(self.length)
 
     def held_positions(self) -> list[int]:
         """Positions held, in the order :meth:`write` returns their keys (storage order)."""
-        return [self._slot_pos[s] for s in self._held_slots(self.length, self._ws)]
-
-    def _rewind_error(self, n: int) -> str | None:
-        if n <= self.sinks or n >= self._ws:
-            return None
-        return (f"cannot rewind to {n}: positions {self.sinks}..{self._ws - 1} were evicted (the window starts at "
-                f"position {self._ws}); rewind to {self._ws} or later, or to {self.sinks} or earlier (sinks only)")
+        return self.slots.held_positions(self.length)
 
     # -- the write protocol --------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
-        if pos < self.length and (msg := self._rewind_error(pos)):
+        if pos < self.length and (msg := self.slots.rewind_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         end = pos + q_len
         if self._capacity is not None and end > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
-        ws_before = self.sinks if pos <= self.sinks else self._ws
+        ws_before = self.sinks if pos <= self.sinks else self.slots.ws
         evicts = max(ws_before, end - self.window) > self.sinks  # keys read would not be positions 0..end-1
         if evicts and q_len > 1:
             held = f"has evicted positions {self.sinks}..{ws_before - 1}" if ws_before > self.sinks else (
@@ -126,108 +135,9 @@ class SinkCache(KVCache):
                 f"model's causal mask assumes keys 0..{end - 1}); use window >= {end - self.sinks} or feed the "
                 f"tokens one at a time")
 
-    def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
-        super().begin_step(pos, q_len)
-        self._pending = None
-
-    def _plan(self, pos: int, end: int) -> tuple:
-        """Once per step (first layer): slot bookkeeping and what attention reads."""
-        ws_before = self.sinks if pos <= self.sinks else self._ws
-        ws_after = max(ws_before, end - self.window)
-        for p in range(pos, end):
-            self._slot_pos[self._slot(p)] = p
-        if ws_after == self.sinks:
-            read = end  # nothing evicted: slots 0..end-1 hold positions 0..end-1
-        elif end - ws_after == self.window:
-            read = self.sinks + self.window  # every slot held: the whole storage
-        else:  # window not full after a rewind into it: only some ring slots are held
-            read = torch.tensor(self._held_slots(end, ws_after), device=self.device)
-        return pos, end, ws_before, ws_after, read
-
-    def _write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_len = k.shape[2]
-        if self._pending is None:
-            self._pending = self._plan(pos, pos + q_len)
-        read = self._pending[4]
-        slot = self._slot(pos)  # a write of several tokens never wraps (check_write), so its slots are contiguous
-        self._keep(self._k[layer], 2, slot, q_len)  # what the slots held (an evicted position): for a rollback
-        self._keep(self._v[layer], 2, slot, q_len)
-        self._k[layer].narrow(2, slot, q_len).copy_(k)  # in place: no allocation
-        self._v[layer].narrow(2, slot, q_len).copy_(v)
-        step = self._step
-        step.written_bytes += k.nbytes + v.nbytes
-        if isinstance(read, int):
-            return self._k[layer].narrow(2, 0, read), self._v[layer].narrow(2, 0, read)  # views
-        k_all, v_all = self._k[layer].index_select(2, read), self._v[layer].index_select(2, read)
-        step.copied_bytes += k_all.nbytes + v_all.nbytes  # temporaries, dropped after the layer's attention
-        step.allocated_bytes += k_all.nbytes + v_all.nbytes
-        step.freed_bytes += k_all.nbytes + v_all.nbytes
-        step.allocations += 2
-        step.frees += 2
-        return k_all, v_all
-
-    def commit(self, end: int) -> None:
-        if self._pending is not None:
-            _, _, ws_before, ws_after, _ = self._pending
-            self._evicted_last = list(range(ws_before, ws_after))
-            self._ws = ws_after
-        else:
-            self._evicted_last = []
-        self._pending = None
-        super().commit(end)
-
-    def _snapshot(self) -> dict:
-        return {**super()._snapshot(), "_slot_pos": list(self._slot_pos), "_ws": self._ws,
-                "_evicted_last": list(self._evicted_last), "_pending": None}
-
-    def _restore(self, snapshot: dict) -> None:
-        super()._restore({**snapshot, "_slot_pos": list(snapshot["_slot_pos"])})
-
-    def check_truncate(self, n: int, rings: bool = True) -> None:
-        super().check_truncate(n, rings)
-        if msg := self._rewind_error(n):
-            raise SettingsError(msg)
-
-    def truncate(self, n: int) -> None:
-        if self._pending is not None:  # truncated mid-step (a failed step rolls back instead): overwritten = lost
-            self._ws = max(self._ws, self._pending[3])
-            self._pending = None
-        super().truncate(n)
-        if n <= self.sinks:
-            self._ws = self.sinks
-        self._evicted_last = []
-
-    # -- inspection ----------------------------------------------------------------------------------------
-    def _slot_view(self) -> SlotView:
-        states, positions, sharers = [], [], []
-        for p in self._slot_pos:
-            held = 0 <= p < self.length and (p < self.sinks or p >= self._ws)
-            state = FILLED if held else FREE if p < 0 else EVICTED if self.sinks <= p < self._ws else STALE
-            states.append(state)
-            positions.append(p if held else -1)
-            sharers.append(1 if held else 0)
-        layout = RingLayout(sinks=self.sinks, window=self.window, ring_start=self._slot(self._ws),
-                            write_slot=self._slot(self.length), evicted=self.evicted_count)
-        return SlotView(states, positions, sharers, layout)
-
-    def _storage(self, layer: int) -> list[torch.Tensor]:
-        return [self._k[layer], self._v[layer]]
-
-    def _read_positions(self) -> list[int]:
-        return self.held_positions()  # write() returns the held slots in storage order
-
-    def key(self, layer: int) -> torch.Tensor:
+    def key(self, layer: int) -> torch.Tensor | None:
         """The live key storage of ``layer``: ``sinks + window`` slots in storage order."""
-        return self._k[layer]
+        return self.layers[layer].k if layer in self.full_layers else None
 
-    def value(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
-
-    def _clone_storage(self, twin: "SinkCache") -> None:
-        twin._k = [None if t is None else t.clone() for t in self._k]
-        twin._v = [None if t is None else t.clone() for t in self._v]
-        twin._slot_pos, twin._evicted_last, twin._pending = list(self._slot_pos), list(self._evicted_last), None
-
-    @property
-    def full_reserved_bytes(self) -> int:
-        return full_layer_bytes(self.config, self.sinks + self.window, self.batch_size, self.dtype)
+    def value(self, layer: int) -> torch.Tensor | None:
+        return self.layers[layer].v if layer in self.full_layers else None

@@ -45,6 +45,11 @@ class LayerSpec:
         return self.value_dim or self.head_dim
 
     @property
+    def full(self) -> bool:
+        """Whether this is a full-attention layer with its own cache (the layers a strategy serves)."""
+        return self.kind == FULL
+
+    @property
     def shares(self) -> bool:
         """Whether this layer stores nothing and reads layer ``source``'s cache (Gemma 4's last layers)."""
         return self.kind == SHARED
@@ -85,7 +90,7 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
     """One :class:`LayerSpec` per layer of ``config``."""
     kinds = [LAYER_TYPES[t] for t in config.layer_types]
     first_shared = config.num_layers - config.num_kv_shared_layers
-    plan = []
+    plan: list[LayerSpec] = []
     for i, attends in enumerate(kinds):
         heads, dim = config.layer_kv_heads(i), config.layer_head_dim(i)
         window = config.sliding_window if attends == SLIDING else None
@@ -101,9 +106,38 @@ def layer_plan(config: ModelConfig) -> list[LayerSpec]:
             plan.append(LayerSpec(i, SHARED, attends, window, source, **shape))
         else:
             plan.append(LayerSpec(i, attends, attends, window, i, **shape))
+    for rule in PLAN_RULES:
+        plan = [rule(config, spec) for spec in plan]
     return plan
 
 
+#: functions ``rule(config, spec) -> spec`` applied, in order, to every layer of every plan: how a new layer kind
+#: (one registered in :data:`kvexplore.caches.registry.LAYER_KINDS`) enters a model's plan without editing the
+#: package. A rule returns ``spec`` unchanged for the layers and models it does not concern.
+PLAN_RULES: list = []
+
+
+def register_plan_rule(rule) -> None:
+    """Apply ``rule(config, spec) -> spec`` to every plan made from now on (see :data:`PLAN_RULES`)."""
+    PLAN_RULES.append(rule)
+
+
+def unregister_plan_rule(rule) -> None:
+    if rule in PLAN_RULES:
+        PLAN_RULES.remove(rule)
+
+
 def kinds_present(plan: list[LayerSpec]) -> list[str]:
-    """The layer kinds of a plan, in the order full, sliding, shared, state (those present)."""
-    return [k for k in (FULL, SLIDING, SHARED, STATE) if any(s.kind == k for s in plan)]
+    """The layer kinds of a plan, in the order full, sliding, shared, state (those present), then any other kind
+    (registered by :func:`register_plan_rule`) in plan order."""
+    return list(layers_by_kind(plan))
+
+
+def layers_by_kind(plan: list[LayerSpec]) -> dict[str, list[int]]:
+    """The layer indices of each kind present, kinds in the order of :func:`kinds_present`."""
+    known = {k: [s.index for s in plan if s.kind == k] for k in (FULL, SLIDING, SHARED, STATE)}
+    out = {k: v for k, v in known.items() if v}
+    for s in plan:
+        if s.kind not in known:
+            out.setdefault(s.kind, []).append(s.index)
+    return out

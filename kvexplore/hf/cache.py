@@ -15,12 +15,14 @@ from ..config.model_config import ModelConfig
 from ..errors import CacheFullError, SettingsError
 from ..config.layer_plan import FULL, SLIDING, STATE, LayerSpec, layer_plan
 from ..caches.memory import LayerMemory, MemoryReport
+from ..caches.protocol import ModelCache
 from ..core.allocator import Window, allocator_for
 from . import watch
 
 
-class HFCache:
-    """``kind`` ("hf:dynamic", "hf:static", ...) over ``cache``, a transformers Cache for ``config``'s model."""
+class HFCache(ModelCache):
+    """``kind`` ("hf:dynamic", "hf:static", ...) over ``cache``, a transformers Cache for ``config``'s model.
+    Implements :class:`~kvexplore.caches.protocol.ModelCache`, the protocol kvexplore's own caches implement."""
 
     batch_size = 1
 
@@ -43,7 +45,7 @@ class HFCache:
     # -- what the generator asks ---------------------------------------------------------------------------
     @property
     def full_layers(self) -> list[int]:
-        return [s.index for s in self.plan if s.kind == FULL]
+        return [s.index for s in self.plan if s.full]
 
     @property
     def held(self) -> int:
@@ -165,18 +167,17 @@ class HFCache:
         for i, layer in enumerate(self.hf.layers[: len(self.plan)]):
             spec = self.plan[i]
             chain = watch.class_chain(layer)
+            window = None
             if watch.is_state_layer(layer):
                 kind = STATE
             elif watch.SLIDING_DYNAMIC in chain or watch.SLIDING_STATIC in chain:
                 kind = SLIDING
+                window = getattr(layer, "sliding_window", None) or getattr(layer, "max_cache_len", None)
             else:
                 kind = FULL
-            window = getattr(layer, "sliding_window", None) or getattr(layer, "max_cache_len", None) \
-                if kind == SLIDING else None
             kv = watch.kv_tensors(layer)
             heads, dim = (kv[0].shape[1], kv[0].shape[-1]) if kv is not None else (spec.kv_heads, spec.head_dim)
-            plan.append(LayerSpec(i, kind, SLIDING if kind == SLIDING else (STATE if kind == STATE else FULL),
-                                  window, i, heads, dim))
+            plan.append(LayerSpec(i, kind, kind, window, i, heads, dim))  # each layer attends as it stores
         self.plan = plan + self.plan[len(plan):]
 
     def storage(self, layer: int) -> list[torch.Tensor]:
@@ -220,8 +221,8 @@ class HFCache:
         spec = self.plan[layer]
         moved = self._moves[layer].moved if layer < len(self._moves) else False
         cap = len(s.positions) if watch.FULL_STATIC in s.layer_class or "Static" in s.layer_class else 0
-        layout = TransformersLayout(s.layer_class, moved, (spec.window or 0) if spec.kind == SLIDING else 0, cap)
-        states = [FILLED if p >= 0 else STALE if cap and spec.kind == FULL and i < self._high else FREE
+        layout = TransformersLayout(s.layer_class, moved, (spec.window or 0) if spec.ring else 0, cap)
+        states = [FILLED if p >= 0 else STALE if cap and spec.full and i < self._high else FREE
                   for i, p in enumerate(s.positions)]
         return SlotView(states, list(s.positions), [1] * len(s.positions), layout)
 

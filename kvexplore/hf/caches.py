@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..caches.registry import register_prefix
 from ..errors import SettingsError
 
 # name -> what it is; "quantized" is transformers' QuantizedCache with its fp8 backend (no extra package),
@@ -50,3 +51,13 @@ def make_hf_cache(name: str, hf_module, max_seq_len: int):
         return transformers.QuantizedCache(backend, config=config)
     except ValueError as e:
         raise SettingsError(f"transformers' quantized cache refuses this model ({e}); use hf:dynamic or hf:static") from e
+
+
+def _make_cache(model, kind: str, max_seq_len: int | None):
+    """The ``"hf:"`` entry of :func:`kvexplore.make_cache` (the prefix registry of :mod:`kvexplore.caches.registry`)."""
+    from . import make_cache  # kvexplore.hf's: the HFCache over a fresh transformers cache
+
+    return make_cache(model, kind, max_seq_len)
+
+
+register_prefix("hf:", _make_cache)  # imported by kvexplore.hf, which kvexplore imports: always registered

@@ -244,7 +244,7 @@ class Tracer:
     def _event(self, layer: int, k_read: torch.Tensor) -> CacheEvent:
         cache = self._cache
         storages = {t.untyped_storage().data_ptr() for t in cache.storage(layer)}
-        wrote = 0 if cache.plan[layer].kind == "shared" else self._q_len
+        wrote = 0 if cache.plan[layer].shares else self._q_len
         return CacheEvent(layer=layer, write=(self._pos, wrote), read=cache.read_window(layer, k_read.shape[2]),
                           read_shape=tuple(k_read.shape), data_ptr=k_read.data_ptr(),
                           storage_offset=k_read.storage_offset(), stride=tuple(k_read.stride()),

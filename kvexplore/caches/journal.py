@@ -1,0 +1,81 @@
+"""The undo journal of one forward pass: what a step overwrote, so a failed or rolled-back step can be put back.
+
+The model-level cache (:class:`~kvexplore.caches.base.KVCache`) opens one :class:`UndoJournal` per step in
+``begin_step`` and hands it to every layer cache inside the :class:`~kvexplore.caches.layer.Step`. A layer that
+overwrites held slots in place saves them first (:meth:`UndoJournal.keep`); one that writes slots never written
+before asks for them to be zeroed again (:meth:`UndoJournal.zero_on_undo`, no copy); one with bookkeeping of its own
+(a ring's slot map, a page table, a frontier) registers how to put it back (:meth:`UndoJournal.remember`).
+:meth:`UndoJournal.undo` replays all of it backwards. No layer reaches into the container's private state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class UndoJournal:
+    """What the step under way changed. ``scratch`` (owned by the cache, kept across steps) holds reusable copy
+    buffers by shape and dtype, so a decode step that saves what it saved last time allocates nothing."""
+
+    __slots__ = ("entries", "restores", "_scratch", "_used")
+
+    def __init__(self, scratch: dict[tuple, list[torch.Tensor]]) -> None:
+        self.entries: list[tuple[torch.Tensor, int, int, torch.Tensor | int]] = []  # slots the step overwrote
+        self.restores: list[tuple[Callable[[Any], None], Any]] = []  # bookkeeping to put back
+        self._scratch = scratch
+        self._used: dict[tuple, int] = {}
+
+    def keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place."""
+        if n <= 0:
+            return
+        src = t.narrow(dim, start, n)
+        key = (tuple(src.shape), src.dtype)
+        used = self._used.get(key, 0)
+        pool = self._scratch.setdefault(key, [])
+        if used == len(pool):
+            pool.append(torch.empty_like(src, memory_format=torch.contiguous_format))
+        self._used[key] = used + 1
+        saved = pool[used]
+        saved.copy_(src)
+        self.entries.append((t, dim, start, saved))
+
+    def zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        """The step writes ``t.narrow(dim, start, n)``, never written before (zeros): an undo zeroes it again."""
+        if n > 0:
+            self.entries.append((t, dim, start, n))
+
+    def remember(self, restore: Callable[[Any], None], saved: Any) -> None:
+        """An undo calls ``restore(saved)`` (after the tensors are back), latest first."""
+        self.restores.append((restore, saved))
+
+    def undo(self) -> None:
+        """Put back everything recorded, newest first."""
+        for t, dim, start, saved in reversed(self.entries):
+            if isinstance(saved, int):
+                t.narrow(dim, start, saved).zero_()
+            else:
+                t.narrow(dim, start, saved.shape[dim]).copy_(saved)
+        for restore, saved in reversed(self.restores):
+            restore(saved)
+        self.entries, self.restores = [], []
+
+
+class NoJournal(UndoJournal):
+    """A step that keeps no undo (a write without ``begin_step``): every record is dropped."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+    def keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        pass
+
+    def zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        pass
+
+    def remember(self, restore: Callable[[Any], None], saved: Any) -> None:
+        pass

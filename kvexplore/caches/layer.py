@@ -1,0 +1,222 @@
+"""The protocol of one layer's cache, and the step every layer of a forward pass sees.
+
+A model-level cache (:class:`~kvexplore.caches.base.KVCache`) is a list of :class:`LayerCache` objects, one per
+layer of the model's plan (:mod:`kvexplore.config.layer_plan`), plus the step's bookkeeping. Which class serves a
+layer is decided in one place, the layer-kind registry (:mod:`kvexplore.caches.registry`): a full layer gets the
+strategy's class (one per strategy: pre-allocated, concatenating, none, paged, quantized, sink), a sliding layer a
+ring, a shared layer a :class:`~kvexplore.caches.layers.shared.SharedLayer`, a linear-attention layer a recurrent
+state. Everything the container does to a layer goes through the methods below; nothing compares kinds.
+
+Layout, stated once: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A
+latent layer (MLA, ``spec.latent``) stores its compressed latent in the keys' place and its rope key in the values'
+place: :attr:`LayerCache.widths` says how wide each is, and a strategy that cannot store two widths refuses latent
+layers when the cache is made (:meth:`LayerCache.refuses`).
+
+A step: ``begin(step)`` plans it eagerly (before any layer writes: what a ring reads, which pages a paged cache
+takes), ``write(step, k, v)`` stores the new keys and values and returns what attention reads, ``mask(step)`` the
+mask that goes with them, ``commit(step)`` makes the step's positions part of the sequence. Everything a step
+changes in place is recorded in ``step.journal`` (:class:`~kvexplore.caches.journal.UndoJournal`), so a failed or
+rolled-back step is put back exactly. Structures several layers share (a paged cache's pool and block tables, the
+slot map common to every sliding layer, a sink cache's eviction frontier) are shared objects the layers reference;
+they plan once per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..config.layer_plan import LayerSpec
+from ..config.model_config import ModelConfig
+from ..errors import SettingsError
+from .journal import NoJournal, UndoJournal
+from .masks import causal_mask
+from .memory import LayerMemory, StepCounters, layer_bytes
+from .slots import SlotView
+
+
+class Step:
+    """One forward pass as the layers see it: it writes ``q_len`` positions at ``pos`` (``end = pos + q_len``) into
+    a cache that held ``length`` positions; ``counters`` sum its bytes, ``journal`` records how to undo it,
+    ``reads`` keeps what each source layer's attention read (for the layers that share it)."""
+
+    __slots__ = ("pos", "q_len", "end", "length", "device", "counters", "journal", "reads", "committed")
+
+    def __init__(self, pos: int, q_len: int, length: int, device: torch.device,
+                 journal: UndoJournal | None = None) -> None:
+        self.pos, self.q_len, self.end, self.length, self.device = pos, q_len, pos + q_len, length, device
+        self.counters = StepCounters()
+        self.journal = NoJournal() if journal is None else journal
+        self.reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.committed = False
+
+
+class LayerCache(ABC):
+    """One layer's cache (see the module docstring). ``spec`` is the layer's entry of the plan."""
+
+    def __init__(self, spec: LayerSpec) -> None:
+        self.spec = spec
+
+    # -- what it stores -----------------------------------------------------------------------------------
+    @property
+    def widths(self) -> tuple[int, int]:
+        """Widths of the two stored tensors per position: keys and values (a latent layer: latent, rope key)."""
+        return self.spec.head_dim, self.spec.value_width
+
+    @property
+    def latent(self) -> bool:
+        """Whether the layer stores MLA's latent and rope key instead of per-head keys and values."""
+        return self.spec.latent
+
+    @classmethod
+    def refuses(cls, spec: LayerSpec) -> str | None:
+        """Why this class cannot store ``spec``'s layer (None: it can); checked when the cache is made."""
+        return None
+
+    # -- a step -------------------------------------------------------------------------------------------
+    def begin(self, step: Step) -> None:
+        """Plan ``step`` before any layer writes (and record in ``step.journal`` the bookkeeping it will change)."""
+
+    @abstractmethod
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` ``(B, kv_heads, q_len, width)`` for the step's positions and return what attention
+        reads ``(B, kv_heads, keys, width)``, in the order :meth:`read_positions` gives."""
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        """The boolean ``(q_len, keys)`` mask for what :meth:`write` returned (None: plain causal is exact)."""
+        return causal_mask(step.pos, step.q_len, None, step.device)
+
+    def commit(self, step: Step) -> None:
+        """The step's positions are now part of the sequence (its writes all succeeded)."""
+
+    def read(self, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer that stores nothing reads this step (a shared layer: its source's read)."""
+        raise SettingsError(f"layer {self.spec.index} stores its own cache ({self.spec.kind}); write it with write()")
+
+    def read_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A recurrent layer's state (its convolution's last inputs and its recurrent matrix)."""
+        raise SettingsError(f"layer {self.spec.index} is not a linear-attention layer; it has no state")
+
+    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Replace a recurrent layer's state in place."""
+        self.read_state()
+
+    # -- rewinds --------------------------------------------------------------------------------------------
+    def replay_error(self, n: int, length: int) -> str | None:
+        """Why this layer cannot go back from ``length`` to ``n`` positions although recomputing the kept tokens
+        would rebuild it (a ring that wrapped, a recurrent state); None when it can."""
+        return None
+
+    def truncate_error(self, n: int, length: int) -> str | None:
+        """Why this layer cannot go back to ``n`` at all (positions it dropped for good); None when it can."""
+        return None
+
+    def truncate(self, n: int, length: int, counters: StepCounters) -> None:
+        """Keep positions ``0..n-1`` (checked before); ``counters`` count what it frees."""
+
+    # -- copies ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def clone(self, memo: dict[int, Any]) -> "LayerCache":
+        """An independent copy. ``memo`` maps ``id`` of a structure shared by several layers to its copy, so the
+        copies share one copy of it as the originals share it."""
+
+    def fork(self, memo: dict[int, Any]) -> "LayerCache":
+        """A copy for a second sequence continuing this one (a paged layer shares its pool); default: a clone."""
+        return self.clone(memo)
+
+    # -- inspection -----------------------------------------------------------------------------------------
+    def held(self, length: int) -> int:
+        """How many positions this layer holds when the sequence has ``length`` positions."""
+        return length
+
+    def held_positions(self, length: int) -> list[int]:
+        """The positions this layer holds, oldest first (a full layer: all of them)."""
+        return list(range(length))
+
+    def read_positions(self, length: int) -> list[int]:
+        """Position of each key column the last step's attention read, in the order it saw them."""
+        return list(range(length))
+
+    def read_start(self) -> int:
+        """First position attention reads in the step under way (a ring reads its window)."""
+        return 0
+
+    def read_group(self) -> tuple:
+        """Layers with the same group read the same positions in a step."""
+        return (self.spec.attends, -1)
+
+    def view_key(self) -> tuple:
+        """Layers with the same key have the same slot view (one object serves them all)."""
+        return (self.spec.kind, -1)
+
+    @abstractmethod
+    def storage(self) -> list[torch.Tensor]:
+        """The tensors that hold this layer's cache (a read that shares their memory is a view, not a copy)."""
+
+    def reserved_bytes(self) -> int:
+        """Bytes of this layer's storage, used or not (each storage counted once)."""
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.storage()}
+        return sum(seen.values())
+
+    def used_bytes(self, length: int) -> int:
+        """Bytes of the slots holding valid positions."""
+        return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
+
+    def analytic_bytes(self, length: int) -> int:
+        """The formula ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
+        return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
+
+    def memory(self, length: int, written: int = 0, copied: int = 0) -> LayerMemory:
+        """This layer's :class:`LayerMemory` after a step that wrote and copied those bytes."""
+        return LayerMemory(self.spec.index, self.spec.kind, self.held(length), self.used_bytes(length),
+                           self.reserved_bytes(), self.analytic_bytes(length), written, copied)
+
+    @abstractmethod
+    def slot_view(self, length: int) -> SlotView:
+        """The state of every physical slot (what the cache map draws)."""
+
+    def stored_error(self, length: int) -> torch.Tensor | None:
+        """``(kv_heads, length)`` max abs error of what is stored vs what was written (None: stored exactly)."""
+        return None
+
+    def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
+        """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
+        return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"
+
+    # the batch and dtype the byte formulas use: set by the classes that store tensors
+    _batch: int = 1
+    _dtype: torch.dtype = torch.float32
+
+
+class StoredLayer(LayerCache):
+    """A layer cache that holds tensors of its own: remembers the batch, dtype and device they are made with."""
+
+    def __init__(self, spec: LayerSpec, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec)
+        self._batch, self._dtype, self.device = batch_size, dtype, device
+
+    def shape(self, slots: int, values: bool = False) -> tuple[int, int, int, int]:
+        """``(batch, kv_heads, slots, width)`` of the key storage (``values``: the value storage)."""
+        return (self._batch, self.spec.kv_heads, slots, self.widths[1] if values else self.widths[0])
+
+    def zeros(self, slots: int, values: bool = False) -> torch.Tensor:
+        return torch.zeros(self.shape(slots, values), dtype=self._dtype, device=self.device)
+
+
+class FullLayer(StoredLayer):
+    """A full-attention layer of a strategy: every position (unless the strategy evicts), read from position 0."""
+
+    def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
+        return full_phrase(self.spec, count, strategy, config)
+
+
+def full_phrase(spec: LayerSpec, count: int, strategy: str, config: ModelConfig) -> str:
+    """``count`` full layers like ``spec`` served by ``strategy``, in words (a latent layer says what it stores)."""
+    what = ""
+    if spec.latent:
+        index = config.index_head_dim if config.index_topk else 0
+        what = f" (latent {spec.head_dim} + rope key {spec.value_width - index}" + (
+            f" + indexer key {index}" if index else "") + " per position)"
+    return f"{count} full layer{'s' * (count != 1)}{what}: {strategy}"

@@ -1,0 +1,1 @@
+"""One module per layer-cache class (see :mod:`kvexplore.caches.layer` for the protocol they implement)."""

@@ -1,0 +1,106 @@
+"""A sliding layer's ring: ``window`` slots of keys and values, with the slot map shared by every sliding layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layer import StoredLayer, Step
+from ..ring import SlidingLayers
+from ..memory import StepCounters
+from ..slots import SlotView
+
+
+class RingLayer(StoredLayer):
+    """``k``/``v`` of ``[batch, kv_heads, window, width]``; position ``p`` in slot ``p % window``. ``slots`` is the
+    :class:`~kvexplore.caches.ring.SlidingLayers` every sliding layer of the cache shares (see :mod:`..ring`)."""
+
+    def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device,
+                 slots: SlidingLayers) -> None:
+        super().__init__(spec, batch_size, dtype, device)
+        self.slots = slots
+        self.k, self.v = self.zeros(slots.window), self.zeros(slots.window, values=True)
+
+    def begin(self, step: Step) -> None:
+        self.slots.begin(step)
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots
+        if slots.plan is None or slots._step is not step:
+            slots.begin(step)
+        W, plan, rk, rv, pos = slots.window, slots.plan, self.k, self.v, step.pos
+        c, journal = step.counters, step.journal
+        gathered = None
+        if isinstance(plan.read, torch.Tensor):  # gather what the queries need before the write overwrites it
+            gathered = (torch.cat([rk.index_select(2, plan.read), k.to(rk.dtype)], 2),
+                        torch.cat([rv.index_select(2, plan.read), v.to(rv.dtype)], 2))
+            n = gathered[0].nbytes + gathered[1].nbytes
+            c.copied_bytes += n - k.nbytes - v.nbytes
+            c.allocated_bytes += n
+            c.freed_bytes += n
+            c.allocations += 2
+            c.frees += 2
+        p = max(pos, plan.end - W)  # only the last `window` new positions are kept
+        while p < plan.end:  # runs of slots up to the end of the ring, then from slot 0
+            start = p % W
+            count, offset = min(plan.end - p, W - start), p - pos
+            p += count
+            journal.keep(rk, 2, start, count)  # what the slots held (an evicted position), for a rollback
+            journal.keep(rv, 2, start, count)
+            rk.narrow(2, start, count).copy_(k.narrow(2, offset, count))  # in place: no allocation
+            rv.narrow(2, start, count).copy_(v.narrow(2, offset, count))
+            c.written_bytes += k.narrow(2, offset, count).nbytes + v.narrow(2, offset, count).nbytes
+        if gathered is not None:
+            return gathered
+        if plan.read is None:
+            return rk, rv  # every slot, in storage order: a view
+        return rk.narrow(2, 0, plan.read), rv.narrow(2, 0, plan.read)
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        if self.slots.plan is None or self.slots._step is not step:
+            self.slots.begin(step)
+        return self.slots.plan.mask
+
+    def commit(self, step: Step) -> None:
+        self.slots.commit(step)
+
+    def replay_error(self, n: int, length: int) -> str | None:
+        return self.slots.rewind_error(n, length)
+
+    def truncate(self, n: int, length: int, counters: StepCounters) -> None:
+        self.slots.forget_reads()
+
+    def held(self, length: int) -> int:
+        return len(self.slots.held_positions(length))
+
+    def held_positions(self, length: int) -> list[int]:
+        return self.slots.held_positions(length)
+
+    def read_positions(self, length: int) -> list[int]:
+        return self.slots.read_positions(length)
+
+    def read_start(self) -> int:
+        plan = self.slots.plan
+        return 0 if plan is None else min(plan.positions)
+
+    def storage(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    def reserved_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def slot_view(self, length: int) -> SlotView:
+        return self.slots.slot_view(length)
+
+    def clone(self, memo: dict[int, Any]) -> "RingLayer":
+        twin = object.__new__(RingLayer)
+        twin.__dict__.update(self.__dict__)
+        if id(self.slots) not in memo:  # the layers' copies share one copy of the slot map
+            memo[id(self.slots)] = self.slots.copy()
+        twin.slots = memo[id(self.slots)]
+        twin.k, twin.v = self.k.clone(), self.v.clone()
+        return twin
+
+    def describe(self, count: int, strategy: str, config) -> str:
+        return f"{count} sliding layer{'s' * (count != 1)}: a ring of {self.slots.window} slots each"

@@ -1,0 +1,77 @@
+"""A layer that stores nothing and reads an earlier layer's cache (Gemma 4's KV sharing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import SettingsError
+from ..layer import LayerCache, Step
+from ..layout import SharedLayout
+from ..slots import SlotView
+
+
+class SharedLayer(LayerCache):
+    """Reads what its source layer's attention read this step (``step.reads``); holds no storage of its own.
+    ``source`` is the source layer's cache object (a reference, never copied by it)."""
+
+    def __init__(self, spec, source: LayerCache) -> None:
+        super().__init__(spec)
+        self.source = source
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise SettingsError(f"layer {self.spec.index} shares layer {self.spec.source}'s cache and stores nothing; "
+                            f"read it with read_shared({self.spec.index})")
+
+    def read(self, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the source layer's attention read in ``step``."""
+        if step is None or self.spec.source not in step.reads:
+            raise SettingsError(f"layer {self.spec.index} reads layer {self.spec.source}'s cache, which has not been "
+                                f"written this step; run the layers in order")
+        return step.reads[self.spec.source]
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        return self.source.mask(step)
+
+    def held(self, length: int) -> int:
+        return 0
+
+    def held_positions(self, length: int) -> list[int]:
+        return []  # it reads its source's
+
+    def read_positions(self, length: int) -> list[int]:
+        return self.source.read_positions(length)
+
+    def read_start(self) -> int:
+        return self.source.read_start()
+
+    def read_group(self) -> tuple:
+        return (self.spec.attends, self.spec.source)
+
+    def view_key(self) -> tuple:
+        return (self.spec.kind, self.spec.source)
+
+    def storage(self) -> list[torch.Tensor]:
+        return self.source.storage()
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def used_bytes(self, length: int) -> int:
+        return 0
+
+    def analytic_bytes(self, length: int) -> int:
+        return 0
+
+    def slot_view(self, length: int) -> SlotView:
+        return SlotView([], [], [], SharedLayout(self.spec.source))
+
+    def clone(self, memo: dict[int, Any]) -> "SharedLayer":
+        twin = object.__new__(SharedLayer)
+        twin.__dict__.update(self.__dict__)
+        twin.source = memo.get(id(self.source), self.source)  # the copy of the source (cloned before, in order)
+        return twin
+
+    def describe(self, count: int, strategy: str, config) -> str:
+        return f"{count} shared layer{'s' * (count != 1)}: nothing stored (they read an earlier layer)"

@@ -1,0 +1,110 @@
+"""A linear-attention layer's cache: a fixed-size recurrent state instead of keys and values.
+
+A gated DeltaNet layer (Qwen3-Next) keeps, whatever the sequence length, the last ``conv_kernel - 1`` inputs of
+its causal convolution (``conv``, ``(B, channels, kernel - 1)`` in the cache's dtype) and its recurrent state
+(``recurrent``, ``(B, value heads, key dim, value dim)`` in float32, as transformers keeps it). A step reads both
+and replaces both in place: memory never grows, and nothing is written per position.
+
+The state of position ``n`` cannot be recovered from the state of a later position, so a rewind of a state layer
+(``truncate(n)`` for ``0 < n < length``) is refused; :meth:`kvexplore.Generator.rewind` then recomputes the kept
+tokens in one pass (``needs_replay``). No earlier states are kept: a rewind costs one forward pass over the kept
+sequence, and no memory. A write at position 0 (a new prompt) starts from zero state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import SettingsError
+from ..layer import LayerCache, Step
+from ..layout import StateLayout
+from ..memory import StepCounters
+from ..slots import SlotView
+
+
+class StateLayer(LayerCache):
+    def __init__(self, spec, config, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec)
+        c = config
+        self._batch, self._dtype = batch_size, dtype
+        self.analytic = config.state_bytes(batch_size, dtype.itemsize)
+        self.conv = torch.zeros(batch_size, c.conv_channels, c.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(batch_size, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim,
+                                     dtype=torch.float32, device=device)
+
+    def begin(self, step: Step) -> None:
+        if step.pos == 0:  # a new sequence starts from zero state
+            for t in (self.conv, self.recurrent):
+                step.journal.keep(t, 0, 0, t.shape[0])
+                t.zero_()
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise SettingsError(f"layer {self.spec.index} is a linear-attention layer: it keeps a state, not keys and "
+                            f"values; use read_state/write_state")
+
+    def read_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.recurrent
+
+    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Replace the state in place (the old one kept in the journal for a rollback)."""
+        for old, new in ((self.conv, conv), (self.recurrent, recurrent)):
+            step.journal.keep(old, 0, 0, old.shape[0])
+            old.copy_(new)
+            step.counters.written_bytes += old.nbytes
+
+    def replay_error(self, n: int, length: int) -> str | None:
+        if 0 < n < length:
+            return (f"the linear-attention layers keep one state, of position {length - 1}, and cannot go back "
+                    f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
+        return None
+
+    def truncate(self, n: int, length: int, counters: StepCounters) -> None:
+        if n == 0:
+            self.conv.zero_()
+            self.recurrent.zero_()
+
+    def held_positions(self, length: int) -> list[int]:
+        return []  # a state summarises every position and holds none
+
+    def read_positions(self, length: int) -> list[int]:
+        return []  # no attention: the state summarises every position
+
+    def storage(self) -> list[torch.Tensor]:
+        return [self.conv, self.recurrent]
+
+    def reserved_bytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def used_bytes(self, length: int) -> int:
+        return self.reserved_bytes()  # a fixed block, the same after every step
+
+    def analytic_bytes(self, length: int) -> int:
+        return self.analytic
+
+    def slot_view(self, length: int) -> SlotView:
+        return SlotView([], [], [], StateLayout(conv_bytes=self.conv.nbytes, recurrent_bytes=self.recurrent.nbytes,
+                                                shape=list(self.recurrent.shape[1:])))
+
+    def clone(self, memo: dict[int, Any]) -> "StateLayer":
+        twin = object.__new__(StateLayer)
+        twin.__dict__.update(self.__dict__)
+        twin.conv, twin.recurrent = self.conv.clone(), self.recurrent.clone()
+        return twin
+
+    def describe(self, count: int, strategy: str, config) -> str:
+        return f"{count} linear-attention layer{'s' * (count != 1)}: a fixed state of {self.reserved_bytes()} B each"
+
+
+class StateLayers:
+    """The linear-attention layers of a cache by index (``cache.states``): ``read(layer)`` gives one's state."""
+
+    def __init__(self, layers: dict[int, StateLayer]) -> None:
+        self.layers = layers
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].read_state()
+
+    def layer_bytes(self, layer: int) -> int:
+        return self.layers[layer].reserved_bytes()

@@ -1,0 +1,118 @@
+"""The model-level cache protocol: what the generator, a tracer and the views ask of any cache.
+
+Two families implement it, declared by subclassing :class:`ModelCache` (an ABC, so a missing method fails at
+construction, and ``tests/test_extend_caches.py`` checks every signature):
+
+- :class:`~kvexplore.caches.base.KVCache`, kvexplore's own caches: a list of
+  :class:`~kvexplore.caches.layer.LayerCache` objects plus the step's bookkeeping; its models also call the write
+  side (``write``, ``mask``, ``read_shared``, ``read_state``, ``write_state``, ``note_reads``);
+- :class:`~kvexplore.hf.cache.HFCache`, a transformers ``Cache`` watched after every step (``hf:...``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .memory import MemoryReport
+from .slots import SlotView
+
+
+class ModelCache(ABC):
+    """A model's cache as the generator, the tracer and the views see it. Attributes every implementation has:
+    ``kind`` (its name), ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
+    ``batch_size``, ``dtype``, ``device``, ``length``, ``capacity`` (None: unbounded), ``full_layers``."""
+
+    # -- a step ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        """Raise, changing nothing, if ``q_len`` positions cannot be written at ``pos``."""
+
+    @abstractmethod
+    def begin_step(self, pos: int, q_len: int) -> None:
+        """A forward pass writing ``q_len`` positions at ``pos`` starts: keep what :meth:`rollback` needs."""
+
+    @abstractmethod
+    def settle(self) -> None:
+        """Forget how to undo the last step."""
+
+    @abstractmethod
+    def rollback(self) -> None:
+        """Undo the last step exactly (nothing when there is none)."""
+
+    # -- rewinds and copies ------------------------------------------------------------------------------
+    @abstractmethod
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        """Raise, changing nothing, if the cache cannot go back to ``n`` positions."""
+
+    @abstractmethod
+    def needs_replay(self, n: int) -> bool:
+        """Whether going back to ``n`` needs the kept tokens recomputed (the generator replays them)."""
+
+    @abstractmethod
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` positions."""
+
+    @abstractmethod
+    def clone(self) -> "ModelCache":
+        """An independent copy."""
+
+    @abstractmethod
+    def fork(self) -> "ModelCache":
+        """A cache for a second sequence continuing this one."""
+
+    # -- what it holds -----------------------------------------------------------------------------------
+    @abstractmethod
+    def memory_report(self) -> MemoryReport:
+        """Memory after the last step."""
+
+    @abstractmethod
+    def slot_view(self, layer: int | None = None) -> SlotView:
+        """The state of every physical slot of ``layer``."""
+
+    @abstractmethod
+    def slot_views(self) -> list[SlotView]:
+        """:meth:`slot_view` of every layer."""
+
+    @abstractmethod
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        """The tensors that hold ``layer``'s cache."""
+
+    @abstractmethod
+    def read_positions(self, layer: int | None = None) -> list[int]:
+        """The position of each key column ``layer``'s attention read in the last step."""
+
+    @abstractmethod
+    def read_window(self, layer: int, count: int) -> tuple[int, int]:
+        """``(first position, count)`` of what ``layer``'s attention reads in the step under way."""
+
+    @abstractmethod
+    def read_group(self, layer: int) -> tuple:
+        """Layers with the same group read the same positions in a step."""
+
+    @abstractmethod
+    def pending_reads(self) -> dict[int, torch.Tensor]:
+        """Reads of this step still on the device (layer -> positions)."""
+
+    @abstractmethod
+    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
+        """Replace pending reads by their host copies."""
+
+    @abstractmethod
+    def stored_error(self, layer: int) -> torch.Tensor | None:
+        """How far what is stored is from what was written (None: exact)."""
+
+    @abstractmethod
+    def describe_layers(self) -> str:
+        """What the cache keeps for each kind of layer, in one line."""
+
+    @property
+    @abstractmethod
+    def reserved_bytes(self) -> int:
+        """Bytes of storage held now, used or not."""
+
+    @property
+    @abstractmethod
+    def held(self) -> int:
+        """Positions a full layer holds."""

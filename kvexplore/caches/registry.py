@@ -1,0 +1,115 @@
+"""The cache registries: strategies by name, layer kinds, and name prefixes other packages serve.
+
+This module (with :mod:`kvexplore.config.layer_plan` and :mod:`.factory`) is where a layer kind or a strategy name
+is looked up; no other cache code compares them.
+
+- :data:`STRATEGIES`: strategy name -> :class:`~kvexplore.caches.base.KVCache` subclass (a factory of full-layer
+  caches). :func:`register_strategy` adds one; :func:`~kvexplore.caches.factory.make_cache` builds any by name.
+- :data:`LAYER_KINDS`: a plan's layer kind (``LayerSpec.kind``) -> ``make(cache, spec, built, shared)``, the
+  :class:`~kvexplore.caches.layer.LayerCache` for that layer (``built``: the layers made so far, in order;
+  ``shared``: a dict for structures several layers of one cache share, such as the rings' slot map).
+  :func:`register_layer_kind` adds one.
+- :data:`PREFIXES`: a name prefix -> ``make(model, kind, max_seq_len)``, caches another package serves
+  (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf.cache`). :func:`register_prefix` adds one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..config.layer_plan import FULL, SHARED, SLIDING, STATE, LayerSpec
+from ..errors import SettingsError
+from .layers.recompute import RecomputeLayer
+from .layers.ring import RingLayer
+from .layers.shared import SharedLayer
+from .layers.state import StateLayer
+from .ring import SlidingLayers
+
+if TYPE_CHECKING:
+    from .base import KVCache
+    from .layer import LayerCache
+
+LayerFactory = Callable[["KVCache", LayerSpec, list, dict], "LayerCache"]
+
+STRATEGIES: dict[str, type] = {}
+LAYER_KINDS: dict[str, LayerFactory] = {}
+PREFIXES: dict[str, Callable[[Any, str, int | None], Any]] = {}
+
+
+def register_strategy(name: str, cls: type) -> type:
+    """Make ``cls`` (a :class:`~kvexplore.caches.base.KVCache` subclass) the strategy ``name``; returns ``cls``.
+    ``cls.sizing`` says how ``max_seq_len`` sizes it (see :meth:`KVCache.sizing`)."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise SettingsError(f"a strategy name is a non-empty string without ':' (prefixes are for other packages), "
+                            f"got {name!r}")
+    STRATEGIES[name] = cls
+    return cls
+
+
+def unregister_strategy(name: str) -> None:
+    STRATEGIES.pop(name, None)
+
+
+def register_layer_kind(kind: str, make: LayerFactory) -> LayerFactory:
+    """Layers whose plan says ``kind`` get ``make(cache, spec, built, shared)``; returns ``make``."""
+    LAYER_KINDS[kind] = make
+    return make
+
+
+def unregister_layer_kind(kind: str) -> None:
+    LAYER_KINDS.pop(kind, None)
+
+
+def register_prefix(prefix: str, make: Callable[[Any, str, int | None], Any]) -> None:
+    """Cache names starting with ``prefix`` are made by ``make(model, kind, max_seq_len)``."""
+    PREFIXES[prefix] = make
+
+
+def prefix_factory(kind: Any) -> Callable | None:
+    """The factory registered for ``kind``'s prefix, if any."""
+    if isinstance(kind, str):
+        for prefix, make in PREFIXES.items():
+            if kind.startswith(prefix):
+                return make
+    return None
+
+
+def build_layers(cache: "KVCache") -> list["LayerCache"]:
+    """One layer cache per entry of ``cache.plan``, each from its kind's factory (refusing, before anything is
+    kept, a layer the strategy cannot store)."""
+    built: list = []
+    shared: dict = {}
+    for spec in cache.plan:
+        make = LAYER_KINDS.get(spec.kind)
+        if make is None:
+            raise SettingsError(f"layer {spec.index} is of kind {spec.kind!r}, which no cache serves; known kinds: "
+                                f"{', '.join(LAYER_KINDS)} (register one with register_layer_kind)")
+        built.append(make(cache, spec, built, shared))
+    return built
+
+
+def _full(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "LayerCache":
+    if why := cache.refuses(spec):
+        raise SettingsError(why)
+    return cache.full_layer(spec)
+
+
+def _sliding(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "LayerCache":
+    if not cache.stores:  # a cache that stores nothing recomputes the layer under its window mask
+        return RecomputeLayer(spec, spec.window)
+    slots = shared.setdefault("rings", SlidingLayers(spec.window))  # one slot map for every sliding layer
+    return RingLayer(spec, cache.batch_size, cache.dtype, cache.device, slots)
+
+
+def _shared(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "LayerCache":
+    return SharedLayer(spec, built[spec.source])
+
+
+def _state(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "LayerCache":
+    return StateLayer(spec, cache.config, cache.batch_size, cache.dtype, cache.device)
+
+
+register_layer_kind(FULL, _full)
+register_layer_kind(SLIDING, _sliding)
+register_layer_kind(SHARED, _shared)
+register_layer_kind(STATE, _state)
