@@ -72,49 +72,50 @@ class Architecture:
     doc: str = field(default="", compare=False)
 
 
-_BY_CLASS: dict[str, Architecture] = {}
+#: the registry: transformers class name -> its entry, in registration order (use register() to add)
+ARCHITECTURES: dict[str, Architecture] = {}
 
 
 def register(arch: Architecture) -> Architecture:
     """Add ``arch`` to the registry (a new class name, or the same entry again); returns it."""
     if not isinstance(arch, Architecture):
         raise SettingsError(f"register() takes an Architecture, got {type(arch).__name__}")
-    known = _BY_CLASS.get(arch.hf_class)
+    known = ARCHITECTURES.get(arch.hf_class)
     if known is not None and known is not arch:
         raise SettingsError(f"architecture {arch.hf_class} is already registered (by the {known.family} family); "
                             f"unregister it first to replace it")
-    clash = [a.hf_class for a in _BY_CLASS.values() if a is not known and (a.name == arch.name or
+    clash = [a.hf_class for a in ARCHITECTURES.values() if a is not known and (a.name == arch.name or
                                                                            a.model_type == arch.model_type)]
     if clash:
         raise SettingsError(f"architecture {arch.hf_class}: its name {arch.name!r} or model_type "
                             f"{arch.model_type!r} is already used by {clash[0]}; choose others")
-    _BY_CLASS[arch.hf_class] = arch
+    ARCHITECTURES[arch.hf_class] = arch
     return arch
 
 
 def unregister(hf_class: str) -> None:
     """Remove an entry (a test that registered a toy architecture cleans up with this)."""
-    _BY_CLASS.pop(hf_class, None)
+    ARCHITECTURES.pop(hf_class, None)
 
 
 def registered() -> tuple[Architecture, ...]:
     """Every registered architecture, in registration order."""
-    return tuple(_BY_CLASS.values())
+    return tuple(ARCHITECTURES.values())
 
 
 def lookup(hf_class: str) -> Architecture | None:
     """The entry of a transformers class name, or None when kvexplore does not run it."""
-    return _BY_CLASS.get(hf_class)
+    return ARCHITECTURES.get(hf_class)
 
 
 def by_model_type(model_type: str | None) -> Architecture | None:
     """The entry whose ``model_type`` is this (config.json files without ``architectures``)."""
-    return next((a for a in _BY_CLASS.values() if a.model_type == model_type), None)
+    return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
 
 
 def by_name(name: str) -> Architecture:
     """The entry of a short name (``"llama"``, ``"gemma3"``)."""
-    found = next((a for a in _BY_CLASS.values() if a.name == name), None)
+    found = next((a for a in ARCHITECTURES.values() if a.name == name), None)
     if found is None:
-        raise SettingsError(f"no architecture named {name!r}; registered: {', '.join(a.name for a in _BY_CLASS.values())}")
+        raise SettingsError(f"no architecture named {name!r}; registered: {', '.join(a.name for a in ARCHITECTURES.values())}")
     return found
