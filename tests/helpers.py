@@ -54,12 +54,14 @@ ARCHITECTURES = architectures()
 
 
 def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None = None, hidden: int = 64,
-                    layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 128, head_dim: int | None = None,
-                    tied: bool = False, rope: dict | None = None, shard_bytes: str | None = None,
+                    layers: int | None = None, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+                    head_dim: int | None = None, tied: bool = False, rope: dict | None = None, shard_bytes: str | None = None,
                     init_range: float = 0.2, seed: int = 0, tokenizer: bool = True, **extra) -> torch.nn.Module:
     """Save a random-weight transformers model (safetensors) + sentencepiece tokenizer to ``folder``.
 
-    Returns the transformers model in float32 eval mode, the reference the tests compare against.
+    The config starts from the architecture's small example (its family module's ``example``); ``layers``
+    defaults to the example's layer count, else 2. Returns the transformers model in float32 eval mode, the
+    reference the tests compare against.
     """
     import transformers
 
@@ -67,10 +69,12 @@ def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None
     sp_size = train_sentencepiece(folder / "tokenizer.model") if tokenizer else 0
     cfg_cls, model_cls, defaults = architectures()[arch]
     kwargs = dict(vocab_size=vocab_size or max(sp_size, 300), hidden_size=hidden, intermediate_size=ffn,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=512, tie_word_embeddings=tied, initializer_range=init_range,
                   bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     kwargs.update(defaults, **extra)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     if rope is not None:

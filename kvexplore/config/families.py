@@ -51,7 +51,7 @@ class Architecture:
     hf_class: str  # config.json's architectures[0]: "LlamaForCausalLM"
     model_type: str  # config.json's model_type: "llama", "gemma3_text"
     family: str  # the family module that declares it: "llama", "gemma", ...
-    traits: Mapping[str, Any] = field(default_factory=dict)  # ModelConfig fields the architecture always sets (qk_norm=True, ...)
+    traits: Mapping[str, Any] = field(default_factory=dict)  # ModelConfig fields it always sets (qk_norm=True, ...)
     fields: tuple[Field, ...] = ()  # config.json keys it reads beyond the common ones
     aliases: Mapping[str, str] = field(default_factory=dict)  # its config.json key -> the common key it stands for
     read: Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]] | None = None  # (values, fields, where)
@@ -67,9 +67,8 @@ class Architecture:
     mlp: Callable[..., Any] | None = None  # (config, width) -> a dense feed-forward block
     experts: Callable[..., Any] | None = None  # (config) -> the mlp of a layer where config.uses_experts(layer)
     transformers: tuple[str, str] = ("", "")  # (config class, model class) in transformers
-    example: Mapping[str, Any] = field(default_factory=dict)  # transformers config keys of a small model the parity tests build
+    example: Mapping[str, Any] = field(default_factory=dict)  # config keys of the small model the parity tests build
     gguf: GGUFNames | None = None
-    doc: str = field(default="", compare=False)
 
 
 #: the registry: transformers class name -> its entry, in registration order (use register() to add)
@@ -117,5 +116,6 @@ def by_name(name: str) -> Architecture:
     """The entry of a short name (``"llama"``, ``"gemma3"``)."""
     found = next((a for a in ARCHITECTURES.values() if a.name == name), None)
     if found is None:
-        raise SettingsError(f"no architecture named {name!r}; registered: {', '.join(a.name for a in ARCHITECTURES.values())}")
+        names = ", ".join(a.name for a in ARCHITECTURES.values())
+        raise SettingsError(f"no architecture named {name!r}; registered: {names}")
     return found

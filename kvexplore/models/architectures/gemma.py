@@ -104,6 +104,8 @@ GEMMA4 = Architecture(
     # output_hidden_states: transformers 5.24 crashes on multi-token passes with kv sharing and no per-layer
     # inputs unless hidden states are asked for (the logits are the same)
     example={"head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
+             "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + [
+                 "sliding_attention"] * 2 + ["full_attention"],  # the shared layers 4, 5 read layers 3, 2
              "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 8, "final_logit_softcapping": 3.0,
              "output_hidden_states": True})
 

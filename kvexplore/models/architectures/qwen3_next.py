@@ -65,6 +65,7 @@ QWEN3_NEXT = Architecture(
     example={"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
              "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
+             "num_hidden_layers": 4,
              "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
              "partial_rotary_factor": 0.25})
 
