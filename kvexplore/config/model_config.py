@@ -95,6 +95,8 @@ class ModelConfig:
     rotary_fraction: float = 1.0  # the share of each head's channels RoPE turns (the first ones)
     shared_expert_size: int = 0  # one shared expert of this width, scaled by a sigmoid gate (Qwen3-Next)
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP among experts
+    # values only one architecture's own blocks read, which need no field here (read by its family module)
+    arch_options: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
