@@ -10,22 +10,25 @@ import numpy as np
 import sentencepiece as spm
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
-from kvexplore.formats.gguf_file import permute_rope_rows
-
-HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+from kvexplore.formats.gguf_file import gguf_architectures, permute_rope_rows
 
 
-def gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+def _names(arch: str):
+    """The GGUF names ``arch`` declares in kvexplore's registry (Llama's for an architecture kvexplore does not read:
+    a file that claims another architecture)."""
+    known = gguf_architectures()
+    return (known.get(arch) or known["llama"]).gguf
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """The ggml name of a Hugging Face tensor name, by the GGUF names the architecture declares (the registry)."""
+    names = _names(arch)
+    top = {v: k for k, v in names.globals.items()}
     if hf in top:
         return top[hf]
     _, _, layer, rest = hf.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{ {v: k for k, v in names.layer.items()}[module]}.{suffix}"
 
 
 def write_gguf(path: Path, hf_model, arch: str = "llama", qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
@@ -71,26 +74,28 @@ def write_gguf(path: Path, hf_model, arch: str = "llama", qtype: GGMLQuantizatio
         w.add_add_bos_token(False)
     if chat_template:
         w.add_chat_template(chat_template)
+    permuted = arch in gguf_architectures() and _names(arch).rope_rows_permuted  # llama.cpp's rope row order
     for name, p in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         x = p.detach().float().clone()
-        if arch == "llama" and ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             x = permute_rope_rows(x, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             x = permute_rope_rows(x, cfg.num_key_value_heads)
         x = x.numpy()
-        kind = (raw_override or {}).get(name, qtype if x.ndim == 2 else GGMLQuantizationType.F32)
-        if kind == GGMLQuantizationType.F32:
-            w.add_tensor(gguf_name(name), x)
-        elif kind == GGMLQuantizationType.F16:
-            w.add_tensor(gguf_name(name), x.astype(np.float16))
-        elif kind == GGMLQuantizationType.Q8_1:  # no quantizer in gguf: write zero blocks of the right size
-            block, size = GGML_QUANT_SIZES[kind]
+        qt = (raw_override or {}).get(name, qtype if x.ndim == 2 else GGMLQuantizationType.F32)
+        target = gguf_name(name, arch)
+        if qt == GGMLQuantizationType.F32:
+            w.add_tensor(target, x)
+        elif qt == GGMLQuantizationType.F16:
+            w.add_tensor(target, x.astype(np.float16))
+        elif qt == GGMLQuantizationType.Q8_1:  # no quantizer in gguf: write zero blocks of the right size
+            block, size = GGML_QUANT_SIZES[qt]
             blocks = np.zeros((x.shape[0], x.shape[1] // block * size), dtype=np.uint8)
-            w.add_tensor(gguf_name(name), blocks, raw_dtype=kind)
+            w.add_tensor(target, blocks, raw_dtype=qt)
         else:
-            w.add_tensor(gguf_name(name), quants.quantize(x, kind), raw_dtype=kind)
+            w.add_tensor(target, quants.quantize(x, qt), raw_dtype=qt)
     if edit is not None:
         edit(w)
     w.write_header_to_file()

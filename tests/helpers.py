@@ -41,65 +41,46 @@ def train_sentencepiece(path: Path, vocab_size: int = SP_VOCAB) -> int:
     return sp.get_piece_size()
 
 
-# architecture -> (transformers config class name, model class name, extra config keys)
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24,
-                                                         "sliding_window": 8, "sliding_window_pattern": 3}),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
-        "head_dim": 16, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}}),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
-        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-        "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
-        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
-        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        "partial_rotary_factor": 0.25}),
-    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", {
-        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-        "v_head_dim": 8, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5, "index_topk": 8, "index_n_heads": 32, "index_head_dim": 16}),
-    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
-        "head_dim": 16, "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
-        "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 8, "final_logit_softcapping": 3.0}),
-}
+def architectures() -> dict[str, tuple[str, str, dict]]:
+    """Short name -> (transformers config class name, model class name, the small config's keys), for every
+    architecture in kvexplore's registry (each family module declares its transformers classes and example)."""
+    from kvexplore.models.architectures import registered
+
+    return {a.name: (*a.transformers, dict(a.example)) for a in registered() if a.transformers[0]}
+
+
+# the architectures registered when the tests start (a test that registers a toy adds to architectures())
+ARCHITECTURES = architectures()
 
 
 def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None = None, hidden: int = 64,
-                    layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 128, head_dim: int | None = None,
-                    tied: bool = False, rope: dict | None = None, shard_bytes: str | None = None,
-                    init_range: float = 0.2, seed: int = 0, tokenizer: bool = True, **extra) -> torch.nn.Module:
+                    layers: int | None = None, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
+                    head_dim: int | None = None, tied: bool = False, rope: dict | None = None,
+                    shard_bytes: str | None = None, init_range: float = 0.2, seed: int = 0, tokenizer: bool = True, **extra) -> torch.nn.Module:
     """Save a random-weight transformers model (safetensors) + sentencepiece tokenizer to ``folder``.
 
-    Returns the transformers model in float32 eval mode, the reference the tests compare against.
+    The config starts from the architecture's small example (its family module's ``example``); ``layers``
+    defaults to the example's layer count, else 2. Returns the transformers model in float32 eval mode, the
+    reference the tests compare against.
     """
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     sp_size = train_sentencepiece(folder / "tokenizer.model") if tokenizer else 0
-    cfg_cls, model_cls, defaults = ARCHITECTURES[arch]
+    cfg_cls, model_cls, defaults = architectures()[arch]
     kwargs = dict(vocab_size=vocab_size or max(sp_size, 300), hidden_size=hidden, intermediate_size=ffn,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=512, tie_word_embeddings=tied, initializer_range=init_range,
                   bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     kwargs.update(defaults, **extra)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     if rope is not None:
         kwargs["rope_parameters"] = rope
     config = getattr(transformers, cfg_cls)(**kwargs)
     torch.manual_seed(seed)
-    if arch == "gemma4":  # transformers 5.24 crashes on multi-token passes with kv sharing and no per-layer
-        config.output_hidden_states = True  # inputs unless hidden states are asked for (same logits)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # RMSNorm weights start at 1; perturb them so a wrong norm cannot pass
         for name, p in model.named_parameters():

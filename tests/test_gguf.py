@@ -1,5 +1,7 @@
 """GGUF files written like llama.cpp's converter: config, de-quantization, q/k un-permutation, tokenizers."""
 
+import dataclasses
+
 import pytest
 import sentencepiece as spm
 import torch
@@ -9,6 +11,7 @@ import kvexplore
 from gguf_writer import write_gguf
 from helpers import make_checkpoint
 from kvexplore import LoadError, UnsupportedModelError
+from kvexplore.config import families
 from kvexplore.errors import CorruptFileError
 from kvexplore.formats import gguf_file
 
@@ -51,7 +54,9 @@ def test_wrong_unpermutation_is_visible(llama, tmp_path, monkeypatch):
     """If the q/k rows were left in llama.cpp's order the logits would be far off: the check above has teeth."""
     folder, ref = llama
     path = write_gguf(tmp_path / "m.gguf", ref, spm_model=folder / "tokenizer.model")
-    monkeypatch.setitem(gguf_file.GGUF_ARCHITECTURES, "llama", ("LlamaForCausalLM", False))
+    llama = families.lookup("LlamaForCausalLM")
+    monkeypatch.setitem(families.ARCHITECTURES, "LlamaForCausalLM",
+                        dataclasses.replace(llama, gguf=dataclasses.replace(llama.gguf, rope_rows_permuted=False)))
     assert (logits_of(kvexplore.load(path)) - reference(ref)).abs().max() > 0.1
 
 

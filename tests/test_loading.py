@@ -163,3 +163,25 @@ def test_bad_dtype_and_device(folder):
             kvexplore.load(folder, device="cuda")
     with pytest.raises(ValueError, match="is not a device torch knows"):
         kvexplore.load(folder, device="gpu0")
+
+
+def family_configs():
+    """(short name, field key) for every config.json key an architecture declares beyond the common ones."""
+    from kvexplore.models.architectures import registered
+
+    return [(a.name, f.key) for a in registered() if a.transformers[0] for f in a.fields]
+
+
+@pytest.mark.parametrize("arch,key", family_configs())
+def test_every_field_an_architecture_declares_is_checked(arch, key):
+    """Each family's own keys go through the checked reader: a wrong type names the file, the key and the value."""
+    import transformers
+
+    from helpers import ARCHITECTURES
+
+    cfg_cls, _, example = ARCHITECTURES[arch]
+    sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    raw = getattr(transformers, cfg_cls)(**{**sizes, **example}).to_dict()
+    kvexplore.ModelConfig.from_hf(raw)  # the example reads as it is
+    with pytest.raises(kvexplore.ConfigError, match=f"{key}.*'abc'"):
+        kvexplore.ModelConfig.from_hf({**raw, key: "abc"}, where="family.json")

@@ -7,7 +7,7 @@ import torch
 
 import kvexplore
 from conftest import VARIANTS
-from helpers import make_checkpoint
+from helpers import ARCHITECTURES, make_checkpoint
 
 TOL = 1e-4
 
@@ -139,3 +139,15 @@ def test_half_precision_weights_stay_row_major(checkpoint):
     folder, _ = checkpoint("qwen2-gqa8")
     q = kvexplore.load(folder, dtype=torch.bfloat16).model.layers[0].self_attn.q_proj.weight
     assert q.is_contiguous()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_registered_architecture_matches_its_transformers_class(zoo, arch):
+    """Each entry of the architecture registry, built from its own small example against the transformers class it
+    declares: prefill and decode logits within 1e-4 (a new family module is checked without editing this file)."""
+    folder, ref = zoo.checkpoint(arch, tokenizer=False)
+    model = kvexplore.load(folder)
+    assert type(ref).__name__ == model.config.architecture
+    ids = torch.randint(0, model.config.vocab_size, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = reference_logits(ref, ids)
+    assert (cached_logits(model, ids, prefill_len=9) - want).abs().max().item() < TOL

@@ -1,4 +1,5 @@
-"""The model zoo the tests share: random-weight checkpoints and loaded models, each built once per session."""
+"""The model zoo the tests share: random-weight checkpoints and loaded models, each built once per session (the
+transformers classes and small configs come from kvexplore's architecture registry, see helpers.architectures)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .architectures import ARCHITECTURES
 from ..errors import ConfigError, UnsupportedModelError
 from .fields import BOOL, FLOAT, INT, Field, read
 
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 LAYER_TYPE_NAMES = ("full_attention", "sliding_attention", "linear_attention", "indexed_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -20,8 +17,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 2048
 MAX_HIDDEN, MAX_FFN, MAX_VOCAB, MAX_POSITIONS = 1 << 16, 1 << 20, 1 << 22, 1 << 30
 
-# rope_scaling / rope_parameters entries, by scaling type
-_ROPE_FIELDS = {
+# rope_scaling / rope_parameters entries, by scaling type (None: plain RoPE, nothing to read)
+ROPE_FIELDS: dict[str, tuple[Field, ...] | None] = {
+    "default": None,
     "linear": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),),
     "llama3": (Field("factor", FLOAT, 0, 1e6, required=True, lo_open=True),
                Field("low_freq_factor", FLOAT, 0, 1e6, required=True, lo_open=True),
@@ -33,6 +31,17 @@ _ROPE_FIELDS = {
              Field("mscale", FLOAT, 0, 1e6), Field("mscale_all_dim", FLOAT, 0, 1e6)),
     "proportional": (Field("partial_rotary_factor", FLOAT, 0, 1), Field("factor", FLOAT, 0, 1e6, lo_open=True)),
 }
+SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
+
+
+def _check_llama3(values: dict[str, Any], where: str) -> None:
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ConfigError(where, "rope_scaling.high_freq_factor", values["high_freq_factor"],
+                          f"more than low_freq_factor ({values['low_freq_factor']})")
+
+
+# checks across the numbers of one scaling type, beyond each number's own range
+_ROPE_CHECKS = {"llama3": _check_llama3}
 
 
 def checked_rope_scaling(rope: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
@@ -40,19 +49,19 @@ def checked_rope_scaling(rope: dict[str, Any] | None, where: str) -> dict[str, A
     ``rope_type`` and the numbers that type needs, each checked."""
     if not rope:
         return None
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if not isinstance(kind, str):
-        raise ConfigError(where, "rope_scaling.rope_type", kind, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if kind not in SUPPORTED_ROPE_TYPES:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise ConfigError(where, "rope_scaling.rope_type", rope_type, f"one of {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type not in ROPE_FIELDS:
         raise UnsupportedModelError(
-            f"{where}: rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if kind == "default":
+            f"{where}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    fields = ROPE_FIELDS[rope_type]
+    if fields is None:
         return None
-    values = read(rope, _ROPE_FIELDS[kind], f"{where} (rope_scaling)")
-    if kind == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]:
-        raise ConfigError(where, "rope_scaling.high_freq_factor", values["high_freq_factor"],
-                          f"more than low_freq_factor ({values['low_freq_factor']})")
-    return {**rope, **{k: v for k, v in values.items() if v is not None}, "rope_type": kind}
+    values = read(rope, fields, f"{where} (rope_scaling)")
+    if rope_type in _ROPE_CHECKS:
+        _ROPE_CHECKS[rope_type](values, where)
+    return {**rope, **{k: v for k, v in values.items() if v is not None}, "rope_type": rope_type}
 
 
 def mscale_all_dim(scaling: dict[str, Any] | None) -> float:

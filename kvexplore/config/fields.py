@@ -59,48 +59,57 @@ def check(value: Any, field: Field, where: str) -> Any:
     """``value`` converted to the field's kind, or a ConfigError. ``None`` passes through for nullable fields."""
     if value is None and field.nullable and not field.required:
         return None
-    bad = ConfigError(where, field.key, value, field.expected())
-    kind = field.kind
-    if kind == INT:
-        out = _as_int(value)
-        if out is None:
-            raise bad
-    elif kind == FLOAT:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise bad
-        out = float(value)
-    elif kind == BOOL:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    elif kind == STR:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    elif kind == DICT:
-        if not isinstance(value, dict):
-            raise bad
-        return value
-    elif kind == STR_LIST:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise bad
-        return value
-    elif kind == IDS:
-        items = value if isinstance(value, list) else [value]
-        ids = [_as_int(v) for v in items]
-        if any(i is None for i in ids):
-            raise bad
-        for i in ids:
-            if (field.lo is not None and i < field.lo) or (field.hi is not None and i > field.hi):
-                raise bad
-        return ids
-    else:  # pragma: no cover - a mistake in a field table
-        raise AssertionError(f"unknown field kind {kind!r}")
-    if field.lo is not None and (out <= field.lo if field.lo_open else out < field.lo):
-        raise bad
-    if field.hi is not None and out > field.hi:
-        raise bad
+    parse = _PARSERS.get(field.kind)
+    if parse is None:  # pragma: no cover - a mistake in a field table
+        raise AssertionError(f"unknown field kind {field.kind!r}")
+    out = parse(value, field)
+    if out is _BAD:
+        raise ConfigError(where, field.key, value, field.expected())
     return out
+
+
+_BAD = object()  # what a parser returns for a value of the wrong type or out of range
+
+
+def _in_range(out: float, field: Field) -> Any:
+    if field.lo is not None and (out <= field.lo if field.lo_open else out < field.lo):
+        return _BAD
+    if field.hi is not None and out > field.hi:
+        return _BAD
+    return out
+
+
+def _parse_int(value: Any, field: Field) -> Any:
+    out = _as_int(value)
+    return _BAD if out is None else _in_range(out, field)
+
+
+def _parse_float(value: Any, field: Field) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return _BAD
+    return _in_range(float(value), field)
+
+
+def _parse_ids(value: Any, field: Field) -> Any:
+    items = value if isinstance(value, list) else [value]
+    ids = [_as_int(v) for v in items]
+    if any(i is None or _in_range(i, field) is _BAD for i in ids):
+        return _BAD
+    return ids
+
+
+def _of_type(*types: type, each: type | None = None):
+    """A parser that accepts values of ``types`` as they are (lists: every element of type ``each``)."""
+    def parse(value: Any, field: Field) -> Any:
+        if not isinstance(value, types) or (each is not None and not all(isinstance(v, each) for v in value)):
+            return _BAD
+        return value
+    return parse
+
+
+# one parser per field kind: (value, field) -> the checked value, or _BAD
+_PARSERS = {INT: _parse_int, FLOAT: _parse_float, BOOL: _of_type(bool), STR: _of_type(str), DICT: _of_type(dict),
+            STR_LIST: _of_type(list, each=str), IDS: _parse_ids}
 
 
 def _as_int(value: Any) -> int | None:

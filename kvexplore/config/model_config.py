@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, LoadError, UnsupportedModelError
-from .architectures import ARCHITECTURES, LLAMA_NORM
+from .architectures import LLAMA_NORM
 from .config_fields import ACTIVATIONS, LAYER_TYPE_NAMES, mscale_all_dim, checked_rope_scaling
 from .config_json import fields_from_hf
+from .families import lookup
 from .fields import read_json_object
 
 
@@ -47,7 +48,7 @@ class ModelConfig:
     rope_by_type: dict[str, dict[str, Any]] = field(default_factory=dict)  # layer type -> its own rope_theta/scaling
     layer_head_dims: dict[int, int] = field(default_factory=dict)  # layers whose head size is not head_dim
     layer_kv_head_counts: dict[int, int] = field(default_factory=dict)  # layers with their own kv head count
-    # what the architecture adds to the Llama layer (see kvexplore.config.architectures)
+    # what the architecture adds to the Llama layer (its traits, see kvexplore.models.architectures)
     qk_norm: bool = False  # Qwen3, Gemma: RMSNorm over each head of q and k before RoPE
     v_norm: bool = False  # Gemma 4: a weightless RMSNorm over each head of v
     norm_style: str = LLAMA_NORM
@@ -94,6 +95,8 @@ class ModelConfig:
     rotary_fraction: float = 1.0  # the share of each head's channels RoPE turns (the first ones)
     shared_expert_size: int = 0  # one shared expert of this width, scaled by a sigmoid gate (Qwen3-Next)
     dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP among experts
+    # values only one architecture's own blocks read, which need no field here (read by its family module)
+    arch_options: dict[str, Any] = field(default_factory=dict)
     source: str = field(default="model config", compare=False, repr=False)  # the file errors name
 
     def __post_init__(self) -> None:
@@ -125,8 +128,8 @@ class ModelConfig:
 
     def _check_layers(self, where: str) -> None:
         if not self.layer_types:
-            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
-            self.layer_types = [kind] * self.num_layers
+            uniform = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [uniform] * self.num_layers
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(where, "layer_types", f"{len(self.layer_types)} entries",
                               f"one per layer ({self.num_layers}, num_hidden_layers)")
@@ -143,11 +146,11 @@ class ModelConfig:
             raise ConfigError(where, "num_kv_shared_layers", self.num_kv_shared_layers,
                               f"0..{self.num_layers - 1} (fewer than num_hidden_layers)")
         stored = self.layer_types[: self.num_layers - self.num_kv_shared_layers]
-        for kind in set(self.layer_types[len(stored):]) - set(stored):
+        for layer_type in set(self.layer_types[len(stored):]) - set(stored):
             raise ConfigError(where, "num_kv_shared_layers", self.num_kv_shared_layers,
-                              f"a value that leaves a {kind} layer before the shared ones to read from")
-        for kind, rope in self.rope_by_type.items():
-            rope["rope_scaling"] = checked_rope_scaling(rope.get("rope_scaling"), f"{where} ({kind})")
+                              f"a value that leaves a {layer_type} layer before the shared ones to read from")
+        for layer_type, rope in self.rope_by_type.items():
+            rope["rope_scaling"] = checked_rope_scaling(rope.get("rope_scaling"), f"{where} ({layer_type})")
         for i in (*self.layer_head_dims, *self.layer_kv_head_counts):
             if not 0 <= i < self.num_layers:
                 raise ConfigError(where, "per_layer_config", i, f"layer numbers 0..{self.num_layers - 1}")
@@ -158,36 +161,12 @@ class ModelConfig:
                                 f"num_attention_heads {self.num_heads}; grouped-query attention needs whole groups")
             if dim % 2:
                 raise ConfigError(where, f"head_dim of layer {i}", dim, "an even number (RoPE rotates pairs)")
-        if self.kv_lora_rank:
-            self._check_latent(where)
-        if "linear_attention" in self.layer_types:
-            for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "conv_kernel"):
-                if getattr(self, name) < 1:
-                    raise ConfigError(where, name, getattr(self, name), "a positive size (linear attention needs it)")
-            if self.linear_value_heads % self.linear_key_heads:
-                raise ConfigError(where, "linear_num_value_heads", self.linear_value_heads,
-                                  f"a multiple of linear_num_key_heads ({self.linear_key_heads})")
+        arch = lookup(self.architecture)
+        if arch is not None and arch.check is not None:  # the architecture's own checks (latent sizes, ...)
+            arch.check(self, where)
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError(where, "num_experts_per_tok", self.experts_per_token,
                               f"1..{self.num_experts} (num_local_experts)")
-
-    def _check_latent(self, where: str) -> None:
-        if self.mla not in ("absorbed", "decompressed"):
-            raise ConfigError(where, "mla", self.mla, '"absorbed" or "decompressed"')
-        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(where, name, getattr(self, name), "a positive size (latent attention needs it)")
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(where, "qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE turns pairs)")
-        if self.index_topk and (self.index_heads < 1 or self.index_head_dim < self.qk_rope_head_dim
-                                or not self.q_lora_rank):
-            raise ConfigError(where, "index_n_heads / index_head_dim", (self.index_heads, self.index_head_dim),
-                              f"at least 1 head of at least qk_rope_head_dim ({self.qk_rope_head_dim}) channels, "
-                              f"and a q_lora_rank (the indexer reads the compressed query)")
-        if self.num_experts and (self.num_experts % self.expert_groups
-                                 or not 1 <= self.groups_per_token <= self.expert_groups):
-            raise ConfigError(where, "n_group / topk_group", (self.expert_groups, self.groups_per_token),
-                              f"groups that divide n_routed_experts ({self.num_experts}), 1 <= topk_group <= n_group")
 
     @property
     def qk_head_dim(self) -> int:
@@ -257,7 +236,11 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that both :meth:`from_hf` and transformers read back to this config."""
-        model_type = ARCHITECTURES[self.architecture].model_type
+        arch = lookup(self.architecture)
+        if arch is None:
+            raise UnsupportedModelError(f"{self.source}: architecture {self.architecture!r} is not registered, so "
+                                        f"there is no config.json to write for it")
+        model_type = arch.model_type
         raw = {
             "architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -269,10 +252,8 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None),
             "torch_dtype": self.torch_dtype or "float32",
         }
-        if self.architecture == "LlamaForCausalLM":
-            raw.update(attention_bias=self.o_bias, mlp_bias=self.mlp_bias)
-        if self.architecture == "Qwen2ForCausalLM":
-            raw["use_sliding_window"] = False
+        if arch.to_hf is not None:
+            raw.update(arch.to_hf(self))
         if self.sliding_window is not None:
             raw["sliding_window"] = self.sliding_window
         return raw

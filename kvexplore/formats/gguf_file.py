@@ -23,6 +23,8 @@ from ..config.model_config import ModelConfig
 from ..config.config_fields import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
 from ..errors import ConfigError, CorruptFileError, LoadError, MissingFileError, UnsupportedModelError
 from ..config.fields import BOOL, FLOAT, INT, STR, STR_LIST, Field, read
+from ..config.families import Architecture, registered
+from ..models import architectures as _registry  # noqa: F401  (importing it registers every architecture)
 from .gguf_scan import scan
 from .tokenizer import Tokenizer
 from .weights import check_layer_count, check_tensors, expected_shapes
@@ -56,18 +58,12 @@ TOKENIZER_FIELDS = (
     Field("tokenizer.chat_template", STR),
 )
 TOKEN_TYPES = range(1, 7)  # normal, unknown, control, user-defined, unused, byte
+SPECIAL_TOKEN_TYPES = (3, 4)  # control and user-defined tokens: never split, added as special tokens
 
-# GGUF general.architecture -> (Hugging Face architecture, whether q/k rows are in llama.cpp's rope order)
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+def gguf_architectures() -> dict[str, Architecture]:
+    """GGUF ``general.architecture`` -> the registered architecture that declares those GGUF names."""
+    return {a.gguf.name: a for a in registered() if a.gguf is not None}
 
 
 def _float32_value(x: float) -> float:
@@ -75,13 +71,15 @@ def _float32_value(x: float) -> float:
     return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None for an unknown name)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, arch: Architecture) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` by ``arch``'s GGUF names (None for a
+    name it does not declare)."""
+    names = arch.gguf
+    if gguf_name in names.globals:
+        return names.globals[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names.layer:
+        return f"model.layers.{parts[1]}.{names.layer[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -113,9 +111,11 @@ class GGUFFile:
             raise CorruptFileError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); it is "
                                    f"probably truncated or corrupt: download it again") from e
         self.arch = self.get("general.architecture")
-        if not isinstance(self.arch, str) or self.arch not in GGUF_ARCHITECTURES:
+        known = gguf_architectures()
+        if not isinstance(self.arch, str) or self.arch not in known:
             raise UnsupportedModelError(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported; "
-                                        f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+                                        f"supported: {', '.join(known)}")
+        self.architecture = known[self.arch]  # the registered entry whose GGUF names this file uses
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
@@ -148,10 +148,10 @@ class GGUFFile:
         tk = self._tokenizer_fields
         scaling = None
         if m["rope.scaling.type"] not in ("none", None):
-            kind = m["rope.scaling.type"]
-            if kind != "linear":
-                raise UnsupportedModelError(f"{self.path.name}: GGUF rope scaling {kind!r} is not supported; "
-                                            f"supported: linear")
+            scaling_type = m["rope.scaling.type"]
+            if scaling_type != "linear":
+                raise UnsupportedModelError(f"{self.path.name}: GGUF rope scaling {scaling_type!r} is not "
+                                            f"supported; supported: linear")
             if m["rope.scaling.factor"] is None:
                 raise ConfigError(f"{self.path.name} (GGUF metadata)", f"{a}.rope.scaling.factor", None,
                                   "a number > 0 (linear rope scaling needs its factor)")
@@ -161,7 +161,7 @@ class GGUFFile:
         heads = m["attention.head_count"]
         eps, theta = m["attention.layer_norm_rms_epsilon"], m["rope.freq_base"]
         return ModelConfig(
-            architecture=GGUF_ARCHITECTURES[a][0],
+            architecture=self.architecture.hf_class,
             vocab_size=m["vocab_size"] or len(tokens) or self._embedding_rows(),
             hidden_size=m["embedding_length"],
             intermediate_size=m["feed_forward_length"],
@@ -194,23 +194,24 @@ class GGUFFile:
         from gguf import GGMLQuantizationType, quants
 
         by_name = {}
-        check_layer_count([hf_name(t.name) or "" for t in self.reader.tensors], config, self.path.name)
+        arch = self.architecture
+        check_layer_count([hf_name(t.name, arch) or "" for t in self.reader.tensors], config, self.path.name)
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
             if name is None:
                 raise UnsupportedModelError(f"{self.path.name}: tensor {t.name!r} has no place in a "
                                             f"{config.architecture}; is this a {self.arch} model?")
             by_name[name] = t
         found = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in by_name.items()}
         check_tensors(expected_shapes(config), found, config, self.path.name)
-        permuted = GGUF_ARCHITECTURES[self.arch][1]
+        permuted = arch.gguf.rope_rows_permuted
         out = {}
         for name, t in by_name.items():
             try:
                 array = quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                kind = GGMLQuantizationType(t.tensor_type).name
-                raise UnsupportedModelError(f"{self.path.name}: tensor {t.name} uses quantization {kind}, which the "
+                qtype = GGMLQuantizationType(t.tensor_type).name
+                raise UnsupportedModelError(f"{self.path.name}: tensor {t.name} uses quantization {qtype}, which the "
                                             f"gguf package cannot dequantize; use a file with another type") from e
             except Exception as e:
                 raise CorruptFileError(f"{self.path.name}: tensor {t.name} could not be dequantized "
@@ -227,16 +228,12 @@ class GGUFFile:
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         tk = self.tokenizer_metadata()
-        kind = tk["tokenizer.ggml.model"]
-        if kind == "gpt2":
-            backend, tok_kind = self._bpe_tokenizer(tk), "tokenizers"
-            default_add_bos = False
-        elif kind == "llama":
-            backend, tok_kind = self._sentencepiece_tokenizer(tk), "sentencepiece"
-            default_add_bos = True
-        else:
-            raise UnsupportedModelError(f"{self.path.name}: tokenizer type {kind!r} is not supported; supported: "
+        model = tk["tokenizer.ggml.model"]
+        if model not in TOKENIZER_MODELS:
+            raise UnsupportedModelError(f"{self.path.name}: tokenizer type {model!r} is not supported; supported: "
                                         f"gpt2 (byte-level BPE), llama (sentencepiece)")
+        build, tok_kind, default_add_bos = TOKENIZER_MODELS[model]
+        backend = build(self, tk)
         tokens = tk["tokenizer.ggml.tokens"]
         bos, eos = tk["tokenizer.ggml.bos_token_id"], tk["tokenizer.ggml.eos_token_id"]
         eos_ids = [i for i in (eos, tk["tokenizer.ggml.eot_token_id"]) if i is not None]
@@ -317,7 +314,8 @@ class GGUFFile:
         tok.pre_tokenizer = pre_tokenizer
         tok.decoder = decoders.ByteLevel()
         types = tk["tokenizer.ggml.token_type"] or []
-        special = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind in (3, 4)]
+        special = [AddedToken(t, special=True, normalized=False) for t, token_type in zip(tokens, types)
+                   if token_type in SPECIAL_TOKEN_TYPES]
         tok.add_special_tokens(special)
         return tok
 
@@ -342,8 +340,8 @@ class GGUFFile:
         proto.normalizer_spec.add_dummy_prefix = True if space is None else space
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
-        for piece, score, kind in zip(tokens, scores, types):
-            proto.pieces.add(piece=piece, score=float(score), type=int(kind))
+        for piece, score, token_type in zip(tokens, scores, types):
+            proto.pieces.add(piece=piece, score=float(score), type=int(token_type))
         sp = spm.SentencePieceProcessor()
         try:
             sp.load_from_serialized_proto(proto.SerializeToString())
@@ -351,3 +349,9 @@ class GGUFFile:
             raise CorruptFileError(f"{self.path.name}: its sentencepiece vocabulary could not be rebuilt ({e}); the "
                                    f"token list is damaged: convert the model again") from e
         return sp
+
+
+#: tokenizer.ggml.model -> (how the tokenizer is rebuilt, the Tokenizer backend it gives, whether bos is added
+#: when the file does not say)
+TOKENIZER_MODELS = {"gpt2": (GGUFFile._bpe_tokenizer, "tokenizers", False),
+                    "llama": (GGUFFile._sentencepiece_tokenizer, "sentencepiece", True)}

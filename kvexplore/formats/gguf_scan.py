@@ -49,40 +49,59 @@ class _Reader:
             raise self.fail(at, f"{what} claims {n} bytes, more than the file holds")
         return bytes(self.buf[at + 8:at + 8 + n]), at + 8 + n
 
-    def value(self, kind: int, at: int, key: str, depth: int = 0) -> tuple[object, int]:
+    def value(self, value_type: int, at: int, key: str, depth: int = 0) -> tuple[object, int]:
         """The value (scalars and strings only; arrays are checked and skipped) and the offset after it."""
-        if kind in _SCALAR:
-            fmt = _SCALAR[kind]
-            return self.unpack(fmt, at, f"the value of {key}")[0], at + struct.calcsize(fmt)
-        if kind == STRING:
-            raw, end = self.string(at, f"the string value of {key}")
-            return raw, end
-        if kind == ARRAY:
-            if depth >= MAX_DEPTH:
-                raise self.fail(at, f"{key} nests arrays more than {MAX_DEPTH} deep")
-            sub, count = self.unpack("IQ", at, f"the array header of {key}")
-            at += 12
-            left = self.size - at
-            if sub in _SCALAR:
-                width = struct.calcsize(_SCALAR[sub])
-                if count > left // width:
-                    raise self.fail(at, f"array {key} claims {count} elements of {width} bytes, more than the "
-                                        f"{left} bytes left in the file")
-                return None, at + count * width
-            if sub not in (STRING, ARRAY):
-                raise self.fail(at, f"array {key} has unknown element type {sub}")
-            if count > left // (8 if sub == STRING else 12):  # the smallest string or array there can be
-                raise self.fail(at, f"array {key} claims {count} elements, more than the {left} bytes left can hold")
-            for i in range(count):
-                if sub == STRING:
-                    (n,) = self.unpack("Q", at, f"element {i} of {key}")
-                    if n > self.size - at - 8:
-                        raise self.fail(at, f"element {i} of {key} claims {n} bytes, more than the file holds")
-                    at += 8 + n
-                else:
-                    _, at = self.value(ARRAY, at, f"{key}[{i}]", depth + 1)
-            return None, at
-        raise self.fail(at, f"metadata {key} has unknown value type {kind}")
+        read = _VALUES.get(value_type)
+        if read is None:
+            read = _scalar_reader(value_type)
+        if read is None:
+            raise self.fail(at, f"metadata {key} has unknown value type {value_type}")
+        return read(self, at, key, depth)
+
+    def scalar(self, fmt: str, at: int, key: str) -> tuple[object, int]:
+        return self.unpack(fmt, at, f"the value of {key}")[0], at + struct.calcsize(fmt)
+
+    def string_value(self, at: int, key: str, depth: int = 0) -> tuple[object, int]:
+        return self.string(at, f"the string value of {key}")
+
+    def array(self, at: int, key: str, depth: int = 0) -> tuple[object, int]:
+        """Check an array's declared size against the bytes left, walk its strings and sub-arrays, skip it."""
+        if depth >= MAX_DEPTH:
+            raise self.fail(at, f"{key} nests arrays more than {MAX_DEPTH} deep")
+        sub, count = self.unpack("IQ", at, f"the array header of {key}")
+        at += 12
+        left = self.size - at
+        if sub in _SCALAR:
+            width = struct.calcsize(_SCALAR[sub])
+            if count > left // width:
+                raise self.fail(at, f"array {key} claims {count} elements of {width} bytes, more than the "
+                                    f"{left} bytes left in the file")
+            return None, at + count * width
+        if sub not in (STRING, ARRAY):
+            raise self.fail(at, f"array {key} has unknown element type {sub}")
+        if count > left // (8 if sub == STRING else 12):  # the smallest string or array there can be
+            raise self.fail(at, f"array {key} claims {count} elements, more than the {left} bytes left can hold")
+        for i in range(count):
+            if sub == STRING:
+                (n,) = self.unpack("Q", at, f"element {i} of {key}")
+                if n > self.size - at - 8:
+                    raise self.fail(at, f"element {i} of {key} claims {n} bytes, more than the file holds")
+                at += 8 + n
+            else:
+                _, at = self.array(at, f"{key}[{i}]", depth + 1)
+        return None, at
+
+
+def _scalar_reader(value_type: int):
+    """The reader of one scalar value type, or None for a type GGUF does not define."""
+    if value_type not in _SCALAR:
+        return None
+    fmt = _SCALAR[value_type]
+    return lambda reader, at, key, depth: reader.scalar(fmt, at, key)
+
+
+# the value types that are not scalars: how each is read
+_VALUES = {STRING: _Reader.string_value, ARRAY: _Reader.array}
 
 
 def scan(path: str | Path) -> None:
@@ -113,8 +132,8 @@ def scan(path: str | Path) -> None:
             for _ in range(n_kv):
                 raw_key, at = r.string(at, "a metadata key", MAX_KEY)
                 key = raw_key.decode("utf-8", "replace")
-                (kind,) = r.unpack("I", at, f"the type of {key}")
-                value, at = r.value(kind, at + 4, key)
+                (value_type,) = r.unpack("I", at, f"the type of {key}")
+                value, at = r.value(value_type, at + 4, key)
                 if key == "general.alignment":
                     if not isinstance(value, int) or value < 1 or value & (value - 1):
                         raise r.fail(at, f"general.alignment is {value!r}, not a power of two")
@@ -127,17 +146,17 @@ def scan(path: str | Path) -> None:
                 if not 1 <= n_dims <= MAX_DIMS:
                     raise r.fail(at, f"tensor {name} has {n_dims} dimensions (GGUF allows 1..{MAX_DIMS})")
                 dims = r.unpack("Q" * n_dims, at + 4, f"the shape of tensor {name}")
-                kind, offset = r.unpack("IQ", at + 4 + 8 * n_dims, f"the type and offset of tensor {name}")
+                ggml_type, offset = r.unpack("IQ", at + 4 + 8 * n_dims, f"the type and offset of tensor {name}")
                 at += 4 + 8 * n_dims + 12
                 try:
-                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
                 except (ValueError, KeyError):
-                    raise r.fail(at, f"tensor {name} has unknown ggml type {kind}") from None
+                    raise r.fail(at, f"tensor {name} has unknown ggml type {ggml_type}") from None
                 count = 1
                 for d in dims:
                     count *= d
                 if count == 0 or count % block or dims[0] % block:
-                    raise r.fail(at, f"tensor {name} has shape {list(dims)}, which ggml type {kind} cannot hold "
+                    raise r.fail(at, f"tensor {name} has shape {list(dims)}, which ggml type {ggml_type} cannot hold "
                                      f"(blocks of {block} elements)")
                 extents.append((name, offset, count // block * type_size))
             data = (at + alignment - 1) // alignment * alignment

@@ -21,13 +21,88 @@ TOKENIZER_CONFIG_FIELDS = (Field("add_bos_token", BOOL), Field("bos_token", STR)
 GENERATION_CONFIG_FIELDS = (Field("bos_token_id", INT, 0, MAX_VOCAB - 1), Field("eos_token_id", IDS, 0, MAX_VOCAB - 1))
 
 
+class _SentencePiece:
+    """A ``tokenizer.model`` (sentencepiece) behind the calls :class:`Tokenizer` makes."""
+
+    name = "sentencepiece"
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def vocab_size(self) -> int:
+        return self.raw.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.raw.encode(text, out_type=int))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.raw.decode(list(ids))
+
+    def id_of(self, token: str) -> int | None:
+        i = self.raw.piece_to_id(token)
+        return None if i == self.raw.unk_id() and token != self.raw.id_to_piece(i) else i
+
+    def save(self, folder: Path) -> None:
+        (folder / "tokenizer.model").write_bytes(self.raw.serialized_model_proto())
+
+    def native_ids(self) -> tuple[int | None, int | None]:
+        """The bos and eos ids the model file itself names (None where it names none)."""
+        bos, eos = self.raw.bos_id(), self.raw.eos_id()
+        return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
+
+    def adds_bos(self, bos_id: int | None) -> bool:
+        """Whether the model expects bos first when tokenizer_config.json does not say: yes, if it has one."""
+        return bos_id is not None
+
+
+class _Tokenizers:
+    """A ``tokenizer.json`` (the tokenizers library) behind the calls :class:`Tokenizer` makes."""
+
+    name = "tokenizers"
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def vocab_size(self) -> int:
+        return self.raw.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.raw.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.raw.decode(list(ids), skip_special_tokens=False)
+
+    def id_of(self, token: str) -> int | None:
+        return self.raw.token_to_id(token)
+
+    def save(self, folder: Path) -> None:
+        self.raw.save(str(folder / "tokenizer.json"))
+
+    def native_ids(self) -> tuple[int | None, int | None]:
+        return None, None
+
+    def adds_bos(self, bos_id: int | None) -> bool:
+        """A tokenizer.json adds bos through its post-processor if the model wants one."""
+        with_special = self.raw.encode("a", add_special_tokens=True).ids
+        return bool(with_special) and with_special[0] == bos_id
+
+
+#: the tokenizer libraries kvexplore reads, by the name a Tokenizer is built with
+BACKENDS = {b.name: b for b in (_SentencePiece, _Tokenizers)}
+
+
 class Tokenizer:
-    """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``bos_id``, ``eos_ids``, ``chat_template``."""
+    """``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``bos_id``, ``eos_ids``, ``chat_template``.
+
+    ``backend`` is a sentencepiece processor or a tokenizers ``Tokenizer``, ``kind`` names which
+    (``"sentencepiece"`` or ``"tokenizers"``, see :data:`BACKENDS`)."""
 
     def __init__(self, backend: Any, kind: str, bos_id: int | None, eos_ids: list[int], add_bos: bool,
                  chat_template: str | None = None, bos_token: str = "", eos_token: str = "") -> None:
-        self._backend = backend
-        self.kind = kind  # "sentencepiece" or "tokenizers"
+        if kind not in BACKENDS:
+            raise SettingsError(f"tokenizer backend {kind!r} is not supported; supported: {', '.join(BACKENDS)}")
+        self._backend = BACKENDS[kind](backend)
+        self.kind = kind
         self.bos_id = bos_id
         self.eos_ids = eos_ids
         self.add_bos = add_bos and bos_id is not None
@@ -36,20 +111,14 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        if self.kind == "sentencepiece":
-            return self._backend.get_piece_size()
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._backend.vocab_size()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, with no special tokens added."""
-        if self.kind == "sentencepiece":
-            return list(self._backend.encode(text, out_type=int))
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return self._backend.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        if self.kind == "sentencepiece":
-            return self._backend.decode(list(ids))
-        return self._backend.decode(list(ids), skip_special_tokens=False)
+        return self._backend.decode(ids)
 
     def token_text(self, token: int, previous: list[int] = ()) -> str:
         """The text ``token`` adds after ``previous`` ids (a leading space stays visible, unlike ``decode``)."""
@@ -58,10 +127,7 @@ class Tokenizer:
         return after[len(before):] if after.startswith(before) else self.decode([token])
 
     def id_of(self, token: str) -> int | None:
-        if self.kind == "sentencepiece":
-            i = self._backend.piece_to_id(token)
-            return None if i == self._backend.unk_id() and token != self._backend.id_to_piece(i) else i
-        return self._backend.token_to_id(token)
+        return self._backend.id_of(token)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template."""
@@ -81,8 +147,8 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token)
         except Exception as e:  # TemplateError, or a Python error raised inside the template
-            kind = "" if isinstance(e, TemplateError) else f" ({type(e).__name__} inside the template)"
-            raise SettingsError(f"chat template rejected the messages{kind}: {e}") from e
+            detail = "" if isinstance(e, TemplateError) else f" ({type(e).__name__} inside the template)"
+            raise SettingsError(f"chat template rejected the messages{detail}: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Ids of a chat prompt: the rendered template, with bos prepended unless the template wrote it."""
@@ -95,10 +161,7 @@ class Tokenizer:
     def save(self, folder: Path) -> None:
         """Write the tokenizer as a Hugging Face folder reads it: ``tokenizer.json`` or ``tokenizer.model``, plus
         ``tokenizer_config.json`` (special tokens, add_bos, chat template) and ``generation_config.json``."""
-        if self.kind == "tokenizers":
-            self._backend.save(str(folder / "tokenizer.json"))
-        else:
-            (folder / "tokenizer.model").write_bytes(self._backend.serialized_model_proto())
+        self._backend.save(folder)
         config = {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None,
                   "add_bos_token": self.add_bos}
         if self.chat_template:
@@ -124,7 +187,7 @@ class Tokenizer:
             except Exception as e:  # tokenizers raises plain Exception subclasses
                 raise CorruptFileError(f"{folder / 'tokenizer.json'} could not be read ({e}); it is damaged or from "
                                        f"a newer tokenizers: download it again") from e
-            kind = "tokenizers"
+            name = "tokenizers"
         elif (folder / "tokenizer.model").exists():
             import sentencepiece as spm
 
@@ -134,30 +197,26 @@ class Tokenizer:
             except Exception as e:  # OSError, RuntimeError, and a bare Exception for some damage
                 raise CorruptFileError(f"{folder / 'tokenizer.model'} is not a sentencepiece model ({e}); download "
                                        f"it again") from e
-            kind = "sentencepiece"
+            name = "sentencepiece"
         else:
             return None
-        tok = cls(backend, kind, None, [], False)
+        tok = cls(backend, name, None, [], False)
         bos_token, eos_token = tok_fields["bos_token"] or "", tok_fields["eos_token"] or ""
-        native_bos = backend.bos_id() if kind == "sentencepiece" else None
-        native_eos = backend.eos_id() if kind == "sentencepiece" else None
+        native_bos, native_eos = tok._backend.native_ids()
         gen_eos = gen_config["eos_token_id"]
         bos_id = _first(tok.id_of(bos_token) if bos_token else None, gen_config["bos_token_id"],
-                        config.bos_token_id, native_bos if native_bos is not None and native_bos >= 0 else None)
+                        config.bos_token_id, native_bos)
         eos_ids: list[int] = []
         for source in (gen_eos, config.eos_token_id,
                        tok.id_of(eos_token) if eos_token else None,
-                       native_eos if native_eos is not None and native_eos >= 0 else None):
+                       native_eos):
             for i in source if isinstance(source, list) else [source]:
                 if i is not None and i not in eos_ids:
                     eos_ids.append(int(i))
         if tok_fields["add_bos_token"] is not None:
             add_bos = tok_fields["add_bos_token"]
-        elif kind == "sentencepiece":
-            add_bos = bos_id is not None
-        else:  # a tokenizer.json adds bos through its post-processor if the model wants one
-            with_special = backend.encode("a", add_special_tokens=True).ids
-            add_bos = bool(with_special) and with_special[0] == bos_id
+        else:
+            add_bos = tok._backend.adds_bos(bos_id)
         tok.bos_id, tok.eos_ids, tok.add_bos = bos_id, eos_ids, bool(add_bos and bos_id is not None)
         tok.bos_token = bos_token or (tok.decode([bos_id]) if bos_id is not None else "")
         tok.eos_token = eos_token or (tok.decode([eos_ids[0]]) if eos_ids else "")

@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from ..config.model_config import ModelConfig
 from ..errors import ConfigError, CorruptFileError, LoadError, MissingFileError, NonFiniteWeightsError
 from ..config.fields import read_json_object
-from ..config.layer_plan import SHARED, STATE, LayerSpec, layer_plan
+from ..models.model import Model
 
 # tensors some checkpoints carry that the model recomputes or ignores
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -50,121 +50,12 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config must hold, by Hugging Face name, with its shape."""
-    c = config
-    d = c.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, d)
-    plan = layer_plan(c)
-    for i in range(c.num_layers):
-        shapes.update(_layer_shapes(c, plan[i]))
-    return shapes
-
-
-def _latent_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """DeepSeek's latent attention (see kvexplore/latent.py)."""
-    d, nh, a = c.hidden_size, c.num_heads, f"{p}self_attn."
-    shapes: dict[str, tuple[int, ...]] = {}
-    if c.q_lora_rank:
-        shapes.update({f"{a}q_a_proj.weight": (c.q_lora_rank, d), f"{a}q_a_layernorm.weight": (c.q_lora_rank,),
-                       f"{a}q_b_proj.weight": (nh * c.qk_head_dim, c.q_lora_rank)})
-    else:
-        shapes[f"{a}q_proj.weight"] = (nh * c.qk_head_dim, d)
-    shapes.update({f"{a}kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, d),
-                   f"{a}kv_a_layernorm.weight": (c.kv_lora_rank,),
-                   f"{a}kv_b_proj.weight": (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-                   f"{a}o_proj.weight": (d, nh * c.v_head_dim)})
-    if c.index_topk:  # DeepSeek-V3.2's lightning indexer
-        i, n = f"{a}indexer.", c.index_heads * c.index_head_dim
-        shapes.update({f"{i}wq_b.weight": (n, c.q_lora_rank), f"{i}wk.weight": (c.index_head_dim, d),
-                       f"{i}k_norm.weight": (c.index_head_dim,), f"{i}k_norm.bias": (c.index_head_dim,),
-                       f"{i}weights_proj.weight": (c.index_heads, d)})
-    if c.o_bias:
-        shapes.update({f"{a}q_a_proj.bias": (c.q_lora_rank,)} if c.q_lora_rank else {})
-        shapes.update({f"{a}kv_a_proj_with_mqa.bias": (c.kv_lora_rank + c.qk_rope_head_dim,), f"{a}o_proj.bias": (d,)})
-    return shapes
-
-
-def _deepseek_expert_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    e, d, f, m = c.num_experts, c.hidden_size, c.moe_intermediate_size, f"{p}mlp."
-    shapes = {f"{m}gate.weight": (e, d), f"{m}gate.e_score_correction_bias": (e,)}
-    for i in range(e):
-        shapes.update({f"{m}experts.{i}.gate_proj.weight": (f, d), f"{m}experts.{i}.up_proj.weight": (f, d),
-                       f"{m}experts.{i}.down_proj.weight": (d, f)})
-    if c.shared_experts:
-        s = f * c.shared_experts
-        shapes.update({f"{m}shared_experts.gate_proj.weight": (s, d), f"{m}shared_experts.up_proj.weight": (s, d),
-                       f"{m}shared_experts.down_proj.weight": (d, s)})
-    return shapes
-
-
-def _deltanet_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """Qwen3-Next's gated DeltaNet (see kvexplore/deltanet.py)."""
-    d, a, r = c.hidden_size, f"{p}linear_attn.", c.linear_value_heads // c.linear_key_heads
-    return {f"{a}in_proj_qkvz.weight": (c.linear_key_heads * (2 * c.linear_key_dim + 2 * r * c.linear_value_dim), d),
-            f"{a}in_proj_ba.weight": (c.linear_key_heads * 2 * r, d),
-            f"{a}conv1d.weight": (c.conv_channels, 1, c.conv_kernel), f"{a}A_log": (c.linear_value_heads,),
-            f"{a}dt_bias": (c.linear_value_heads,), f"{a}norm.weight": (c.linear_value_dim,),
-            f"{a}out_proj.weight": (d, c.linear_value_heads * c.linear_value_dim)}
-
-
-def _shared_expert_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    e, d, f, s, m = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.shared_expert_size, f"{p}mlp."
-    shapes = {f"{m}gate.weight": (e, d), f"{m}shared_expert_gate.weight": (1, d),
-              f"{m}shared_expert.gate_proj.weight": (s, d), f"{m}shared_expert.up_proj.weight": (s, d),
-              f"{m}shared_expert.down_proj.weight": (d, s)}
-    for i in range(e):
-        shapes.update({f"{m}experts.{i}.gate_proj.weight": (f, d), f"{m}experts.{i}.up_proj.weight": (f, d),
-                       f"{m}experts.{i}.down_proj.weight": (d, f)})
-    return shapes
-
-
-def _layer_shapes(c: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...]]:
-    p, d, f = f"model.layers.{spec.index}.", c.hidden_size, c.layer_intermediate_size(spec.index)
-    hd, kv = spec.head_dim, spec.kv_heads
-    shapes: dict[str, tuple[int, ...]] = {}
-    if c.kv_lora_rank:
-        shapes.update(_latent_shapes(c, p))
-    elif spec.kind == STATE:
-        shapes.update(_deltanet_shapes(c, p))
-    else:
-        q = c.num_heads * hd * (2 if c.gated_attention else 1)  # Qwen3-Next: each head's output gate too
-        proj = {"q_proj": q} if spec.kind == SHARED else {"q_proj": q, "k_proj": kv * hd, "v_proj": kv * hd}
-        for name, out in proj.items():
-            shapes[f"{p}self_attn.{name}.weight"] = (out, d)
-            if c.qkv_bias:
-                shapes[f"{p}self_attn.{name}.bias"] = (out,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (d, c.num_heads * hd)
-        if c.o_bias:
-            shapes[f"{p}self_attn.o_proj.bias"] = (d,)
-    if c.qk_norm and spec.kind != STATE:
-        shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
-        if spec.kind != SHARED:
-            shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
-    if c.attention_sinks:
-        shapes[f"{p}self_attn.sinks"] = (c.num_heads,)
-    if c.uses_experts(spec.index) and c.kv_lora_rank:
-        shapes.update(_deepseek_expert_shapes(c, p))
-    elif c.uses_experts(spec.index) and c.shared_expert_size:
-        shapes.update(_shared_expert_shapes(c, p))
-    elif c.uses_experts(spec.index):
-        e = c.num_experts
-        shapes.update({f"{p}mlp.router.weight": (e, d), f"{p}mlp.router.bias": (e,),
-                       f"{p}mlp.experts.gate_up_proj": (e, d, 2 * f), f"{p}mlp.experts.gate_up_proj_bias": (e, 2 * f),
-                       f"{p}mlp.experts.down_proj": (e, f, d), f"{p}mlp.experts.down_proj_bias": (e, d)})
-    else:
-        for name, shape in {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}.items():
-            shapes[f"{p}mlp.{name}.weight"] = shape
-            if c.mlp_bias:
-                shapes[f"{p}mlp.{name}.bias"] = (shape[0],)
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if c.sandwich_norms:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    shapes.update({f"{p}{n}.weight": (d,) for n in norms})
-    if c.layer_scalar:
-        shapes[f"{p}layer_scalar"] = (1,)
-    return shapes
+    """Every tensor a checkpoint of this config must hold, by Hugging Face name, with its shape: the state of the
+    model built on the meta device (no memory, no initialisation), so the names and shapes are declared once, by
+    the modules the architecture builds, and a checkpoint that passes loads with ``strict=True``."""
+    with torch.device("meta"):
+        model = Model(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def ignorable(name: str, config: ModelConfig) -> bool:

@@ -26,16 +26,15 @@ from torch import nn
 
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
-from ..config.layer_plan import SHARED, STATE, LayerSpec, layer_plan
+from ..config.families import Architecture, lookup
+from ..config.layer_plan import LayerSpec, layer_plan
+from .architectures import llama as _llama  # importing the package registers every architecture
 from .blocks import MLP, RMSNorm
-from .deltanet import GatedDeltaNet
-from .experts import DeepseekExperts, MixtureOfExperts, SharedExpertMoE
 from ..core import host
 from .attend import weigh_values
 from ..core.hooks import hook
-from .latent import LatentAttention
 from .rope import Rotary, rotate
-from ..errors import SettingsError
+from ..errors import SettingsError, UnsupportedModelError
 
 # hook points of one layer, in the order they fire; the model's full list is embed, layers..., norm, logits
 LAYER_HOOK_POINTS = ("attn.q", "attn.k_new", "attn.v_new", "attn.cache_write", "attn.cache_read", "attn.scores",
@@ -59,7 +58,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, d, bias=config.o_bias)
-        shared = spec.kind == SHARED
+        shared = spec.shares
         if shared:  # a shared layer computes queries only (transformers' checkpoints hold no k/v weights for it)
             del self.k_proj, self.v_proj
         eps, style = config.rms_norm_eps, config.norm_style
@@ -88,7 +87,7 @@ class Attention(nn.Module):
         name = f"layers.{self.layer}.attn"
         if tracer is not None:
             q = hook(tracer, f"{name}.q", q)
-        if self.spec.kind == SHARED:  # no keys of its own: read what the source layer's attention read
+        if self.spec.shares:  # no keys of its own: read what the source layer's attention read
             k_all, v_all = cache.read_shared(self.layer)
         else:
             k = self.k_proj(x).view(B, T, self.nkv, self.hd)
@@ -157,17 +156,27 @@ class Attention(nn.Module):
         return y.view(B, nh, T, hd)
 
 
+def architecture(config: ModelConfig) -> Architecture:
+    """The registered entry of ``config.architecture``; a config built by hand for an unregistered name (a display
+    config of :mod:`kvexplore.hf`) gets the Llama blocks."""
+    return lookup(config.architecture) or _llama.LLAMA
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.layer = spec.index
         d, eps, style = config.hidden_size, config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(d, eps, style)
-        if spec.kind == STATE:  # transformers names the linear-attention mixer linear_attn
-            self.linear_attn = GatedDeltaNet(config, spec.index)
+        arch = architecture(config)
+        if spec.recurrent:  # transformers names the linear-attention mixer linear_attn
+            if arch.recurrent is None:
+                raise UnsupportedModelError(f"{config.source}: layer {spec.index} is a linear-attention layer, which "
+                                            f"{config.architecture} does not implement")
+            self.linear_attn = arch.recurrent(config, spec.index)
         else:
-            self.self_attn = LatentAttention(config, spec) if config.kv_lora_rank else Attention(config, spec)
-        self.linear = spec.kind == STATE
+            self.self_attn = (arch.attention or Attention)(config, spec)
+        self.linear = spec.recurrent
         self.post_attention_layernorm = RMSNorm(d, eps, style)
         self.sandwich = config.sandwich_norms
         if self.sandwich:  # Gemma normalises each sublayer's input and output: four norms per layer
@@ -194,13 +203,15 @@ class DecoderLayer(nn.Module):
 
 
 def _mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """The layer's feed-forward block: experts (gpt-oss's, DeepSeek's after its first dense layers, Qwen3-Next's)
-    or one MLP."""
+    """The layer's feed-forward block: the architecture's experts where the config puts experts (gpt-oss's,
+    DeepSeek's after its first dense layers, Qwen3-Next's), else its dense MLP (the gated one by default)."""
+    arch = architecture(config)
     if not config.uses_experts(layer):
-        return MLP(config, config.layer_intermediate_size(layer))
-    if config.kv_lora_rank:
-        return DeepseekExperts(config)
-    return SharedExpertMoE(config) if config.shared_expert_size else MixtureOfExperts(config)
+        return (arch.mlp or MLP)(config, config.layer_intermediate_size(layer))
+    if arch.experts is None:
+        raise UnsupportedModelError(f"{config.source}: layer {layer} has experts (num_experts "
+                                    f"{config.num_experts}), which {config.architecture} does not implement")
+    return arch.experts(config)
 
 
 class Decoder(nn.Module):
@@ -272,8 +283,8 @@ class Model(nn.Module):
                 x = hook(tracer, "embed", x)
             types = self.config.layer_types
             angles = {t: self.rotary.cos_sin(pos, T, x.dtype, t) for t in dict.fromkeys(types)}
-            for layer, kind in zip(self.model.layers, types):
-                x = layer(x, cache, pos, *angles[kind], tracer)
+            for layer, layer_type in zip(self.model.layers, types):
+                x = layer(x, cache, pos, *angles[layer_type], tracer)
             if last_only:
                 x = x[:, -1:]
             x = self.model.norm(x)

@@ -21,19 +21,24 @@ def inverse_frequencies(config: ModelConfig, layer_type: str = "full_attention")
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "proportional":  # Gemma 4's global layers: only the first partial_rotary_factor of the pairs turn
-        turning = int(float(scaling.get("partial_rotary_factor") or 1.0) * dim // 2)
-        inv_freq[turning:] = 0.0  # channels j and j + dim/2 of the others pass through (cos 1, sin 0)
-        return inv_freq / float(scaling.get("factor") or 1.0)
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq / factor
     old_len = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
-    if kind == "yarn":
-        return _yarn(inv_freq, dim, theta, factor, old_len, scaling)
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    return SCALINGS[scaling["rope_type"]](inv_freq, dim, theta, old_len, scaling)
+
+
+def _proportional(inv_freq: torch.Tensor, dim: int, theta: float, old_len: float, scaling: dict) -> torch.Tensor:
+    """Gemma 4's global layers: only the first ``partial_rotary_factor`` of the pairs turn."""
+    turning = int(float(scaling.get("partial_rotary_factor") or 1.0) * dim // 2)
+    inv_freq[turning:] = 0.0  # channels j and j + dim/2 of the others pass through (cos 1, sin 0)
+    return inv_freq / float(scaling.get("factor") or 1.0)
+
+
+def _linear(inv_freq: torch.Tensor, dim: int, theta: float, old_len: float, scaling: dict) -> torch.Tensor:
+    return inv_freq / float(scaling["factor"])
+
+
+def _llama3(inv_freq: torch.Tensor, dim: int, theta: float, old_len: float, scaling: dict) -> torch.Tensor:
+    """Llama 3: long wavelengths are slowed by ``factor``, short ones kept, the band between interpolated."""
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -50,8 +55,7 @@ def _head_dim(config: ModelConfig, layer_type: str) -> int:
     return int(dim * config.rotary_fraction) if config.rotary_fraction < 1 else dim
 
 
-def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, old_len: float,
-          scaling: dict) -> torch.Tensor:
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, old_len: float, scaling: dict) -> torch.Tensor:
     """YaRN (gpt-oss): frequencies that turn more than ``beta_fast`` times over the original context are kept,
     those turning fewer than ``beta_slow`` times are divided by ``factor``, with a linear ramp between."""
     def dims_for(turns: float) -> float:  # the pair index whose wavelength fits `turns` times in old_len
@@ -65,7 +69,11 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, old_len
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp
-    return inv_freq / factor * (1 - keep) + inv_freq * keep
+    return inv_freq / float(scaling["factor"]) * (1 - keep) + inv_freq * keep
+
+
+#: the inverse frequencies of each rope scaling type config_fields.ROPE_FIELDS accepts (except "default", plain)
+SCALINGS = {"proportional": _proportional, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
 
 
 def attention_factor(config: ModelConfig, layer_type: str = "full_attention") -> float:
