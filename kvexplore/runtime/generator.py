@@ -4,7 +4,8 @@ The generator alone owns the sequence and decides every position. The newest tok
 the next step feeds ``tokens[cache.length:]`` at position ``cache.length`` (one token with a cache, the whole
 sequence with :class:`~kvexplore.NoCache`, whose length stays 0), writes it, and picks the following token.
 A step that fails (cache full, bad input) raises before anything changes: tokens, history, RNG and cache
-stay as they were.
+stay as they were. Every forward pass goes through one :class:`~kvexplore.runtime.executor.Executor` (kvexplore's
+eager model, its compiled one-token step, a transformers model): the generator never asks which one it has.
 """
 
 from __future__ import annotations
