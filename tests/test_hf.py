@@ -92,6 +92,23 @@ def test_greedy_tokens_match_generate_and_bytes_match_the_storage(models, arch, 
     assert gen.generated_tokens == want
 
 
+def test_a_generator_given_the_transformers_module_runs_it_through_hfmodel(models):
+    """The executor adapter registered by kvexplore.hf: a bare transformers module becomes an HFModel (the
+    Generator's executor and model) on the default hf:dynamic cache, and generates what ``generate`` does; a
+    kvexplore cache is refused, naming the transformers caches."""
+    module = models("llama")
+    gen = kvexplore.Generator(module)
+    assert isinstance(gen.executor, hf.HFModel) and gen.model is gen.executor and gen.executor.hf is module
+    assert gen.cache.kind == "hf:dynamic"
+    gen.prefill(PROMPT)
+    gen.run(11, stop_at_eos=False)
+    assert gen.generated_tokens == reference_tokens(module, PROMPT, 12)
+    with pytest.raises(kvexplore.SettingsError, match=r"cache must be a transformers cache \(kvexplore.hf.make_cache\)"):
+        kvexplore.Generator(module, kvexplore.PreallocatedCache(gen.executor.config, 16))
+    with pytest.warns(UserWarning, match="HFModel has no compiled decode step"):
+        kvexplore.Generator(module, compile=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])
 def test_a_dynamic_cache_moves_every_step_and_a_static_one_never(models, arch):
     model = hf.wrap(models(arch))
