@@ -140,4 +140,5 @@ def as_executor(model: Any) -> Executor:
         if accepts(model):
             return adapt(model)
     raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load), a transformers model or a "
-                        f"kvexplore.runtime.executor.Executor, got {type(model).__name__}")
+                        f"kvexplore.runtime.executor.Executor, got {type(model).__name__} (a transformers model "
+                        f"runs once kvexplore.hf is imported, or pass kvexplore.hf.wrap(model))")
