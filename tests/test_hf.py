@@ -92,6 +92,23 @@ def test_greedy_tokens_match_generate_and_bytes_match_the_storage(models, arch, 
     assert gen.generated_tokens == want
 
 
+def test_a_generator_given_the_transformers_module_runs_it_through_hfmodel(models):
+    """The executor adapter registered by kvexplore.hf: a bare transformers module becomes an HFModel (the
+    Generator's executor and model) on the default hf:dynamic cache, and generates what ``generate`` does; a
+    kvexplore cache is refused, naming the transformers caches."""
+    module = models("llama")
+    gen = kvexplore.Generator(module)
+    assert isinstance(gen.executor, hf.HFModel) and gen.model is gen.executor and gen.executor.hf is module
+    assert gen.cache.kind == "hf:dynamic"
+    gen.prefill(PROMPT)
+    gen.run(11, stop_at_eos=False)
+    assert gen.generated_tokens == reference_tokens(module, PROMPT, 12)
+    with pytest.raises(kvexplore.SettingsError, match=r"cache must be a transformers cache \(kvexplore.hf.make_cache\)"):
+        kvexplore.Generator(module, kvexplore.PreallocatedCache(gen.executor.config, 16))
+    with pytest.warns(UserWarning, match="HFModel has no compiled decode step"):
+        kvexplore.Generator(module, compile=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])
 def test_a_dynamic_cache_moves_every_step_and_a_static_one_never(models, arch):
     model = hf.wrap(models(arch))
@@ -154,6 +171,31 @@ def test_rewind_fork_and_a_failed_step_leave_everything_as_it_was(models, kind):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     gen.tracer = None
     assert gen.step().token_id == twin.tokens[len(tokens)]
+
+
+@pytest.mark.parametrize("kind", ["hf:dynamic", "hf:static"])
+def test_a_replay_that_fails_leaves_the_transformers_cache_as_it_was(models, kind):
+    """A rewind past the sliding window replays the kept tokens (HFModel.replay, the executor's): when that pass
+    fails, the generator, its cache object and the transformers cache inside are untouched; the same rewind then
+    succeeds and regenerates the same tokens."""
+    model = hf.wrap(models("gemma3"))
+    gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 64))
+    gen.prefill(PROMPT)
+    gen.run(15, stop_at_eos=False)
+    want, inner, length = gen.generated_tokens, gen.cache.hf, gen.cache.length
+    before = [t.clone() for layer in inner.layers for t in (layer.keys, layer.values)]
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            gen.rewind(9)
+    finally:
+        del model.forward
+    assert gen.generated_tokens == want and gen.cache.length == length and gen.cache.hf is inner
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for l in inner.layers for t in (l.keys, l.values))))
+    gen.rewind(9)
+    assert gen.cache.length == len(gen.tokens) - 1 and gen.cache.hf is not inner
+    gen.run(9, stop_at_eos=False)
+    assert gen.generated_tokens == want
 
 
 def test_transformers_fp8_cache_holds_a_byte_per_element_and_the_doctor_calls_it_lossy(models):

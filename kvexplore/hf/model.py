@@ -1,5 +1,7 @@
 """A transformers causal LM as kvexplore sees it: the module, a kvexplore config for the views, a tokenizer, and
-(where kvexplore implements the architecture) a kvexplore :class:`~kvexplore.Model` on the same weights."""
+(where kvexplore implements the architecture) a kvexplore :class:`~kvexplore.Model` on the same weights. It is an
+:class:`~kvexplore.runtime.executor.Executor`: a :class:`~kvexplore.Generator` drives it as it drives kvexplore's
+own model, through its transformers caches (:class:`~.cache.HFCache`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
 from ..formats.tokenizer import Tokenizer
+from ..runtime.executor import Executor, register_adapter
+from .cache import HFCache
 
 SUPPORTED_TRANSFORMERS = "5.0"  # the oldest major version driven here (its Cache classes have .layers)
 
@@ -33,7 +37,7 @@ def is_hf_model(obj: Any) -> bool:
     return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(obj).__mro__)
 
 
-class HFModel:
+class HFModel(Executor):
     """A transformers causal LM (eval mode) and what kvexplore needs around it.
 
     ``config`` is a kvexplore :class:`~kvexplore.ModelConfig`: the model's own when kvexplore implements the
@@ -113,6 +117,31 @@ class HFModel:
         if not keep_undo:
             cache.settle()
         return logits.float()
+
+    def check_cache(self, cache: Any) -> None:
+        if not isinstance(cache, HFCache):
+            raise SettingsError(f"cache must be a transformers cache (kvexplore.hf.make_cache), got "
+                                f"{type(cache).__name__}")
+
+    def default_cache(self) -> HFCache:
+        from . import make_cache
+
+        return make_cache(self, "dynamic")
+
+    def replay(self, ids, cache: HFCache) -> None:
+        """Rebuild ``cache`` as a prefill of ``ids`` leaves it. A transformers cache takes positions from its own
+        length, so the pass runs on a fresh copy first (a failure there leaves ``cache`` untouched); the cache
+        then takes that copy's transformers cache and reads it as after any step."""
+        if not ids:
+            cache.truncate(0)
+            return
+        work = cache.clone()
+        work.truncate(0)
+        self(torch.tensor([list(ids)], dtype=torch.long), work, 0, last_only=True)
+        reads = {i: r for i in range(len(work.plan)) if (r := work.read_positions(i))}
+        cache.truncate(0)
+        cache.hf = work.hf
+        cache.end_step(0, len(ids), reads)
 
     def eager(self):
         """A context in which attention runs eagerly (its probabilities can be returned)."""
@@ -215,3 +244,6 @@ def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: 
     model = HFModel(module, None, str(path))
     model.tokenizer = Tokenizer.from_folder(path, model.config)
     return model
+
+
+register_adapter(is_hf_model, HFModel)  # a Generator given a transformers module runs it through HFModel

@@ -22,7 +22,7 @@ import torch
 
 from ..caches.preallocated import PreallocatedCache
 from ..errors import SettingsError
-from ..config.layer_plan import FULL
+from .executor import CompiledExecutor
 
 
 def refusal(model: Any, cache: Any) -> str | None:
@@ -35,7 +35,7 @@ def refusal(model: Any, cache: Any) -> str | None:
         return (f"compiled decoding needs the cache in the model's dtype and device ({model.dtype}, {model.device}); "
                 f"this one is {cache.dtype} on {cache.device}")
     c = model.config
-    if any(s.kind != FULL for s in cache.plan):
+    if any(s.shares or s.recurrent or s.ring or s.windowed for s in cache.plan):
         return "compiled decoding covers models whose layers are all full attention (no sliding, shared or state layers)"
     if c.num_experts or c.kv_lora_rank or c.attention_sinks or c.attn_logit_softcapping is not None or c.gated_attention:
         return (f"compiled decoding covers dense Llama-family layers; {c.architecture}'s experts, latent attention, "
@@ -147,3 +147,67 @@ def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool 
     if key not in by_key and build:
         by_key[key] = CompiledDecoder(model, capacity, mode)
     return by_key.get(key)
+
+
+class CompiledStep(CompiledExecutor):
+    """The compiled one-token step behind the executor contract: ``eager`` (an
+    :class:`~kvexplore.runtime.eager.EagerExecutor`) supplies the model and everything the generator reads; a call
+    runs the model's :class:`CompiledDecoder` for the cache's capacity (built once per model, capacity and mode,
+    shared by forks and resets) and does the cache's bookkeeping around the graph, so records, rewind, undo and
+    fork work as in eager mode. A tracer gets what a trace without attention holds, read from the cache after."""
+
+    def __init__(self, eager: Any, mode: str | None = None) -> None:
+        self.eager, self.mode = eager, mode
+
+    config = property(lambda self: self.eager.config)
+    tokenizer = property(lambda self: self.eager.tokenizer)
+    source = property(lambda self: self.eager.source)
+    device = property(lambda self: self.eager.device)
+    dtype = property(lambda self: self.eager.dtype)
+    model = property(lambda self: self.eager.model)
+
+    def __call__(self, ids: torch.Tensor, cache: PreallocatedCache, pos: int, tracer: Any = None,
+                 last_only: bool = False, keep_undo: bool = False) -> torch.Tensor:
+        if ids.shape != (1, 1) or not last_only:
+            raise SettingsError(f"the compiled step feeds one token for its last position's logits, got ids of shape "
+                                f"{tuple(ids.shape)} (last_only={last_only}); run longer feeds eager")
+        token = int(ids[0, 0])
+        cache.check_write(pos, 1, 1)
+        cache.begin_step(pos, 1)
+        try:
+            cache.note_inplace_write(pos, 1)
+            logits = decoder_for(self.eager.model, cache.capacity, self.mode)(token, cache, pos)[0]
+            cache.commit(pos + 1)
+            if tracer is not None:
+                self._feed(tracer, cache, pos, logits)
+        except BaseException:
+            cache.rollback()
+            raise
+        if not keep_undo:
+            cache.settle()
+        return logits.view(1, 1, -1)
+
+    @staticmethod
+    def _feed(tracer: Any, cache: PreallocatedCache, pos: int, logits: torch.Tensor) -> None:
+        """What a trace without attention holds, read from the cache after the step."""
+        for layer in cache.full_layers:
+            name = f"layers.{layer}.attn"
+            keys, values = cache.key(layer), cache.value(layer)
+            tracer.hook(f"{name}.k_new", keys.narrow(2, pos, 1).clone())
+            tracer.hook(f"{name}.v_new", values.narrow(2, pos, 1).clone())
+            tracer.hook(f"{name}.cache_read", keys.narrow(2, 0, pos + 1))  # the slots the mask let through
+        tracer.hook("logits", logits.view(1, 1, -1))
+
+    def sees_inside(self, tracer: Any) -> bool:
+        return tracer is not None and ("qkv" in getattr(tracer, "capture", ()) or any(
+            tracer.wants_attention(i) for i in range(self.config.num_layers)))
+
+    def compile_s(self, cache: Any) -> float | None:
+        decoder = decoder_for(self.eager.model, cache.capacity, self.mode, build=False)
+        return None if decoder is None else decoder.compile_s
+
+    def compile_refusal(self, cache: Any) -> str | None:
+        return refusal(self.eager.model, cache)
+
+    def replay(self, ids, cache) -> None:
+        self.eager.replay(ids, cache)

@@ -4,7 +4,8 @@ The generator alone owns the sequence and decides every position. The newest tok
 the next step feeds ``tokens[cache.length:]`` at position ``cache.length`` (one token with a cache, the whole
 sequence with :class:`~kvexplore.NoCache`, whose length stays 0), writes it, and picks the following token.
 A step that fails (cache full, bad input) raises before anything changes: tokens, history, RNG and cache
-stay as they were.
+stay as they were. Every forward pass goes through one :class:`~kvexplore.runtime.executor.Executor` (kvexplore's
+eager model, its compiled one-token step, a transformers model): the generator never asks which one it has.
 """
 
 from __future__ import annotations
@@ -13,21 +14,22 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from ..caches.base import KVCache
-from ..caches.factory import make_cache
-from ..models.model import Model
-from ..hf.cache import HFCache
-from ..hf.model import HFModel, is_hf_model
-from ..trace.records import Candidate, StepRecord
-from .sampling import SamplingSettings, choose
-from ..trace.tracer import Tracer
-from ..trace.files import History
-from ..errors import SettingsError, StateError
 from ..core import host
 from ..core.settings import integer
+from ..errors import SettingsError, StateError
+from ..trace.files import History
+from ..trace.records import StepRecord
+from ..trace.tracer import Tracer
+from . import eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
+from .compiled import MODES
+from .executor import CompiledExecutor, Executor, as_executor
+from .prompt import prompt_ids
+from .recording import step_record
+from .sampling import SamplingSettings, choose
 
 
 def _sampling_setting(name: str) -> property:
@@ -44,29 +46,27 @@ def _sampling_setting(name: str) -> property:
 class Generator:
     """Generate from ``model`` through ``cache`` one token at a time.
 
-    ``temperature=0`` (the default) is greedy; otherwise temperature / ``top_k`` / ``top_p`` sampling with
-    a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so a rewound
-    and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record lists;
-    ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry.
+    ``model`` is a kvexplore :class:`~kvexplore.Model`, a transformers model (``kvexplore.hf``) or any
+    :class:`~kvexplore.runtime.executor.Executor`: the generator runs every forward pass through that contract
+    (:attr:`executor`). ``temperature=0`` (the default) is greedy; otherwise temperature / ``top_k`` / ``top_p``
+    sampling with a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so
+    a rewound and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record
+    lists; ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry. ``compile``: single-token
+    steps run the executor's compiled step where it has one (True: the best mode for the device; or a
+    torch.compile mode), with :attr:`compile_note` saying why not.
     """
 
-    def __init__(self, model: Model, cache: KVCache | None = None, temperature: float = 0.0,
+    def __init__(self, model: Any, cache: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 top_candidates: int = 5, tracer: Tracer | None = None, compile: bool = False) -> None:
-        if is_hf_model(model):
-            model = HFModel(model)
-        if not isinstance(model, (Model, HFModel)):
-            raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load) or a transformers model, got "
-                                f"{type(model).__name__}")
+                 top_candidates: int = 5, tracer: Tracer | None = None, compile: bool | str = False) -> None:
+        executor = as_executor(model)
         if cache is None:
-            cache = make_cache("hf:dynamic" if isinstance(model, HFModel) else "preallocated", model)
-        if not isinstance(cache, (HFCache if isinstance(model, HFModel) else KVCache)):
-            raise SettingsError(f"cache must be a {'transformers cache (kvexplore.hf.make_cache)' if isinstance(model, HFModel) else 'KVCache (from kvexplore.make_cache)'}"
-                                f", got {type(cache).__name__}")
+            cache = executor.default_cache()
+        executor.check_cache(cache)
         if cache.batch_size != 1:
             raise SettingsError(f"the generator drives one sequence but the cache has batch_size={cache.batch_size}; "
-                             f"make the cache with batch_size=1")
-        self.model = model
+                                f"make the cache with batch_size=1")
+        self.executor: Executor = executor
         self.cache = cache
         self.tracer = tracer
         if tracer is not None and not all(callable(getattr(tracer, m, None)) for m in
@@ -82,18 +82,24 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        from .compiled import MODES, refusal
-
         if not isinstance(compile, bool) and compile not in MODES:
             raise SettingsError(f"compile must be True, False or a torch.compile mode ({', '.join(MODES)}), got "
                                 f"{compile!r}")
         self.compile = compile  # True: the best mode for the device (CPU: max-autotune, CUDA: reduce-overhead)
         self.compile_note = ""  # why decode steps run eager although compile=True ("" when they compile)
+        self._fast: CompiledExecutor | None = None  # the compiled one-token step (compile=True, where it applies)
+        self._traced_note = False  # the message that traced steps run eager was given
         if self.compile:
-
-            self.compile_note = refusal(model, cache) or ""
+            self.compile_note = executor.compile_refusal(cache) or ""
             if self.compile_note:
                 warnings.warn(f"compile=True: {self.compile_note}; decoding runs eager", stacklevel=2)
+            else:
+                self._fast = executor.compiled(cache, None if compile is True else compile)
+
+    @property
+    def model(self) -> Any:
+        """The model as it was given (a transformers module: its :class:`kvexplore.hf.HFModel`)."""
+        return self.executor.model
 
     # -- settings (checked when set, so a step never fails on them) -------------------------------------
     @property
@@ -118,7 +124,7 @@ class Generator:
 
     @top_candidates.setter
     def top_candidates(self, value: int) -> None:
-        self._top_candidates = integer(value, "top_candidates", 1, self.model.config.vocab_size)
+        self._top_candidates = integer(value, "top_candidates", 1, self.executor.config.vocab_size)
 
     # -- the sequence -----------------------------------------------------------------------------------
     @property
@@ -156,7 +162,7 @@ class Generator:
         saved = self._rng.get_state()
         self._rng.manual_seed(self.seed)
         try:
-            record = self._forward(ids, pos=0, kind="prefill", context=ids, force=force)
+            record = self._forward(ids, pos=0, first=True, context=ids, force=force)
         except BaseException:
             self._rng.set_state(saved)  # _forward put the cache back
             raise
@@ -169,12 +175,13 @@ class Generator:
 
     def _run_meta(self, ids: list[int]) -> dict:
         """What a saved trace carries besides its records: the prompt, the strategy, the model's shape."""
-        c, tok = self.model.config, self.model.tokenizer
+        ex = self.executor
+        c, tok = ex.config, ex.tokenizer
         return {"prompt_ids": list(ids),
                 "prompt_texts": [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)],
-                "kind": self.cache.kind, "dtype": str(self.model.dtype).removeprefix("torch."),
-                "device": str(self.model.device),
-                "model": {"name": self.model.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
+                "kind": self.cache.kind, "dtype": str(ex.dtype).removeprefix("torch."),
+                "device": str(ex.device),
+                "model": {"name": ex.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
                           "num_kv_heads": c.num_kv_heads, "gqa_groups": c.gqa_groups,
                           "attention_sinks": bool(c.attention_sinks)}}
 
@@ -207,7 +214,7 @@ class Generator:
                 f"the cache holds {start} positions but the sequence has only {len(self._tokens)} tokens: the cache "
                 f"was written by something else. Call reset() and prefill again, or give each generator its own cache"
             )
-        record = self._forward(self._tokens[start:], pos=start, kind="decode", context=self._tokens, force=force)
+        record = self._forward(self._tokens[start:], pos=start, first=False, context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
         if keep_undo:
@@ -268,24 +275,12 @@ class Generator:
             return
         keep = len(self._tokens) - n
         target = min(self.cache.length, keep - 1)
-        if self.cache.needs_replay(target):
-            self._replay(target)
+        if self.cache.needs_replay(target):  # the same cache a fresh prefill of the kept tokens gives
+            self.executor.replay(self._tokens[:target], self.cache)
         else:
             self.cache.truncate(target)
         self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
-
-    def _replay(self, n: int) -> None:
-        """Rebuild the cache as the first ``n`` tokens' prefill leaves it; on failure the cache is as before."""
-        backup = self.cache.clone()
-        try:
-            self.cache.truncate(0)
-            if n:
-                self.model(torch.tensor([self._tokens[:n]]), self.cache, 0, last_only=True)
-        except BaseException:
-            self.cache.__dict__.update(backup.__dict__)  # every strategy keeps its state in its attributes
-            backup.__dict__ = {}  # its storage is the cache's again: dropping the backup must not release it
-            raise
 
     def reset(self) -> None:
         """Forget the sequence and empty the cache (its storage is kept)."""
@@ -301,7 +296,7 @@ class Generator:
             raise StateError("nothing to fork: call prefill(prompt) first")
         self._undoable = False  # the fork shares what the last step wrote (paged pages): it stays
         self.cache.settle()
-        twin = Generator(self.model, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
+        twin = Generator(self.executor, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates, self.tracer, self.compile)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
@@ -309,9 +304,11 @@ class Generator:
         return twin
 
     # -- internals --------------------------------------------------------------------------------------
-    def _forward(self, feed: list[int], pos: int, kind: str, context: list[int], force: int | None = None) -> StepRecord:
-        """One forward pass and its record. Anything that fails, in the model or after it (sampling, the record),
-        rolls the cache back, so the step leaves no trace: the caller changes tokens and history only after."""
+    def _forward(self, feed: list[int], pos: int, first: bool, context: list[int],
+                 force: int | None = None) -> StepRecord:
+        """One forward pass and its record (``first``: the prefill's). Anything that fails, in the model or after
+        it (sampling, the record), rolls the cache back, so the step leaves no trace: the caller changes tokens and
+        history only after."""
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step(self.cache, pos, len(feed))
@@ -319,128 +316,62 @@ class Generator:
         self.cache.settle()  # a failure before the cache's begin_step must not undo the previous step
         self._undoable = False
         try:
-            return self._compute(feed, pos, kind, context, force, state)
+            record = self._compute(feed, pos, first, context, force)
         except BaseException:
             self.cache.rollback()
             self._rng.set_state(state)
             raise
-
-    def _compute(self, feed: list[int], pos: int, kind: str, context: list[int], force: int | None,
-                 state: torch.Tensor) -> StepRecord:
-        model, tracer = self.model, self.tracer
-        ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the model
-        t0 = time.perf_counter()
-        if self.compiled_step(len(feed)):
-            logits = self._compiled(feed[0], pos)
-        else:
-            logits = model(ids, self.cache, pos, tracer=tracer, last_only=True, keep_undo=True)[0, -1]  # (vocab,) for the last position
-        (logits,) = host.fetch([logits])  # the step's one sync on CUDA: it also ends the forward pass's timing
-        t1 = time.perf_counter()
-        token = choose(logits, self.sampling, self._rng)  # on the host, with the host RNG: the same on any device
-        if force is not None:
-            token = force
-        probs = logits.softmax(-1)
-        top_p, top_i = probs.topk(min(self.top_candidates, probs.shape[-1]))
-        tok = model.tokenizer
-        text = (lambda i: tok.token_text(i, context)) if tok is not None else str
-        top = [Candidate(int(i), text(int(i)), float(p)) for p, i in zip(top_p.tolist(), top_i.tolist())]
-        eos = tok.eos_ids if tok is not None else model.config.eos_token_id
-        record = StepRecord(step=len(self.history) if kind == "decode" else 0, kind=kind, token_id=token,
-                            text=text(token), position=pos + len(feed), input_len=len(feed),
-                            cache_length=self.cache.length, prob=float(probs[token]), top=top,
-                            forward_s=t1 - t0, sample_s=time.perf_counter() - t1, is_eos=token in eos,
-                            memory=self.cache.memory_report(),
-                            trace=None if tracer is None else tracer.end_step(self.cache))
-        if kind == "prefill":
+        if first:
             self._rng_states = [state]
         else:
             self._rng_states.append(state)
         return record
 
+    def _compute(self, feed: list[int], pos: int, first: bool, context: list[int], force: int | None) -> StepRecord:
+        executor = self._fast if self.compiled_step(len(feed)) else self.executor
+        ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the executor
+        t0 = time.perf_counter()
+        logits = executor(ids, self.cache, pos, tracer=self.tracer, last_only=True, keep_undo=True)[0, -1]
+        (logits,) = host.fetch([logits])  # the step's one sync on CUDA: it also ends the forward pass's timing
+        t1 = time.perf_counter()
+        token = choose(logits, self.sampling, self._rng)  # on the host, with the host RNG: the same on any device
+        if force is not None:
+            token = force
+        return step_record(logits, token, step=len(self.history), first=first, pos=pos, feed=len(feed),
+                           context=context, executor=self.executor, cache=self.cache,
+                           top_candidates=self.top_candidates, forward_s=t1 - t0, sampled_at=t1, tracer=self.tracer)
+
     def compiled_step(self, q_len: int = 1) -> bool:
         """Whether a step feeding ``q_len`` tokens runs the compiled decode step (``compile=True``, one token, a
         pre-allocated cache, no tracer: tracing and hooks run eager, with a message once)."""
-        if not self.compile or self.compile_note or q_len != 1:
+        if self._fast is None or q_len != 1:
             return False
-        t = self.tracer
-        if t is not None and ("qkv" in getattr(t, "capture", ()) or any(
-                t.wants_attention(i) for i in range(self.model.config.num_layers))):
-            if not getattr(self, "_traced_note", False):
+        if self._fast.sees_inside(self.tracer):
+            if not self._traced_note:
                 warnings.warn("compile=True: a step that records attention or q/k/v runs eager (its hooks see inside "
                               "every layer); other steps run compiled", stacklevel=3)
                 self._traced_note = True
             return False
         return True
 
-    def _compiled(self, token: int, pos: int) -> torch.Tensor:
-        from .compiled import decoder_for
-
-        cache = self.cache
-        cache.check_write(pos, 1, 1)
-        cache.begin_step(pos, 1)
-        cache.note_inplace_write(pos, 1)
-        logits = decoder_for(self.model, cache.capacity, self._mode)(token, cache, pos)[0]
-        cache.commit(pos + 1)
-        if self.tracer is not None:  # what a trace without attention holds, read from the cache after the step
-            for layer in cache.full_layers:
-                name = f"layers.{layer}.attn"
-                keys, values = cache.key(layer), cache.value(layer)
-                self.tracer.hook(f"{name}.k_new", keys.narrow(2, pos, 1).clone())
-                self.tracer.hook(f"{name}.v_new", values.narrow(2, pos, 1).clone())
-                self.tracer.hook(f"{name}.cache_read", keys.narrow(2, 0, pos + 1))  # the slots the mask let through
-            self.tracer.hook("logits", logits.view(1, 1, -1))
-        return logits
-
-    @property
-    def _mode(self) -> str | None:
-        return None if self.compile is True else self.compile
-
     @property
     def compile_s(self) -> float | None:
         """Seconds the compiled step took to compile (None before the first compiled step)."""
-        if not self.compile or self.compile_note:
-            return None
-        from .compiled import decoder_for
-
-        decoder = decoder_for(self.model, self.cache.capacity, self._mode, build=False)
-        return None if decoder is None else decoder.compile_s
+        return None if self._fast is None else self._fast.compile_s(self.cache)
 
     def _check_force(self, force: int | None) -> None:
         if force is not None:
             integer(force, "force", hint=" (a token id)")
-        if force is not None and not 0 <= force < self.model.config.vocab_size:
-            raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        if force is not None and not 0 <= force < self.executor.config.vocab_size:
+            raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.executor.config.vocab_size - 1})")
 
     def _prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(prompt, str):
-            tok = self._tokenizer()
-            ids = tok.encode(prompt)
-            if tok.add_bos:
-                ids = [tok.bos_id, *ids]
-        elif isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise SettingsError(f"prompt ids must be one sequence (1-D), got shape {tuple(prompt.shape)}")
-            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-                raise SettingsError(f"prompt ids must be an integer tensor, got {prompt.dtype}")
-            ids = [int(i) for i in prompt.tolist()]
-        elif isinstance(prompt, (list, tuple, range)):
-            ids = [integer(i, f"prompt token {n}") for n, i in enumerate(prompt)]
-        else:
-            raise SettingsError(f"prompt must be text (str) or token ids (a list of ints or a 1-D tensor), got "
-                                f"{type(prompt).__name__}")
-        if not ids:
-            raise SettingsError("the prompt is empty: give at least one token (empty text encodes to nothing "
-                             "for a model without a bos token)")
-        vocab = self.model.config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return ids
+        return prompt_ids(prompt, self._tokenizer, self.executor.config.vocab_size)
 
     def _tokenizer(self):
-        if self.model.tokenizer is None:
+        if self.executor.tokenizer is None:
             raise SettingsError("this model was loaded without a tokenizer: pass token ids instead of text")
-        return self.model.tokenizer
+        return self.executor.tokenizer
 
     def __repr__(self) -> str:
         return (f"Generator(tokens={len(self._tokens)}, generated={len(self.history)}, cache={self.cache!r}, "

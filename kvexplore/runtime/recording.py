@@ -1,0 +1,33 @@
+"""A step's :class:`~kvexplore.StepRecord`, made from the logits the executor returned and the token chosen: the
+likely candidates with their text, the chosen token's probability, the timings, the cache's memory after the pass and
+what the tracer recorded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..trace.records import Candidate, StepRecord
+
+PREFILL, DECODE = "prefill", "decode"  # a record's kind: the pass over the prompt, or a step after it
+
+
+def step_record(logits: torch.Tensor, token: int, *, step: int, first: bool, pos: int, feed: int, context: list[int],
+                executor: Any, cache: Any, top_candidates: int, forward_s: float, sampled_at: float,
+                tracer: Any = None) -> StepRecord:
+    """The record of a step that fed ``feed`` tokens at ``pos`` and chose ``token`` from ``logits`` (vocab,) on the
+    host. ``first``: the prefill's record (step 0); ``context``: the tokens the new text follows (for its
+    spelling); ``sampled_at``: ``perf_counter()`` when the forward pass ended (sampling time runs from there)."""
+    probs = logits.softmax(-1)
+    top_p, top_i = probs.topk(min(top_candidates, probs.shape[-1]))
+    tok = executor.tokenizer
+    text = (lambda i: tok.token_text(i, context)) if tok is not None else str
+    top = [Candidate(int(i), text(int(i)), float(p)) for p, i in zip(top_p.tolist(), top_i.tolist())]
+    eos = tok.eos_ids if tok is not None else executor.config.eos_token_id
+    return StepRecord(step=0 if first else step, kind=PREFILL if first else DECODE, token_id=token,
+                      text=text(token), position=pos + feed, input_len=feed, cache_length=cache.length,
+                      prob=float(probs[token]), top=top, forward_s=forward_s,
+                      sample_s=time.perf_counter() - sampled_at, is_eos=token in eos,
+                      memory=cache.memory_report(), trace=None if tracer is None else tracer.end_step(cache))
