@@ -152,6 +152,24 @@ class TransformersLanes(LaneKind):
             raise SettingsError(f"{strategy}: {why}")
 
 
+class GivenLane(LaneKind):
+    """A generator given to the explorer whose cache no kind claims (a strategy made outside kvexplore): it runs as
+    it is, traced and forked like any lane; the session cannot build another of it (a new prefill refuses it)."""
+
+    name, label = "given", "a generator given to the explorer, as it is"
+
+    def claims(self, strategy: str) -> bool:
+        return False
+
+    def offered(self, hf: Any) -> list[str]:
+        return []
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        lane_kind(strategy, hf)  # refused, naming the strategies there are
+
+
+GIVEN = GivenLane()
+
 #: the lane kinds, asked in this order which one a strategy name is
 LANE_KINDS: list[LaneKind] = [TransformersLanes(), CompiledLane(), EagerLanes()]
 

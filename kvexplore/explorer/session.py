@@ -24,7 +24,7 @@ from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
-from .lanes import COMPILED, LaneKind, LaneSpec, check_strategies, lane_kind
+from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind
 from .probe import LaneTracer
 from ..errors import SettingsError, StateError
 
@@ -49,8 +49,8 @@ class Lane:
 
     @property
     def lane_kind(self) -> LaneKind:
-        """The kind of lane its strategy is (:mod:`.lanes`)."""
-        return lane_kind(self.kind)
+        """The kind of lane its strategy is (:mod:`.lanes`; a given generator's unknown strategy: :data:`GIVEN`)."""
+        return find(self.kind) or GIVEN
 
     @property
     def is_fork(self) -> bool:

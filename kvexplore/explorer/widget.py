@@ -1,9 +1,12 @@
 """``kvexplore.Explorer``: step generation token by token in a notebook and watch the KV cache.
 
 A thin controller: the state is a :class:`~kvexplore.explorer.session.Session` (several strategies in lockstep); every
-refresh takes one :class:`~.snapshot.Snapshot` of it and draws the views on screen from it (:mod:`.registry`: name
--> function of the snapshot -> figure spec) into :class:`~.plot.PlotWidget`s, which always show the kernel's whole
-figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``). Buttons are disabled while an
+refresh takes one :class:`~kvexplore.views.snapshot.Snapshot` of it and draws the views on screen from it (the drawing
+layer's registry, :mod:`kvexplore.views.registry`: name -> function of the snapshot -> figure spec; the HTML replay
+and the static copy draw from the same registry) into :class:`~kvexplore.views.plot.PlotWidget`s, which always show
+the kernel's whole figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``), wired and kept
+in step with the session by :class:`~.screen.Screen`. What it runs comes loaded (:mod:`.models` loads a name or folder
+and picks a transformers model's twin; :mod:`.lanes` builds each kind of lane). Buttons are disabled while an
 operation runs, so clicks cannot interleave; an error (cache full, bad prompt, an impossible rewind) is shown in the
 widget and leaves every lane as it was. The same operations are methods (:meth:`Explorer.step`, ...), which raise
 instead.
