@@ -129,3 +129,26 @@ def test_a_bad_view_is_refused_and_changes_nothing():
     with pytest.raises(kvexplore.SettingsError, match="built-in"):
         unregister("attention")
     assert VIEWS == before
+
+
+@pytest.mark.browser
+def test_the_replay_page_draws_a_registered_view_in_a_browser(model, toy_view, tmp_path, browser):
+    """The player makes the registered view's figure in every lane's section and draws each step's bars."""
+    runs = {"preallocated": run(model, "preallocated", 3), "concat": run(model, "concat", 3)}
+    path = save_html(runs, tmp_path / "toy.html")
+    page = browser.new_page()
+    try:
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto(path.as_uri())
+        root = "document.querySelector('.kvx-replay')"
+        page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
+        assert page.evaluate(f"{root}.dataset.kvxError") is None
+        for step in (0, 2):
+            page.evaluate("(i) => document.querySelector('.kvx-replay').kvxShow(i)", step)
+            page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
+            for lane, records in runs.items():
+                y = page.evaluate("""(lane) => Array.from(document.querySelector(
+                    `section[data-lane="${lane}"] .kvx-bytes-written`).data[0].y)""", lane)
+                assert y == expected(model, records[step].input_len), (lane, step)
+    finally:
+        page.close()
