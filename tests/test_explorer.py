@@ -619,3 +619,68 @@ def test_an_attached_generator_keeps_its_sampling(model):
     ex.run(4)
     assert ex.lanes["concat"].generator.tokens == gen.tokens  # fed the reference's tokens
     assert all(math.isnan(v) for v in grid(shown(ex, "tensors").data[0])[0, :3])  # before it attached: no norms
+
+
+def test_lane_kinds_come_from_the_registry(model, monkeypatch):
+    from kvexplore.explorer import lanes
+    from kvexplore.explorer.session import Session
+
+    assert [lanes.lane_kind(s).name for s in ("preallocated", "none", "compiled", "hf:static")] == \
+        ["eager", "eager", "compiled", "transformers"]
+    with pytest.raises(kvexplore.SettingsError, match="unknown strategy 'nope'; available: preallocated, .*compiled"):
+        lanes.lane_kind("nope")
+
+    class Mirror(lanes.EagerLanes):
+        """A toy lane kind: "mirror" runs the concatenating cache under its own name."""
+        name = "mirror"
+
+        def claims(self, strategy):
+            return strategy == "mirror"
+
+        def cache_strategy(self, strategy):
+            return "concat"
+
+    monkeypatch.setattr(lanes, "LANE_KINDS", [Mirror(), *lanes.LANE_KINDS])
+    s = Session(model, ("preallocated", "mirror"), max_seq_len=48)
+    s.prefill(PROMPT)
+    for _ in range(4):
+        s.step()
+    mirror = s.lanes["mirror"]
+    assert type(mirror.cache).__name__ == "ConcatCache" and mirror.lane_kind.name == "mirror"
+    assert mirror.generator.tokens == s.reference.generator.tokens and max(mirror.kl[1:]) < 1e-6
+
+
+def test_a_fork_is_marked_as_one_and_a_cache_that_keeps_nothing_says_so(model):
+    from kvexplore.explorer.session import Session
+
+    s = Session(model, ("preallocated", "none"), max_seq_len=48)
+    s.prefill(PROMPT)
+    s.step()
+    # the cache that kept nothing of the prefill: its tracer keeps the newest attention row only, and it cannot fork
+    assert s.lanes["none"].tracer.last_row_only and not s.lanes["preallocated"].tracer.last_row_only
+    with pytest.raises(kvexplore.SettingsError, match="nothing to fork"):
+        s.fork("none")
+    first, second = s.fork(), s.fork("preallocated fork 1")
+    assert (first.name, first.fork_of, second.name, second.fork_of) == \
+        ("preallocated fork 1", "preallocated", "preallocated fork 2", "preallocated fork 1")
+    assert first.is_fork and not s.reference.is_fork and first.kind == "preallocated"
+    s.reset()
+    assert list(s.lanes) == ["preallocated", "none"]
+    s.prefill(PROMPT)
+    assert s.fork().name == "preallocated fork 1"  # numbered again from the new sequence
+
+
+def test_the_explorer_loads_a_named_model_through_the_loader(monkeypatch, model):
+    from kvexplore.explorer import models
+
+    asked = []
+
+    def load(source, dtype=None, device=None):
+        asked.append((source, dtype, device))
+        return model
+
+    monkeypatch.setattr(models, "load", load)
+    ex = kvexplore.Explorer("tiny", strategies=("preallocated",), max_seq_len=32, dtype="float32")
+    assert asked == [("tiny", "float32", None)] and ex.model is model
+    opened = models.open_source(model)
+    assert (opened.model, opened.hf, opened.generator, opened.strategies) == (model, None, None, ("preallocated",))

@@ -19,45 +19,24 @@ from typing import Any
 import torch
 
 
-from ..caches.factory import STRATEGIES, make_cache
+from ..caches.factory import make_cache
 from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
+from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind
 from .probe import LaneTracer
 from ..errors import SettingsError, StateError
 
-
-HF_PREFIX = "hf:"
-COMPILED = "compiled"  # a lane: the pre-allocated cache with Generator(compile=True) (no attention recorded)
-
-
-def check_strategies(strategies: list[str], model: Any, hf: Any) -> None:
-    """Refuse, naming the fix, a strategy that is unknown or cannot run on the models given."""
-    from ..hf import HF_CACHES, available
-
-    for kind in strategies:
-        if kind.startswith(HF_PREFIX):
-            name = kind.removeprefix(HF_PREFIX)
-            if hf is None:
-                raise SettingsError(f"{kind} runs transformers' own cache: give the explorer a transformers model "
-                                    f"(Explorer(AutoModelForCausalLM..., tokenizer, strategies=...))")
-            why = available(name, hf.device.type)
-            if why:
-                raise SettingsError(f"{kind}: {why}")
-        elif kind == COMPILED:
-            if not isinstance(model, Model):
-                raise SettingsError("the compiled lane runs kvexplore's own model: give a kvexplore model")
-        elif kind not in STRATEGIES:
-            known = [*STRATEGIES, COMPILED, *(HF_PREFIX + n for n in HF_CACHES if hf is not None)]
-            raise SettingsError(f"unknown strategy {kind!r}; available: {', '.join(known)}")
-        elif not isinstance(model, Model):
-            raise SettingsError(f"kvexplore does not implement {getattr(hf, 'architecture', 'this model')}, so "
-                                f"{kind!r} cannot run it: use its transformers caches ({', '.join(HF_PREFIX + n for n in HF_CACHES)})")
+__all__ = ["COMPILED", "Lane", "Session", "check_strategies"]
 
 
 @dataclass
 class Lane:
+    """One strategy's generator in a session. ``kind`` is its strategy's name (what the views label it with);
+    ``fork_of`` the name of the lane it was forked from (None for a lane the session started itself: forks end with
+    the sequence they forked from)."""
+
     name: str
     kind: str
     generator: Generator
@@ -66,6 +45,16 @@ class Lane:
     kl_at: dict[int, float | None] = field(default_factory=dict)  # step -> KL(reference || this lane)
     top1_at: dict[int, bool] = field(default_factory=dict)  # step -> own top-1 == the reference's top-1
     forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
+    fork_of: str | None = None
+
+    @property
+    def lane_kind(self) -> LaneKind:
+        """The kind of lane its strategy is (:mod:`.lanes`; a given generator's unknown strategy: :data:`GIVEN`)."""
+        return find(self.kind) or GIVEN
+
+    @property
+    def is_fork(self) -> bool:
+        return self.fork_of is not None
 
     def forget_after(self, steps: int) -> None:
         """Drop the comparison figures of steps ``steps`` and later (after a rewind)."""
@@ -128,21 +117,22 @@ class Session:
         self._steps = 0  # steps taken: the order in which the lanes step rotates with it
         self._active = 0.0  # perf_counter() at the end of the last step
         self.last_op = ""  # the last operation that succeeded: prefill, step, rewind, reset, fork
-        for kind in strategies:
-            self.lanes[kind] = self._new_lane(kind, kind, follows=follow_reference)
+        self._forks: dict[str, int] = {}  # strategy -> forks of it made since the last prefill or reset
+        for strategy in strategies:
+            self.lanes[strategy] = self._new_lane(strategy, follows=follow_reference)
         if generator is not None:  # an existing generator becomes the reference lane, as it is
-            kind = generator.cache.kind
+            name = generator.cache.kind
             tracer = generator.tracer if isinstance(generator.tracer, LaneTracer) else self._tracer()
             generator.tracer = tracer
-            lane = Lane(kind, kind, generator, tracer, follows=False)
-            self.lanes = {kind: lane, **{k: v for k, v in self.lanes.items() if k != kind}}
+            lane = Lane(name, name, generator, tracer, follows=False)
+            self.lanes = {name: lane, **{k: v for k, v in self.lanes.items() if k != name}}
             if generator.history:  # the other strategies replay its sequence, token for token
                 for other in list(self.lanes.values())[1:]:
                     other.generator.prefill(generator.prompt_tokens, force=generator.history[0].token_id)
                     for record in generator.history[1:]:
                         other.generator.step(force=record.token_id)
                     other.forced_at = {r.step for r in other.history}
-                    other.tracer.last_row_only = other.kind == "none"
+                    self._trace_options(other)
 
     # -- lanes -----------------------------------------------------------------------------------------
     @property
@@ -161,17 +151,19 @@ class Session:
         c = self.model.config
         return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)), attention)
 
-    def _new_lane(self, name: str, kind: str, follows: bool) -> Lane:
-        options = dict(self.options.get(kind, {}))
-        slots = options.pop("max_seq_len", self.max_seq_len)  # a strategy may have its own size
-        model = self.hf if kind.startswith(HF_PREFIX) else self.model
-        compiled = kind == COMPILED
-        cache = make_cache("preallocated" if compiled else kind, model, max_seq_len=slots, **options)
-        tracer = self._tracer(attention=not compiled)
-        s = self.sampling
-        gen = Generator(model, cache, s.temperature, s.top_k, s.top_p, self.seed, self.top_candidates, tracer,
-                        compile=compiled)
-        return Lane(name, kind, gen, tracer, follows)
+    def _new_lane(self, strategy: str, follows: bool) -> Lane:
+        """A fresh lane of ``strategy``, built by its lane kind (:mod:`.lanes`)."""
+        kind = lane_kind(strategy, self.hf)
+        spec = LaneSpec(self.model, self.hf, self.max_seq_len, self.options.get(strategy, {}), self.sampling,
+                        self.seed, self.top_candidates)
+        tracer = self._tracer(attention=kind.records_attention)
+        return Lane(strategy, strategy, kind.build(strategy, spec, tracer), tracer, follows)
+
+    @staticmethod
+    def _trace_options(lane: Lane) -> None:
+        """Set the lane's tracer options its kind asks for, now that it has prefilled."""
+        for name, value in lane.lane_kind.trace_options(lane.generator).items():
+            setattr(lane.tracer, name, value)
 
     def set_sampling(self, temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
         """New sampling settings for every lane, from the next step on (checked first)."""
@@ -190,17 +182,18 @@ class Session:
             prompt = tok.encode_chat([{"role": "user", "content": str(prompt)}])
         fresh: dict[str, Lane] = {}
         for name, lane in self.lanes.items():
-            if name != lane.kind:
+            if lane.is_fork:
                 continue  # forks end with the sequence they forked from
-            new = self._new_lane(name, lane.kind, lane.follows)
+            new = self._new_lane(lane.kind, lane.follows)
             ref = next(iter(fresh.values()), None)
             force = ref.history[0].token_id if (ref is not None and new.follows) else None
             new.generator.prefill(prompt, force=force)
             if force is not None:
                 new.forced_at.add(0)
-            new.tracer.last_row_only = new.kind == "none"
+            self._trace_options(new)
             fresh[name] = new
         self.lanes = fresh
+        self._forks = {}
         self._compare_last()
         self.last_op = "prefill"
         self._active = time.perf_counter()
@@ -270,7 +263,8 @@ class Session:
 
     def reset(self) -> None:
         """Empty every lane (forks are dropped)."""
-        self.lanes = {name: lane for name, lane in self.lanes.items() if name == lane.kind}
+        self.lanes = {name: lane for name, lane in self.lanes.items() if not lane.is_fork}
+        self._forks = {}
         for lane in self.lanes.values():
             lane.generator.reset()
             lane.forget_after(0)
@@ -280,14 +274,12 @@ class Session:
         """A new free-running lane continuing the sequence of lane ``name`` (default: the reference) with the
         cache's ``fork()`` (the paged cache shares its pages until the two diverge)."""
         src = self.lanes[name] if name is not None else self.reference
-        if src.kind == "none":
-            raise SettingsError("a strategy without a cache has nothing to fork; pick another strategy")
-        twin = src.generator.fork()
+        twin = src.lane_kind.fork(src.generator)
         tracer = src.tracer.clone()
         twin.tracer = tracer
-        count = sum(1 for lane in self.lanes.values() if lane.kind == src.kind and lane.name != src.kind)
-        lane = Lane(f"{src.kind} fork {count + 1}", src.kind, twin, tracer, follows=False,
-                    kl_at=dict(src.kl_at), top1_at=dict(src.top1_at), forced_at=set(src.forced_at))
+        count = self._forks[src.kind] = self._forks.get(src.kind, 0) + 1
+        lane = Lane(f"{src.kind} fork {count}", src.kind, twin, tracer, follows=False,
+                    kl_at=dict(src.kl_at), top1_at=dict(src.top1_at), forced_at=set(src.forced_at), fork_of=src.name)
         self.lanes[lane.name] = lane
         self.last_op = "fork"
         return lane

@@ -3,7 +3,7 @@ is no kernel to drive the widget.
 
 When an explorer is displayed in IPython, a second output follows the widget: plain HTML with the token strip and
 the comparison table (readable even where scripts are stripped), then the replay of the steps taken so far
-(:func:`kvexplore.replay.fragment`: slider, cache maps, attention, memory). It is brought up to date after every
+(:func:`kvexplore.views.page.fragment`, the HTML replay's own: slider, and every view the registry replays). It is brought up to date after every
 cell that changed the session (IPython's ``post_run_cell``), so an executed notebook ends with the run as it ended.
 Where the widget itself is drawn (JupyterLab, Voila), its first figure tells the kernel so, and the copy is emptied
 and no longer updated; on a page that never applies that update (Voila shows outputs as they were when it built the
@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import html
 from typing import Any
+
+from ..views import compare
+from ..views.page import fragment
 
 _plotly_owner: int | None = None  # id() of the StaticCopy whose replay carries plotly.js
 
@@ -86,9 +89,6 @@ class StaticCopy:
     def html(self) -> str:
         """The copy: a plain-HTML summary, then the replay of the steps so far."""
         global _plotly_owner
-        from ..replay.page import fragment
-        from ..views import compare
-
         ex = self.explorer
         runs = ex.session.runs()
         intro = (f"<p><b>kvexplore explorer</b> · {html.escape(ex.model.source or 'model')} · strategies "

@@ -1,9 +1,12 @@
 """``kvexplore.Explorer``: step generation token by token in a notebook and watch the KV cache.
 
 A thin controller: the state is a :class:`~kvexplore.explorer.session.Session` (several strategies in lockstep); every
-refresh takes one :class:`~.snapshot.Snapshot` of it and draws the views on screen from it (:mod:`.registry`: name
--> function of the snapshot -> figure spec) into :class:`~.plot.PlotWidget`s, which always show the kernel's whole
-figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``). Buttons are disabled while an
+refresh takes one :class:`~kvexplore.views.snapshot.Snapshot` of it and draws the views on screen from it (the drawing
+layer's registry, :mod:`kvexplore.views.registry`: name -> function of the snapshot -> figure spec; the HTML replay
+and the static copy draw from the same registry) into :class:`~kvexplore.views.plot.PlotWidget`s, which always show
+the kernel's whole figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``), wired and kept
+in step with the session by :class:`~.screen.Screen`. What it runs comes loaded (:mod:`.models` loads a name or folder
+and picks a transformers model's twin; :mod:`.lanes` builds each kind of lane). Buttons are disabled while an
 operation runs, so clicks cannot interleave; an error (cache full, bad prompt, an impossible rewind) is shown in the
 widget and leaves every lane as it was. The same operations are methods (:meth:`Explorer.step`, ...), which raise
 instead.
@@ -16,37 +19,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..runtime.generator import Generator
-from ..formats.loading import load
+from ..errors import SettingsError, StateError
 from ..models.model import Model
-from . import controls as layout
-from . import inspect
-from ..views import snapshot
+from ..runtime.generator import Generator
+from ..views import compare, snapshot
+from ..views.page import save_html
 from ..views.plot import PlotWidget, loader
 from ..views.registry import TABS, VIEWS
+from ..views.spec import FigureSpec
+from . import controls as layout
+from . import inspect, models
+from .screen import Screen
 from .session import Lane, Session
 from .static import StaticCopy
 from .status import status_line
 from .strip import TokenStrip
-from ..views import compare
-from ..views.spec import FigureSpec
-from ..errors import SettingsError, StateError
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
 
 
-def hf_source(source: Any, tokenizer: Any):
-    """The transformers model the explorer was given (kvexplore.hf.HFModel), or None for a kvexplore source."""
-    from ..hf import HFModel, is_hf_model, wrap
-
-    if isinstance(source, HFModel) or is_hf_model(source):
-        return wrap(source, tokenizer)
-    if tokenizer is not None:
-        raise SettingsError("tokenizer= goes with a transformers model; a kvexplore model brings its own")
-    return None
-
-
-class Explorer:
+class Explorer(Screen):
     """An explorer widget; display it by making it a cell's last expression.
 
     ``source``: a named model (``"tiny"``, ``"smollm2-135m"``), a folder or ``.gguf`` file, a loaded
@@ -70,26 +62,22 @@ class Explorer:
                  view: str = "attention", presentation: bool = False) -> None:
         if isinstance(tokenizer, (list, tuple)) and strategies is None:  # Explorer(source, strategies) still works
             tokenizer, strategies = None, tokenizer
-        self._hf = hf_source(source, tokenizer)
-        if self._hf is not None and strategies is None:
-            strategies = ("hf:dynamic", "hf:static")
         if view not in TABS:
             raise SettingsError(f"unknown view {view!r}; choose from {', '.join(TABS)}")
-        generator = source if isinstance(source, Generator) else None
-        if strategies is None:
-            strategies = (generator.cache.kind,) if generator is not None else ("preallocated",)
+        opened = models.open_source(source, tokenizer, strategies, device, dtype)  # loads a model by name
+        generator, self._hf = opened.generator, opened.hf
         if generator is not None:  # its sampling is what every lane and the controls use
             g = generator.sampling
             temperature, top_k, top_p, seed = g.temperature, g.top_k, g.top_p, generator.seed
             top_candidates = generator.top_candidates
-        self._lanes_args = dict(strategies=tuple(strategies), max_seq_len=max_seq_len, top_candidates=top_candidates,
+        self._lanes_args = dict(strategies=opened.strategies, max_seq_len=max_seq_len, top_candidates=top_candidates,
                                 strategy_options=strategy_options, follow_reference=follow_reference)
         self._device, self._dtype = device, dtype
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
         self._strip = TokenStrip()
-        self.model = self._load(source)
+        self.model = opened.model
         self._check_picks(layer, head)
         self.session = Session(self.model, generator=generator, temperature=temperature, top_k=top_k, top_p=top_p,
                                seed=seed, hf=self._hf, **self._lanes_args)
@@ -211,8 +199,7 @@ class Explorer:
         def go():
             old = self.session
             with layout.progress(self.controls["progress"], 1, "loading"):
-                hf = self._hf_for(source)
-                model = self._load(source, hf)
+                model, hf = models.reopen(source, self._lanes_args["strategies"], self._device, self._dtype)
                 s = old.sampling
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
                                   hf=hf, **self._lanes_args)
@@ -230,9 +217,7 @@ class Explorer:
 
     def save_html(self, path, title: str | None = None):
         """Write the session so far as one self-contained HTML replay (every lane, the layer and head chosen now;
-        see :mod:`kvexplore.replay`). Returns the path."""
-        from ..replay.page import save_html
-
+        see :mod:`kvexplore.replay`: the same page, drawn by :mod:`kvexplore.views.page`). Returns the path."""
         runs = self.session.runs()
         if not runs:
             raise StateError("nothing to save yet: prefill first (the Prefill button, or ex.step())")
@@ -265,9 +250,6 @@ class Explorer:
         inspect.publish(self._truth, self)
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
-        return layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
-
     def _prefill(self, prompt, chat) -> None:
         w = self.controls
         prompt = w["prompt"].value if prompt is None else prompt
@@ -277,30 +259,6 @@ class Explorer:
                 raise SettingsError("the prompt is empty: type some text in the prompt box, then press Prefill")
             w["prompt"].value = prompt
         self.session.prefill(prompt, chat=chat)
-
-    def _hf_for(self, source):
-        """The transformers model the hf:... lanes of a newly loaded ``source`` run (None without such lanes): the
-        source itself, or the same named model or folder loaded by transformers."""
-        found = hf_source(source, None)
-        if found is not None or not any(k.startswith("hf:") for k in self._lanes_args["strategies"]):
-            return found
-        if not isinstance(source, (str, Path)):
-            raise SettingsError("the transformers lanes (hf:...) need a transformers model, a folder or a named model; "
-                                f"got a {type(source).__name__}")
-        from ..hf import load_hf
-
-        return load_hf(source, dtype=self._dtype, device=self._device)
-
-    def _load(self, source, hf=None):
-        hf = self._hf if hf is None else hf
-        if hf is not None:  # kvexplore's lanes run a twin on the same weights, where it has the architecture
-            wants = any(not k.startswith("hf:") for k in self._lanes_args["strategies"])
-            return hf.twin() if wants and hf.supported else hf
-        if isinstance(source, Generator):
-            return source.model
-        if isinstance(source, Model):
-            return source
-        return load(source, dtype=self._dtype, device=self._device)
 
     def _check_picks(self, layer: int, head: int) -> None:
         c = self.model.config
@@ -326,119 +284,6 @@ class Explorer:
             self._busy = False
             self._set_enabled(True)
             self.refresh()
-
-    def _show_error(self, e: Exception) -> None:
-        self.error = str(e)
-        self.controls["error"].value = layout.error_html(e)
-
-    def _wire(self) -> None:
-        w = self.controls
-
-        def safely(fn):  # a button reports its error in the widget; the traceback stays out of the page
-            def handler(*_):
-                try:
-                    fn()
-                except Exception:
-                    pass
-            return handler
-
-        w["prefill"].on_click(safely(lambda: self.prefill()))
-        w["step"].on_click(safely(self.step))
-        w["run"].on_click(safely(lambda: self.run()))
-        w["rewind"].on_click(safely(lambda: self.rewind()))
-        w["reset"].on_click(safely(self.reset))
-        w["fork"].on_click(safely(lambda: self.fork()))
-        w["load"].on_click(safely(lambda: self.load_model(w["model"].value)))
-        for name in ("lane", "lane_b"):
-            w[name].observe(lambda ch: self._redraw(), names="value")
-        w["layer"].observe(lambda ch: self._pick(layer=ch["new"]), names="value")
-        w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
-        w["view"].observe(lambda ch: self._show_view(), names="value")
-        w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
-        w["presentation"].observe(lambda ch: self._presentation_changed(), names="value")
-        for name in ("temperature", "top_k", "top_p"):
-            w[name].observe(lambda ch: self._sampling_changed(), names="value")
-        w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
-        self._buttons = [w[n] for n in layout.BUTTONS]
-
-    def _show_view(self) -> None:
-        name = self.view
-        self._panel.children = [self.controls["compare"], self.figures[name]] if name == "compare" else [
-            self.figures[name]]
-        self._redraw()
-
-    def _side_by_side_changed(self) -> None:
-        on = self.controls["side_by_side"].value
-        self.controls["lane_b"].layout.display = "" if on else "none"
-        self.figures["cache_map_b"].layout.display = "" if on else "none"
-        self._redraw()
-
-    def _presentation_changed(self) -> None:
-        self._apply_presentation()
-        self._redraw()
-
-    def _apply_presentation(self) -> None:
-        on = self.presentation
-        for name in layout.HIDDEN_WHEN_PRESENTING:
-            self.controls[name].layout.display = "none" if on else ""
-        self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
-        self.widget.remove_class("kvx-presenting")
-        if on:
-            self.widget.add_class("kvx-presenting")
-
-    def _has_chat(self) -> bool:
-        tok = self.model.tokenizer
-        return tok is not None and bool(tok.chat_template)
-
-    def _set_enabled(self, enabled: bool) -> None:
-        for b in self._buttons:
-            b.disabled = not enabled
-
-    def _sync_lanes(self) -> None:
-        names = list(self.session.lanes)
-        self._syncing = True  # setting options selects the first one: the observers must not take it
-        try:
-            layout.set_options(self.controls["lane"], names, names[0])
-            layout.set_options(self.controls["lane_b"], names, names[min(1, len(names) - 1)])
-        finally:
-            self._syncing = False
-
-    def _sync_pickers(self) -> None:
-        c = self.model.config
-        w = self.controls
-        self._syncing = True
-        try:
-            layout.set_options(w["layer"], list(range(c.num_layers)), self.layer)
-            layout.set_options(w["head"], list(range(c.num_heads)), self.head)
-        finally:
-            self._syncing = False
-        w["chat"].layout.display = "" if self._has_chat() else "none"
-
-    def _pick(self, layer: int | None = None, head: int | None = None) -> None:
-        if self._syncing:
-            return
-        if layer is not None:
-            self.layer = layer
-        if head is not None:
-            self.head = head
-        self._redraw()
-
-    def _redraw(self) -> None:
-        if self._busy or self._syncing or not hasattr(self, "_truth"):
-            return
-        try:
-            self.refresh()
-        except Exception as e:  # a picker's change has no caller to raise to: show it
-            self._show_error(e)
-
-    def _sampling_changed(self) -> None:
-        w = self.controls
-        try:
-            self.session.set_sampling(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
-                                      top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
-            w["error"].value = ""
-        except ValueError as e:
-            self._show_error(e)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -8,6 +8,7 @@ versioned; a file from a newer format is refused with a message that says so.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 
 from ..caches.base import SlotView
 from ..caches.layout import LinearLayout, layout_from_dict
-from ..errors import CorruptFileError, LoadError, MissingFileError
+from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport
 from .records import Candidate, StepRecord
 from .tracer import AttentionHistory, CacheEvent, StepTrace
@@ -43,9 +44,27 @@ class History(list):
 
     def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None) -> Path:
         """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`)."""
-        from ..replay.page import save_html
+        if _html_writer is None:
+            raise StateError("no HTML writer is registered: import kvexplore (or kvexplore.replay) first")
+        return _html_writer({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
 
-        return save_html({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
+
+HtmlWriter = Callable[..., Path]  # (runs: lane name -> records, path, layer=, head=, title=) -> the path written
+_html_writer: HtmlWriter | None = None
+
+
+def register_html_writer(write: HtmlWriter) -> None:
+    """Make ``write`` what :meth:`History.save_html` calls.
+
+    Why a registration: a page of a run is drawn by the views (:mod:`kvexplore.views.page`), which sit above the
+    trace layer and import it; the trace importing them back would run up the folder order. So the drawing layer
+    registers its writer when it is imported, and importing ``kvexplore`` imports it (through the explorer and the
+    replay), so ``kvexplore.load_trace(path).save_html(out)`` and ``Generator.run(...).save_html(out)`` always work.
+    The method stays on :class:`History`, where users call it."""
+    global _html_writer
+    if not callable(write):
+        raise TypeError(f"an HTML writer must be callable, got {type(write).__name__}")
+    _html_writer = write
 
 
 def save_trace(records: list[StepRecord], path: str | Path) -> Path:

@@ -17,6 +17,10 @@ class Candidate:
     prob: float
 
 
+#: a record's ``kind`` (its phase) -> whether it is a prefill: the one place the phase names are read
+_PREFILL = {"prefill": True, "decode": False}
+
+
 @dataclass
 class StepRecord:
     """One new token.
@@ -40,6 +44,16 @@ class StepRecord:
     is_eos: bool = False
     memory: MemoryReport | None = None  # the cache's memory after this step's forward pass
     trace: StepTrace | None = None  # what a Tracer recorded (None without one)
+
+    @property
+    def is_prefill(self) -> bool:
+        """The record of a prefill (the prompt's forward pass), not of a decode step."""
+        return _PREFILL[self.kind]
+
+    @property
+    def is_decode(self) -> bool:
+        """The record of one decode step (one token fed, with a cache)."""
+        return not _PREFILL[self.kind]
 
     @property
     def elapsed_s(self) -> float:

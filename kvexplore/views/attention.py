@@ -37,7 +37,7 @@ def history_matrix(records: Sequence[StepRecord], layer: int, head: int,
         raw = t.attention_raw(layer)[:, t.heads.index(head)]  # (T, keys read) in the order attention read them
         cols = np.asarray(t.reads_of(layer))
         first = r.position - r.input_len
-        chosen = range(raw.shape[0]) if r.kind == "prefill" else [raw.shape[0] - 1]
+        chosen = range(raw.shape[0]) if r.is_prefill else [raw.shape[0] - 1]
         for i in reversed(chosen):
             row = np.zeros(cols.max() + 1, dtype=np.float32)
             row[cols] = raw[i].numpy()  # logical positions; evicted ones stay 0

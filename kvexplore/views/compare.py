@@ -39,7 +39,7 @@ def rows(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                    for a, b in zip(records, ref))
         agree = [x for x in top1.get(name, []) if x is not None]
         kls = [x for x in kl.get(name, []) if x is not None]
-        decode = [r.forward_s for r in records if r.kind == "decode"]
+        decode = [r.forward_s for r in records if r.is_decode]
         last = records[-1].memory if records else None
         out.append([
             name + (" (ref.)" if name == reference else ""),
@@ -80,7 +80,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
     """Time per step and KL divergence per step, one colour per strategy (the table is :func:`table_html`)."""
     traces = []
     for i, (name, records) in enumerate(lanes.items()):
-        decode = [r for r in records if r.kind == "decode"]
+        decode = [r for r in records if r.is_decode]
         traces.append(dict(type="scatter", mode="lines+markers", name=f"ms/step · {name}", legendgroup=name,
                            x=[r.step for r in decode], y=[1000 * r.forward_s for r in decode],
                            line=dict(color=strategy_colour(i)), marker=dict(size=4), xaxis="x", yaxis="y",

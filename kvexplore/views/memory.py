@@ -61,17 +61,17 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
         records = lanes[shown]
         steps = [r.step for r in records]
         axis, xaxis = f"y{len(panels)}", f"x{len(panels)}"
-        for kind in kinds:
-            traces.append(dict(type="scatter", name=f"{kind} layers", legendgroup="layer kinds", x=[None], y=[None],
-                               mode="lines", line=dict(color=KIND_COLOURS.get(kind, "#444"), width=3),
+        for group in kinds:
+            traces.append(dict(type="scatter", name=f"{group} layers", legendgroup="layer kinds", x=[None], y=[None],
+                               mode="lines", line=dict(color=KIND_COLOURS.get(group, "#444"), width=3),
                                showlegend=True, hoverinfo="skip",
                                legendgrouptitle=dict(text=f"layer kind ({shown})")))
             for attr, dash, label in (("logical_bytes", "solid", "logical"), ("reserved_bytes", "dot", "reserved")):
-                ys = [r.memory.by_kind().get(kind, {}).get(attr) if r.memory is not None else None for r in records]
-                traces.append(dict(type="scatter", mode="lines", name=f"{kind} layers {label}", x=steps, y=ys,
+                ys = [r.memory.by_kind().get(group, {}).get(attr) if r.memory is not None else None for r in records]
+                traces.append(dict(type="scatter", mode="lines", name=f"{group} layers {label}", x=steps, y=ys,
                                    xaxis=xaxis, yaxis=axis, showlegend=False, legendgroup="layer kinds",
-                                   line=dict(color=KIND_COLOURS.get(kind, "#444"), dash=dash, width=2),
-                                   hovertemplate=f"{kind} layers · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
+                                   line=dict(color=KIND_COLOURS.get(group, "#444"), dash=dash, width=2),
+                                   hovertemplate=f"{group} layers · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
     n = len(panels)
     gap = 0.14
     height = (1 - gap * (n - 1)) / n

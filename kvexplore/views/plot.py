@@ -105,6 +105,12 @@ export default {
 """
 
 
+def _small_number(dtype: np.dtype) -> bool:
+    """An integer or float type of at most 32 bits (a typed array in the page; not bool, not 64-bit integers)."""
+    number = np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
+    return bool(number) and dtype.itemsize <= 4
+
+
 def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the widget too)
     """A figure as JSON with binary buffers: 1-D numeric arrays (not 64-bit integers) as ``{buffer, dtype, shape}``,
     other arrays as lists, numpy scalars as numbers, NaN as null."""
@@ -113,7 +119,7 @@ def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the w
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
     if isinstance(value, np.ndarray):
-        if value.ndim == 1 and (value.dtype.kind in "iuf" and value.dtype.itemsize <= 4 or value.dtype == np.float64):
+        if value.ndim == 1 and (_small_number(value.dtype) or value.dtype == np.float64):
             a = np.ascontiguousarray(value)
             return {"buffer": memoryview(a), "dtype": str(a.dtype), "shape": list(a.shape)}
         return _to_json(value.tolist())

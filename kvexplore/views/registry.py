@@ -1,18 +1,29 @@
-"""The explorer's views by name: each a title and a function of a :class:`~.snapshot.Snapshot` to a
-:class:`~.views.spec.FigureSpec`. Adding a view is one module in ``views/`` and one line here.
+"""The views by name: each a title and a function of a :class:`~.snapshot.Snapshot` to a
+:class:`~.spec.FigureSpec`. This registry is the one list the explorer widget, the HTML replay and a notebook's static
+copy all draw from: a view :func:`register`-ed here appears in the widget (a figure, and a tab when ``tab``), in every
+replay frame (when ``replay`` says how a recorded run draws it) and so in the static copy, with no other change.
 
 The cache map is always on screen; the views marked ``tab`` share the panel beside it, one at a time (attention
-first); ``cache_map_b`` is the second strategy's cache map of the side-by-side mode.
+first); ``cache_map_b`` is the second strategy's cache map of the side-by-side mode. ``replay``: :data:`PER_LANE`
+(one figure per lane, as the cache map and attention are drawn), :data:`PER_RUN` (one figure of the whole run, as
+the memory lines) or None (the widget only: the stored norms and the comparison need a live session, a trace does
+not keep them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .snapshot import Snapshot
+from ..errors import SettingsError
 from . import attention, cache_map, compare, memory, tensors
+from .snapshot import Snapshot
 from .spec import FigureSpec
+
+PER_LANE = "lane"  # the replay draws the view once per lane (the snapshot's ``shown`` is that lane)
+PER_RUN = "run"  # the replay draws the view once for the whole run
+REPLAY_SCOPES = (PER_LANE, PER_RUN, None)
 
 
 @dataclass(frozen=True)
@@ -21,15 +32,74 @@ class View:
     title: str
     build: Callable[[Snapshot], FigureSpec]
     tab: bool = True  # one of the views picked for the panel beside the cache map
+    replay: str | None = None  # how a replay draws it: PER_LANE, PER_RUN or None (not replayed)
 
 
 VIEWS: dict[str, View] = {v.name: v for v in (
-    View("cache_map", "Cache map", cache_map.from_snapshot, tab=False),
-    View("attention", "Attention", attention.from_snapshot),
-    View("memory", "Memory", memory.from_snapshot),
+    View("cache_map", "Cache map", cache_map.from_snapshot, tab=False, replay=PER_LANE),
+    View("attention", "Attention", attention.from_snapshot, replay=PER_LANE),
+    View("memory", "Memory", memory.from_snapshot, replay=PER_RUN),
     View("tensors", "Stored K/V", tensors.from_snapshot),
     View("compare", "Compare strategies", compare.from_snapshot),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 )}
+BUILT_IN = frozenset(VIEWS)  # what register() may not replace
 
-TABS = tuple(name for name, v in VIEWS.items() if v.tab)
+
+class _Tabs(Sequence):
+    """The names of the tab views, in registry order, read from :data:`VIEWS` each time (a view registered later
+    is a tab at once)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(name for name, v in VIEWS.items() if v.tab)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+TABS: Sequence[str] = _Tabs()
+
+
+def register(view: View, replace: bool = False) -> View:
+    """Add ``view`` to the registry (checked first; a bad one changes nothing). ``replace``: allow a view of that
+    name registered before (never a built-in one). Returns the view."""
+    if not isinstance(view, View):
+        raise SettingsError(f"register a kvexplore.views.registry.View, got {type(view).__name__}")
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", view.name):
+        raise SettingsError(f"view name {view.name!r}: use lower-case letters, digits and underscores (it names "
+                            f"the figure's CSS class kvx-fig-<name>)")
+    if view.name in BUILT_IN or (view.name in VIEWS and not replace):
+        raise SettingsError(f"a view named {view.name!r} is already registered; pick another name"
+                            + ("" if view.name in BUILT_IN else " or pass replace=True"))
+    if not callable(view.build):
+        raise SettingsError(f"view {view.name!r}: build must be a function of a Snapshot to a FigureSpec")
+    if view.replay not in REPLAY_SCOPES:
+        raise SettingsError(f"view {view.name!r}: replay={view.replay!r}; use PER_LANE, PER_RUN or None")
+    VIEWS[view.name] = view
+    return view
+
+
+def unregister(name: str) -> View:
+    """Remove a view :func:`register` added (an explorer made after this no longer draws it)."""
+    if name in BUILT_IN:
+        raise SettingsError(f"{name!r} is a built-in view; only views added with register() can be removed")
+    if name not in VIEWS:
+        raise SettingsError(f"no view named {name!r}; registered: {', '.join(VIEWS)}")
+    return VIEWS.pop(name)
+
+
+def replayed() -> tuple[list[View], list[View]]:
+    """The views a replay draws: those drawn per lane, then those drawn once for the whole run (registry order)."""
+    return ([v for v in VIEWS.values() if v.replay == PER_LANE], [v for v in VIEWS.values() if v.replay == PER_RUN])

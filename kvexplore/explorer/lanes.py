@@ -1,0 +1,198 @@
+"""The kinds of lane an explorer session runs, by strategy name: the registry the session asks instead of reading
+strategy names itself.
+
+* :class:`EagerLanes`: one of kvexplore's cache strategies (``preallocated``, ``paged``, ...) on kvexplore's own
+  model, stepped eagerly, attention recorded.
+* :class:`CompiledLane`: ``compiled``, the pre-allocated cache stepped by ``Generator(compile=True)`` (the compiled
+  step records no attention).
+* :class:`TransformersLanes`: ``hf:dynamic``, ``hf:static``, ...: transformers' own caches on the transformers
+  model (:mod:`kvexplore.hf`).
+
+Each kind knows which strategy names are its own (:meth:`LaneKind.claims`), what it needs of the models given
+(:meth:`LaneKind.check`), how to build a lane's generator from a model and a strategy name (:meth:`LaneKind.build`),
+whether it runs the transformers model (:attr:`LaneKind.transformers`, what the loader's choice of a twin reads),
+its tracer's options (:meth:`LaneKind.trace_options`) and how a lane of it forks (:meth:`LaneKind.fork`).
+A new kind of lane is one subclass added to :data:`LANE_KINDS` (see docs/extending_views.md). This file is a
+registry: it alone reads strategy names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..caches.factory import STRATEGIES, make_cache
+from ..errors import SettingsError
+from ..hf import HF_CACHES, available
+from ..hf import PREFIX as HF_PREFIX
+from ..models.model import Model
+from ..runtime.generator import Generator
+from ..runtime.sampling import SamplingSettings
+
+COMPILED = "compiled"  # the compiled lane's strategy name
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """What a lane is built with besides its strategy: the session's models, sizes and sampling."""
+
+    model: Any  # the kvexplore Model kvexplore's lanes run (or, with transformers lanes only, the HFModel)
+    hf: Any  # the transformers model (kvexplore.hf.HFModel) the hf:... lanes run, if any
+    max_seq_len: int
+    options: dict[str, Any]  # the strategy's options (strategy_options[name]; may hold its own max_seq_len)
+    sampling: SamplingSettings
+    seed: int
+    top_candidates: int
+
+
+class LaneKind:
+    """One kind of lane. Subclasses set :attr:`name` and :attr:`label` and implement :meth:`claims`,
+    :meth:`offered` and :meth:`check`; :meth:`build` makes ``make_cache(strategy, model)`` eagerly by default."""
+
+    name = ""  # the kind: "eager", "compiled", "transformers"
+    label = ""  # what it runs, in words
+    transformers = False  # runs the transformers model (not kvexplore's)
+    compiled = False  # Generator(compile=True)
+    records_attention = True  # its tracer records attention (a compiled step cannot)
+
+    def claims(self, strategy: str) -> bool:
+        """Whether ``strategy`` is one of this kind's."""
+        raise NotImplementedError
+
+    def offered(self, hf: Any) -> list[str]:
+        """The strategies of this kind one could ask for (for the message naming an unknown one)."""
+        raise NotImplementedError
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        """Refuse, naming the fix, a ``strategy`` of this kind that cannot run on the models given."""
+        raise NotImplementedError
+
+    def model_for(self, spec: LaneSpec) -> Any:
+        return spec.hf if self.transformers else spec.model
+
+    def cache_strategy(self, strategy: str) -> str:
+        """The name :func:`~kvexplore.make_cache` builds this lane's cache by."""
+        return strategy
+
+    def build(self, strategy: str, spec: LaneSpec, tracer: Any) -> Generator:
+        """A fresh generator of lane ``strategy``: its cache (its own ``max_seq_len`` option first, else the
+        session's) and the session's sampling, traced by ``tracer``."""
+        options = dict(spec.options)
+        slots = options.pop("max_seq_len", spec.max_seq_len)  # a strategy may have its own size
+        model = self.model_for(spec)
+        cache = make_cache(self.cache_strategy(strategy), model, max_seq_len=slots, **options)
+        s = spec.sampling
+        return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer,
+                         compile=self.compiled)
+
+    def trace_options(self, generator: Generator) -> dict[str, Any]:
+        """The tracer's options for a lane after its prefill: a cache that kept nothing of the prefill (its length
+        is still 0) recomputes every position every step, so only the newest attention row of a step is new and
+        kept (``last_row_only``)."""
+        return {"last_row_only": generator.tokens != [] and generator.cache.length == 0}
+
+    def fork(self, generator: Generator) -> Generator:
+        """A second generator continuing ``generator``'s sequence (its cache's ``fork()``)."""
+        if generator.tokens and generator.cache.length == 0:
+            raise SettingsError("a strategy without a cache has nothing to fork; pick another strategy")
+        return generator.fork()
+
+
+class EagerLanes(LaneKind):
+    name, label = "eager", "a kvexplore cache strategy on kvexplore's model"
+
+    def claims(self, strategy: str) -> bool:
+        return strategy in STRATEGIES
+
+    def offered(self, hf: Any) -> list[str]:
+        return list(STRATEGIES)
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        if not isinstance(model, Model):
+            raise SettingsError(f"kvexplore does not implement {getattr(hf, 'architecture', 'this model')}, so "
+                                f"{strategy!r} cannot run it: use its transformers caches "
+                                f"({', '.join(HF_PREFIX + n for n in HF_CACHES)})")
+
+
+class CompiledLane(LaneKind):
+    name, label = "compiled", "the pre-allocated cache stepped by the compiled step"
+    compiled = True
+    records_attention = False
+
+    def claims(self, strategy: str) -> bool:
+        return strategy == COMPILED
+
+    def offered(self, hf: Any) -> list[str]:
+        return [COMPILED]
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        if not isinstance(model, Model):
+            raise SettingsError("the compiled lane runs kvexplore's own model: give a kvexplore model")
+
+    def cache_strategy(self, strategy: str) -> str:
+        return "preallocated"
+
+
+class TransformersLanes(LaneKind):
+    name, label = "transformers", "one of transformers' own caches on the transformers model"
+    transformers = True
+
+    def claims(self, strategy: str) -> bool:
+        return strategy.startswith(HF_PREFIX)
+
+    def offered(self, hf: Any) -> list[str]:
+        return [HF_PREFIX + n for n in HF_CACHES] if hf is not None else []
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        if hf is None:
+            raise SettingsError(f"{strategy} runs transformers' own cache: give the explorer a transformers model "
+                                f"(Explorer(AutoModelForCausalLM..., tokenizer, strategies=...))")
+        why = available(strategy.removeprefix(HF_PREFIX), hf.device.type)
+        if why:
+            raise SettingsError(f"{strategy}: {why}")
+
+
+class GivenLane(LaneKind):
+    """A generator given to the explorer whose cache no kind claims (a strategy made outside kvexplore): it runs as
+    it is, traced and forked like any lane; the session cannot build another of it (a new prefill refuses it)."""
+
+    name, label = "given", "a generator given to the explorer, as it is"
+
+    def claims(self, strategy: str) -> bool:
+        return False
+
+    def offered(self, hf: Any) -> list[str]:
+        return []
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        lane_kind(strategy, hf)  # refused, naming the strategies there are
+
+
+GIVEN = GivenLane()
+
+#: the lane kinds, asked in this order which one a strategy name is
+LANE_KINDS: list[LaneKind] = [TransformersLanes(), CompiledLane(), EagerLanes()]
+
+
+def find(strategy: Any) -> LaneKind | None:
+    """The kind of lane ``strategy`` is, or None for a name no kind claims."""
+    if isinstance(strategy, str):
+        for candidate in LANE_KINDS:
+            if candidate.claims(strategy):
+                return candidate
+    return None
+
+
+def lane_kind(strategy: str, hf: Any = None) -> LaneKind:
+    """The kind of lane ``strategy`` is; an unknown name is refused with the ones there are."""
+    kind = find(strategy)
+    if kind is None:
+        known = [s for k in reversed(LANE_KINDS) for s in k.offered(hf)]  # kvexplore's strategies first
+        raise SettingsError(f"unknown strategy {strategy!r}; available: {', '.join(known)}")
+    return kind
+
+
+def check_strategies(strategies: list[str], model: Any, hf: Any) -> None:
+    """Refuse, naming the fix, a strategy that is unknown or cannot run on the models given."""
+    for strategy in strategies:
+        lane_kind(strategy, hf).check(strategy, model, hf)

@@ -1,0 +1,138 @@
+"""The explorer's screen: the controls wired to the explorer's operations, and the pickers, panels and presentation
+kept in step with the session (:class:`Screen`, the part of :class:`~kvexplore.explorer.widget.Explorer` that only
+reacts to the page: a picker changed, a tab picked, side by side or presentation toggled).
+
+It expects of the explorer: ``controls`` (:mod:`.controls`), ``figures`` (view name -> :class:`~..views.plot.PlotWidget`),
+``widget``, ``_panel``, ``session``, ``model``, ``layer``/``head``, the operations (``prefill``, ``step``, ...), and
+``refresh()``.
+"""
+
+from __future__ import annotations
+
+from ..views.spec import FigureSpec
+from . import controls as layout
+
+
+class Screen:
+    """Mixed into :class:`~kvexplore.explorer.widget.Explorer`: what the page's controls do to the screen."""
+
+    error: str
+    _busy: bool
+    _syncing: bool
+
+    def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
+        return layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
+
+    def _show_error(self, e: Exception) -> None:
+        self.error = str(e)
+        self.controls["error"].value = layout.error_html(e)
+
+    def _wire(self) -> None:
+        w = self.controls
+
+        def safely(fn):  # a button reports its error in the widget; the traceback stays out of the page
+            def handler(*_):
+                try:
+                    fn()
+                except Exception:
+                    pass
+            return handler
+
+        w["prefill"].on_click(safely(lambda: self.prefill()))
+        w["step"].on_click(safely(self.step))
+        w["run"].on_click(safely(lambda: self.run()))
+        w["rewind"].on_click(safely(lambda: self.rewind()))
+        w["reset"].on_click(safely(self.reset))
+        w["fork"].on_click(safely(lambda: self.fork()))
+        w["load"].on_click(safely(lambda: self.load_model(w["model"].value)))
+        for name in ("lane", "lane_b"):
+            w[name].observe(lambda ch: self._redraw(), names="value")
+        w["layer"].observe(lambda ch: self._pick(layer=ch["new"]), names="value")
+        w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
+        w["view"].observe(lambda ch: self._show_view(), names="value")
+        w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
+        w["presentation"].observe(lambda ch: self._presentation_changed(), names="value")
+        for name in ("temperature", "top_k", "top_p"):
+            w[name].observe(lambda ch: self._sampling_changed(), names="value")
+        w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
+        self._buttons = [w[n] for n in layout.BUTTONS]
+
+    def _show_view(self) -> None:
+        name = self.view
+        self._panel.children = [self.controls["compare"], self.figures[name]] if name == "compare" else [
+            self.figures[name]]
+        self._redraw()
+
+    def _side_by_side_changed(self) -> None:
+        on = self.controls["side_by_side"].value
+        self.controls["lane_b"].layout.display = "" if on else "none"
+        self.figures["cache_map_b"].layout.display = "" if on else "none"
+        self._redraw()
+
+    def _presentation_changed(self) -> None:
+        self._apply_presentation()
+        self._redraw()
+
+    def _apply_presentation(self) -> None:
+        on = self.presentation
+        for name in layout.HIDDEN_WHEN_PRESENTING:
+            self.controls[name].layout.display = "none" if on else ""
+        self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
+        self.widget.remove_class("kvx-presenting")
+        if on:
+            self.widget.add_class("kvx-presenting")
+
+    def _has_chat(self) -> bool:
+        tok = self.model.tokenizer
+        return tok is not None and bool(tok.chat_template)
+
+    def _set_enabled(self, enabled: bool) -> None:
+        for b in self._buttons:
+            b.disabled = not enabled
+
+    def _sync_lanes(self) -> None:
+        names = list(self.session.lanes)
+        self._syncing = True  # setting options selects the first one: the observers must not take it
+        try:
+            layout.set_options(self.controls["lane"], names, names[0])
+            layout.set_options(self.controls["lane_b"], names, names[min(1, len(names) - 1)])
+        finally:
+            self._syncing = False
+
+    def _sync_pickers(self) -> None:
+        c = self.model.config
+        w = self.controls
+        self._syncing = True
+        try:
+            layout.set_options(w["layer"], list(range(c.num_layers)), self.layer)
+            layout.set_options(w["head"], list(range(c.num_heads)), self.head)
+        finally:
+            self._syncing = False
+        w["chat"].layout.display = "" if self._has_chat() else "none"
+
+    def _pick(self, layer: int | None = None, head: int | None = None) -> None:
+        if self._syncing:
+            return
+        if layer is not None:
+            self.layer = layer
+        if head is not None:
+            self.head = head
+        self._redraw()
+
+    def _redraw(self) -> None:
+        if self._busy or self._syncing or not hasattr(self, "_truth"):
+            return
+        try:
+            self.refresh()
+        except Exception as e:  # a picker's change has no caller to raise to: show it
+            self._show_error(e)
+
+    def _sampling_changed(self) -> None:
+        w = self.controls
+        try:
+            self.session.set_sampling(temperature=w["temperature"].value, top_k=w["top_k"].value or None,
+                                      top_p=None if w["top_p"].value >= 1 else w["top_p"].value)
+            w["error"].value = ""
+        except ValueError as e:
+            self._show_error(e)
+

@@ -1,0 +1,147 @@
+"""A recorded run, step by step, as the views draw it: the snapshot of every step and every figure the registry's
+replayed views make of it (:func:`frames`), with each array stored once.
+
+This is the drawing the HTML replay, an explorer's ``save_html`` and a notebook's static copy share: they differ only
+in the page around it (:mod:`.page`). Which views a frame holds comes from the registry (:attr:`~.registry.View.replay`):
+a view drawn per lane (the cache map, attention) gives one figure per lane, a view of the whole run (memory) one
+figure; a view added to the registry is in every frame with no change here.
+
+Arrays that grow from one step to the next (attention rows, memory lines) are stored once: a step's array that is
+the start of a later step's refers to it (frames are encoded last first).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ..errors import SettingsError
+from ..trace.records import StepRecord
+from .registry import replayed
+from .snapshot import LaneDetail, LaneSnapshot, Snapshot
+
+
+def model_info(run: Sequence[StepRecord]) -> SimpleNamespace:
+    """The few figures of the model the views draw, from the run's meta (or, for an older trace, its records)."""
+    meta = getattr(run, "meta", {}).get("model")
+    if meta:
+        return SimpleNamespace(**meta)
+    trace = next((r.trace for r in run if r.trace is not None), None)
+    layers = len(trace.layer_slots) if trace is not None and len(trace.layer_slots) > 1 else \
+        1 + max((e.layer for r in run if r.trace for e in r.trace.events), default=0)
+    groups = trace.gqa_groups if trace is not None else [[0]]
+    return SimpleNamespace(name="", num_layers=layers, num_heads=sum(len(g) for g in groups),
+                           num_kv_heads=len(groups), gqa_groups=groups, attention_sinks=False)
+
+
+def texts(run: Sequence[StepRecord], upto: int) -> list[str]:
+    """The text of every position of ``run`` up to step ``upto`` (the prompt's, then each record's)."""
+    meta = getattr(run, "meta", {})
+    prompt = meta.get("prompt_texts") or [f"[{i}]" for i in range(run[0].input_len if run else 0)]
+    return list(prompt) + [r.text for r in run[: upto + 1]]
+
+
+def snapshot_at(runs: Mapping[str, Sequence[StepRecord]], step: int, shown: str, layer: int = 0,
+                head: int = 0) -> Snapshot:
+    """The explorer's :class:`~.snapshot.Snapshot` of ``runs`` as they were after ``step``."""
+    first = next(iter(runs.values()))
+    config = model_info(first)
+    lanes = {}
+    for name, run in runs.items():
+        history = list(run[: step + 1])
+        lane = LaneSnapshot(name, getattr(run, "meta", {}).get("kind", name), history, [None] * len(history),
+                            [None] * len(history), set())
+        last = history[-1] if history else None
+        slots = None
+        if last is not None and last.trace is not None and last.trace.layer_slots:
+            slots = [last.trace.slots_of(i) for i in range(config.num_layers)]
+        lane.detail = LaneDetail(texts=texts(run, step), slots=slots, norms=None, stored_error=None)
+        lanes[name] = lane
+    return Snapshot(config, lanes, next(iter(runs)), shown, None, layer, head, "step", False)
+
+
+def _packable(a: np.ndarray) -> bool:
+    """A flat array of numbers or booleans (what travels as a typed array)."""
+    return a.ndim == 1 and any(np.issubdtype(a.dtype, t) for t in (np.integer, np.floating, np.bool_))
+
+
+class ArrayStore:
+    """Arrays of every frame, each stored once: an array that is the start of one already stored (a later step's,
+    as frames are encoded last first) is a reference to it."""
+
+    def __init__(self) -> None:
+        self.arrays: list[dict] = []
+        self._base: dict[str, tuple[int, np.ndarray]] = {}  # path -> the array a prefix may refer to
+
+    def array(self, path: str, a: np.ndarray) -> dict:
+        a = np.ascontiguousarray(a)
+        if a.dtype == np.bool_:
+            a = a.astype(np.uint8)
+        elif a.dtype == np.int64:
+            a = a.astype(np.int32) if not a.size or (a.min() >= -2**31 and a.max() < 2**31) else a.astype(np.float64)
+        base = self._base.get(path)
+        if base is not None and base[1].dtype == a.dtype and a.size <= base[1].size and \
+                np.array_equal(base[1][: a.size], a, equal_nan=bool(np.issubdtype(a.dtype, np.floating))):
+            return {"$a": base[0], "n": int(a.size)}
+        self.arrays.append({"dtype": str(a.dtype), "b64": base64.b64encode(a.tobytes()).decode()})
+        self._base[path] = (len(self.arrays) - 1, a)
+        return {"$a": len(self.arrays) - 1, "n": int(a.size)}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {k: self.encode(v, f"{path}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, np.ndarray):
+            if _packable(value):
+                return self.array(path, value)
+            return self.encode(value.tolist(), path)
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
+
+
+def check_picks(runs: Mapping[str, Sequence[StepRecord]], layer: int, head: int) -> SimpleNamespace:
+    """Refuse runs with nothing to replay, or a layer or head the model does not have; the model's figures."""
+    if not runs or not all(len(r) for r in runs.values()):
+        raise SettingsError("nothing to replay: every run needs at least its prefill record")
+    config = model_info(next(iter(runs.values())))
+    if not 0 <= layer < config.num_layers:
+        raise SettingsError(f"layer {layer} does not exist: the model has layers 0..{config.num_layers - 1}")
+    if not 0 <= head < config.num_heads:
+        raise SettingsError(f"head {head} does not exist: the model has query heads 0..{config.num_heads - 1}")
+    return config
+
+
+def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0,
+           head: int = 0) -> tuple[list[dict], ArrayStore]:
+    """Every step's figures (``"<view>:<lane>"`` for a view drawn per lane, ``"<view>"`` for a view of the whole
+    run) and how many generated tokens each lane's strip shows."""
+    check_picks(runs, layer, head)
+    per_lane, per_run = replayed()
+    steps = max(len(r) for r in runs.values())
+    store = ArrayStore()
+    out: list[dict | None] = [None] * steps
+    for step in reversed(range(steps)):  # last first: earlier arrays are prefixes of later ones
+        snap = snapshot_at(runs, step, next(iter(runs)), layer, head)
+        figs = {}
+        for name in runs:
+            shown = dataclasses.replace(snap, shown=name)
+            for view in per_lane:
+                figs[f"{view.name}:{name}"] = view.build(shown)
+        whole = dataclasses.replace(snap, shown=list(runs)[-1])
+        for view in per_run:
+            figs[view.name] = view.build(whole)
+        out[step] = {"step": step,
+                     "figures": {key: store.encode({"data": f.traces, "layout": f.layout}, key)
+                                 for key, f in figs.items()},
+                     "tokens": {name: min(step, len(run) - 1) + 1 for name, run in runs.items()}}
+    return out, store  # type: ignore[return-value]

@@ -1,0 +1,80 @@
+"""Recorded runs as HTML: :func:`fragment` (one element: the frames, the player and plotly.js, to put in a page) and
+:func:`save_html` (a whole self-contained document). It needs no kernel and no network (plotly.js is inside), so it
+can go on a course page, into slides or a bug report.
+
+Everything that draws a run as a page lives here, in the drawing layer, because three places draw one:
+``kvexplore.replay`` (and ``kvexplore export``) writes the page, an explorer's ``save_html`` writes the same page of
+its session, and a notebook's static copy of an explorer embeds the fragment. The figures are the registry's views
+(:mod:`.frames`), so all three show the same views, including any added to the registry.
+
+The data and plotly.js travel gzip-compressed, unpacked by the browser (``DecompressionStream``).
+
+Importing this module also registers :func:`save_html` as the writer of ``History.save_html`` (see
+:func:`kvexplore.trace.files.register_html_writer` for why the trace layer does not import it).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import SettingsError
+from ..trace.files import register_html_writer
+from ..trace.records import StepRecord
+from . import tokens
+from .frames import frames, model_info, texts
+from .player import FRAGMENT, PLAYER
+from .registry import replayed
+
+
+def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0, title: str | None = None,
+             marks: Mapping[int, str] | None = None, plotly: bool = True, side_by_side: bool = False) -> str:
+    """The replay as one HTML element (its data, its player and, with ``plotly``, plotly.js), to put in a page:
+    :func:`save_html` wraps it in a document; a notebook's static copy of an explorer embeds it. Without ``plotly``
+    it waits for another fragment on the page to bring plotly.js. ``side_by_side``: the lanes in columns (each
+    lane's figures one above the other), as ``kvexplore diff --html`` shows two runs."""
+    all_frames, store = frames(runs, layer, head)
+    config = model_info(next(iter(runs.values())))
+    per_lane, per_run = replayed()
+    meta = {"title": title or f"kvexplore replay · {config.name or 'model'} · {', '.join(runs)}",
+            "lanes": list(runs), "layer": layer, "head": head, "steps": len(all_frames),
+            "views": {"lane": [v.name for v in per_lane], "run": [v.name for v in per_run]},
+            "marks": {str(k): v for k, v in (marks or {}).items()},
+            "prompt": {name: tokens.prompt_spans(texts(run, -1)) for name, run in runs.items()},
+            "spans": {name: [tokens.token_span(r) for r in run] for name, run in runs.items()},
+            "style": tokens.STYLE}
+    data = json.dumps({"meta": meta, "arrays": store.arrays, "frames": all_frames}, separators=(",", ":"),
+                      allow_nan=False)
+    packed = base64.b64encode(gzip.compress(data.encode(), 6, mtime=0)).decode()
+    plotly_js = ""
+    if plotly:
+        try:
+            from plotly.offline import get_plotlyjs
+        except ImportError as e:  # pragma: no cover - the notebook extra
+            raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
+        packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
+        plotly_js = f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
+    uid = f"kvx-replay-{uuid.uuid4().hex[:12]}"  # two identical replays on one page are still two
+    return (FRAGMENT.replace("__ID__", uid).replace("__SIDE__", " kvx-side" if side_by_side else "")
+            .replace("__TITLE__", html.escape(meta["title"]))
+            .replace("__PLOTLY__", plotly_js).replace("__DATA__", packed).replace("__PLAYER__", PLAYER))
+
+
+def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
+              title: str | None = None, marks: Mapping[int, str] | None = None, side_by_side: bool = False) -> Path:
+    """Write the replay of ``runs`` (lane name -> records, as ``Explorer`` or ``load_trace`` give them) to ``path``.
+    ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
+    path = Path(path)
+    body = fragment(runs, layer, head, title, marks, side_by_side=side_by_side)
+    name = html.escape(title or "kvexplore replay")
+    path.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}</title></head>\n'
+                    f'<body style="margin: 12px 18px">\n{body}\n</body></html>\n', encoding="utf-8")
+    return path
+
+
+register_html_writer(save_html)
