@@ -1,6 +1,7 @@
 """kvexplore: a small Llama-family inference engine whose KV cache is a first-class, inspectable object."""
 
-from . import hf  # registers the hf: caches (kvexplore.caches.registry.PREFIXES)
+from . import hf  # registers the hf: caches (kvexplore.caches.registry.PREFIXES) and transformers executors
+from . import replay  # registers History.save_html's writer (kvexplore.trace.files.register_html_writer)
 from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
 from .config.model_config import ModelConfig

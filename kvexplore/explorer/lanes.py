@@ -12,7 +12,7 @@ Each kind knows which strategy names are its own (:meth:`LaneKind.claims`), what
 (:meth:`LaneKind.check`), how to build a lane's generator from a model and a strategy name (:meth:`LaneKind.build`),
 whether it runs the transformers model (:attr:`LaneKind.transformers`, what the loader's choice of a twin reads),
 its tracer's options (:meth:`LaneKind.trace_options`) and how a lane of it forks (:meth:`LaneKind.fork`).
-A new kind of lane is one subclass added to :data:`LANE_KINDS` (see docs/extending_views.md). This file is a
+A new kind of lane is one subclass added to :data:`LANE_KINDS` (see docs/extending.md). This file is a
 registry: it alone reads strategy names.
 """
 

@@ -6,7 +6,7 @@ the transformers classes it is checked against. This file is the list of familie
 :mod:`kvexplore.config.families` (below ``models/``, so that reading a ``config.json`` can use it). Loading
 (:mod:`kvexplore.formats.loading`), the GGUF reader, the weight check and the test zoo read the registry.
 
-Adding an architecture from outside the package (docs/extending_architectures.md)::
+Adding an architecture from outside the package (docs/extending.md)::
 
     from kvexplore.models.architectures import Architecture, register
     register(Architecture("toy", "ToyForCausalLM", "toy", "toy", mlp=MyMLP, ...))
