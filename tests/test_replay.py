@@ -151,3 +151,19 @@ def test_generate_save_trace_then_export_and_diff(tmp_path, capsys):
     assert "no divergence in 6 steps" in capsys.readouterr().out
     assert (tmp_path / "d.html").exists()
 
+
+
+def test_a_saved_trace_writes_its_replay_after_a_plain_import(model, tmp_path):
+    """``History.save_html`` finds its writer (registered by the replay) in a process that only ran
+    ``import kvexplore``: trace/ cannot import the replay, so the registration is what makes it work."""
+    import subprocess
+    import sys
+
+    path = run(model, steps=3).save(tmp_path / "run.kvtrace")
+    code = ("import sys, kvexplore; h = kvexplore.load_trace(sys.argv[1]); "
+            "print(h.save_html(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "run.html")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "run.html").read_text()
+    assert "<html" in page and "plotly" in page.lower()

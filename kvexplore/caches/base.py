@@ -23,6 +23,7 @@ held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`.
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import replace
 
 import torch
 
@@ -102,11 +103,6 @@ class KVCache(CacheInspection, ModelCache):
     def refuses(self, spec: LayerSpec) -> str | None:
         """Why this strategy cannot serve ``spec``'s full layer (None: it can); checked before any layer is made."""
         return None
-
-    @property
-    def rings_for_sliding(self) -> bool:
-        """Whether sliding layers get rings (the same as :attr:`stores`)."""
-        return self.stores
 
     @property
     def states(self) -> StateLayers | None:
@@ -367,6 +363,8 @@ class KVCache(CacheInspection, ModelCache):
         twin._index()
         twin._journal, twin._saved, twin._cur, twin._masks = None, None, None, {}
         twin._scratch = {}
+        if self._report is not None:  # settle() adds to a report's allocator figures: each copy keeps its own
+            twin._report = replace(self._report, cuda=dict(self._report.cuda))
         return twin
 
     def clone(self) -> "KVCache":

@@ -26,7 +26,6 @@ from .sink import SinkCache
 for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache):
     register_strategy(_cls.kind, _cls)
 
-BOUNDED = {"preallocated", "paged", "quantized"}  # kinds whose storage is sized by max_seq_len (informative)
 
 
 def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size: int = 1,

@@ -10,7 +10,7 @@ is looked up; no other cache code compares them.
   ``shared``: a dict for structures several layers of one cache share, such as the rings' slot map).
   :func:`register_layer_kind` adds one.
 - :data:`PREFIXES`: a name prefix -> ``make(model, kind, max_seq_len)``, caches another package serves
-  (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf.cache`). :func:`register_prefix` adds one.
+  (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf.caches`). :func:`register_prefix` adds one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config.layer_plan import FULL, SHARED, SLIDING, STATE, LayerSpec
 from ..errors import SettingsError
+from .protocol import ModelCache
 from .layers.recompute import RecomputeLayer
 from .layers.ring import RingLayer
 from .layers.shared import SharedLayer
@@ -42,6 +43,14 @@ def register_strategy(name: str, cls: type) -> type:
     if not isinstance(name, str) or not name or ":" in name:
         raise SettingsError(f"a strategy name is a non-empty string without ':' (prefixes are for other packages), "
                             f"got {name!r}")
+    if not isinstance(cls, type) or not issubclass(cls, ModelCache):
+        raise SettingsError(f"strategy {name!r} must be a KVCache subclass, got {cls!r}")
+    if getattr(cls, "kind", None) != name:
+        raise SettingsError(f"strategy {name!r}: the class's kind is {getattr(cls, 'kind', None)!r}; set "
+                            f"kind = {name!r} on {cls.__name__} (lanes and records are named by it)")
+    if STRATEGIES.get(name, cls) is not cls:
+        raise SettingsError(f"strategy {name!r} is already {STRATEGIES[name].__name__}; unregister_strategy({name!r}) "
+                            f"first to replace it")
     STRATEGIES[name] = cls
     return cls
 

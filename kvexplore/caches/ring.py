@@ -141,5 +141,3 @@ class SlidingLayers:
         twin.slot_pos, twin.plan, twin._step = list(self.slot_pos), None, None
         return twin
 
-
-RingSlots = SlidingLayers  # the name the layer classes use

@@ -298,7 +298,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,6 +18,7 @@ registry: it alone reads strategy names.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ class LaneSpec:
     top_candidates: int
 
 
-class LaneKind:
+class LaneKind(ABC):
     """One kind of lane. Subclasses set :attr:`name` and :attr:`label` and implement :meth:`claims`,
     :meth:`offered` and :meth:`check`; :meth:`build` makes ``make_cache(strategy, model)`` eagerly by default."""
 
@@ -55,17 +56,17 @@ class LaneKind:
     compiled = False  # Generator(compile=True)
     records_attention = True  # its tracer records attention (a compiled step cannot)
 
+    @abstractmethod
     def claims(self, strategy: str) -> bool:
         """Whether ``strategy`` is one of this kind's."""
-        raise NotImplementedError
 
+    @abstractmethod
     def offered(self, hf: Any) -> list[str]:
         """The strategies of this kind one could ask for (for the message naming an unknown one)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def check(self, strategy: str, model: Any, hf: Any) -> None:
         """Refuse, naming the fix, a ``strategy`` of this kind that cannot run on the models given."""
-        raise NotImplementedError
 
     def model_for(self, spec: LaneSpec) -> Any:
         return spec.hf if self.transformers else spec.model

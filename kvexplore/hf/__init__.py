@@ -26,7 +26,7 @@ def make_cache(model: HFModel, kind: str = "dynamic", max_seq_len: int | None = 
     """An :class:`HFCache` of transformers' cache ``kind`` (``"dynamic"``, ``"static"``, ...; see
     :data:`HF_CACHES`; an ``"hf:"`` prefix is accepted) for ``model``. ``max_seq_len`` sizes a static cache
     (default 256)."""
-    from .caches import make_hf_cache
+    from .caches import BOUNDED, make_hf_cache
 
     if not isinstance(model, HFModel):
         raise SettingsError(f"transformers caches (hf:...) run on a transformers model: wrap it with "
@@ -34,8 +34,8 @@ def make_cache(model: HFModel, kind: str = "dynamic", max_seq_len: int | None = 
     name = kind.removeprefix(PREFIX)
     slots = 256 if max_seq_len is None else int(max_seq_len)
     fresh = lambda: make_hf_cache(name, model.hf, slots)  # noqa: E731
-    bounded = name == "static"
-    return HFCache(PREFIX + name, fresh(), model.config, model.dtype, model.device, slots if bounded else None, fresh)
+    return HFCache(PREFIX + name, fresh(), model.config, model.dtype, model.device,
+                   slots if name in BOUNDED else None, fresh)
 
 
 __all__ = ["HFCache", "HFModel", "HF_CACHES", "available", "is_hf_model", "load_hf", "make_cache", "wrap"]

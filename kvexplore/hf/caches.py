@@ -18,6 +18,7 @@ HF_CACHES = {
     "quantized-hqq": "QuantizedCache('hqq', config): int4 with a residual (needs hqq)",
 }
 NEEDS = {"quantized-quanto": "optimum.quanto", "quantized-hqq": "hqq"}
+BOUNDED = {"static"}  # the transformers caches sized by max_seq_len (the others grow)
 
 
 def available(name: str, device_type: str = "cpu") -> str | None:

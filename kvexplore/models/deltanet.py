@@ -1,7 +1,7 @@
 """Qwen3-Next's gated DeltaNet: a linear-attention layer whose "cache" is a fixed-size state.
 
 Per layer and sequence the state is the last ``kernel - 1`` inputs of a short causal convolution and one matrix
-``S`` of ``(key dim, value dim)`` per value head (see :mod:`kvexplore.caches.state`). Each token, as transformers
+``S`` of ``(key dim, value dim)`` per value head (see :mod:`kvexplore.caches.layers.state`). Each token, as transformers
 5.24 computes it (checked in tests/test_parity_state.py):
 
 1. ``in_proj_qkvz`` gives, per *key* head, ``[q, k, v (r heads), z (r heads)]`` and ``in_proj_ba`` ``[b (r), a (r)]``,

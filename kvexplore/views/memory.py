@@ -94,9 +94,10 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
 
 
 def _kinds(records: Sequence[StepRecord]) -> list[str]:
-    """The layer kinds of a lane's reports, in the order full, sliding, shared, state."""
-    found = {m.kind for r in records if r.memory is not None for m in r.memory.layers}
-    return [k for k in KIND_COLOURS if k in found]
+    """The layer kinds of a lane's reports: full, sliding, shared, state in that order, then any registered kind
+    (kvexplore.caches.register_layer_kind) in the order the layers have them (drawn in grey)."""
+    found = dict.fromkeys(m.kind for r in records if r.memory is not None for m in r.memory.layers)
+    return [k for k in KIND_COLOURS if k in found] + [k for k in found if k not in KIND_COLOURS]
 
 
 def from_snapshot(s) -> FigureSpec:

@@ -27,8 +27,7 @@ class RingLayer(StoredLayer):
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.slots
-        if slots.plan is None or slots._step is not step:
-            slots.begin(step)
+        slots.begin(step)  # planned once per step: the first layer that asks plans, the others find it done
         W, plan, rk, rv, pos = slots.window, slots.plan, self.k, self.v, step.pos
         c, journal = step.counters, step.journal
         gathered = None
@@ -58,8 +57,7 @@ class RingLayer(StoredLayer):
         return rk.narrow(2, 0, plan.read), rv.narrow(2, 0, plan.read)
 
     def mask(self, step: Step) -> torch.Tensor | None:
-        if self.slots.plan is None or self.slots._step is not step:
-            self.slots.begin(step)
+        self.slots.begin(step)
         return self.slots.plan.mask
 
     def commit(self, step: Step) -> None:
