@@ -3,12 +3,19 @@
     python benchmarks/before_after.py --before ../kvexplore-old            # this checkout is "after"
     python benchmarks/before_after.py --before A --after B --rounds 4 --engines eager,compiled
 
-Each round runs ``benchmarks/decode_speed.py`` once from each checkout, in a fresh process whose ``PYTHONPATH`` is
+    python benchmarks/before_after.py --before A --what step                # per-step time on the tiny model
+
+Each round runs ``benchmarks/decode_speed.py`` (``--what decode``) once from each checkout, in a fresh process whose ``PYTHONPATH`` is
 that checkout (so each side imports its own ``kvexplore`` and runs its own copy of the benchmark), alternating the
 order (before, after, after, before, ...) so a slow drift of the machine hits both sides alike. Every process builds
 the same random-weight models (same seeds) and decodes the same prompt; each reports its median tok/s per shape and
 engine, and this script prints, per shape and engine, the median of the rounds on each side and their ratio
 (after / before: 1.00 is no change; the rounds' spread says what noise is).
+
+``--what step`` times what a small model's decode step costs besides its matrix products: the packaged tiny model,
+one torch thread, one ``Generator.step()`` at a time on each cache strategy, 5 runs of 40 steps, the lower quartile
+of each run and the best run (robust on a shared machine, where decode_speed.py's medians swing 2x). Printed as
+tok/s (1 / step time), so after/before reads the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +33,38 @@ ROW = re.compile(r"^\s{2}(\S+)\s+((?:\s*[\d.]+ \(\s*[\d.]+%\))+)\s+(identical|DI
 CELL = re.compile(r"([\d.]+) \(\s*[\d.]+%\)")
 
 
+STEP = """
+import sys, time, torch
+torch.set_num_threads(1)
+import kvexplore
+m = kvexplore.load("tiny")
+for kind in ("preallocated", "concat", "paged", "sink", "quantized"):
+    best = []
+    for rep in range(5):
+        g = kvexplore.Generator(m, kvexplore.make_cache(kind, m, max_seq_len=256))
+        g.prefill("Once upon a time there was")
+        ts = []
+        for _ in range(40):
+            t0 = time.perf_counter(); g.step(); ts.append(time.perf_counter() - t0)
+        best.append(sorted(ts)[len(ts) // 4])
+    print(f"tiny/{kind} {1 / min(best):.1f}")
+"""
+
+
+def run_steps(checkout: Path) -> dict[tuple[str, str], float]:
+    """The per-step script in a process that imports ``checkout``'s kvexplore: tok/s per (model, strategy)."""
+    out = subprocess.run([sys.executable, "-c", STEP], env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the step timing failed in {checkout}:\n{out.stderr[-4000:]}")
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("tiny/")]
+    return {tuple(name.split("/")): float(v) for name, v in rows}
+
+
 def run_side(checkout: Path, args: argparse.Namespace) -> dict[tuple[str, str], float]:
     """One decode_speed.py run from ``checkout``: tok/s per (shape, engine)."""
+    if args.what == "step":
+        return run_steps(checkout)
     cmd = [sys.executable, str(checkout / "benchmarks" / "decode_speed.py"), "--shapes", args.shapes,
            "--engines", args.engines, "--reps", str(args.reps), "--new-tokens", str(args.new_tokens),
            "--threads", str(args.threads), "--no-diff-check"]
@@ -50,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", type=Path, required=True, help="the checkout before the change")
     ap.add_argument("--after", type=Path, default=HERE, help="the checkout after the change (default: this one)")
+    ap.add_argument("--what", choices=("decode", "step"), default="decode",
+                    help="decode: decode_speed.py's tok/s; step: the tiny model's step time per strategy")
     ap.add_argument("--rounds", type=int, default=4, help="runs per side, interleaved")
     ap.add_argument("--shapes", default="24M,135M")
     ap.add_argument("--engines", default="eager", help="kvexplore's engines only: eager, compiled")
