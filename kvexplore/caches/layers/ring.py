@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from .slotmap import SlotMapLayer
 from ..layer import StoredLayer, Step
 from ..ring import SlidingLayers
 from ..memory import StepCounters
-from ..slots import SlotView
 
 
-class RingLayer(StoredLayer):
+class RingLayer(SlotMapLayer, StoredLayer):
     """``k``/``v`` of ``[batch, kv_heads, window, width]``; position ``p`` in slot ``p % window``. ``slots`` is the
     :class:`~kvexplore.caches.ring.SlidingLayers` every sliding layer of the cache shares (see :mod:`..ring`)."""
 
@@ -81,24 +79,6 @@ class RingLayer(StoredLayer):
     def read_start(self) -> int:
         plan = self.slots.plan
         return 0 if plan is None else min(plan.positions)
-
-    def storage(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
-
-    def reserved_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def slot_view(self, length: int) -> SlotView:
-        return self.slots.slot_view(length)
-
-    def clone(self, memo: dict[int, Any]) -> "RingLayer":
-        twin = object.__new__(RingLayer)
-        twin.__dict__.update(self.__dict__)
-        if id(self.slots) not in memo:  # the layers' copies share one copy of the slot map
-            memo[id(self.slots)] = self.slots.copy()
-        twin.slots = memo[id(self.slots)]
-        twin.k, twin.v = self.k.clone(), self.v.clone()
-        return twin
 
     def describe(self, count: int, strategy: str, config) -> str:
         return f"{count} sliding layer{'s' * (count != 1)}: a ring of {self.slots.window} slots each"

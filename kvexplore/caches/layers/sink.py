@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from .slotmap import SlotMapLayer
 from ..layer import FullLayer, Step
 from ..layout import RingLayout
 from ..memory import StepCounters
@@ -107,7 +106,7 @@ class SinkSlots:
         return twin
 
 
-class SinkLayer(FullLayer):
+class SinkLayer(SlotMapLayer, FullLayer):
     """``k``/``v`` of ``[batch, kv_heads, sinks + window, width]``, allocated once; ``slots`` the shared
     :class:`SinkSlots`. A write goes in place; attention reads the held slots in storage order."""
 
@@ -159,21 +158,3 @@ class SinkLayer(FullLayer):
 
     def read_positions(self, length: int) -> list[int]:
         return self.slots.held_positions(length)  # write() returns the held slots in storage order
-
-    def storage(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
-
-    def reserved_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def slot_view(self, length: int) -> SlotView:
-        return self.slots.slot_view(length)
-
-    def clone(self, memo: dict[int, Any]) -> "SinkLayer":
-        twin = object.__new__(SinkLayer)
-        twin.__dict__.update(self.__dict__)
-        if id(self.slots) not in memo:
-            memo[id(self.slots)] = self.slots.copy()
-        twin.slots = memo[id(self.slots)]
-        twin.k, twin.v = self.k.clone(), self.v.clone()
-        return twin

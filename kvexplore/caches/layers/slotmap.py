@@ -1,0 +1,39 @@
+"""What a layer whose slots are planned by a slot map shared with its cache's other layers has in common: its
+storage is one key and one value tensor of a fixed number of slots, its slot view is the map's, and copies of the
+cache's layers share one copy of the map (the rings' :class:`~kvexplore.caches.ring.SlidingLayers`, the sink cache's
+:class:`~kvexplore.caches.layers.sink.SinkSlots`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..slots import SlotView
+
+
+class SlotMapLayer:
+    """A mixin for :class:`~kvexplore.caches.layer.StoredLayer` subclasses holding ``k``, ``v`` and ``slots`` (a shared
+    map with ``slot_view(length)`` and ``copy()``); put it first among the bases."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: Any
+
+    def storage(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    def reserved_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def slot_view(self, length: int) -> SlotView:
+        return self.slots.slot_view(length)
+
+    def clone(self, memo: dict[int, Any]):
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        if id(self.slots) not in memo:  # the layers' copies share one copy of the slot map
+            memo[id(self.slots)] = self.slots.copy()
+        twin.slots = memo[id(self.slots)]
+        twin.k, twin.v = self.k.clone(), self.v.clone()
+        return twin
