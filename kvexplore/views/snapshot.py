@@ -16,6 +16,8 @@ from ..caches.base import SlotView
 from ..config.model_config import ModelConfig
 from ..trace.records import StepRecord
 
+MAX_BINS = 512  # columns a figure draws at most: wider slots and positions are binned (kvexplore.views.bins)
+
 
 @dataclass
 class LaneDetail:
@@ -55,6 +57,10 @@ class Snapshot:
     last_op: str  # the session's last operation: the step's windows are drawn only right after a prefill or step
     cuda: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the screen shows: per figure name, the axis ranges the person zoomed to ({"cache_map": {"xaxis": (0, 99)}};
+    # absent: the whole figure), and how many columns (bins) a figure draws at most (see :mod:`.bins`)
+    zoom: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    max_bins: int = MAX_BINS
 
     @property
     def lane(self) -> LaneSnapshot:
@@ -68,7 +74,8 @@ class Snapshot:
         return {n: l.history for n, l in self.lanes.items()}
 
 
-def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, head: int) -> Snapshot:
+def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, head: int,
+         zoom: dict[str, dict[str, tuple[float, float]]] | None = None, max_bins: int = MAX_BINS) -> Snapshot:
     """The snapshot of ``session`` with ``shown`` (and ``second``) on screen; ``strip`` names the tokens."""
     tokenizer = session.model.tokenizer
     lanes = {}
@@ -85,4 +92,4 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             state=lane.tracer.state_history(layer, lane.cache.length) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,
-                    session.model.device.type == "cuda")
+                    session.model.device.type == "cuda", zoom=dict(zoom or {}), max_bins=max_bins)
