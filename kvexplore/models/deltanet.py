@@ -12,9 +12,11 @@ Per layer and sequence the state is the last ``kernel - 1`` inputs of a short ca
    ``S <- S + k (beta (v - k^T S))^T`` with ``beta = sigmoid(b)``; the output is ``q^T S`` (after the update);
 5. a per-head RMSNorm (plain weight), times ``silu(z)``, then ``out_proj``.
 
-Prefill runs the same recurrence token by token (transformers uses a chunked form with the same result). These
-layers have hook points ``attn.state`` (the recurrent state after the step) and ``attn.out`` instead of the
-attention points.
+Step 4 is :func:`kvexplore.models.delta_rule.gated_delta_rule`: token by token for decoding and short prefills, in
+chunks of 64 tokens (a triangular solve per chunk, the state carried from chunk to chunk, starting from the cache's
+state) from ``CHUNKED_FROM`` tokens on; both give the same outputs and state within float32 rounding (checked in
+tests/test_delta_rule.py). These layers have hook points ``attn.state`` (the recurrent state after the step) and
+``attn.out`` instead of the attention points.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .blocks import RMSNorm
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
 from ..core.hooks import hook
+from .delta_rule import gated_delta_rule
 
 
 def _l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -70,18 +73,11 @@ class GatedDeltaNet(nn.Module):
         q = _l2_normalise(q.reshape(B, T, hk, dk).float()).repeat_interleave(r, 2) * dk ** -0.5
         k = _l2_normalise(k.reshape(B, T, hk, dk).float()).repeat_interleave(r, 2)
         v = v.reshape(B, T, hv, dv).float()
-        beta = torch.sigmoid(b.float())
-        decay = torch.exp(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()))  # (B, T, hv)
-        S = state.clone()
-        out = []
-        for t in range(T):  # the gated delta rule, one token at a time
-            S = S * decay[:, t, :, None, None]
-            predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-            S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - predicted))[:, :, None, :]
-            out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # the log decay, (B, T, hv)
+        o, S = gated_delta_rule(q, k, v, g, torch.sigmoid(b.float()), state)
         cache.write_state(self.layer, extended[..., -(self.kernel - 1):], S)
         if tracer is not None:  # the state after the step (a point only linear-attention layers have)
             hook(tracer, f"layers.{self.layer}.attn.state", S)
-        o = self.norm(torch.stack(out, 1).to(x.dtype)) * F.silu(z)  # (B, T, hv, dv)
+        o = self.norm(o.to(x.dtype)) * F.silu(z)  # (B, T, hv, dv)
         o = self.out_proj(o.reshape(B, T, hv * dv))
         return o if tracer is None else hook(tracer, f"layers.{self.layer}.attn.out", o)
