@@ -27,8 +27,12 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+# decays below exp(-30) (about 1e-13) count as 0: left to exp, they and their products reach float32's subnormal
+# range, whose arithmetic is many times slower on CPUs (random-weight gates get there within a chunk: a 1,024-token
+# prefill of benchmarks/deltanet_prefill.py's model spent 1.4 s in the rule, 0.75 s with this floor)
+FLOOR = -30.0
 # prefills of at least this many tokens run chunked (measured: benchmarks/deltanet_prefill.py --crossover)
-CHUNKED_FROM = 8
+CHUNKED_FROM = 4
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -45,25 +49,31 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return torch.stack(out, 1), S
 
 
-def _in_chunks(x: torch.Tensor, pad: int) -> torch.Tensor:
-    """``(B, T, H, ...)`` -> ``(B, H, chunks, CHUNK, ...)``, zero-padded at the end (a zero key, value and beta and a
+def _in_chunks(x: torch.Tensor, size: int, pad: int) -> torch.Tensor:
+    """``(B, T, H, ...)`` -> ``(B, H, chunks, size, ...)``, zero-padded at the end (a zero key, value and beta and a
     zero log decay leave the state as it is)."""
     x = x.transpose(1, 2)
     x = F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-    return x.reshape(x.shape[0], x.shape[1], -1, CHUNK, *x.shape[3:])
+    return x.reshape(x.shape[0], x.shape[1], -1, size, *x.shape[3:])
+
+
+def _decay(log: torch.Tensor) -> torch.Tensor:
+    return log.masked_fill(log < FLOOR, float("-inf")).exp()
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same as :func:`recurrent` (same arguments and results), over chunks of :data:`CHUNK` tokens."""
+    """The same as :func:`recurrent` (same arguments and results), over chunks of :data:`CHUNK` tokens (one chunk of
+    ``T`` tokens when ``T`` is shorter)."""
     B, T, H, dv = v.shape
-    pad = -T % CHUNK
-    q, k, v, g, beta = (_in_chunks(x, pad) for x in (q, k, v, g, beta))  # (B, H, N, C[, d])
-    after = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril(-1)  # [t, s]: s < t
+    size = min(CHUNK, T)
+    pad = -T % size
+    q, k, v, g, beta = (_in_chunks(x, size, pad) for x in (q, k, v, g, beta))  # (B, H, N, C[, d])
+    after = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)  # [t, s]: s < t
     # log d(t, s) = g_{s+1} + ... + g_t: each column s sums the gates after it, down the rows (0 on the diagonal)
-    pairwise = torch.where(after, g[..., :, None], 0.0).cumsum(-2).masked_fill(after.T, float("-inf")).exp()
-    from_start = g.cumsum(-1).exp()  # d(t, -1)
-    to_end = F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).exp()  # d(C - 1, s)
+    pairwise = _decay(torch.where(after, g[..., :, None], 0.0).cumsum(-2).masked_fill(after.T, float("-inf")))
+    from_start = _decay(g.cumsum(-1))  # d(t, -1)
+    to_end = _decay(F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)))  # d(C - 1, s)
     through = from_start[..., -1, None, None]  # d(C - 1, -1), the whole chunk's decay
     kb = k * beta[..., None]
     system = (kb @ k.transpose(-1, -2)) * pairwise  # its strictly lower part is A; the diagonal is not read
