@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import kvexplore
-from helpers import make_checkpoint
 from kvexplore.models import delta_rule
 from kvexplore.models.delta_rule import CHUNK, chunked, recurrent
+from test_parity_state import qwen3_next  # noqa: F401  (the fixture: a checkpoint whose decays matter)
 
 TOL = 1e-5
 B, H, DK, DV = 2, 3, 32, 16
@@ -76,7 +76,8 @@ def test_chunked_equals_token_by_token_at_the_extremes(name):
 def test_the_layer_chooses_by_length(monkeypatch):
     calls = []
     for name in ("recurrent", "chunked"):
-        monkeypatch.setattr(delta_rule, name, lambda *a, _n=name, _f=getattr(delta_rule, name): calls.append(_n) or _f(*a))
+        real = getattr(delta_rule, name)
+        monkeypatch.setattr(delta_rule, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     for T in (1, delta_rule.CHUNKED_FROM - 1, delta_rule.CHUNKED_FROM, 200):
         delta_rule.gated_delta_rule(*inputs(T))
     assert calls == ["recurrent", "recurrent", "chunked", "chunked"]
@@ -98,20 +99,6 @@ class States:
         return False
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3-next-delta")
-    ref = make_checkpoint(folder, "qwen3_next", layers=4, tokenizer=False, vocab_size=300)
-    with torch.no_grad():  # decays from fast to slow, so the state's memory matters
-        for name, p in ref.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(-3, 1.3)
-            elif name.endswith("dt_bias"):
-                p.normal_()
-    ref.save_pretrained(folder)
-    return kvexplore.load(folder), ref
-
-
 def prefill(model, ids, splits, chunked_from, monkeypatch):
     """Logits of ``ids`` prefilled in pieces ending at ``splits``, the cache and the traced states."""
     monkeypatch.setattr(delta_rule, "CHUNKED_FROM", chunked_from)
@@ -124,7 +111,8 @@ def prefill(model, ids, splits, chunked_from, monkeypatch):
 
 @pytest.mark.parametrize("splits", [(), (30,)], ids=["one-prefill", "a-prefill-that-continues"])
 def test_a_chunked_prefill_matches_transformers_and_the_token_by_token_prefill(qwen3_next, splits, monkeypatch):
-    model, ref = qwen3_next
+    folder, ref = qwen3_next
+    model = kvexplore.load(folder)
     ids = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()

@@ -31,8 +31,9 @@ CHUNK = 64
 # range, whose arithmetic is many times slower on CPUs (random-weight gates get there within a chunk: a 1,024-token
 # prefill of benchmarks/deltanet_prefill.py's model spent 1.4 s in the rule, 0.75 s with this floor)
 FLOOR = -30.0
-# prefills of at least this many tokens run chunked (measured: benchmarks/deltanet_prefill.py --crossover)
-CHUNKED_FROM = 4
+# prefills of at least this many tokens run chunked: on one CPU thread chunked costs 1.1x token by token at 4 tokens
+# and 0.8x at 6 (benchmarks/deltanet_prefill.py --crossover; decoding, 1 token, stays token by token)
+CHUNKED_FROM = 5
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
