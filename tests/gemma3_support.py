@@ -56,6 +56,9 @@ def reference(texts: list[str], prose: str, tokens: int, rows: list[int]) -> dic
     with FileLock(str(path) + ".lock"):
         if not path.exists():
             torch.save(_compute(spec, texts, prose, tokens, rows), path)
+            for stale in folder.glob(f"{NAME}-transformers-*.pt"):  # of other inputs: no longer asked for
+                if stale != path:
+                    stale.unlink()
     return torch.load(path)
 
 

@@ -28,6 +28,7 @@ ROWS = [0, 1, 100, 511, 512, 513, 699]
 TEXTS = [
     "The capital of France is", PROSE[:1500], "1234567890 3.14159 1,000,000 and 2026-12-02T11:07:39Z",
     "  spaces   and\ttabs\t\t\nnew\n\n\nlines  trailing   ", "    def f(x):\n        return x  # comment\n",
+    " " * 40 + "deep" + "\n" * 35 + "x" + " " * 31 + "y",  # longer than the longest run token (31 spaces)
     "naïve café — 日本語, Ελληνικά, العربية, \u00a0nbsp\u3000wide", "emoji 🐋🐳👍🏽 and 👩‍👩‍👧 end",
     "<start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n",
     "<bos>text<eos> a<pad>b <unk> <start_of_image> <table><tr><td>x</td></tr></table>",
@@ -65,8 +66,14 @@ def test_config_as_llama_cpp_and_transformers_read_it(gemma, ref):
     assert (c.sliding_window, c.query_pre_attn_scalar) == (ref["window"], ref["query_pre_attn_scalar"])
     folder = store.model_path(NAME)
     assert ModelConfig.from_file(folder / "config.json") == c == ModelConfig.from_hf(c.to_hf())
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.from_pretrained(folder)  # the converted folder reads the same in transformers
+    assert (theirs.layer_types, theirs.query_pre_attn_scalar, theirs.sliding_window) == (c.layer_types, 256, 512)
+    assert {t: p["rope_theta"] for t, p in theirs.rope_parameters.items()} == ref["rope"]
     record = json.loads((folder / "kvexplore.json").read_text())
-    assert record["terms_accepted"].startswith("the Gemma Terms of Use") and (folder / "GEMMA_TERMS.html").stat().st_size
+    assert record["terms_accepted"].startswith("the Gemma Terms of Use")
+    assert (folder / "GEMMA_TERMS.html").stat().st_size > 100_000  # the terms' text, kept with the model
 
 
 @GEMMA3

@@ -60,7 +60,7 @@ TOKENIZER_FIELDS = (
     Field("tokenizer.chat_template", STR),
 )
 TOKEN_TYPES = range(1, 7)  # normal, unknown, control, user-defined, unused, byte
-USER_DEFINED = 4
+NORMAL, USER_DEFINED = 1, 4
 SPECIAL_TOKEN_TYPES = (3, USER_DEFINED)  # control and user-defined tokens: never split, added as special tokens
 
 
@@ -342,8 +342,14 @@ class GGUFFile:
         proto.normalizer_spec.add_dummy_prefix = True if space is None else space
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
-        for piece, score, token_type in zip(tokens, scores, types):
-            if token_type == USER_DEFINED:  # llama.cpp wrote "▁" as a space; sentencepiece matches the escaped text
+        top = max((s for s, t in zip(scores, types) if t == NORMAL), default=0.0)
+        for i, (piece, score, token_type) in enumerate(zip(tokens, scores, types)):
+            if token_type == USER_DEFINED and piece and not piece.strip(" "):
+                # Gemma's runs of "▁", which llama.cpp wrote as spaces and user-defined: merges of "▁" ranked by
+                # their place in the file, ahead of the normal pieces (as transformers reads the same file: 32
+                # spaces are 16 + 16, not the longest run of 31 + 1)
+                piece, score, token_type = "\u2581" * len(piece), top + len(tokens) - i, NORMAL
+            elif token_type == USER_DEFINED:  # sentencepiece matches them in the escaped text: "▁", not " "
                 piece = piece.replace(" ", "\u2581")
             proto.pieces.add(piece=piece, score=float(score), type=int(token_type))
         sp = spm.SentencePieceProcessor()

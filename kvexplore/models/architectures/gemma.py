@@ -97,8 +97,10 @@ def _refuse_gemma4(raw: dict[str, Any], where: str) -> None:
 def _gemma3_to_hf(config: Any) -> dict[str, Any]:
     """The Gemma 3 keys of ``config.json``: what the common writer leaves out (or writes as Llama's)."""
     local = config.rope_by_type.get("sliding_attention", {})
+    scalar = config.query_pre_attn_scalar  # transformers wants an int where it is one (256, not 256.0)
     return {"hidden_act": config.hidden_act, "hidden_activation": config.hidden_act,
-            "query_pre_attn_scalar": config.query_pre_attn_scalar, "layer_types": config.layer_types,
+            "query_pre_attn_scalar": int(scalar) if scalar is not None and float(scalar).is_integer() else scalar,
+            "layer_types": config.layer_types,
             "rope_local_base_freq": local.get("rope_theta", GEMMA3.local_theta),
             "attn_logit_softcapping": config.attn_logit_softcapping,
             "final_logit_softcapping": config.final_logit_softcapping}
