@@ -6,6 +6,7 @@ Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not
 - ``browser``: headless Chromium with JupyterLab, Voila or a replay page;
 - ``notebooks``: the course notebooks executed in a kernel;
 - ``smollm2``: the real SmolLM2-135M (a 93 MB download the first time);
+- ``gemma3``: the real Gemma 3 270M (about 240 MB the first time, then transformers' reference once);
 - ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time).
 
 Groups (``xdist_group``): the tests that share the JupyterLab server (``lab``) or the compiled step of one model
@@ -25,7 +26,7 @@ from zoo import VARIANTS, Zoo
 # the test models are tiny: one thread is fastest, and immune to other processes contending for cores (two workers)
 torch.set_num_threads(1)
 
-TIERS = ("browser", "notebooks", "smollm2", "compile")
+TIERS = ("browser", "notebooks", "smollm2", "gemma3", "compile")
 
 
 def pytest_configure(config):
@@ -164,6 +165,10 @@ def executed_notebook(tmp_path_factory):
         nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[notebook,dev]'")
         nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[notebook,dev]'")
         out, meta = shared / path.name, shared / f"{path.stem}.json"
+        if "gemma3-270m" in path.read_text():  # fetched here once, or skipped saying why: no kernel waits on it
+            from gemma3_support import require_gemma3
+
+            require_gemma3()
         with FileLock(str(shared / f"{path.stem}.lock")):
             if not meta.exists():
                 workdir = shared / path.stem

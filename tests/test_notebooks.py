@@ -32,13 +32,16 @@ def test_committed_without_outputs(path):
     assert "widgets" not in nb.get("metadata", {}), f"{path.name} stores widget state: clear it"
 
 
-def _uses_smollm2(path: Path) -> bool:
-    return "smollm2" in path.read_text()
+def _real_models(path: Path) -> list:
+    """The markers of the real models a notebook loads (a notebook using Gemma 3 skips where it cannot be had:
+    see ``executed_notebook``)."""
+    text = path.read_text()
+    return [mark for name, mark in (("smollm2", pytest.mark.smollm2), ("gemma3-270m", pytest.mark.gemma3))
+            if name in text]
 
 
 @pytest.mark.notebooks
-@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[pytest.mark.smollm2] if _uses_smollm2(p) else [])
-                                  for p in ALL])
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=_real_models(p)) for p in ALL])
 def test_notebook_runs(path, executed_notebook):
     """Executed once per run (``executed_notebook``); the copy is shared with the tests that render and export it."""
     nbformat = pytest.importorskip("nbformat", reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("list", help="named models, whether present, size on disk")
     for verb, text in (("fetch", "download and convert a named model now"), ("path", "print a named model's folder")):
         verbs.add_parser(verb, help=text).add_argument("name")
+    verbs.choices["fetch"].add_argument("--accept-license", action="store_true",
+                                        help="accept the model's license terms (gemma3-270m: the Gemma Terms of "
+                                             "Use), which it is fetched only with")
     lab = sub.add_parser("lab", help="copy the bundled notebooks to a folder of yours (missing ones only) and open "
                                      "JupyterLab there; other arguments go to jupyter lab",
                          description="Copies the bundled notebooks into DIR (only those missing there: yours are never "
@@ -132,7 +135,7 @@ def _models(args: argparse.Namespace) -> None:
             size = f"{store.size_on_disk(name) / 2**20:8.1f} MiB" if present else "       -    "
             print(f"{name:14s} {'present' if present else 'absent ':7s} {size}  {spec.description}")
     elif args.verb == "fetch":
-        print(store.fetch(args.name))
+        print(store.fetch(args.name, accept_license=args.accept_license))
     else:
         print(store.model_path(args.name))  # an unknown name raises with the list of names
 

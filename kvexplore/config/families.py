@@ -35,12 +35,18 @@ from .fields import Field
 class GGUFNames:
     """How llama.cpp names an architecture's file: ``general.architecture``, whether its q/k projection rows are
     stored in llama.cpp's rope order (un-permuted on reading), and its tensor names (``blk.N.<key>.weight`` ->
-    ``model.layers.N.<value>.weight``; ``globals`` for the tensors outside the layers)."""
+    ``model.layers.N.<value>.weight``; ``globals`` for the tensors outside the layers). What llama.cpp's converter
+    changes or leaves out: ``norm_shift`` (added to every ``*norm.weight``, subtracted on reading: Gemma's norms
+    are stored as ``1 + weight``), ``defaults`` (``config.json`` keys the file does not carry and llama.cpp supplies
+    itself, such as Gemma 3's local RoPE base) and ``chat_template`` (when the file has none)."""
 
     name: str
     rope_rows_permuted: bool
     layer: Mapping[str, str]
     globals: Mapping[str, str]
+    norm_shift: float = 0.0
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config.config_json import fields_from_hf
 from ..config.model_config import ModelConfig
 from ..config.config_fields import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB
 from ..errors import ConfigError, CorruptFileError, LoadError, MissingFileError, UnsupportedModelError
@@ -43,6 +44,7 @@ MODEL_FIELDS = (
     Field("rope.scaling.type", STR),
     Field("rope.scaling.factor", FLOAT, 0, 1e6, lo_open=True),
     Field("context_length", INT, 1, MAX_POSITIONS),
+    Field("attention.sliding_window", INT, 1, MAX_POSITIONS),
     Field("vocab_size", INT, 1, MAX_VOCAB),
 )
 # tokenizer.ggml.* metadata (token ids are checked against the token list separately)
@@ -58,7 +60,8 @@ TOKENIZER_FIELDS = (
     Field("tokenizer.chat_template", STR),
 )
 TOKEN_TYPES = range(1, 7)  # normal, unknown, control, user-defined, unused, byte
-SPECIAL_TOKEN_TYPES = (3, 4)  # control and user-defined tokens: never split, added as special tokens
+NORMAL, USER_DEFINED = 1, 4
+SPECIAL_TOKEN_TYPES = (3, USER_DEFINED)  # control and user-defined tokens: never split, added as special tokens
 
 
 def gguf_architectures() -> dict[str, Architecture]:
@@ -157,28 +160,25 @@ class GGUFFile:
                                   "a number > 0 (linear rope scaling needs its factor)")
             scaling = {"rope_type": "linear", "factor": m["rope.scaling.factor"]}
         tokens = tk["tokenizer.ggml.tokens"] or []
-        eos = tk["tokenizer.ggml.eos_token_id"]
-        heads = m["attention.head_count"]
-        eps, theta = m["attention.layer_norm_rms_epsilon"], m["rope.freq_base"]
-        return ModelConfig(
-            architecture=self.architecture.hf_class,
-            vocab_size=m["vocab_size"] or len(tokens) or self._embedding_rows(),
-            hidden_size=m["embedding_length"],
-            intermediate_size=m["feed_forward_length"],
-            num_layers=m["block_count"],
-            num_heads=heads,
-            num_kv_heads=m["attention.head_count_kv"] or heads,
-            head_dim=m["attention.key_length"] or m["rope.dimension_count"] or 0,
-            rms_norm_eps=1e-6 if eps is None else _float32_value(eps),
-            rope_theta=10000.0 if theta is None else _float32_value(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=m["context_length"] or 2048,
-            tie_word_embeddings=not any(t.name == "output.weight" for t in self.reader.tensors),
-            qkv_bias=any(t.name.endswith("attn_q.bias") for t in self.reader.tensors),
-            bos_token_id=tk["tokenizer.ggml.bos_token_id"],
-            eos_token_id=[] if eos is None else [eos],
-            source=f"{self.path.name} (GGUF metadata)",
-        )
+        eos, eps, theta = tk["tokenizer.ggml.eos_token_id"], m["attention.layer_norm_rms_epsilon"], m["rope.freq_base"]
+        names = [t.name for t in self.reader.tensors]
+        raw = {  # as config.json would say it, over what llama.cpp supplies for keys the file leaves out
+            **self.architecture.gguf.defaults,
+            "architectures": [self.architecture.hf_class],
+            "vocab_size": m["vocab_size"] or len(tokens) or self._embedding_rows(),
+            "hidden_size": m["embedding_length"], "intermediate_size": m["feed_forward_length"],
+            "num_hidden_layers": m["block_count"], "num_attention_heads": m["attention.head_count"],
+            "num_key_value_heads": m["attention.head_count_kv"],
+            "head_dim": m["attention.key_length"] or m["rope.dimension_count"],
+            "rms_norm_eps": None if eps is None else _float32_value(eps),
+            "rope_theta": None if theta is None else _float32_value(theta), "rope_scaling": scaling,
+            "max_position_embeddings": m["context_length"], "sliding_window": m["attention.sliding_window"],
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": tk["tokenizer.ggml.bos_token_id"], "eos_token_id": eos,
+        }
+        fields = fields_from_hf({k: v for k, v in raw.items() if v is not None}, f"{self.path.name} (GGUF metadata)")
+        fields["qkv_bias"] = fields["qkv_bias"] or any(n.endswith("attn_q.bias") for n in names)
+        return ModelConfig(**fields)
 
     def _embedding_rows(self) -> int:
         """The vocabulary size from the embedding's shape, for a file with neither vocab_size nor tokens."""
@@ -217,6 +217,8 @@ class GGUFFile:
                 raise CorruptFileError(f"{self.path.name}: tensor {t.name} could not be dequantized "
                                        f"({type(e).__name__}: {e}); the file is corrupt: download it again") from e
             w = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(found[name])  # a writable copy
+            if arch.gguf.norm_shift and name.endswith("norm.weight"):  # llama.cpp stored 1 + weight (Gemma)
+                w -= arch.gguf.norm_shift
             if permuted and ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, config.num_heads)
             elif permuted and ".self_attn.k_proj." in name:
@@ -240,7 +242,7 @@ class GGUFFile:
         add_bos = tk["tokenizer.ggml.add_bos_token"]
         tok = Tokenizer(backend, tok_kind, bos, list(dict.fromkeys(eos_ids)),
                         default_add_bos if add_bos is None else add_bos,
-                        chat_template=tk["tokenizer.chat_template"],
+                        chat_template=tk["tokenizer.chat_template"] or self.architecture.gguf.chat_template,
                         bos_token=tokens[bos] if bos is not None else "",
                         eos_token=tokens[eos] if eos is not None else "")
         if tok.vocab_size > config.vocab_size:
@@ -340,7 +342,15 @@ class GGUFFile:
         proto.normalizer_spec.add_dummy_prefix = True if space is None else space
         proto.normalizer_spec.remove_extra_whitespaces = False
         proto.normalizer_spec.escape_whitespaces = True
-        for piece, score, token_type in zip(tokens, scores, types):
+        top = max((s for s, t in zip(scores, types) if t == NORMAL), default=0.0)
+        for i, (piece, score, token_type) in enumerate(zip(tokens, scores, types)):
+            if token_type == USER_DEFINED and piece and not piece.strip(" "):
+                # Gemma's runs of "▁", which llama.cpp wrote as spaces and user-defined: merges of "▁" ranked by
+                # their place in the file, ahead of the normal pieces (as transformers reads the same file: 32
+                # spaces are 16 + 16, not the longest run of 31 + 1)
+                piece, score, token_type = "\u2581" * len(piece), top + len(tokens) - i, NORMAL
+            elif token_type == USER_DEFINED:  # sentencepiece matches them in the escaped text: "▁", not " "
+                piece = piece.replace(" ", "\u2581")
             proto.pieces.add(piece=piece, score=float(score), type=int(token_type))
         sp = spm.SentencePieceProcessor()
         try:

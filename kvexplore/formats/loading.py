@@ -34,9 +34,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load(source: str | Path, dtype: str | torch.dtype | None = None,
-         device: str | torch.device | None = None, allow_nonfinite: bool = False, mla: str = "absorbed") -> Model:
-    """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``; see ``kvexplore models
-    list``), a Hugging Face style folder or a ``.gguf`` file.
+         device: str | torch.device | None = None, allow_nonfinite: bool = False, mla: str = "absorbed",
+         accept_license: bool = False) -> Model:
+    """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``, ``"gemma3-270m"``; see
+    ``kvexplore models list``), a Hugging Face style folder or a ``.gguf`` file.
 
     A folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json``; optionally ``tokenizer.model`` or ``tokenizer.json`` with
@@ -51,6 +52,9 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
     ``mla``: how a latent-attention model (DeepSeek-V3) reads its latent cache: ``"absorbed"`` (the key and value
     up-projections folded into the query and the output, so attention reads the latents directly) or
     ``"decompressed"`` (the latents expanded into per-head keys and values every step). Both are exact.
+
+    ``accept_license``: a named model under terms that ask to be accepted (``"gemma3-270m"``: the Gemma Terms of
+    Use) is downloaded only with ``True``, the first time; once converted it loads without it.
     """
     choice(mla, "mla", ("absorbed", "decompressed"))
     if not isinstance(source, (str, Path)):
@@ -58,7 +62,7 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
                             f"{type(source).__name__}")
     path = Path(source).expanduser()
     if isinstance(source, str) and source in MODELS and not path.exists():
-        path = fetch(source)
+        path = fetch(source, accept_license=accept_license)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if path.suffix == ".gguf":

