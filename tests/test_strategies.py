@@ -55,7 +55,8 @@ def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, recompute
         assert a.token_id == token_id and abs(a.prob - prob) < 1e-5
     assert gen.tokens == want_tokens
     logits = trained(torch.tensor([gen.tokens[gen.cache.length:]]), gen.cache, gen.cache.length)[0, -1]
-    assert (logits - reference_logits(trained, gen.tokens)).abs().max() < 1e-5
+    # logits reach |15|: float32 sums in another order differ by about 1e-6 of that (1.05e-5 seen at 182 tokens)
+    assert (logits - reference_logits(trained, gen.tokens)).abs().max() < 2e-5
     for fork, tokens in zip(forks, want_forks, strict=True):  # forks continue on their own and agree too
         fork.run(5, stop_at_eos=False)
         assert fork.tokens == tokens
