@@ -9,8 +9,11 @@ handler queues messages at once (the buttons turning disabled). Whatever lane st
   scheduler. :func:`quiet` waits (at most :data:`DRAIN_S`) until the IOPub thread has sent what was queued;
 - a garbage collection set off by the refresh's objects can land in the timed forward pass (a full one took 240 ms
   in the app's kernel): :func:`quiet` turns the collector off while the lanes step, and it runs afterwards;
-- the weights, the CPU caches and torch's worker threads are cold after the refresh or a pause: :func:`warm_up`
-  runs the model once, untimed, on one token.
+- after the kernel has waited for the page (even the 0.1 s the page takes to draw) the processor needs some
+  milliseconds of work to come back to speed: in the app the lane stepped first read 4.6 ms, the second 4.0 and the
+  third 3.7 for the same work, and one untimed pass of the model (2-3 ms) did not change that.
+  :func:`warm_up` runs the model, untimed, on one token for at least :data:`WARM_S` (10 ms made the three
+  positions read 3.7, 3.7 and 3.6 ms; a larger model's single pass takes longer than that, and one is run).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import gc
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -27,6 +31,7 @@ from ..caches.factory import make_cache
 from ..models.model import Model
 
 DRAIN_S = 0.25  # the longest quiet() waits for the kernel's IOPub thread to send what is queued
+WARM_S = 0.01  # warm_up() runs the model for at least this long
 
 
 def kernel_io_thread():
@@ -63,11 +68,17 @@ def quiet() -> Iterator[None]:
             gc.enable()
 
 
-def warm_up(model, token: int) -> None:
-    """One untimed forward pass of ``model`` on ``token`` through a throwaway cache: reads every weight once and
-    wakes torch's threads. Nothing for a model kvexplore does not run itself (a transformers model)."""
+def warm_up(model, token: int, seconds: float = WARM_S) -> int:
+    """Untimed forward passes of ``model`` on ``token`` through a throwaway cache, at least one and for at least
+    ``seconds``: every weight read, torch's threads awake, the processor back to speed. Nothing for a model kvexplore
+    does not run itself (a transformers model). Returns the number of passes."""
     if not isinstance(model, Model):
-        return
+        return 0
     cache = make_cache("none", model, max_seq_len=1)
+    ids = torch.tensor([[token]], dtype=torch.long)
+    end, passes = time.perf_counter() + seconds, 0
     with torch.inference_mode():
-        model(torch.tensor([[token]], dtype=torch.long), cache, 0, last_only=True)
+        while passes == 0 or time.perf_counter() < end:
+            model(ids, cache, 0, last_only=True)
+            passes += 1
+    return passes
