@@ -44,15 +44,31 @@ def voila_app(tmp_path_factory):
             yield server
 
 
+def _open_app(page, url: str):
+    """The app's explorer, loaded. A page whose widgets never appear is loaded once more: Voila 0.5 sometimes fails
+    to draw them ("widget model not found" in the console, three page loads in about thirty here), which is
+    not what these tests are about; the test says so when it happens."""
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    explorer = page.locator(".kvx-explorer").first
+    page.goto(url)
+    try:
+        explorer.wait_for(timeout=90_000)
+    except PageTimeout:
+        print(f"\nthe app's widgets did not appear in 90 s; loading the page again. Console: "
+              f"{getattr(page.context, 'console_errors', [])[-3:]}")
+        page.goto(url)
+        explorer.wait_for(timeout=WIDGETS_S * 1000)
+    return explorer
+
+
 def _click_and_read(voila_app, browser, pauses: list[float]) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Open the app, show the comparison, click Step once per pause (waiting for the page to draw, then the pause);
     after each click read each lane's newest step time from the page. Returns (lane -> ms per click, the table's
     timing column after the last click)."""
     page = new_page(browser)
     try:
-        page.goto(voila_app.base_url + "/")
-        explorer = page.locator(".kvx-explorer").first
-        explorer.wait_for(timeout=WIDGETS_S * 1000)
+        explorer = _open_app(page, voila_app.base_url + "/")
         figure(explorer, "cache_map").wait_for(timeout=WIDGETS_S * 1000)
         explorer.locator(".kvx-view button", has_text="Compare strategies").click()
         plots = [figure(explorer, "compare"), figure(explorer, "cache_map")]
