@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 
-from ..caches.factory import make_cache
 from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
 from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind
 from .probe import LaneTracer
+from . import timing
 from ..errors import SettingsError, StateError
 
 __all__ = ["COMPILED", "Lane", "Session", "check_strategies"]
@@ -86,7 +86,7 @@ class Lane:
         return self.generator.history[-1] if self.generator.history else None
 
 
-IDLE_S = 0.5  # a step after this long without one first runs the model once, untimed (see Session.step)
+IDLE_S = 0.05  # a step that does not follow the last one at once first runs the model once, untimed (Session.step)
 
 
 class Session:
@@ -206,16 +206,18 @@ class Session:
             raise StateError("nothing to continue: enter a prompt and prefill first")
         for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
             lane.generator.check_step()
-        self._warm_up()
         done: list[Lane] = []
         out = {}
         try:
-            for lane in self.step_order():
-                force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
-                out[lane.name] = lane.generator.step(force=force, keep_undo=True)
-                if force is not None:
-                    lane.forced_at.add(out[lane.name].step)
-                done.append(lane)
+            with timing.quiet():  # the kernel's output sent, no garbage collection while the lanes are timed
+                if time.perf_counter() - self._active >= IDLE_S:
+                    timing.warm_up(self.model, ref.generator.tokens[-1])
+                for lane in self.step_order():
+                    force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
+                    out[lane.name] = lane.generator.step(force=force, keep_undo=True)
+                    if force is not None:
+                        lane.forced_at.add(out[lane.name].step)
+                    done.append(lane)
         except BaseException:  # unexpected (the checks passed): undo exactly what the other lanes did
             for lane in done:
                 lane.generator.undo_step()
@@ -235,17 +237,6 @@ class Session:
         ref, others = self.reference, [lane for lane in self.lanes.values() if lane is not self.reference]
         k = self._steps % len(others) if others else 0
         return [ref, *others[k:], *others[:k]]
-
-    def _warm_up(self) -> None:
-        """After a pause (a click after reading the figures), the first forward pass pays for cold caches and idle
-        threads; one untimed pass of the model on one token keeps that out of the first lane's time."""
-        if time.perf_counter() - self._active < IDLE_S or not isinstance(self.model, Model):
-            return
-        model = self.model
-        cache = make_cache("none", model, max_seq_len=1)
-        token = self.reference.generator.tokens[-1]
-        with torch.inference_mode():
-            model(torch.tensor([[token]], dtype=torch.long), cache, 0, last_only=True)
 
     def rewind(self, n: int = 1) -> None:
         """Forget the last ``n`` tokens on every lane (checked on all lanes before any moves)."""

@@ -24,7 +24,7 @@ from ..errors import SettingsError, StateError
 from ..trace.files import History
 from ..trace.records import StepRecord
 from ..trace.tracer import Tracer
-from . import eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
+from . import clock, eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
 from .compiled import MODES
 from .executor import CompiledExecutor, Executor, as_executor
 from .prompt import prompt_ids
@@ -330,16 +330,16 @@ class Generator:
     def _compute(self, feed: list[int], pos: int, first: bool, context: list[int], force: int | None) -> StepRecord:
         executor = self._fast if self.compiled_step(len(feed)) else self.executor
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the executor
-        t0 = time.perf_counter()
+        mark = clock.now()  # wall time less the time other programs held the CPU (clock.py)
         logits = executor(ids, self.cache, pos, tracer=self.tracer, last_only=True, keep_undo=True)[0, -1]
         (logits,) = host.fetch([logits])  # the step's one sync on CUDA: it also ends the forward pass's timing
-        t1 = time.perf_counter()
+        forward_s, t1 = clock.since(mark), time.perf_counter()
         token = choose(logits, self.sampling, self._rng)  # on the host, with the host RNG: the same on any device
         if force is not None:
             token = force
         return step_record(logits, token, step=len(self.history), first=first, pos=pos, feed=len(feed),
                            context=context, executor=self.executor, cache=self.cache,
-                           top_candidates=self.top_candidates, forward_s=t1 - t0, sampled_at=t1, tracer=self.tracer)
+                           top_candidates=self.top_candidates, forward_s=forward_s, sampled_at=t1, tracer=self.tracer)
 
     def compiled_step(self, q_len: int = 1) -> bool:
         """Whether a step feeding ``q_len`` tokens runs the compiled decode step (``compile=True``, one token, a

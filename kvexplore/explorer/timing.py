@@ -1,0 +1,84 @@
+"""What keeps the lanes' step times comparable when the session runs in a Jupyter kernel behind a page.
+
+In a plain Python loop every lane's step runs on a warm, quiet process. Behind a page it does not: a click arrives
+after the previous Step's refresh (figures built, serialized and sent) and often after a pause, and the click's own
+handler queues messages at once (the buttons turning disabled). Whatever lane steps first then pays for the rest:
+
+- the kernel's IOPub thread sends the queued messages while that lane computes; each send holds the GIL, which the
+  model's forward pass releases and takes back at every operation, so on a busy machine every hand-over waits for the
+  scheduler. :func:`quiet` waits (at most :data:`DRAIN_S`) until the IOPub thread has sent what was queued;
+- a garbage collection set off by the refresh's objects can land in the timed forward pass (a full one took 240 ms
+  in the app's kernel): :func:`quiet` turns the collector off while the lanes step, and it runs afterwards;
+- after the kernel has waited for the page (even the 0.1 s the page takes to draw) the processor needs some
+  milliseconds of work to come back to speed: in the app the lane stepped first read 4.6 ms, the second 4.0 and the
+  third 3.7 for the same work, and one untimed pass of the model (2-3 ms) did not change that.
+  :func:`warm_up` runs the model, untimed, on one token for at least :data:`WARM_S` (10 ms made the three
+  positions read 3.7, 3.7 and 3.6 ms; a larger model's single pass takes longer than that, and one is run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ..caches.factory import make_cache
+from ..models.model import Model
+
+DRAIN_S = 0.25  # the longest quiet() waits for the kernel's IOPub thread to send what is queued
+WARM_S = 0.01  # warm_up() runs the model for at least this long
+
+
+def kernel_io_thread():
+    """The IOPub thread of the Jupyter kernel this runs in (ipykernel's ``IOPubThread``), or None outside one."""
+    app = sys.modules.get("ipykernel.kernelapp")
+    if app is None or not app.IPKernelApp.initialized():
+        return None
+    thread = getattr(app.IPKernelApp.instance(), "iopub_thread", None)
+    return thread if hasattr(thread, "schedule") and getattr(thread, "thread", None) is not None else None
+
+
+def drain_kernel_output(timeout: float = DRAIN_S) -> bool:
+    """Wait until the kernel's IOPub thread has sent every message queued so far (its events run in order, so an
+    event scheduled now runs after them). True when drained, or when not in a kernel."""
+    io = kernel_io_thread()
+    if io is None or not io.thread.is_alive():
+        return True
+    done = threading.Event()
+    io.schedule(done.set)
+    return done.wait(timeout)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The kernel's output sent, and no garbage collection, while the block runs (the collector's state is put back
+    after)."""
+    drain_kernel_output()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def warm_up(model, token: int, seconds: float = WARM_S) -> int:
+    """Untimed forward passes of ``model`` on ``token`` through a throwaway cache, at least one and for at least
+    ``seconds``: every weight read, torch's threads awake, the processor back to speed. Nothing for a model kvexplore
+    does not run itself (a transformers model). Returns the number of passes."""
+    if not isinstance(model, Model):
+        return 0
+    cache = make_cache("none", model, max_seq_len=1)
+    ids = torch.tensor([[token]], dtype=torch.long)
+    end, passes = time.perf_counter() + seconds, 0
+    with torch.inference_mode():
+        while passes == 0 or time.perf_counter() < end:
+            model(ids, cache, 0, last_only=True)
+            passes += 1
+    return passes
