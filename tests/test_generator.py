@@ -232,3 +232,22 @@ def test_undo_step_takes_the_last_step_back_exactly(tiny, kind):
     with pytest.raises(kvexplore.StateError, match=r"undo_step\(\) takes back only the last step"):
         gen.undo_step()
     assert gen.cache._undo is None and gen.cache._undo_data == []
+
+
+def test_step_clock_takes_off_the_time_other_programs_held_the_cpu(monkeypatch):
+    import time as _time
+
+    from kvexplore.runtime import clock
+
+    first = clock.run_delay()
+    assert first >= 0.0 and clock.run_delay() >= first  # a thread's wait only grows
+    waited = iter([0.0, 0.004])  # 4 ms spent runnable but off the CPU between the two marks
+    monkeypatch.setattr(clock, "run_delay", lambda: next(waited))
+    t0 = _time.perf_counter()
+    mark = clock.now()
+    _time.sleep(0.01)
+    took = clock.since(mark)
+    wall = _time.perf_counter() - t0
+    assert wall - 0.004 - 1e-3 <= took <= wall - 0.004 + 1e-9
+    monkeypatch.setattr(clock, "run_delay", iter([0.0, 5.0]).__next__)  # more waiting than wall time: never below 0
+    assert clock.since(clock.now()) == 0.0
