@@ -22,7 +22,7 @@ MARKERS = ("$del", "$splice", "$in")
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-                and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f")))
+                and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.floating))))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -34,7 +34,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     d = a != b
-    return d & ~(np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else d
+    return d & ~(np.isnan(a) & np.isnan(b)) if np.issubdtype(a.dtype, np.floating) else d
 
 
 def _ends(old, new) -> tuple[int, int, int]:
