@@ -279,3 +279,125 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
     save_timings(shots, name, timings)
     assert len(done) >= 20, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+
+
+LONG_TOKENS = 2100  # the prompt of the long-context test: more than 2,048 tokens of the project's docs
+
+
+def _drag(page, explorer, name: str, subplot: str, box: tuple[float, float, float, float]) -> None:
+    """A person's box zoom on ``subplot`` of figure ``name``: press, move in steps, release; ``box`` gives the
+    corners as fractions of the subplot (a flat box zooms x only)."""
+    area = figure(explorer, name).locator(f".draglayer .{subplot} .nsewdrag").first.bounding_box()
+    x0, y0, x1, y1 = (area["x"] + f * area["width"] if i % 2 == 0 else area["y"] + f * area["height"]
+                      for i, f in enumerate(box))
+    page.mouse.move(x0, y0)
+    page.mouse.down()
+    page.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=4)
+    page.mouse.move(x1, y1, steps=4)
+    page.mouse.up()
+
+
+def _double_click(page, explorer, name: str, subplot: str) -> None:
+    area = figure(explorer, name).locator(f".draglayer .{subplot} .nsewdrag").first.bounding_box()
+    page.mouse.dblclick(area["x"] + area["width"] / 2, area["y"] + area["height"] / 2)
+
+
+def _kernel_changes(explorer, before: dict, view: str, axis: str) -> dict:
+    """Wait until the kernel's figure ``view`` has another ``axis`` range than in ``before`` (the page's zoom
+    reached it); the kernel's state then."""
+    t0 = time.monotonic()
+    old = before["specs"][view]["layout"].get(axis, {}).get("range")
+    while True:
+        state = kernel_truth(explorer)
+        if state["specs"][view]["layout"].get(axis, {}).get("range") != old:
+            return state
+        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never got the page's zoom of {view} {axis}"
+        explorer.page.wait_for_timeout(100)
+
+
+def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
+    """Prefill more than 2,048 tokens, step, zoom the cache map and the attention history with the mouse, step
+    while zoomed, clear the zooms with a double-click, rewind, switch lane, layer and view: after each, the page
+    equals the kernel. Clicks follow each other after a short pause."""
+    done = []
+
+    def check(label):
+        _idle(page, explorer)
+        state = _agree(page, explorer, False, label)
+        assert state["error"] == "", f"after {label}: the explorer shows an error: {state['error']}"
+        done.append(label)
+        page.wait_for_timeout(300)  # a short pause, as a person makes
+        return state
+
+    def click(button, label=None):
+        explorer.locator(f".kvx-{button}").first.click()
+        return check(label or button)
+
+    check("display")
+    state = click("prefill", f"prefill of {LONG_TOKENS} tokens")
+    assert state["tokens"] >= 2048, state["tokens"]
+    assert "bins of" in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]
+    state = click("step")
+    _shot(page, explorer, shots / f"{name}_binned.png")
+    _drag(page, explorer, "cache_map", "xy", (0.45, 0.5, 0.5, 0.5))  # a flat box: x only
+    state = _kernel_changes(explorer, state, "cache_map", "xaxis")
+    state = check("zoom on the cache map")
+    lo, hi = sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"])
+    assert 0 < hi - lo <= 512, (lo, hi)
+    assert "bins of" not in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]  # full resolution
+    tokens = state["specs"]["cache_map"]["traces"][1]
+    assert tokens["x"] and all(float(x).is_integer() for x in tokens["x"])
+    _shot(page, explorer, shots / f"{name}_zoomed.png")
+    state = click("step", "step while zoomed")
+    assert sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"]) == [lo, hi]  # the zoom stays
+    _drag(page, explorer, "attention", "x2y2", (0.6, 0.55, 0.9, 0.85))  # a box on the history: x and y
+    state = _kernel_changes(explorer, state, "attention", "xaxis2")
+    state = check("zoom on the attention history")
+    assert "range" in state["specs"]["attention"]["layout"]["yaxis2"]
+    _double_click(page, explorer, "cache_map", "xy")
+    state = _kernel_changes(explorer, state, "cache_map", "xaxis")
+    state = check("double-click: the whole cache map")
+    assert "bins of" in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]
+    _double_click(page, explorer, "attention", "x2y2")
+    check("double-click: the whole attention history")
+    _set(explorer, "rewind-n", "3")
+    click("rewind", "rewind 3")
+    click("step", "step after rewind")
+    _select(explorer, "lane", "paged")
+    check("strategy paged")
+    _select(explorer, "layer", "1")
+    check("layer 1")
+    for title in ("Stored K/V", "Memory", "Attention"):
+        explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+        check(f"tab {title}")
+    click("step", "step on paged, layer 1")
+    _shot(page, explorer, shots / f"{name}_end.png")
+    return done
+
+
+@LAB
+def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
+    """The explorer at more than 2,048 tokens (the tiny model, pre-allocated and paged caches): what a figure draws
+    is binned to the screen, zooms come from the mouse, and after every operation the page equals the kernel."""
+    name = "truth_lab_long"
+    docs = HERE.parent / "docs"
+    _notebook(lab.root / f"{name}.ipynb",
+              "from pathlib import Path\nimport kvexplore\n"
+              f"text = '\\n'.join(p.read_text() for p in sorted(Path({str(docs)!r}).glob('*.md')))\n"
+              "ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged'), max_seq_len=2304, "
+              "strategy_options={'paged': {'block_size': 16}})\n"
+              f"ex.controls['prompt'].value = ex.model.tokenizer.decode(ex.model.tokenizer.encode(text)[:{LONG_TOKENS}])\n"
+              "ex")
+    with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        explorer = page.locator(".kvx-explorer").first
+        try:
+            explorer.wait_for(timeout=300_000)
+            figure(explorer, "cache_map").wait_for(timeout=120_000)
+            done = _long_operations(page, explorer, shots, name)
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise
+    assert len(done) >= 16, done
+    (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
