@@ -25,10 +25,15 @@ class Screen:
     _busy: bool
     _syncing: bool
     _zoom: dict[str, zoom.Ranges]  # per figure, the axis ranges the person zoomed to
+    _reversed: dict[str, set[str]]  # per figure, the axes it draws high to low (as seen while not zoomed)
 
     def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
         spec = layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
-        zoom.into_layout(spec.layout, self._zoom.get(name, {}))
+        ranges = self._zoom.get(name, {})
+        rev = self._reversed.setdefault(name, set())
+        rev.difference_update(a for a in list(rev) if a not in ranges)
+        rev.update(a for a in zoom.reversed_axes(spec.layout) if a not in ranges)
+        zoom.into_layout(spec.layout, ranges, rev)
         return spec
 
     def zoom(self, figure: str, x: tuple[float, float] | None = None, y: tuple[float, float] | None = None,

@@ -75,7 +75,7 @@ class Explorer(Screen):
         self._device, self._dtype = device, dtype
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
-        self._zoom = {}  # per figure, the axis ranges on screen (see .zoom)
+        self._zoom, self._reversed = {}, {}  # per figure, the axis ranges on screen and its reversed axes (.zoom)
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
         self._strip = TokenStrip()
         self.model = opened.model

@@ -64,14 +64,23 @@ def from_page(ranges: Any) -> dict[str, Any]:
                      and all(_number(x) for x in v) else v) for k, v in ranges.items()}
 
 
-def into_layout(layout: dict, ranges: Ranges) -> dict:
-    """``layout`` showing ``ranges``: each zoomed axis' range set (high first on a reversed axis) and fixed."""
+def reversed_axes(layout: Mapping[str, Any]) -> set[str]:
+    """The axes of ``layout`` drawn high to low (``autorange="reversed"`` or a range given high first)."""
+    out = set()
+    for axis, ax in layout.items():
+        if AXIS.fullmatch(axis) and isinstance(ax, dict):
+            r = ax.get("range")
+            if ax.get("autorange") == "reversed" or (isinstance(r, list) and len(r) == 2 and r[0] > r[1]):
+                out.add(axis)
+    return out
+
+
+def into_layout(layout: dict, ranges: Ranges, high_first: set[str]) -> dict:
+    """``layout`` showing ``ranges``: each zoomed axis' range set and fixed, high first on the axes ``high_first``
+    (those the figure draws reversed when not zoomed)."""
     for axis, (lo, hi) in ranges.items():
         ax = layout.get(axis)
-        if not isinstance(ax, dict):
-            continue
-        ax["range"] = [hi, lo] if ax.get("autorange") == "reversed" or (
-            isinstance(ax.get("range"), list) and len(ax["range"]) == 2 and ax["range"][0] > ax["range"][1]) \
-            else [lo, hi]
-        ax["autorange"] = False
+        if isinstance(ax, dict):
+            ax["range"] = [hi, lo] if axis in high_first else [lo, hi]
+            ax["autorange"] = False
     return layout
