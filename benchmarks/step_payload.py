@@ -10,7 +10,8 @@ pre-allocated and paged, one torch thread) prefills the first N tokens of the pr
 on the tabs (attention, memory, stored K/V, compare) shows it and takes ``--steps`` Steps. What is measured is what
 the widgets really send: every figure widget's ``_send`` (ipywidgets' last stop before the comm) is wrapped and
 counts the message's JSON and its binary buffers. The cache map is on screen throughout; its bytes are the mean over
-all the Steps, each other figure's over the Steps while its tab was shown.
+all the Steps, each other figure's over the Steps while its tab was shown. ``strip`` is the token strip's HTML (not a
+figure), for comparison.
 """
 
 from __future__ import annotations
@@ -39,21 +40,22 @@ def measure(model: str, tokens: list[int], steps: int) -> dict[int, dict[str, fl
         ex = kvexplore.Explorer(model, strategies=("preallocated", "paged"), max_seq_len=n + 8 * steps + 16)
         ids = ex.model.tokenizer.encode(text)[:n]
         assert len(ids) == n, f"the docs have only {len(ids)} tokens"
-        sent: dict[str, list[int]] = {name: [] for name in ex.figures}
-        for name, fig in ex.figures.items():
+        widgets = {**ex.figures, "strip": ex.controls["tokens"]}  # (the token strip: not a figure, for comparison)
+        sent: dict[str, list[int]] = {name: [] for name in widgets}
+        for name, fig in widgets.items():
             def counted(msg, buffers=None, _name=name, _send=fig._send):
                 sent[_name].append(len(json.dumps(msg, default=str)) + sum(memoryview(b).nbytes
                                                                           for b in buffers or ()))
                 return _send(msg, buffers=buffers)
             fig._send = counted
         ex.prefill(ids)
-        per: dict[str, list[int]] = {name: [] for name in ex.figures}
+        per: dict[str, list[int]] = {name: [] for name in widgets}
         for tab in TABS:
             ex.view = tab
             for _ in range(steps):
                 marks = {k: len(v) for k, v in sent.items()}
                 ex.step()
-                for k in ("cache_map", tab):
+                for k in ("cache_map", "strip", tab):
                     per[k].append(sum(sent[k][marks[k]:]))
         out[n] = {k: sum(v) / len(v) for k, v in per.items() if v}
         del ex
@@ -92,7 +94,7 @@ def main() -> None:
     head = f"{'tokens':>7} {'figure':<10} {'after':>10}"
     print(head + (f" {'before':>10} {'after/before':>13}" if before else ""))
     for n in tokens:
-        for fig in ("cache_map", *TABS):
+        for fig in ("cache_map", *TABS, "strip"):
             a = after[n].get(fig, 0.0)
             line = f"{n:>7} {fig:<10} {_kb(a):>10}"
             if before:

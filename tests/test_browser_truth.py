@@ -67,21 +67,31 @@ def _select(explorer, name: str, label: str) -> None:
     explorer.locator(f".kvx-{name} select").first.select_option(label=label)
 
 
-def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
-    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
-    returns the labels checked."""
-    done = []
-
+def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
+    """``check(label)``: wait until no operation runs and the page equals the kernel (no error shown), note
+    ``label`` in ``done``, pause ``pause_ms`` (as a person does between clicks); ``click(button, label)``: click a
+    button, then check."""
     def check(label):
         _idle(page, explorer)
         state = _agree(page, explorer, lab, label)
         assert state["error"] == "", f"after {label}: the explorer shows an error: {state['error']}"
         done.append(label)
+        if pause_ms:
+            page.wait_for_timeout(pause_ms)
         return state
 
     def click(name, label=None):
         explorer.locator(f".kvx-{name}").first.click()
         return check(label or name)
+
+    return check, click
+
+
+def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
+    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
+    returns the labels checked."""
+    done = []
+    check, click = _checks(page, explorer, lab, done)
 
     first = check("display")
     click("step")
@@ -320,18 +330,7 @@ def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
     while zoomed, clear the zooms with a double-click, rewind, switch lane, layer and view: after each, the page
     equals the kernel. Clicks follow each other after a short pause."""
     done = []
-
-    def check(label):
-        _idle(page, explorer)
-        state = _agree(page, explorer, False, label)
-        assert state["error"] == "", f"after {label}: the explorer shows an error: {state['error']}"
-        done.append(label)
-        page.wait_for_timeout(300)  # a short pause, as a person makes
-        return state
-
-    def click(button, label=None):
-        explorer.locator(f".kvx-{button}").first.click()
-        return check(label or button)
+    check, click = _checks(page, explorer, True, done, pause_ms=300)
 
     check("display")
     state = click("prefill", f"prefill of {LONG_TOKENS} tokens")
@@ -386,7 +385,7 @@ def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
               f"text = '\\n'.join(p.read_text() for p in sorted(Path({str(docs)!r}).glob('*.md')))\n"
               "ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged'), max_seq_len=2304, "
               "strategy_options={'paged': {'block_size': 16}})\n"
-              f"ex.controls['prompt'].value = ex.model.tokenizer.decode(ex.model.tokenizer.encode(text)[:{LONG_TOKENS}])\n"
+              f"tok = ex.model.tokenizer\nex.controls['prompt'].value = tok.decode(tok.encode(text)[:{LONG_TOKENS}])\n"
               "ex")
     with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
         start_run_all(page)

@@ -313,3 +313,14 @@ def test_a_step_sends_a_patch_far_smaller_than_the_figure(explorer):
     assert len(sent) == 4 and sorted(sent)[1] < whole / 5, (sent, whole)  # a rebase at most once in four
     got = delta.apply(fig.base, fig.patch)
     assert same({"data": got["data"], "layout": got["layout"]}, {"data": fig.spec.traces, "layout": fig.spec.layout})
+
+
+def test_the_token_strip_shows_the_newest_tokens_only(explorer):
+    from kvexplore.explorer.strip import SHOWN
+
+    ex = explorer
+    strip = ex.controls["tokens"].value
+    total = len(ex.lane.generator.tokens)
+    assert total > SHOWN and strip.count('class="kvx-tok') == SHOWN
+    assert f"… {total - SHOWN:,} earlier tokens" in strip
+    assert f"position {total - 2}" in strip and f'title="prompt · position {total - SHOWN - 1}"' not in strip

@@ -104,7 +104,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
     when the cache is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not
     drawn. ``zoom``: the axis ranges on screen (``{"xaxis": (first, last)}`` in slots; default: the used part);
-    more than ``max_bins`` slots on screen are binned, each bin coloured by its most telling class (:data:`PRIORITY`)."""
+    more than ``max_bins`` slots on screen are binned, each bin coloured by its most telling class
+    (:data:`PRIORITY`)."""
     views: list[SlotView] = []
     if record is not None and record.trace is not None:
         recorded = record.trace.layer_slots

@@ -9,8 +9,8 @@ the prefill while the kernel moved on). Here the figure is two synced traits (nu
 ``base``, a whole figure, and ``patch``, what changed since that base (:mod:`.delta`; always against the same base,
 so it grows with the changes, and the figure is sent as a new base with an empty patch once the patch weighs more
 than :data:`REBASE` of it). A Step sends the patch, not the figure; a view made at any time draws ``base`` +
-``patch``, the whole current state, and nothing is lost between messages. plotly.js travels once per page, in a hidden :class:`PlotlyLoader` (the copy
-inside the installed plotly package: nothing is fetched from the network).
+``patch``, the whole current state, and nothing is lost between messages. plotly.js travels once per page, in a
+hidden :class:`PlotlyLoader` (the copy inside the installed plotly package: nothing is fetched from the network).
 """
 
 from __future__ import annotations
@@ -130,7 +130,10 @@ export default {
     const ro = new ResizeObserver(() => { if (el.clientWidth !== width) { width = el.clientWidth; draw(); } });
     ro.observe(el);
     draw();
-    return () => { alive = false; model.off('change:base', draw); model.off('change:patch', draw); ro.disconnect(); if (P) P.purge(gd); };
+    return () => {
+      alive = false; model.off('change:base', draw); model.off('change:patch', draw); ro.disconnect();
+      if (P) P.purge(gd);
+    };
   },
 };
 """
