@@ -28,6 +28,7 @@ CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 RANKED = "written > read > shared > not read > stale > evicted > free"
 PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
 MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
+MAX_TICKS = 8  # labelled ticks (pages) on the slot axis
 
 
 def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
@@ -163,7 +164,9 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     main = drawn[0][0].layout if drawn else None
     ticks = {}
     if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
-        ticks = dict(tickvals=t[0], ticktext=t[1])
+        on = [(v, text) for v, text in zip(*t) if b.start - 0.5 <= v <= b.stop - 0.5]
+        on = on[:: -(-len(on) // MAX_TICKS) or 1]  # a narrow figure has room for a few labels only
+        ticks = dict(tickvals=[v for v, _ in on], ticktext=[text for _, text in on])
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
     elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in layouts):
