@@ -9,8 +9,9 @@ Each checkout runs in its own process whose ``PYTHONPATH`` is that checkout. The
 pre-allocated and paged, one torch thread) prefills the first N tokens of the project's own docs, then for each view
 on the tabs (attention, memory, stored K/V, compare) shows it and takes ``--steps`` Steps. What is measured is what
 the widgets really send: every figure widget's ``_send`` (ipywidgets' last stop before the comm) is wrapped and
-counts the message's JSON and its binary buffers. The cache map is on screen throughout; its bytes are the mean over
-all the Steps, each other figure's over the Steps while its tab was shown. ``strip`` is the token strip's HTML (not a
+counts the message's JSON and its binary buffers. The cache map is on screen throughout; its figures are over all the
+Steps, each other figure's over the Steps while its tab was shown: the median Step, and the most any Step sent (a
+new base: the first Step after the prefill, or one that changes the bins). ``strip`` is the token strip's HTML (not a
 figure), for comparison.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +29,9 @@ HERE = Path(__file__).resolve().parent.parent
 TABS = ("attention", "memory", "tensors", "compare")
 
 
-def measure(model: str, tokens: list[int], steps: int) -> dict[int, dict[str, float]]:
-    """Mean bytes per Step per figure at each length (run inside the checkout's process)."""
+def measure(model: str, tokens: list[int], steps: int) -> dict[int, dict[str, list[float]]]:
+    """Bytes per Step per figure at each length, the median and the most of any Step (run inside the checkout's
+    process)."""
     import torch
 
     torch.set_num_threads(1)
@@ -57,12 +60,12 @@ def measure(model: str, tokens: list[int], steps: int) -> dict[int, dict[str, fl
                 ex.step()
                 for k in ("cache_map", "strip", tab):
                     per[k].append(sum(sent[k][marks[k]:]))
-        out[n] = {k: sum(v) / len(v) for k, v in per.items() if v}
+        out[n] = {k: [statistics.median(v), max(v)] for k, v in per.items() if v}
         del ex
     return out
 
 
-def run(checkout: Path, args) -> dict[int, dict[str, float]]:
+def run(checkout: Path, args) -> dict[int, dict[str, list[float]]]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", "--model", args.model, "--tokens",
            args.tokens, "--steps", str(args.steps)]
     res = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout, capture_output=True,
@@ -80,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--tokens", default="128,1024,4096")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=Path, help="another checkout to compare with (this one is 'after')")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -90,16 +93,17 @@ def main() -> None:
         return
     after = run(HERE, args)
     before = run(args.before.resolve(), args) if args.before else None
-    print(f"bytes sent per Step per figure · {args.model} · lanes preallocated + paged · mean of {args.steps} Steps")
-    head = f"{'tokens':>7} {'figure':<10} {'after':>10}"
-    print(head + (f" {'before':>10} {'after/before':>13}" if before else ""))
+    print(f"bytes sent per Step per figure · {args.model} · lanes preallocated + paged · median and most of "
+          f"{args.steps} Steps per tab (the first after the prefill among them)")
+    head = f"{'tokens':>7} {'figure':<10} {'after: median':>14} {'most':>10}"
+    print(head + (f" {'before: median':>15} {'most':>10} {'after/before (median)':>22}" if before else ""))
     for n in tokens:
         for fig in ("cache_map", *TABS, "strip"):
-            a = after[n].get(fig, 0.0)
-            line = f"{n:>7} {fig:<10} {_kb(a):>10}"
+            a = after[n].get(fig, [0.0, 0.0])
+            line = f"{n:>7} {fig:<10} {_kb(a[0]):>14} {_kb(a[1]):>10}"
             if before:
-                b = before[n].get(fig, 0.0)
-                line += f" {_kb(b):>10} {a / b if b else float('nan'):>13.3f}"
+                b = before[n].get(fig, [0.0, 0.0])
+                line += f" {_kb(b[0]):>15} {_kb(b[1]):>10} {a[0] / b[0] if b[0] else float('nan'):>22.3f}"
             print(line)
 
 
