@@ -312,17 +312,19 @@ def _double_click(page, explorer, name: str, subplot: str) -> None:
     page.mouse.dblclick(area["x"] + area["width"] / 2, area["y"] + area["height"] / 2)
 
 
-def _kernel_changes(explorer, before: dict, view: str, axis: str) -> dict:
-    """Wait until the kernel's figure ``view`` has another ``axis`` range than in ``before`` (the page's zoom
-    reached it); the kernel's state then."""
+def _kernel_until(explorer, done, what: str) -> dict:
+    """Wait until the kernel's state satisfies ``done`` (the click or the zoom reached it); that state."""
     t0 = time.monotonic()
-    old = before["specs"][view]["layout"].get(axis, {}).get("range")
     while True:
         state = kernel_truth(explorer)
-        if state["specs"][view]["layout"].get(axis, {}).get("range") != old:
+        if done(state):
             return state
-        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never got the page's zoom of {view} {axis}"
+        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never showed {what}"
         explorer.page.wait_for_timeout(100)
+
+
+def _range(state: dict, view: str, axis: str):
+    return state["specs"][view]["layout"].get(axis, {}).get("range")
 
 
 def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
@@ -330,16 +332,22 @@ def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
     while zoomed, clear the zooms with a double-click, rewind, switch lane, layer and view: after each, the page
     equals the kernel. Clicks follow each other after a short pause."""
     done = []
-    check, click = _checks(page, explorer, True, done, pause_ms=300)
+    check, _ = _checks(page, explorer, True, done, pause_ms=300)
 
-    check("display")
-    state = click("prefill", f"prefill of {LONG_TOKENS} tokens")
-    assert state["tokens"] >= 2048, state["tokens"]
+    def after(button, label, done):  # a click, then the kernel's state once the click reached it
+        explorer.locator(f".kvx-{button}").first.click()
+        _kernel_until(explorer, done, label)
+        return check(label)
+
+    state = check("display")
+    state = after("prefill", f"prefill of {LONG_TOKENS} tokens", lambda s: s["tokens"] >= 2048)
     assert "bins of" in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]
-    state = click("step")
+    n = state["tokens"]
+    state = after("step", "step", lambda s: s["tokens"] == n + 1)
     _shot(page, explorer, shots / f"{name}_binned.png")
+    old = _range(state, "cache_map", "xaxis")
     _drag(page, explorer, "cache_map", "xy", (0.45, 0.5, 0.5, 0.5))  # a flat box: x only
-    state = _kernel_changes(explorer, state, "cache_map", "xaxis")
+    _kernel_until(explorer, lambda s: _range(s, "cache_map", "xaxis") != old, "the zoom on the cache map")
     state = check("zoom on the cache map")
     lo, hi = sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"])
     assert 0 < hi - lo <= 512, (lo, hi)
@@ -347,29 +355,37 @@ def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
     tokens = state["specs"]["cache_map"]["traces"][1]
     assert tokens["x"] and all(float(x).is_integer() for x in tokens["x"])
     _shot(page, explorer, shots / f"{name}_zoomed.png")
-    state = click("step", "step while zoomed")
+    n = state["tokens"]
+    state = after("step", "step while zoomed", lambda s: s["tokens"] == n + 1)
     assert sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"]) == [lo, hi]  # the zoom stays
+    old = _range(state, "attention", "xaxis2")
     _drag(page, explorer, "attention", "x2y2", (0.6, 0.55, 0.9, 0.85))  # a box on the history: x and y
-    state = _kernel_changes(explorer, state, "attention", "xaxis2")
+    _kernel_until(explorer, lambda s: _range(s, "attention", "xaxis2") != old, "the zoom on the history")
     state = check("zoom on the attention history")
     assert "range" in state["specs"]["attention"]["layout"]["yaxis2"]
     _double_click(page, explorer, "cache_map", "xy")
-    state = _kernel_changes(explorer, state, "cache_map", "xaxis")
-    state = check("double-click: the whole cache map")
-    assert "bins of" in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]
+    _kernel_until(explorer, lambda s: "bins of" in s["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"],
+                  "the whole cache map after a double-click")
+    check("double-click: the whole cache map")
+    old = _range(state, "attention", "yaxis2")
     _double_click(page, explorer, "attention", "x2y2")
-    check("double-click: the whole attention history")
+    _kernel_until(explorer, lambda s: _range(s, "attention", "yaxis2") != old, "the whole attention history")
+    state = check("double-click: the whole attention history")
     _set(explorer, "rewind-n", "3")
-    click("rewind", "rewind 3")
-    click("step", "step after rewind")
+    n = state["tokens"]
+    state = after("rewind", "rewind 3", lambda s: s["tokens"] == n - 3)
+    state = after("step", "step after rewind", lambda s: s["tokens"] == n - 2)
     _select(explorer, "lane", "paged")
+    _kernel_until(explorer, lambda s: s["lane"] == "paged", "the paged lane")
     check("strategy paged")
     _select(explorer, "layer", "1")
+    _kernel_until(explorer, lambda s: "layer 1" in s["specs"]["attention"]["layout"]["title"]["text"], "layer 1")
     check("layer 1")
-    for title in ("Stored K/V", "Memory", "Attention"):
+    for title, view in (("Stored K/V", "tensors"), ("Memory", "memory"), ("Attention", "attention")):
         explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+        _kernel_until(explorer, lambda s, v=view: s["view"] == v, f"the {title} tab")
         check(f"tab {title}")
-    click("step", "step on paged, layer 1")
+    after("step", "step on paged, layer 1", lambda s: s["tokens"] == n - 1)
     _shot(page, explorer, shots / f"{name}_end.png")
     return done
 

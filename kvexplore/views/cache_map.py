@@ -28,7 +28,7 @@ CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 RANKED = "written > read > shared > not read > stale > evicted > free"
 PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
 MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
-MAX_TICKS = 8  # labelled ticks (pages) on the slot axis
+MAX_TICKS = 4  # labelled ticks (pages) on the slot axis: upright, they fit a narrow figure
 
 
 def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
@@ -166,7 +166,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
         on = [(v, text) for v, text in zip(*t) if b.start - 0.5 <= v <= b.stop - 0.5]
         on = on[:: -(-len(on) // MAX_TICKS) or 1]  # a narrow figure has room for a few labels only
-        ticks = dict(tickvals=[v for v, _ in on], ticktext=[text for _, text in on])
+        ticks = dict(tickvals=[v for v, _ in on], ticktext=[text for _, text in on], tickangle=0)
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
     elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in layouts):
@@ -178,7 +178,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     layout = dict(title=dict(text=title or _title(record, kind, layouts, fresh, after), font=dict(size=13), x=0.01,
                              xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
-                                        standoff=4), range=view_range, autorange=False, **ticks),
+                                        standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
                              domain=[0, 0.84 - 0.04 * (rows - 1)]),
                   yaxis2=dict(domain=[0.88 - 0.04 * (rows - 1), 1], anchor="x", tickvals=list(range(rows)),
