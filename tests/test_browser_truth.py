@@ -67,21 +67,31 @@ def _select(explorer, name: str, label: str) -> None:
     explorer.locator(f".kvx-{name} select").first.select_option(label=label)
 
 
-def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
-    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
-    returns the labels checked."""
-    done = []
-
+def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
+    """``check(label)``: wait until no operation runs and the page equals the kernel (no error shown), note
+    ``label`` in ``done``, pause ``pause_ms`` (as a person does between clicks); ``click(button, label)``: click a
+    button, then check."""
     def check(label):
         _idle(page, explorer)
         state = _agree(page, explorer, lab, label)
         assert state["error"] == "", f"after {label}: the explorer shows an error: {state['error']}"
         done.append(label)
+        if pause_ms:
+            page.wait_for_timeout(pause_ms)
         return state
 
     def click(name, label=None):
         explorer.locator(f".kvx-{name}").first.click()
         return check(label or name)
+
+    return check, click
+
+
+def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
+    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
+    returns the labels checked."""
+    done = []
+    check, click = _checks(page, explorer, lab, done)
 
     first = check("display")
     click("step")
@@ -278,4 +288,131 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
             page.close()
     save_timings(shots, name, timings)
     assert len(done) >= 20, done
+    (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+
+
+LONG_TOKENS = 2100  # the prompt of the long-context test: more than 2,048 tokens of the project's docs
+
+
+def _drag(page, explorer, name: str, subplot: str, box: tuple[float, float, float, float]) -> None:
+    """A person's box zoom on ``subplot`` of figure ``name``: press, move in steps, release; ``box`` gives the
+    corners as fractions of the subplot (a flat box zooms x only)."""
+    area = figure(explorer, name).locator(f".draglayer .{subplot} .nsewdrag").first.bounding_box()
+    x0, y0, x1, y1 = (area["x"] + f * area["width"] if i % 2 == 0 else area["y"] + f * area["height"]
+                      for i, f in enumerate(box))
+    page.mouse.move(x0, y0)
+    page.mouse.down()
+    page.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=4)
+    page.mouse.move(x1, y1, steps=4)
+    page.mouse.up()
+
+
+def _double_click(page, explorer, name: str, subplot: str) -> None:
+    area = figure(explorer, name).locator(f".draglayer .{subplot} .nsewdrag").first.bounding_box()
+    page.mouse.dblclick(area["x"] + area["width"] / 2, area["y"] + area["height"] / 2)
+
+
+def _kernel_until(explorer, done, what: str) -> dict:
+    """Wait until the kernel's state satisfies ``done`` (the click or the zoom reached it); that state."""
+    t0 = time.monotonic()
+    while True:
+        state = kernel_truth(explorer)
+        if done(state):
+            return state
+        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never showed {what}"
+        explorer.page.wait_for_timeout(100)
+
+
+def _range(state: dict, view: str, axis: str):
+    return state["specs"][view]["layout"].get(axis, {}).get("range")
+
+
+def _long_operations(page, explorer, shots: Path, name: str) -> list[str]:
+    """Prefill more than 2,048 tokens, step, zoom the cache map and the attention history with the mouse, step
+    while zoomed, clear the zooms with a double-click, rewind, switch lane, layer and view: after each, the page
+    equals the kernel. Clicks follow each other after a short pause."""
+    done = []
+    check, _ = _checks(page, explorer, True, done, pause_ms=300)
+
+    def after(button, label, done):  # a click, then the kernel's state once the click reached it
+        explorer.locator(f".kvx-{button}").first.click()
+        _kernel_until(explorer, done, label)
+        return check(label)
+
+    state = check("display")
+    state = after("prefill", f"prefill of {LONG_TOKENS} tokens", lambda s: s["tokens"] >= 2048)
+    assert "bins of" in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]
+    n = state["tokens"]
+    state = after("step", "step", lambda s: s["tokens"] == n + 1)
+    _shot(page, explorer, shots / f"{name}_binned.png")
+    old = _range(state, "cache_map", "xaxis")
+    _drag(page, explorer, "cache_map", "xy", (0.45, 0.5, 0.5, 0.5))  # a flat box: x only
+    _kernel_until(explorer, lambda s: _range(s, "cache_map", "xaxis") != old, "the zoom on the cache map")
+    state = check("zoom on the cache map")
+    lo, hi = sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"])
+    assert 0 < hi - lo <= 512, (lo, hi)
+    assert "bins of" not in state["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"]  # full resolution
+    tokens = state["specs"]["cache_map"]["traces"][1]
+    assert tokens["x"] and all(float(x).is_integer() for x in tokens["x"])
+    _shot(page, explorer, shots / f"{name}_zoomed.png")
+    n = state["tokens"]
+    state = after("step", "step while zoomed", lambda s: s["tokens"] == n + 1)
+    assert sorted(state["specs"]["cache_map"]["layout"]["xaxis"]["range"]) == [lo, hi]  # the zoom stays
+    old = _range(state, "attention", "xaxis2")
+    _drag(page, explorer, "attention", "x2y2", (0.6, 0.55, 0.9, 0.85))  # a box on the history: x and y
+    _kernel_until(explorer, lambda s: _range(s, "attention", "xaxis2") != old, "the zoom on the history")
+    state = check("zoom on the attention history")
+    assert "range" in state["specs"]["attention"]["layout"]["yaxis2"]
+    _double_click(page, explorer, "cache_map", "xy")
+    _kernel_until(explorer, lambda s: "bins of" in s["specs"]["cache_map"]["layout"]["xaxis"]["title"]["text"],
+                  "the whole cache map after a double-click")
+    check("double-click: the whole cache map")
+    old = _range(state, "attention", "yaxis2")
+    _double_click(page, explorer, "attention", "x2y2")
+    _kernel_until(explorer, lambda s: _range(s, "attention", "yaxis2") != old, "the whole attention history")
+    state = check("double-click: the whole attention history")
+    _set(explorer, "rewind-n", "3")
+    n = state["tokens"]
+    state = after("rewind", "rewind 3", lambda s: s["tokens"] == n - 3)
+    state = after("step", "step after rewind", lambda s: s["tokens"] == n - 2)
+    _select(explorer, "lane", "paged")
+    _kernel_until(explorer, lambda s: s["lane"] == "paged", "the paged lane")
+    check("strategy paged")
+    _select(explorer, "layer", "1")
+    _kernel_until(explorer, lambda s: "layer 1" in s["specs"]["attention"]["layout"]["title"]["text"], "layer 1")
+    check("layer 1")
+    for title, view in (("Stored K/V", "tensors"), ("Memory", "memory"), ("Attention", "attention")):
+        explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+        _kernel_until(explorer, lambda s, v=view: s["view"] == v, f"the {title} tab")
+        check(f"tab {title}")
+    after("step", "step on paged, layer 1", lambda s: s["tokens"] == n - 1)
+    _shot(page, explorer, shots / f"{name}_end.png")
+    return done
+
+
+@LAB
+def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
+    """The explorer at more than 2,048 tokens (the tiny model, pre-allocated and paged caches): what a figure draws
+    is binned to the screen, zooms come from the mouse, and after every operation the page equals the kernel."""
+    name = "truth_lab_long"
+    docs = HERE.parent / "docs"
+    _notebook(lab.root / f"{name}.ipynb",
+              "from pathlib import Path\nimport kvexplore\n"
+              f"text = '\\n'.join(p.read_text() for p in sorted(Path({str(docs)!r}).glob('*.md')))\n"
+              "ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged'), max_seq_len=2304, "
+              "strategy_options={'paged': {'block_size': 16}})\n"
+              f"tok = ex.model.tokenizer\nex.controls['prompt'].value = tok.decode(tok.encode(text)[:{LONG_TOKENS}])\n"
+              "ex")
+    with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        explorer = page.locator(".kvx-explorer").first
+        try:
+            explorer.wait_for(timeout=300_000)
+            figure(explorer, "cache_map").wait_for(timeout=120_000)
+            done = _long_operations(page, explorer, shots, name)
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise
+    assert len(done) >= 16, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))

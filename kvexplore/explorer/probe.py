@@ -1,29 +1,81 @@
-"""The explorer's tracer: a :class:`~kvexplore.Tracer` that also keeps, per lane, the norm of every key and value
-written (by layer, KV head and position) and the log-probabilities of the newest token (to compare strategies)."""
+"""The explorer's tracer: a :class:`~kvexplore.Tracer` that keeps, per lane, a bounded attention store (what the
+attention view draws, :class:`~kvexplore.trace.attention_store.AttentionStore`), the norm of every key and value
+written (by layer, KV head and position) and the log-probabilities of the newest token (to compare strategies).
+
+Attention is taken from kvexplore's model in chunks of query rows (:mod:`kvexplore.models.observe`) and reduced at
+once: a long prefill never holds a layer's full matrix. The records keep their steps' attention rows while the store
+holds them (the newest rows), and their slot views and read positions packed once they are
+:data:`~kvexplore.trace.compact.KEEP_STEPS` steps old (see :mod:`kvexplore.trace.compact`).
+"""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from ..trace.tracer import Tracer
+from ..caches.base import KVCache
+from ..trace.attention_store import AttentionStore
+from ..trace.compact import RecentTraces
+from ..trace.tracer import StepTrace, Tracer
+
+CHUNK = 64  # query rows per chunk of a prefill's attention (at least the store's bin sizes)
 
 
 class LaneTracer(Tracer):
-    """Records everything the views draw: cache events and slots, attention of every layer, K/V norms, logits."""
+    """Records everything the views draw: cache events and slots, the attention store, K/V norms, logits."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, attention: bool = True) -> None:
         # attention=False: a compiled lane's (its steps run as one graph, which no hook sees inside)
         super().__init__(capture={"cache", "memory", "timing"} | ({"attention"} if attention else set()))
+        self.history = AttentionStore()  # the lane's attention (StepTrace entries refer to it)
         # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached, or
         # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
         self.last_logprobs: torch.Tensor | None = None
         # linear-attention layers: the norm of each value head's recurrent state, by the sequence length it holds
         self.state_norms: dict[int, dict[int, torch.Tensor]] = {}
-        # without a cache every decode step recomputes all rows of attention; only the newest is new, and keeping
-        # them all would grow the buffer with the cube of the length. The session sets this after a prefill.
+        # without a cache every decode step recomputes all rows of attention; only the newest is new (and only it
+        # is computed for the record). The session sets this after a prefill.
         self.last_row_only = False
+        self.recent_traces = RecentTraces()
+        self._first = 0  # the first query position the step under way records
+        # rows that wait for the step's read positions: (layer, first query position, rows, first key column)
+        self._hooked: list[tuple[int, int, torch.Tensor, int]] = []
+        self._direct: set[int] = set()  # layers whose rows were reduced as they came (read positions 0..end-1)
 
+    @property
+    def store(self) -> AttentionStore:
+        return self.history
+
+    # -- the chunked protocol of kvexplore.models.observe ----------------------------------------------------
+    def row_chunks(self, layer: int, T: int) -> list[int]:
+        """Chunk boundaries aligned to the store's row bins (and CHUNK rows), or the newest row only."""
+        if self.last_row_only:
+            return [T - 1, T]
+        size = max(CHUNK, self.history.rs, self.history.cs)
+        first = (-self._pos) % size or size
+        return [0, *range(min(first, T), T, size), T] if first < T else [0, T]
+
+    @property
+    def column_align(self) -> int:
+        return self.history.cs
+
+    def observe_rows(self, layer: int, r0: int, probs: torch.Tensor, c0: int, keys: int) -> None:
+        """Rows ``r0..`` of ``layer`` over key columns ``c0..`` of the ``keys`` it read. When attention read every
+        position so far (the cache's columns are positions ``0..keys-1``: checked when the step ends), the rows are
+        reduced now; otherwise they wait for the step's read positions."""
+        if self._step is None:
+            return
+        q0 = self._pos + r0
+        self._step._attention[layer] = (layer, self._first, self._pos + self._q_len)
+        if keys == self._pos + self._q_len:
+            self._direct.add(layer)
+            self.history.add(layer, q0, probs, c0=c0)
+        else:
+            self.later(probs, lambda h: self._hooked.append((layer, q0, h, c0)))
+
+    # -- hooks -----------------------------------------------------------------------------------------------
     def hook(self, name: str, t: torch.Tensor) -> None:
         # what the views draw is computed on the device here and lands on the host with the rest of the step
         if self._step is not None:
@@ -36,10 +88,40 @@ class LaneTracer(Tracer):
             elif name.endswith((".attn.k_new", ".attn.v_new")):
                 layer, which, start = int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, self._pos
                 self.later(t[0].detach().float().norm(dim=-1), lambda h: self._record_norms(layer, which, start, h))
-            elif self.last_row_only and name.endswith(".attn.probs"):
-                return super().hook(name, t[:, :, -1:])  # records the newest row; the model keeps its tensor
+            elif name.endswith(".attn.probs"):  # attention given whole: into the store once the reads are known
+                layer = int(name.split(".")[1])
+                rows = t[0, :, -1:] if self.last_row_only else t[0]
+                q0 = self._pos + self._q_len - rows.shape[1]
+                self.later(rows.float(), lambda h: self._hooked.append((layer, q0, h, 0)))
+                return None
         return super().hook(name, t)
 
+    def begin_step(self, cache: KVCache, pos: int, q_len: int) -> None:
+        super().begin_step(cache, pos, q_len)
+        self._step._history = self.history
+        self._first = pos + q_len - 1 if self.last_row_only else pos
+        self._hooked, self._direct = [], set()
+        if "attention" in self.capture:
+            self.history.begin(self._first, pos + q_len)
+
+    def end_step(self, cache: KVCache) -> StepTrace:
+        end = self._pos + self._q_len
+        step = super().end_step(cache)
+        if "attention" in self.capture:
+            for layer, q0, rows, c0 in self._hooked:
+                reads = list(step.reads_of(layer))
+                self.history.add(layer, q0, rows, positions=reads[c0: c0 + rows.shape[-1]])
+                step._attention[layer] = (layer, self._first, end)
+            for layer in self._direct:  # reduced as position order: the step must have read positions 0..end-1
+                reads = step.reads_of(layer)
+                if len(reads) != end or any(p != i for i, p in enumerate(reads)):
+                    raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
+            self.history.end()
+        self._hooked, self._direct = [], set()
+        self.recent_traces.push(step)
+        return step
+
+    # -- the rest the views draw -----------------------------------------------------------------------------
     def _land_logprobs(self, logprobs: torch.Tensor) -> None:
         self.last_logprobs = logprobs
 
@@ -53,10 +135,11 @@ class LaneTracer(Tracer):
         self.norms[layer, which, : norms.shape[0], start:end] = norms
 
     def clone(self) -> "LaneTracer":
-        """A tracer for a forked lane: the norms so far, its own attention buffer from now on."""
+        """A tracer for a forked lane: the norms and the attention store so far (copies), its own from now on."""
         twin = LaneTracer(self.norms.shape[0], self.norms.shape[2], "attention" in self.capture)
         twin.norms = self.norms.clone()
         twin.state_norms = {layer: dict(by_end) for layer, by_end in self.state_norms.items()}
+        twin.history = copy.deepcopy(self.history)
         return twin
 
     def state_history(self, layer: int, length: int) -> tuple[list[int], torch.Tensor] | None:
@@ -67,4 +150,3 @@ class LaneTracer(Tracer):
             return None
         ends = sorted(by_end)
         return ends, torch.stack([by_end[n] for n in ends])
-

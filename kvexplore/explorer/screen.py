@@ -9,8 +9,13 @@ It expects of the explorer: ``controls`` (:mod:`.controls`), ``figures`` (view n
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..errors import SettingsError
+from ..views.registry import VIEWS
 from ..views.spec import FigureSpec
 from . import controls as layout
+from . import inspect, zoom
 
 
 class Screen:
@@ -19,9 +24,55 @@ class Screen:
     error: str
     _busy: bool
     _syncing: bool
+    _zoom: dict[str, zoom.Ranges]  # per figure, the axis ranges the person zoomed to
+    _reversed: dict[str, set[str]]  # per figure, the axes it draws high to low (as seen while not zoomed)
 
     def _fit(self, name: str, spec: FigureSpec) -> FigureSpec:
-        return layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
+        spec = layout.fit(name, spec, self.controls["side_by_side"].value, self.presentation)
+        ranges = self._zoom.get(name, {})
+        rev = self._reversed.setdefault(name, set())
+        rev.difference_update(a for a in list(rev) if a not in ranges)
+        rev.update(a for a in zoom.reversed_axes(spec.layout) if a not in ranges)
+        zoom.into_layout(spec.layout, ranges, rev)
+        return spec
+
+    def zoom(self, figure: str, x: tuple[float, float] | None = None, y: tuple[float, float] | None = None,
+             **axes: tuple[float, float] | None) -> None:
+        """Show ``figure`` over the range ``x`` (and ``y``; other axes by name, e.g. ``xaxis2=(0, 99)``) at full
+        resolution once it is narrow enough (see :mod:`kvexplore.views.bins`); with no range, the whole figure
+        again. Ranges are in the axis' own units (physical slots, positions). Bad input raises and changes nothing."""
+        named = {**({"xaxis": x} if x is not None else {}), **({"yaxis": y} if y is not None else {}), **axes}
+        fig = self.figures.get(figure)
+        ranges = zoom.checked(figure, named, self.figures, fig.spec.layout if fig is not None else {})
+        self._zoom[figure] = zoom.merged(self._zoom.get(figure, {}), ranges) if ranges else {}
+        if not self._zoom[figure]:
+            del self._zoom[figure]
+        self._redraw_figure(figure)
+
+    def _zoom_message(self, widget: Any, content: Any, _buffers) -> None:
+        """The page reports a zoom, pan or autoscale of one figure (see :mod:`.zoom`)."""
+        if not (isinstance(content, dict) and content.get("event") == "zoom"):
+            return
+        try:
+            ranges = zoom.from_page(content.get("ranges"))
+            checked = zoom.checked(widget.name, ranges, self.figures, widget.spec.layout)
+        except SettingsError as e:
+            self._show_error(e)
+            return
+        self._zoom[widget.name] = zoom.merged(self._zoom.get(widget.name, {}), checked)
+        if not self._zoom[widget.name]:
+            del self._zoom[widget.name]
+        self._redraw_figure(widget.name)
+
+    def _redraw_figure(self, name: str) -> None:
+        """Redraw one figure (a zoom changes nothing else) when it is on screen."""
+        if self._busy or name not in self.shown():
+            return
+        try:
+            self.figures[name].show(self._fit(name, VIEWS[name].build(self.snapshot())))
+            inspect.publish(self._truth, self)
+        except Exception as e:  # a message from the page has no caller to raise to: show it
+            self._show_error(e)
 
     def _show_error(self, e: Exception) -> None:
         self.error = str(e)
@@ -56,6 +107,8 @@ class Screen:
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
         w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
         self._buttons = [w[n] for n in layout.BUTTONS]
+        for fig in self.figures.values():
+            fig.on_msg(self._zoom_message)
 
     def _show_view(self) -> None:
         name = self.view

@@ -1,5 +1,6 @@
 """The names of a lane's tokens and the token strip's HTML, made once per prompt and once per generated token (only
-the newest token's outline moves from one step to the next)."""
+the newest token's outline moves from one step to the next). The strip shows the newest :data:`SHOWN` tokens: what a
+Step sends does not grow with the context (the cache map's token rows name every position)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import Any
 from ..runtime.generator import Generator
 from ..views import tokens
 
+SHOWN = 256  # tokens in the strip at most (the newest)
+
 
 class TokenStrip:
     def __init__(self) -> None:
         self._tokenizer: Any = None
         self._ids: tuple[int, ...] | None = None
         self._texts: list[str] = []  # the prompt's token texts
-        self._prompt_html = ""
+        self._prompt_html: list[str] = []  # one span per prompt token
         self._spans: dict[int, tuple] = {}  # id(record) -> (record, its span)
 
     def _prompt(self, tokenizer: Any, ids: list[int]) -> None:
@@ -22,7 +25,7 @@ class TokenStrip:
             self._tokenizer, self._ids = tokenizer, tuple(ids)
             self._texts = [tokenizer.token_text(t, ids[:i]) if tokenizer is not None else str(t)
                            for i, t in enumerate(ids)]
-            self._prompt_html = tokens.prompt_spans(self._texts)
+            self._prompt_html = [tokens.prompt_span(pos, text) for pos, text in enumerate(self._texts)]
 
     def texts(self, tokenizer: Any, gen: Generator) -> list[str]:
         """The text of every position: the prompt's tokens, then the generated ones."""
@@ -42,4 +45,6 @@ class TokenStrip:
             out.append(entry[1])
         if history:
             out.append(tokens.token_span(history[-1], last=True))
-        return tokens.strip_html(self._prompt_html, out)
+        skip = max(0, len(self._prompt_html) + len(out) - SHOWN)
+        prompt = "".join(self._prompt_html[skip:])
+        return tokens.strip_html(prompt, out[max(0, skip - len(self._prompt_html)):], earlier=skip)

@@ -75,6 +75,7 @@ class Explorer(Screen):
         self._device, self._dtype = device, dtype
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
+        self._zoom, self._reversed = {}, {}  # per figure, the axis ranges on screen and its reversed axes (.zoom)
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
         self._strip = TokenStrip()
         self.model = opened.model
@@ -182,7 +183,8 @@ class Explorer(Screen):
         self._operate(lambda: self.session.rewind(n))
 
     def reset(self) -> None:
-        """Empty every strategy's cache and forget the sequence."""
+        """Empty every strategy's cache and forget the sequence (and every zoom)."""
+        self._zoom.clear()
         self._operate(self.session.reset)
 
     def fork(self, lane: str | None = None) -> Lane:
@@ -204,6 +206,7 @@ class Explorer(Screen):
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
                                   hf=hf, **self._lanes_args)
             self.model, self.session, self._hf = model, session, hf
+            self._zoom.clear()
             self.layer = min(self.layer, model.config.num_layers - 1)
             self.head = min(self.head, model.config.num_heads - 1)
             self._sync_pickers()
@@ -213,7 +216,8 @@ class Explorer(Screen):
     # -- state shown -------------------------------------------------------------------------------------
     def snapshot(self) -> snapshot.Snapshot:
         """What the views need of the session now (the lanes on screen in detail)."""
-        return snapshot.take(self.session, self._strip, self.lane.name, self.side_by_side, self.layer, self.head)
+        return snapshot.take(self.session, self._strip, self.lane.name, self.side_by_side, self.layer, self.head,
+                             zoom=self._zoom)
 
     def save_html(self, path, title: str | None = None):
         """Write the session so far as one self-contained HTML replay (every lane, the layer and head chosen now;

@@ -32,6 +32,7 @@ from .architectures import llama as _llama  # importing the package registers ev
 from .blocks import MLP, RMSNorm
 from ..core import host
 from .attend import weigh_values
+from .observe import observe, observes_rows
 from ..core.hooks import hook
 from .rope import Rotary, rotate
 from ..errors import SettingsError, UnsupportedModelError
@@ -106,7 +107,13 @@ class Attention(nn.Module):
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
         y = None
-        if self.softcap is not None or self.has_sinks or (tracer is not None and tracer.wants_attention(self.layer)):
+        wanted = tracer is not None and tracer.wants_attention(self.layer)
+        if wanted and observes_rows(tracer):  # the tracer takes the probabilities in chunks of rows
+            if self.softcap is not None or self.has_sinks:
+                y = self._explicit(q, k_all, v_all, mask, None, name)
+            observe(tracer, self.layer, q, k_all, mask, self.scale, self.softcap,
+                    self.sinks if self.has_sinks else None)
+        elif self.softcap is not None or self.has_sinks or wanted:
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
         if y is None:
             # grouped-query attention without a repeat_kv copy of K/V

@@ -21,6 +21,7 @@ from ..caches.layout import LinearLayout, layout_from_dict
 from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport
 from .records import Candidate, StepRecord
+from .compact import unpacked
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 
 FORMAT = "kvexplore-trace"
@@ -85,17 +86,19 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
 
 
 def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict:
-    for layer in t.attention_layers:
+    held = [layer for layer in t.attention_layers if t.has_attention(layer)]  # an explorer keeps recent rows only
+    for layer in held:
         tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
     for name, value in t.qkv.items():
         tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
-    views, view_of = _unique(t.layer_slots)
+    views, view_of = _unique([unpacked(v) for v in t.layer_slots])
     reads, read_of = _unique(t.layer_reads)
+    reads = [[int(p) for p in r] for r in reads]
     return {"events": [asdict(e) for e in t.events],
             "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": view_of,
             "reads": reads, "read_of": read_of, "main_layer": t.main_layer,
             "gqa_groups": t.gqa_groups, "heads": t.heads,
-            "attention_layers": t.attention_layers, "qkv": sorted(t.qkv)}
+            "attention_layers": held, "qkv": sorted(t.qkv)}
 
 
 def _unique(items: list) -> tuple[list, list[int]]:

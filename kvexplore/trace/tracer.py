@@ -22,12 +22,14 @@ materialise their probabilities (in float32); their output is still SDPA's (see 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 import torch
 
 from ..caches.base import KVCache, SlotView
 from ..caches.layout import SharedLayout
 from ..errors import SettingsError
 from ..core import host
+from .compact import unpacked
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
@@ -65,7 +67,10 @@ class AttentionHistory:
         self._used = need
         return entry
 
-    def get(self, entry: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+    def holds(self, entry) -> bool:
+        return True  # everything recorded is kept
+
+    def get(self, entry: tuple[int, tuple[int, ...]], reads=None) -> torch.Tensor:
         offset, shape = entry
         return self._buf[offset: offset + torch.Size(shape).numel()].view(shape)
 
@@ -93,8 +98,8 @@ class StepTrace:
     gqa_groups: list[list[int]] = field(default_factory=list)  # query heads reading each kv head
     heads: list[int] = field(default_factory=list)  # the query heads recorded
     qkv: dict[str, torch.Tensor] = field(default_factory=dict)
-    _attention: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
-    _history: AttentionHistory | None = None
+    _attention: dict[int, tuple] = field(default_factory=dict)
+    _history: Any = None  # the run's AttentionHistory, or the explorer lane's AttentionStore
 
     @property
     def slots(self) -> SlotView | None:
@@ -110,7 +115,7 @@ class StepTrace:
         """Layer ``layer``'s slot view after the step (a trace of one view serves every layer)."""
         if not self.layer_slots:
             return None
-        return self.layer_slots[layer if len(self.layer_slots) > 1 else 0]
+        return unpacked(self.layer_slots[layer if len(self.layer_slots) > 1 else 0])
 
     def reads_of(self, layer: int) -> list[int]:
         """The position of each key column layer ``layer``'s attention read, in the order it read them."""
@@ -119,8 +124,9 @@ class StepTrace:
         return self.layer_reads[layer if len(self.layer_reads) > 1 else 0]
 
     def has_attention(self, layer: int) -> bool:
-        """Whether the attention of ``layer`` was recorded."""
-        return layer in self._attention
+        """Whether the attention of ``layer`` was recorded (and is still held: the explorer keeps the rows of its
+        recent steps only, see :class:`~kvexplore.trace.attention_store.AttentionStore`)."""
+        return layer in self._attention and self._history.holds(self._attention[layer])
 
     @property
     def attention_layers(self) -> list[int]:
@@ -128,7 +134,7 @@ class StepTrace:
 
     def attention_raw(self, layer: int) -> torch.Tensor:
         """``(T, heads, S)``: the new tokens' probabilities over the key columns in the order attention read them."""
-        return self._history.get(self._attention[layer])
+        return self._history.get(self._attention[layer], self.reads_of(layer))
 
     def attention(self, layer: int) -> torch.Tensor:
         """``(T, heads, max position + 1)`` in logical position order (0 where a position was not read)."""

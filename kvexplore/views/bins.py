@@ -106,4 +106,4 @@ def dominant(codes: np.ndarray, bins: Bins, priority: np.ndarray) -> tuple[np.nd
     rank = np.where(p >= 0, np.asarray(priority)[np.clip(p, 0, None)], -1)
     best = np.take_along_axis(p, rank.argmax(-1)[..., None], -1)[..., 0]
     counts = (p == best[..., None]).sum(-1)
-    return best.astype(c.dtype if c.dtype.kind == "i" else np.int64), counts.astype(np.int32)
+    return best.astype(c.dtype if np.issubdtype(c.dtype, np.integer) else np.int64), counts.astype(np.int32)

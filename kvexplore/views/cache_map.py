@@ -18,10 +18,17 @@ import numpy as np
 from ..caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ..caches.layout import EmptyLayout, SharedLayout
 from ..trace.records import StepRecord
+from . import bins, onscreen
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
+from .snapshot import MAX_BINS
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
+# which class a bin of slots shows: the most telling one it holds (what this step did first, then what is kept)
+RANKED = "written > read > shared > not read > stale > evicted > free"
+PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
+MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
+MAX_TICKS = 4  # labelled ticks (pages) on the slot axis: upright, they fit a narrow figure
 
 
 def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
@@ -91,12 +98,15 @@ def _runs(layers: list[int]) -> list[tuple[int, int]]:
 
 
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
-         title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "") -> FigureSpec:
+         title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "",
+         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
     """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
 
     ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
     when the cache is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not
-    drawn."""
+    drawn. ``zoom``: the axis ranges on screen (``{"xaxis": (first, last)}`` in slots; default: the used part);
+    more than ``max_bins`` slots on screen are binned, each bin coloured by its most telling class
+    (:data:`PRIORITY`)."""
     views: list[SlotView] = []
     if record is not None and record.trace is not None:
         recorded = record.trace.layer_slots
@@ -112,29 +122,37 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     drawn = [(v, layers, classes) for v, layers, classes in layouts if classes]
     kinds = {m.layer: m.kind for m in record.memory.layers} if views and record.memory is not None else {}
     n = max((len(c) for _, _, c in drawn), default=0)
-    grid = np.zeros((num_layers, max(n, 1)), dtype=np.int8)
-    keep = np.zeros_like(grid, dtype=bool)
+    codes = np.full((num_layers, max(n, 1)), -1, dtype=np.int8)
     for _, layers, classes in rows_drawn:
-        row = np.array([CODE[c] for c in classes], dtype=np.int8)
-        grid[layers, : len(row)] = row
-        keep[layers, : len(row)] = True
+        codes[layers, : len(classes)] = _codes(classes)
+    used = [s for _, _, classes in drawn for s, c in enumerate(classes) if c != "free"]
+    b, view_range = onscreen.axis_bins(zoom, "xaxis", n, slot_range(n, max(used) if used else 0), max_bins)
+    best, _ = bins.dominant(codes, b, PRIORITY)
+    keep = best >= 0
+    grid = best.astype(np.int8)
     empty = [layer for layer in range(num_layers) if not keep[layer].any()]
-    if n and empty:  # a layer without slots (shared, state) still needs its row, or plotly stretches its neighbours
-        grid = grid.astype(np.float32)  # over it: one blank (NaN) cell defines the row
+    if b.count and empty:  # a layer without slots (shared, state) still needs its row, or plotly stretches its
+        grid = grid.astype(np.float32)  # neighbours over it: one blank (NaN) cell defines the row
         grid[empty, 0] = np.nan
         keep[empty, 0] = True
+    x = onscreen.centres(b)
     scale = dict(zmin=-0.5, zmax=len(SLOT_CLASSES) - 0.5, colorscale=discrete_colorscale(SLOT_COLOURS))
-    heat = dict(type="heatmap", name="slots", **columns(grid, keep), xgap=1 if n <= 128 else 0, ygap=1, xaxis="x",
-                hoverongaps=False,
-                yaxis="y", hovertemplate="layer %{y} · slot %{x}<br>(hover the token rows for what it holds)"
+    gap = 1 if b.count <= 128 else 0
+    # cells column by column (slot-major): a Step that fills the next slot appends to the arrays, so what is sent
+    # is the few cells that changed at their end (see kvexplore.views.delta), not a shift of every layer's row
+    by_slot = columns(grid.T, keep.T)
+    cells = dict(x=x[by_slot["y"]], y=by_slot["x"], z=by_slot["z"])
+    where = "slot %{x}" if b.exact else f"the {b.size} slots around %{{x}} (colour: the first of {RANKED} in it)"
+    heat = dict(type="heatmap", name="slots", **cells, xgap=gap, ygap=1, xaxis="x", hoverongaps=False,
+                yaxis="y", hovertemplate=f"layer %{{y}} · {where}<br>(hover the token rows for what it holds)"
                                          "<extra></extra>", showscale=False, **scale)
     traces = [heat]
     labels = []
     for i, (view, layers, classes) in enumerate(drawn):  # one token row per kind of layout
-        row = np.array([CODE[c] for c in classes], dtype=np.int8)
-        hover = [_hover(s, view.positions[s], classes[s], token_texts) for s in range(len(classes))]
-        traces.append(dict(type="heatmap", name="tokens" if i == 0 else f"tokens {i + 1}", z=row[None, :],
-                           customdata=[hover], x=np.arange(len(classes)), y=[i], xgap=1 if n <= 128 else 0,
+        row, hover = _token_row(view, classes, b, token_texts)
+        on = row >= 0
+        traces.append(dict(type="heatmap", name="tokens" if i == 0 else f"tokens {i + 1}", z=row[on][None, :],
+                           customdata=[[h for h, k in zip(hover, on) if k]], x=x[on], y=[i], xgap=gap,
                            xaxis="x", yaxis="y2", showscale=False, hovertemplate="%{customdata}<extra></extra>",
                            **scale))
         labels.append("token" if len(drawn) == 1 else f"{kinds.get(layers[0], 'layer')} ({len(layers)})")
@@ -142,13 +160,13 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
                     marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
                     hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
-    used = [s for _, _, classes in drawn for s, c in enumerate(classes) if c != "free"]
-    view_range = slot_range(n, max(used) if used else 0)
-    shapes, annotations = _marks(layouts, n)
+    shapes, annotations = _marks(layouts, n, b)
     main = drawn[0][0].layout if drawn else None
     ticks = {}
     if main is not None and len(drawn) == 1 and (t := main.ticks(n)):
-        ticks = dict(tickvals=t[0], ticktext=t[1])
+        on = [(v, text) for v, text in zip(*t) if b.start - 0.5 <= v <= b.stop - 0.5]
+        on = on[:: -(-len(on) // MAX_TICKS) or 1]  # a narrow figure has room for a few labels only
+        ticks = dict(tickvals=[v for v, _ in on], ticktext=[text for _, text in on], tickangle=0)
     if record is None:
         annotations.append(_note("no step yet: enter a prompt and press Prefill"))
     elif not drawn and any(isinstance(v.layout, EmptyLayout) for v, _, _ in layouts):
@@ -156,10 +174,11 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
     rows = max(1, len(drawn))
+    shown = onscreen.describe(b, n)
     layout = dict(title=dict(text=title or _title(record, kind, layouts, fresh, after), font=dict(size=13), x=0.01,
                              xanchor="left"),
-                  xaxis=dict(title=dict(text=f"physical slot ({order})" + _zoomed(view_range, n), standoff=4),
-                             range=view_range, **ticks),
+                  xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
+                                        standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
                              domain=[0, 0.84 - 0.04 * (rows - 1)]),
                   yaxis2=dict(domain=[0.88 - 0.04 * (rows - 1), 1], anchor="x", tickvals=list(range(rows)),
@@ -171,9 +190,44 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
 
 
-def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
-    """Each layout's marks over the rows of its layers, and a note on every row whose layer has no slots (a shared
-    layer pointing at its source, a linear-attention layer's fixed state)."""
+def _codes(classes: Sequence[str]) -> np.ndarray:
+    return np.array([CODE[c] for c in classes], dtype=np.int8)
+
+
+def _token_row(view: SlotView, classes: list[str], b, token_texts: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """A layout's token row over the bins ``b`` (-1 where it has no slots) and each bin's hover: at full resolution
+    the slot's position and token, binned the slots it covers, how many of each class and the positions held."""
+    codes = _codes(classes)
+    best, _ = bins.dominant(codes, b, PRIORITY)
+    if b.exact:
+        return best, [_hover(s, view.positions[s], classes[s], token_texts) if k >= 0 else ""
+                      for s, k in zip(b.edges().tolist(), best.tolist())]
+    lo, hi = b.start, min(b.stop, len(codes))
+    which = (np.arange(lo, hi) - lo) // b.size
+    counts = np.zeros((b.count, len(SLOT_CLASSES)), dtype=np.int64)
+    np.add.at(counts, (which, codes[lo:hi]), 1)
+    pos = np.asarray(view.positions[lo:hi], dtype=np.int64)
+    held = pos >= 0
+    first = np.full(b.count, np.iinfo(np.int64).max)
+    last = np.full(b.count, -1)
+    np.minimum.at(first, which[held], pos[held])
+    np.maximum.at(last, which[held], pos[held])
+    hover = []
+    for i in range(b.count):
+        if best[i] < 0:
+            hover.append("")
+            continue
+        parts = ", ".join(f"{counts[i, c]} {SLOT_CLASSES[c]}" for c in np.argsort(-PRIORITY) if counts[i, c])
+        held_text = f"; positions {first[i]}–{last[i]}" if last[i] >= 0 else ""
+        hover.append(f"{b.label(i, 'slots')}: {parts}{held_text}<br>colour: {SLOT_CLASSES[best[i]]}, "
+                     f"the first of {RANKED}")
+    return best, hover
+
+
+def _marks(groups, n: int, b) -> tuple[list[dict], list[dict]]:
+    """Each layout's marks over the rows of its layers (those on screen, at most :data:`MAX_MARKS` per layout: a
+    paged cache of thousands of slots has hundreds of page boundaries), and a note on every row whose layer has no
+    slots (a shared layer pointing at its source, a linear-attention layer's fixed state)."""
     shapes, annotations = [], []
     for view, layers, _ in groups:
         if not view.states:
@@ -183,8 +237,10 @@ def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
                                         x=-0.5, y=layer, xref="x", yref="y", xanchor="left", showarrow=False,
                                         font=dict(size=10, color="#555")))
             continue
+        marks = [m for m in view.layout.marks(len(view.states)) if b.start <= m.at <= b.stop]
+        marks = marks[:: -(-len(marks) // MAX_MARKS) or 1]
         for first, last in _runs(layers):
-            for mark in view.layout.marks(len(view.states)):
+            for mark in marks:
                 shapes.append(dict(type="line", xref="x", yref="y", x0=mark.at - 0.5, x1=mark.at - 0.5,
                                    y0=first - 0.5, y1=last + 0.5, line=dict(color=mark.colour, width=1.5,
                                                                              dash=mark.dash)))
@@ -193,11 +249,6 @@ def _marks(groups, n: int) -> tuple[list[dict], list[dict]]:
                                             yanchor="bottom", xanchor="left", showarrow=False,
                                             font=dict(size=11, color=mark.colour)))
     return shapes, annotations
-
-
-def _zoomed(view_range: list[float], n: int) -> str:
-    shown = int(view_range[1] + 0.5)
-    return f" · slots 0..{shown - 1} of {n} shown (autoscale: all)" if shown < n else ""
 
 
 def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
@@ -247,16 +298,16 @@ def _note(text: str) -> dict:
     return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=13))
 
 
-def from_snapshot(s, lane: str | None = None) -> FigureSpec:
+def from_snapshot(s, lane: str | None = None, figure: str = "cache_map") -> FigureSpec:
     """The cache map of lane ``lane`` (default: the lane shown) of a :class:`~..snapshot.Snapshot`."""
     ln = s.lanes[lane or s.shown]
     d = ln.detail
     return spec(ln.last, ln.kind, s.config.num_layers, d.texts if d else (), slots=d.slots if d else None,
-                fresh=s.fresh, after=s.last_op)
+                fresh=s.fresh, after=s.last_op, zoom=s.zoom.get(figure), max_bins=s.max_bins)
 
 
 def second_from_snapshot(s) -> FigureSpec:
     """The second strategy's cache map (side by side); empty when there is none."""
     if s.second is None:
         return spec(None, "—", s.config.num_layers, title="pick a second strategy to compare")
-    return from_snapshot(s, s.second)
+    return from_snapshot(s, s.second, "cache_map_b")

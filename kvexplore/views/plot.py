@@ -5,10 +5,12 @@ Why not plotly's ``FigureWidget``: it sends each change as a one-off message (re
 alive at that moment applies, and every one of them ships plotly.js again as its module (5 MB each). anywidget
 gives a model two seconds to initialize; on a busy machine the fourth or fifth 5 MB module misses that, its view
 draws the first state and then never applies an update (seen in Voila: the tensors and compare figures stuck at
-the prefill while the kernel moved on). Here the figure is one trait, ``figure`` (traces and layout, numeric arrays
-as binary buffers): a view made at any time draws the current state, every change redraws from the whole state, and
-nothing is lost between messages. plotly.js travels once per page, in a hidden :class:`PlotlyLoader` (the copy
-inside the installed plotly package: nothing is fetched from the network).
+the prefill while the kernel moved on). Here the figure is two synced traits (numeric arrays as binary buffers):
+``base``, a whole figure, and ``patch``, what changed since that base (:mod:`.delta`; always against the same base,
+so it grows with the changes, and the figure is sent as a new base with an empty patch once the patch weighs more
+than :data:`REBASE` of it). A Step sends the patch, not the figure; a view made at any time draws ``base`` +
+``patch``, the whole current state, and nothing is lost between messages. plotly.js travels once per page, in a
+hidden :class:`PlotlyLoader` (the copy inside the installed plotly package: nothing is fetched from the network).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import anywidget
 import numpy as np
 import traitlets
 
+from .delta import APPLY_JS, apply, diff, weight
 from .spec import FigureSpec, changes, figure
+
+REBASE = 0.5  # a patch heavier than this share of its figure is sent as a new base instead, and so is one once
+# the patches sent since the base add up to more than the figure (each re-sends the changes before it: a new base
+# then costs less than carrying them on)
 
 # the page's copy of plotly.js: the first loader to initialize runs it (as a classic script, with AMD and CommonJS
 # hidden so that it defines window.Plotly); figures wait for it
@@ -43,7 +50,7 @@ export default {
 };
 """
 
-_FIGURE_ESM = r"""
+_FIGURE_ESM = APPLY_JS + r"""
 const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
 
@@ -73,33 +80,60 @@ function plotly() {
   });
 }
 
+// the person zoomed, panned or autoscaled: tell the kernel each axis' range (null: the whole axis again)
+function zoomed(gd, ev, model) {
+  const ranges = {};
+  for (const [k, v] of Object.entries(ev || {})) {
+    let m = k.match(/^([xy]axis\d*)\.range\[([01])\]$/);
+    if (m) {
+      const r = ranges[m[1]] || ((gd.layout[m[1]] || {}).range || [v, v]).slice();
+      r[Number(m[2])] = v;
+      ranges[m[1]] = r;
+      continue;
+    }
+    m = k.match(/^([xy]axis\d*)\.range$/);
+    if (m) { ranges[m[1]] = v.slice(); continue; }
+    m = k.match(/^([xy]axis\d*)\.autorange$/);
+    if (m && v) ranges[m[1]] = null;
+  }
+  if (Object.keys(ranges).length) model.send({event: 'zoom', ranges});
+}
+
 export default {
   render({ model, el }) {
     const gd = document.createElement('div');
     gd.style.width = '100%';
     el.appendChild(gd);
-    let alive = true, queue = Promise.resolve(), P = null;
-    const config = {displaylogo: false, modeBarButtonsToRemove: ['select2d', 'lasso2d']};
-    // every draw starts from the whole current state; draws run one after another, the last one wins
+    let alive = true, queue = Promise.resolve(), P = null, listening = false;
+    // double-click shows everything at once (the kernel then draws the whole figure again)
+    const config = {displaylogo: false, modeBarButtonsToRemove: ['select2d', 'lasso2d'], doubleClick: 'autosize'};
+    // every draw starts from the whole current state (the base and the patch on it); draws run one after another
     const draw = () => { queue = queue.then(async () => {
       P = P || await plotly();
       if (!alive) return;
-      const fig = decode(model.get('figure'));
+      const base = model.get('base') || {}, patch = model.get('patch') || {};
+      if (patch.rev !== base.rev) return;  // a base whose patch is still on its way
+      const fig = applyPatch(decode(base), decode(patch));
       const layout = fig.layout || {};
       if (el.clientWidth > 0) layout.width = el.clientWidth;  // the container's width, the spec's height
       const t0 = performance.now();
       await P.react(gd, fig.data || [], layout, config);
+      if (!listening) { listening = true; gd.on('plotly_relayout', (ev) => zoomed(gd, ev, model)); }
       el.dataset.kvxDrawMs = (performance.now() - t0).toFixed(1);  // for benchmarks/explorer_click.py
       el.dataset.kvxDraws = String(Number(el.dataset.kvxDraws || 0) + 1);
       if (el.dataset.kvxDraws === '1') model.send({event: 'rendered'});  // a live page: no static copy needed
     }).catch((e) => { el.dataset.kvxError = String(e); console.error('kvexplore figure:', e); }); };
-    model.on('change:figure', draw);
+    model.on('change:base', draw);
+    model.on('change:patch', draw);
     // redrawn at the container's width whenever that changes (a figure first drawn in a hidden tab had none)
     let width = -1;
     const ro = new ResizeObserver(() => { if (el.clientWidth !== width) { width = el.clientWidth; draw(); } });
     ro.observe(el);
     draw();
-    return () => { alive = false; model.off('change:figure', draw); ro.disconnect(); if (P) P.purge(gd); };
+    return () => {
+      alive = false; model.off('change:base', draw); model.off('change:patch', draw); ro.disconnect();
+      if (P) P.purge(gd);
+    };
   },
 };
 """
@@ -166,22 +200,42 @@ class PlotWidget(anywidget.AnyWidget):
     ``data`` and ``plot_layout`` give the figure shown as plotly objects (built when asked), for tests and notebooks."""
 
     _esm = _FIGURE_ESM
-    figure = traitlets.Dict().tag(sync=True, to_json=_to_json)
+    base = traitlets.Dict().tag(sync=True, to_json=_to_json)  # a whole figure and its revision ("rev")
+    patch = traitlets.Dict().tag(sync=True, to_json=_to_json)  # what changed since ``base`` (same "rev")
 
     def __init__(self, spec: FigureSpec, name: str) -> None:
         super().__init__()
+        self.name = name
+        self._carried = 0  # the weight of the patches sent since the base
         self.add_class(f"kvx-fig-{name}")
         self.layout.width = "100%"
         self.show(spec, force=True)
 
     def show(self, spec: FigureSpec, force: bool = False) -> bool:
-        """Draw ``spec``; nothing is sent when it equals what is drawn. True when the page was sent a new figure."""
+        """Draw ``spec``; nothing is sent when it equals what is drawn, else what changed since the base (or a new
+        base). True when the page was sent something."""
         if not force and _same_spec(spec, self.spec):
             return False
         self.spec = spec
         self.__dict__.pop("_plotly", None)
-        self.figure = {"data": spec.traces, "layout": spec.layout}  # (the page sets the width: its container's)
+        new = {"data": spec.traces, "layout": spec.layout}  # (the page sets the width: its container's)
+        patch = None if force else diff(self.base, new)
+        size, whole = (weight(patch), weight(new)) if patch is not None else (0, 0)
+        if patch is not None and size <= REBASE * whole and self._carried + size <= whole:
+            self._carried += size
+            self.patch = {**patch, "rev": self.base["rev"]}
+            return True
+        self._carried = 0
+        rev = self.base.get("rev", 0) + 1
+        with self.hold_sync():  # one message: the page never sees the new base with the old patch
+            self.base = {**new, "rev": rev}
+            self.patch = {"rev": rev}
         return True
+
+    @property
+    def figure(self) -> dict[str, Any]:
+        """The figure the page draws: the base with the patch applied."""
+        return apply(self.base, self.patch)
 
     @cached_property
     def _plotly(self):

@@ -14,6 +14,8 @@ import torch
 
 from ..caches.base import SlotView
 from ..config.model_config import ModelConfig
+from ..models.model import Model
+from ..trace.recompute import LaneAttention
 from ..trace.records import StepRecord
 
 MAX_BINS = 512  # columns a figure draws at most: wider slots and positions are binned (kvexplore.views.bins)
@@ -28,6 +30,8 @@ class LaneDetail:
     norms: torch.Tensor | None  # (2, kv_heads, positions) of the chosen layer; NaN where nothing was recorded
     stored_error: torch.Tensor | None  # (kv_heads, length): the cache's error for the chosen layer (lossy caches)
     state: tuple[list[int], torch.Tensor] | None = None  # a linear-attention layer's state norms over the steps
+    # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.trace.recompute.LaneAttention)
+    attention: Any = None
 
 
 @dataclass
@@ -89,7 +93,20 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             slots=lane.cache.slot_views() if has else None,
             norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
             stored_error=lane.cache.stored_error(layer) if has else None,
-            state=lane.tracer.state_history(layer, lane.cache.length) if has else None)
+            state=lane.tracer.state_history(layer, lane.cache.length) if has else None,
+            attention=_attention(session, lane) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,
                     session.model.device.type == "cuda", zoom=dict(zoom or {}), max_bins=max_bins)
+
+
+def _attention(session: Any, lane: Any) -> LaneAttention | None:
+    """The lane's attention store, with recomputation when the lane runs kvexplore's own model."""
+    store = getattr(lane.tracer, "store", None)
+    if store is None:
+        return None
+    model = session.model if isinstance(session.model, Model) and not lane.lane_kind.transformers else None
+    options = getattr(session, "options", {}).get(lane.kind, {})
+    generator = lane.generator
+    return LaneAttention(store, model, (lambda: generator.tokens) if model is not None else None, lane.cache.kind,
+                         options)

@@ -14,6 +14,8 @@ import torch
 
 from ..caches.base import SlotView
 from ..trace.records import StepRecord
+from . import bins, onscreen
+from .snapshot import MAX_BINS
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
 
@@ -26,10 +28,20 @@ def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
     return out
 
 
+def binned(rows: np.ndarray, b: bins.Bins, how: str) -> dict[str, np.ndarray]:
+    """``rows`` (heads, indices) over the bins ``b`` (each bin's ``how`` of what it holds) as heatmap columns, slot
+    by slot (a Step that fills the next slot appends to the arrays) with each bin at its centre."""
+    z = bins.reduce(rows, b, how) if len(rows) else np.zeros((0, b.count), np.float32)
+    cells = columns(z.T)
+    return dict(x=onscreen.centres(b)[cells["y"]], y=cells["x"], z=cells["z"])
+
+
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
-         quant_error: torch.Tensor | None = None, slots: SlotView | None = None) -> FigureSpec:
+         quant_error: torch.Tensor | None = None, slots: SlotView | None = None,
+         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
-    ``slots``: the cache's slot view now (default: the one recorded with ``record``)."""
+    ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
+    (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max)."""
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots_of(layer)
     positions = list(slots.positions) if slots is not None and slots.positions else (
@@ -40,22 +52,28 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     kvh = len(k_rows)
     qe = quant_error.numpy() if quant_error is not None else empty
     common = dict(colorscale="Viridis", xgap=0, ygap=1)
+    held = [i for i, p in enumerate(positions) if p >= 0]
+    b, span = onscreen.axis_bins(zoom, "xaxis", len(positions), slot_range(len(positions), held[-1] if held else 0),
+                                 max_bins)
+    eb = bins.plan(0, qe.shape[-1] if qe.size else 0, max_bins)
+    where = "slot %{x}" if b.exact else f"the {b.size} slots around %{{x}}"
+    mean = "" if b.exact else "mean "
     # flat float32 columns travel as binary buffers, where NaN (an empty slot, drawn as a gap) is allowed; a 2-D
     # array would travel as JSON, which has no NaN
     traces = [
-        dict(type="heatmap", name="key norms", **columns(k_rows), xaxis="x", hoverongaps=False,
+        dict(type="heatmap", name="key norms", **binned(k_rows, b, "mean"), xaxis="x", hoverongaps=False,
              yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · slot %{x}<br>‖k‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="value norms", **columns(v_rows), xaxis="x2", hoverongaps=False,
+             hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖k‖ = %{{z:.3f}}<extra></extra>", **common),
+        dict(type="heatmap", name="value norms", **binned(v_rows, b, "mean"), xaxis="x2", hoverongaps=False,
              yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · slot %{x}<br>‖v‖ = %{z:.3f}<extra></extra>", **common),
-        dict(type="heatmap", name="quantization error", **columns(qe.astype(np.float32)), colorscale="Reds", zmin=0,
-             xaxis="x3", yaxis="y3", ygap=1,
+             hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖v‖ = %{{z:.3f}}<extra></extra>", **common),
+        dict(type="heatmap", name="quantization error", **binned(qe.astype(np.float32), eb, "max"), colorscale="Reds",
+             zmin=0, xaxis="x3", yaxis="y3", ygap=1,
              colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12),
-             hovertemplate="KV head %{y} · position %{x}<br>max |error| = %{z:.4g}<extra></extra>"),
+             hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
+                           "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
-    held = [i for i, p in enumerate(positions) if p >= 0]
-    span = slot_range(len(positions), held[-1] if held else 0)
+    shown = onscreen.describe(b, len(positions))
     note = [] if quant_error is not None else [dict(
         text="exact cache: stored as computed, no error", xref="paper",
         yref="paper", x=0.46, y=0.11, showarrow=False, font=dict(size=11, color="#666"))]
@@ -64,7 +82,8 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
         title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
         xaxis=dict(domain=[0, 0.92], anchor="y", range=span, matches="x2"),
         yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="keys<br>KV head"), dtick=1, range=[-0.5, kvh - 0.5]),
-        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot", standoff=0), range=span),
+        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot" + (f" · {shown}" if shown else ""),
+                                                              standoff=0), range=span),
         yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
                     range=[-0.5, kvh - 0.5]),
         xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=0)),
@@ -99,4 +118,4 @@ def from_snapshot(s) -> FigureSpec:
     if d is not None and d.state is not None:
         return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
-                d.slots[s.layer] if d and d.slots else None)
+                d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins)

@@ -28,10 +28,14 @@ def _show(text: str) -> str:
     return html.escape(text.replace(" ", "·").replace("\t", "→")).replace("\n", "↵\n")
 
 
+def prompt_span(pos: int, text: str) -> str:
+    """One prompt token, a ``<span class="kvx-tok kvx-prompt-tok">``."""
+    return f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>'
+
+
 def prompt_spans(prompt_texts: Sequence[str]) -> str:
-    """The prompt's tokens, one ``<span class="kvx-tok kvx-prompt-tok">`` each."""
-    return "".join(f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>'
-                   for pos, text in enumerate(prompt_texts))
+    """The prompt's tokens, one span each."""
+    return "".join(prompt_span(pos, text) for pos, text in enumerate(prompt_texts))
 
 
 def token_span(record: StepRecord, last: bool = False) -> str:
@@ -43,10 +47,14 @@ def token_span(record: StepRecord, last: bool = False) -> str:
             f'title="{tip}">{_show(record.text)}</span>')
 
 
-def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] | Sequence[str]) -> str:
+def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] | Sequence[str],
+               earlier: int = 0) -> str:
     """The whole strip: the prompt (texts, or :func:`prompt_spans` already made), then one span per record (or the
-    spans already made with :func:`token_span`)."""
+    spans already made with :func:`token_span`); ``earlier``: how many tokens before these are left out (a long
+    sequence shows its newest tokens only), said first."""
     head = prompt_texts if isinstance(prompt_texts, str) else prompt_spans(prompt_texts)
     n = len(records)
     spans = [r if isinstance(r, str) else token_span(r, last=i == n - 1) for i, r in enumerate(records)]
-    return f'{STYLE}<div class="kvx-strip">{head}{"".join(spans)}</div>'
+    more = (f'<span class="kvx-more" style="color:#777">… {earlier:,} earlier tokens (the cache map\'s token rows '
+            f'name them) · </span>') if earlier else ""
+    return f'{STYLE}<div class="kvx-strip">{more}{head}{"".join(spans)}</div>'

@@ -1,0 +1,64 @@
+"""Attention probabilities for a tracer that takes them in chunks of query rows (the explorer's): the whole
+``(heads, T, S)`` matrix of a long prefill is never held, only ``heads x chunk x S`` at a time.
+
+A tracer opts in with three members: ``row_chunks(layer, T)`` (the boundaries of the query-row chunks to compute,
+e.g. ``[0, 64, 128, ..., T]``; it may skip rows: ``[T - 1, T]`` computes the newest row only), ``column_align``
+(key columns are computed from a multiple of it) and ``observe_rows(layer, r0, probs, c0, S)`` (``probs``
+``(heads, rows, keys)`` float32 of rows ``r0..`` over key columns ``c0..`` of the ``S`` read, first sequence). The probabilities are
+computed exactly as :meth:`~kvexplore.models.model.Attention._explicit` computes them (float32 scores, soft cap,
+mask, learned sinks, softmax); columns a chunk's mask rules out entirely are skipped (they would read 0), so a
+causal prefill computes half the scores. The layer's output does not come from here: it stays SDPA's (or the
+explicit path's for soft-capped or sink models), as untraced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def observes_rows(tracer: Any) -> bool:
+    """Whether ``tracer`` takes attention probabilities in chunks of rows."""
+    return tracer is not None and callable(getattr(tracer, "observe_rows", None))
+
+
+def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+    """Compute ``layer``'s probabilities chunk by chunk and hand each to ``tracer.observe_rows``.
+
+    ``q`` ``(B, nh, T, hd)``, ``k`` ``(B, nkv, S, hd)`` (what attention read), ``mask`` as the cache gave it
+    (``(T, S)`` or broadcastable, True = may read; None: causal for several tokens, everything for one)."""
+    _, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    keys = k[0].float()  # (nkv, S, hd)
+    m2 = None if mask is None else mask.reshape(-1, *mask.shape[-2:])[0]  # (T, S): the first sequence's
+    align = max(1, int(getattr(tracer, "column_align", 1)))
+    bounds = tracer.row_chunks(layer, T)
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        C = r1 - r0
+        if m2 is not None:
+            allowed = m2[r0:r1].any(0).nonzero()
+            lo, hi = (int(allowed[0]), int(allowed[-1]) + 1) if allowed.numel() else (0, 1)
+        else:
+            lo, hi = 0, (S - T + r1 if T > 1 else S)
+        lo -= lo % align
+        hi = min(S, hi + (-hi) % align)
+        qc = q[0, :, r0:r1].float().reshape(nkv, g * C, hd)
+        scores = (qc @ keys[:, lo:hi].transpose(-1, -2)) * scale  # (nkv, g*C, hi-lo)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(nh, C, hi - lo)
+        if m2 is not None:
+            scores = scores.masked_fill(~m2[r0:r1, lo:hi], float("-inf"))
+        elif T > 1:  # causal: row r reads columns up to r + S - T
+            cols = torch.arange(lo, hi, device=q.device)
+            rows = torch.arange(r0, r1, device=q.device) + (S - T)
+            scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        if sinks is not None:  # one more column of the softmax, which reads no value
+            sink = sinks.float().view(nh, 1, 1).expand(nh, C, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        tracer.observe_rows(layer, r0, probs, lo, S)

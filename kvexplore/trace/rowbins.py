@@ -1,0 +1,58 @@
+"""Attention rows reduced to aligned power-of-two bins as they are computed (the streaming side of
+:mod:`kvexplore.views.bins`, whose bins these are: a bin of size ``s`` covers ``s*i .. s*i + s - 1``).
+
+:func:`reduce_rows` takes a block of probabilities (query rows x key positions, every head) on whatever device it
+was computed on and gives each (row bin, column bin) its max and sum, and each row its sum (what learned sinks did
+not get). :func:`causal_cells` counts the cells a bin holds: query position ``q`` reads keys ``0..q`` (cells past
+``q`` are not part of the matrix, so a bin's mean is its sum over its causal cells, as ``bins.reduce`` of the matrix
+with those cells left out).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def bin_size(n: int, max_bins: int) -> int:
+    """The smallest power of two ``s`` with ``ceil(n / s) <= max_bins`` (``bins.plan(0, n, max_bins).size``)."""
+    s = 1
+    while -(-n // s) > max_bins:
+        s *= 2
+    return s
+
+
+def reduce_rows(p: torch.Tensor, q0: int, c0: int, rs: int, cs: int):
+    """``p`` ``(heads, rows, keys)``: the probabilities of query positions ``q0..`` over key positions ``c0..``.
+
+    Returns ``(first row bin, first column bin, max, sum, row sums)``: max and sum ``(heads, row bins, column
+    bins)`` of the bins of sizes ``rs`` x ``cs`` the block touches (float32, on ``p``'s device; the block is padded
+    with zeros to whole bins, which changes neither: probabilities are >= 0) and each row's sum ``(heads, rows)``."""
+    H, C, W = p.shape
+    fr, fc = q0 % rs, c0 % cs
+    br, bc = (-(fr + C)) % rs, (-(fc + W)) % cs
+    if fr or fc or br or bc:
+        p = F.pad(p, (fc, bc, fr, br))
+    R, K = (fr + C + br), (fc + W + bc)
+    by_col = p.view(H, R, K // cs, cs)
+    s1 = by_col.sum(-1)  # (H, R, column bins)
+    rowsum = s1.sum(-1)[:, fr: fr + C]
+    sm = s1.view(H, R // rs, rs, K // cs).sum(2)
+    mx = by_col.amax(-1).view(H, R // rs, rs, K // cs).amax(2)
+    return (q0 - fr) // rs, (c0 - fc) // cs, mx, sm, rowsum
+
+
+def causal_cells(q_lo: int, q_hi: int, rs: int, rb0: int, nrb: int, cs: int, cb0: int, ncb: int) -> np.ndarray:
+    """``(nrb, ncb)`` int64: per bin (row bins ``rb0..`` of size ``rs``, column bins ``cb0..`` of size ``cs``) how
+    many cells ``(q, k)`` with ``k <= q`` the rows ``q_lo .. q_hi - 1`` give it."""
+    out = np.zeros((nrb, ncb), dtype=np.int64)
+    if q_hi <= q_lo:
+        return out
+    q = np.arange(q_lo, q_hi, dtype=np.int64)
+    starts = (cb0 + np.arange(ncb, dtype=np.int64)) * cs
+    per_row = np.clip(q[:, None] - starts[None, :] + 1, 0, cs)  # (rows, ncb)
+    rows_bin = q // rs - rb0
+    keep = (rows_bin >= 0) & (rows_bin < nrb)
+    np.add.at(out, rows_bin[keep], per_row[keep])
+    return out
