@@ -52,10 +52,12 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
         scores = scores.view(nh, C, hi - lo)
         if m2 is not None:
             scores = scores.masked_fill(~m2[r0:r1, lo:hi], float("-inf"))
-        elif T > 1:  # causal: row r reads columns up to r + S - T
-            cols = torch.arange(lo, hi, device=q.device)
-            rows = torch.arange(r0, r1, device=q.device) + (S - T)
-            scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        elif T > 1:  # causal: row r reads columns up to r + S - T; only the block right of r0 + S - T has any
+            d = max(r0 + S - T + 1, lo)
+            if d < hi:
+                cols = torch.arange(d, hi, device=q.device)
+                rows = torch.arange(r0, r1, device=q.device) + (S - T)
+                scores[..., d - lo:].masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
         if sinks is not None:  # one more column of the softmax, which reads no value
             sink = sinks.float().view(nh, 1, 1).expand(nh, C, 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]

@@ -32,14 +32,25 @@ def reduce_rows(p: torch.Tensor, q0: int, c0: int, rs: int, cs: int):
     H, C, W = p.shape
     fr, fc = q0 % rs, c0 % cs
     br, bc = (-(fr + C)) % rs, (-(fc + W)) % cs
-    if fr or fc or br or bc:
-        p = F.pad(p, (fc, bc, fr, br))
-    R, K = (fr + C + br), (fc + W + bc)
-    by_col = p.view(H, R, K // cs, cs)
-    s1 = by_col.sum(-1)  # (H, R, column bins)
-    rowsum = s1.sum(-1)[:, fr: fr + C]
-    sm = s1.view(H, R // rs, rs, K // cs).sum(2)
-    mx = by_col.amax(-1).view(H, R // rs, rs, K // cs).amax(2)
+    rowsum = p.sum(-1)
+    if fr == 0 and br == 0 and rs > 1:  # whole row bins: reduce the rows first (cheap, contiguous), then keys
+        R = C // rs
+        m1, s1 = p.view(H, R, rs, W).amax(2), p.view(H, R, rs, W).sum(2)  # (H, R, W)
+        if fc or bc:
+            m1, s1 = F.pad(m1, (fc, bc)), F.pad(s1, (fc, bc))
+        K = (fc + W + bc) // cs
+        mx, sm = m1.view(H, R, K, cs).amax(-1), s1.view(H, R, K, cs).sum(-1)
+        return q0 // rs, (c0 - fc) // cs, mx, sm, rowsum
+    if fc or bc:
+        p = F.pad(p, (fc, bc))
+    K = (fc + W + bc) // cs
+    by_col = p.view(H, C, K, cs)
+    s1, m1 = by_col.sum(-1), by_col.amax(-1)  # (H, C, column bins), then the rows' bins (small)
+    if fr or br:
+        s1, m1 = F.pad(s1, (0, 0, fr, br)), F.pad(m1, (0, 0, fr, br))
+    R = (fr + C + br) // rs
+    sm = s1.view(H, R, rs, K).sum(2)
+    mx = m1.view(H, R, rs, K).amax(2)
     return (q0 - fr) // rs, (c0 - fc) // cs, mx, sm, rowsum
 
 
@@ -54,5 +65,8 @@ def causal_cells(q_lo: int, q_hi: int, rs: int, rb0: int, nrb: int, cs: int, cb0
     per_row = np.clip(q[:, None] - starts[None, :] + 1, 0, cs)  # (rows, ncb)
     rows_bin = q // rs - rb0
     keep = (rows_bin >= 0) & (rows_bin < nrb)
-    np.add.at(out, rows_bin[keep], per_row[keep])
+    rows_bin, per_row = rows_bin[keep], per_row[keep]
+    if rows_bin.size:
+        starts = np.flatnonzero(np.r_[True, rows_bin[1:] != rows_bin[:-1]])  # rows are in order
+        out[rows_bin[starts]] += np.add.reduceat(per_row, starts, axis=0)
     return out
