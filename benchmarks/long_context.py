@@ -8,9 +8,11 @@
 Every measurement runs in its own process (a clean peak resident set, read as ``ru_maxrss``):
 
 1. **Prefill**, per length and thread count: ``Generator.prefill`` without a tracer (the model alone, pre-allocated
-   cache) against ``Session.prefill`` with one lane and with two (``preallocated`` and ``paged``): the explorer's
-   tracer, its bounded attention store (:mod:`kvexplore.trace.attention_store`) filled from the prefill's rows in
-   chunks. Printed: seconds, ratio to the model alone (per lane), peak RSS and the peak added over the loaded model.
+   cache) against ``Session.prefill`` with one lane: the explorer's tracer, its bounded attention store
+   (:mod:`kvexplore.trace.attention_store`) filled from the prefill's rows in chunks -- interleaved in one process,
+   the fastest of ``--reps`` each (a busy machine only slows runs down). Then one run each of the model alone, one
+   lane and two lanes (``preallocated`` and ``paged``) in its own process for the peak RSS (and the peak added over
+   the loaded model).
 2. **Step**, at 512 and at the longest length: the server side of a Step with two lanes -- ``Session.step`` (median
    of ``--steps``), then a snapshot and every registered view built from it (what a refresh computes) -- and the
    ratio between the two lengths (target: at most 2x).
@@ -75,23 +77,37 @@ def rss_mb() -> float:
 
 
 # -- children ------------------------------------------------------------------------------------------------
-def child_prefill(model_name: str, mode: str, n: int, threads: int) -> dict:
+def _prefill(model, mode: str, ids: list[int]) -> None:
     from kvexplore import Generator, make_cache
     from kvexplore.explorer.session import Session
 
-    torch.set_num_threads(threads)
-    model = load(model_name)
-    ids = ids_for(model, n)
-    Generator(model, make_cache("preallocated", model, max_seq_len=64)).prefill(ids[:32])  # warm up
-    base = rss_mb()
-    t = time.perf_counter()
+    n = len(ids)
     if mode == "alone":
         Generator(model, make_cache("preallocated", model, max_seq_len=n + 8)).prefill(ids)
     else:
         lanes = ("preallocated",) if mode == "traced" else ("preallocated", "paged")
-        s = Session(model, lanes, max_seq_len=n + 8)
-        s.prefill(ids)
-    return {"s": time.perf_counter() - t, "peak": rss_mb(), "base": base}
+        Session(model, lanes, max_seq_len=n + 8).prefill(ids)
+
+
+def child_prefill(model_name: str, mode: str, n: int, threads: int, reps: int) -> dict:
+    """``mode`` "time": the model alone and the explorer with one lane, interleaved ``reps`` times (the fastest of
+    each: a shared machine only slows a run down); otherwise one run of ``mode`` for its peak resident set."""
+    torch.set_num_threads(threads)
+    model = load(model_name)
+    ids = ids_for(model, n)
+    _prefill(model, "alone", ids[:32])  # warm up
+    base = rss_mb()
+    if mode != "time":
+        t = time.perf_counter()
+        _prefill(model, mode, ids)
+        return {"s": time.perf_counter() - t, "peak": rss_mb(), "base": base}
+    out: dict[str, list[float]] = {"alone": [], "traced": []}
+    for rep in range(reps):
+        for m in (("alone", "traced") if rep % 2 == 0 else ("traced", "alone")):
+            t = time.perf_counter()
+            _prefill(model, m, ids)
+            out[m].append(time.perf_counter() - t)
+    return {m: min(v) for m, v in out.items()}
 
 
 def _views(session):
@@ -175,6 +191,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,1024,2048,4096")
     ap.add_argument("--threads", default="1")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=3, help="prefill timings: the fastest of this many, interleaved")
     ap.add_argument("--held-steps", type=int, default=200)
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
@@ -185,7 +202,7 @@ def main() -> None:
     if args.child:
         kind, *rest = args.child
         if kind == "prefill":
-            res = child_prefill(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            res = child_prefill(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "step":
             res = child_step(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), rest[4] == "1")
         else:
@@ -197,16 +214,18 @@ def main() -> None:
     load(args.model)  # convert / build once, outside the measurements
     print(f"# {args.model}: long contexts in the explorer")
     if not args.skip_prefill:
-        print("\n| tokens | threads | model alone | explorer, 1 lane | ratio | explorer, 2 lanes | ratio per lane "
-              "| peak RSS alone / 1 lane / 2 lanes (added over the loaded model) |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| tokens | threads | model alone | explorer, 1 lane | ratio | explorer, 2 lanes (one run) "
+              "| peak RSS: alone / 1 lane / 2 lanes (added over the loaded model) |")
+        print("|---|---|---|---|---|---|---|")
         for n in lengths:
             for th in threads:
-                r = {m: run_child(["prefill", args.model, m, str(n), str(th)]) for m in ("alone", "traced", "traced2")}
-                a, t1, t2 = r["alone"]["s"], r["traced"]["s"], r["traced2"]["s"]
+                t = run_child(["prefill", args.model, "time", str(n), str(th), str(args.reps)])
+                r = {m: run_child(["prefill", args.model, m, str(n), str(th), "1"])
+                     for m in ("alone", "traced", "traced2")}
                 peaks = " / ".join(f"{r[m]['peak']:.0f} MB (+{r[m]['peak'] - r[m]['base']:.0f})"
                                    for m in ("alone", "traced", "traced2"))
-                print(f"| {n:,} | {th} | {a:.2f} s | {t1:.2f} s | {t1 / a:.2f}x | {t2:.2f} s | {t2 / 2 / a:.2f}x "
+                print(f"| {n:,} | {th} | {t['alone']:.2f} s | {t['traced']:.2f} s | {t['traced'] / t['alone']:.2f}x "
+                      f"| {r['traced2']['s']:.2f} s ({r['traced2']['s'] / 2 / r['alone']['s']:.2f}x per lane) "
                       f"| {peaks} |", flush=True)
     if not args.skip_step:
         print("\n| tokens | threads | Session.step, 2 lanes | snapshot + every view | attention store (1 lane) |")

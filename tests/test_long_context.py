@@ -224,3 +224,26 @@ def test_the_explorer_widget_draws_from_the_store(trained):
     ex.view = "attention"
     fig = ex.figures["attention"]
     assert len(set(fig.data[1].y)) == 61 and max(fig.data[1].x) == 60
+
+
+def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, small_bins, monkeypatch):
+    from kvexplore.replay import frames, snapshot_at
+    from kvexplore.trace import compact
+
+    monkeypatch.setattr(compact, "KEEP_STEPS", 4)
+    s = Session(trained, ("preallocated", "paged"), max_seq_len=96, strategy_options={"paged": {"block_size": 8}})
+    s.prefill(ids(40, 4))
+    for _ in range(10):
+        s.step()
+    runs = s.runs()
+    steps, _ = frames(runs, layer=1, head=2)
+    assert len(steps) == 11
+    old = attention.from_snapshot(snapshot_at(runs, 2, "paged", layer=1, head=2))
+    assert "no longer held" in str(old.layout["annotations"]) and len(old.trace("history")["z"]) > 0
+    new = attention.from_snapshot(snapshot_at(runs, 10, "paged", layer=1, head=2))
+    want = runs["paged"][10].trace.physical_attention(1)[-1, 2]
+    np.testing.assert_allclose(new.trace("current")["y"], want.numpy(), atol=1e-6)
+    # the cache map of a packed step is drawn from its packed slots
+    from kvexplore.views import cache_map
+    assert isinstance(runs["paged"][2].trace.layer_slots[0], PackedSlots)
+    cache_map.from_snapshot(snapshot_at(runs, 2, "paged", layer=1, head=2))

@@ -3,8 +3,8 @@
 For every layer and query head :class:`AttentionStore` keeps
 
 - an **overview** of all query rows x key positions, binned with aligned power-of-two bins (the bins of
-  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max and mean probability in
-  float32 and float16 (mean over the bin's causal cells: query ``q`` reads keys ``0..q``). Rows are reduced as soon as a layer
+  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32) and
+  mean (float16, over the bin's causal cells: query ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer
   computes them (the prefill in chunks of query rows, see :mod:`kvexplore.models.observe`); when the rows or keys
   outgrow the bins, neighbouring bins merge (the bin size doubles);
 - the **recent rows**: the newest ``recent`` query rows at full resolution (float32, logical position order, 0 where
@@ -13,9 +13,10 @@ For every layer and query head :class:`AttentionStore` keeps
 - per row bin, the learned sinks' share of each row (``1 - the row's sum``; 0 for models without sinks).
 
 **Bound**: ``layers x heads x (row_bins x col_bins x 6 B + recent x context x 4 B)`` plus ``row_bins x col_bins x
-8 B`` of cell counts -- with the defaults (256 x 512 bins, 8 recent rows) SmolLM2-135M (30 x 9 heads) holds at most
-203 MiB of overview and 34 MiB of recent rows at 4,096 tokens; Gemma 3 270M (18 x 4) 54 + 9 MiB. Nothing depends
-on how many steps ran. Rows elsewhere at full resolution are recomputed when asked (:mod:`.recompute`).
+8 B`` of cell counts (:meth:`AttentionStore.bound`) -- with the defaults (128 x 512 bins, 8 recent rows)
+SmolLM2-135M (30 x 9 heads) holds at most 101 MiB of overview and 34 MiB of recent rows at 4,096 tokens; Gemma 3
+270M (18 x 4) 27 + 9 MiB. Nothing depends on how many steps ran. Rows elsewhere at full resolution are recomputed
+when asked (:mod:`.recompute`).
 
 A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped. A row bin that
 mixed kept and dropped rows is rebuilt from the kept rows still held at full resolution (the newest); kept rows
@@ -56,6 +57,7 @@ class AttentionStore:
         self._before: tuple[np.ndarray, np.ndarray] | None = None  # counts before the step under way
         self._step = (0, 0)  # the query positions of the step under way
         self._pending: list = []  # [layer index, chunks...]: one layer's chunks of a long step, landed together
+        self._cells: dict[tuple, np.ndarray] = {}  # the cells a step's rows add, per block (the same in every layer)
 
     # -- writing ---------------------------------------------------------------------------------------------
     def begin(self, q0: int, q1: int) -> None:
@@ -72,6 +74,7 @@ class AttentionStore:
         self._grow(-(-q1 // self.rs), -(-q1 // self.cs))
         self._before = (self._count.copy(), self._rowcount.copy())
         self._step = (q0, q1)
+        self._cells = {}
 
     def add(self, layer: int | list[int], q0: int, probs: torch.Tensor, positions: np.ndarray | range | None = None,
             c0: int = 0) -> None:
@@ -145,16 +148,22 @@ class AttentionStore:
         layers = slice(int(idx[0]), int(idx[0]) + len(idx)) if np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))) \
             else idx  # a slice gives views: updated in place
         before = self._before[0][rows, cols]
-        added = causal_cells(q0, q0 + C, self.rs, rb0, nrb, self.cs, cb0, ncb)
-        total = before + added
-        old = np.nan_to_num(self._mean[layers, :, rows, cols].astype(np.float32))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = (old * before + sm) / total
-        self._mean[layers, :, rows, cols] = np.where(total > 0, mean, np.nan)
-        M = self._max[layers, :, rows, cols]
-        np.fmax(M, mx, out=M, where=added > 0)
-        if not isinstance(layers, slice):
-            self._max[layers, :, rows, cols] = M
+        key = (q0, C, self.rs, rb0, nrb, self.cs, cb0, ncb)
+        if key not in self._cells:  # the same for every layer of the step
+            self._cells[key] = causal_cells(q0, q0 + C, self.rs, rb0, nrb, self.cs, cb0, ncb)
+        added = self._cells[key]
+        total = (before + added).astype(np.float32)
+        inv = np.divide(1.0, total, out=np.zeros_like(total), where=total > 0)
+        if not before.any():  # bins no earlier row reached (a prefill's): no old mean to weigh, no old max
+            self._mean[layers, :, rows, cols] = sm * inv
+            self._max[layers, :, rows, cols] = mx  # 0 where a bin has no cell (NaN is told by the counts)
+        else:
+            old = self._mean[layers, :, rows, cols].astype(np.float32)
+            self._mean[layers, :, rows, cols] = (old * before + sm) * inv
+            M = self._max[layers, :, rows, cols]
+            np.maximum(M, mx, out=M)
+            if not isinstance(layers, slice):
+                self._max[layers, :, rows, cols] = M
         share = 1.0 - rowsum  # (L, H, C): what the learned sinks took of each row
         b = np.arange(q0, q0 + C) // self.rs
         starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
@@ -227,15 +236,15 @@ class AttentionStore:
         starting at row bin ``r0`` and key bin ``c0`` (in those sizes), up to the rows held; NaN where no cell."""
         i = self._index[layer]
         fr, fc = rs // self.rs, cs // self.cs
-        M = _block(self._max[i, head], r0 * fr, nr * fr, c0 * fc, nc * fc, np.nan)
-        A = _block(self._mean[i, head].astype(np.float32), r0 * fr, nr * fr, c0 * fc, nc * fc, np.nan)
+        M = _block(self._max[i, head], r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
+        A = _block(self._mean[i, head].astype(np.float32), r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
         N = _block(self._count.astype(np.float64), r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
         M = M.reshape(nr, fr, nc, fc)
         A, N = A.reshape(nr, fr, nc, fc), N.reshape(nr, fr, nc, fc)
         cells = N.sum((1, 3))
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = (np.nan_to_num(A) * N).sum((1, 3)) / cells
-            mx = np.where(cells > 0, np.fmax.reduce(np.fmax.reduce(M, axis=3), axis=1), np.nan)
+            mean = (A * N).sum((1, 3)) / cells
+            mx = np.where(cells > 0, M.max((1, 3)), np.nan)
         return mx.astype(np.float32), np.where(cells > 0, mean, np.nan).astype(np.float32), cells
 
     def sink_share(self, layer: int, head: int, rs: int, r0: int, nr: int) -> tuple[np.ndarray, np.ndarray]:
@@ -269,8 +278,8 @@ class AttentionStore:
         if not self._index:
             self.heads = heads
             R, K = self._count.shape
-            self._max = np.full((0, heads, R, K), np.nan, dtype=np.float32)
-            self._mean = np.full((0, heads, R, K), np.nan, dtype=np.float16)
+            self._max = np.zeros((0, heads, R, K), dtype=np.float32)
+            self._mean = np.zeros((0, heads, R, K), dtype=np.float16)
             self._sink = np.zeros((0, heads, R, 2), dtype=np.float32)
             self._recent = np.zeros((0, self.recent, heads, 64), dtype=np.float32)
             self._recent_q = np.zeros((0, self.recent), dtype=np.int64)
@@ -279,8 +288,8 @@ class AttentionStore:
         n = len(self._index)
         if n == self._max.shape[0]:  # room for more layers: the capacity doubles
             cap = max(self._capacity, 2 * n)
-            self._max = _padded(self._max, (cap, *self._max.shape[1:]), np.nan)
-            self._mean = _padded(self._mean, (cap, *self._mean.shape[1:]), np.nan)
+            self._max = _padded(self._max, (cap, *self._max.shape[1:]), 0)
+            self._mean = _padded(self._mean, (cap, *self._mean.shape[1:]), 0)
             self._sink = _padded(self._sink, (cap, *self._sink.shape[1:]), 0.0)
             self._recent = _padded(self._recent, (cap, *self._recent.shape[1:]), 0.0)
             self._recent_q = _padded(self._recent_q, (cap, *self._recent_q.shape[1:]), -1)
@@ -296,8 +305,8 @@ class AttentionStore:
         self._count = _padded(self._count, (R2, K2), 0)
         self._rowcount = _padded(self._rowcount, (R2,), 0)
         n, H = self._max.shape[:2]
-        self._max = _padded(self._max, (n, H, R2, K2), np.nan)
-        self._mean = _padded(self._mean, (n, H, R2, K2), np.nan)
+        self._max = _padded(self._max, (n, H, R2, K2), 0)
+        self._mean = _padded(self._mean, (n, H, R2, K2), 0)
         self._sink = _padded(self._sink, (n, H, R2, 2), 0.0)
 
     def _merge_rows(self) -> None:
@@ -323,8 +332,8 @@ class AttentionStore:
         b = n // self.rs  # the bin that may keep some rows
         self._count[b:] = 0
         self._rowcount[b:] = 0
-        self._max[:, :, b:] = np.nan
-        self._mean[:, :, b:] = np.nan
+        self._max[:, :, b:] = 0.0
+        self._mean[:, :, b:] = 0.0
         self._sink[:, :, b:] = 0.0
         self._recent_q[self._recent_q >= n] = -1
         self.rows = b * self.rs
@@ -353,7 +362,8 @@ def _block(a: np.ndarray, r0: int, nr: int, c0: int, nc: int, fill: float) -> np
 
 
 def _padded(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
-    out = np.full(shape, fill, dtype=a.dtype)
+    """``a`` in a larger array; a fill of 0 is the system's zeroed pages, which cost nothing until written."""
+    out = np.zeros(shape, dtype=a.dtype) if fill == 0 else np.full(shape, fill, dtype=a.dtype)
     out[tuple(slice(0, n) for n in a.shape)] = a
     return out
 
@@ -370,7 +380,7 @@ def _even(a: np.ndarray, axis: int, fill=0) -> np.ndarray:
 def _merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring bins along ``axis`` (2: rows, 3: keys) of max and mean merged (``count``: the cells per bin
     before merging)."""
-    mx, mean = _even(mx, axis, np.nan), _even(mean, axis, np.nan)
+    mx, mean = _even(mx, axis), _even(mean, axis)
     c = _even(count, axis - 2).astype(np.float32)[None, None]
 
     def take(a, i):
@@ -378,6 +388,6 @@ def _merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> t
 
     c0, c1 = take(c, 0), take(c, 1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        s = (np.nan_to_num(take(mean, 0).astype(np.float32)) * c0 + np.nan_to_num(take(mean, 1).astype(np.float32)) * c1)
-        merged = np.where(c0 + c1 > 0, s / (c0 + c1), np.nan)
-    return np.fmax(take(mx, 0), take(mx, 1)), merged.astype(np.float16)
+        s = take(mean, 0).astype(np.float32) * c0 + take(mean, 1).astype(np.float32) * c1
+        merged = np.where(c0 + c1 > 0, s / (c0 + c1), 0.0)
+    return np.maximum(take(mx, 0), take(mx, 1)), merged.astype(np.float16)
