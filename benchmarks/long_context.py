@@ -110,12 +110,16 @@ def child_prefill(model_name: str, mode: str, n: int, threads: int, reps: int) -
     return {m: min(v) for m, v in out.items()}
 
 
+_STRIP = None
+
+
 def _views(session):
     from kvexplore.explorer.strip import TokenStrip
     from kvexplore.views import snapshot
     from kvexplore.views.registry import VIEWS
 
-    strip = TokenStrip()
+    global _STRIP
+    strip = _STRIP = _STRIP or TokenStrip()  # the widget keeps one (it caches the prompt's texts)
     names = list(session.lanes)
     snap = snapshot.take(session, strip, names[0], names[1] if len(names) > 1 else None, 0, 0)
     for name in VIEWS:
@@ -132,6 +136,19 @@ def child_step(model_name: str, n: int, threads: int, steps: int, profile: bool)
     for _ in range(2):
         s.step()
         _views(s)
+    from kvexplore import Generator, make_cache
+
+    plain = [Generator(model, make_cache(k, model, max_seq_len=n + steps + 16)) for k in s.lanes]
+    for g in plain:  # the same steps untraced: what the model and caches alone take
+        g.prefill(ids_for(model, n))
+        g.step()
+    plain_s = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        for g in plain:
+            g.step()
+        plain_s.append(time.perf_counter() - t)
+    del plain
     step_s, view_s = [], []
     for _ in range(steps):
         t = time.perf_counter()
@@ -151,7 +168,7 @@ def child_step(model_name: str, n: int, threads: int, steps: int, profile: bool)
         pr.disable()
         pstats.Stats(pr, stream=sys.stderr).sort_stats("cumtime").print_stats(30)
     return {"step": statistics.median(step_s), "views": statistics.median(view_s),
-            "store": s.reference.tracer.store.nbytes}
+            "store": s.reference.tracer.store.nbytes, "plain": statistics.median(plain_s)}
 
 
 def child_held(model_name: str, n: int, threads: int, steps: int) -> dict:
@@ -228,19 +245,22 @@ def main() -> None:
                       f"| {r['traced2']['s']:.2f} s ({r['traced2']['s'] / 2 / r['alone']['s']:.2f}x per lane) "
                       f"| {peaks} |", flush=True)
     if not args.skip_step:
-        print("\n| tokens | threads | Session.step, 2 lanes | snapshot + every view | attention store (1 lane) |")
-        print("|---|---|---|---|---|")
+        print("\n| tokens | threads | Session.step, 2 lanes | the same steps untraced | snapshot + every view "
+              "| attention store (1 lane) |")
+        print("|---|---|---|---|---|---|")
         res = {}
         for n in sorted({512, max(lengths)}):
             for th in threads:
                 res[n, th] = r = run_child(["step", args.model, str(n), str(th), str(args.steps),
                                             "1" if args.profile and n == max(lengths) else "0"])
-                print(f"| {n:,} | {th} | {r['step'] * 1e3:.0f} ms | {r['views'] * 1e3:.0f} ms "
-                      f"| {r['store'] / 2**20:.1f} MiB |", flush=True)
+                print(f"| {n:,} | {th} | {r['step'] * 1e3:.0f} ms | {r['plain'] * 1e3:.0f} ms "
+                      f"| {r['views'] * 1e3:.0f} ms | {r['store'] / 2**20:.1f} MiB |", flush=True)
         for th in threads:
             lo, hi = res[512, th], res[max(lengths), th]
             print(f"\nStep at {max(lengths):,} / at 512 ({th} thread{'s' * (th > 1)}): {hi['step'] / lo['step']:.2f}x "
-                  f"(target <= 2x); with the views {(hi['step'] + hi['views']) / (lo['step'] + lo['views']):.2f}x")
+                  f"(target <= 2x); with the views {(hi['step'] + hi['views']) / (lo['step'] + lo['views']):.2f}x; "
+                  f"the untraced steps {hi['plain'] / lo['plain']:.2f}x; what tracing adds "
+                  f"{(hi['step'] - hi['plain']) * 1e3:.0f} ms against {(lo['step'] - lo['plain']) * 1e3:.0f} ms")
     if not args.skip_held:
         r = run_child(["held", args.model, "512", str(threads[0]), str(args.held_steps)])
         print(f"\nHeld after {r['steps']} steps at 512 tokens (2 lanes): the records and tracers allocated "

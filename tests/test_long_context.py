@@ -247,3 +247,17 @@ def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, 
     from kvexplore.views import cache_map
     assert isinstance(runs["paged"][2].trace.layer_slots[0], PackedSlots)
     cache_map.from_snapshot(snapshot_at(runs, 2, "paged", layer=1, head=2))
+
+
+def test_a_zoom_without_recomputation_draws_the_stored_bins_and_says_so(trained, small_bins):
+    s = Session(trained, ("preallocated",), max_seq_len=320)
+    s.prefill(ids(200, 5))
+    s.step()
+    store = s.reference.tracer.store
+    spec = attention.spec(s.reference.history, 0, 0, zoom={"xaxis2": (10, 14), "yaxis2": (100, 103)})
+    assert "finer rows are not kept" in spec.layout["title"]["text"]
+    heat = spec.trace("history")
+    mx, _, _ = store.overview(0, 0, store.rs, store.cs, 0, 13, 0, 26)
+    row_bin, col_bin = 96 // store.rs, 8 // store.cs  # the stored bins that hold rows 100..103, keys 10..14
+    assert (store.rs, store.cs) == (16, 8) and len(heat["z"]) == 1
+    assert heat["z"][0] == pytest.approx(mx[row_bin, col_bin])

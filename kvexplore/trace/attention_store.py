@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .rowbins import bin_size, causal_cells, reduce_rows
+from .rowbins import causal_cells, even as _even, merged as _merged, padded as _padded, reduce_rows
 
 ROW_BINS, COL_BINS, RECENT = 128, 512, 8
 
@@ -145,8 +145,7 @@ class AttentionStore:
         ncb = min(mx.shape[3], self._count.shape[1] - cb0)
         mx, sm = mx[..., :ncb], sm[..., :ncb]
         rows, cols = slice(rb0, rb0 + nrb), slice(cb0, cb0 + ncb)
-        layers = slice(int(idx[0]), int(idx[0]) + len(idx)) if np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))) \
-            else idx  # a slice gives views: updated in place
+        layers = _as_slice(idx)  # a slice gives views: updated in place
         before = self._before[0][rows, cols]
         key = (q0, C, self.rs, rb0, nrb, self.cs, cb0, ncb)
         if key not in self._cells:  # the same for every layer of the step
@@ -182,12 +181,15 @@ class AttentionStore:
         width = c0 + rows.shape[3]
         if width > self._recent.shape[3]:
             self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, 2 * self._recent.shape[3])), 0.0)
+        layers = _as_slice(idx)
         for i in range(rows.shape[2]):
             q = q0 + first + i
             slot = q % self.recent
-            self._recent[idx, slot] = 0.0
-            self._recent[idx, slot, :, c0:width] = rows[:, :, i]
-            self._recent_q[idx, slot] = q
+            if c0:
+                self._recent[layers, slot, :, :c0] = 0.0
+            self._recent[layers, slot, :, c0:width] = rows[:, :, i]
+            self._recent[layers, slot, :, width:] = 0.0
+            self._recent_q[layers, slot] = q
 
     # -- reading ---------------------------------------------------------------------------------------------
     @property
@@ -354,40 +356,14 @@ class AttentionStore:
             self.end()
 
 
+def _as_slice(idx: np.ndarray):
+    """Consecutive layer indices as a slice (indexing with it gives views), else the indices."""
+    first = int(idx[0])
+    return slice(first, first + len(idx)) if np.array_equal(idx, np.arange(first, first + len(idx))) else idx
+
+
 def _block(a: np.ndarray, r0: int, nr: int, c0: int, nc: int, fill: float) -> np.ndarray:
     out = np.full((nr, nc), fill, dtype=a.dtype)
     src = a[r0: r0 + nr, c0: c0 + nc]
     out[: src.shape[0], : src.shape[1]] = src
     return out
-
-
-def _padded(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
-    """``a`` in a larger array; a fill of 0 is the system's zeroed pages, which cost nothing until written."""
-    out = np.zeros(shape, dtype=a.dtype) if fill == 0 else np.full(shape, fill, dtype=a.dtype)
-    out[tuple(slice(0, n) for n in a.shape)] = a
-    return out
-
-
-def _even(a: np.ndarray, axis: int, fill=0) -> np.ndarray:
-    """``a`` padded along ``axis`` to an even length with ``fill`` (nothing there)."""
-    if a.shape[axis] % 2 == 0:
-        return a
-    shape = list(a.shape)
-    shape[axis] += 1
-    return _padded(a, tuple(shape), fill)
-
-
-def _merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Neighbouring bins along ``axis`` (2: rows, 3: keys) of max and mean merged (``count``: the cells per bin
-    before merging)."""
-    mx, mean = _even(mx, axis), _even(mean, axis)
-    c = _even(count, axis - 2).astype(np.float32)[None, None]
-
-    def take(a, i):
-        return a[:, :, i::2] if axis == 2 else a[:, :, :, i::2]
-
-    c0, c1 = take(c, 0), take(c, 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s = take(mean, 0).astype(np.float32) * c0 + take(mean, 1).astype(np.float32) * c1
-        merged = np.where(c0 + c1 > 0, s / (c0 + c1), 0.0)
-    return np.maximum(take(mx, 0), take(mx, 1)), merged.astype(np.float16)

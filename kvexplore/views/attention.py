@@ -108,12 +108,16 @@ def _history(store, records, source, layer, head, rows_n, zoom, max_bins):
             return rb, cb, mx, _sinks(store, layer, head, rb), (
                 f"rows {rb.start}–{q1 - 1} recomputed (a prefill of positions 0..{q1 - 1}: exact for the prompt's "
                 f"rows; a decode step of a ring, sink or quantized cache read otherwise)")
-        rb = bins.plan(q_lo, q_hi, -(-(q_hi - q_lo) // store.rs) + 1) if rb.size < store.rs else rb
-        cb = bins.plan(k_lo, k_hi, -(-(k_hi - k_lo) // store.cs) + 1) if cb.size < store.cs else cb
+        rb, cb = _at_least(rb, store.rs), _at_least(cb, store.cs)
         note = "finer rows are not kept: drawn at the stored bins"
     mx, _, _ = store.overview(layer, head, rb.size, cb.size, rb.start // rb.size, rb.count, cb.start // cb.size,
                               cb.count)
     return rb, cb, mx, _sinks(store, layer, head, rb), note
+
+
+def _at_least(b: bins.Bins, size: int) -> bins.Bins:
+    """``b`` with bins of at least ``size`` (aligned: a multiple of it)."""
+    return b if b.size >= size else bins.Bins(b.start - b.start % size, b.stop, size)
 
 
 def _sinks(store: AttentionStore, layer: int, head: int, rb: bins.Bins) -> np.ndarray:
