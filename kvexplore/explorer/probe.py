@@ -74,8 +74,8 @@ class LaneTracer(Tracer):
         self._step._attention[layer] = (layer, self._first, self._pos + self._q_len)
         if keys == self._pos + self._q_len:
             self._direct.add(layer)
-            if probs.shape[1] <= SMALL:  # a decode step's row: every layer's together when the step ends
-                self._small.append((layer, q0, probs, c0))
+            if probs.shape[1] <= SMALL:  # a decode step's row: lands with the step, every layer's together
+                self.later(probs, lambda h: self._small.append((layer, q0, h, c0)))
             else:
                 self.history.add(layer, q0, probs, c0=c0)
         else:

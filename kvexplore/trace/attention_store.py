@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core import host
 from .rowbins import causal_cells, even as _even, merged as _merged, padded as _padded, reduce_rows
 
 ROW_BINS, COL_BINS, RECENT = 128, 512, 8
@@ -94,7 +95,7 @@ class AttentionStore:
             probs, c0 = logical, 0
         L, H, C, W = probs.shape
         rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), q0, c0, self.rs, self.cs)
-        mx, sm, rowsum = (t.cpu().numpy().reshape(L, H, *t.shape[1:]) for t in (mx, sm, rowsum))
+        mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in host.fetch([mx, sm, rowsum]))  # (small)
         idx = np.asarray([self._slot(n, H) for n in layers], dtype=np.int64)
         self._keep_recent(idx, q0, probs, c0)
         piece = (q0, rb0, cb0, mx, sm, rowsum)
@@ -177,7 +178,7 @@ class AttentionStore:
         first = max(q0, self._step[1] - self.recent) - q0
         if first >= C:
             return
-        rows = probs[:, :, first:].cpu().numpy()  # (L, H, r, keys)
+        rows = host.fetch([probs[:, :, first:]])[0].numpy()  # (L, H, r, keys)
         width = c0 + rows.shape[3]
         if width > self._recent.shape[3]:
             self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, 2 * self._recent.shape[3])), 0.0)
