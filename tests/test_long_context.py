@@ -62,8 +62,8 @@ def test_the_overview_is_the_full_matrix_binned_and_the_recent_rows_are_its_rows
     assert store.rows == T == 262 and (store.rs, store.cs) == (32, 16)
     for layer, head in ((0, 0), (3, 5)):
         full = full_attention(trained, tokens, layer, head)
-        mx, mean, cells = store.overview(layer, head, store.rs, store.cs, 0, 9, 0, 17)
-        np.testing.assert_allclose(mx, binned(full, 32, 16, "max"), rtol=1e-5, atol=1e-6)
+        mx, mean, cells = store.overview(layer, head, store.rs, store.cs, 0, 9, 0, 17)  # binned: float16
+        np.testing.assert_allclose(mx, binned(full, 32, 16, "max"), rtol=1e-3, atol=1e-6)
         np.testing.assert_allclose(mean, binned(full, 32, 16, "mean"), rtol=3e-3, atol=1e-5)  # float16 means
         assert cells.sum() == T * (T + 1) // 2
         assert store.recent_rows(layer) == list(range(T - 4, T))
@@ -72,7 +72,7 @@ def test_the_overview_is_the_full_matrix_binned_and_the_recent_rows_are_its_rows
         assert store.row(layer, T - 5) is None  # older rows are not kept at full resolution
         # coarser bins asked are combined from the stored ones exactly
         mx2, _, _ = store.overview(layer, head, 64, 64, 0, 5, 0, 5)
-        np.testing.assert_allclose(mx2, binned(full, 64, 64, "max"), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mx2, binned(full, 64, 64, "max"), rtol=1e-3, atol=1e-6)
 
 
 def test_a_rewind_drops_the_rows_and_the_overview_stays_the_binned_matrix(trained, small_bins):
@@ -88,12 +88,12 @@ def test_a_rewind_drops_the_rows_and_the_overview_stays_the_binned_matrix(traine
     assert (len(tokens), store.rs, store.cs, store.rows) == (207, 16, 8, 207)
     full = full_attention(trained, tokens, 2, 1)
     mx, mean, cells = store.overview(2, 1, 16, 8, 0, 13, 0, 26)
-    np.testing.assert_allclose(mx[:12], binned(full, 16, 8, "max")[:12], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mx[:12], binned(full, 16, 8, "max")[:12], rtol=1e-3, atol=1e-6)
     np.testing.assert_allclose(mean[:12], binned(full, 16, 8, "mean")[:12], rtol=3e-3, atol=1e-5)
     # the bin the rewind cut holds the rows it still had (202, then the new 203..206), nothing of the dropped ones
     kept = full.copy()
     kept[192:202] = np.nan
-    np.testing.assert_allclose(mx[12], binned(kept, 16, 8, "max")[12], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mx[12], binned(kept, 16, 8, "max")[12], rtol=1e-3, atol=1e-6)
     assert cells[12].sum() == sum(q + 1 for q in range(202, 207))
 
 
@@ -204,7 +204,7 @@ def test_sinks_and_sliding_windows(zoo, small_bins):
     for layer in (0, 5):  # a local layer (window 4) and the global one
         full = full_attention(gemma, tokens, layer, 1)
         mx, _, _ = store.overview(layer, 1, store.rs, store.cs, 0, -(-61 // store.rs), 0, -(-61 // store.cs))
-        np.testing.assert_allclose(mx, binned(full, store.rs, store.cs, "max"), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mx, binned(full, store.rs, store.cs, "max"), rtol=1e-3, atol=1e-6)
 
 
 def test_packed_slots_unpack_to_the_same_view(trained):

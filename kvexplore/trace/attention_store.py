@@ -3,8 +3,9 @@
 For every layer and query head :class:`AttentionStore` keeps
 
 - an **overview** of all query rows x key positions, binned with aligned power-of-two bins (the bins of
-  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32) and
-  mean (float16, over the bin's causal cells: query ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer
+  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32 while
+  the bins are single cells, float16 once they are binned) and mean (float16, over the bin's causal cells: query
+  ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer
   computes them (the prefill in chunks of query rows, see :mod:`kvexplore.models.observe`); when the rows or keys
   outgrow the bins, neighbouring bins merge (the bin size doubles);
 - the **recent rows**: the newest ``recent`` query rows at full resolution (float32, logical position order, 0 where
@@ -13,9 +14,9 @@ For every layer and query head :class:`AttentionStore` keeps
 - per row bin, the learned sinks' share of each row (``1 - the row's sum``; 0 for models without sinks).
 
 **Bound**: ``layers x heads x (row_bins x col_bins x 6 B + recent x context x 4 B)`` plus ``row_bins x col_bins x
-8 B`` of cell counts (:meth:`AttentionStore.bound`) -- with the defaults (128 x 512 bins, 8 recent rows)
-SmolLM2-135M (30 x 9 heads) holds at most 101 MiB of overview and 34 MiB of recent rows at 4,096 tokens; Gemma 3
-270M (18 x 4) 27 + 9 MiB. Nothing depends on how many steps ran. Rows elsewhere at full resolution are recomputed
+8 B`` of cell counts (:meth:`AttentionStore.bound`; 4 B a bin instead of 6 once binned) -- with the defaults
+(128 x 512 bins, 8 recent rows) SmolLM2-135M (30 x 9 heads) holds at most 68 MiB of binned overview and 34 MiB of
+recent rows at 4,096 tokens; Gemma 3 270M (18 x 4) 18 + 9 MiB. Nothing depends on how many steps ran. Rows elsewhere at full resolution are recomputed
 when asked (:mod:`.recompute`).
 
 A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped. A row bin that
@@ -32,6 +33,7 @@ from ..core import host
 from .rowbins import causal_cells, even as _even, merged as _merged, padded as _padded, reduce_rows
 
 ROW_BINS, COL_BINS, RECENT = 128, 512, 8
+_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
 class AttentionStore:
@@ -155,8 +157,9 @@ class AttentionStore:
         total = (before + added).astype(np.float32)
         inv = np.divide(1.0, total, out=np.zeros_like(total), where=total > 0)
         if not before.any():  # bins no earlier row reached (a prefill's): no old mean to weigh, no old max
-            self._mean[layers, :, rows, cols] = sm * inv
-            self._max[layers, :, rows, cols] = mx  # 0 where a bin has no cell (NaN is told by the counts)
+            # (converted to float16 by torch: numpy's conversion is several times slower)
+            self._mean[layers, :, rows, cols] = (torch.from_numpy(sm) * torch.from_numpy(inv)).half().numpy()
+            self._max[layers, :, rows, cols] = torch.from_numpy(mx).to(_TORCH[self._max.dtype]).numpy()
         else:
             old = self._mean[layers, :, rows, cols].astype(np.float32)
             self._mean[layers, :, rows, cols] = (old * before + sm) * inv
@@ -281,7 +284,7 @@ class AttentionStore:
         if not self._index:
             self.heads = heads
             R, K = self._count.shape
-            self._max = np.zeros((0, heads, R, K), dtype=np.float32)
+            self._max = np.zeros((0, heads, R, K), dtype=self._max_dtype)
             self._mean = np.zeros((0, heads, R, K), dtype=np.float16)
             self._sink = np.zeros((0, heads, R, 2), dtype=np.float32)
             self._recent = np.zeros((0, self.recent, heads, 64), dtype=np.float32)
@@ -299,6 +302,11 @@ class AttentionStore:
         self._index[layer] = n
         return n
 
+    @property
+    def _max_dtype(self):
+        """float32 while the overview is at full resolution (it is then the exact drawing), float16 once binned."""
+        return np.float32 if self.rs == self.cs == 1 else np.float16
+
     def _grow(self, nrb: int, ncb: int) -> None:
         R, K = self._count.shape
         if nrb <= R and ncb <= K:
@@ -315,6 +323,7 @@ class AttentionStore:
     def _merge_rows(self) -> None:
         self.rs *= 2
         self._max, self._mean = _merged(self._max, self._mean, self._count, 2)
+        self._max = self._max.astype(self._max_dtype, copy=False)
         s = _even(self._sink, 2)
         self._sink = np.stack([np.maximum(s[:, :, 0::2, 0], s[:, :, 1::2, 0]), s[:, :, 0::2, 1] + s[:, :, 1::2, 1]], -1)
         c = _even(self._count, 0)
@@ -325,6 +334,7 @@ class AttentionStore:
     def _merge_cols(self) -> None:
         self.cs *= 2
         self._max, self._mean = _merged(self._max, self._mean, self._count, 3)
+        self._max = self._max.astype(self._max_dtype, copy=False)
         c = _even(self._count, 1)
         self._count = c[:, 0::2] + c[:, 1::2]
 
