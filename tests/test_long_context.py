@@ -131,9 +131,10 @@ def test_held_memory_is_bounded_whatever_the_number_of_steps(trained, small_bins
         s.step()
         if n in (KEEP_STEPS + 10, 3 * KEEP_STEPS):
             store = s.reference.tracer.store
-            sizes.append(store.nbytes)
+            sizes.append(store.nbytes - store._recent.nbytes)
             assert store.nbytes <= store.bound(c.num_layers, c.num_heads, len(s.tokens))
-    assert sizes[0] == sizes[1]  # bins saturated: more steps hold no more (the recent rows' width doubled earlier)
+            assert store._recent.shape[3] <= len(s.tokens) * 5 // 4 + 1  # the recent rows: the context's width
+    assert sizes[0] == sizes[1]  # bins saturated: beyond the recent rows, more steps hold nothing more
     history = s.reference.history
     old, new = history[1].trace, history[-1].trace
     assert all(isinstance(v, PackedSlots) for v in old.layer_slots) and isinstance(old.read_positions, range)

@@ -184,7 +184,7 @@ class AttentionStore:
         rows = host.fetch([probs[:, :, first:]])[0].numpy()  # (L, H, r, keys)
         width = c0 + rows.shape[3]
         if width > self._recent.shape[3]:
-            self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, 2 * self._recent.shape[3])), 0.0)
+            self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, self._recent.shape[3] * 5 // 4)), 0.0)
         layers = _as_slice(idx)
         for i in range(rows.shape[2]):
             q = q0 + first + i
@@ -267,7 +267,7 @@ class AttentionStore:
         with the arrays' room for growth: layers and the recent rows' width are allocated by doubling)."""
         cap = max(self._capacity, 1 << max(0, layers - 1).bit_length())
         R, K = self.row_bins, self.col_bins
-        width = max(64, 1 << max(0, context - 1).bit_length())
+        width = max(64, context * 5 // 4 + 1)
         return cap * heads * (R * K * 6 + R * 8 + self.recent * width * 4) + cap * self.recent * 8 + R * K * 8 + R * 8
 
     @property
