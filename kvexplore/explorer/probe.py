@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from ..caches.base import KVCache
@@ -20,6 +21,7 @@ from ..trace.compact import RecentTraces
 from ..trace.tracer import StepTrace, Tracer
 
 CHUNK = 64  # query rows per chunk of a prefill's attention (at least the store's bin sizes)
+SMALL = 4  # blocks of at most this many rows (a decode step's) land together when the step ends
 
 
 class LaneTracer(Tracer):
@@ -28,7 +30,7 @@ class LaneTracer(Tracer):
     def __init__(self, num_layers: int, num_kv_heads: int, attention: bool = True) -> None:
         # attention=False: a compiled lane's (its steps run as one graph, which no hook sees inside)
         super().__init__(capture={"cache", "memory", "timing"} | ({"attention"} if attention else set()))
-        self.history = AttentionStore()  # the lane's attention (StepTrace entries refer to it)
+        self.history = AttentionStore(layers=num_layers)  # the lane's attention (StepTrace entries refer to it)
         # (layer, k/v, kv head, position); NaN where nothing was recorded (e.g. before the explorer attached, or
         # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
@@ -43,6 +45,7 @@ class LaneTracer(Tracer):
         # rows that wait for the step's read positions: (layer, first query position, rows, first key column)
         self._hooked: list[tuple[int, int, torch.Tensor, int]] = []
         self._direct: set[int] = set()  # layers whose rows were reduced as they came (read positions 0..end-1)
+        self._small: list[tuple[int, int, torch.Tensor, int]] = []  # rows of a decode step, landed together
 
     @property
     def store(self) -> AttentionStore:
@@ -71,7 +74,10 @@ class LaneTracer(Tracer):
         self._step._attention[layer] = (layer, self._first, self._pos + self._q_len)
         if keys == self._pos + self._q_len:
             self._direct.add(layer)
-            self.history.add(layer, q0, probs, c0=c0)
+            if probs.shape[1] <= SMALL:  # a decode step's row: lands with the step, every layer's together
+                self.later(probs, lambda h: self._small.append((layer, q0, h, c0)))
+            else:
+                self.history.add(layer, q0, probs, c0=c0)
         else:
             self.later(probs, lambda h: self._hooked.append((layer, q0, h, c0)))
 
@@ -100,7 +106,7 @@ class LaneTracer(Tracer):
         super().begin_step(cache, pos, q_len)
         self._step._history = self.history
         self._first = pos + q_len - 1 if self.last_row_only else pos
-        self._hooked, self._direct = [], set()
+        self._hooked, self._direct, self._small = [], set(), []
         if "attention" in self.capture:
             self.history.begin(self._first, pos + q_len)
 
@@ -112,12 +118,19 @@ class LaneTracer(Tracer):
                 reads = list(step.reads_of(layer))
                 self.history.add(layer, q0, rows, positions=reads[c0: c0 + rows.shape[-1]])
                 step._attention[layer] = (layer, self._first, end)
+            groups: dict[tuple, list] = {}
+            for layer, q0, rows, c0 in self._small:
+                groups.setdefault((q0, c0, tuple(rows.shape)), []).append((layer, rows))
+            for (q0, c0, _), items in groups.items():
+                self.history.add([n for n, _ in items], q0, torch.stack([r for _, r in items]), c0=c0)
+            checked: set[int] = set()
             for layer in self._direct:  # reduced as position order: the step must have read positions 0..end-1
                 reads = step.reads_of(layer)
-                if len(reads) != end or any(p != i for i, p in enumerate(reads)):
+                if id(reads) not in checked and not np.array_equal(np.asarray(reads), np.arange(end)):
                     raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
+                checked.add(id(reads))
             self.history.end()
-        self._hooked, self._direct = [], set()
+        self._hooked, self._direct, self._small = [], set(), []
         self.recent_traces.push(step)
         return step
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..core import host
+
 
 def observes_rows(tracer: Any) -> bool:
     """Whether ``tracer`` takes attention probabilities in chunks of rows."""
@@ -38,9 +40,14 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
     bounds = tracer.row_chunks(layer, T)
     for r0, r1 in zip(bounds[:-1], bounds[1:]):
         C = r1 - r0
-        if m2 is not None:
-            allowed = m2[r0:r1].any(0).nonzero()
-            lo, hi = (int(allowed[0]), int(allowed[-1]) + 1) if allowed.numel() else (0, 1)
+        if m2 is not None and C > 4:  # the columns some row of the chunk may read (one small transfer)
+            allowed = m2[r0:r1].any(0)
+            where = torch.arange(S, device=allowed.device)
+            ends = torch.stack([torch.where(allowed, where, S).min(), torch.where(allowed, where, -1).max() + 1])
+            lo, hi = (int(v) for v in host.fetch([ends])[0].tolist())
+            lo, hi = (lo, hi) if hi > lo else (0, S)
+        elif m2 is not None:  # a decode step's row or few: every column (no transfer in the step)
+            lo, hi = 0, S
         else:
             lo, hi = 0, (S - T + r1 if T > 1 else S)
         lo -= lo % align
@@ -52,10 +59,12 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
         scores = scores.view(nh, C, hi - lo)
         if m2 is not None:
             scores = scores.masked_fill(~m2[r0:r1, lo:hi], float("-inf"))
-        elif T > 1:  # causal: row r reads columns up to r + S - T
-            cols = torch.arange(lo, hi, device=q.device)
-            rows = torch.arange(r0, r1, device=q.device) + (S - T)
-            scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        elif T > 1:  # causal: row r reads columns up to r + S - T; only the block right of r0 + S - T has any
+            d = max(r0 + S - T + 1, lo)
+            if d < hi:
+                cols = torch.arange(d, hi, device=q.device)
+                rows = torch.arange(r0, r1, device=q.device) + (S - T)
+                scores[..., d - lo:].masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
         if sinks is not None:  # one more column of the softmax, which reads no value
             sink = sinks.float().view(nh, 1, 1).expand(nh, C, 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]

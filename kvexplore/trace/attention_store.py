@@ -3,8 +3,9 @@
 For every layer and query head :class:`AttentionStore` keeps
 
 - an **overview** of all query rows x key positions, binned with aligned power-of-two bins (the bins of
-  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max and mean probability in
-  float32 and float16 (mean over the bin's causal cells: query ``q`` reads keys ``0..q``). Rows are reduced as soon as a layer
+  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32 while
+  the bins are single cells, float16 once they are binned) and mean (float16, over the bin's causal cells: query
+  ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer
   computes them (the prefill in chunks of query rows, see :mod:`kvexplore.models.observe`); when the rows or keys
   outgrow the bins, neighbouring bins merge (the bin size doubles);
 - the **recent rows**: the newest ``recent`` query rows at full resolution (float32, logical position order, 0 where
@@ -13,13 +14,14 @@ For every layer and query head :class:`AttentionStore` keeps
 - per row bin, the learned sinks' share of each row (``1 - the row's sum``; 0 for models without sinks).
 
 **Bound**: ``layers x heads x (row_bins x col_bins x 6 B + recent x context x 4 B)`` plus ``row_bins x col_bins x
-8 B`` of cell counts -- with the defaults (256 x 512 bins, 8 recent rows) SmolLM2-135M (30 x 9 heads) holds at most
-203 MiB of overview and 34 MiB of recent rows at 4,096 tokens; Gemma 3 270M (18 x 4) 54 + 9 MiB. Nothing depends
-on how many steps ran. Rows elsewhere at full resolution are recomputed when asked (:mod:`.recompute`).
+8 B`` of cell counts (:meth:`AttentionStore.bound`; 4 B a bin instead of 6 once binned) -- with the defaults
+(128 x 512 bins, 8 recent rows) SmolLM2-135M (30 x 9 heads) holds at most 68 MiB of binned overview and 34 MiB of
+recent rows at 4,096 tokens; Gemma 3 270M (18 x 4) 18 + 9 MiB. Nothing depends on how many steps ran. Rows elsewhere at full resolution are recomputed
+when asked (:mod:`.recompute`).
 
-A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped (a row bin
-that mixed kept and dropped rows is rebuilt from the recent rows when they hold it, otherwise only the rows the
-bin still holds count).
+A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped. A row bin that
+mixed kept and dropped rows is rebuilt from the kept rows still held at full resolution (the newest); kept rows
+older than those leave that one bin (its max and mean are then over the rows it still holds).
 """
 
 from __future__ import annotations
@@ -27,28 +29,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .rowbins import bin_size, causal_cells, reduce_rows
+from ..core import host
+from .rowbins import causal_cells, even as _even, merged as _merged, padded as _padded, reduce_rows
 
-ROW_BINS, COL_BINS, RECENT = 256, 512, 8
+ROW_BINS, COL_BINS, RECENT = 128, 512, 8
+_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
 class AttentionStore:
     """The bounded attention of one lane (see the module's docstring for what is kept and the bound)."""
 
-    def __init__(self, row_bins: int = ROW_BINS, col_bins: int = COL_BINS, recent: int = RECENT) -> None:
-        self.row_bins, self.col_bins, self.recent = row_bins, col_bins, recent
+    def __init__(self, row_bins: int | None = None, col_bins: int | None = None, recent: int | None = None,
+                 layers: int = 4) -> None:
+        self.row_bins, self.col_bins = row_bins or ROW_BINS, col_bins or COL_BINS
+        self.recent = recent or RECENT
+        self._capacity = layers  # layers room is made for at first
         self.rs = self.cs = 1  # the overview's bin sizes (rows, keys)
         self.rows = 0  # query rows held: positions 0 .. rows - 1
         self.heads = 0
-        self._max: dict[int, np.ndarray] = {}  # layer -> (heads, row bins, key bins) float32, NaN: no cell
-        self._mean: dict[int, np.ndarray] = {}  # the same in float16
-        self._sink: dict[int, np.ndarray] = {}  # layer -> (heads, row bins, 2): max and sum of each row's sink share
+        self._index: dict[int, int] = {}  # layer -> its index in the arrays below (layers stacked)
+        self._max = np.zeros((0, 0, 0, 0), dtype=np.float32)  # (layers, heads, row bins, key bins), NaN: no cell
+        self._mean = np.zeros((0, 0, 0, 0), dtype=np.float16)  # the same, float16
+        self._sink = np.zeros((0, 0, 0, 2), dtype=np.float32)  # (layers, heads, row bins, 2): max and sum of the
+        # learned sinks' share of each row
         self._count = np.zeros((0, 0), dtype=np.int64)  # cells per bin (the same for every layer and head)
         self._rowcount = np.zeros(0, dtype=np.int64)  # rows per row bin
-        self._recent: dict[int, np.ndarray] = {}  # layer -> (recent, heads, width) float32, row q at q % recent
-        self._recent_q: dict[int, np.ndarray] = {}  # layer -> the query position in each recent slot (-1: none)
+        self._recent = np.zeros((0, self.recent, 0, 0), dtype=np.float32)  # (layers, recent, heads, width): row q
+        # at q % recent
+        self._recent_q = np.zeros((0, self.recent), dtype=np.int64)  # the query position in each slot (-1: none)
         self._before: tuple[np.ndarray, np.ndarray] | None = None  # counts before the step under way
         self._step = (0, 0)  # the query positions of the step under way
+        self._pending: list = []  # [layer index, chunks...]: one layer's chunks of a long step, landed together
+        self._cells: dict[tuple, np.ndarray] = {}  # the cells a step's rows add, per block (the same in every layer)
 
     # -- writing ---------------------------------------------------------------------------------------------
     def begin(self, q0: int, q1: int) -> None:
@@ -65,27 +77,64 @@ class AttentionStore:
         self._grow(-(-q1 // self.rs), -(-q1 // self.cs))
         self._before = (self._count.copy(), self._rowcount.copy())
         self._step = (q0, q1)
+        self._cells = {}
 
-    def add(self, layer: int, q0: int, probs: torch.Tensor, positions: np.ndarray | range | None = None,
+    def add(self, layer: int | list[int], q0: int, probs: torch.Tensor, positions: np.ndarray | range | None = None,
             c0: int = 0) -> None:
-        """Land ``probs`` ``(heads, rows, keys)`` (float32, any device) of query positions ``q0..``: key column
-        ``j`` is position ``c0 + j``, or ``positions[j]`` when given (any order)."""
-        probs = probs.detach().float()
+        """Land ``probs`` ``(heads, rows, keys)`` (float32, any device) of query positions ``q0..`` of ``layer`` (or
+        ``(layers, heads, rows, keys)`` of a list of layers): key column ``j`` is position ``c0 + j``, or
+        ``positions[j]`` when given (any order)."""
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        probs = probs.detach().float().reshape(len(layers), *probs.shape[-3:])
         if positions is not None:
             positions = np.asarray(positions, dtype=np.int64)
             if positions.size and np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)):
                 c0, positions = int(positions[0]), None
         if positions is not None:  # scattered: to logical order first
             width = int(positions.max()) + 1 if positions.size else 0
-            logical = probs.new_zeros(*probs.shape[:2], width)
+            logical = probs.new_zeros(*probs.shape[:3], width)
             logical[..., torch.as_tensor(positions, device=probs.device)] = probs
             probs, c0 = logical, 0
-        rb0, cb0, mx, sm, rowsum = reduce_rows(probs, q0, c0, self.rs, self.cs)
-        host = [t.cpu().numpy() for t in (mx, sm, rowsum)]
-        self._land(layer, q0, probs, c0, rb0, cb0, *host)
+        L, H, C, W = probs.shape
+        rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), q0, c0, self.rs, self.cs)
+        mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in host.fetch([mx, sm, rowsum]))  # (small)
+        idx = np.asarray([self._slot(n, H) for n in layers], dtype=np.int64)
+        self._keep_recent(idx, q0, probs, c0)
+        piece = (q0, rb0, cb0, mx, sm, rowsum)
+        if L == 1 and (q0 + C) % self.rs == 0:
+            if self._pending and self._pending[0] != idx[0]:
+                self._flush()
+            if not self._pending:
+                self._pending = [int(idx[0])]
+            self._pending.append(piece)  # a chunk of a long step: the layer's chunks land together
+            return
+        self._flush()
+        self._land(idx, *piece)
+
+    def _flush(self) -> None:
+        """Land the chunks of one layer kept so far as one block (they cover whole, consecutive row bins)."""
+        if not self._pending:
+            return
+        layer, *pieces = self._pending
+        self._pending = []
+        q0, rb0 = pieces[0][0], pieces[0][1]
+        C = sum(p[5].shape[-1] for p in pieces)
+        rb1 = max(p[1] + p[3].shape[2] for p in pieces)
+        cb0 = min(p[2] for p in pieces)
+        cb1 = max(p[2] + p[3].shape[3] for p in pieces)
+        H = pieces[0][3].shape[1]
+        mx = np.zeros((1, H, rb1 - rb0, cb1 - cb0), dtype=np.float32)
+        sm = np.zeros_like(mx)
+        for _, rb, cb, m, s_, _ in pieces:  # columns outside a chunk's span were masked: probability 0
+            mx[:, :, rb - rb0: rb - rb0 + m.shape[2], cb - cb0: cb - cb0 + m.shape[3]] = m
+            sm[:, :, rb - rb0: rb - rb0 + m.shape[2], cb - cb0: cb - cb0 + m.shape[3]] = s_
+        rowsum = np.concatenate([p[5] for p in pieces], -1)
+        assert rowsum.shape[-1] == C
+        self._land(np.asarray([layer]), q0, rb0, cb0, mx, sm, rowsum)
 
     def end(self) -> None:
         """The step's rows have landed in every layer: count their cells."""
+        self._flush()
         q0, q1 = self._step
         nrb, ncb = self._count.shape
         self._count += causal_cells(q0, q1, self.rs, 0, nrb, self.cs, 0, ncb)
@@ -93,63 +142,74 @@ class AttentionStore:
         self.rows = max(self.rows, q1)
         self._before = None
 
-    def _land(self, layer, q0, probs, c0, rb0, cb0, mx, sm, rowsum) -> None:
-        H, C = rowsum.shape
-        self._ensure_layer(layer, H)
-        nrb, ncb = mx.shape[1], mx.shape[2]
-        ncb = min(ncb, self._count.shape[1] - cb0)
-        mx, sm = mx[:, :, :ncb], sm[:, :, :ncb]
+    def _land(self, idx, q0, rb0, cb0, mx, sm, rowsum) -> None:
+        C = rowsum.shape[-1]
+        nrb = mx.shape[2]
+        ncb = min(mx.shape[3], self._count.shape[1] - cb0)
+        mx, sm = mx[..., :ncb], sm[..., :ncb]
         rows, cols = slice(rb0, rb0 + nrb), slice(cb0, cb0 + ncb)
+        layers = _as_slice(idx)  # a slice gives views: updated in place
         before = self._before[0][rows, cols]
-        added = causal_cells(q0, q0 + C, self.rs, rb0, nrb, self.cs, cb0, ncb)
-        old = self._mean[layer][:, rows, cols].astype(np.float32)
-        total = before + added
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = (np.nan_to_num(old) * before + sm) / total
-        self._mean[layer][:, rows, cols] = np.where(total > 0, mean, np.nan)
-        M = self._max[layer][:, rows, cols]
-        self._max[layer][:, rows, cols] = np.where(added > 0, np.fmax(M, mx), M)
-        share = 1.0 - rowsum  # (H, C): what the learned sinks took of each row
-        b = (np.arange(q0, q0 + C) // self.rs)
-        sink = self._sink[layer]
-        np.maximum.at(sink[..., 0], (slice(None), b), share)
-        np.add.at(sink[..., 1], (slice(None), b), share)
-        self._keep_recent(layer, q0, probs, c0)
+        key = (q0, C, self.rs, rb0, nrb, self.cs, cb0, ncb)
+        if key not in self._cells:  # the same for every layer of the step
+            self._cells[key] = causal_cells(q0, q0 + C, self.rs, rb0, nrb, self.cs, cb0, ncb)
+        added = self._cells[key]
+        total = (before + added).astype(np.float32)
+        inv = np.divide(1.0, total, out=np.zeros_like(total), where=total > 0)
+        if not before.any():  # bins no earlier row reached (a prefill's): no old mean to weigh, no old max
+            # (converted to float16 by torch: numpy's conversion is several times slower)
+            self._mean[layers, :, rows, cols] = (torch.from_numpy(sm) * torch.from_numpy(inv)).half().numpy()
+            self._max[layers, :, rows, cols] = torch.from_numpy(mx).to(_TORCH[self._max.dtype]).numpy()
+        else:
+            old = self._mean[layers, :, rows, cols].astype(np.float32)
+            self._mean[layers, :, rows, cols] = (old * before + sm) * inv
+            M = self._max[layers, :, rows, cols]
+            np.maximum(M, mx, out=M)
+            if not isinstance(layers, slice):
+                self._max[layers, :, rows, cols] = M
+        share = 1.0 - rowsum  # (L, H, C): what the learned sinks took of each row
+        b = np.arange(q0, q0 + C) // self.rs
+        starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+        at = b[starts]
+        sink = self._sink[layers][:, :, at]  # (L, H, bins, 2)
+        sink[..., 0] = np.maximum(sink[..., 0], np.maximum.reduceat(share, starts, axis=-1))
+        sink[..., 1] += np.add.reduceat(share, starts, axis=-1)
+        self._sink[layers, :, at[0]: at[-1] + 1] = sink
 
-    def _keep_recent(self, layer: int, q0: int, probs: torch.Tensor, c0: int) -> None:
-        C = probs.shape[1]
+    def _keep_recent(self, idx: np.ndarray, q0: int, probs: torch.Tensor, c0: int) -> None:
+        C = probs.shape[2]
         first = max(q0, self._step[1] - self.recent) - q0
         if first >= C:
             return
-        rows = probs[:, first:].cpu().numpy()  # (H, r, keys)
-        width = c0 + rows.shape[2]
-        buf = self._recent[layer]
-        if width > buf.shape[2]:
-            grown = np.zeros((*buf.shape[:2], max(width, 2 * buf.shape[2])), dtype=np.float32)
-            grown[..., : buf.shape[2]] = buf
-            buf = self._recent[layer] = grown
-        for i in range(rows.shape[1]):
+        rows = host.fetch([probs[:, :, first:]])[0].numpy()  # (L, H, r, keys)
+        width = c0 + rows.shape[3]
+        if width > self._recent.shape[3]:
+            self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, self._recent.shape[3] * 5 // 4)), 0.0)
+        layers = _as_slice(idx)
+        for i in range(rows.shape[2]):
             q = q0 + first + i
             slot = q % self.recent
-            buf[slot] = 0.0
-            buf[slot, :, c0:width] = rows[:, i]
-            self._recent_q[layer][slot] = q
+            if c0:
+                self._recent[layers, slot, :, :c0] = 0.0
+            self._recent[layers, slot, :, c0:width] = rows[:, :, i]
+            self._recent[layers, slot, :, width:] = 0.0
+            self._recent_q[layers, slot] = q
 
     # -- reading ---------------------------------------------------------------------------------------------
     @property
     def layers(self) -> list[int]:
-        return sorted(self._max)
+        return sorted(self._index)
 
     def has(self, layer: int) -> bool:
-        return layer in self._max and self.rows > 0
+        return layer in self._index and self.rows > 0
 
     def row(self, layer: int, q: int) -> np.ndarray | None:
         """``(heads, q + 1)`` float32: query position ``q``'s attention over key positions ``0..q`` (0 where not
         read), or None when it is not among the recent rows held."""
-        qs = self._recent_q.get(layer)
-        if qs is None or q < 0 or qs[q % self.recent] != q:
+        i = self._index.get(layer)
+        if i is None or q < 0 or self._recent_q[i, q % self.recent] != q:
             return None
-        out = self._recent[layer][q % self.recent, :, : q + 1]
+        out = self._recent[i, q % self.recent, :, : q + 1]
         return np.pad(out, ((0, 0), (0, q + 1 - out.shape[1]))) if out.shape[1] < q + 1 else out
 
     def holds(self, entry: tuple[int, int, int]) -> bool:
@@ -174,58 +234,78 @@ class AttentionStore:
 
     def recent_rows(self, layer: int) -> list[int]:
         """The query positions held at full resolution, oldest first."""
-        qs = self._recent_q.get(layer)
-        return [] if qs is None else sorted(int(q) for q in qs if 0 <= q < self.rows)
+        i = self._index.get(layer)
+        return [] if i is None else sorted(int(q) for q in self._recent_q[i] if 0 <= q < self.rows)
 
     def overview(self, layer: int, head: int, rs: int, cs: int, r0: int, nr: int, c0: int, nc: int):
         """``(max, mean, cells)`` ``(nr, nc)`` of bins of sizes ``rs`` x ``cs`` (multiples of the stored ones)
         starting at row bin ``r0`` and key bin ``c0`` (in those sizes), up to the rows held; NaN where no cell."""
+        i = self._index[layer]
         fr, fc = rs // self.rs, cs // self.cs
-        M = self._block(self._max[layer][head].astype(np.float32), r0 * fr, nr * fr, c0 * fc, nc * fc, np.nan)
-        A = self._block(self._mean[layer][head].astype(np.float32), r0 * fr, nr * fr, c0 * fc, nc * fc, np.nan)
-        N = self._block(self._count.astype(np.float64), r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
+        M = _block(self._max[i, head], r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
+        A = _block(self._mean[i, head].astype(np.float32), r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
+        N = _block(self._count.astype(np.float64), r0 * fr, nr * fr, c0 * fc, nc * fc, 0.0)
         M = M.reshape(nr, fr, nc, fc)
         A, N = A.reshape(nr, fr, nc, fc), N.reshape(nr, fr, nc, fc)
         cells = N.sum((1, 3))
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = (np.nan_to_num(A) * N).sum((1, 3)) / cells
-            mx = np.where(cells > 0, np.fmax.reduce(np.fmax.reduce(M, axis=3), axis=1), np.nan)
+            mean = (A * N).sum((1, 3)) / cells
+            mx = np.where(cells > 0, M.max((1, 3)), np.nan)
         return mx.astype(np.float32), np.where(cells > 0, mean, np.nan).astype(np.float32), cells
 
     def sink_share(self, layer: int, head: int, rs: int, r0: int, nr: int) -> tuple[np.ndarray, np.ndarray]:
         """Per row bin (size ``rs``, a multiple of the stored one, from bin ``r0``): the max and mean share of the
         learned sinks in its rows."""
         f = rs // self.rs
-        s = self._block(self._sink[layer][head].T.copy(), 0, 2, r0 * f, nr * f, 0.0).reshape(2, nr, f)
-        n = self._block(self._rowcount[None].astype(np.float64), 0, 1, r0 * f, nr * f, 0.0).reshape(nr, f).sum(1)
+        s = _block(self._sink[self._index[layer], head].T.copy(), 0, 2, r0 * f, nr * f, 0.0).reshape(2, nr, f)
+        n = _block(self._rowcount[None].astype(np.float64), 0, 1, r0 * f, nr * f, 0.0).reshape(nr, f).sum(1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return s[0].max(1), np.where(n > 0, s[1].sum(1) / n, np.nan)
 
-    @staticmethod
-    def _block(a: np.ndarray, r0: int, nr: int, c0: int, nc: int, fill: float) -> np.ndarray:
-        out = np.full((nr, nc), fill, dtype=a.dtype)
-        src = a[r0: r0 + nr, c0: c0 + nc]
-        out[: src.shape[0], : src.shape[1]] = src
-        return out
+    def bound(self, layers: int, heads: int, context: int) -> int:
+        """The most bytes this store holds for ``layers`` x ``heads`` at ``context`` tokens (the docstring's bound,
+        with the arrays' room for growth: layers and the recent rows' width are allocated by doubling)."""
+        cap = max(self._capacity, 1 << max(0, layers - 1).bit_length())
+        R, K = self.row_bins, self.col_bins
+        width = max(64, context * 5 // 4 + 1)
+        return cap * heads * (R * K * 6 + R * 8 + self.recent * width * 4) + cap * self.recent * 8 + R * K * 8 + R * 8
 
     @property
     def nbytes(self) -> int:
         """Bytes held (overview, sinks, counts, recent rows)."""
-        arrays = [*self._max.values(), *self._mean.values(), *self._sink.values(), *self._recent.values(),
-                  *self._recent_q.values(), self._count, self._rowcount]
+        arrays = [self._max, self._mean, self._sink, self._recent, self._recent_q, self._count, self._rowcount]
         return sum(a.nbytes for a in arrays)
 
     # -- bins ------------------------------------------------------------------------------------------------
-    def _ensure_layer(self, layer: int, heads: int) -> None:
-        if layer in self._max:
-            return
-        self.heads = max(self.heads, heads)
-        nrb, ncb = self._count.shape
-        self._max[layer] = np.full((heads, nrb, ncb), np.nan, dtype=np.float32)
-        self._mean[layer] = np.full((heads, nrb, ncb), np.nan, dtype=np.float16)
-        self._sink[layer] = np.zeros((heads, nrb, 2), dtype=np.float32)
-        self._recent[layer] = np.zeros((self.recent, heads, 64), dtype=np.float32)
-        self._recent_q[layer] = np.full(self.recent, -1, dtype=np.int64)
+    def _slot(self, layer: int, heads: int) -> int:
+        """The index of ``layer`` in the stacked arrays (added on its first rows)."""
+        if layer in self._index:
+            return self._index[layer]
+        if not self._index:
+            self.heads = heads
+            R, K = self._count.shape
+            self._max = np.zeros((0, heads, R, K), dtype=self._max_dtype)
+            self._mean = np.zeros((0, heads, R, K), dtype=np.float16)
+            self._sink = np.zeros((0, heads, R, 2), dtype=np.float32)
+            self._recent = np.zeros((0, self.recent, heads, 64), dtype=np.float32)
+            self._recent_q = np.zeros((0, self.recent), dtype=np.int64)
+        if heads != self.heads:
+            raise ValueError(f"layer {layer} has {heads} query heads, the store holds {self.heads}")
+        n = len(self._index)
+        if n == self._max.shape[0]:  # room for more layers: the capacity doubles
+            cap = max(self._capacity, 2 * n)
+            self._max = _padded(self._max, (cap, *self._max.shape[1:]), 0)
+            self._mean = _padded(self._mean, (cap, *self._mean.shape[1:]), 0)
+            self._sink = _padded(self._sink, (cap, *self._sink.shape[1:]), 0.0)
+            self._recent = _padded(self._recent, (cap, *self._recent.shape[1:]), 0.0)
+            self._recent_q = _padded(self._recent_q, (cap, *self._recent_q.shape[1:]), -1)
+        self._index[layer] = n
+        return n
+
+    @property
+    def _max_dtype(self):
+        """float32 while the overview is at full resolution (it is then the exact drawing), float16 once binned."""
+        return np.float32 if self.rs == self.cs == 1 else np.float16
 
     def _grow(self, nrb: int, ncb: int) -> None:
         R, K = self._count.shape
@@ -235,19 +315,17 @@ class AttentionStore:
         K2 = min(self.col_bins, max(ncb, 2 * K)) if ncb > K else K
         self._count = _padded(self._count, (R2, K2), 0)
         self._rowcount = _padded(self._rowcount, (R2,), 0)
-        for d, fill in ((self._max, np.nan), (self._mean, np.nan)):
-            for layer, a in d.items():
-                d[layer] = _padded(a, (a.shape[0], R2, K2), fill)
-        for layer, a in self._sink.items():
-            self._sink[layer] = _padded(a, (a.shape[0], R2, 2), 0.0)
+        n, H = self._max.shape[:2]
+        self._max = _padded(self._max, (n, H, R2, K2), 0)
+        self._mean = _padded(self._mean, (n, H, R2, K2), 0)
+        self._sink = _padded(self._sink, (n, H, R2, 2), 0.0)
 
     def _merge_rows(self) -> None:
         self.rs *= 2
-        for layer in self._max:
-            self._max[layer], self._mean[layer] = _merged(self._max[layer], self._mean[layer], self._count, 1)
-            s = _even(self._sink[layer], 1)
-            self._sink[layer] = np.stack([np.maximum(s[:, 0::2, 0], s[:, 1::2, 0]),
-                                          s[:, 0::2, 1] + s[:, 1::2, 1]], -1)
+        self._max, self._mean = _merged(self._max, self._mean, self._count, 2)
+        self._max = self._max.astype(self._max_dtype, copy=False)
+        s = _even(self._sink, 2)
+        self._sink = np.stack([np.maximum(s[:, :, 0::2, 0], s[:, :, 1::2, 0]), s[:, :, 0::2, 1] + s[:, :, 1::2, 1]], -1)
         c = _even(self._count, 0)
         self._count = c[0::2] + c[1::2]
         r = _even(self._rowcount, 0)
@@ -255,8 +333,8 @@ class AttentionStore:
 
     def _merge_cols(self) -> None:
         self.cs *= 2
-        for layer in self._max:
-            self._max[layer], self._mean[layer] = _merged(self._max[layer], self._mean[layer], self._count, 2)
+        self._max, self._mean = _merged(self._max, self._mean, self._count, 3)
+        self._max = self._max.astype(self._max_dtype, copy=False)
         c = _even(self._count, 1)
         self._count = c[:, 0::2] + c[:, 1::2]
 
@@ -264,54 +342,39 @@ class AttentionStore:
         """Keep rows ``0 .. n - 1`` only."""
         if n >= self.rows:
             return
-        nrb, ncb = self._count.shape
         b = n // self.rs  # the bin that may keep some rows
         self._count[b:] = 0
         self._rowcount[b:] = 0
-        for layer in self._max:
-            self._max[layer][:, b:] = np.nan
-            self._mean[layer][:, b:] = np.nan
-            self._sink[layer][:, b:] = 0.0
-            qs = self._recent_q[layer]
-            qs[qs >= n] = -1
-        kept = range(b * self.rs, n)
+        self._max[:, :, b:] = 0.0
+        self._mean[:, :, b:] = 0.0
+        self._sink[:, :, b:] = 0.0
+        self._recent_q[self._recent_q >= n] = -1
         self.rows = b * self.rs
-        if kept and all(self.row(layer, q) is not None for layer in self._max for q in kept):
+        first = n  # the rows of the cut bin still held at full resolution (the newest: a tail) land again
+        while first > b * self.rs and all(self.row(layer, first - 1) is not None for layer in self._index):
+            first -= 1
+        kept = range(first, n)
+        if kept and self._index:
             self._step = (kept.start, n)
             self._before = (self._count.copy(), self._rowcount.copy())
-            for layer in self._max:
-                rows = np.stack([self._recent[layer][q % self.recent] for q in kept], 1)  # (H, rows, width)
-                self._land_rows(layer, kept.start, torch.from_numpy(rows))
+            rows = np.stack([self._recent[: len(self._index), q % self.recent] for q in kept], 2)  # (L, H, rows, W)
+            idx = np.arange(len(self._index))
+            probs = torch.from_numpy(rows)
+            L, H, C, W = rows.shape
+            rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), kept.start, 0, self.rs, self.cs)
+            mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in (mx, sm, rowsum))
+            self._land(idx, kept.start, rb0, cb0, mx, sm, rowsum)
             self.end()
 
-    def _land_rows(self, layer: int, q0: int, probs: torch.Tensor) -> None:
-        rb0, cb0, mx, sm, rowsum = reduce_rows(probs, q0, 0, self.rs, self.cs)
-        self._land(layer, q0, probs, 0, rb0, cb0, mx.numpy(), sm.numpy(), rowsum.numpy())
+
+def _as_slice(idx: np.ndarray):
+    """Consecutive layer indices as a slice (indexing with it gives views), else the indices."""
+    first = int(idx[0])
+    return slice(first, first + len(idx)) if np.array_equal(idx, np.arange(first, first + len(idx))) else idx
 
 
-def _padded(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
-    out = np.full(shape, fill, dtype=a.dtype)
-    out[tuple(slice(0, n) for n in a.shape)] = a
+def _block(a: np.ndarray, r0: int, nr: int, c0: int, nc: int, fill: float) -> np.ndarray:
+    out = np.full((nr, nc), fill, dtype=a.dtype)
+    src = a[r0: r0 + nr, c0: c0 + nc]
+    out[: src.shape[0], : src.shape[1]] = src
     return out
-
-
-def _even(a: np.ndarray, axis: int, fill=0) -> np.ndarray:
-    """``a`` padded along ``axis`` to an even length with ``fill`` (nothing there)."""
-    if a.shape[axis] % 2 == 0:
-        return a
-    shape = list(a.shape)
-    shape[axis] += 1
-    return _padded(a, tuple(shape), fill)
-
-
-def _merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Neighbouring bins along ``axis`` (1: rows, 2: keys) of max and mean merged (the counts still unmerged)."""
-    mx, mean = _even(mx, axis, np.nan), _even(mean, axis, np.nan)
-    c = _even(count, axis - 1).astype(np.float32)[None]
-    take = (lambda a, i: a[:, i::2]) if axis == 1 else (lambda a, i: a[:, :, i::2])
-    m = np.fmax(take(mx, 0), take(mx, 1))
-    c0, c1 = take(c, 0), take(c, 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s = (np.nan_to_num(take(mean, 0).astype(np.float32)) * c0 + np.nan_to_num(take(mean, 1).astype(np.float32)) * c1)
-        merged = np.where(c0 + c1 > 0, s / (c0 + c1), np.nan)
-    return m, merged.astype(np.float16)

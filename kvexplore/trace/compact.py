@@ -61,9 +61,9 @@ def pack(trace) -> None:
 class RecentTraces:
     """The newest :data:`KEEP_STEPS` traces of a lane; an older one is packed as it leaves."""
 
-    def __init__(self, keep: int = KEEP_STEPS) -> None:
+    def __init__(self, keep: int | None = None) -> None:
         self._traces: deque = deque()
-        self.keep = keep
+        self.keep = KEEP_STEPS if keep is None else keep
 
     def push(self, trace) -> None:
         self._traces.append(trace)

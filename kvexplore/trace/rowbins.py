@@ -15,14 +15,6 @@ import torch
 import torch.nn.functional as F
 
 
-def bin_size(n: int, max_bins: int) -> int:
-    """The smallest power of two ``s`` with ``ceil(n / s) <= max_bins`` (``bins.plan(0, n, max_bins).size``)."""
-    s = 1
-    while -(-n // s) > max_bins:
-        s *= 2
-    return s
-
-
 def reduce_rows(p: torch.Tensor, q0: int, c0: int, rs: int, cs: int):
     """``p`` ``(heads, rows, keys)``: the probabilities of query positions ``q0..`` over key positions ``c0..``.
 
@@ -32,14 +24,31 @@ def reduce_rows(p: torch.Tensor, q0: int, c0: int, rs: int, cs: int):
     H, C, W = p.shape
     fr, fc = q0 % rs, c0 % cs
     br, bc = (-(fr + C)) % rs, (-(fc + W)) % cs
-    if fr or fc or br or bc:
-        p = F.pad(p, (fc, bc, fr, br))
-    R, K = (fr + C + br), (fc + W + bc)
-    by_col = p.view(H, R, K // cs, cs)
-    s1 = by_col.sum(-1)  # (H, R, column bins)
-    rowsum = s1.sum(-1)[:, fr: fr + C]
-    sm = s1.view(H, R // rs, rs, K // cs).sum(2)
-    mx = by_col.amax(-1).view(H, R // rs, rs, K // cs).amax(2)
+    rowsum = p.sum(-1)
+    if fr == 0 and br == 0 and rs > 1:  # whole row bins: reduce the rows first (cheap, contiguous), then keys
+        R = C // rs
+        m1, s1 = p.view(H, R, rs, W).amax(2), p.view(H, R, rs, W).sum(2)  # (H, R, W)
+        if fc or bc:
+            m1, s1 = F.pad(m1, (fc, bc)), F.pad(s1, (fc, bc))
+        K = (fc + W + bc) // cs
+        mx, sm = m1.view(H, R, K, cs).amax(-1), s1.view(H, R, K, cs).sum(-1)
+        return q0 // rs, (c0 - fc) // cs, mx, sm, rowsum
+    if fc:
+        p = F.pad(p, (fc, bc))
+    K = (fc + W + bc) // cs
+    if bc and not fc:  # whole bins, then the last partial one apart (no copy of the block to pad it)
+        whole = p[..., : W - W % cs].reshape(H, C, K - 1, cs)
+        tail = p[..., W - W % cs:]
+        s1 = torch.cat([whole.sum(-1), tail.sum(-1, keepdim=True)], -1)
+        m1 = torch.cat([whole.amax(-1), tail.amax(-1, keepdim=True)], -1)
+    else:
+        by_col = p.view(H, C, K, cs)
+        s1, m1 = by_col.sum(-1), by_col.amax(-1)  # (H, C, column bins), then the rows' bins (small)
+    if fr or br:
+        s1, m1 = F.pad(s1, (0, 0, fr, br)), F.pad(m1, (0, 0, fr, br))
+    R = (fr + C + br) // rs
+    sm = s1.view(H, R, rs, K).sum(2)
+    mx = m1.view(H, R, rs, K).amax(2)
     return (q0 - fr) // rs, (c0 - fc) // cs, mx, sm, rowsum
 
 
@@ -54,5 +63,40 @@ def causal_cells(q_lo: int, q_hi: int, rs: int, rb0: int, nrb: int, cs: int, cb0
     per_row = np.clip(q[:, None] - starts[None, :] + 1, 0, cs)  # (rows, ncb)
     rows_bin = q // rs - rb0
     keep = (rows_bin >= 0) & (rows_bin < nrb)
-    np.add.at(out, rows_bin[keep], per_row[keep])
+    rows_bin, per_row = rows_bin[keep], per_row[keep]
+    if rows_bin.size:
+        starts = np.flatnonzero(np.r_[True, rows_bin[1:] != rows_bin[:-1]])  # rows are in order
+        out[rows_bin[starts]] += np.add.reduceat(per_row, starts, axis=0)
     return out
+
+
+def padded(a: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
+    """``a`` in a larger array; a fill of 0 is the system's zeroed pages, which cost nothing until written."""
+    out = np.zeros(shape, dtype=a.dtype) if fill == 0 else np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
+def even(a: np.ndarray, axis: int, fill=0) -> np.ndarray:
+    """``a`` padded along ``axis`` to an even length with ``fill`` (nothing there)."""
+    if a.shape[axis] % 2 == 0:
+        return a
+    shape = list(a.shape)
+    shape[axis] += 1
+    return padded(a, tuple(shape), fill)
+
+
+def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Neighbouring bins along ``axis`` (2: rows, 3: keys) of max and mean merged (``count``: the cells per bin
+    before merging)."""
+    mx, mean = even(mx, axis), even(mean, axis)
+    c = even(count, axis - 2).astype(np.float32)[None, None]
+
+    def take(a, i):
+        return a[:, :, i::2] if axis == 2 else a[:, :, :, i::2]
+
+    c0, c1 = take(c, 0), take(c, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        s = take(mean, 0).astype(np.float32) * c0 + take(mean, 1).astype(np.float32) * c1
+        mean = np.where(c0 + c1 > 0, s / (c0 + c1), 0.0)
+    return np.maximum(take(mx, 0), take(mx, 1)), mean.astype(np.float16)

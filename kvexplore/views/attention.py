@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..caches.layout import SharedLayout
+from ..trace import attention_store
 from ..trace.attention_store import AttentionStore
 from ..trace.records import StepRecord
 from . import bins
@@ -27,7 +28,6 @@ from .palette import PROBABILITY_SCALE, SINK_SCALE
 from .snapshot import MAX_BINS
 from .spec import FigureSpec, hide_axes, slot_range
 
-ROWS = 256  # history rows (bins of query positions) drawn at most
 
 
 def history_matrix(records: Sequence[StepRecord], layer: int, head: int) -> np.ndarray:
@@ -87,7 +87,8 @@ def _history(store, records, source, layer, head, rows_n, zoom, max_bins):
     """``(row bins, key bins, max per bin, sink share per row bin, note)`` of the history heatmap."""
     q_lo, q_hi = _span(zoom, "yaxis2", rows_n)
     k_lo, k_hi = _span(zoom, "xaxis2", rows_n)
-    rb, cb = bins.plan(q_lo, q_hi, ROWS), bins.plan(k_lo, k_hi, max_bins)
+    rb, cb = bins.plan(q_lo, q_hi, store.row_bins if store is not None else attention_store.ROW_BINS), \
+        bins.plan(k_lo, k_hi, min(max_bins, store.col_bins) if store is not None else max_bins)
     if store is None:
         full = history_matrix(records, layer, head)[:rows_n]
         seen = ~np.isnan(full).all(1)
@@ -107,12 +108,16 @@ def _history(store, records, source, layer, head, rows_n, zoom, max_bins):
             return rb, cb, mx, _sinks(store, layer, head, rb), (
                 f"rows {rb.start}–{q1 - 1} recomputed (a prefill of positions 0..{q1 - 1}: exact for the prompt's "
                 f"rows; a decode step of a ring, sink or quantized cache read otherwise)")
-        rb = bins.plan(q_lo, q_hi, -(-(q_hi - q_lo) // store.rs) + 1) if rb.size < store.rs else rb
-        cb = bins.plan(k_lo, k_hi, -(-(k_hi - k_lo) // store.cs) + 1) if cb.size < store.cs else cb
+        rb, cb = _at_least(rb, store.rs), _at_least(cb, store.cs)
         note = "finer rows are not kept: drawn at the stored bins"
     mx, _, _ = store.overview(layer, head, rb.size, cb.size, rb.start // rb.size, rb.count, cb.start // cb.size,
                               cb.count)
     return rb, cb, mx, _sinks(store, layer, head, rb), note
+
+
+def _at_least(b: bins.Bins, size: int) -> bins.Bins:
+    """``b`` with bins of at least ``size`` (aligned: a multiple of it)."""
+    return b if b.size >= size else bins.Bins(b.start - b.start % size, b.stop, size)
 
 
 def _sinks(store: AttentionStore, layer: int, head: int, rb: bins.Bins) -> np.ndarray:
