@@ -31,7 +31,7 @@ from ..config.layer_plan import LayerSpec, layer_plan
 from .architectures import llama as _llama  # importing the package registers every architecture
 from .blocks import MLP, RMSNorm
 from ..core import host
-from .attend import weigh_values
+from .attend import soft_cap, softmax_with_sinks, weigh_values
 from .observe import observe, observes_rows
 from ..core.hooks import hook
 from .rope import Rotary, rotate
@@ -139,8 +139,7 @@ class Attention(nn.Module):
         # query head h reads kv head h // g: stack each group's queries as rows, so K/V are read, never repeated
         qg = q.reshape(B, self.nkv, g * T, hd)  # rows ordered (head in group, token)
         scores = (qg.float() @ k.float().transpose(-1, -2)) * self.scale  # (B, nkv, g*T, S), in float32 as SDPA
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = soft_cap(scores, self.softcap)
         if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         if mask is not None:  # one token needs none: it may read every position held
@@ -149,11 +148,7 @@ class Attention(nn.Module):
         observed = scores
         if tracer is not None:
             scores = hook(tracer, f"{name}.scores", scores)
-        if self.has_sinks:  # the sink is one more column of the softmax, dropped after it
-            sink = self.sinks.float().view(1, nh, 1, 1).expand(B, nh, T, 1)
-            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        else:
-            probs = scores.softmax(dim=-1)  # (B, nh, T, S)
+        probs = softmax_with_sinks(scores, self.sinks if self.has_sinks else None)  # (B, nh, T, S)
         computed = probs
         if tracer is not None:
             probs = hook(tracer, f"{name}.probs", probs)

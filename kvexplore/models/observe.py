@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..core import host
+from .attend import soft_cap, softmax_with_sinks
 
 
 def observes_rows(tracer: Any) -> bool:
@@ -54,9 +55,7 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
         hi = min(S, hi + (-hi) % align)
         qc = q[0, :, r0:r1].float().reshape(nkv, g * C, hd)
         scores = (qc @ keys[:, lo:hi].transpose(-1, -2)) * scale  # (nkv, g*C, hi-lo)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(nh, C, hi - lo)
+        scores = soft_cap(scores, softcap).view(nh, C, hi - lo)
         if m2 is not None:
             scores = scores.masked_fill(~m2[r0:r1, lo:hi], float("-inf"))
         elif T > 1:  # causal: row r reads columns up to r + S - T; only the block right of r0 + S - T has any
@@ -65,9 +64,5 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
                 cols = torch.arange(d, hi, device=q.device)
                 rows = torch.arange(r0, r1, device=q.device) + (S - T)
                 scores[..., d - lo:].masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
-        if sinks is not None:  # one more column of the softmax, which reads no value
-            sink = sinks.float().view(nh, 1, 1).expand(nh, C, 1)
-            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        else:
-            probs = scores.softmax(dim=-1)
+        probs = softmax_with_sinks(scores, sinks)
         tracer.observe_rows(layer, r0, probs, lo, S)
