@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..caches.factory import make_cache
+from ..core import host
 from ..errors import SettingsError
 from .rowbins import causal_cells, reduce_rows
 
@@ -49,7 +50,7 @@ class _OneHead:
     def observe_rows(self, layer: int, r0: int, probs: torch.Tensor, c0: int, keys: int = 0) -> None:
         p = probs[self.head: self.head + 1]
         rb, cb, mx, sm, _ = reduce_rows(p, r0, c0, self.rs, self.cs)
-        mx, sm = mx[0].cpu().numpy(), sm[0].cpu().numpy()
+        mx, sm = (t.numpy() for t in host.fetch([mx[0], sm[0]]))  # the one transfer of the chunk
         r, c = rb - self.rb0, cb - self.cb0  # where the block sits among the bins asked
         lo_c, hi_c = max(0, -c), min(mx.shape[1], self.nc - c)
         if hi_c > lo_c:
