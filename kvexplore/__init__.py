@@ -2,7 +2,7 @@
 
 from . import hf  # registers the hf: caches (kvexplore.caches.registry.PREFIXES) and transformers executors
 from . import replay  # registers History.save_html's writer (kvexplore.trace.files.register_html_writer)
-from .caches import (ConcatCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
+from .caches import (ConcatCache, EvictCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
                      SlotView, make_cache)
 from .config.model_config import ModelConfig
 from .diagnosis import DoctorReport, doctor
@@ -26,6 +26,6 @@ __all__ = [
     "CacheEvent", "CacheFullError", "ConfigError", "CorruptFileError", "Explorer", "MissingFileError",
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
-    "QuantizedCache", "SinkCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
+    "QuantizedCache", "SinkCache", "EvictCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
     "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "doctor", "DoctorReport", "perplexity", "save_trace",
 ]

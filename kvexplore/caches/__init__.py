@@ -16,8 +16,10 @@ from .paged import PagedCache, PagePoolFullError
 from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
 from .sink import SinkCache
+from .evict import EvictCache
+from .presses import PRESSES, Press, make_press, register_press
 
-__all__ = ["EmptyLayout", "GrowingLayout", "Layout", "LinearLayout", "Mark", "PagedLayout", "QuantizedLayout",
+__all__ = ["EvictCache", "PRESSES", "Press", "make_press", "register_press", "EmptyLayout", "GrowingLayout", "Layout", "LinearLayout", "Mark", "PagedLayout", "QuantizedLayout",
            "RingLayout", "SharedLayout", "SlidingLayers", "ConcatCache", "EVICTED", "FILLED", "FREE", "KVCache", "NoCache", "PagedCache", "PagePoolFullError", "PreallocatedCache", "QuantizedCache", "SHARED", "SinkCache",
            "STALE", "STRATEGIES", "SlotView", "make_cache", "UndoJournal", "FullLayer", "LayerCache", "Step",
            "StoredLayer", "ModelCache", "LAYER_KINDS", "PREFIXES", "register_layer_kind", "register_prefix",

@@ -229,6 +229,15 @@ class KVCache(CacheInspection, ModelCache):
             step.reads[layer] = out
         return out
 
+    def attach_model(self, model) -> None:
+        """The model about to run a step through this cache (a cache that re-rotates keys keeps its rotary)."""
+    def observes_queries(self, layer: int) -> bool:
+        """Whether ``layer``'s attention hands its queries over with :meth:`note_queries` (a press reads them)."""
+        return False
+
+    def note_queries(self, layer: int, q: torch.Tensor) -> None:
+        """``layer``'s queries ``(B, heads, q_len, head_dim)`` this step, after RoPE."""
+
     def read_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A linear-attention layer's state: its convolution's last inputs and its recurrent matrix."""
         return self.layers[layer].read_state()
@@ -279,13 +288,14 @@ class KVCache(CacheInspection, ModelCache):
 
     def mask(self, layer: int, pos: int, q_len: int) -> torch.Tensor | None:
         """The boolean ``(q_len, keys)`` mask for what ``write`` (or ``read_shared``) returned for ``layer`` this
-        step, or None when plain causal attention (or none, for one token) is exact. The same for every layer of
-        one attention type, so it is built once per step."""
+        step, or ``(batch, kv_heads, q_len, keys)`` when each KV head reads its own keys (a pressed layer), or None
+        when plain causal attention (or none, for one token) is exact. Built once per step for the layers of one
+        mask group (by default: one attention type)."""
         target = self.layers[layer]
-        attends = target.spec.attends
-        if attends not in self._masks:
-            self._masks[attends] = target.mask(self._step_for(pos, q_len))
-        return self._masks[attends]
+        group = target.mask_group()
+        if group not in self._masks:
+            self._masks[group] = target.mask(self._step_for(pos, q_len))
+        return self._masks[group]
 
     def commit(self, end: int) -> None:
         """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""

@@ -22,8 +22,9 @@ from .preallocated import PreallocatedCache
 from .quantized import QuantizedCache
 from .registry import STRATEGIES, prefix_factory, register_strategy
 from .sink import SinkCache
+from .evict import EvictCache
 
-for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache):
+for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache, EvictCache):
     register_strategy(_cls.kind, _cls)
 
 

@@ -88,6 +88,11 @@ class LayerCache(ABC):
         """The boolean ``(q_len, keys)`` mask for what :meth:`write` returned (None: plain causal is exact)."""
         return causal_mask(step.pos, step.q_len, None, step.device)
 
+    def mask_group(self) -> tuple:
+        """Layers with the same mask group get the same :meth:`mask` in a step (built once): by default every layer
+        of one attention type; a layer whose mask is its own (a pressed layer, per head) says so."""
+        return (self.spec.attends,)
+
     def commit(self, step: Step) -> None:
         """The step's positions are now part of the sequence (its writes all succeeded)."""
 

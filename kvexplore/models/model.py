@@ -102,6 +102,8 @@ class Attention(nn.Module):
             if tracer is not None:
                 k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                 k = hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
+            if cache.observes_queries(self.layer):  # a press reads the queries (SnapKV's window, H2O's sums)
+                cache.note_queries(self.layer, q)
             k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
@@ -117,6 +119,8 @@ class Attention(nn.Module):
             y = self._explicit(q, k_all, v_all, mask, tracer, name)
         if y is None:
             # grouped-query attention without a repeat_kv copy of K/V
+            if mask is not None and mask.dim() == 4:  # a mask per KV head: one per query head for SDPA
+                mask = mask.repeat_interleave(self.nh // self.nkv, dim=1)
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
                                                scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
@@ -143,7 +147,8 @@ class Attention(nn.Module):
         if mask is None and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         if mask is not None:  # one token needs none: it may read every position held
-            scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+            rows = mask.repeat(g, 1) if mask.dim() == 2 else mask.repeat(1, 1, g, 1)  # (.., g*T, S) as the scores
+            scores = scores.masked_fill(~rows, float("-inf"))
         scores = scores.view(B, nh, T, S)
         observed = scores
         if tracer is not None:
@@ -279,6 +284,7 @@ class Model(nn.Module):
         B, T = ids.shape
         cache.check_write(pos, T, B)
         cache.begin_step(pos, T)
+        cache.attach_model(self)
         try:
             x = self.embed(ids.to(self.device))  # (B, T, D)
             if tracer is not None:

@@ -36,13 +36,16 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
     nkv, S = k.shape[1], k.shape[2]
     g = nh // nkv
     keys = k[0].float()  # (nkv, S, hd)
-    m2 = None if mask is None else mask.reshape(-1, *mask.shape[-2:])[0]  # (T, S): the first sequence's
+    if mask is not None and mask.dim() == 4:  # one per KV head (a pressed layer): one per query head
+        m2 = mask[0].repeat_interleave(g, dim=0)  # (nh, T, S): the first sequence's
+    else:
+        m2 = None if mask is None else mask.reshape(-1, *mask.shape[-2:])[0]  # (T, S): the first sequence's
     align = max(1, int(getattr(tracer, "column_align", 1)))
     bounds = tracer.row_chunks(layer, T)
     for r0, r1 in zip(bounds[:-1], bounds[1:]):
         C = r1 - r0
         if m2 is not None and C > 4:  # the columns some row of the chunk may read (one small transfer)
-            allowed = m2[r0:r1].any(0)
+            allowed = m2[..., r0:r1, :].reshape(-1, S).any(0)
             where = torch.arange(S, device=allowed.device)
             ends = torch.stack([torch.where(allowed, where, S).min(), torch.where(allowed, where, -1).max() + 1])
             lo, hi = (int(v) for v in host.fetch([ends])[0].tolist())
@@ -57,7 +60,7 @@ def observe(tracer: Any, layer: int, q: torch.Tensor, k: torch.Tensor, mask: tor
         scores = (qc @ keys[:, lo:hi].transpose(-1, -2)) * scale  # (nkv, g*C, hi-lo)
         scores = soft_cap(scores, softcap).view(nh, C, hi - lo)
         if m2 is not None:
-            scores = scores.masked_fill(~m2[r0:r1, lo:hi], float("-inf"))
+            scores = scores.masked_fill(~m2[..., r0:r1, lo:hi], float("-inf"))
         elif T > 1:  # causal: row r reads columns up to r + S - T; only the block right of r0 + S - T has any
             d = max(r0 + S - T + 1, lo)
             if d < hi:

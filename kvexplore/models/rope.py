@@ -128,6 +128,16 @@ class Rotary(torch.nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+    def turn(self, x: torch.Tensor, delta: torch.Tensor, layer_type: str = "full_attention") -> torch.Tensor:
+        """``x`` ``(..., hd)`` (keys already rotated) turned by ``delta`` ``(...)`` more positions each (negative: back):
+        RoPE composes, so a key at ``p`` turned by ``d`` is the key rotated at ``p + d``. A pure rotation (no
+        attention factor: the one applied at ``p`` stays)."""
+        inv_freq = getattr(self, f"inv_freq_{layer_type}") if layer_type in self.own else self.inv_freq
+        freqs = delta.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq  # (..., rot/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return rotate(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to ``x`` of shape ``(B, heads, T, hd)`` with ``cos``/``sin`` of shape ``(T, rot)``: the first
     ``rot`` channels turn (all of them unless the model rotates only part of each head), the rest pass."""

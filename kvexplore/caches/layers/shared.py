@@ -34,6 +34,9 @@ class SharedLayer(LayerCache):
     def mask(self, step: Step) -> torch.Tensor | None:
         return self.source.mask(step)
 
+    def mask_group(self) -> tuple:
+        return self.source.mask_group()
+
     def held(self, length: int) -> int:
         return 0
 

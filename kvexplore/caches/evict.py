@@ -1,0 +1,179 @@
+"""Score-based eviction: a press scores each KV head's positions and the cache keeps the best within a budget.
+
+``make_cache("evict", model, max_seq_len=..., press="knorm", compression_ratio=0.5, ...)``. The full-attention
+layers are pressed; sliding layers keep their rings, recurrent layers their state (a latent layer, which stores one
+latent for all heads, is refused). What runs when, and the budget: :mod:`.layers.pressplan` and
+:mod:`.presses.budget`; the presses: :mod:`.presses`.
+
+Two storages (``storage=``):
+
+- ``"compact"`` (default): each head's kept keys and values packed into storage reallocated to what is kept: the
+  memory is really freed (:class:`~.layers.compact.CompactLayer`);
+- ``"mask"``: every position kept where it was written and the evicted hidden by a mask per head, as kvpress's
+  head-wise presses do: the same attention, none of the memory back (:class:`~.layers.masked.MaskedLayer`).
+
+Two position modes (``positions=``):
+
+- ``"keep"``: kept keys keep the rotation of their original position; attention after a press equals the full
+  model's attention restricted to the kept keys;
+- ``"rerotate"``: at each press each head's kept keys are turned to contiguous positions ending at the last one
+  written (``L - n_h .. L - 1`` after a press at length ``L``), as kvpress's KeyRerotationPress and the StreamingLLM
+  paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
+
+Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
+refused, changing nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config.layer_plan import LayerSpec
+from ..config.model_config import ModelConfig
+from ..core.settings import choice, integer
+from ..errors import CacheFullError, SettingsError
+from .base import KVCache
+from .layers.compact import CompactLayer
+from .layers.masked import MaskedLayer
+from .layers.pressed import PressedLayer
+from .layers.pressplan import PressEvent, PressPlan
+from .presses import Budget, make_press
+
+STORAGES = ("compact", "mask")
+POSITION_MODES = ("keep", "rerotate")
+
+
+class EvictCache(KVCache):
+    """See the module docstring. ``press``: a name (:data:`~kvexplore.caches.presses.PRESSES`) or a
+    :class:`~kvexplore.caches.presses.Press`; ``press_options``: its constructor's options. Budget:
+    ``compression_ratio`` or ``kept_tokens``, ``schedule`` (``"uniform"``, ``"pyramid"``), ``heads`` (``"per-head"``,
+    ``"shared"``, ``"adaptive"``), ``alpha``, ``beta``. During decoding: ``decode_every`` tokens, down to
+    ``decode_target`` positions per head. ``headroom``: free slots a compacting layer keeps after a press (default
+    ``decode_every``, else 64)."""
+
+    kind = "evict"
+
+    def __init__(self, config: ModelConfig, press: Any = "knorm", compression_ratio: float | None = 0.5,
+                 kept_tokens: int | None = None, schedule: str = "uniform", heads: str = "per-head",
+                 positions: str = "keep", storage: str = "compact", decode_every: int | None = None,
+                 decode_target: int | None = None, press_options: dict | None = None, alpha: float = 0.2,
+                 beta: float = 20.0, headroom: int | None = None, batch_size: int = 1,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 max_seq_len: int | None = None) -> None:
+        choice(storage, "storage", STORAGES)
+        choice(positions, "positions", POSITION_MODES)
+        if decode_every is not None:
+            integer(decode_every, "decode_every", minimum=1, hint=" (tokens between presses while decoding)")
+        if decode_target is not None:
+            integer(decode_target, "decode_target", minimum=1, hint=" (positions per head after a decoding press)")
+            if decode_every is None:
+                raise SettingsError("decode_target is the size a press during decoding goes down to; give "
+                                    "decode_every=N as well (how many tokens between those presses)")
+        if decode_every is not None and decode_target is None and kept_tokens is None and not compression_ratio:
+            raise SettingsError("a press during decoding needs a target: give decode_target=N (positions per head), "
+                                "or a prompt budget (compression_ratio > 0 or kept_tokens) it defaults to")
+        if max_seq_len is not None:
+            max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1)
+        if storage == "mask" and max_seq_len is None:
+            raise SettingsError("storage='mask' allocates every position once: give max_seq_len")
+        self.budget = Budget(compression_ratio, kept_tokens, schedule, heads, alpha, beta)
+        self.press = make_press(press, press_options)
+        self.storage_kind, self.position_mode = storage, positions
+        self.headroom = integer(headroom if headroom is not None else decode_every or 64, "headroom", minimum=1)
+        super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        self._capacity = max_seq_len
+        full = [s.index for s in self.plan if s.full]
+        self.pressplan = PressPlan(self.press, self.budget, positions == "rerotate", decode_every, decode_target, full)
+        self._build()
+
+    @classmethod
+    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
+        options["max_seq_len"] = slots
+        return slots  # the prompt is held whole before its press (a masked storage: always)
+
+    def refuses(self, spec: LayerSpec) -> str | None:
+        if spec.latent:
+            return (f"layer {spec.index} stores one compressed latent for every head (MLA); the evict cache scores "
+                    f"and keeps positions per KV head; use another cache kind for this model")
+        return None
+
+    def full_layer(self, spec: LayerSpec) -> PressedLayer:
+        if self.storage_kind == "mask":
+            return MaskedLayer(spec, self.batch_size, self.dtype, self.device, self.pressplan, self.config,
+                               self._capacity)
+        return CompactLayer(spec, self.batch_size, self.dtype, self.device, self.pressplan, self.config,
+                            self.headroom)
+
+    def _index(self) -> None:
+        super()._index()
+        if self.full_layers:  # a copy's layers share the copy of the plan
+            self.pressplan = self.layers[self.full_layers[0]].plan
+
+    # -- the write protocol ------------------------------------------------------------------------------------
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        super().check_write(pos, q_len, batch_size)
+        if pos < self.length and pos < self.pressplan.horizon:
+            raise SettingsError(f"write at position {pos} needs a rewind into positions a press evicted (the last "
+                                f"press ran at length {self.pressplan.horizon}); rewind to {self.pressplan.horizon} "
+                                f"or later")
+        if self._capacity is not None and pos + q_len > self._capacity:
+            raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
+
+    def attach_model(self, model: Any) -> None:
+        self.pressplan.rotary = model.rotary
+
+    def observes_queries(self, layer: int) -> bool:
+        return self.pressplan.queries > 0 and layer in self._pressed
+
+    def note_queries(self, layer: int, q: torch.Tensor) -> None:
+        self.layers[layer].note_queries(q)
+
+    def _pressed_layer(self, layer: int) -> PressedLayer:
+        if layer not in self._pressed:
+            raise SettingsError(f"layer {layer} is not pressed (a {self.plan[layer].kind} layer); pressed layers: "
+                                f"{sorted(self._pressed)}")
+        return self.layers[layer]
+
+    @property
+    def _pressed(self) -> set[int]:
+        return set(self.full_layers)
+
+    # -- what it kept -------------------------------------------------------------------------------------
+    def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head of ``layer``, the sorted positions it still holds (of sequence ``batch``)."""
+        return self._pressed_layer(layer).kept(self._batch_index(batch))
+
+    def rope_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position each held key is rotated at (in :meth:`kept_positions`'s order): the
+        position itself unless re-rotated."""
+        return self._pressed_layer(layer).rope_positions(self._batch_index(batch))
+
+    def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor:
+        """``(kv_heads, length)`` bool on the host: which positions each head holds."""
+        out = torch.zeros((self.plan[layer].kv_heads, self.length), dtype=torch.bool)
+        for h, positions in enumerate(self.kept_positions(layer, batch)):
+            out[h, positions] = True
+        return out
+
+    def press_scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last press's scores ``(kv_heads, length then)`` by position (NaN where nothing was held) and what it
+        kept, on the host, for the first sequence; None before any press."""
+        target = self._pressed_layer(layer)
+        return None if target.scores is None else (target.scores, target.scored_kept)
+
+    @property
+    def press_events(self) -> list[PressEvent]:
+        """Every press so far, in order."""
+        return list(self.pressplan.events)
+
+    def overhead_slots(self, layer: int) -> int:
+        """Slots of ``layer``'s storage holding no kept position (the compacting layer's headroom and padding; the
+        masked layer's evicted and free positions)."""
+        target = self._pressed_layer(layer)
+        used = int(target.head_counts().sum())
+        return target.k.shape[0] * target.k.shape[1] * target.k.shape[2] - used
+
+    def _batch_index(self, batch: int) -> int:
+        return integer(batch, "batch", 0, self.batch_size - 1)

@@ -1,0 +1,199 @@
+"""A full layer of the ``evict`` cache that really shrinks: each KV head's kept keys and values packed at the front
+of its storage, the storage reallocated to what is kept after every press.
+
+Storage: ``k``/``v`` ``[batch, kv_heads, slots, width]``, ``pos`` and ``rot`` ``[batch, kv_heads, slots]`` (the
+position each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use.
+Each head's slots hold its positions in increasing order; heads may hold different counts (an adaptive budget), and
+attention then reads ``max(counts)`` slots under a mask per head. A write appends at each head's count, in place
+while the storage has room; when it has none the storage grows by ``headroom`` slots (a copy). A press gathers the
+kept slots into new storage of ``max(kept) + headroom`` slots (a copy of what is kept, the old storage freed).
+Bytes held are the storage's: the kept keys and values plus ``headroom`` slots per head and the padding of heads that
+keep fewer than the most (stated by :meth:`CompactLayer.overhead_slots`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layer import Step
+from ..layout import Layout
+from ..memory import StepCounters
+from ..slots import FILLED, FREE, SlotView
+from .pressed import PressedLayer
+
+
+class CompactLayout(Layout):
+    """Each head's kept positions packed at the front of its storage (slot i holds a head's i-th kept position)."""
+
+    order = "per head: kept positions packed in order, then free slots"
+
+
+class CompactLayer(PressedLayer):
+    def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, plan, config,
+                 headroom: int) -> None:
+        super().__init__(spec, batch_size, dtype, device, plan, config)
+        self.headroom = headroom
+        self._alloc(0)
+        self.counts = [[0] * spec.kv_heads for _ in range(batch_size)]
+        self._mask: torch.Tensor | None = None
+
+    def _alloc(self, slots: int) -> None:
+        self.k, self.v = self.zeros(slots), self.zeros(slots, values=True)
+        self.pos = torch.full(self.k.shape[:3], -1, dtype=torch.long, device=self.device)
+        self.rot = self.pos.clone()
+
+    def _state(self) -> tuple:
+        return self.k, self.v, self.pos, self.rot, [list(c) for c in self.counts], self._mask
+
+    def _set_state(self, saved: tuple) -> None:
+        self.k, self.v, self.pos, self.rot, counts, self._mask = saved
+        self.counts = [list(c) for c in counts]
+
+    def begin(self, step: Step) -> None:
+        super().begin(step)
+        step.journal.remember(self._set_state, self._state())
+        if step.pos < step.length:  # a write over positions held (after a rewind within the step): drop them
+            kept = (self.pos < step.pos) & (self.pos >= 0)
+            self.counts = kept.sum(-1).tolist()
+
+    # -- slots --------------------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def _grow(self, step: Step, need: int) -> None:
+        """Room for ``need`` slots per head: new storage of ``need + headroom`` slots, the held ones copied."""
+        old = (self.k, self.v, self.pos, self.rot)
+        used = max(max(c) for c in self.counts)
+        self._alloc(need + self.headroom)
+        c = step.counters
+        for new, t in zip((self.k, self.v, self.pos, self.rot), old):
+            new.narrow(2, 0, used).copy_(t.narrow(2, 0, used))
+        if self.acc is not None:
+            self._resize_acc(self.slots)
+        moved = old[0].narrow(2, 0, used).nbytes + old[1].narrow(2, 0, used).nbytes
+        c.copied_bytes += moved
+        c.allocated_bytes += self.k.nbytes + self.v.nbytes
+        c.freed_bytes += old[0].nbytes + old[1].nbytes
+        c.allocations += 2
+        c.frees += 2
+
+    def _resize_acc(self, slots: int) -> None:
+        B, H = self.k.shape[:2]
+        acc = torch.zeros((B, H, max(slots, self.slots)), dtype=torch.float32, device=self.device)
+        if self.acc is not None:
+            n = min(self.acc.shape[2], acc.shape[2])
+            acc[:, :, :n] = self.acc[:, :, :n]
+        self.acc = acc
+
+    def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[2]
+        counts = self.counts
+        low, top = min(min(c) for c in counts), max(max(c) for c in counts)
+        if top + T > self.slots:
+            self._grow(step, top + T)
+        for t in (self.k, self.v, self.pos, self.rot):  # what the step overwrites in place, for a rollback
+            step.journal.keep(t, 2, low, top + T - low)
+        step.counters.written_bytes += k.nbytes + v.nbytes
+        positions = torch.arange(step.pos, step.end, device=self.device)
+        uniform = low == top
+        runs = [(slice(None), slice(None), top)] if uniform else [
+            (b, h, counts[b][h]) for b in range(len(counts)) for h in range(len(counts[b]))]
+        for b, h, n in runs:  # in place, at each head's count (one narrow for all when the counts agree)
+            self.k[b, h, n:n + T] = k[b, h]
+            self.v[b, h, n:n + T] = v[b, h]
+            self.pos[b, h, n:n + T] = positions
+            self.rot[b, h, n:n + T] = positions
+        self.counts = [[n + T for n in row] for row in counts]
+        S = top + T
+        self._mask = self._make_mask(counts, T, S, step)
+        return self.k.narrow(2, 0, S), self.v.narrow(2, 0, S)
+
+    def _make_mask(self, counts: list[list[int]], T: int, S: int, step: Step) -> torch.Tensor | None:
+        """Slot ``j`` of head ``h`` is read by new token ``t`` when ``j < counts[h] + t + 1`` (held before the step,
+        or written by the step at or before ``t``)."""
+        first = torch.tensor(counts, device=self.device)  # (B, H) slots held before the step
+        uniform = bool((first == first.flatten()[0]).all())
+        if uniform and (T == 1 or step.pos == 0 and int(first.flatten()[0]) == 0):
+            return None  # every slot read (one token), or a plain causal prompt
+        j = torch.arange(S, device=self.device)
+        t = torch.arange(T, device=self.device)
+        allowed = j.view(1, 1, 1, S) < (first.view(*first.shape, 1, 1) + t.view(1, 1, T, 1) + 1)
+        return allowed[0, 0] if uniform else allowed  # (T, S), or (B, H, T, S) per head
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        return self._mask
+
+    def held_slots(self):
+        S = max(max(c) for c in self.counts)
+        j = torch.arange(S, device=self.device)
+        valid = j.view(1, 1, S) < torch.tensor(self.counts, device=self.device).unsqueeze(-1)
+        return (self.k.narrow(2, 0, S), self.v.narrow(2, 0, S), valid, self.pos.narrow(2, 0, S),
+                self.rot.narrow(2, 0, S))
+
+    def keep(self, step: Step, keep: torch.Tensor, rot: torch.Tensor) -> None:
+        """Gather each head's kept slots, in order, into new storage of ``max(kept) + headroom`` slots."""
+        k, v, _, pos, was = self.held_slots()
+        counts = keep.sum(-1)  # (B, H)
+        top = int(counts.max())
+        order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :top]  # kept slots first
+        filled = torch.arange(top, device=self.device).view(1, 1, top) < counts.unsqueeze(-1)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))
+
+        new_k, new_v = gather(k), gather(v)
+        new_pos, new_rot = pos.gather(-1, order), rot.gather(-1, order)
+        if self.plan.rerotate:
+            new_k = self.turn(new_k, was.gather(-1, order), new_rot)
+        old_k, old_v, old_acc = self.k, self.v, self.acc
+        self._alloc(top + self.headroom)
+        self.k[:, :, :top] = new_k * filled.unsqueeze(-1)
+        self.v[:, :, :top] = new_v * filled.unsqueeze(-1)
+        self.pos[:, :, :top] = new_pos.masked_fill(~filled, -1)
+        self.rot[:, :, :top] = new_rot.masked_fill(~filled, -1)
+        if old_acc is not None:
+            self.acc = torch.zeros(self.pos.shape, dtype=torch.float32, device=self.device)
+            self.acc[:, :, :top] = old_acc[:, :, :k.shape[2]].gather(-1, order) * filled
+        self.counts = counts.tolist()
+        c = step.counters
+        c.copied_bytes += int(counts.sum()) * sum(self.widths) * self._dtype.itemsize
+        c.allocated_bytes += self.k.nbytes + self.v.nbytes
+        c.freed_bytes += old_k.nbytes + old_v.nbytes
+        c.allocations += 2
+        c.frees += 2
+        self._mask = None
+
+    def truncate(self, n: int, length: int, counters: StepCounters) -> None:
+        kept = (self.pos < n) & (self.pos >= 0)
+        self.counts = kept.sum(-1).tolist()
+
+    # -- inspection ---------------------------------------------------------------------------------------
+    def storage(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    def reserved_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def overhead_slots(self) -> int:
+        """Slots of storage (over every batch row and head) that hold no kept position: the headroom and the
+        padding of heads that keep fewer than the most."""
+        B, H, S = self.pos.shape
+        return B * H * S - sum(sum(row) for row in self.counts)
+
+    def slot_view(self, length: int, head: int = 0) -> SlotView:
+        """Head ``head``'s slots (of the first sequence): kept positions packed in order, then free slots."""
+        n, S = self.counts[0][head], self.slots
+        positions = self.pos[0, head, :n].tolist()
+        return SlotView([FILLED] * n + [FREE] * (S - n), positions + [-1] * (S - n), [1] * n + [0] * (S - n),
+                        CompactLayout())
+
+    def clone(self, memo: dict[int, Any]) -> "CompactLayer":
+        twin = object.__new__(CompactLayer)
+        twin.__dict__.update(self.__dict__)
+        twin.k, twin.v, twin.pos, twin.rot = (t.clone() for t in (self.k, self.v, self.pos, self.rot))
+        twin.counts = [list(c) for c in self.counts]
+        self._copy_press_state(twin, memo)
+        return twin

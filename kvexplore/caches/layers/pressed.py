@@ -1,0 +1,187 @@
+"""What the two storages of the ``evict`` cache share: keeping the recent queries and the accumulated attention a
+press reads, running the press when the plan says so, and re-rotating the kept keys.
+
+A subclass stores the keys (:class:`~.compact.CompactLayer`: each head's kept keys packed at the front of its
+storage; :class:`~.masked.MaskedLayer`: every position where it was written, the evicted ones hidden) and gives
+the press its held slots (:meth:`PressedLayer.held_slots`) and applies what was kept (:meth:`PressedLayer.keep`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layer import FullLayer, Step
+from ..presses import Observation, attention, per_kv_head, select
+from .pressplan import PressPlan
+
+ROWS = 256  # query rows per chunk when the prompt's attention is accumulated (H2O)
+
+
+class PressedLayer(FullLayer):
+    """A full layer of the ``evict`` cache (see the module docstring). ``rot`` (in the subclass's slots): the position
+    each stored key is rotated at (its own position, unless re-rotated)."""
+
+    def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, plan: PressPlan,
+                 config) -> None:
+        super().__init__(spec, batch_size, dtype, device)
+        self.plan = plan
+        self.scale, self.softcap = config.attention_scale(spec.index), config.attn_logit_softcapping
+        self.layer_type = config.layer_types[spec.index]
+        self.queries: torch.Tensor | None = None  # (B, nh, W, hd) the last W queries
+        self.query_pos: torch.Tensor | None = None  # (W,)
+        self.acc: torch.Tensor | None = None  # (B, H, slots) float32 attention received (when the press accumulates)
+        self.scores: torch.Tensor | None = None  # (H, length) the last press's scores by position, on the host
+        self.scored_kept: torch.Tensor | None = None  # (H, length) what that press kept
+        self._q_new: torch.Tensor | None = None
+
+    # -- what subclasses provide ----------------------------------------------------------------------------
+    def held_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, valid, positions, rot)`` over the slots in use, ``(B, H, S, ...)``."""
+        raise NotImplementedError
+
+    def keep(self, step: Step, keep: torch.Tensor, rot: torch.Tensor) -> None:
+        """Keep only the slots ``keep`` ``(B, H, S)``, whose keys are now rotated at ``rot``."""
+        raise NotImplementedError
+
+    def _resize_acc(self, slots: int) -> None:
+        raise NotImplementedError
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def begin(self, step: Step) -> None:
+        self.plan.begin(step)
+        step.journal.remember(self._restore_press,
+                              (self.queries, self.query_pos, self.acc, self.scores, self.scored_kept))
+        self._q_new = None
+
+    def _restore_press(self, saved: tuple) -> None:
+        self.queries, self.query_pos, self.acc, self.scores, self.scored_kept = saved
+
+    def note_queries(self, q: torch.Tensor) -> None:
+        """This step's queries ``(B, nh, T, hd)`` (after RoPE), for the press."""
+        self._q_new = q
+
+    def commit(self, step: Step) -> None:
+        q, plan = self._q_new, self.plan
+        if q is not None and plan.queries:
+            qp = torch.arange(step.pos, step.end, device=q.device)
+            if self.queries is not None and self.query_pos is not None and step.pos > 0:
+                q = torch.cat([self.queries[:, :, self.query_pos < step.pos], q], 2)
+                qp = torch.cat([self.query_pos[self.query_pos < step.pos], qp])
+            self.queries, self.query_pos = q[:, :, -plan.queries:].clone(), qp[-plan.queries:]
+            if plan.press.accumulates:
+                self._accumulate(self._q_new, torch.arange(step.pos, step.end, device=q.device))
+        self._q_new = None
+        decision = plan.decide(step)
+        if decision is not None:
+            self.press(step, decision[1][plan.slot(self.spec.index)])
+
+    def _accumulate(self, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """Add the attention the new queries give every held key (summed over rows and each group's heads)."""
+        k, _, valid, pos, _ = self.held_slots()
+        self._resize_acc(k.shape[2])
+        total = torch.zeros(valid.shape, dtype=torch.float32, device=k.device)
+        for r in range(0, q.shape[2], ROWS):
+            probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap)
+            total += per_kv_head(probs.sum(2), k.shape[1])
+        acc = self.acc.clone()
+        acc[:, :, :k.shape[2]] += total
+        self.acc = acc
+
+    def press(self, step: Step, n_kept: int) -> None:
+        """Score the held keys and keep the best ``n_kept`` per head (on average, for adaptive heads)."""
+        k, v, valid, pos, rot = self.held_slots()
+        if int(valid.sum(-1).max()) <= n_kept and self.plan.budget.heads != "adaptive":
+            return
+        plan = self.plan
+        obs = Observation(self.spec.index, k, v, valid, pos, self.queries if plan.press.queries else None,
+                          self.query_pos if plan.press.queries else None,
+                          None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
+                          step.end, n_kept)
+        scores = plan.press.score(obs)
+        keep = select(scores, valid, n_kept, plan.budget.heads, plan.budget.alpha)
+        if plan.rerotate:  # contiguous positions ending at the last one written: rank among the kept, per head
+            rank = keep.long().cumsum(-1) - 1
+            rot = torch.where(keep, step.end - keep.long().sum(-1, keepdim=True) + rank, rot)
+        self._note_scores(scores, keep, pos, valid, step.end)
+        self.keep(step, keep, rot)
+
+    def _note_scores(self, scores, keep, pos, valid, length: int) -> None:
+        """The press's scores and choice by position (the first sequence's), kept on the host for the views."""
+        H = scores.shape[1]
+        by_pos = torch.full((H, length), float("nan"))
+        kept = torch.zeros((H, length), dtype=torch.bool)
+        p, ok = pos[0].cpu(), valid[0].cpu()
+        s, kk = scores[0].float().cpu(), keep[0].cpu()
+        for h in range(H):
+            by_pos[h, p[h][ok[h]]] = s[h][ok[h]]
+            kept[h, p[h][ok[h]]] = kk[h][ok[h]]
+        self.scores, self.scored_kept = by_pos, kept
+
+    def turn(self, k: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``k`` ``(B, H, S, w)`` rotated at ``old`` turned to ``new`` (RoPE composes: a turn by ``new - old``)."""
+        rotary = self.plan.rotary
+        if rotary is None:
+            from ...errors import SettingsError
+
+            raise SettingsError("re-rotating kept keys needs the model's rotary embedding, attached when the model "
+                                "runs a step with this cache (model(ids, cache, pos))")
+        return rotary.turn(k, new - old, self.layer_type)
+
+    # -- inspection -------------------------------------------------------------------------------------------
+    def kept(self, batch: int = 0) -> list[list[int]]:
+        """The positions each KV head holds, sorted."""
+        _, _, valid, pos, _ = self.held_slots()
+        p, ok = pos[batch].cpu(), valid[batch].cpu()
+        return [sorted(p[h][ok[h]].tolist()) for h in range(p.shape[0])]
+
+    def rope_positions(self, batch: int = 0) -> list[list[int]]:
+        """The position each held key is rotated at, per KV head, in the order of :meth:`kept`."""
+        _, _, valid, pos, rot = self.held_slots()
+        p, r, ok = pos[batch].cpu(), rot[batch].cpu(), valid[batch].cpu()
+        out = []
+        for h in range(p.shape[0]):
+            order = p[h][ok[h]].argsort()
+            out.append(r[h][ok[h]][order].tolist())
+        return out
+
+    def head_counts(self) -> torch.Tensor:
+        """``(B, H)`` positions each head holds."""
+        return self.held_slots()[2].sum(-1)
+
+    def held(self, length: int) -> int:
+        return int(self.head_counts().max()) if length else 0
+
+    def held_positions(self, length: int) -> list[int]:
+        return sorted({p for head in self.kept() for p in head})
+
+    def used_bytes(self, length: int) -> int:
+        """Bytes of the keys and values held: each head's own count (heads may hold different counts)."""
+        return int(self.head_counts().sum()) * sum(self.widths) * self._dtype.itemsize
+
+    def analytic_bytes(self, length: int) -> int:
+        """The formula ``Σ over heads of held positions × (key width + value width) × element size``."""
+        return self.used_bytes(length)
+
+    def truncate_error(self, n: int, length: int) -> str | None:
+        horizon = self.plan.horizon
+        if n < horizon:
+            return (f"cannot truncate to {n}: the press at length {horizon} evicted positions before it; truncate to "
+                    f"{horizon} or later")
+        return None
+
+    def mask_group(self) -> tuple:
+        return ("pressed", self.spec.index)
+
+    def describe(self, count: int, strategy: str, config) -> str:
+        plan = self.plan
+        how = "re-rotated" if plan.rerotate else "original positions"
+        return f"{count} full layer{'s' * (count != 1)}: {strategy} ({plan.press.name}, {how})"
+
+    def _copy_press_state(self, twin: "PressedLayer", memo: dict[int, Any]) -> None:
+        plan = memo.get(id(self.plan))
+        if plan is None:
+            plan = memo[id(self.plan)] = self.plan.copy()
+        twin.plan = plan
+        twin.acc = None if self.acc is None else self.acc.clone()

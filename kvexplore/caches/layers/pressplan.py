@@ -1,0 +1,90 @@
+"""What every pressed layer of one ``evict`` cache shares: the press, the budget, the rules of when it runs, the
+model's rotary embedding (for re-rotation) and the history of the presses so far.
+
+When a press runs is decided once per step, by the first layer that commits it (:meth:`PressPlan.decide`):
+
+- after the prompt: the step that writes position 0 with more than one token, if the budget keeps fewer than the
+  prompt's positions;
+- during decoding, with ``decode_every=N``: once ``N`` tokens were written since the last press, down to
+  ``decode_target`` positions per head (by default what the prompt's press kept), if a layer holds more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..layer import Step
+from ..presses import Budget, Press
+
+
+@dataclass(frozen=True)
+class PressEvent:
+    """One press: after the step that reached ``length`` positions, for ``reason`` (``"prompt"`` or ``"decode"``),
+    to ``kept`` positions per head in each pressed layer (in order)."""
+
+    length: int
+    reason: str
+    kept: tuple[int, ...]
+
+
+class PressPlan:
+    def __init__(self, press: Press, budget: Budget, rerotate: bool, decode_every: int | None,
+                 decode_target: int | None, layers: list[int]) -> None:
+        self.press, self.budget, self.rerotate = press, budget, rerotate
+        self.decode_every, self.decode_target = decode_every, decode_target
+        self.layers = layers  # the pressed layers, in order (a schedule's index)
+        self.queries = max(press.queries, 1 if press.accumulates else 0)  # recent queries each layer keeps
+        self.rotary: Any = None  # the model's Rotary, attached by the model before a step (re-rotation needs it)
+        self.since = 0  # tokens written since the last press
+        self.horizon = 0  # the length at the last press: positions before it may be evicted
+        self.target: int | None = decode_target
+        self.events: list[PressEvent] = []
+        self._step: Step | None = None
+        self._decision: tuple[str, list[int]] | None = None
+
+    def slot(self, layer: int) -> int:
+        return self.layers.index(layer)
+
+    def begin(self, step: Step) -> None:
+        if self._step is step:
+            return
+        step.journal.remember(self._restore, (self.since, self.horizon, self.target, list(self.events)))
+        self._step, self._decision = step, None
+
+    def _restore(self, saved: tuple) -> None:
+        self.since, self.horizon, self.target, events = saved
+        self.events, self._step, self._decision = list(events), None, None
+
+    def decide(self, step: Step) -> tuple[str, list[int]] | None:
+        """Whether a press runs after ``step`` (worked out once per step) and, if so, why and the positions per head
+        each pressed layer keeps (a layer that holds no more keeps what it holds)."""
+        if self._step is step and self._decision is not None:
+            return self._decision or None
+        self.begin(step)
+        decision: Any = ()
+        n = step.end
+        if step.pos == 0 and step.q_len > 1:
+            kept = self.budget.per_layer(n, len(self.layers))
+            if self.target is None and self.decode_every is not None:
+                self.target = self.budget.mean_kept(n)
+            if max(kept) < n:
+                decision = ("prompt", kept)
+            self.since = 0
+        elif self.decode_every is not None:
+            self.since += step.q_len
+            if self.since >= self.decode_every and self.target is not None:
+                kept = self.budget.per_layer(n, len(self.layers), self.target)
+                decision = ("decode", kept)
+                self.since = 0
+        if decision:
+            self.horizon = n
+            self.events.append(PressEvent(n, decision[0], tuple(decision[1])))
+        self._decision = decision
+        return decision or None
+
+    def copy(self) -> "PressPlan":
+        twin = object.__new__(PressPlan)
+        twin.__dict__.update(self.__dict__)
+        twin.events, twin._step, twin._decision = list(self.events), None, None
+        return twin

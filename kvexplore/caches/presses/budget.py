@@ -1,0 +1,96 @@
+"""How many positions a press keeps, and which: the budget and the selection policy.
+
+- **Budget** (:class:`Budget`): a ``compression_ratio`` (kvpress's rule, ``n_kept = int(n × (1 − ratio))`` of the
+  ``n`` positions a head holds) or a number of tokens (``kept_tokens``); the same in every layer (``schedule=
+  "uniform"``) or a pyramid (``"pyramid"``, PyramidKV: the first pressed layer keeps the most, the last the least,
+  decreasing linearly from ``2m − m/β`` to ``m/β`` around the mean ``m``, so the total matches the uniform one).
+  Every head keeps at least one position, never more than it holds.
+- **Heads** (:func:`select`): ``"per-head"`` (each KV head its own ``n_kept`` best), ``"shared"`` (the scores
+  averaged over the layer's KV heads: every head keeps the same positions) or ``"adaptive"`` (AdaKV, Feng et al.
+  2024: the layer's ``n_kept × heads`` budget goes to the best scores of all its heads together, after a safeguard
+  of ``alpha × n_kept`` per head, so heads keep different counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core.settings import choice, integer, real
+from ...errors import SettingsError
+
+SCHEDULES = ("uniform", "pyramid")
+HEADS = ("per-head", "shared", "adaptive")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """See the module docstring. ``alpha``: AdaKV's safeguard share; ``beta``: PyramidKV's top-to-mean ratio."""
+
+    compression_ratio: float | None = 0.5
+    kept_tokens: int | None = None
+    schedule: str = "uniform"
+    heads: str = "per-head"
+    alpha: float = 0.2
+    beta: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.kept_tokens is not None:
+            integer(self.kept_tokens, "kept_tokens", minimum=1, hint=" (positions each head keeps)")
+        elif self.compression_ratio is None:
+            raise SettingsError("give compression_ratio (0 <= r < 1) or kept_tokens (a number of positions)")
+        else:
+            real(self.compression_ratio, "compression_ratio", 0.0, hint=" and < 1 (the share of positions dropped)")
+            if self.compression_ratio >= 1:
+                raise SettingsError(f"compression_ratio must be >= 0.0 and < 1 (the share of positions dropped), got "
+                                    f"{self.compression_ratio}: a ratio of 1 would keep nothing")
+        choice(self.schedule, "schedule", SCHEDULES)
+        choice(self.heads, "heads", HEADS)
+        real(self.alpha, "alpha", 0.0, 1.0)
+        real(self.beta, "beta", 1.0)
+
+    def mean_kept(self, n: int) -> int:
+        """Positions per head kept on average over the layers when each holds ``n``."""
+        if self.kept_tokens is not None:
+            return max(1, min(n, self.kept_tokens))
+        return max(1, int(n * (1 - self.compression_ratio)))
+
+    def per_layer(self, n: int, layers: int, target: int | None = None) -> list[int]:
+        """Positions per head each of ``layers`` pressed layers keeps (in order) when each holds ``n``; ``target``
+        replaces the mean (a decoding press's target)."""
+        m = self.mean_kept(n) if target is None else max(1, min(n, target))
+        if self.schedule == "uniform" or layers == 1:
+            return [m] * layers
+        low = m / self.beta
+        high = 2 * m - low
+        return [max(1, min(n, round(high - (high - low) * i / (layers - 1)))) for i in range(layers)]
+
+
+def select(scores: torch.Tensor, valid: torch.Tensor, n_kept: int, heads: str = "per-head",
+           alpha: float = 0.2) -> torch.Tensor:
+    """The positions to keep: ``(B, H, S)`` bool, at most ``n_kept`` per head on average and never a slot that is not
+    ``valid`` (see the module docstring for ``heads``)."""
+    B, H, S = scores.shape
+    scores = scores.float().masked_fill(~valid, float("-inf"))
+    keep = torch.zeros_like(valid)
+    if heads == "shared":
+        big = torch.finfo(torch.float32).max
+        finite = scores.clamp(min=-big, max=big)  # a kept-always inf counts as the largest score
+        mean = finite.mean(1, keepdim=True).masked_fill(~valid.any(1, keepdim=True), float("-inf"))
+        idx = mean.topk(min(n_kept, S), dim=-1).indices.expand(B, H, -1)
+        return keep.scatter(-1, idx, True) & valid
+    if heads == "per-head":
+        idx = scores.topk(min(n_kept, S), dim=-1).indices
+        return keep.scatter(-1, idx, True) & valid
+    guard = min(S, int(alpha * n_kept))  # adaptive: a safeguard per head, the rest to the best of the layer
+    if guard:
+        keep = keep.scatter(-1, scores.topk(guard, dim=-1).indices, True) & valid
+    for b in range(B):
+        rest = n_kept * H - int(keep[b].sum())
+        if rest > 0:
+            flat = scores[b].masked_fill(keep[b], float("-inf")).reshape(H * S)
+            chosen = torch.zeros_like(flat, dtype=torch.bool)
+            chosen[flat.topk(min(rest, H * S)).indices] = True
+            keep[b] |= chosen.view(H, S) & valid[b]
+    return keep

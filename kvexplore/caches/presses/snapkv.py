@@ -1,0 +1,51 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+The last ``window`` queries of the prompt (the observation window: usually the question) vote for the keys: with
+``A`` the attention ``(heads, window, keys)`` of those queries,
+
+    vote[h, j] = Σ_i A[h, i, j]                       (summed over the window's queries)
+    score[h, j] = pool_kernel(vote[h, :])[j]          (max-pooled over ``kernel`` neighbouring held keys)
+
+summed over the query heads that read KV head ``h`` (grouped-query attention). The window's own keys are always
+kept (score ``inf``). Query-aware: the same context compressed for two questions keeps different keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...core.settings import choice, positive_int
+from ...errors import SettingsError
+from .observation import Observation, in_position_order, per_kv_head
+from .press import Press
+
+
+class SnapKVPress(Press):
+    name = "snapkv"
+
+    def __init__(self, window: int = 32, kernel: int = 5, pooling: str = "max") -> None:
+        self.queries = self.window = positive_int(window, "window")
+        self.kernel = positive_int(kernel, "kernel")
+        if self.kernel % 2 == 0:
+            raise SettingsError(f"kernel must be odd so the pooling is centred on each key, got {kernel}; use {kernel + 1}")
+        self.pooling = choice(pooling, "pooling", ("max", "avg"))
+
+    def options(self) -> dict[str, Any]:
+        return dict(window=self.window, kernel=self.kernel, pooling=self.pooling)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        attn = obs.attention()  # (B, nh, W, S)
+        W = attn.shape[2]
+        vote = attn.sum(2)  # (B, nh, S)
+        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
+        B, nh, S = vote.shape
+
+        def pooled(x: torch.Tensor) -> torch.Tensor:
+            return pool(x.reshape(B * nh, 1, S), self.kernel, stride=1, padding=self.kernel // 2).reshape(B, nh, S)
+
+        scores = per_kv_head(in_position_order(obs.valid, vote, pooled), obs.keys.shape[1])
+        recent = obs.positions >= obs.length - W
+        return scores.masked_fill(recent, float("inf"))
