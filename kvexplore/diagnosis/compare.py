@@ -48,11 +48,30 @@ def kv_departure(what: str, layer: int, got: torch.Tensor, ref: torch.Tensor, gi
     return Departure(what, layer, positions[int(diff.argmax())], top, rel)
 
 
+def head_departure(what: str, layer: int, got: LayerPass, ref: LayerPass) -> Departure:
+    """The worst departure of ``what`` over every head's columns (``got.head_positions``: each head's column
+    positions, -1 where a column holds none), matched by position (a pressed layer's heads hold different ones)."""
+    where = {p: j for j, p in enumerate(ref.positions)}
+    worst = Departure(what, layer, None, 0.0, 0.0)
+    g, r = getattr(got, what), getattr(ref, what)
+    for h, cols in enumerate(got.head_positions):
+        pairs = [(j, where[p], p) for j, p in enumerate(cols) if p >= 0 and p in where]
+        d = kv_departure(what, layer, g[h:h + 1], r[h:h + 1], [a for a, _, _ in pairs], [b for _, b, _ in pairs],
+                         [p for _, _, p in pairs])
+        if d.relative > worst.relative or worst.position is None:
+            worst = d
+    return worst
+
+
 def departures(got: Pass, ref: Pass, position: int) -> list[Departure]:
     """Every comparison of one step, in the model's order: per layer keys, values, state and output, then logits."""
     out = []
     for i, (g, r) in enumerate(zip(got.layers, ref.layers)):
-        if g.keys is not None and r.keys is not None:
+        if g.keys is not None and r.keys is not None and g.head_positions is not None:
+            out.append(head_departure("keys", i, g, r))
+            if g.values is not None and r.values is not None:
+                out.append(head_departure("values", i, g, r))
+        elif g.keys is not None and r.keys is not None:
             gi, ri, pos = columns(g, r)
             out.append(kv_departure("keys", i, g.keys, r.keys, gi, ri, pos))
             if g.values is not None and r.values is not None:

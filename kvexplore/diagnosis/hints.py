@@ -33,11 +33,13 @@ def bad_positions(g: LayerPass, r: LayerPass, which: str, tol: float) -> list[tu
     return out
 
 
-def rope_offset(passes, layer: int, got: torch.Tensor, ref: torch.Tensor, position: int, tol: float) -> int | None:
-    """The number of positions by which ``got`` (heads, dim) is ``ref`` turned by RoPE (None: not a turn)."""
+def rope_offset(passes, layer: int, got: torch.Tensor, ref: torch.Tensor, position: int, tol: float,
+                extra: tuple[int, ...] = ()) -> int | None:
+    """The number of positions by which ``got`` (heads, dim) is ``ref`` turned by RoPE (None: not a turn); tries
+    small offsets, ``-position`` (not rotated at all) and ``extra``."""
     if not hasattr(passes, "rotation"):
         return None
-    offsets = sorted({-position, *range(-4, 5)} - {0})
+    offsets = sorted({-position, *range(-4, 5), *extra} - {0})
     turns = passes.rotation(layer, offsets)
     if turns is None:
         return None
@@ -56,8 +58,14 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
     if first.layer is None:
         return ("every layer's keys, values and output agree with the recomputation but the logits do not: the final "
                 "norm or the output head is computed differently in a cached pass")
+    own = getattr(passes, "explain", None)  # a reference of its own (a pressed cache's) may know better
+    if own is not None and (said := own(first, got, ref, near)):
+        return said
     L = first.layer
     g, r = got.layers[L], ref.layers[L]
+    if g.head_positions is not None and first.what in ("keys", "values"):  # a pressed layer, compared head by head
+        return (f"layer {L}'s {first.what} at position {first.position} differ from a recomputation with the same "
+                f"kept set (by up to {first.max_diff:.3g}): the press stored, moved or turned them wrongly")
     if first.what == "state":
         return (f"layer {L}'s recurrent state departs from the recomputation's: the state was not carried from the "
                 f"previous step (reset, stale, or updated twice)")

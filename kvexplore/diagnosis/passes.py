@@ -20,6 +20,7 @@ class LayerPass:
     out: torch.Tensor | None = None  # the layer's output (hidden state) at the last position
     state: torch.Tensor | None = None  # a linear-attention layer's recurrent state after the pass
     window: int | None = None  # a sliding layer's window (what it should read)
+    head_positions: list[list[int]] | None = None  # per KV head, each column's position (-1: none; a pressed layer)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from ..core.settings import integer
 from ..trace.diff import TOLERANCE
 from .compare import departures
 from .hints import hint
+from .kept import KeptPasses
 from .passes import HFPasses, KVPasses
 from .report import DoctorReport
 
@@ -32,6 +33,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     """
     from .. import hf
     from ..caches.base import KVCache
+    from ..caches.evict import EvictCache
     from ..caches.factory import STRATEGIES, make_cache
     from ..models.model import Model
 
@@ -76,7 +78,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
                                 f"{type(cache).__name__}")
         else:
             label = cache.kind
-        passes = KVPasses(model, cache)
+        passes = (KeptPasses if isinstance(cache, EvictCache) else KVPasses)(model, cache)
     else:
         raise SettingsError(f"model must be a transformers model, a kvexplore Model, or a folder or named model; got "
                             f"{type(model).__name__}")

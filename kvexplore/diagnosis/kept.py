@@ -1,0 +1,155 @@
+"""The doctor on a pressed (``evict``) cache: a recomputation with the same kept set, and what a departure means.
+
+A pressed cache is lossy by design, so a full recomputation is the wrong reference. :class:`KeptPasses` records,
+after every press of the cache under test, which positions each KV head kept. Its reference recomputes the sequence
+from scratch through a second cache of another storage (``storage="mask"``: every position where it was written,
+the evicted hidden per head), fed in segments between the presses (one forward each, so a segment's tokens read
+each other under the causal mask per head), with the recorded kept sets imposed at each press's length and the kept
+keys' rotations worked out again from the position mode's rule (``keep``: their own position; ``rerotate``:
+contiguous positions ending at the last one written). Keys and values are compared head by head, column by column,
+by position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..caches.evict import EvictCache
+from ..caches.layer import Step
+from ..models.rope import rotate
+from .compare import Departure
+from .passes import KVPasses, LayerPass, Pass, _Probe, land
+
+
+class _SlotProbe(_Probe):
+    """Also keeps, when each pressed layer's attention reads, the position of each column per head (-1: not held)."""
+
+    def __init__(self, num_layers: int, cache: EvictCache) -> None:
+        super().__init__(num_layers)
+        self.cache, self.columns = cache, {}
+
+    def hook(self, name: str, t: torch.Tensor):
+        parts = name.split(".")
+        if parts[0] == "layers" and ".".join(parts[2:]) == "attn.cache_read":
+            i = int(parts[1])
+            if i in self.cache.full_layers:
+                _, _, valid, pos, _ = self.cache.layers[i].held_slots()
+                self.columns[i] = pos[0].masked_fill(~valid[0], -1).cpu().tolist()
+                super().hook(name, t.clone())  # a view of storage a press may turn in place (masked, re-rotating)
+                return None
+        return super().hook(name, t)
+
+
+class KeptPasses(KVPasses):
+    """Passes of a kvexplore model through a pressed cache, against a recomputation with the same kept set."""
+
+    def __init__(self, model, cache: EvictCache) -> None:
+        super().__init__(model, cache)
+        self.history: list[tuple[int, dict[int, list[list[int]]]]] = []  # (length, layer -> kept per head)
+        self.declared: dict[int, list[list[int]]] = {}  # layer -> rope positions the cache declares, per head
+        self._events = len(cache.press_events)
+
+    def cached(self, ids: list[int], pos: int) -> Pass:
+        probe = _SlotProbe(self.num_layers, self.cache)
+        logits = self.model(torch.tensor([ids]), self.cache, pos, tracer=probe, last_only=True)[0, -1]
+        layers = []
+        for i, spec in enumerate(self.plan):
+            lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i),
+                           window=spec.window if spec.attends == "sliding" else None)
+            if i in probe.read:
+                lp.keys = probe.read[i]
+                lp.positions = self.cache.read_positions(i) or list(range(pos + len(ids)))
+                lp.head_positions = probe.columns.get(i)
+            layers.append(lp)
+        events = self.cache.press_events
+        for event in events[self._events:]:  # the step pressed: what each head kept, as the reference imposes it
+            self.history.append((event.length, {i: self.cache.kept_positions(i) for i in self.cache.full_layers}))
+        self._events = len(events)
+        self.declared = {i: self.cache.rope_positions(i) for i in self.cache.full_layers}
+        return land(logits, layers)
+
+    def reference(self, ids: list[int]) -> Pass:
+        n = len(ids)
+        cache = self.cache
+        ref = EvictCache(self.model.config, press=cache.press, compression_ratio=0.0,
+                         positions=cache.position_mode, storage="mask", dtype=cache.dtype, device=cache.device,
+                         max_seq_len=n)
+        start = 0
+        for length, kept in [(length, kept) for length, kept in self.history if length < n]:
+            self.model(torch.tensor([ids[start:length]]), ref, start)
+            impose(ref, kept, self.model.rotary)
+            start = length
+        probe = _Probe(self.num_layers)
+        logits = self.model(torch.tensor([ids[start:]]), ref, start, tracer=probe, last_only=True)[0, -1]
+        layers = []
+        for i, spec in enumerate(self.plan):
+            lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i))
+            if i in probe.read:
+                lp.keys, lp.positions = probe.read[i], list(range(n))
+            layers.append(lp)
+        return land(logits, layers)
+
+    def explain(self, first: Departure, got: Pass, ref: Pass, tol: float) -> str | None:
+        """A hint of its own for a pressed layer's keys (see :func:`rotation_hint`), else None."""
+        return rotation_hint(self, first, got, ref, tol)
+
+
+def impose(cache: EvictCache, kept: dict[int, list[list[int]]], rotary) -> None:
+    """Keep exactly ``kept`` (layer -> positions per KV head) in ``cache`` (a masked one) now, and turn the kept keys
+    to the rotations its position mode gives, with the model's own RoPE tables (not the cache's turn): a replay of
+    another cache's press."""
+    step = Step(cache.length, 0, cache.length, cache.device)
+    rerotate, cache.pressplan.rerotate = cache.pressplan.rerotate, False  # the layer keeps; the turn is done here
+    try:
+        for i, heads in kept.items():
+            layer = cache.layers[i]
+            k, _, valid, pos, rot = layer.held_slots()
+            mask = torch.zeros_like(valid)
+            for h, positions in enumerate(heads):
+                mask[:, h] = torch.isin(pos[:, h], torch.tensor(positions, dtype=pos.dtype, device=pos.device))
+            mask &= valid
+            if rerotate:
+                rank = mask.long().cumsum(-1) - 1
+                new = torch.where(mask, cache.length - mask.long().sum(-1, keepdim=True) + rank, rot)
+                k.copy_(_turned(rotary, k, new - rot, layer.layer_type))
+                rot.copy_(new)
+            layer.keep(step, mask, rot)
+    finally:
+        cache.pressplan.rerotate = rerotate
+    cache.pressplan.horizon = cache.length
+
+
+def _turned(rotary, k: torch.Tensor, delta: torch.Tensor, layer_type: str) -> torch.Tensor:
+    """``k`` turned by ``delta`` positions each, from the cos and sin tables the model rotates with (made pure
+    rotations: a yarn attention factor is already in the keys)."""
+    top = int(delta.abs().max()) if delta.numel() else 0
+    cos, sin = rotary.cos_sin(-top, 2 * top + 1, torch.float32, layer_type)
+    norm = (cos ** 2 + sin ** 2).sqrt()
+    cos, sin = (cos / norm)[delta + top], (sin / norm)[delta + top]  # (B, H, S, rot)
+    return rotate(k.float(), cos, sin).to(k.dtype)
+
+
+def rotation_hint(passes: KeptPasses, first: Departure, got: Pass, ref: Pass, tol: float) -> str | None:
+    """When a pressed layer's keys depart: are they the reference's keys turned by RoPE, and do the rotations the
+    cache declares disagree with its position mode?"""
+    from .hints import rope_offset
+
+    L, p = first.layer, first.position
+    g, r = got.layers[L], ref.layers[L]
+    if first.what != "keys" or g.head_positions is None or p is None:
+        return None
+    for h, columns in enumerate(g.head_positions):
+        if p not in columns:
+            continue
+        kept = passes.cache.kept_positions(L)[h]
+        said = dict(zip(kept, passes.declared[L][h])).get(p) if L in passes.declared else None
+        d = rope_offset(passes, L, g.keys[h:h + 1, columns.index(p)], r.keys[h:h + 1, p], p, tol,
+                        () if said is None else (said - p,))
+        if d is None:
+            return None
+        mode = passes.cache.position_mode
+        return (f"positions and rotations disagree: layer {L} head {h} reads position {p}'s key turned {d:+d} "
+                f"positions from the recomputation's (positions={mode!r}"
+                f"{'' if said is None else f'; the cache says it is rotated at {said}'}): a kept key was re-rotated "
+                f"{'when it should keep its position' if mode == 'keep' else 'by the wrong amount, twice, or not at all'}")
+    return None
