@@ -43,6 +43,8 @@ class _SlotProbe(_Probe):
 class KeptPasses(KVPasses):
     """Passes of a kvexplore model through a pressed cache, against a recomputation with the same kept set."""
 
+    reference_name = "a recomputation with the same kept set"
+
     def __init__(self, model, cache: EvictCache) -> None:
         super().__init__(model, cache)
         self.history: list[tuple[int, dict[int, list[list[int]]]]] = []  # (length, layer -> kept per head)

@@ -29,6 +29,7 @@ class DoctorReport:
     worst: Departure | None = None
     tokens: list[int] = field(default_factory=list)  # the sequence compared (prompt and chosen tokens)
     departures: list[Departure] = field(default_factory=list)  # every comparison of the step reported
+    reference: str = "a full recomputation"  # what the cached passes were compared with
 
     def summary(self) -> str:
         where = f"{self.model} · cache {self.cache} · {self.dtype}"
@@ -36,7 +37,7 @@ class DoctorReport:
             w = self.worst
             worst = "" if w is None else (f"; worst difference {w.relative:.2g} (relative) in the {w.what}"
                                           f"{'' if w.layer is None else f' of layer {w.layer}'}")
-            return (f"no divergence in {self.steps} steps: cached decoding matches a full recomputation within "
+            return (f"no divergence in {self.steps} steps: cached decoding matches {self.reference} within "
                     f"{self.tolerance:g} ({where}){worst}")
         layer = "the logits" if self.layer is None else f"layer {self.layer}"
         return (f"first divergence at step {self.step}, {layer}: {self.what} differ by {self.max_diff:.3g} at position "

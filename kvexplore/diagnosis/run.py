@@ -92,6 +92,7 @@ def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, 
     tokens = list(ids)
     worst = None
     report = DoctorReport(False, 0, tol, label, name, dtype)
+    report.reference = getattr(passes, "reference_name", report.reference)
     with torch.inference_mode():
         for step in range(steps):
             feed, pos = (tokens, 0) if step == 0 else (tokens[-1:], len(tokens) - 1)
