@@ -52,3 +52,16 @@ def test_keys_re_rotated_in_a_cache_that_says_it_keeps_positions_are_named(train
     assert report.diverged and report.what == "keys"
     assert "positions and rotations disagree" in report.hint
     assert "when it should keep its position" in report.hint
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "qwen3_next", "gemma4"])
+@pytest.mark.parametrize("positions", ["keep", "rerotate"])
+def test_the_doctor_checks_press_lanes_beside_rings_states_sinks_and_shared_layers(zoo, arch, positions):
+    """Sliding layers keep their rings, recurrent layers their state, shared layers read a pressed source; the
+    reference keeps the same kept sets in the pressed layers and recomputes the rest."""
+    model = zoo.load(arch, layers=3) if arch in ("gemma3", "gpt_oss") else zoo.load(arch)  # a full layer or more
+    cache = kvexplore.make_cache("evict", model, max_seq_len=64, press="snapkv", positions=positions,
+                                 press_options={"window": 4}, decode_every=5)
+    report = kvexplore.doctor(model, prompt=list(range(3, 40)), steps=12, cache=cache)
+    assert not report.diverged, report.summary()
+    assert cache.press_events and all(len(h) < cache.length for h in cache.kept_positions(cache.full_layers[0]))

@@ -32,8 +32,10 @@ class _SlotProbe(_Probe):
         parts = name.split(".")
         if parts[0] == "layers" and ".".join(parts[2:]) == "attn.cache_read":
             i = int(parts[1])
-            if i in self.cache.full_layers:
-                _, _, valid, pos, _ = self.cache.layers[i].held_slots()
+            spec = self.cache.plan[i]
+            source = spec.source if spec.shares else i  # a shared layer reads its (pressed) source's columns
+            if source in self.cache.full_layers:
+                _, _, valid, pos, _ = self.cache.layers[source].held_slots()
                 self.columns[i] = pos[0].masked_fill(~valid[0], -1).cpu().tolist()
                 super().hook(name, t.clone())  # a view of storage a press may turn in place (masked, re-rotating)
                 return None
@@ -87,7 +89,7 @@ class KeptPasses(KVPasses):
         for i, spec in enumerate(self.plan):
             lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i))
             if i in probe.read:
-                lp.keys, lp.positions = probe.read[i], list(range(n))
+                lp.keys, lp.positions = probe.read[i], ref.read_positions(i)  # a ring reads its window
             layers.append(lp)
         return land(logits, layers)
 

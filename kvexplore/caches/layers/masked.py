@@ -60,6 +60,10 @@ class MaskedLayer(PressedLayer):
     def mask(self, step: Step) -> torch.Tensor | None:
         return self._mask
 
+    def read_positions(self, length: int) -> list[int]:
+        """Every position written: attention reads them all from memory, the evicted under the mask."""
+        return list(range(self.end))
+
     def held_slots(self):
         S = self.end
         pos = torch.arange(S, device=self.device).expand(self.visible.shape[0], self.visible.shape[1], S)
