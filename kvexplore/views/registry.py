@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import SettingsError
-from . import attention, cache_map, compare, memory, tensors
+from . import attention, cache_map, compare, eviction, memory, press, tensors
 from .snapshot import Snapshot
 from .spec import FigureSpec
 
@@ -41,6 +41,9 @@ VIEWS: dict[str, View] = {v.name: v for v in (
     View("memory", "Memory", memory.from_snapshot, replay=PER_RUN),
     View("tensors", "Stored K/V", tensors.from_snapshot),
     View("compare", "Compare strategies", compare.from_snapshot),
+    View("press", "Press scores", press.scores_from_snapshot, replay=PER_LANE),
+    View("kept", "Held per head", press.kept_from_snapshot, replay=PER_LANE),
+    View("eviction", "Eviction", eviction.from_snapshot, replay=PER_RUN),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 )}
 BUILT_IN = frozenset(VIEWS)  # what register() may not replace
