@@ -28,6 +28,11 @@ def press_of(record: StepRecord | None) -> PressStep | None:
     return record.trace.press if record is not None and record.trace is not None else None
 
 
+def presses(records: Sequence[StepRecord]) -> bool:
+    """Whether a lane's records carry a press state (its cache presses): the views of this module apply to it."""
+    return any(press_of(r) is not None for r in records)
+
+
 def empty(note: str, title: str) -> FigureSpec:
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"), xaxis={}, yaxis={},
                   annotations=[dict(text=note, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
