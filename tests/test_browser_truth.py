@@ -12,6 +12,7 @@ screen together.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -415,4 +416,114 @@ def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
     assert len(done) >= 16, done
+    (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+
+
+EVICT_SOURCE = ('import kvexplore\nopts = {"press": "knorm", "compression_ratio": 0.5, "decode_every": 3}\n'
+                'ex = kvexplore.Explorer("tiny", strategies=("preallocated", "evict", "evict@mask"), max_seq_len=96, '
+                'strategy_options={"evict": opts, "evict@mask": {**opts, "storage": "mask"}})\nex')
+PRESS_TABS = (("Press scores", "press"), ("Held per head", "kept"), ("Eviction", "eviction"))
+
+
+def _cells(trace: dict, key: str) -> dict[tuple[int, int], float]:
+    """A heatmap drawn as columns: (row, x) -> its ``key`` value."""
+    return {(int(y), int(x)): v for x, y, v in zip(trace["x"], trace["y"], trace[key])}
+
+
+def _press_page_equals_cache(explorer, state: dict, view: str, label: str) -> None:
+    """The press figure in the page (its ``gd.data``) holds the cache's own values (``state["press"]``, read in the
+    kernel from the cache, not from a record): scores and kept per KV head, kept masks, held counts, bytes."""
+    truth = state["press"]
+    fig = page_truth(explorer)["figures"][view]["data"]
+    by_name = {t.get("name"): t for t in fig}
+    if view == "press":
+        heat = by_name["scores"]
+        scores, kept = truth["scores"], truth["kept"]
+        cells = _cells(heat, "customdata")
+        z = _cells(heat, "z")
+        want = {(h, p) for h, row in enumerate(kept) for p in range(len(row))
+                if scores[h][p] is not None}
+        assert want <= set(cells), f"after {label}: positions the press scored are missing from the page"
+        for (h, p) in want:
+            assert math.isclose(cells[(h, p)], scores[h][p], rel_tol=1e-5, abs_tol=1e-6), (label, h, p)
+            assert (z[(h, p)] >= 1) == bool(kept[h][p]), (label, h, p)
+    elif view == "kept":
+        masks = [row for layer in sorted(truth["kept_mask"], key=int) for row in truth["kept_mask"][layer]]
+        z = _cells(by_name["kept mask"], "z")
+        assert z == {(r, p): float(v) for r, row in enumerate(masks) for p, v in enumerate(row)}, label
+    else:
+        lane = state["lane"]
+        for h, n in enumerate(truth["held"][str(truth["layer"])]):
+            assert by_name[f"held · head {h} · {lane}"]["y"][-1] == n, (label, h)
+        assert by_name[f"reserved · {lane}"]["y"][-1] == truth["reserved_bytes"], label
+        assert by_name[f"used · {lane}"]["y"][-1] == truth["used_bytes"], label
+        assert by_name["sequence length"]["y"][-1] == truth["length"], label
+
+
+def _tab(explorer, check, title: str, view: str, label: str) -> dict:
+    """Pick a tab, wait until the kernel shows it, check the page equals the kernel."""
+    explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+    _kernel_until(explorer, lambda s: s["view"] == view, f"the {title} tab")
+    return check(label)
+
+
+def _evict_operations(page, explorer, shots: Path, name: str) -> list[str]:
+    """Press lanes beside the full cache: after a prefill, steps (presses during decoding), a run, the lane, layer
+    and tab picks, a rewind and a step, the page equals the kernel, and the press figures equal the cache's values."""
+    done = []
+    check, click = _checks(page, explorer, True, done)
+    check("display")
+    _set(explorer, "prompt", "The whale swam under the ship while the crew slept, and the sea was calm. " * 2)
+    click("prefill")
+    _select(explorer, "lane", "evict")
+    check("strategy evict")
+    for title, view in PRESS_TABS:
+        state = _tab(explorer, check, title, view, f"tab {title}")
+        _press_page_equals_cache(explorer, state, view, f"tab {title} after prefill")
+    _set(explorer, "run-n", "5")
+    state = click("run", "run 5")
+    _press_page_equals_cache(explorer, state, "eviction", "run 5")
+    for title, view in PRESS_TABS:
+        state = _tab(explorer, check, title, view, f"tab {title} after run")
+        _press_page_equals_cache(explorer, state, view, f"tab {title} after run")
+        _shot(page, explorer, shots / f"{name}_1280x800_{view}.png")
+    _select(explorer, "layer", "2")
+    state = check("layer 2")
+    _press_page_equals_cache(explorer, state, "eviction", "layer 2")
+    for title, view in PRESS_TABS[:1]:
+        state = _tab(explorer, check, title, view, f"tab {title} on layer 2")
+        _press_page_equals_cache(explorer, state, view, f"tab {title} on layer 2")
+    _set(explorer, "rewind-n", "1")
+    click("rewind", "rewind 1")
+    state = click("step", "step after rewind")
+    _press_page_equals_cache(explorer, state, "press", "step after rewind")
+    _select(explorer, "lane", "evict@mask")
+    state = check("strategy evict@mask")
+    _press_page_equals_cache(explorer, state, "press", "strategy evict@mask")
+    state = _tab(explorer, check, "Held per head", "kept", "tab Held per head on evict@mask")
+    _press_page_equals_cache(explorer, state, "kept", "kept on evict@mask")
+    _select(explorer, "lane", "preallocated")
+    state = check("strategy preallocated (no press)")
+    assert "does not press" in state["specs"]["kept"]["layout"]["annotations"][0]["text"]
+    return done
+
+
+@LAB
+def test_lab_press_lanes_page_equals_kernel_and_cache(lab, lab_page, browser, shots):
+    """An explorer with the evict cache (compacting and masking) beside the full cache: the press views in the page
+    equal the kernel's specs after every click, and hold the cache's own scores, kept masks, counts and bytes."""
+    name = "truth_lab_evict"
+    _notebook(lab.root / f"{name}.ipynb", EVICT_SOURCE)
+    with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        explorer = page.locator(".kvx-explorer").first
+        try:
+            explorer.wait_for(timeout=300_000)
+            figure(explorer, "cache_map").wait_for(timeout=120_000)
+            done = _evict_operations(page, explorer, shots, name)
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise
+    assert len(done) >= 15, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))

@@ -69,7 +69,7 @@ def test_press_scores_equal_the_caches_last_press(ex, layer):
     np.testing.assert_allclose(got[held], scores[held], rtol=1e-6)
     z = _grid(heat, *scores.shape)
     assert np.array_equal(z[held] >= 1, kept[held])  # kept: z in 1..2, evicted: 0..1
-    assert f"length {cache.press_events[-1].length}" in spec.layout["title"]["text"]
+    assert f"press at {cache.press_events[-1].length}<br>" in spec.layout["title"]["text"]
     h, p = int(heat["y"][0]), int(heat["x"][0])
     assert heat["text"][0].startswith(f"KV head {h} · position {p} ")
     assert ("kept" if kept[h, p] else "evicted") in heat["text"][0]
@@ -81,7 +81,7 @@ def test_kept_map_equals_the_caches_kept_mask_per_layer_and_head(ex):
     figure(spec)
     cache = ex.lanes["evict"].cache
     want = np.concatenate([cache.kept_mask(layer).numpy() for layer in cache.full_layers]).astype(float)
-    assert np.array_equal(_grid(spec.trace("held"), *want.shape), want)
+    assert np.array_equal(_grid(spec.trace("kept mask"), *want.shape), want)
     ticks = spec.layout["yaxis"]["ticktext"]
     assert ticks[:3] == ["L0 h0", "L0 h1", "L1 h0"]
     # the record's mask is the cache's at every layer (derived from the last press and the positions since)
@@ -170,10 +170,10 @@ def test_at_2000_tokens_the_views_are_binned_to_the_screen(trained):
     assert (heat["z"][i] >= 1) == bool(kept[y[i], first: first + 8].any())
     spec = press.kept_spec(record, "evict")
     mask = cache.kept_mask(0).numpy()
-    held = spec.trace("held")
+    held = spec.trace("kept mask")
     j = int(np.argmin(np.abs(np.asarray(held["x"]) - 1027.5)))
     assert int(held["y"][j]) == 0 and held["z"][j] == pytest.approx(mask[0, 1024:1032].mean())
     zoomed = press.kept_spec(record, "evict", zoom={"xaxis": (999.5, 1199.5)})
-    cells = zoomed.trace("held")
+    cells = zoomed.trace("kept mask")
     assert np.asarray(cells["x"]).min() == 1000 and np.asarray(cells["x"]).max() == 1199  # full resolution
     assert cache.length == 2104

@@ -63,11 +63,11 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], layer: int) -> FigureSpec:
     traces.append(dict(type="scatter", name="full cache / sequence", legendgroup="full", x=[None], y=[None],
                        mode="lines", line=dict(color=FULL, dash="dot", width=2), showlegend=True,
                        hoverinfo="skip"))
-    panels = (f"positions held per KV head of layer {layer} (line style: head) · sequence length ┈",
-              "bytes held: reserved ━ used ╌ · a full cache of that length ┈ (formula)")
-    layout = dict(height=620, margin=dict(l=60, r=10, t=60, b=40), hovermode="closest",
+    panels = (f"held per KV head of layer {layer} (dash: head) · sequence ┈",
+              "bytes: reserved ━ used ╌ · full cache ┈ (formula)")
+    layout = dict(height=640, margin=dict(l=60, r=10, t=60, b=40), hovermode="closest",
                   title=dict(text="eviction over the steps (colour: strategy)", font=dict(size=13)),
-                  legend=dict(font=dict(size=12), groupclick="togglegroup", title=dict(text="strategy")),
+                  legend=dict(font=dict(size=12), groupclick="togglegroup", orientation="h", y=-0.12),
                   xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="")),
                   yaxis=dict(domain=[0.57, 1.0], anchor="x", rangemode="tozero", title=dict(text="positions")),
                   xaxis2=dict(domain=[0, 1], anchor="y2", matches="x", title=dict(text="step", standoff=2)),

@@ -19,7 +19,7 @@ from .snapshot import MAX_BINS
 from .spec import FigureSpec, columns, hide_axes
 
 # scores of the evicted in reds (light: low score), of the kept in blues (dark: high score): z = kept + score in 0..1
-SCORE_SCALE = [[0.0, "#fee0d2"], [0.4999, "#a50f15"], [0.5, "#c6dbef"], [1.0, "#08306b"]]
+SCORE_SCALE = [[0.0, "#fb6a4a"], [0.4999, "#67000d"], [0.5, "#c6dbef"], [1.0, "#08306b"]]
 HELD_SCALE = [[0.0, "#d62728"], [0.5, "#f2d0a4"], [1.0, "#2171b5"]]  # share of a cell's positions held
 
 
@@ -109,7 +109,7 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
                                    ("evicted (darker: higher score)", "#cb181d"))]
     per_head = ", ".join(str(int(c)) for c in kept.sum(1))
     shown = onscreen.describe(b, n, "positions")
-    title = (f"press scores · {kind} · layer {layer} · {last.reason} press at length {last.length}<br>"
+    title = (f"press scores · {kind} · layer {layer} · {last.reason} press at {last.length}<br>"
              f"kept per KV head: {per_head} of {int(held[0].sum())} held then")
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
@@ -158,8 +158,8 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
     cells["x"] = x[cells["x"]]
     gap = 1 if b.count <= 128 else 0
     where = "position %{x}" if b.exact else f"the {b.size} positions around %{{x}}"
-    heat = dict(type="heatmap", name="held", **cells, zmin=0.0, zmax=1.0, colorscale=HELD_SCALE, showscale=False,
-                xgap=gap, ygap=1 if len(rows) <= 48 else 0, xaxis="x", yaxis="y", hoverongaps=False,
+    heat = dict(type="heatmap", name="kept mask", **cells, zmin=0.0, zmax=1.0, colorscale=HELD_SCALE,
+                showscale=False, xgap=gap, ygap=1 if len(rows) <= 48 else 0, xaxis="x", yaxis="y", hoverongaps=False,
                 hovertemplate=f"row %{{y}} (layer · head on the axis) · {where}<br>%{{z:.0%}} held"
                               "<br>(hover the token row for the token)<extra></extra>")
     edges = b.edges().tolist()
@@ -175,12 +175,13 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
     if press.last is not None and b.start <= press.last.length <= b.stop:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=press.last.length - 0.5,
                            x1=press.last.length - 0.5, y0=0, y1=1, line=dict(color="#444", width=1.5, dash="dot")))
-    held = ", ".join(f"L{layer}: {'/'.join(str(c) for c in press.held[layer])}" for layer in press.layers[:6])
-    more = ", ..." if len(press.layers) > 6 else ""
-    last = f"last press ({press.last.reason}) at length {press.last.length} (dotted)" if press.last else "no press yet"
+    counts = [c for layer in press.layers for c in press.held[layer]]
+    held = f"each head holds {counts[0]}" if len(set(counts)) == 1 else \
+        f"heads hold {min(counts)}–{max(counts)}"
+    last = f"{press.last.reason} press at {press.last.length} (dotted)" if press.last else "no press yet"
     shown = onscreen.describe(b, n, "positions")
-    layout = dict(title=dict(text=f"positions held per head · {kind} · step {record.step} · {last}<br>"
-                                  f"held per head: {held}{more} of {n}", font=dict(size=13), x=0.01, xanchor="left"),
+    layout = dict(title=dict(text=f"held per head · {kind} · step {record.step} · {last}<br>"
+                                  f"{held} of {n} positions", font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
                              range=view_range, autorange=False, automargin=True, zeroline=False),
                   yaxis=dict(title=dict(text="layer · KV head"), autorange="reversed", domain=[0, 0.88], zeroline=False,
