@@ -78,3 +78,37 @@ def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None
     held = {layer: tuple(len(p) for p in cache.kept_positions(layer)) for layer in layers}
     return PressStep(cache.length, held, len(cache.press_events), last,
                      kv_bytes(cache.config, cache.length, cache.batch_size, cache.dtype))
+
+
+def press_row(step: PressStep, tensors: dict[str, torch.Tensor], outcomes: dict[int, int]) -> dict:
+    """``step`` as a trace file's JSON row; its press outcome's tensors go into ``tensors`` once (``outcomes``: the
+    outcomes saved so far, by identity, to their number)."""
+    last = None
+    if step.last is not None:
+        last = outcomes.get(id(step.last))
+        if last is None:
+            last = outcomes[id(step.last)] = len(outcomes)
+            for layer in step.last.scores:
+                tensors[f"press.{last}.scores.{layer}"] = step.last.scores[layer].contiguous()
+                tensors[f"press.{last}.kept.{layer}"] = step.last.kept[layer].to(torch.uint8).contiguous()
+        last = {"index": last, "length": step.last.length, "reason": step.last.reason,
+                "layers": sorted(step.last.scores)}
+    return {"length": step.length, "held": {str(k): list(v) for k, v in step.held.items()}, "presses": step.presses,
+            "full_bytes": step.full_bytes, "last": last}
+
+
+def press_from_row(row: dict, f: Any, outcomes: dict[int, PressOutcome]) -> PressStep:
+    """The :class:`PressStep` of a trace file's row (``f``: the open file; ``outcomes``: those read so far, so that
+    records share one outcome again)."""
+    last = row.get("last")
+    outcome = None
+    if last is not None:
+        outcome = outcomes.get(last["index"])
+        if outcome is None:
+            i = last["index"]
+            outcome = outcomes[i] = PressOutcome(
+                last["length"], last["reason"],
+                {layer: f.get_tensor(f"press.{i}.scores.{layer}") for layer in last["layers"]},
+                {layer: f.get_tensor(f"press.{i}.kept.{layer}").bool() for layer in last["layers"]})
+    return PressStep(row["length"], {int(k): tuple(v) for k, v in row["held"].items()}, row["presses"], outcome,
+                     row["full_bytes"])

@@ -59,8 +59,10 @@ def _token(texts: Sequence[str], p: int) -> str:
 def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequence[str] = (),
                 zoom: dict | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
     """The last press's score of every position each KV head of ``layer`` held then, coloured by what it kept
-    (blues: kept, reds: evicted; darker: higher score, scaled per head). ``customdata``: the score (a bin's
-    highest; NaN for an infinite one, which the hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: any kept), else the scaled score."""
+    (blues: kept, reds: evicted; darker: higher score, scaled per head). One cell per position (or bin) and head;
+    ``customdata``: the score (a bin's highest; NaN where nothing was held, and for an infinite score, which the
+    hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: any kept), else the scaled score
+    (NaN: nothing held)."""
     why = _why_not(record, kind, layer)
     press = press_of(record)
     if why is None and press.last is None:
@@ -84,7 +86,8 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
         scaled = np.clip((best - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0) * 0.998
     scaled = np.where(np.isposinf(best), 0.998, np.where(np.isneginf(best), 0.0, scaled))
     z = np.where(kept_n > 0, 1.0 + scaled, scaled).astype(np.float32)
-    on = held_n > 0
+    on = np.ones_like(held_n, dtype=bool)  # every bin has its cell (NaN: nothing held), or plotly widens neighbours
+    z = np.where(held_n > 0, z, np.nan).astype(np.float32)
     cells = columns(z, on)
     x = onscreen.centres(b)
     cells["x"] = x[cells["x"]]
@@ -94,7 +97,9 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
     for h, i, s, k, m in zip(cells["y"].tolist(), np.nonzero(on)[1].tolist(), score_flat.tolist(),
                              kept_n[on].tolist(), held_n[on].tolist()):
         first = b.start + i * b.size
-        if b.exact:
+        if not m:
+            text.append("")
+        elif b.exact:
             text.append(f"KV head {h} · position {first} {_token(texts, first)}<br>score {s:.4g} · "
                         f"{'kept' if k else 'evicted'}")
         else:
@@ -117,8 +122,8 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
                   yaxis=dict(title=dict(text="KV head"), autorange="reversed", zeroline=False,
                              tickvals=list(range(heads)),
                              ticktext=[f"h{h}" for h in range(heads)]),
-                  legend=dict(orientation="h", y=-0.25, font=dict(size=12)),
-                  height=max(300, 200 + 28 * heads), margin=dict(l=60, r=20, t=70, b=80))
+                  legend=dict(orientation="h", y=-0.42, font=dict(size=12)),
+                  height=max(320, 220 + 28 * heads), margin=dict(l=60, r=20, t=70, b=110))
     return FigureSpec([heat, *legend], layout)
 
 
@@ -188,8 +193,8 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
                              tickvals=list(range(len(rows))), ticktext=[f"L{l} h{h}" for l, h in rows],
                              dtick=1 if len(rows) <= 24 else None),
                   yaxis2=dict(domain=[0.91, 1], anchor="x", tickvals=[0], ticktext=["token"], fixedrange=True),
-                  shapes=shapes, legend=dict(orientation="h", y=-0.2, font=dict(size=12)),
-                  height=max(320, 180 + 16 * min(len(rows), 60)), margin=dict(l=70, r=20, t=70, b=80))
+                  shapes=shapes, legend=dict(orientation="h", y=-0.3, font=dict(size=12)),
+                  height=max(340, 200 + 16 * min(len(rows), 60)), margin=dict(l=70, r=20, t=70, b=110))
     if len(rows) > 24:
         layout["yaxis"].pop("dtick")
         step = -(-len(rows) // 24)
