@@ -404,6 +404,12 @@ def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
               "strategy_options={'paged': {'block_size': 16}})\n"
               f"tok = ex.model.tokenizer\nex.controls['prompt'].value = tok.decode(tok.encode(text)[:{LONG_TOKENS}])\n"
               "ex")
+    _lab_operations(lab_page, shots, name, _long_operations, 16)
+
+
+def _lab_operations(lab_page, shots: Path, name: str, operations, least: int) -> None:
+    """Open and run notebook ``name`` in the run's page, then ``operations(page, explorer, shots, name)``; at least
+    ``least`` checks must have passed (their labels go to ``<name>_checks.json``; a screenshot if anything fails)."""
     with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
         start_run_all(page)
         assert not wait_run_finished(page)
@@ -411,11 +417,11 @@ def test_lab_long_context_page_equals_kernel(lab, lab_page, browser, shots):
         try:
             explorer.wait_for(timeout=300_000)
             figure(explorer, "cache_map").wait_for(timeout=120_000)
-            done = _long_operations(page, explorer, shots, name)
+            done = operations(page, explorer, shots, name)
         except Exception:
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
-    assert len(done) >= 16, done
+    assert len(done) >= least, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
 
 
@@ -514,16 +520,4 @@ def test_lab_press_lanes_page_equals_kernel_and_cache(lab, lab_page, browser, sh
     equal the kernel's specs after every click, and hold the cache's own scores, kept masks, counts and bytes."""
     name = "truth_lab_evict"
     _notebook(lab.root / f"{name}.ipynb", EVICT_SOURCE)
-    with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
-        start_run_all(page)
-        assert not wait_run_finished(page)
-        explorer = page.locator(".kvx-explorer").first
-        try:
-            explorer.wait_for(timeout=300_000)
-            figure(explorer, "cache_map").wait_for(timeout=120_000)
-            done = _evict_operations(page, explorer, shots, name)
-        except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
-            raise
-    assert len(done) >= 15, done
-    (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+    _lab_operations(lab_page, shots, name, _evict_operations, 15)
