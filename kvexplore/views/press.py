@@ -61,7 +61,8 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
     """The last press's score of every position each KV head of ``layer`` held then, coloured by what it kept
     (blues: kept, reds: evicted; darker: higher score, scaled per head). One cell per position (or bin) and head;
     ``customdata``: the score (a bin's highest; NaN where nothing was held, and for an infinite score, which the
-    hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: any kept), else the scaled score
+    hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: half its held positions kept or
+    more), else the scaled score
     (NaN: nothing held)."""
     why = _why_not(record, kind, layer)
     press = press_of(record)
@@ -85,7 +86,7 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
     with np.errstate(invalid="ignore"):
         scaled = np.clip((best - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0) * 0.998
     scaled = np.where(np.isposinf(best), 0.998, np.where(np.isneginf(best), 0.0, scaled))
-    z = np.where(kept_n > 0, 1.0 + scaled, scaled).astype(np.float32)
+    z = np.where(2 * kept_n >= np.maximum(held_n, 1), 1.0 + scaled, scaled).astype(np.float32)
     on = np.ones_like(held_n, dtype=bool)  # every bin has its cell (NaN: nothing held), or plotly widens neighbours
     z = np.where(held_n > 0, z, np.nan).astype(np.float32)
     cells = columns(z, on)
@@ -165,7 +166,7 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
     where = "position %{x}" if b.exact else f"the {b.size} positions around %{{x}}"
     heat = dict(type="heatmap", name="kept mask", **cells, zmin=0.0, zmax=1.0, colorscale=HELD_SCALE,
                 showscale=False, xgap=gap, ygap=1 if len(rows) <= 48 else 0, xaxis="x", yaxis="y", hoverongaps=False,
-                hovertemplate=f"row %{{y}} (layer · head on the axis) · {where}<br>%{{z:.0%}} held"
+                hovertemplate=f"%{{y}} · {where}<br>%{{z:.0%}} held"
                               "<br>(hover the token row for the token)<extra></extra>")
     edges = b.edges().tolist()
     token_text = [f"{b.label(i)} {_token(texts, first) if b.exact else ''}".strip() for i, first in enumerate(edges)]
