@@ -4,6 +4,11 @@ bytes (memory reports against ``kv_bytes``), in the explorer, in the replay's fr
 
 from __future__ import annotations
 
+import base64
+import gzip
+import json
+import re
+
 import numpy as np
 import pytest
 
@@ -134,12 +139,17 @@ def test_the_replay_frames_draw_the_same_figures(ex):
     assert {"press:evict", "kept:evict", "press:evict@mask", "eviction"} <= set(last)
     live = ex.specs(["press"])["press"]
     trace = last["press:evict"]["data"][0]
-    decode = lambda v: np.frombuffer(__import__("base64").b64decode(store.arrays[v["$a"]]["b64"]),  # noqa: E731
+    decode = lambda v: np.frombuffer(base64.b64decode(store.arrays[v["$a"]]["b64"]),  # noqa: E731
                                      dtype=store.arrays[v["$a"]]["dtype"])[: v["n"]]
     np.testing.assert_array_equal(decode(trace["z"]), np.asarray(live.trace("scores")["z"]))
     # the first step's frame shows the prompt's press (the records keep each press's outcome)
     first = out[0]["figures"]["press:evict"]["layout"]["title"]["text"]
     assert "prompt press" in first
+    assert "press:preallocated" not in last  # a lane that does not press has no press figures in a replay
+    # the notebook's static copy embeds the same replay
+    packed = re.findall(r'class="kvx-data">([^<]+)</script>', ex._static.html())[0]
+    meta = json.loads(gzip.decompress(base64.b64decode(packed)))["meta"]
+    assert meta["views"] == {"lane": ["cache_map", "attention", "press", "kept"], "run": ["memory", "eviction"]}
 
 
 def test_variant_lanes_run_one_strategy_twice_and_bad_names_are_refused(ex, trained):
