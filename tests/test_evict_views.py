@@ -75,6 +75,7 @@ def test_press_scores_equal_the_caches_last_press(ex, layer):
     z = _grid(heat, *scores.shape)
     assert np.array_equal(z[held] >= 1, kept[held])  # kept: z in 1..2, evicted: 0..1
     assert f"press at {cache.press_events[-1].length}<br>" in spec.layout["title"]["text"]
+    assert spec.layout["title"]["text"].startswith("knorm scores · evict · layer")
     h, p = int(heat["y"][0]), int(heat["x"][0])
     assert heat["text"][0].startswith(f"KV head {h} · position {p} ")
     assert ("kept" if kept[h, p] else "evicted") in heat["text"][0]

@@ -27,6 +27,7 @@ class PressOutcome:
     reason: str
     scores: dict[int, torch.Tensor]
     kept: dict[int, torch.Tensor]
+    press: str = ""  # the press's name (knorm, snapkv, ...)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None
             reason = events[-1].reason if events else ""
             length = next(iter(got.values()))[0].shape[1]
             last = PressOutcome(length, reason, {layer: s[0] for layer, s in got.items()},
-                                {layer: s[1] for layer, s in got.items()})
+                                {layer: s[1] for layer, s in got.items()}, getattr(cache.press, "name", ""))
     held = {layer: tuple(len(p) for p in cache.kept_positions(layer)) for layer in layers}
     return PressStep(cache.length, held, len(cache.press_events), last,
                      kv_bytes(cache.config, cache.length, cache.batch_size, cache.dtype))
@@ -92,7 +93,7 @@ def press_row(step: PressStep, tensors: dict[str, torch.Tensor], outcomes: dict[
                 tensors[f"press.{last}.scores.{layer}"] = step.last.scores[layer].contiguous()
                 tensors[f"press.{last}.kept.{layer}"] = step.last.kept[layer].to(torch.uint8).contiguous()
         last = {"index": last, "length": step.last.length, "reason": step.last.reason,
-                "layers": sorted(step.last.scores)}
+                "layers": sorted(step.last.scores), "press": step.last.press}
     return {"length": step.length, "held": {str(k): list(v) for k, v in step.held.items()}, "presses": step.presses,
             "full_bytes": step.full_bytes, "last": last}
 
@@ -109,6 +110,7 @@ def press_from_row(row: dict, f: Any, outcomes: dict[int, PressOutcome]) -> Pres
             outcome = outcomes[i] = PressOutcome(
                 last["length"], last["reason"],
                 {layer: f.get_tensor(f"press.{i}.scores.{layer}") for layer in last["layers"]},
-                {layer: f.get_tensor(f"press.{i}.kept.{layer}").bool() for layer in last["layers"]})
+                {layer: f.get_tensor(f"press.{i}.kept.{layer}").bool() for layer in last["layers"]},
+                last.get("press", ""))
     return PressStep(row["length"], {int(k): tuple(v) for k, v in row["held"].items()}, row["presses"], outcome,
                      row["full_bytes"])

@@ -115,7 +115,7 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
                                    ("evicted (darker: higher score)", "#cb181d"))]
     per_head = ", ".join(str(int(c)) for c in kept.sum(1))
     shown = onscreen.describe(b, n, "positions")
-    title = (f"press scores · {kind} · layer {layer} · {last.reason} press at {last.length}<br>"
+    title = (f"{last.press or 'press'} scores · {kind} · layer {layer} · {last.reason} press at {last.length}<br>"
              f"kept per KV head: {per_head} of {int(held[0].sum())} held then")
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
@@ -184,7 +184,8 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
     counts = [c for layer in press.layers for c in press.held[layer]]
     held = f"each head holds {counts[0]}" if len(set(counts)) == 1 else \
         f"heads hold {min(counts)}–{max(counts)}"
-    last = f"{press.last.reason} press at {press.last.length} (dotted)" if press.last else "no press yet"
+    last = f"{press.last.press} {press.last.reason} press at {press.last.length} (dotted)".lstrip() \
+        if press.last else "no press yet"
     shown = onscreen.describe(b, n, "positions")
     layout = dict(title=dict(text=f"held per head · {kind} · step {record.step} · {last}<br>"
                                   f"{held} of {n} positions", font=dict(size=13), x=0.01, xanchor="left"),
