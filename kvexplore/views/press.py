@@ -174,9 +174,6 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
                   z=np.ones(b.count, dtype=np.float32), text=token_text, hovertemplate="%{text}<extra></extra>",
                   zmin=0.0, zmax=1.0, colorscale=[[0, "#eeeeee"], [1, "#eeeeee"]], showscale=False, xgap=gap,
                   xaxis="x", yaxis="y2")
-    legend = [dict(type="scatter", name=name, x=[None], y=[None], mode="markers", hoverinfo="skip",
-                   marker=dict(symbol="square", size=12, color=colour), showlegend=True)
-              for name, colour in (("held", "#2171b5"), ("evicted", "#d62728"))]
     shapes = []
     if press.last is not None and b.start <= press.last.length <= b.stop:
         shapes.append(dict(type="line", xref="x", yref="paper", x0=press.last.length - 0.5,
@@ -188,29 +185,31 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
         if press.last else "no press yet"
     shown = onscreen.describe(b, n, "positions")
     layout = dict(title=dict(text=f"held per head · {kind} · step {record.step} · {last}<br>"
-                                  f"{held} of {n} positions", font=dict(size=13), x=0.01, xanchor="left"),
+                                  f"{held} of {n} positions · <span style='color:#2171b5'>■ held</span> "
+                                  f"<span style='color:#d62728'>■ evicted</span>", font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
                              range=view_range, autorange=False, automargin=True, zeroline=False),
                   yaxis=dict(title=dict(text="layer · KV head"), autorange="reversed", domain=[0, 0.88], zeroline=False,
                              tickvals=list(range(len(rows))), ticktext=[f"L{l} h{h}" for l, h in rows],
                              dtick=1 if len(rows) <= 24 else None),
                   yaxis2=dict(domain=[0.91, 1], anchor="x", tickvals=[0], ticktext=["token"], fixedrange=True),
-                  shapes=shapes, legend=dict(orientation="h", y=-0.3, font=dict(size=12)),
-                  height=max(340, 200 + 16 * min(len(rows), 60)), margin=dict(l=70, r=20, t=70, b=110))
+                  shapes=shapes, showlegend=False,
+                  height=max(340, 200 + 16 * min(len(rows), 60)), margin=dict(l=70, r=20, t=70, b=60))
     if len(rows) > 24:
         layout["yaxis"].pop("dtick")
         step = -(-len(rows) // 24)
         layout["yaxis"]["tickvals"] = layout["yaxis"]["tickvals"][::step]
         layout["yaxis"]["ticktext"] = layout["yaxis"]["ticktext"][::step]
-    return FigureSpec([heat, tokens, *legend], layout)
+    return FigureSpec([heat, tokens], layout)
 
 
 def scores_from_snapshot(s) -> FigureSpec:
+    """The press scores of the lane shown (named by its lane name: ``evict@mask``, a fork's)."""
     ln = s.lane
-    return scores_spec(ln.last, ln.kind, s.layer, ln.detail.texts if ln.detail else (), s.zoom.get("press"),
+    return scores_spec(ln.last, ln.name, s.layer, ln.detail.texts if ln.detail else (), s.zoom.get("press"),
                        s.max_bins)
 
 
 def kept_from_snapshot(s) -> FigureSpec:
     ln = s.lane
-    return kept_spec(ln.last, ln.kind, ln.detail.texts if ln.detail else (), s.zoom.get("kept"), s.max_bins)
+    return kept_spec(ln.last, ln.name, ln.detail.texts if ln.detail else (), s.zoom.get("kept"), s.max_bins)
