@@ -43,7 +43,28 @@ def state(explorer: Any) -> dict[str, Any]:
     return {"specs": {name: {"traces": plain(s.traces), "layout": plain(s.layout)}
                       for name, s in explorer.specs().items()},
             "compare": explorer.compare_rows(), "view": explorer.view, "error": explorer.error,
-            "tokens": len(explorer.lane.generator.tokens), "lane": explorer.lane.name, "shown": explorer.shown()}
+            "tokens": len(explorer.lane.generator.tokens), "lane": explorer.lane.name, "shown": explorer.shown(),
+            "press": press(explorer)}
+
+
+def press(explorer: Any) -> dict[str, Any] | None:
+    """What the shown lane's cache holds, read from the cache itself (not from a record), when it presses: the
+    chosen layer's last press scores (an infinite score as None) and choice, every pressed layer's kept mask, its
+    length and its bytes (what the press views must draw)."""
+    lane = explorer.lane
+    cache = lane.cache
+    if getattr(cache, "press_scores", None) is None or not lane.history:
+        return None
+    layer = explorer.layer
+    got = cache.press_scores(layer) if layer in cache.full_layers else None
+    scores = None if got is None else got[0].numpy()
+    report = cache.memory_report()
+    return {"layer": layer, "length": cache.length, "reserved_bytes": report.reserved_bytes,
+            "used_bytes": report.logical_bytes,
+            "scores": None if got is None else plain(np.where(np.isfinite(scores), scores, np.nan)),
+            "kept": None if got is None else got[1].int().tolist(),
+            "held": {str(layer): [len(p) for p in cache.kept_positions(layer)] for layer in cache.full_layers},
+            "kept_mask": {str(layer): cache.kept_mask(layer).int().tolist() for layer in cache.full_layers}}
 
 
 def enabled() -> bool:

@@ -31,6 +31,13 @@ from ..runtime.generator import Generator
 from ..runtime.sampling import SamplingSettings
 
 COMPILED = "compiled"  # the compiled lane's strategy name
+VARIANT = "@"  # "evict@mask": a second lane of kvexplore's strategy "evict", with its own strategy_options
+
+
+def base_strategy(strategy: str) -> str:
+    """The cache strategy a lane name runs: ``"evict@mask"`` runs ``"evict"`` (so two lanes of one strategy, each
+    with its own options, can run side by side); a name without ``@`` is the strategy itself."""
+    return strategy.split(VARIANT, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,16 @@ class LaneKind(ABC):
 
 
 class EagerLanes(LaneKind):
+    """kvexplore's strategies, and variants of them named ``<strategy>@<label>`` (:func:`base_strategy`)."""
+
     name, label = "eager", "a kvexplore cache strategy on kvexplore's model"
 
     def claims(self, strategy: str) -> bool:
-        return strategy in STRATEGIES
+        base, _, label = strategy.partition(VARIANT)
+        return base in STRATEGIES and (label != "" or VARIANT not in strategy)
+
+    def cache_strategy(self, strategy: str) -> str:
+        return base_strategy(strategy)
 
     def offered(self, hf: Any) -> list[str]:
         return list(STRATEGIES)

@@ -22,6 +22,7 @@ from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport
 from .records import Candidate, StepRecord
 from .compact import unpacked
+from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 
 FORMAT = "kvexplore-trace"
@@ -73,11 +74,14 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     rows = []
+    outcomes: dict[int, int] = {}  # a press outcome, shared by the records until the next press, is saved once
     for i, r in enumerate(records):
         row = {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("top", "memory", "trace")}
         row["top"] = [asdict(c) for c in r.top]
         row["memory"] = None if r.memory is None else asdict(r.memory)
         row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
+        if r.trace is not None and r.trace.press is not None:
+            row["trace"]["press"] = press_row(r.trace.press, tensors, outcomes)
         rows.append(row)
     meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows),
             "run": json.dumps(getattr(records, "meta", {}))}
@@ -143,6 +147,7 @@ def load_trace(path: str | Path) -> History:
 
 def _records(rows: list, f) -> list[StepRecord]:
     history = AttentionHistory()
+    outcomes: dict[int, PressOutcome] = {}
     records = []
     for i, row in enumerate(rows):
         trace = row.pop("trace")
@@ -150,7 +155,7 @@ def _records(rows: list, f) -> list[StepRecord]:
         records.append(StepRecord(
             **row | {"top": [Candidate(**c) for c in row["top"]]},
             memory=None if memory is None else _memory(memory),
-            trace=None if trace is None else _trace(trace, f"{i}", f, history)))
+            trace=None if trace is None else _trace(trace, f"{i}", f, history, outcomes)))
     return records
 
 
@@ -164,7 +169,7 @@ def _view(row: dict) -> SlotView:
     return SlotView(**row, layout=layout_from_dict(layout) if layout else LinearLayout())
 
 
-def _trace(row: dict, key: str, f, history: AttentionHistory) -> StepTrace:
+def _trace(row: dict, key: str, f, history: AttentionHistory, outcomes: dict) -> StepTrace:
     if "views" in row:
         views = [_view(v) for v in row["views"]]
         layer_slots = [views[i] for i in row["view_of"]]
@@ -181,4 +186,4 @@ def _trace(row: dict, key: str, f, history: AttentionHistory) -> StepTrace:
         qkv={name: f.get_tensor(f"{key}.qkv.{name}") for name in row["qkv"]},
         _attention={layer: history.append(f.get_tensor(f"{key}.attention.{layer}"))
                     for layer in row["attention_layers"]},
-        _history=history)
+        _history=history, press=press_from_row(row["press"], f, outcomes) if row.get("press") else None)

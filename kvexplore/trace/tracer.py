@@ -5,7 +5,7 @@
 
 - ``"cache"``: per layer a :class:`CacheEvent` (the logical write and read windows, and the read tensor's
   ``data_ptr``, storage offset, strides and whether it was a view of the cache's storage or a copy), plus the
-  cache's slot view after the step;
+  cache's slot view after the step (and, for a pressing cache, its press state: :mod:`.press`);
 - ``"attention"``: the new token(s)' attention probabilities per layer and head over the positions read, kept in
   one growing buffer per run (no small tensor per step); :meth:`StepTrace.attention` gives them in logical
   position order, :meth:`StepTrace.physical_attention` in the cache's physical slot order;
@@ -30,6 +30,7 @@ from ..caches.layout import SharedLayout
 from ..errors import SettingsError
 from ..core import host
 from .compact import unpacked
+from .press import PressOutcome, PressStep, record as press_record
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
@@ -98,6 +99,7 @@ class StepTrace:
     gqa_groups: list[list[int]] = field(default_factory=list)  # query heads reading each kv head
     heads: list[int] = field(default_factory=list)  # the query heads recorded
     qkv: dict[str, torch.Tensor] = field(default_factory=dict)
+    press: PressStep | None = None  # a pressing cache's state after the step (with "cache"; see .press)
     _attention: dict[int, tuple] = field(default_factory=dict)
     _history: Any = None  # the run's AttentionHistory, or the explorer lane's AttentionStore
 
@@ -184,6 +186,7 @@ class Tracer:
         self._pos = self._q_len = 0
         self._step: StepTrace | None = None
         self._pending: list = []  # (device tensor, what to do with its host copy) until the step ends
+        self._press: PressOutcome | None = None  # the press outcome recorded last (shared until the next press)
 
     # -- the protocol the model calls --------------------------------------------------------------------
     def wants_attention(self, layer: int) -> bool:
@@ -240,6 +243,8 @@ class Tracer:
         step.gqa_groups = c.gqa_groups
         if "cache" in self.capture:
             step.layer_slots = cache.slot_views()
+            step.press = press_record(cache, self._press)
+            self._press = step.press.last if step.press is not None else None
         self._cache = None  # a tracer kept after the run must not keep the cache alive
         return step
 

@@ -126,7 +126,7 @@ def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0,
     """Every step's figures (``"<view>:<lane>"`` for a view drawn per lane, ``"<view>"`` for a view of the whole
     run) and how many generated tokens each lane's strip shows."""
     check_picks(runs, layer, head)
-    per_lane, per_run = replayed()
+    per_lane, per_run = replayed(runs)
     steps = max(len(r) for r in runs.values())
     store = ArrayStore()
     out: list[dict | None] = [None] * steps
@@ -136,7 +136,8 @@ def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0,
         for name in runs:
             shown = dataclasses.replace(snap, shown=name)
             for view in per_lane:
-                figs[f"{view.name}:{name}"] = view.build(shown)
+                if view.drawn_for(runs[name]):
+                    figs[f"{view.name}:{name}"] = view.build(shown)
         whole = dataclasses.replace(snap, shown=list(runs)[-1])
         for view in per_run:
             figs[view.name] = view.build(whole)

@@ -40,7 +40,7 @@ def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int
     lane's figures one above the other), as ``kvexplore diff --html`` shows two runs."""
     all_frames, store = frames(runs, layer, head)
     config = model_info(next(iter(runs.values())))
-    per_lane, per_run = replayed()
+    per_lane, per_run = replayed(runs)
     meta = {"title": title or f"kvexplore replay · {config.name or 'model'} · {', '.join(runs)}",
             "lanes": list(runs), "layer": layer, "head": head, "steps": len(all_frames),
             "views": {"lane": [v.name for v in per_lane], "run": [v.name for v in per_run]},

@@ -80,7 +80,9 @@ PLAYER = r"""async function (root) {
       box.innerHTML = '<h2></h2><div class="kvx-strip-box"></div>';
       box.querySelector('h2').textContent = lane;
       root.querySelector('.kvx-lanes').appendChild(box);
-      for (const view of meta.views.lane) divs[view + ':' + lane] = figure(box, view);
+      for (const view of meta.views.lane) {  // a view that applies to some lanes only has no figure in the others
+        if (frames[frames.length - 1].figures[view + ':' + lane] !== undefined) divs[view + ':' + lane] = figure(box, view);
+      }
       strips[lane] = box.querySelector('.kvx-strip-box');
     }
     for (const view of meta.views.run) divs[view] = figure(root.querySelector('.kvx-run-views'), view);

@@ -13,11 +13,12 @@ not keep them).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import SettingsError
-from . import attention, cache_map, compare, memory, tensors
+from . import attention, cache_map, compare, eviction, memory, press, tensors
+from ..trace.records import StepRecord
 from .snapshot import Snapshot
 from .spec import FigureSpec
 
@@ -33,6 +34,12 @@ class View:
     build: Callable[[Snapshot], FigureSpec]
     tab: bool = True  # one of the views picked for the panel beside the cache map
     replay: str | None = None  # how a replay draws it: PER_LANE, PER_RUN or None (not replayed)
+    # which lanes a replay draws it for: a function of one lane's records (None: every lane). A view drawn per lane
+    # is drawn for the lanes it applies to, a view of the whole run when it applies to one lane at least
+    applies: Callable[[Sequence[StepRecord]], bool] | None = None
+
+    def drawn_for(self, records: Sequence[StepRecord]) -> bool:
+        return self.applies is None or bool(self.applies(records))
 
 
 VIEWS: dict[str, View] = {v.name: v for v in (
@@ -41,6 +48,9 @@ VIEWS: dict[str, View] = {v.name: v for v in (
     View("memory", "Memory", memory.from_snapshot, replay=PER_RUN),
     View("tensors", "Stored K/V", tensors.from_snapshot),
     View("compare", "Compare strategies", compare.from_snapshot),
+    View("press", "Press scores", press.scores_from_snapshot, replay=PER_LANE, applies=press.presses),
+    View("kept", "Held per head", press.kept_from_snapshot, replay=PER_LANE, applies=press.presses),
+    View("eviction", "Eviction", eviction.from_snapshot, replay=PER_RUN, applies=press.presses),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 )}
 BUILT_IN = frozenset(VIEWS)  # what register() may not replace
@@ -85,6 +95,8 @@ def register(view: View, replace: bool = False) -> View:
                             + ("" if view.name in BUILT_IN else " or pass replace=True"))
     if not callable(view.build):
         raise SettingsError(f"view {view.name!r}: build must be a function of a Snapshot to a FigureSpec")
+    if view.applies is not None and not callable(view.applies):
+        raise SettingsError(f"view {view.name!r}: applies must be a function of a lane's records to a bool")
     if view.replay not in REPLAY_SCOPES:
         raise SettingsError(f"view {view.name!r}: replay={view.replay!r}; use PER_LANE, PER_RUN or None")
     VIEWS[view.name] = view
@@ -100,6 +112,9 @@ def unregister(name: str) -> View:
     return VIEWS.pop(name)
 
 
-def replayed() -> tuple[list[View], list[View]]:
-    """The views a replay draws: those drawn per lane, then those drawn once for the whole run (registry order)."""
-    return ([v for v in VIEWS.values() if v.replay == PER_LANE], [v for v in VIEWS.values() if v.replay == PER_RUN])
+def replayed(runs: Mapping[str, Sequence[StepRecord]] | None = None) -> tuple[list[View], list[View]]:
+    """The views a replay draws: those drawn per lane, then those drawn once for the whole run (registry order);
+    with ``runs``, those that apply to one of its lanes at least (:attr:`View.applies`)."""
+    lanes = list(runs.values()) if runs is not None else None
+    return tuple([v for v in VIEWS.values() if v.replay == scope and (lanes is None or any(map(v.drawn_for, lanes)))]
+                 for scope in (PER_LANE, PER_RUN))
