@@ -1,0 +1,98 @@
+"""The ``evict`` cache against an independent reference (tests/evict_reference.py, written from the papers): each
+press's scores and kept sets, KNorm's budgets and head policies, the bytes it holds, decoding after eviction
+against a recomputation with the same kept set (both position modes, both storages), and its refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvexplore
+from evict_reference import Recorder, expected_rotations, recompute, run, simulate
+from kvexplore.errors import SettingsError
+
+MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(heads=8, kv_heads=1, tied=True)),
+          "mha": ("llama", dict(heads=4, kv_heads=4)), "gemma3": ("gemma3", dict(layers=3)),
+          "qwen3next": ("qwen3_next", dict(layers=4))}
+OPTS = {"snapkv": dict(window=6, kernel=3), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25)}
+
+
+@pytest.fixture(scope="module")
+def models(zoo):
+    def get(name):
+        arch, options = MODELS[name]
+        return zoo.load(arch, **options)
+    return get
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (1, n), generator=g)
+
+
+def evict(model, **options):
+    options.setdefault("max_seq_len", 64)
+    return kvexplore.make_cache("evict", model, **options)
+
+
+def assert_scores_match(checks, heads: str = "per-head") -> None:
+    """Each press's scores equal the reference at every held position (NaN elsewhere); the kept set is the
+    budget's best (every kept score >= every evicted one, ties either way)."""
+    assert checks
+    for c in checks:
+        H = c.got.shape[0]
+        for h in range(H):
+            want = c.want[h]
+            held = torch.zeros(c.length, dtype=torch.bool)
+            held[list(want)] = True
+            assert c.got[h][~held].isnan().all(), (c.layer, c.length, h)
+            w = torch.tensor([want[p] for p in sorted(want)], dtype=torch.float64)
+            g = c.got[h][sorted(want)].double()
+            assert torch.equal(w.isinf(), g.isinf()), (c.layer, c.length, h, w, g)
+            fin = ~w.isinf()
+            assert torch.allclose(g[fin], w[fin], rtol=1e-4, atol=1e-6), (c.layer, c.length, h, w, g)
+            kept = c.kept[h]
+            assert not (kept & ~held).any()
+            if heads == "per-head":
+                assert int(kept.sum()) == min(c.n_kept, len(want))
+            ks, es = g[kept[sorted(want)]], g[~kept[sorted(want)]]
+            if len(ks) and len(es):
+                assert ks.min() >= es.max() - 1e-5, (c.layer, c.length, h)
+
+
+# -- 1. every press against the reference ------------------------------------------------------------------------
+
+PRESS_NAMES = ["knorm", "snapkv", "tova", "h2o", "streaming", "keydiff"]
+
+
+@pytest.mark.parametrize("model_name", ["gqa2", "gqa8"])
+@pytest.mark.parametrize("press", PRESS_NAMES)
+def test_prompt_press_scores_equal_the_reference(models, press, model_name):
+    model = models(model_name)
+    ids = tokens(24)
+    r = run(model, evict(model, press=press, press_options=OPTS.get(press), compression_ratio=0.6), ids, 20)
+    checks = simulate(model, r, press, OPTS.get(press))
+    assert [c.length for c in checks] == [20] * len(r.layers)  # one press, after the prompt
+    assert all(c.n_kept == int(20 * (1 - 0.6)) for c in checks)
+    assert_scores_match(checks)
+
+
+@pytest.mark.parametrize("model_name,positions,storage", [("gqa2", "keep", "compact"), ("mha", "rerotate", "mask"),
+                                                          ("gqa8", "rerotate", "compact")])
+@pytest.mark.parametrize("press", PRESS_NAMES)
+def test_decoding_presses_score_what_is_held_as_the_reference(models, press, model_name, positions, storage):
+    """Presses every 3 tokens while decoding, down to 6 positions per head, over keys held after earlier presses
+    (re-rotated keys too: SnapKV, TOVA and H2O read them through attention)."""
+    model = models(model_name)
+    ids = tokens(30, seed=1)
+    cache = evict(model, press=press, press_options=OPTS.get(press), compression_ratio=0.5, decode_every=3,
+                  decode_target=6, positions=positions, storage=storage)
+    r = run(model, cache, ids, 14)
+    assert [(e.length, e.reason) for e in r.presses] == [(14, "prompt")] + [(n, "decode") for n in range(17, 31, 3)]
+    checks = simulate(model, r, press, OPTS.get(press), rerotate=positions == "rerotate")
+    assert len(checks) == len(r.presses) * len(r.layers)
+    assert_scores_match(checks)
