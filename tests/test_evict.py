@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import kvexplore
 from evict_reference import Recorder, expected_rotations, recompute, run, simulate
+from kvexplore.caches.presses import TOVAPress
 from kvexplore.errors import SettingsError
 
 MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(heads=8, kv_heads=1, tied=True)),
@@ -96,3 +97,29 @@ def test_decoding_presses_score_what_is_held_as_the_reference(models, press, mod
     checks = simulate(model, r, press, OPTS.get(press), rerotate=positions == "rerotate")
     assert len(checks) == len(r.presses) * len(r.layers)
     assert_scores_match(checks)
+
+
+class KNormThenTOVA(TOVAPress):
+    """KNorm after the prompt (heads keep different positions), TOVA while decoding."""
+
+    name = "knorm-then-tova"
+
+    def score(self, obs):
+        return -obs.keys.float().norm(dim=-1) if obs.length == 16 else super().score(obs)
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+@pytest.mark.parametrize("press", ["tova", "snapkv", "h2o", "keydiff"])
+def test_presses_while_decoding_score_each_heads_own_positions(models, press, storage):
+    """Heads holding different positions (an adaptive budget, or TOVA after a KNorm prompt press): a later press
+    scores each head's own positions (per position, whatever slot a compact head keeps it in)."""
+    model = models("gqa2")
+    ids = tokens(30, seed=2)
+    first = KNormThenTOVA() if press == "tova" else press
+    cache = evict(model, press=first, press_options=None if press == "tova" else OPTS.get(press),
+                  compression_ratio=0.5, heads="per-head" if press == "tova" else "adaptive", decode_every=4,
+                  decode_target=7, storage=storage)
+    r = run(model, cache, ids, 16)
+    assert r.kept[0][r.layers[0]][0] != r.kept[0][r.layers[0]][1]  # the heads do hold different positions
+    checks = simulate(model, r, press, OPTS.get(press))
+    assert_scores_match([c for c in checks if c.length > 16], heads="adaptive")
