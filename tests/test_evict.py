@@ -165,3 +165,138 @@ def test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set
     assert (r.logits - want).abs().max() < 1e-4
     full = model(ids, kvexplore.make_cache("none", model), 0)
     assert (r.logits[:, 15:] - full[:, 15:]).abs().max() > 1e-3  # the eviction matters: the check is not trivially met
+
+
+# -- 2. KNorm: the smallest key norms, budgets and head policies ------------------------------------------------------
+
+def prompt_norms(model, ids) -> dict[int, torch.Tensor]:
+    """Each full layer's key norms ``(kv_heads, positions)`` of the prompt, as the model computes them."""
+    rec = Recorder()
+    model(ids, kvexplore.make_cache("none", model), 0, tracer=rec)
+    return {l: rec.keys(l).norm(dim=-1) for l in rec.k}
+
+
+def smallest(norms: torch.Tensor, n: int) -> list[list[int]]:
+    return [sorted(norms[h].argsort()[:n].tolist()) for h in range(norms.shape[0])]
+
+
+@pytest.mark.parametrize("budget", [dict(compression_ratio=0.25), dict(compression_ratio=0.5),
+                                    dict(compression_ratio=0.9), dict(compression_ratio=0.0), dict(kept_tokens=5),
+                                    dict(kept_tokens=40)])
+def test_knorm_keeps_each_heads_smallest_key_norms(models, budget):
+    model = models("gqa2")
+    n = 21
+    ids = tokens(n, seed=4)
+    norms = prompt_norms(model, ids)
+    cache = evict(model, **budget)
+    model(ids, cache, 0)
+    ratio = budget.get("compression_ratio")
+    n_kept = min(n, budget["kept_tokens"]) if ratio is None else int(n * (1 - ratio))
+    for l in cache.full_layers:
+        assert cache.kept_positions(l) == smallest(norms[l], n_kept)
+        assert cache.kept_mask(l).sum(-1).tolist() == [n_kept] * 2
+    assert [e.kept for e in cache.press_events] == ([] if n_kept == n else [(n_kept, n_kept)])
+
+
+def test_pyramid_schedule_gives_the_first_layer_the_most(zoo):
+    """PyramidKV: budgets fall linearly from ``2m - m/beta`` to ``m/beta`` over the layers (mean ``m``)."""
+    model = zoo.load("llama", heads=4, kv_heads=2, layers=4)
+    n, beta = 40, 4.0
+    ids = tokens(n, seed=5)
+    norms = prompt_norms(model, ids)
+    cache = evict(model, compression_ratio=0.5, schedule="pyramid", beta=beta)
+    model(ids, cache, 0)
+    m = int(n * 0.5)
+    want = [round((2 * m - m / beta) - (2 * m - 2 * m / beta) * i / 3) for i in range(4)]
+    assert want == [35, 25, 15, 5] and sum(want) == 4 * m
+    assert cache.press_events[0].kept == tuple(want)
+    for l, b in enumerate(want):
+        assert cache.kept_positions(l) == smallest(norms[l], b)
+
+
+def test_adaptive_heads_share_the_layers_budget_after_a_safeguard(models):
+    """AdaKV: each head keeps its ``int(alpha * n_kept)`` best, the rest of the layer's ``n_kept * heads`` goes
+    to the best remaining scores of any head: counts differ, the total does not."""
+    model = models("mha")
+    n, alpha = 24, 0.25
+    ids = tokens(n, seed=6)
+    norms = prompt_norms(model, ids)
+    cache = evict(model, compression_ratio=0.5, heads="adaptive", alpha=alpha)
+    model(ids, cache, 0)
+    n_kept, H = 12, 4
+    for l in cache.full_layers:
+        score = -norms[l]
+        guard = int(alpha * n_kept)
+        keep = torch.zeros_like(score, dtype=torch.bool)
+        for h in range(H):
+            keep[h, score[h].argsort(descending=True)[:guard]] = True
+        rest = score.masked_fill(keep, -math.inf).flatten().argsort(descending=True)[:n_kept * H - guard * H]
+        keep.view(-1)[rest] = True
+        want = [sorted(torch.nonzero(keep[h]).flatten().tolist()) for h in range(H)]
+        got = cache.kept_positions(l)
+        assert got == want
+        assert sum(map(len, got)) == n_kept * H and len({len(g) for g in got}) > 1
+
+
+def test_shared_heads_keep_the_same_positions_in_every_head(models):
+    model = models("gqa2")
+    ids = tokens(20, seed=7)
+    norms = prompt_norms(model, ids)
+    cache = evict(model, compression_ratio=0.5, heads="shared")
+    model(ids, cache, 0)
+    for l in cache.full_layers:
+        want = sorted((-norms[l]).mean(0).argsort(descending=True)[:10].tolist())
+        assert cache.kept_positions(l) == [want, want]
+
+
+# -- 3. bytes ------------------------------------------------------------------------------------------------------
+
+def test_compact_storage_holds_the_kept_positions_plus_the_stated_headroom(models):
+    """Per pressed layer: reserved bytes = (kept positions over heads + overhead slots) x bytes per position and
+    head, the overhead being ``headroom`` slots per head plus the padding of heads that keep fewer than the most;
+    the memory report's used and analytic bytes = kept positions over heads x bytes per position and head."""
+    model = models("mha")
+    n, headroom = 30, 5
+    ids = tokens(n + 3, seed=8)
+    cache = evict(model, compression_ratio=0.5, heads="adaptive", headroom=headroom)
+    before = evict(model, compression_ratio=0.0, headroom=headroom)
+    model(ids[:, :n], before, 0)
+    model(ids[:, :n], cache, 0)
+    hd = model.config.head_dim
+    per = 2 * hd * 4  # key + value, float32, one position of one head
+    report = cache.memory_report()
+    assert report.freed_bytes > 0
+    for l in cache.full_layers:
+        counts = [len(p) for p in cache.kept_positions(l)]
+        assert sum(counts) == 4 * 15 and len(set(counts)) > 1
+        k, v = cache.storage(l)
+        assert k.shape[2] == v.shape[2] == max(counts) + headroom  # the storage really shrank ...
+        assert before.storage(l)[0].shape[2] == n + headroom  # ... from what the unpressed prompt needs
+        overhead = 4 * (max(counts) + headroom) - sum(counts)
+        assert cache.overhead_slots(l) == overhead
+        assert cache.layers[l].reserved_bytes() == (sum(counts) + overhead) * per
+        mem = report.layers[l]
+        assert mem.logical_bytes == mem.analytic_bytes == sum(counts) * per
+    assert report.analytic_bytes == sum(len(p) for l in cache.full_layers for p in cache.kept_positions(l)) * per
+    assert cache.reserved_bytes == sum(cache.layers[l].reserved_bytes() for l in cache.full_layers)
+    slots = cache.storage(0)[0].shape[2]
+    for p in range(n, n + 3):  # decoding writes in place while the headroom lasts
+        model(ids[:, p:p + 1], cache, p)
+        assert cache.storage(0)[0].shape[2] == slots
+        assert cache.memory_report().allocations == 0
+
+
+def test_mask_storage_keeps_every_slot_and_frees_nothing(models):
+    model = models("gqa2")
+    ids = tokens(20, seed=9)
+    cache = evict(model, compression_ratio=0.5, storage="mask", max_seq_len=48)
+    model(ids, cache, 0)
+    per = 2 * model.config.head_dim * 4
+    report = cache.memory_report()
+    assert report.freed_bytes == 0
+    for l in cache.full_layers:
+        assert cache.storage(l)[0].shape[2] == 48
+        assert cache.layers[l].reserved_bytes() == 48 * 2 * per
+        assert cache.overhead_slots(l) == 2 * 48 - 2 * 10
+        assert report.layers[l].logical_bytes == 2 * 10 * per  # what it attends to, not what it holds
+    assert cache.reserved_bytes == 2 * 48 * 2 * per
