@@ -21,7 +21,9 @@ Two position modes (``positions=``):
   paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
 
 Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
-refused, changing nothing).
+refused, changing nothing). With presses while decoding, also no further back than the next press can still read:
+an accumulating press (H2O) refuses any rewind (its sums hold the dropped tokens' queries); a press reading a window
+of queries keeps ``window + decode_every`` of them, so a rewind within ``decode_every`` tokens finds its window.
 """
 
 from __future__ import annotations
@@ -114,10 +116,9 @@ class EvictCache(KVCache):
     # -- the write protocol ------------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
-        if pos < self.length and pos < self.pressplan.horizon:
-            raise SettingsError(f"write at position {pos} needs a rewind into positions a press evicted (the last "
-                                f"press ran at length {self.pressplan.horizon}); rewind to {self.pressplan.horizon} "
-                                f"or later")
+        if pos < self.length and self.full_layers:
+            if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
+                raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         if self._capacity is not None and pos + q_len > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 

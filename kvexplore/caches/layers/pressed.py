@@ -69,7 +69,7 @@ class PressedLayer(FullLayer):
             if self.queries is not None and self.query_pos is not None and step.pos > 0:
                 q = torch.cat([self.queries[:, :, self.query_pos < step.pos], q], 2)
                 qp = torch.cat([self.query_pos[self.query_pos < step.pos], qp])
-            self.queries, self.query_pos = q[:, :, -plan.queries:].clone(), qp[-plan.queries:]
+            self.queries, self.query_pos = q[:, :, -plan.kept_queries:].clone(), qp[-plan.kept_queries:]
             if plan.press.accumulates:
                 self._accumulate(self._q_new, torch.arange(step.pos, step.end, device=q.device))
         self._q_new = None
@@ -95,8 +95,9 @@ class PressedLayer(FullLayer):
         if int(valid.sum(-1).max()) <= n_kept and self.plan.budget.heads != "adaptive":
             return
         plan = self.plan
-        obs = Observation(self.spec.index, k, v, valid, pos, self.queries if plan.press.queries else None,
-                          self.query_pos if plan.press.queries else None,
+        W = plan.press.queries  # the window it reads (the layer keeps more, for a rewind within decode_every)
+        obs = Observation(self.spec.index, k, v, valid, pos, self.queries[:, :, -W:] if W else None,
+                          self.query_pos[-W:] if W else None,
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
                           step.end, n_kept)
         scores = plan.press.score(obs)
@@ -165,10 +166,26 @@ class PressedLayer(FullLayer):
         return self.used_bytes(length)
 
     def truncate_error(self, n: int, length: int) -> str | None:
-        horizon = self.plan.horizon
+        """Why the layer cannot go back to ``n`` positions: a press evicted positions before ``n``; or, with presses
+        to come while decoding, what the next one reads cannot be taken back to ``n`` (H2O's sums include the
+        dropped tokens' queries; a window of recent queries lost those before ``n``)."""
+        plan = self.plan
+        horizon, press = plan.horizon, plan.press
         if n < horizon:
             return (f"cannot truncate to {n}: the press at length {horizon} evicted positions before it; truncate to "
                     f"{horizon} or later")
+        if n >= length or plan.decode_every is None:
+            return None
+        if press.accumulates:
+            return (f"cannot truncate to {n}: {press.name} sums the attention of every query so far, those of "
+                    f"positions {n}..{length - 1} included, and cannot take them back before its next press; "
+                    f"truncate to {length}, or start a new cache")
+        if press.queries and self.query_pos is not None:
+            have = int((self.query_pos < n).sum())
+            if have < min(press.queries, n):
+                first = int(self.query_pos.min()) + press.queries
+                return (f"cannot truncate to {n}: {press.name} reads the last {press.queries} queries and only {have} "
+                        f"of those before position {n} are kept; truncate to {first} or later")
         return None
 
     def mask_group(self) -> tuple:
