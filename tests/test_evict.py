@@ -19,7 +19,8 @@ from kvexplore.errors import SettingsError
 MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(heads=8, kv_heads=1, tied=True)),
           "mha": ("llama", dict(heads=4, kv_heads=4)), "gemma3": ("gemma3", dict(layers=3)),
           "qwen3next": ("qwen3_next", dict(layers=4))}
-OPTS = {"snapkv": dict(window=4, kernel=3), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25)}
+OPTS = {"snapkv": dict(window=4, kernel=3), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25),
+        "snapkv-avg": dict(window=5, kernel=5, pooling="avg")}
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +72,13 @@ PRESS_NAMES = ["knorm", "snapkv", "tova", "h2o", "streaming", "keydiff"]
 
 
 @pytest.mark.parametrize("model_name", ["gqa2", "gqa8"])
-@pytest.mark.parametrize("press", PRESS_NAMES)
+@pytest.mark.parametrize("press", PRESS_NAMES + ["snapkv-avg"])
 def test_prompt_press_scores_equal_the_reference(models, press, model_name):
     model = models(model_name)
     ids = tokens(24)
-    r = run(model, evict(model, press=press, press_options=OPTS.get(press), compression_ratio=0.6), ids, 20)
-    checks = simulate(model, r, press, OPTS.get(press))
+    name, opts = press.split("-")[0], OPTS.get(press)
+    r = run(model, evict(model, press=name, press_options=opts, compression_ratio=0.6), ids, 20)
+    checks = simulate(model, r, name, opts)
     assert [c.length for c in checks] == [20] * len(r.layers)  # one press, after the prompt
     assert all(c.n_kept == int(20 * (1 - 0.6)) for c in checks)
     assert_scores_match(checks)
@@ -144,6 +146,22 @@ EXACT = [  # model, press, positions, storage, decode_every, heads
 ]
 
 
+def assert_exact(model, cache, ids, prompt: int, chunks: list[int] | None = None) -> None:
+    """Every logit of the run equals the recomputation with the same kept sets, and the rotations the cache
+    reports are the rule's."""
+    r = run(model, cache, ids, prompt, chunks)
+    rotations = expected_rotations(r, cache.position_mode == "rerotate")
+    for s in range(len(r.steps)):
+        for l in r.layers:
+            want = [[rot[p] for p in sorted(rot)] for rot in rotations[s][l]]
+            assert r.rope[s][l] == want, (s, l)
+    want = recompute(model, ids, r, rotations)
+    assert (r.logits - want).abs().max() < 1e-4
+    full = model(ids, kvexplore.make_cache("none", model), 0)
+    assert (r.logits[:, prompt:] - full[:, prompt:]).abs().max() > 1e-3  # the eviction matters
+    return r
+
+
 @pytest.mark.parametrize("model_name,press,positions,storage,every,heads", EXACT)
 def test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set(models, model_name, press, positions,
                                                                                  storage, every, heads):
@@ -154,17 +172,21 @@ def test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set
     ids = tokens(28, seed=3)
     cache = evict(model, press=press, press_options=OPTS.get(press), compression_ratio=0.6, positions=positions,
                   storage=storage, decode_every=every, heads=heads)
-    r = run(model, cache, ids, 15)
+    r = assert_exact(model, cache, ids, 15)
     assert len(r.presses) == 1 + (0 if every is None else (28 - 15) // every)
-    rotations = expected_rotations(r, positions == "rerotate")
-    for s in range(len(r.steps)):  # the rotations the cache reports are the rule's
-        for l in r.layers:
-            want = [[rot[p] for p in sorted(rot)] for rot in rotations[s][l]]
-            assert r.rope[s][l] == want, (s, l)
-    want = recompute(model, ids, r, rotations)
-    assert (r.logits - want).abs().max() < 1e-4
-    full = model(ids, kvexplore.make_cache("none", model), 0)
-    assert (r.logits[:, 15:] - full[:, 15:]).abs().max() > 1e-3  # the eviction matters: the check is not trivially met
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+@pytest.mark.parametrize("positions", ["keep", "rerotate"])
+def test_chunks_after_a_press_and_storage_that_grows_stay_exact(models, storage, positions):
+    """Several tokens per step after a press (a mask per head and token), and a compacting storage that runs out of
+    headroom and grows, with H2O's sums following the slots."""
+    model = models("gqa2")
+    ids = tokens(40, seed=16)
+    cache = evict(model, press="h2o", compression_ratio=0.5, heads="adaptive", positions=positions, storage=storage,
+                  decode_every=7, headroom=2)
+    r = assert_exact(model, cache, ids, 14, chunks=[3, 1, 4, 2, 5, 1, 6, 4])
+    assert [e.length for e in r.presses] == [14, 22, 29, 36]
 
 
 # -- 2. KNorm: the smallest key norms, budgets and head policies ------------------------------------------------------
