@@ -489,3 +489,66 @@ def test_a_rewind_that_would_leave_snapkv_a_short_window_is_refused(models):
         cache.truncate(10)
     cache.truncate(11)
     assert cache.length == 11
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+def test_a_batch_of_two_is_pressed_as_each_sequence_alone(models, storage):
+    """Adaptive budgets, re-rotation and presses while decoding: each sequence's kept sets, rotations and logits as
+    if it ran alone (the rows of a compact storage hold different counts per head)."""
+    model = models("gqa2")
+    ids = torch.cat([tokens(24, seed=17), tokens(24, seed=18)])
+    options = dict(press="snapkv", press_options=OPTS["snapkv"], heads="adaptive", positions="rerotate",
+                   storage=storage, decode_every=3, headroom=2)
+    both = evict(model, batch_size=2, **options)
+    got = torch.cat([model(ids[:, :14], both, 0), *(model(ids[:, p:p + 1], both, p) for p in range(14, 24))], 1)
+    for b in range(2):
+        alone = evict(model, **options)
+        want = torch.cat([model(ids[b:b + 1, :14], alone, 0),
+                          *(model(ids[b:b + 1, p:p + 1], alone, p) for p in range(14, 24))], 1)
+        assert (got[b] - want[0]).abs().max() < 1e-4
+        for l in alone.full_layers:
+            assert both.kept_positions(l, batch=b) == alone.kept_positions(l)
+            assert both.rope_positions(l, batch=b) == alone.rope_positions(l)
+    assert both.kept_positions(0, batch=0) != both.kept_positions(0, batch=1)
+
+
+# -- 6. properties ----------------------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.integers(2, 30), ratio=st.sampled_from([0.0, 0.3, 0.5, 0.75, 0.95]),
+       heads=st.sampled_from(["per-head", "shared", "adaptive"]), every=st.sampled_from([None, 1, 2, 5]),
+       decode=st.integers(0, 8), positions=st.sampled_from(["keep", "rerotate"]))
+def test_properties_of_what_a_press_keeps(models, prompt, ratio, heads, every, decode, positions):
+    """After every step: each head holds at most its budget plus what was written since the last press, kept
+    positions are sorted, unique and below the length, everything since the last press is held; a compacting and
+    a masking storage keep the same positions (KNorm), with the rotations the rule gives."""
+    model = models("gqa2")
+    every = every if ratio else None  # no budget, no target for a press while decoding (refused, tested above)
+    ids = tokens(prompt + decode, seed=prompt * 31 + decode)
+    caches = [evict(model, compression_ratio=ratio, heads=heads, decode_every=every, positions=positions,
+                    storage=storage) for storage in ("compact", "mask")]
+    runs = [run(model, c, ids, prompt) for c in caches]
+    a, b = runs
+    H = 2
+    n_kept = max(1, int(prompt * (1 - ratio)))
+    for s, (pos, n) in enumerate(a.steps):
+        end = pos + n
+        horizon = max([e.length for e in a.presses if e.length <= end], default=0)
+        for l in a.layers:
+            kept = a.kept[s][l]
+            assert kept == b.kept[s][l] and a.rope[s][l] == b.rope[s][l]
+            for h in kept:
+                assert h == sorted(set(h)) and all(0 <= p < end for p in h)
+                assert set(range(horizon, end)) <= set(h)  # nothing written since the last press is gone
+            if not horizon:  # no press yet: everything held
+                assert kept == [list(range(end))] * H
+            elif heads == "adaptive":
+                assert sum(map(len, kept)) <= (n_kept + end - horizon) * H
+            else:
+                assert all(len(h) <= n_kept + end - horizon for h in kept)
+            if heads == "shared":
+                assert all(h == kept[0] for h in kept)
+    want = expected_rotations(a, positions == "rerotate")
+    assert all(a.rope[s][l] == [[r[p] for p in sorted(r)] for r in want[s][l]]
+               for s in range(len(a.steps)) for l in a.layers)
+    assert len(a.presses) == (prompt > n_kept) + (0 if every is None else decode // every)
