@@ -123,7 +123,11 @@ class EvictCache(KVCache):
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
     def attach_model(self, model: Any) -> None:
-        self.pressplan.rotary = model.rotary
+        plan = self.pressplan
+        plan.rotary = model.rotary
+        if model.config.attention_sinks and plan.queries:  # the attention a press reads is the model's, sinks too
+            layers = model.model.layers
+            plan.sinks = {i: layers[i].self_attn.sinks.detach() for i in self.full_layers}
 
     def observes_queries(self, layer: int) -> bool:
         return self.pressplan.queries > 0 and layer in self._pressed

@@ -83,7 +83,8 @@ class PressedLayer(FullLayer):
         self._resize_acc(k.shape[2])
         total = torch.zeros(valid.shape, dtype=torch.float32, device=k.device)
         for r in range(0, q.shape[2], ROWS):
-            probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap)
+            probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap,
+                              self.plan.sinks.get(self.spec.index))
             total += per_kv_head(probs.sum(2), k.shape[1])
         acc = self.acc.clone()
         acc[:, :, :k.shape[2]] += total
@@ -99,7 +100,7 @@ class PressedLayer(FullLayer):
         obs = Observation(self.spec.index, k, v, valid, pos, self.queries[:, :, -W:] if W else None,
                           self.query_pos[-W:] if W else None,
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
-                          step.end, n_kept)
+                          step.end, n_kept, plan.sinks.get(self.spec.index))
         scores = plan.press.score(obs)
         keep = select(scores, valid, n_kept, plan.budget.heads, plan.budget.alpha)
         if plan.rerotate:  # contiguous positions ending at the last one written: rank among the kept, per head

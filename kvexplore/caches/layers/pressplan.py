@@ -38,6 +38,7 @@ class PressPlan:
         # recent queries each layer keeps: the press's window, and the tokens a rewind may drop before the next press
         self.kept_queries = self.queries + ((decode_every or 0) if press.queries else 0)
         self.rotary: Any = None  # the model's Rotary, attached by the model before a step (re-rotation needs it)
+        self.sinks: dict[int, Any] = {}  # layer -> the model's learned sink logits (gpt-oss), for the attention read
         self.anchor = 0  # the length at the last press (or the prompt): decoding presses count tokens from there
         self.horizon = 0  # the length at the last press: positions before it may be evicted
         self.target: int | None = decode_target
