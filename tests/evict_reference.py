@@ -97,14 +97,24 @@ def run(model, cache, ids: torch.Tensor, prompt: int, chunks: list[int] | None =
 # -- the presses, from the papers ----------------------------------------------------------------------------
 
 def attention_rows(q: torch.Tensor, q_pos: list[int], keys: torch.Tensor, k_pos: list[int], scale: float,
-                   softcap: float | None) -> torch.Tensor:
+                   softcap: float | None, sink: float | None = None) -> torch.Tensor:
     """Softmax ``(rows, S)`` of queries ``q`` ``(rows, hd)`` at ``q_pos`` over one head's ``keys`` ``(S, hd)`` at
-    ``k_pos``, causal (a key after the query reads 0)."""
+    ``k_pos``, causal (a key after the query reads 0); a learned ``sink`` logit (gpt-oss) takes its share of each
+    row's softmax and reads nothing."""
     s = torch.einsum("td,sd->ts", q.double(), keys.double()) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     allowed = torch.tensor(k_pos).view(1, -1) <= torch.tensor(q_pos).view(-1, 1)
-    return s.masked_fill(~allowed, -math.inf).softmax(-1).nan_to_num(0.0)
+    s = s.masked_fill(~allowed, -math.inf)
+    if sink is not None:
+        return torch.cat([s, torch.full((s.shape[0], 1), sink, dtype=s.dtype)], 1).softmax(-1)[:, :-1]
+    return s.softmax(-1).nan_to_num(0.0)
+
+
+def sinks_of(model, layer: int) -> list[float | None]:
+    """The learned sink logit of each query head of ``layer`` (None for each when the model has none)."""
+    attn = model.model.layers[layer].self_attn
+    return attn.sinks.tolist() if getattr(attn, "has_sinks", False) else [None] * model.config.num_heads
 
 
 def pool(x: list[float], kernel: int, how: str) -> list[float]:
@@ -133,7 +143,7 @@ def stored(keys: torch.Tensor, h: int, positions: list[int], rot: dict[int, int]
 
 def press_scores(press: str, opts: dict, keys_h: list[torch.Tensor], pos_h: list[list[int]], queries: torch.Tensor,
                  q_pos: list[int], acc_h: list[dict[int, float]], length: int, n_kept: int, scale: float,
-                 softcap: float | None) -> list[list[float]]:
+                 softcap: float | None, sinks: list[float | None]) -> list[list[float]]:
     """Each KV head's score of each held position (in ``pos_h``'s order), from the papers."""
     H = len(keys_h)
     nh = queries.shape[0]
@@ -151,8 +161,8 @@ def press_scores(press: str, opts: dict, keys_h: list[torch.Tensor], pos_h: list
         sinks = opts.get("sinks", 4)
         return [[math.inf if p < sinks else float(p) for p in ps] for ps in pos_h]
     if press == "tova":  # Oren et al. 2024: the last query's attention, averaged over every query head
-        per_q = [attention_rows(queries[qh, -1:], q_pos[-1:], keys_h[qh // g], pos_h[qh // g], scale, softcap)[0]
-                 for qh in range(nh)]
+        per_q = [attention_rows(queries[qh, -1:], q_pos[-1:], keys_h[qh // g], pos_h[qh // g], scale, softcap,
+                                sinks[qh])[0] for qh in range(nh)]
         return [(sum(per_q) / nh).tolist() for _ in range(H)] if all(p == pos_h[0] for p in pos_h) else \
             [_tova_by_position(per_q, pos_h, h, g) for h in range(H)]
     if press == "h2o":  # Zhang et al. 2023: accumulated attention, recent share kept
@@ -165,7 +175,7 @@ def press_scores(press: str, opts: dict, keys_h: list[torch.Tensor], pos_h: list
         for h in range(H):
             total = [0.0] * len(pos_h[h])
             for qh in range(h * g, (h + 1) * g):
-                vote = attention_rows(qw[qh], pw, keys_h[h], pos_h[h], scale, softcap).sum(0).tolist()
+                vote = attention_rows(qw[qh], pw, keys_h[h], pos_h[h], scale, softcap, sinks[qh]).sum(0).tolist()
                 total = [a + b for a, b in zip(total, pool(vote, kernel, how))]
             out.append([math.inf if p >= length - len(pw) else s for p, s in zip(pos_h[h], total)])
         return out
@@ -212,7 +222,7 @@ def simulate(model, r: Run, press: str, opts: dict | None = None, rerotate: bool
             keys, queries = r.rec.keys(l), r.rec.queries(l)
             H, nh = keys.shape[0], queries.shape[0]
             g = nh // H
-            hl, scale = held[l], cfg.attention_scale(l)
+            hl, scale, sinks = held[l], cfg.attention_scale(l), sinks_of(model, l)
             for h in range(H):
                 hl.positions[h] = [p for p in hl.positions[h] if p < pos] + new
                 hl.rot[h].update({p: p for p in new})
@@ -223,7 +233,7 @@ def simulate(model, r: Run, press: str, opts: dict | None = None, rerotate: bool
                         hl.acc[h].setdefault(p, 0.0)
                     for qh in range(h * g, (h + 1) * g):
                         a = attention_rows(queries[qh, pos:pos + n], new, keys_h[h], hl.positions[h], scale,
-                                           cfg.attn_logit_softcapping).sum(0)
+                                           cfg.attn_logit_softcapping, sinks[qh]).sum(0)
                         for p, x in zip(hl.positions[h], a.tolist()):
                             hl.acc[h][p] += x
             if not pressed:
@@ -235,7 +245,7 @@ def simulate(model, r: Run, press: str, opts: dict | None = None, rerotate: bool
             W = {"snapkv": opts.get("window", 32), "tova": 1, "h2o": 1}.get(press, 1)
             qp = list(range(max(0, end - W), end))
             sc = press_scores(press, opts, keys_h, hl.positions, queries[:, qp], qp, hl.acc, end, n_kept, scale,
-                              cfg.attn_logit_softcapping)
+                              cfg.attn_logit_softcapping, sinks)
             want = {h: dict(zip(hl.positions[h], sc[h])) for h in range(H)}
             checks.append(PressCheck(l, end, want, got, kept, n_kept))
             for h in range(H):  # continue from the cache's choice (near-ties may break either way)
@@ -271,10 +281,13 @@ def expected_rotations(r: Run, rerotate: bool) -> list[dict[int, list[dict[int, 
 
 class Restrict:
     """A tracer that computes every pressed layer's attention scores itself: query ``t`` of KV head ``h`` reads the
-    positions ``allowed[l][h][t]`` (a dict position -> rotation), each key turned from its position to that rotation."""
+    positions ``allowed[l][h][t]`` (a dict position -> rotation), each key turned from its position to that rotation.
+    A layer that reads a pressed layer's cache (Gemma 4's shared layers, ``readers``: layer -> source) reads the
+    source's keys under the source's restriction."""
 
-    def __init__(self, model, allowed: dict[int, list[list[dict[int, int]]]]) -> None:
-        self.allowed, self.cfg = allowed, model.config
+    def __init__(self, model, allowed: dict[int, list[list[dict[int, int]]]], readers: dict[int, int]) -> None:
+        self.cfg, self.readers = model.config, {**{l: l for l in allowed}, **readers}
+        self.allowed = {l: allowed[src] for l, src in self.readers.items()}
         self.inv = model.rotary.inv_freq.cpu()
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
@@ -296,7 +309,7 @@ class Restrict:
         return None
 
     def _scores(self, l: int, like: torch.Tensor) -> torch.Tensor:
-        q, k = self.q[l][0].double(), self.k[l][0].double()  # (nh, T, hd), (H, T, hd)
+        q, k = self.q[l][0].double(), self.k[self.readers[l]][0].double()  # (nh, T, hd), (H, T, hd)
         nh, T, _ = q.shape
         H = k.shape[0]
         g, scale, cap = nh // H, self.cfg.attention_scale(l), self.cfg.attn_logit_softcapping
@@ -328,4 +341,7 @@ def recompute(model, ids: torch.Tensor, r: Run, rotations: list[dict[int, list[d
                 for t in range(pos, pos + n):
                     rows[h][t] = {**before[h], **{p: p for p in range(pos, t + 1)}}
         allowed[l] = rows
-    return model(ids, kvexplore.make_cache("none", model), 0, tracer=Restrict(model, allowed))
+    from kvexplore.config.layer_plan import layer_plan
+
+    readers = {s.index: s.source for s in layer_plan(model.config) if s.shares and s.source in allowed}
+    return model(ids, kvexplore.make_cache("none", model), 0, tracer=Restrict(model, allowed, readers))

@@ -18,7 +18,8 @@ from kvexplore.errors import SettingsError
 
 MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(heads=8, kv_heads=1, tied=True)),
           "mha": ("llama", dict(heads=4, kv_heads=4)), "gemma3": ("gemma3", dict(layers=3)),
-          "qwen3next": ("qwen3_next", dict(layers=4))}
+          "qwen3next": ("qwen3_next", dict(layers=4)), "gptoss": ("gpt_oss", dict(layers=2)),
+          "gemma4": ("gemma4", {})}
 OPTS = {"snapkv": dict(window=4, kernel=3), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25),
         "snapkv-avg": dict(window=5, kernel=5, pooling="avg")}
 
@@ -85,7 +86,7 @@ def test_prompt_press_scores_equal_the_reference(models, press, model_name):
 
 
 @pytest.mark.parametrize("model_name,positions,storage", [("gqa2", "keep", "compact"), ("mha", "rerotate", "mask"),
-                                                          ("gqa8", "rerotate", "compact")])
+                                                          ("gqa8", "rerotate", "compact"), ("gptoss", "keep", "mask")])
 @pytest.mark.parametrize("press", PRESS_NAMES)
 def test_decoding_presses_score_what_is_held_as_the_reference(models, press, model_name, positions, storage):
     """Presses every 3 tokens while decoding, down to 6 positions per head, over keys held after earlier presses
@@ -143,6 +144,9 @@ EXACT = [  # model, press, positions, storage, decode_every, heads
     ("gemma3", "h2o", "rerotate", "mask", 2, "per-head"),
     ("qwen3next", "knorm", "rerotate", "compact", 3, "adaptive"),
     ("qwen3next", "tova", "keep", "mask", 2, "per-head"),
+    ("gptoss", "snapkv", "rerotate", "compact", 3, "per-head"),  # learned sinks, YaRN (the turn: no attention factor)
+    ("gemma4", "knorm", "rerotate", "compact", 3, "adaptive"),  # shared layers read a pressed layer's cache
+    ("gemma4", "h2o", "keep", "mask", 2, "per-head"),
 ]
 
 
