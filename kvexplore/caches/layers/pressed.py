@@ -93,8 +93,6 @@ class PressedLayer(FullLayer):
     def press(self, step: Step, n_kept: int) -> None:
         """Score the held keys and keep the best ``n_kept`` per head (on average, for adaptive heads)."""
         k, v, valid, pos, rot = self.held_slots()
-        if int(valid.sum(-1).max()) <= n_kept and self.plan.budget.heads != "adaptive":
-            return
         plan = self.plan
         W = plan.press.queries  # the window it reads (the layer keeps more, for a rewind within decode_every)
         obs = Observation(self.spec.index, k, v, valid, pos, self.queries[:, :, -W:] if W else None,
@@ -102,6 +100,9 @@ class PressedLayer(FullLayer):
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
                           step.end, n_kept, plan.sinks.get(self.spec.index))
         scores = plan.press.score(obs)
+        if int(valid.sum(-1).max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
+            self._note_scores(scores, valid, pos, valid, step.end)
+            return
         keep = select(scores, valid, n_kept, plan.budget.heads, plan.budget.alpha)
         if plan.rerotate:  # contiguous positions ending at the last one written: rank among the kept, per head
             rank = keep.long().cumsum(-1) - 1

@@ -71,7 +71,7 @@ class PressPlan:
             kept = self.budget.per_layer(n, len(self.layers))
             if self.target is None and self.decode_every is not None:
                 self.target = self.budget.mean_kept(n)
-            if max(kept) < n:
+            if min(kept) < n:  # some layer keeps fewer than the prompt (a pyramid may give the first all of it)
                 decision = ("prompt", kept)
             self.anchor = n
         elif self.decode_every is not None:
