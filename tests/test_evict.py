@@ -559,3 +559,16 @@ def test_properties_of_what_a_press_keeps(models, prompt, ratio, heads, every, d
                     assert all(h == kept[0] for h in kept)
     if press == "knorm" and positions == "keep":
         assert runs[0].kept == runs[1].kept
+
+
+def test_a_layer_whose_budget_holds_everything_still_shows_its_press(models):
+    """A pyramid whose first layer's budget is the whole prompt: the press runs (an event for every layer) and the
+    layer's scores are this press's, keeping everything, not an earlier press's or none."""
+    model = models("gqa2")
+    ids = tokens(20, seed=19)
+    cache = evict(model, compression_ratio=0.25, schedule="pyramid", beta=4.0)
+    r = run(model, cache, ids, 20)
+    assert cache.press_events[0].kept == (20, 4)  # 2m - m/beta = 26.25, at most the 20 held; m/beta = 3.75
+    assert cache.kept_positions(0) == [list(range(20))] * 2
+    assert cache.press_scores(0) is not None and bool(cache.press_scores(0)[1].all())
+    assert_scores_match(simulate(model, r, "knorm"), heads="adaptive")
