@@ -21,7 +21,8 @@ Two position modes (``positions=``):
   paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
 
 Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
-refused, changing nothing). With presses while decoding, also no further back than the next press can still read:
+refused, changing nothing), or to 0 (a new sequence: the presses start over). A sliding layer's ring is not rebuilt
+by recomputing the kept tokens once a press ran (one prefill would press them as one prompt). With presses while decoding, also no further back than the next press can still read:
 an accumulating press (H2O) refuses any rewind (its sums hold the dropped tokens' queries); a press reading a window
 of queries keeps ``window + decode_every`` of them, so a rewind within ``decode_every`` tokens finds its window.
 """
@@ -121,6 +122,23 @@ class EvictCache(KVCache):
                 raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         if self._capacity is not None and pos + q_len > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
+
+    # -- rewinds ---------------------------------------------------------------------------------------------
+    def needs_replay(self, n: int) -> bool:
+        return (n == 0 or self.pressplan.replayable(n)) and super().needs_replay(n)
+
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self._recompute_error(n)):
+            raise SettingsError(f"cannot truncate to {n}: {msg} (recomputing the kept tokens instead would press them "
+                                f"as one prompt, not as the presses ran)")
+        super().check_truncate(n, rings)
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        if n == 0:  # a new sequence: the presses start over
+            self.pressplan.restart()
+            for i in self.full_layers:
+                self.layers[i].restart()
 
     def attach_model(self, model: Any) -> None:
         plan = self.pressplan

@@ -54,6 +54,12 @@ class PressedLayer(FullLayer):
         step.journal.remember(self._restore_press,
                               (self.queries, self.query_pos, self.acc, self.scores, self.scored_kept))
         self._q_new = None
+        if step.pos == 0:  # a new sequence
+            self.restart()
+
+    def restart(self) -> None:
+        """Forget what the presses of the previous sequence read and scored."""
+        self.queries = self.query_pos = self.acc = self.scores = self.scored_kept = None
 
     def _restore_press(self, saved: tuple) -> None:
         self.queries, self.query_pos, self.acc, self.scores, self.scored_kept = saved
@@ -173,6 +179,8 @@ class PressedLayer(FullLayer):
         dropped tokens' queries; a window of recent queries lost those before ``n``)."""
         plan = self.plan
         horizon, press = plan.horizon, plan.press
+        if n == 0:  # a new sequence: nothing evicted is needed
+            return None
         if n < horizon:
             return (f"cannot truncate to {n}: the press at length {horizon} evicted positions before it; truncate to "
                     f"{horizon} or later")

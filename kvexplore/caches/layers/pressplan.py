@@ -54,6 +54,18 @@ class PressPlan:
             return
         step.journal.remember(self._restore, (self.anchor, self.horizon, self.target, list(self.events)))
         self._step, self._decision = step, None
+        if step.pos == 0:
+            self.restart()
+
+    def restart(self) -> None:
+        """A new sequence (a truncate to 0, or a write at position 0): no press so far."""
+        self.anchor = self.horizon = 0
+        self.target, self.events = self.decode_target, []
+
+    def replayable(self, n: int) -> bool:
+        """Whether one prefill of the first ``n`` tokens makes the cache the presses made (none ran, none would
+        run while decoding, and that prefill would not press)."""
+        return not self.events and self.decode_every is None and min(self.budget.per_layer(n, len(self.layers))) >= n
 
     def _restore(self, saved: tuple) -> None:
         self.anchor, self.horizon, self.target, events = saved
