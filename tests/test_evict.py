@@ -368,14 +368,15 @@ def test_a_masking_storage_needs_max_seq_len_and_a_latent_model_is_refused(model
         kvexplore.EvictCache(latent, max_seq_len=8)
 
 
-def snapshot(cache) -> dict:
-    """Everything a rewind, a rollback or a copy must leave as it was."""
+def snapshot(cache, raw: bool = True) -> dict:
+    """Everything a rewind, a rollback or a copy must leave as it was (``raw``: the storage's every slot too)."""
     out = dict(length=cache.length, events=cache.press_events, reserved=cache.reserved_bytes,
                report=cache.memory_report().analytic_bytes)
     for l in cache.full_layers:
         layer = cache.layers[l]
         k, v, valid, pos, rot = layer.held_slots()
-        out[l] = (cache.kept_positions(l), cache.rope_positions(l), [t.clone() for t in cache.storage(l)],
+        storage = [t.clone() if raw else t.shape for t in cache.storage(l)]
+        out[l] = (cache.kept_positions(l), cache.rope_positions(l), storage,
                   k[valid].clone(), v[valid].clone(), cache.press_scores(l),
                   None if layer.acc is None else layer.acc.clone())
     return out
@@ -572,3 +573,45 @@ def test_a_layer_whose_budget_holds_everything_still_shows_its_press(models):
     assert cache.kept_positions(0) == [list(range(20))] * 2
     assert cache.press_scores(0) is not None and bool(cache.press_scores(0)[1].all())
     assert_scores_match(simulate(model, r, "knorm"), heads="adaptive")
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+def test_a_new_sequence_starts_the_presses_over(models, storage):
+    """A truncate to 0 (the generator's reset) or a write at position 0 over a pressed cache is a new sequence:
+    allowed, and then the same as a new cache (logits, presses, what they keep and score)."""
+    model = models("gqa2")
+    first, second = tokens(26, seed=20), tokens(24, seed=21)
+    options = dict(press="h2o", storage=storage, decode_every=3, positions="rerotate")
+    fresh = evict(model, **options)
+    want = run(model, fresh, second, 13)
+    for how in ("truncate", "write"):
+        cache = evict(model, **options)
+        run(model, cache, first, 18)
+        if how == "truncate":
+            cache.truncate(0)
+            assert cache.length == 0 and cache.press_events == []
+        got = run(model, cache, second, 13)
+        assert (got.logits - want.logits).abs().max() < 1e-5
+        assert got.presses == want.presses and got.kept == want.kept and got.rope == want.rope
+        assert_same(snapshot(cache, raw=False), snapshot(fresh, raw=False))
+
+
+def test_the_generator_resets_and_refuses_a_replay_the_presses_would_not_make(models):
+    """A rewind that a sliding ring can only follow by recomputing the kept tokens is refused once a press ran (one
+    prefill would press them as one prompt), changing nothing; a reset works."""
+    model = models("gemma3")
+    cache = evict(model, compression_ratio=0.5)
+    gen = kvexplore.Generator(model, cache)
+    gen.prefill(tokens(12, seed=22)[0].tolist())
+    gen.run(4, stop_at_eos=False)
+    before = snapshot(cache)
+    with pytest.raises(SettingsError, match=r"cannot truncate to 14: the sliding-window layers \(window 8\) no longer "
+                                            r"hold position 7.* \(recomputing the kept tokens instead would press "
+                                            r"them as one prompt, not as the presses ran\)"):
+        gen.rewind(2)
+    assert_same(snapshot(cache), before)
+    gen.rewind(1)  # the ring still holds what the kept sequence reads
+    gen.reset()
+    assert cache.length == 0 and cache.press_events == []
+    gen.prefill(tokens(12, seed=22)[0].tolist())
+    assert [e.length for e in cache.press_events] == [12]
