@@ -123,6 +123,13 @@ class EvictCache(KVCache):
         if self._capacity is not None and pos + q_len > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
+    def commit(self, end: int) -> None:
+        try:
+            super().commit(end)  # the presses run here, after every layer wrote
+        except BaseException:
+            self.rollback()  # a press that failed half-way (a custom press): the step is undone, as a failed pass is
+            raise
+
     # -- rewinds ---------------------------------------------------------------------------------------------
     def needs_replay(self, n: int) -> bool:
         return (n == 0 or self.pressplan.replayable(n)) and super().needs_replay(n)
