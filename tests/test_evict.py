@@ -615,3 +615,34 @@ def test_the_generator_resets_and_refuses_a_replay_the_presses_would_not_make(mo
     assert cache.length == 0 and cache.press_events == []
     gen.prefill(tokens(12, seed=22)[0].tolist())
     assert [e.length for e in cache.press_events] == [12]
+
+
+class Failing(TOVAPress):
+    """A press whose scoring fails at its second call (the second pressed layer of the first press)."""
+
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, obs):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("boom")
+        return super().score(obs)
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+def test_a_press_that_fails_leaves_the_cache_as_before_the_step(models, storage):
+    """A press is the cache's own step (a custom press may raise): when it fails half-way through the layers, the
+    step is undone as a failed forward pass is, and the cache goes on as if it never ran."""
+    model = models("gqa2")
+    ids = tokens(20, seed=23)
+    cache = evict(model, press=Failing(), storage=storage)
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(ids[:, :12], cache, 0)  # the prompt's press: layer 0 scores, layer 1 fails
+    assert_same(snapshot(cache), before)
+    got = model(ids[:, :12], cache, 0)  # the third and fourth calls succeed
+    want = model(ids[:, :12], evict(model, press="tova"), 0)
+    assert torch.equal(got, want) and len(cache.press_events) == 1
