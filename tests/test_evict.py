@@ -98,6 +98,7 @@ def test_decoding_presses_score_what_is_held_as_the_reference(models, press, mod
                   decode_target=6, positions=positions, storage=storage)
     r = run(model, cache, ids, 14)
     assert [(e.length, e.reason) for e in r.presses] == [(14, "prompt")] + [(n, "decode") for n in range(17, 31, 3)]
+    assert [e.kept for e in r.presses] == [(7,) * len(r.layers)] + [(6,) * len(r.layers)] * 5  # int(14 * 0.5), target
     checks = simulate(model, r, press, OPTS.get(press), rerotate=positions == "rerotate")
     assert len(checks) == len(r.presses) * len(r.layers)
     assert_scores_match(checks)
