@@ -86,6 +86,16 @@ def test_prompt_press_scores_equal_the_reference(models, press, model_name):
     assert_scores_match(checks)
 
 
+@pytest.mark.parametrize("press", ["h2o", "snapkv"])
+def test_a_long_prompts_attention_is_summed_in_chunks_of_rows_as_a_whole(models, press):
+    """H2O sums the prompt's attention 256 query rows at a time; SnapKV's window reaches over the chunk border."""
+    model = models("gqa2")
+    ids = tokens(300, seed=24)
+    opts = dict(window=48, kernel=5) if press == "snapkv" else None
+    r = run(model, evict(model, press=press, press_options=opts, compression_ratio=0.7, max_seq_len=300), ids, 300)
+    assert_scores_match(simulate(model, r, press, opts))
+
+
 @pytest.mark.parametrize("model_name,positions,storage", [("gqa2", "keep", "compact"), ("mha", "rerotate", "mask"),
                                                           ("gqa8", "rerotate", "compact"), ("gptoss", "keep", "mask")])
 @pytest.mark.parametrize("press", PRESS_NAMES)
