@@ -168,16 +168,17 @@ def press_scores(press: str, opts: dict, keys_h: list[torch.Tensor], pos_h: list
     if press == "h2o":  # Zhang et al. 2023: accumulated attention, recent share kept
         recent = int(n_kept * opts.get("recent_ratio", 0.5))
         return [[math.inf if p >= length - recent else acc_h[h][p] for p in pos_h[h]] for h in range(H)]
-    if press == "snapkv":  # Li et al. 2024: the window's votes, pooled over neighbouring held keys, group-summed
+    if press == "snapkv":  # Li et al. 2024: the window's votes for the keys before it, pooled, group-summed
         W, kernel, how = opts.get("window", 32), opts.get("kernel", 5), opts.get("pooling", "max")
         qw, pw = queries[:, -W:], q_pos[-W:]
         out = []
         for h in range(H):
-            total = [0.0] * len(pos_h[h])
+            before = [i for i, p in enumerate(pos_h[h]) if p < length - len(pw)]  # held keys before the window
+            total = [0.0] * len(before)
             for qh in range(h * g, (h + 1) * g):
                 vote = attention_rows(qw[qh], pw, keys_h[h], pos_h[h], scale, softcap, sinks[qh]).sum(0).tolist()
-                total = [a + b for a, b in zip(total, pool(vote, kernel, how))]
-            out.append([math.inf if p >= length - len(pw) else s for p, s in zip(pos_h[h], total)])
+                total = [a + b for a, b in zip(total, pool([vote[i] for i in before], kernel, how))]
+            out.append(total + [math.inf] * (len(pos_h[h]) - len(before)))
         return out
     raise ValueError(press)
 
