@@ -531,6 +531,23 @@ def test_a_batch_of_two_is_pressed_as_each_sequence_alone(models, storage, press
     assert both.kept_positions(0, batch=0) != both.kept_positions(0, batch=1)
 
 
+@pytest.mark.parametrize("press", ["snapkv", "streaming"])
+def test_compact_and_mask_storages_keep_the_same_positions_through_exact_ties(models, press):
+    """SnapKV's max pooling gives neighbours the same score, StreamingLLM's sinks are all inf: of equal scores the
+    earliest is kept, in either storage, so both keep the same positions."""
+    model = models("gqa2")
+    ids = tokens(40, seed=25)
+    opts = dict(window=4, kernel=5) if press == "snapkv" else dict(sinks=8)
+    runs = [run(model, evict(model, press=press, press_options=opts, compression_ratio=0.75, heads=heads,
+                             decode_every=3, storage=storage), ids, 20)
+            for heads in ("per-head", "adaptive") for storage in ("compact", "mask")]
+    assert runs[0].kept == runs[1].kept and runs[2].kept == runs[3].kept
+    scores = [s for r in runs[:1] for step in r.scores for s in step.values()]
+    finite = [x for s, _ in scores for x in s[~s.isnan() & ~s.isinf()].tolist()]
+    assert len(set(finite)) < len(finite) or press == "streaming"  # there were ties to break
+    assert press == "snapkv" or runs[0].kept[0][0] == [[0, 1, 2, 3, 4]] * 2  # 5 kept of 20: the first 5 sinks
+
+
 # -- 6. properties ----------------------------------------------------------------------------------------------------
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
