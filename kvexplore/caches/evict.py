@@ -21,10 +21,11 @@ Two position modes (``positions=``):
   paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
 
 Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
-refused, changing nothing), or to 0 (a new sequence: the presses start over). A sliding layer's ring is not rebuilt
-by recomputing the kept tokens once a press ran (one prefill would press them as one prompt). With presses while decoding, also no further back than the next press can still read:
-an accumulating press (H2O) refuses any rewind (its sums hold the dropped tokens' queries); a press reading a window
-of queries keeps ``window + decode_every`` of them, so a rewind within ``decode_every`` tokens finds its window.
+refused, changing nothing), or to 0 (a new sequence: the presses start over). With presses while decoding, also no
+further back than the next press can still read: an accumulating press (H2O) refuses any rewind (its sums hold the
+dropped tokens' queries); a press reading a window of queries keeps ``window + decode_every`` of them, so a rewind
+within ``decode_every`` tokens finds its window. A sliding layer's ring is not rebuilt by recomputing the kept
+tokens once a press ran or would run (one prefill would press them as one prompt): such a rewind is refused.
 """
 
 from __future__ import annotations

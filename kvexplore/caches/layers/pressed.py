@@ -189,7 +189,7 @@ class PressedLayer(FullLayer):
         if press.accumulates:
             return (f"cannot truncate to {n}: {press.name} sums the attention of every query so far, those of "
                     f"positions {n}..{length - 1} included, and cannot take them back before its next press; "
-                    f"truncate to {length}, or start a new cache")
+                    f"truncate to {length}, or to 0 for a new sequence")
         if press.queries and self.query_pos is not None:
             have = int((self.query_pos < n).sum())
             if have < min(press.queries, n):
