@@ -426,7 +426,7 @@ def test_a_rewind_into_evicted_positions_is_refused_and_changes_nothing(models, 
                                             r"length 20 evicted positions before it; truncate to 20 or later"):
         model(ids[:, 12:13], cache, 12)
     with pytest.raises(SettingsError, match=r"cannot truncate to 21: h2o sums the attention of every query so far, "
-                                            r"those of positions 21..21 included, .* truncate to 22, or start a new"):
+                                            r"those of positions 21..21 included, .* truncate to 22, or to 0"):
         cache.truncate(21)  # after the press, but the next press would read sums that hold position 21's query
     with pytest.raises(SettingsError, match=r"write at position 20 needs a rewind: cannot truncate to 20: h2o sums"):
         model(ids[:, 20:21], cache, 20)
