@@ -198,6 +198,9 @@ class PressedLayer(FullLayer):
                         f"of those before position {n} are kept; truncate to {first} or later")
         return None
 
+    def view_key(self) -> tuple:
+        return (self.spec.kind, self.spec.index)  # each layer keeps its own positions: no view serves two
+
     def mask_group(self) -> tuple:
         return ("pressed", self.spec.index)
 
