@@ -548,6 +548,25 @@ def test_compact_and_mask_storages_keep_the_same_positions_through_exact_ties(mo
     assert press == "snapkv" or runs[0].kept[0][0] == [[0, 1, 2, 3, 4]] * 2  # 5 kept of 20: the first 5 sinks
 
 
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+def test_the_slot_views_show_each_layers_and_heads_own_kept_positions(models, storage):
+    """What the cache map draws: every pressed layer's own slots (the layers keep different positions), each head's
+    own, evicted slots shown as such in the masking storage."""
+    model = models("gqa2")
+    ids = tokens(20, seed=26)
+    cache = evict(model, compression_ratio=0.5, storage=storage)
+    model(ids, cache, 0)
+    assert cache.kept_positions(0) != cache.kept_positions(1)
+    views = cache.slot_views()
+    for l in cache.full_layers:
+        assert views[l] == cache.slot_view(l)  # head 0
+        for h, kept in enumerate(cache.kept_positions(l)):
+            view = cache.layers[l].slot_view(cache.length, head=h)
+            assert sorted(p for p, st in zip(view.positions, view.states) if st == "filled") == kept
+            evicted = view.states.count("evicted")
+            assert evicted == (20 - len(kept) if storage == "mask" else 0)
+
+
 # -- 6. properties ----------------------------------------------------------------------------------------------------
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
