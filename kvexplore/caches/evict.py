@@ -181,6 +181,13 @@ class EvictCache(KVCache):
         position itself unless re-rotated."""
         return self._pressed_layer(layer).rope_positions(self._batch_index(batch))
 
+    def read_positions_by_head(self, layer: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position in each key column ``layer``'s attention read in the last step (-1: a
+        column that head did not hold). The compacting storage's columns are slots, each head's own positions;
+        :meth:`read_positions` gives head 0's. The masking storage's columns are the positions, every head alike
+        (what a head evicted is masked out)."""
+        return self._pressed_layer(layer).read_positions_by_head(self.length, self._batch_index(batch))
+
     def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor:
         """``(kv_heads, length)`` bool on the host: which positions each head holds."""
         out = torch.zeros((self.plan[layer].kv_heads, self.length), dtype=torch.bool)

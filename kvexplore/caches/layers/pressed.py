@@ -198,6 +198,13 @@ class PressedLayer(FullLayer):
                         f"of those before position {n} are kept; truncate to {first} or later")
         return None
 
+    def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position in each key column the last step's attention read (-1: none)."""
+        return [self.read_positions(length)] * self.spec.kv_heads
+
+    def read_group(self) -> tuple:
+        return ("pressed", self.spec.index)  # each layer reads its own kept positions
+
     def view_key(self) -> tuple:
         return (self.spec.kind, self.spec.index)  # each layer keeps its own positions: no view serves two
 
