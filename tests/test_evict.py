@@ -567,6 +567,45 @@ def test_the_slot_views_show_each_layers_and_heads_own_kept_positions(models, st
             assert evicted == (20 - len(kept) if storage == "mask" else 0)
 
 
+class ReadRecorder(Recorder):
+    """Also the keys each layer's attention read (the last pass's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: dict[int, torch.Tensor] = {}
+
+    def hook(self, name: str, t: torch.Tensor):
+        if name.endswith("attn.cache_read"):
+            self.read[int(name.split(".")[1])] = t[0].detach().clone()
+        return super().hook(name, t)
+
+
+@pytest.mark.parametrize("storage", ["compact", "mask"])
+def test_read_positions_name_the_key_in_every_column_attention_read(models, storage):
+    """Per layer and head, the position in each key column the last step read (a press after the step moved the
+    slots since): the column holds that position's key; -1 only where the head holds nothing."""
+    model = models("gqa2")
+    ids = tokens(24, seed=27)
+    cache = evict(model, heads="adaptive", storage=storage, decode_every=2)
+    rec = ReadRecorder()
+    model(ids[:, :16], cache, 0, tracer=rec)
+    for p in range(16, 24):
+        model(ids[:, p:p + 1], cache, p, tracer=rec)
+        assert len(cache.press_events) == 1 + (p - 15) // 2
+        for l in cache.full_layers:
+            by_head, read, keys = cache.read_positions_by_head(l), rec.read[l], rec.keys(l)
+            assert cache.read_positions(l) == by_head[0] and all(len(h) == read.shape[1] for h in by_head)
+            for h, positions in enumerate(by_head):
+                held = [j for j, q in enumerate(positions) if q >= 0]
+                assert torch.equal(read[h, held], keys[h, [positions[j] for j in held]])
+                if storage == "compact":
+                    assert held == list(range(len(held)))  # the padding after a head's own slots
+                else:
+                    assert positions == list(range(p + 1))
+    reads = {cache.read_group(l) for l in cache.full_layers}
+    assert len(reads) == len(cache.full_layers)  # each layer's own (a tracer keeps one list per group)
+
+
 # -- 6. properties ----------------------------------------------------------------------------------------------------
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
