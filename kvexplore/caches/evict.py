@@ -21,7 +21,11 @@ Two position modes (``positions=``):
   paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
 
 Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
-refused, changing nothing).
+refused, changing nothing), or to 0 (a new sequence: the presses start over). With presses while decoding, also no
+further back than the next press can still read: an accumulating press (H2O) refuses any rewind (its sums hold the
+dropped tokens' queries); a press reading a window of queries keeps ``window + decode_every`` of them, so a rewind
+within ``decode_every`` tokens finds its window. A sliding layer's ring is not rebuilt by recomputing the kept
+tokens once a press ran or would run (one prefill would press them as one prompt): such a rewind is refused.
 """
 
 from __future__ import annotations
@@ -114,15 +118,42 @@ class EvictCache(KVCache):
     # -- the write protocol ------------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
-        if pos < self.length and pos < self.pressplan.horizon:
-            raise SettingsError(f"write at position {pos} needs a rewind into positions a press evicted (the last "
-                                f"press ran at length {self.pressplan.horizon}); rewind to {self.pressplan.horizon} "
-                                f"or later")
+        if pos < self.length and self.full_layers:
+            if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
+                raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         if self._capacity is not None and pos + q_len > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
+    def commit(self, end: int) -> None:
+        try:
+            super().commit(end)  # the presses run here, after every layer wrote
+        except BaseException:
+            self.rollback()  # a press that failed half-way (a custom press): the step is undone, as a failed pass is
+            raise
+
+    # -- rewinds ---------------------------------------------------------------------------------------------
+    def needs_replay(self, n: int) -> bool:
+        return (n == 0 or self.pressplan.replayable(n)) and super().needs_replay(n)
+
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self._recompute_error(n)):
+            raise SettingsError(f"cannot truncate to {n}: {msg} (recomputing the kept tokens instead would press them "
+                                f"as one prompt, not as the presses ran)")
+        super().check_truncate(n, rings)
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        if n == 0:  # a new sequence: the presses start over
+            self.pressplan.restart()
+            for i in self.full_layers:
+                self.layers[i].restart()
+
     def attach_model(self, model: Any) -> None:
-        self.pressplan.rotary = model.rotary
+        plan = self.pressplan
+        plan.rotary = model.rotary
+        if model.config.attention_sinks and plan.queries:  # the attention a press reads is the model's, sinks too
+            layers = model.model.layers
+            plan.sinks = {i: layers[i].self_attn.sinks.detach() for i in self.full_layers}
 
     def observes_queries(self, layer: int) -> bool:
         return self.pressplan.queries > 0 and layer in self._pressed
@@ -149,6 +180,13 @@ class EvictCache(KVCache):
         """For each KV head, the position each held key is rotated at (in :meth:`kept_positions`'s order): the
         position itself unless re-rotated."""
         return self._pressed_layer(layer).rope_positions(self._batch_index(batch))
+
+    def read_positions_by_head(self, layer: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position in each key column ``layer``'s attention read in the last step (-1: a
+        column that head did not hold). The compacting storage's columns are slots, each head's own positions;
+        :meth:`read_positions` gives head 0's. The masking storage's columns are the positions, every head alike
+        (what a head evicted is masked out)."""
+        return self._pressed_layer(layer).read_positions_by_head(self.length, self._batch_index(batch))
 
     def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor:
         """``(kv_heads, length)`` bool on the host: which positions each head holds."""

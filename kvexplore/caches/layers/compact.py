@@ -38,6 +38,7 @@ class CompactLayer(PressedLayer):
         self._alloc(0)
         self.counts = [[0] * spec.kv_heads for _ in range(batch_size)]
         self._mask: torch.Tensor | None = None
+        self._read: torch.Tensor | None = None  # (B, H, S) the position in each column the last step's attention read
 
     def _alloc(self, slots: int) -> None:
         self.k, self.v = self.zeros(slots), self.zeros(slots, values=True)
@@ -45,10 +46,10 @@ class CompactLayer(PressedLayer):
         self.rot = self.pos.clone()
 
     def _state(self) -> tuple:
-        return self.k, self.v, self.pos, self.rot, [list(c) for c in self.counts], self._mask
+        return self.k, self.v, self.pos, self.rot, [list(c) for c in self.counts], self._mask, self._read
 
     def _set_state(self, saved: tuple) -> None:
-        self.k, self.v, self.pos, self.rot, counts, self._mask = saved
+        self.k, self.v, self.pos, self.rot, counts, self._mask, self._read = saved
         self.counts = [list(c) for c in counts]
 
     def begin(self, step: Step) -> None:
@@ -109,6 +110,7 @@ class CompactLayer(PressedLayer):
         self.counts = [[n + T for n in row] for row in counts]
         S = top + T
         self._mask = self._make_mask(counts, T, S, step)
+        self._read = self.pos.narrow(2, 0, S).clone()  # a press after the step moves the slots: keep what was read
         return self.k.narrow(2, 0, S), self.v.narrow(2, 0, S)
 
     def _make_mask(self, counts: list[list[int]], T: int, S: int, step: Step) -> torch.Tensor | None:
@@ -169,6 +171,19 @@ class CompactLayer(PressedLayer):
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         kept = (self.pos < n) & (self.pos >= 0)
         self.counts = kept.sum(-1).tolist()
+        self._read = None
+
+    def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position in each key column the last step's attention read (its slots in storage
+        order, -1 where the head held nothing: a head that holds fewer than the most); after a rewind, the slots
+        held."""
+        read = self.held_slots()[3] if self._read is None else self._read
+        return read[batch].tolist()
+
+    def read_positions(self, length: int) -> list[int]:
+        """Head 0's :meth:`read_positions_by_head` (the columns are slots, and heads may hold other positions in
+        them: a per-head view reads :meth:`read_positions_by_head`)."""
+        return self.read_positions_by_head(length)[0]
 
     # -- inspection ---------------------------------------------------------------------------------------
     def storage(self) -> list[torch.Tensor]:

@@ -54,6 +54,12 @@ class PressedLayer(FullLayer):
         step.journal.remember(self._restore_press,
                               (self.queries, self.query_pos, self.acc, self.scores, self.scored_kept))
         self._q_new = None
+        if step.pos == 0:  # a new sequence
+            self.restart()
+
+    def restart(self) -> None:
+        """Forget what the presses of the previous sequence read and scored."""
+        self.queries = self.query_pos = self.acc = self.scores = self.scored_kept = None
 
     def _restore_press(self, saved: tuple) -> None:
         self.queries, self.query_pos, self.acc, self.scores, self.scored_kept = saved
@@ -69,7 +75,7 @@ class PressedLayer(FullLayer):
             if self.queries is not None and self.query_pos is not None and step.pos > 0:
                 q = torch.cat([self.queries[:, :, self.query_pos < step.pos], q], 2)
                 qp = torch.cat([self.query_pos[self.query_pos < step.pos], qp])
-            self.queries, self.query_pos = q[:, :, -plan.queries:].clone(), qp[-plan.queries:]
+            self.queries, self.query_pos = q[:, :, -plan.kept_queries:].clone(), qp[-plan.kept_queries:]
             if plan.press.accumulates:
                 self._accumulate(self._q_new, torch.arange(step.pos, step.end, device=q.device))
         self._q_new = None
@@ -83,7 +89,8 @@ class PressedLayer(FullLayer):
         self._resize_acc(k.shape[2])
         total = torch.zeros(valid.shape, dtype=torch.float32, device=k.device)
         for r in range(0, q.shape[2], ROWS):
-            probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap)
+            probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap,
+                              self.plan.sinks.get(self.spec.index))
             total += per_kv_head(probs.sum(2), k.shape[1])
         acc = self.acc.clone()
         acc[:, :, :k.shape[2]] += total
@@ -92,14 +99,16 @@ class PressedLayer(FullLayer):
     def press(self, step: Step, n_kept: int) -> None:
         """Score the held keys and keep the best ``n_kept`` per head (on average, for adaptive heads)."""
         k, v, valid, pos, rot = self.held_slots()
-        if int(valid.sum(-1).max()) <= n_kept and self.plan.budget.heads != "adaptive":
-            return
         plan = self.plan
-        obs = Observation(self.spec.index, k, v, valid, pos, self.queries if plan.press.queries else None,
-                          self.query_pos if plan.press.queries else None,
+        W = plan.press.queries  # the window it reads (the layer keeps more, for a rewind within decode_every)
+        obs = Observation(self.spec.index, k, v, valid, pos, self.queries[:, :, -W:] if W else None,
+                          self.query_pos[-W:] if W else None,
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
-                          step.end, n_kept)
+                          step.end, n_kept, plan.sinks.get(self.spec.index))
         scores = plan.press.score(obs)
+        if int(valid.sum(-1).max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
+            self._note_scores(scores, valid, pos, valid, step.end)
+            return
         keep = select(scores, valid, n_kept, plan.budget.heads, plan.budget.alpha)
         if plan.rerotate:  # contiguous positions ending at the last one written: rank among the kept, per head
             rank = keep.long().cumsum(-1) - 1
@@ -171,11 +180,39 @@ class PressedLayer(FullLayer):
         return self.used_bytes(length)
 
     def truncate_error(self, n: int, length: int) -> str | None:
-        horizon = self.plan.horizon
+        """Why the layer cannot go back to ``n`` positions: a press evicted positions before ``n``; or, with presses
+        to come while decoding, what the next one reads cannot be taken back to ``n`` (H2O's sums include the
+        dropped tokens' queries; a window of recent queries lost those before ``n``)."""
+        plan = self.plan
+        horizon, press = plan.horizon, plan.press
+        if n == 0:  # a new sequence: nothing evicted is needed
+            return None
         if n < horizon:
             return (f"cannot truncate to {n}: the press at length {horizon} evicted positions before it; truncate to "
                     f"{horizon} or later")
+        if n >= length or plan.decode_every is None:
+            return None
+        if press.accumulates:
+            return (f"cannot truncate to {n}: {press.name} sums the attention of every query so far, those of "
+                    f"positions {n}..{length - 1} included, and cannot take them back before its next press; "
+                    f"truncate to {length}, or to 0 for a new sequence")
+        if press.queries and self.query_pos is not None:
+            have = int((self.query_pos < n).sum())
+            if have < min(press.queries, n):
+                first = int(self.query_pos.min()) + press.queries
+                return (f"cannot truncate to {n}: {press.name} reads the last {press.queries} queries and only {have} "
+                        f"of those before position {n} are kept; truncate to {first} or later")
         return None
+
+    def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
+        """For each KV head, the position in each key column the last step's attention read (-1: none)."""
+        return [self.read_positions(length)] * self.spec.kv_heads
+
+    def read_group(self) -> tuple:
+        return ("pressed", self.spec.index)  # each layer reads its own kept positions
+
+    def view_key(self) -> tuple:
+        return (self.spec.kind, self.spec.index)  # each layer keeps its own positions: no view serves two
 
     def mask_group(self) -> tuple:
         return ("pressed", self.spec.index)

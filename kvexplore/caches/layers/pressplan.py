@@ -34,9 +34,12 @@ class PressPlan:
         self.press, self.budget, self.rerotate = press, budget, rerotate
         self.decode_every, self.decode_target = decode_every, decode_target
         self.layers = layers  # the pressed layers, in order (a schedule's index)
-        self.queries = max(press.queries, 1 if press.accumulates else 0)  # recent queries each layer keeps
+        self.queries = max(press.queries, 1 if press.accumulates else 0)  # whether layers hand their queries over
+        # recent queries each layer keeps: the press's window, and the tokens a rewind may drop before the next press
+        self.kept_queries = self.queries + ((decode_every or 0) if press.queries else 0)
         self.rotary: Any = None  # the model's Rotary, attached by the model before a step (re-rotation needs it)
-        self.since = 0  # tokens written since the last press
+        self.sinks: dict[int, Any] = {}  # layer -> the model's learned sink logits (gpt-oss), for the attention read
+        self.anchor = 0  # the length at the last press (or the prompt): decoding presses count tokens from there
         self.horizon = 0  # the length at the last press: positions before it may be evicted
         self.target: int | None = decode_target
         self.events: list[PressEvent] = []
@@ -49,11 +52,23 @@ class PressPlan:
     def begin(self, step: Step) -> None:
         if self._step is step:
             return
-        step.journal.remember(self._restore, (self.since, self.horizon, self.target, list(self.events)))
+        step.journal.remember(self._restore, (self.anchor, self.horizon, self.target, list(self.events)))
         self._step, self._decision = step, None
+        if step.pos == 0:
+            self.restart()
+
+    def restart(self) -> None:
+        """A new sequence (a truncate to 0, or a write at position 0): no press so far."""
+        self.anchor = self.horizon = 0
+        self.target, self.events = self.decode_target, []
+
+    def replayable(self, n: int) -> bool:
+        """Whether one prefill of the first ``n`` tokens makes the cache the presses made (none ran, none would
+        run while decoding, and that prefill would not press)."""
+        return not self.events and self.decode_every is None and min(self.budget.per_layer(n, len(self.layers))) >= n
 
     def _restore(self, saved: tuple) -> None:
-        self.since, self.horizon, self.target, events = saved
+        self.anchor, self.horizon, self.target, events = saved
         self.events, self._step, self._decision = list(events), None, None
 
     def decide(self, step: Step) -> tuple[str, list[int]] | None:
@@ -68,15 +83,15 @@ class PressPlan:
             kept = self.budget.per_layer(n, len(self.layers))
             if self.target is None and self.decode_every is not None:
                 self.target = self.budget.mean_kept(n)
-            if max(kept) < n:
+            if min(kept) < n:  # some layer keeps fewer than the prompt (a pyramid may give the first all of it)
                 decision = ("prompt", kept)
-            self.since = 0
+            self.anchor = n
         elif self.decode_every is not None:
-            self.since += step.q_len
-            if self.since >= self.decode_every and self.target is not None:
+            # the tokens since the last press, by length (a rewind after it takes back the tokens it dropped)
+            if n - self.anchor >= self.decode_every and self.target is not None:
                 kept = self.budget.per_layer(n, len(self.layers), self.target)
                 decision = ("decode", kept)
-                self.since = 0
+                self.anchor = n
         if decision:
             self.horizon = n
             self.events.append(PressEvent(n, decision[0], tuple(decision[1])))

@@ -67,10 +67,17 @@ class Budget:
         return [max(1, min(n, round(high - (high - low) * i / (layers - 1)))) for i in range(layers)]
 
 
+def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest ``scores`` along the last axis; of equal scores the first (the earliest slot: the
+    earliest position, in either storage) goes first, whatever the shape or the batch (topk breaks ties as its
+    kernel happens to, so a batch row and the same sequence alone could keep different positions)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def select(scores: torch.Tensor, valid: torch.Tensor, n_kept: int, heads: str = "per-head",
            alpha: float = 0.2) -> torch.Tensor:
     """The positions to keep: ``(B, H, S)`` bool, at most ``n_kept`` per head on average and never a slot that is not
-    ``valid`` (see the module docstring for ``heads``)."""
+    ``valid`` (see the module docstring for ``heads``); of equal scores, the earliest is kept."""
     B, H, S = scores.shape
     scores = scores.float().masked_fill(~valid, float("-inf"))
     keep = torch.zeros_like(valid)
@@ -78,19 +85,19 @@ def select(scores: torch.Tensor, valid: torch.Tensor, n_kept: int, heads: str = 
         big = torch.finfo(torch.float32).max
         finite = scores.clamp(min=-big, max=big)  # a kept-always inf counts as the largest score
         mean = finite.mean(1, keepdim=True).masked_fill(~valid.any(1, keepdim=True), float("-inf"))
-        idx = mean.topk(min(n_kept, S), dim=-1).indices.expand(B, H, -1)
+        idx = best(mean, min(n_kept, S)).expand(B, H, -1)
         return keep.scatter(-1, idx, True) & valid
     if heads == "per-head":
-        idx = scores.topk(min(n_kept, S), dim=-1).indices
+        idx = best(scores, min(n_kept, S))
         return keep.scatter(-1, idx, True) & valid
     guard = min(S, int(alpha * n_kept))  # adaptive: a safeguard per head, the rest to the best of the layer
     if guard:
-        keep = keep.scatter(-1, scores.topk(guard, dim=-1).indices, True) & valid
+        keep = keep.scatter(-1, best(scores, guard), True) & valid
     for b in range(B):
         rest = n_kept * H - int(keep[b].sum())
         if rest > 0:
             flat = scores[b].masked_fill(keep[b], float("-inf")).reshape(H * S)
             chosen = torch.zeros_like(flat, dtype=torch.bool)
-            chosen[flat.topk(min(rest, H * S)).indices] = True
+            chosen[best(flat, min(rest, H * S))] = True
             keep[b] |= chosen.view(H, S) & valid[b]
     return keep

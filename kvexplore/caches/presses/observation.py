@@ -32,6 +32,7 @@ class Observation:
     softcap: float | None
     length: int  # positions of the sequence so far
     n_kept: int  # how many positions per head the budget keeps in this layer (the mean, with per-head budgets)
+    sinks: torch.Tensor | None = None  # (nh,) the layer's learned sink logits (gpt-oss), in every softmax
 
     def attention(self, last: int | None = None) -> torch.Tensor:
         """The attention ``(B, nh, W', S)`` of the last ``last`` queries (all held ones by default) over the held
@@ -41,14 +42,15 @@ class Observation:
                                 f"queries attribute to how many recent queries it reads")
         q = self.queries if last is None else self.queries[:, :, -last:]
         qp = self.query_positions if last is None else self.query_positions[-last:]
-        return attention(q, qp, self.keys, self.positions, self.valid, self.scale, self.softcap)
+        return attention(q, qp, self.keys, self.positions, self.valid, self.scale, self.softcap, self.sinks)
 
 
 def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor,
-              scale: float, softcap: float | None = None) -> torch.Tensor:
+              scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention ``(B, nh, T, S)`` in float32 of queries ``q`` ``(B, nh, T, w)`` at ``q_pos`` ``(T,)`` over
     ``keys`` ``(B, H, S, w)`` at ``k_pos`` ``(B, H, S)`` where ``valid``: what the model computes for those queries
-    reading those keys (grouped queries read their KV head; no learned sinks)."""
+    reading those keys (grouped queries read their KV head; learned ``sinks`` ``(nh,)`` take their share of each
+    row and read nothing, as in the model's softmax)."""
     B, nh, T, w = q.shape
     H, S = keys.shape[1], keys.shape[2]
     g = nh // H
@@ -58,6 +60,9 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: t
     scores = scores.view(B, H, g, T, S)
     allowed = valid[:, :, None, None, :] & (k_pos[:, :, None, None, :] <= q_pos.view(1, 1, 1, T, 1))
     scores = scores.masked_fill(~allowed, NEG)
+    if sinks is not None:
+        sink = sinks.float().view(1, H, g, 1, 1).expand(B, H, g, T, 1)
+        return torch.cat([scores, sink], -1).softmax(-1)[..., :-1].reshape(B, nh, T, S)
     return scores.softmax(-1).nan_to_num(0.0).view(B, nh, T, S)
 
 

@@ -7,7 +7,9 @@ The last ``window`` queries of the prompt (the observation window: usually the q
     score[h, j] = pool_kernel(vote[h, :])[j]          (max-pooled over ``kernel`` neighbouring held keys)
 
 summed over the query heads that read KV head ``h`` (grouped-query attention). The window's own keys are always
-kept (score ``inf``). Query-aware: the same context compressed for two questions keeps different keys.
+kept (score ``inf``) and take no part in the pooling: as the paper's code, the keys before the window are pooled
+alone (the last of them do not borrow the window's votes). Query-aware: the same context compressed for two
+questions keeps different keys.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ class SnapKVPress(Press):
     def score(self, obs: Observation) -> torch.Tensor:
         attn = obs.attention()  # (B, nh, W, S)
         W = attn.shape[2]
-        vote = attn.sum(2)  # (B, nh, S)
+        B, nh, S = attn.shape[0], attn.shape[1], attn.shape[3]
+        H = obs.keys.shape[1]
+        recent = obs.positions >= obs.length - W  # (B, H, S): the window's own keys, the newest held
+        # a window key votes 0: what the pooling's padding gives after the last key before the window (0 counted by
+        # the average, below any vote for the maximum), as pooling the keys before the window alone does
+        vote = attn.sum(2).masked_fill(recent.repeat_interleave(nh // H, 1), 0.0)  # (B, nh, S)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        B, nh, S = vote.shape
 
         def pooled(x: torch.Tensor) -> torch.Tensor:
             return pool(x.reshape(B * nh, 1, S), self.kernel, stride=1, padding=self.kernel // 2).reshape(B, nh, S)
 
-        scores = per_kv_head(in_position_order(obs.valid, vote, pooled), obs.keys.shape[1])
-        recent = obs.positions >= obs.length - W
+        scores = per_kv_head(in_position_order(obs.valid, vote, pooled), H)
         return scores.masked_fill(recent, float("inf"))
