@@ -199,8 +199,6 @@ def _evict_run(trained):
     return cache, g
 
 
-@pytest.mark.xfail(strict=True, raises=kvexplore.errors.CorruptFileError,
-                   reason="the evict cache's slot layouts are not in kvexplore.caches.layout.LAYOUTS (the core's)")
 def test_a_saved_evict_trace_loads_with_its_slot_views(trained, tmp_path):
     _, g = _evict_run(trained)
     back = kvexplore.load_trace(g.history.save(tmp_path / "run.kvtrace"))

@@ -194,9 +194,17 @@ class TransformersLayout(Layout):
         return f"wrote {wn} at position {w0} ({how}) · attention read {read} keys"
 
 
+@dataclass(frozen=True)
+class CompactLayout(Layout):
+    """An evicting cache's compacted storage: each head's kept positions packed at the front of its storage (slot
+    ``i`` holds a head's ``i``-th kept position), then free slots."""
+
+    order = "per head: kept positions packed in order, then free slots"
+
+
 LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,
                                          QuantizedLayout, SharedLayout, StateLayout,
-                                         TransformersLayout)}
+                                         TransformersLayout, CompactLayout)}
 
 
 def layout_from_dict(d: dict[str, Any]) -> Layout:

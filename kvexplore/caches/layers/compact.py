@@ -18,16 +18,10 @@ from typing import Any
 import torch
 
 from ..layer import Step
-from ..layout import Layout
+from ..layout import CompactLayout
 from ..memory import StepCounters
 from ..slots import FILLED, FREE, SlotView
 from .pressed import PressedLayer
-
-
-class CompactLayout(Layout):
-    """Each head's kept positions packed at the front of its storage (slot i holds a head's i-th kept position)."""
-
-    order = "per head: kept positions packed in order, then free slots"
 
 
 class CompactLayer(PressedLayer):

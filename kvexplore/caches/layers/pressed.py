@@ -159,12 +159,6 @@ class PressedLayer(FullLayer):
         """``(B, H)`` positions each head holds."""
         return self.held_slots()[2].sum(-1)
 
-    def read_positions(self, length: int) -> list[int]:
-        """The position of each key column the last step read, for the first KV head (the others hold other
-        positions: :meth:`kept`); columns past the positions it holds (padding) are left out."""
-        _, _, valid, pos, _ = self.held_slots()
-        return pos[0, 0][valid[0, 0]].tolist()
-
     def held(self, length: int) -> int:
         return int(self.head_counts().max()) if length else 0
 
