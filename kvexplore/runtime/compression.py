@@ -140,16 +140,19 @@ def largest_write(cache: KVCache, pos: int, n: int) -> int:
 
 
 def feed(model: Model, cache: KVCache, ids: list[int], pos: int, stepwise: bool = False, every: bool = True,
-         before: Callable[[int, int], None] | None = None) -> torch.Tensor:
+         before: Callable[[int, int], None] | None = None,
+         after: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Write ``ids`` at ``pos`` in the largest writes ``cache`` accepts (one token at a time with ``stepwise``);
-    ``before(pos, n)`` runs before each write. Returns the logits ``(len(ids), vocab)``, or only the last row's
-    ``(1, vocab)`` when ``every`` is False."""
+    ``before(pos, n)`` and ``after(pos, n)`` run around each write. Returns the logits ``(len(ids), vocab)``, or
+    only the last row's ``(1, vocab)`` when ``every`` is False."""
     out, i = [], 0
     while i < len(ids):
         n = 1 if stepwise else largest_write(cache, pos + i, len(ids) - i)
         if before is not None:
             before(pos + i, n)
         logits = model(torch.tensor([ids[i:i + n]]), cache, pos + i, last_only=not every)[0]
+        if after is not None:
+            after(pos + i, n)
         out.append(logits)
         i += n
     return torch.cat(out) if every else out[-1]
@@ -227,14 +230,20 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
     stepwise = presses_while_decoding(cache) if stepwise is None else bool(stepwise)
     layers = [i for i in reference.mass if i in cache.full_layers]
     kept = {i: torch.zeros_like(reference.mass[i], dtype=torch.bool) for i in layers}
-    writes = []
+    writes: list[int] = []
+    pressed = hasattr(cache, "kept_positions")
 
-    def note_kept(pos: int, n: int) -> None:  # what each query of this write reads of the context
+    def read(pos: int, n: int) -> None:  # what the queries of this write read of the context
         writes.append(n)
         for i in layers:
-            kept[i][:, pos - C:pos - C + n] = kept_context(cache, i, C)[:, None]
+            if pressed:  # a press runs after the step's attention: the queries read what was kept before it
+                kept[i][:, pos - C:pos - C + n] = kept_context(cache, i, C)[:, None]
+            else:  # other caches evict as they write: what the step read, after it
+                held = [p for p in cache.read_positions(i) if p < C]
+                kept[i][:, pos - C:pos - C + n, held] = True
 
-    rest = feed(model, cache, cont[:-1], C, stepwise=stepwise, before=note_kept)
+    rest = feed(model, cache, cont[:-1], C, stepwise=stepwise, before=read if pressed else None,
+                after=None if pressed else read)
     logprobs = torch.log_softmax(torch.cat([first, rest]).float().cpu(), -1)
     full = reference.logprobs
     kl = (full.exp() * (full - logprobs)).sum(-1).clamp_min(0)
