@@ -49,6 +49,8 @@ def frontier(args) -> list[dict]:
     t0 = time.perf_counter()
     ref = full_reference(model, ctx, cont)
     print(f"reference: {time.perf_counter() - t0:.1f} s, perplexity {ref.perplexity:.2f}", flush=True)
+    head = dict(model=args.model, context=len(ctx), continuation=len(cont), full_used_bytes=ref.used_bytes,
+                full_reserved_bytes=ref.reserved_bytes, full_perplexity=ref.perplexity)
     configs: list[tuple[str, str, float | None, object]] = [("full", "full", 0.0, full_cache)]
     for press in PRESSES:
         for r in RATIOS:
@@ -66,6 +68,8 @@ def frontier(args) -> list[dict]:
             "evict", m, max_seq_len=n, press="knorm", compression_ratio=0.5, decode_every=32)))
     rows = []
     for kind, name, ratio, factory in configs:
+        if args.kinds and kind not in args.kinds.split(","):
+            continue
         t = time.perf_counter()
         q = compression_quality(model, ctx, cont, factory, ref)
         row = dict(kind=kind, name=name, ratio=ratio, seconds=time.perf_counter() - t, **q.row(),
@@ -73,8 +77,8 @@ def frontier(args) -> list[dict]:
         rows.append(row)
         print(f"{kind:10s} {name:26s} r={ratio} KL {q.kl_mean:.4f} top1 {q.top1:.3f} ppl {q.perplexity:.2f} "
               f"mass {q.attention_mass_mean:.3f} used {q.used_fraction:.3f} ({row['seconds']:.1f} s)", flush=True)
-    return [dict(model=args.model, context=len(ctx), continuation=len(cont), full_used_bytes=ref.used_bytes,
-                 full_reserved_bytes=ref.reserved_bytes, full_perplexity=ref.perplexity), *rows]
+        save(args, [head, *rows])  # as it goes: a long run stopped early keeps what it measured
+    return [head, *rows]
 
 
 def passkey_grid(args) -> list[dict]:
@@ -85,7 +89,8 @@ def passkey_grid(args) -> list[dict]:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     presses = [p for p in args.presses.split(",") if p]
-    runs = [("full", None, False)] + [(p, args.ratio, inside) for p in presses for inside in (False, True)]
+    runs = [("full", None, False)] * (not args.no_full) + [(p, args.ratio, inside) for p in presses
+                                                           for inside in (False, True)]
     rows = []
     for press, ratio, inside in runs:
         for length in lengths:
@@ -101,6 +106,7 @@ def passkey_grid(args) -> list[dict]:
                                  passed=a.passed, needle=a.coverage["needle"], seconds=time.perf_counter() - t))
                 print(f"{press:9s} q_in={inside!s:5s} {length:5d} {depth:.2f} {a.passed!s:5s} {a.text!r} needle "
                       f"{a.coverage['needle']:.2f} ({rows[-1]['seconds']:.1f} s)", flush=True)
+                save(args, rows)
     return rows
 
 
@@ -146,10 +152,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--decode", action="store_true", help="frontier: add knorm pressing every 32 tokens")
+    parser.add_argument("--kinds", default="", help="frontier: only these kinds (full,evict,quantized,sink,...)")
     parser.add_argument("--lengths", default="256,512,1024,2048")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--presses", default=",".join(PRESSES))
     parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--no-full", action="store_true", help="passkey: skip the uncompressed grid")
     parser.add_argument("--tag", default="", help="suffix of the results file (runs split across processes)")
     args = parser.parse_args()
     if args.part == "report":
@@ -159,11 +167,16 @@ def main() -> None:
         return
     t = time.perf_counter()
     rows = {"frontier": frontier, "passkey": passkey_grid, "questions": questions}[args.part](args)
+    out = save(args, rows)
+    print(f"{out.relative_to(ROOT)}: {len(rows)} rows in {time.perf_counter() - t:.0f} s")
+
+
+def save(args, rows: list[dict]) -> Path:
     IMG.mkdir(parents=True, exist_ok=True)
     model = "" if args.model == "smollm2-135m" else "_" + args.model
     out = IMG / f"eviction_{args.part}{model}{args.tag}.json"
     out.write_text(json.dumps(rows, indent=1))
-    print(f"{out.relative_to(ROOT)}: {len(rows)} rows in {time.perf_counter() - t:.0f} s")
+    return out
 
 
 if __name__ == "__main__":
