@@ -88,7 +88,7 @@ def passkey_grid(args) -> list[dict]:
     model = _load(args.model, args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    presses = [p for p in args.presses.split(",") if p]
+    presses = [p for p in (args.presses if args.presses is not None else ",".join(PRESSES)).split(",") if p]
     runs = [("full", None, False)] * (not args.no_full) + [(p, args.ratio, inside) for p in presses
                                                            for inside in (False, True)]
     rows = []
@@ -129,14 +129,15 @@ def questions(args) -> list[dict]:
     cut = len(words) // 8
     context = " ".join(words[:cut] + [FACT_1] + words[cut:len(words) - cut] + [FACT_2] + words[len(words) - cut:])
     rows = []
-    for press, aware in ((p, "snapkv") for p in args.presses.split(",")):
+    for press, aware in ((p, "snapkv") for p in (args.presses or "knorm,keydiff,snapkv").split(",")):
         t = time.perf_counter()
         for qa in two_questions(model, context, QUESTIONS, press=press, query_aware_press=aware,
                                 compression_ratio=args.ratio, max_new_tokens=6):
             if qa.mode == "full" and any(r["mode"] == "full" and r["question"] == qa.question for r in rows):
                 continue
             rows.append(dict(model=args.model, press=press if qa.mode == "once" else aware if qa.mode != "full"
-                             else "full", mode=qa.mode, ratio=args.ratio, question=qa.question, answer=qa.answer.text,
+                             else "full", mode=qa.mode, ratio=args.ratio, question=qa.question,
+                             fact=next(f for q, f, _ in QUESTIONS if q == qa.question), answer=qa.answer.text,
                              passed=qa.answer.passed, coverage=qa.answer.coverage,
                              context_tokens=len(model.tokenizer.encode(context))))
             print(rows[-1], flush=True)
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="frontier: only these kinds (full,evict,quantized,sink,...)")
     parser.add_argument("--lengths", default="256,512,1024,2048")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    parser.add_argument("--presses", default=",".join(PRESSES))
+    parser.add_argument("--presses", default=None, help="default: all (passkey), knorm,keydiff,snapkv (questions)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--no-full", action="store_true", help="passkey: skip the uncompressed grid")
     parser.add_argument("--tag", default="", help="suffix of the results file (runs split across processes)")

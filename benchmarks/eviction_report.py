@@ -110,7 +110,7 @@ def frontier_figure(rows: list[dict], folder: Path) -> list[Path]:
     try:
         fig.write_image(folder / "eviction_frontier.svg")
         written.append(folder / "eviction_frontier.svg")
-    except (ImportError, ValueError):  # kaleido is not installed: the HTML and the table only
+    except (ImportError, ValueError, RuntimeError):  # kaleido is not installed: the HTML and the table only
         pass
     return written
 
@@ -151,13 +151,10 @@ def _passkey_tables(rows: list[dict]) -> str:
 def _questions_table(rows: list[dict]) -> str:
     out = ["| mode | press | question | answer | needed fact held | other fact held |", "|---|---|---|---|---:|---:|"]
     for r in rows:
-        facts = list(r["coverage"].items())
-        needed = next(i for i, (f, _) in enumerate(facts) if f.split(" ")[1] in r["question"]
-                      or f.split(" ")[-1].rstrip(".") in r["question"]) if len(facts) > 1 else 0
-        other = facts[1 - needed][1] if len(facts) > 1 else None
+        others = [v for f, v in r["coverage"].items() if f != r["fact"]]
         q = r["question"].split("Answer:")[0].replace("Question:", "").strip()
         out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{r['answer'].strip()}` | "
-                   f"{facts[needed][1]:.0%} | {'' if other is None else f'{other:.0%}'} |")
+                   f"{r['coverage'][r['fact']]:.0%} | {', '.join(f'{v:.0%}' for v in others)} |")
     return "\n".join(out)
 
 
