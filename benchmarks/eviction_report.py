@@ -60,7 +60,7 @@ def frontier_svg(rows: list[dict], path: Path) -> Path:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
            f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{left}" y="22" font-size="14">KL(full || compressed), mean per continuation token, against '
-           f'bytes used: SmolLM2-135M</text>']
+           f'bytes used: SmolLM2-135M (full cache: 0 at 100%)</text>']
     for e in range(lo, hi + 1):
         out.append(f'<line x1="{left}" x2="{W - right}" y1="{y(10 ** e):.1f}" y2="{y(10 ** e):.1f}" stroke="#ddd"/>'
                    f'<text x="{left - 6}" y="{y(10 ** e) + 4:.1f}" text-anchor="end">1e{e}</text>')
@@ -71,7 +71,9 @@ def frontier_svg(rows: list[dict], path: Path) -> Path:
                f'of the full cache</text>')
     for k, (name, ss) in enumerate(series.items()):
         c = COLORS[k % len(COLORS)]
-        pts = sorted((r["used_fraction"], r["kl_mean"]) for r in ss)
+        pts = sorted((r["used_fraction"], r["kl_mean"]) for r in ss if r["kl_mean"] > 0)  # the full cache: KL 0
+        if not pts:
+            continue
         if len(pts) > 1:
             path_d = " ".join(f"{x(f):.1f},{y(v):.1f}" for f, v in pts)
             out.append(f'<polyline points="{path_d}" fill="none" stroke="{c}" stroke-width="2"/>')
@@ -150,10 +152,14 @@ def _passkey_tables(rows: list[dict]) -> str:
 
 def _questions_table(rows: list[dict]) -> str:
     out = ["| mode | press | question | answer | needed fact held | other fact held |", "|---|---|---|---|---:|---:|"]
-    for r in rows:
+    seen = set()
+    for r in sorted(rows, key=lambda r: (r["question"], ("full", "once", "per question").index(r["mode"]))):
+        if (r["mode"], r["press"], r["question"]) in seen:  # the full and per-question runs repeat per press
+            continue
+        seen.add((r["mode"], r["press"], r["question"]))
         others = [v for f, v in r["coverage"].items() if f != r["fact"]]
         q = r["question"].split("Answer:")[0].replace("Question:", "").strip()
-        out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{r['answer'].strip()}` | "
+        out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{r['answer'].strip().splitlines()[0]}` | "
                    f"{r['coverage'][r['fact']]:.0%} | {', '.join(f'{v:.0%}' for v in others)} |")
     return "\n".join(out)
 
