@@ -137,7 +137,8 @@ def questions(args) -> list[dict]:
                 continue
             rows.append(dict(model=args.model, press=press if qa.mode == "once" else aware if qa.mode != "full"
                              else "full", mode=qa.mode, ratio=args.ratio, question=qa.question,
-                             fact=next(f for q, f, _ in QUESTIONS if q == qa.question), answer=qa.answer.text,
+                             fact=next(f for q, f, _ in QUESTIONS if q == qa.question),
+                             expected=next(e for q, _, e in QUESTIONS if q == qa.question), answer=qa.answer.text,
                              passed=qa.answer.passed, coverage=qa.answer.coverage,
                              context_tokens=len(model.tokenizer.encode(context))))
             print(rows[-1], flush=True)

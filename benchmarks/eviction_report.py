@@ -151,16 +151,18 @@ def _passkey_tables(rows: list[dict]) -> str:
 
 
 def _questions_table(rows: list[dict]) -> str:
-    out = ["| mode | press | question | answer | needed fact held | other fact held |", "|---|---|---|---|---:|---:|"]
+    out = ["| mode | press | question | answer | answer's tokens held | its fact held | other fact held |",
+           "|---|---|---|---|---:|---:|---:|"]
     seen = set()
     for r in sorted(rows, key=lambda r: (r["question"], ("full", "once", "per question").index(r["mode"]))):
         if (r["mode"], r["press"], r["question"]) in seen:  # the full and per-question runs repeat per press
             continue
         seen.add((r["mode"], r["press"], r["question"]))
-        others = [v for f, v in r["coverage"].items() if f != r["fact"]]
+        others = [v for f, v in r["coverage"].items() if f != r["fact"] and f.endswith(".")]
+        held = r["coverage"].get(r["expected"]) if "expected" in r else None
         q = r["question"].split("Answer:")[0].replace("Question:", "").strip()
         out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{r['answer'].strip().splitlines()[0]}` | "
-                   f"{r['coverage'][r['fact']]:.0%} | {', '.join(f'{v:.0%}' for v in others)} |")
+                   f"{'' if held is None else f'{held:.0%}'} | {r['coverage'][r['fact']]:.0%} | {', '.join(f'{v:.0%}' for v in others)} |")
     return "\n".join(out)
 
 

@@ -143,10 +143,12 @@ def test_passkey_answer_and_needle_coverage(trained):
 
 def test_two_questions(trained):
     context = " ".join(TEXT.split(" ")[:150])
-    facts = [(" Q: what?", TEXT.split(" ")[5] + " " + TEXT.split(" ")[6], "x"),
-             (" Q: who?", " ".join(TEXT.split(" ")[140:143]), "y")]
+    words = TEXT.split(" ")
+    facts = [(" Q: what?", words[5] + " " + words[6], "Zq"),
+             (" Q: who?", " ".join(words[140:143]), words[141])]
     rows = two_questions(trained, context, facts, press="knorm", compression_ratio=0.6, max_new_tokens=3)
     assert [r.mode for r in rows] == ["full", "once", "per question"] * 2
+    assert set(rows[0].answer.coverage) == {facts[0][1], facts[1][1], words[141]}  # the answer's tokens too
     assert all(v == 1.0 for r in rows if r.mode == "full" for v in r.answer.coverage.values())
     once = [r.answer.coverage for r in rows if r.mode == "once"]
     assert once[0] == once[1] and any(v < 1 for v in once[0].values())  # compressed once, for both questions

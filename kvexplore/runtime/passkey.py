@@ -142,10 +142,10 @@ def passkey(model: Model, hay: Haystack, factory: CacheFactory = full_cache, que
     return Answer(text, hay.key in re.sub(r"\D", "", text), {"needle": coverage(cache, hay.needle)})
 
 
-def token_span(tokenizer, text: str, fragment: str, offset: int = 0) -> tuple[int, int]:
+def token_span(tokenizer, text: str, fragment: str, offset: int = 0, after: int = 0) -> tuple[int, int]:
     """``[start, end)`` of the tokens of ``tokenizer.encode(text)`` (shifted by ``offset``) that cover ``fragment``'s
-    first occurrence in ``text``."""
-    at = text.find(fragment)
+    first occurrence in ``text`` from character ``after`` on."""
+    at = text.find(fragment, after)
     if at < 0:
         raise SettingsError(f"{fragment!r} is not in the context; give a fact copied from the context's text")
     ids = tokenizer.encode(text)
@@ -177,7 +177,8 @@ def two_questions(model: Model, context: str, questions: Sequence[tuple[str, str
     the context's sentence holding the answer, the text the answer should contain) through the full cache, through
     one evicting cache (``press``) compressed once with the context alone and cloned per question, and through a
     cache compressed per question with it inside ``query_aware_press``'s window. Each answer's ``coverage``: every
-    fact's share of tokens held (the needed one is the question's own)."""
+    fact's share of tokens held (the needed one is the question's own), and each expected answer's (when its fact
+    holds it)."""
     tok = model.tokenizer
     if tok is None:
         raise SettingsError("two_questions needs the model's tokenizer (a model loaded with kvexplore.load)")
@@ -187,6 +188,9 @@ def two_questions(model: Model, context: str, questions: Sequence[tuple[str, str
     head = [tok.bos_id] if tok.add_bos else []
     ctx = check_ids(head + tok.encode(context), "context", model)
     spans = {fact: token_span(tok, context, fact, len(head)) for _, fact, _ in questions}
+    for _, fact, expected in questions:  # the answer's own tokens, inside its fact
+        if expected in fact:
+            spans[expected] = token_span(tok, context, expected, len(head), after=context.find(fact))
     asked = [(q, check_ids(tok.encode(q), "question", model), expected) for q, _, expected in questions]
     n = len(ctx) + max(len(ids) for _, ids, _ in asked) + max_new_tokens
 
