@@ -113,7 +113,8 @@ def passkey_grid(args) -> list[dict]:
 # The two-question demonstration: a Moby-Dick passage with two facts planted far apart.
 FACT_1 = "The harpooneer's dog was named Rover."
 FACT_2 = "The key to the sea chest was hidden under the blue blanket."
-QUESTIONS = [(" Question: What was the harpooneer's dog named? Answer: The harpooneer's dog was named", FACT_1, "Rover"),
+QUESTIONS = [(" Question: What was the harpooneer's dog named? Answer: The harpooneer's dog was named", FACT_1,
+              "Rover"),
              (" Question: Where was the key to the sea chest hidden? Answer: The key was hidden under the",
               FACT_2, "blue blanket")]
 

@@ -121,7 +121,8 @@ def _passkey_tables(rows: list[dict]) -> str:
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     model = rows[0]["model"]
-    out = [f"Uncompressed {model}: ✓ = the greedy answer holds the key's digits (depth: where the needle starts).", "",
+    out = [f"Uncompressed {model}: ✓ = the greedy answer holds the key's digits (depth: where the needle "
+           f"starts).", "",
            "| length (tokens) | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
            "|---:|" + "---|" * len(depths)]
     full = [r for r in rows if r["press"] == "full"]
@@ -161,8 +162,10 @@ def _questions_table(rows: list[dict]) -> str:
         others = [v for f, v in r["coverage"].items() if f != r["fact"] and f.endswith(".")]
         held = r["coverage"].get(r["expected"]) if "expected" in r else None
         q = r["question"].split("Answer:")[0].replace("Question:", "").strip()
-        out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{r['answer'].strip().splitlines()[0]}` | "
-                   f"{'' if held is None else f'{held:.0%}'} | {r['coverage'][r['fact']]:.0%} | {', '.join(f'{v:.0%}' for v in others)} |")
+        answer = r["answer"].strip().splitlines()[0]
+        cells = ["" if held is None else f"{held:.0%}", f"{r['coverage'][r['fact']]:.0%}",
+                 ", ".join(f"{v:.0%}" for v in others)]
+        out.append(f"| {r['mode']} | {r['press']} | {q} | {MARK[r['passed']]} `{answer}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
