@@ -131,8 +131,8 @@ def largest_write(cache: KVCache, pos: int, n: int) -> int:
 
     if accepts(n):
         return n
-    lo, hi = 1, n - 1  # accepts(lo) is checked below; accepts(n) is False
-    accepts(1)
+    accepts(1)  # raises when even one token is refused (the cache's own error)
+    lo, hi = 1, n - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if accepts(mid) else (lo, mid - 1)
