@@ -26,7 +26,7 @@ class _SlotProbe(_Probe):
 
     def __init__(self, num_layers: int, cache: EvictCache) -> None:
         super().__init__(num_layers)
-        self.cache, self.columns = cache, {}
+        self.cache = cache
 
     def hook(self, name: str, t: torch.Tensor):
         parts = name.split(".")
@@ -53,24 +53,17 @@ class KeptPasses(KVPasses):
         self.declared: dict[int, list[list[int]]] = {}  # layer -> rope positions the cache declares, per head
         self._events = len(cache.press_events)
 
+    def probe(self) -> "_SlotProbe":
+        return _SlotProbe(self.num_layers, self.cache)
+
     def cached(self, ids: list[int], pos: int) -> Pass:
-        probe = _SlotProbe(self.num_layers, self.cache)
-        logits = self.model(torch.tensor([ids]), self.cache, pos, tracer=probe, last_only=True)[0, -1]
-        layers = []
-        for i, spec in enumerate(self.plan):
-            lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i),
-                           window=spec.window if spec.attends == "sliding" else None)
-            if i in probe.read:
-                lp.keys = probe.read[i]
-                lp.positions = self.cache.read_positions(i) or list(range(pos + len(ids)))
-                lp.head_positions = probe.columns.get(i)
-            layers.append(lp)
+        got = super().cached(ids, pos)
         events = self.cache.press_events
         for event in events[self._events:]:  # the step pressed: what each head kept, as the reference imposes it
             self.history.append((event.length, {i: self.cache.kept_positions(i) for i in self.cache.full_layers}))
         self._events = len(events)
         self.declared = {i: self.cache.rope_positions(i) for i in self.cache.full_layers}
-        return land(logits, layers)
+        return got
 
     def reference(self, ids: list[int]) -> Pass:
         n = len(ids)

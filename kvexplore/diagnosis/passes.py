@@ -113,8 +113,12 @@ class KVPasses:
         self.num_layers = model.config.num_layers
         self.plan = cache.plan
 
+    def probe(self) -> "_Probe":
+        """The tracer a cached pass runs with."""
+        return _Probe(self.num_layers)
+
     def cached(self, ids: list[int], pos: int) -> Pass:
-        probe = _Probe(self.num_layers)
+        probe = self.probe()
         logits = self.model(torch.tensor([ids]), self.cache, pos, tracer=probe, last_only=True)[0, -1]
         layers = []
         for i, spec in enumerate(self.plan):
@@ -123,6 +127,7 @@ class KVPasses:
             if i in probe.read:
                 lp.keys = probe.read[i]
                 lp.positions = self.cache.read_positions(i) or list(range(pos + len(ids)))
+                lp.head_positions = probe.columns.get(i)
             layers.append(lp)
         return land(logits, layers)
 
@@ -154,6 +159,7 @@ class _Probe:
 
     def __init__(self, num_layers: int) -> None:
         self.read, self.new, self.out, self.state, self._k = {}, {}, {}, {}, {}
+        self.columns: dict[int, list[list[int]]] = {}  # a pressed layer's column positions per head (kept.py)
 
     def wants_attention(self, layer: int) -> bool:
         return False
