@@ -222,3 +222,23 @@ def test_a_saved_trace_keeps_the_press_and_draws_the_same(trained, tmp_path):
         ka, kb = press.kept_spec(a[-1], "evict"), press.kept_spec(b[-1], "evict")
         np.testing.assert_array_equal(ka.trace("kept mask")["z"], kb.trace("kept mask")["z"])
         assert eviction.spec({"evict": a}, 0).traces == eviction.spec({"evict": b}, 0).traces
+
+
+def test_attention_rows_land_on_each_heads_own_positions(trained):
+    """Heads of a pressed layer hold different positions (adaptive budgets): the attention view's rows put each
+    query head's probabilities on the positions its KV head read, nowhere else."""
+    ex = kvexplore.Explorer(trained, strategies=["evict"], max_seq_len=128,
+                            strategy_options={"evict": {"press": "knorm", "heads": "adaptive", "decode_every": 3}})
+    ex.prefill(PROMPT)
+    ex.run(5)
+    cache, store = ex.lanes["evict"].cache, ex.lanes["evict"].tracer.history
+    layer, q = 0, cache.length - 1
+    kept = cache.kept_positions(layer)
+    assert len({len(h) for h in kept}) > 1  # the heads really hold different counts
+    row = store.row(layer, q)  # (query heads, q + 1)
+    group = row.shape[0] // len(kept)
+    read = cache.read_positions_by_head(layer)
+    for h in range(row.shape[0]):
+        held = {p for p in read[h // group] if p >= 0}
+        assert abs(row[h].sum() - 1) < 1e-5
+        assert set(np.flatnonzero(row[h] > 0)) <= held and max(held) == q

@@ -45,6 +45,7 @@ class LaneTracer(Tracer):
         # rows that wait for the step's read positions: (layer, first query position, rows, first key column)
         self._hooked: list[tuple[int, int, torch.Tensor, int]] = []
         self._direct: set[int] = set()  # layers whose rows were reduced as they came (read positions 0..end-1)
+        self._per_head: dict[int, int] = {}  # layers whose KV heads read different positions -> whose reads
         self._small: list[tuple[int, int, torch.Tensor, int]] = []  # rows of a decode step, landed together
 
     @property
@@ -72,7 +73,7 @@ class LaneTracer(Tracer):
             return
         q0 = self._pos + r0
         self._step._attention[layer] = (layer, self._first, self._pos + self._q_len)
-        if keys == self._pos + self._q_len:
+        if keys == self._pos + self._q_len and layer not in self._per_head:
             self._direct.add(layer)
             if probs.shape[1] <= SMALL:  # a decode step's row: lands with the step, every layer's together
                 self.later(probs, lambda h: self._small.append((layer, q0, h, c0)))
@@ -107,6 +108,10 @@ class LaneTracer(Tracer):
         self._step._history = self.history
         self._first = pos + q_len - 1 if self.last_row_only else pos
         self._hooked, self._direct, self._small = [], set(), []
+        # layers whose KV heads read different positions (a pressed cache): their rows wait for the reads per head
+        pressed = set(cache.full_layers) if hasattr(cache, "read_positions_by_head") else set()
+        self._per_head = {s.index: s.source if s.shares else s.index for s in cache.plan
+                          if (s.source if s.shares else s.index) in pressed}  # layer -> the layer whose reads
         if "attention" in self.capture:
             self.history.begin(self._first, pos + q_len)
 
@@ -115,8 +120,11 @@ class LaneTracer(Tracer):
         step = super().end_step(cache)
         if "attention" in self.capture:
             for layer, q0, rows, c0 in self._hooked:
-                reads = list(step.reads_of(layer))
-                self.history.add(layer, q0, rows, positions=reads[c0: c0 + rows.shape[-1]])
+                if layer in self._per_head:  # one row of positions per KV head
+                    reads = np.asarray(cache.read_positions_by_head(self._per_head[layer]))[:, c0: c0 + rows.shape[-1]]
+                else:
+                    reads = list(step.reads_of(layer))[c0: c0 + rows.shape[-1]]
+                self.history.add(layer, q0, rows, positions=reads)
                 step._attention[layer] = (layer, self._first, end)
             groups: dict[tuple, list] = {}
             for layer, q0, rows, c0 in self._small:

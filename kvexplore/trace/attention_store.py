@@ -83,12 +83,15 @@ class AttentionStore:
             c0: int = 0) -> None:
         """Land ``probs`` ``(heads, rows, keys)`` (float32, any device) of query positions ``q0..`` of ``layer`` (or
         ``(layers, heads, rows, keys)`` of a list of layers): key column ``j`` is position ``c0 + j``, or
-        ``positions[j]`` when given (any order)."""
+        ``positions[j]`` when given (any order), or ``positions[kv, j]`` for the query heads of KV head ``kv`` when
+        given one row per KV head (-1: a column that head does not hold)."""
         layers = [layer] if isinstance(layer, int) else list(layer)
         probs = probs.detach().float().reshape(len(layers), *probs.shape[-3:])
         if positions is not None:
             positions = np.asarray(positions, dtype=np.int64)
-            if positions.size and np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)):
+            if positions.ndim == 2:  # one row per KV head (a pressed layer's heads hold different positions)
+                probs, positions, c0 = _by_head(probs, positions), None, 0
+            elif positions.size and np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)):
                 c0, positions = int(positions[0]), None
         if positions is not None:  # scattered: to logical order first
             width = int(positions.max()) + 1 if positions.size else 0
@@ -365,6 +368,20 @@ class AttentionStore:
             mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in (mx, sm, rowsum))
             self._land(idx, kept.start, rb0, cb0, mx, sm, rowsum)
             self.end()
+
+
+def _by_head(probs: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+    """``probs`` ``(layers, heads, rows, keys)`` over columns whose positions differ per KV head (``positions``
+    ``(kv_heads, keys)``, -1 for none) put in position order: ``(layers, heads, rows, last position + 1)``."""
+    heads, kv = probs.shape[1], positions.shape[0]
+    positions = np.repeat(positions[:, :probs.shape[-1]], heads // kv, axis=0)  # each query head reads its KV head's
+    width = int(positions.max()) + 1 if positions.size else 0
+    out = probs.new_zeros(*probs.shape[:3], max(width, 0))
+    for h in range(heads):
+        cols = np.flatnonzero(positions[h] >= 0)
+        out[:, h, :, torch.as_tensor(positions[h][cols], device=probs.device)] = \
+            probs[:, h, :, torch.as_tensor(cols, device=probs.device)]
+    return out
 
 
 def _as_slice(idx: np.ndarray):
