@@ -59,6 +59,9 @@ class _InPlace:
     def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
         return self._mask
 
+    def observes_queries(self, layer: int) -> bool:
+        return False  # no press reads the queries of a compiled step
+
 
 class _Step(torch.nn.Module):
     """The one-token step as a module (so that compiling it freezes the model's weights into the graph)."""
