@@ -732,3 +732,29 @@ def test_a_press_that_fails_leaves_the_cache_as_before_the_step(models, storage)
     got = model(ids[:, :12], cache, 0)  # the third and fourth calls succeed
     want = model(ids[:, :12], evict(model, press="tova"), 0)
     assert torch.equal(got, want) and len(cache.press_events) == 1
+
+
+def test_a_press_while_decoding_fills_the_evicted_slots_in_place_and_rolls_back_exactly(trained):
+    """A press while decoding on storage already of its size moves only the kept slots past the new count into the
+    evicted ones (no new storage, a few slots copied); a rollback of that step puts every slot back."""
+    c = evict(trained, press="h2o", compression_ratio=0.5, decode_every=4)  # evicts old slots, not only new ones
+    ids = tokens(30)
+    trained(ids[:, :20], c, 0)
+    for p in range(20, 23):
+        trained(ids[:, p:p + 1], c, p)
+    layer = c.layers[0]
+    before, storage = c.clone(), layer.k.data_ptr()
+    logits = trained(ids[:, 23:24], c, 23, keep_undo=True)  # the fourth token: a press back to 10 per head
+    assert [e.reason for e in c.press_events][-1] == "decode" and layer.k.data_ptr() == storage
+    assert all(len(h) == 10 for h in c.kept_positions(0))
+    per_slot = 2 * trained.config.head_dim * 4
+    assert 0 < c.memory_report().copied_bytes <= 4 * trained.config.num_kv_heads * per_slot * trained.config.num_layers
+    assert c.memory_report().allocated_bytes == 0
+    c.rollback()
+    for i in c.full_layers:
+        assert c.kept_positions(i) == before.kept_positions(i)
+        got, want = c.layers[i].held_slots(), before.layers[i].held_slots()
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    again = trained(ids[:, 23:24], c, 23)
+    assert torch.equal(again, logits)

@@ -47,6 +47,10 @@ class UndoJournal:
         if n > 0:
             self.entries.append((t, dim, start, n))
 
+    def keep_at(self, t: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+        """Save ``t.gather(dim, index)`` before the step scatters into those places in place."""
+        self.entries.append((t, dim, index, t.gather(dim, index)))
+
     def remember(self, restore: Callable[[Any], None], saved: Any) -> None:
         """An undo calls ``restore(saved)`` (after the tensors are back), latest first."""
         self.restores.append((restore, saved))
@@ -54,7 +58,9 @@ class UndoJournal:
     def undo(self) -> None:
         """Put back everything recorded, newest first."""
         for t, dim, start, saved in reversed(self.entries):
-            if isinstance(saved, int):
+            if isinstance(start, torch.Tensor):  # saved by keep_at: put back where it was gathered
+                t.scatter_(dim, start, saved)
+            elif isinstance(saved, int):
                 t.narrow(dim, start, saved).zero_()
             else:
                 t.narrow(dim, start, saved.shape[dim]).copy_(saved)
@@ -75,6 +81,9 @@ class NoJournal(UndoJournal):
         pass
 
     def zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+        pass
+
+    def keep_at(self, t: torch.Tensor, dim: int, index: torch.Tensor) -> None:
         pass
 
     def remember(self, restore: Callable[[Any], None], saved: Any) -> None:

@@ -196,10 +196,11 @@ class TransformersLayout(Layout):
 
 @dataclass(frozen=True)
 class CompactLayout(Layout):
-    """An evicting cache's compacted storage: each head's kept positions packed at the front of its storage (slot
-    ``i`` holds a head's ``i``-th kept position), then free slots."""
+    """An evicting cache's compacted storage: each head's kept positions packed at the front of its storage, then
+    free slots (in position order after a prompt's press; a press while decoding fills the evicted slots with the
+    kept ones after them)."""
 
-    order = "per head: kept positions packed in order, then free slots"
+    order = "per head: kept positions packed at the front, then free slots"
 
 
 LAYOUTS = {cls.__name__: cls for cls in (LinearLayout, GrowingLayout, EmptyLayout, PagedLayout, RingLayout,

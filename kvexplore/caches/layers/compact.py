@@ -1,12 +1,15 @@
 """A full layer of the ``evict`` cache that really shrinks: each KV head's kept keys and values packed at the front
-of its storage, the storage reallocated to what is kept after every press.
+of its storage, the storage reallocated to what is kept after a press that frees slots.
 
 Storage: ``k``/``v`` ``[batch, kv_heads, slots, width]``, ``pos`` and ``rot`` ``[batch, kv_heads, slots]`` (the
 position each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use.
-Each head's slots hold its positions in increasing order; heads may hold different counts (an adaptive budget), and
-attention then reads ``max(counts)`` slots under a mask per head. A write appends at each head's count, in place
-while the storage has room; when it has none the storage grows by ``headroom`` slots (a copy). A press gathers the
-kept slots into new storage of ``max(kept) + headroom`` slots (a copy of what is kept, the old storage freed).
+Heads may hold different counts (an adaptive budget), and attention then reads ``max(counts)`` slots under a mask
+per head. A write appends at each head's count, in place while the storage has room; when it has none the storage
+grows by ``headroom`` slots (a copy). A press gathers the kept slots, in position order, into new storage of
+``max(kept) + headroom`` slots (a copy of what is kept, the old storage freed); a press on storage already of that
+size (while decoding, keys not re-rotated) moves, in place, the kept slots past the new count into the evicted
+slots before it (only those are copied), so slots no longer follow position order (the tail written since the last
+press always does, which is what a rewind reads).
 Bytes held are the storage's: the kept keys and values plus ``headroom`` slots per head and the padding of heads that
 keep fewer than the most (stated by :meth:`CompactLayer.overhead_slots`).
 """
@@ -130,10 +133,14 @@ class CompactLayer(PressedLayer):
                 self.rot.narrow(2, 0, S))
 
     def keep(self, step: Step, keep: torch.Tensor, rot: torch.Tensor) -> None:
-        """Gather each head's kept slots, in order, into new storage of ``max(kept) + headroom`` slots."""
+        """Gather each head's kept slots, in order, into new storage of ``max(kept) + headroom`` slots; or, when the
+        storage already has that size (a press while decoding, keys not re-rotated), fill the evicted slots in
+        place with the kept ones after them (:meth:`_fill_holes`)."""
         k, v, _, pos, was = self.held_slots()
         counts = keep.sum(-1)  # (B, H)
         top = int(counts.max())
+        if not self.plan.rerotate and self.slots <= top + self.headroom:
+            return self._fill_holes(step, keep, counts)
         order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :top]  # kept slots first
         filled = torch.arange(top, device=self.device).view(1, 1, top) < counts.unsqueeze(-1)
 
@@ -160,6 +167,37 @@ class CompactLayer(PressedLayer):
         c.freed_bytes += old_k.nbytes + old_v.nbytes
         c.allocations += 2
         c.frees += 2
+        self._mask = None
+
+    def _fill_holes(self, step: Step, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Each head keeps ``counts`` slots: the evicted slots among its first ``counts`` (holes) take the kept slots
+        past them (movers), pair by pair, in place; only the moved slots are copied (and saved for a rollback). The
+        kept positions are then packed but no longer in position order."""
+        S = keep.shape[2]
+        front = torch.arange(S, device=self.device).view(1, 1, S) < counts.unsqueeze(-1)
+        holes, movers = ~keep & front, keep & ~front  # as many of one as of the other, per head
+        m = int(holes.sum(-1).max())
+        if m:
+            first = torch.arange(m, device=self.device).view(1, 1, m)
+            paired = first < holes.sum(-1, keepdim=True)
+            spare = torch.full_like(paired, self.slots - 1, dtype=torch.long)  # never a hole: a no-op pair
+            dst = torch.where(paired, torch.sort((~holes).to(torch.uint8), dim=-1, stable=True).indices[..., :m], spare)
+            src = torch.where(paired, torch.sort((~movers).to(torch.uint8), dim=-1, stable=True).indices[..., :m], spare)
+            for t in (self.k, self.v, self.pos, self.rot):
+                d, s_ = (dst, src) if t.dim() == 3 else (dst.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]),
+                                                        src.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))
+                step.journal.keep_at(t, 2, d)
+                t.scatter_(2, d, t.gather(2, s_))
+            if self.acc is not None:  # a new tensor: the step's snapshot keeps the old one
+                self.acc = self.acc.scatter(2, dst, self.acc.gather(2, src))
+        if self.acc is not None:  # the slots past each head's count start again from nothing
+            self.acc = torch.cat([self.acc[:, :, :S].masked_fill(~front, 0.0), self.acc[:, :, S:]], 2)
+            moved = int(paired.sum())
+            step.counters.copied_bytes += moved * sum(self.widths) * self._dtype.itemsize
+        low = int(counts.min())
+        step.journal.keep(self.pos, 2, low, S - low)
+        self.pos[:, :, low:S].masked_fill_(~front[:, :, low:S], -1)  # slots past each head's count hold nothing
+        self.counts = counts.tolist()
         self._mask = None
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:

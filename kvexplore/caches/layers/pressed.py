@@ -109,9 +109,14 @@ class PressedLayer(FullLayer):
         if int(valid.sum(-1).max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
             self._note_scores(scores, valid, pos, valid, step.end)
             return
-        keep = select(scores, valid, n_kept, plan.budget.heads, plan.budget.alpha)
+        # chosen in position order (slots may not be: a press while decoding fills holes in place), so of equal
+        # scores the earliest position is kept and re-rotation ranks by position
+        order = torch.sort(pos.masked_fill(~valid, torch.iinfo(pos.dtype).max), dim=-1, stable=True).indices
+        chosen = select(scores.gather(-1, order), valid.gather(-1, order), n_kept, plan.budget.heads,
+                        plan.budget.alpha)
+        keep = torch.zeros_like(valid).scatter(-1, order, chosen)
         if plan.rerotate:  # contiguous positions ending at the last one written: rank among the kept, per head
-            rank = keep.long().cumsum(-1) - 1
+            rank = torch.zeros_like(pos).scatter(-1, order, chosen.long().cumsum(-1) - 1)
             rot = torch.where(keep, step.end - keep.long().sum(-1, keepdim=True) + rank, rot)
         self._note_scores(scores, keep, pos, valid, step.end)
         self.keep(step, keep, rot)

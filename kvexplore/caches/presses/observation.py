@@ -66,12 +66,14 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: t
     return scores.softmax(-1).nan_to_num(0.0).view(B, nh, T, S)
 
 
-def in_position_order(valid: torch.Tensor, x: torch.Tensor, fn) -> torch.Tensor:
-    """``fn`` applied to ``x`` ``(B, heads, S)`` over each head's *held* slots in position order (empty and hidden
+def in_position_order(valid: torch.Tensor, positions: torch.Tensor, x: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` applied to ``x`` ``(B, heads, S)`` over each head's *held* slots sorted by position (empty and hidden
     slots moved to the end), the result put back in slot order: what a press that looks at neighbouring keys
-    (pooling) needs, whatever the storage's gaps. ``valid`` ``(B, H, S)`` with ``heads`` a multiple of ``H``."""
+    (pooling) needs, whatever the storage's gaps and order. ``valid`` and ``positions`` ``(B, H, S)`` with
+    ``heads`` a multiple of ``H``."""
     reps = x.shape[1] // valid.shape[1]
-    order = torch.sort((~valid).to(torch.uint8), dim=-1, stable=True).indices.repeat_interleave(reps, dim=1)
+    key = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max)
+    order = torch.sort(key, dim=-1, stable=True).indices.repeat_interleave(reps, dim=1)
     out = fn(x.gather(-1, order))
     return torch.empty_like(out).scatter_(-1, order, out)
 

@@ -52,5 +52,5 @@ class SnapKVPress(Press):
         def pooled(x: torch.Tensor) -> torch.Tensor:
             return pool(x.reshape(B * nh, 1, S), self.kernel, stride=1, padding=self.kernel // 2).reshape(B, nh, S)
 
-        scores = per_kv_head(in_position_order(obs.valid, vote, pooled), H)
+        scores = per_kv_head(in_position_order(obs.valid, obs.positions, vote, pooled), H)
         return scores.masked_fill(recent, float("inf"))
