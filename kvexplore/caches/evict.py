@@ -112,6 +112,7 @@ class EvictCache(KVCache):
 
     def _index(self) -> None:
         super()._index()
+        self._pressed = frozenset(self.full_layers)  # asked by every attention layer at every step
         if self.full_layers:  # a copy's layers share the copy of the plan
             self.pressplan = self.layers[self.full_layers[0]].plan
 
@@ -167,9 +168,6 @@ class EvictCache(KVCache):
                                 f"{sorted(self._pressed)}")
         return self.layers[layer]
 
-    @property
-    def _pressed(self) -> set[int]:
-        return set(self.full_layers)
 
     # -- what it kept -------------------------------------------------------------------------------------
     def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
@@ -209,9 +207,11 @@ class EvictCache(KVCache):
     def overhead_slots(self, layer: int) -> int:
         """Slots of ``layer``'s storage holding no kept position (the compacting layer's headroom and padding; the
         masked layer's evicted and free positions)."""
-        target = self._pressed_layer(layer)
-        used = int(target.head_counts().sum())
-        return target.k.shape[0] * target.k.shape[1] * target.k.shape[2] - used
+        return self._pressed_layer(layer).overhead_slots()
+
+    def held_counts(self, layer: int, batch: int = 0) -> tuple[int, ...]:
+        """How many positions each KV head of ``layer`` holds (one small read, no position lists)."""
+        return tuple(self._pressed_layer(layer).head_counts()[self._batch_index(batch)].tolist())
 
     def _batch_index(self, batch: int) -> int:
         return integer(batch, "batch", 0, self.batch_size - 1)

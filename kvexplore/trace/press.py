@@ -76,7 +76,7 @@ def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None
             length = next(iter(got.values()))[0].shape[1]
             last = PressOutcome(length, reason, {layer: s[0] for layer, s in got.items()},
                                 {layer: s[1] for layer, s in got.items()}, getattr(cache.press, "name", ""))
-    held = {layer: tuple(len(p) for p in cache.kept_positions(layer)) for layer in layers}
+    held = {layer: cache.held_counts(layer) for layer in layers}
     return PressStep(cache.length, held, len(cache.press_events), last,
                      kv_bytes(cache.config, cache.length, cache.batch_size, cache.dtype))
 

@@ -11,7 +11,7 @@ size (while decoding, keys not re-rotated) moves, in place, the kept slots past 
 slots before it (only those are copied), so slots no longer follow position order (the tail written since the last
 press always does, which is what a rewind reads).
 Bytes held are the storage's: the kept keys and values plus ``headroom`` slots per head and the padding of heads that
-keep fewer than the most (stated by :meth:`CompactLayer.overhead_slots`).
+keep fewer than the most (stated by :meth:`~.pressed.PressedLayer.overhead_slots`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class CompactLayer(PressedLayer):
         super().begin(step)
         step.journal.remember(self._set_state, self._state())
         if step.pos < step.length:  # a write over positions held (after a rewind within the step): drop them
-            kept = (self.pos < step.pos) & (self.pos >= 0)
-            self.counts = kept.sum(-1).tolist()
+            self._keep_before(step.pos)
 
     # -- slots --------------------------------------------------------------------------------------------
     @property
@@ -71,10 +70,13 @@ class CompactLayer(PressedLayer):
             new.narrow(2, 0, used).copy_(t.narrow(2, 0, used))
         if self.acc is not None:
             self._resize_acc(self.slots)
-        moved = old[0].narrow(2, 0, used).nbytes + old[1].narrow(2, 0, used).nbytes
-        c.copied_bytes += moved
+        c.copied_bytes += old[0].narrow(2, 0, used).nbytes + old[1].narrow(2, 0, used).nbytes
+        self._count_new_storage(c, old[0], old[1])
+
+    def _count_new_storage(self, c: StepCounters, old_k: torch.Tensor, old_v: torch.Tensor) -> None:
+        """The step allocated ``k`` and ``v`` anew and freed ``old_k`` and ``old_v``."""
         c.allocated_bytes += self.k.nbytes + self.v.nbytes
-        c.freed_bytes += old[0].nbytes + old[1].nbytes
+        c.freed_bytes += old_k.nbytes + old_v.nbytes
         c.allocations += 2
         c.frees += 2
 
@@ -161,12 +163,8 @@ class CompactLayer(PressedLayer):
             self.acc = torch.zeros(self.pos.shape, dtype=torch.float32, device=self.device)
             self.acc[:, :, :top] = old_acc[:, :, :k.shape[2]].gather(-1, order) * filled
         self.counts = counts.tolist()
-        c = step.counters
-        c.copied_bytes += int(counts.sum()) * sum(self.widths) * self._dtype.itemsize
-        c.allocated_bytes += self.k.nbytes + self.v.nbytes
-        c.freed_bytes += old_k.nbytes + old_v.nbytes
-        c.allocations += 2
-        c.frees += 2
+        step.counters.copied_bytes += int(counts.sum()) * sum(self.widths) * self._dtype.itemsize
+        self._count_new_storage(step.counters, old_k, old_v)
         self._mask = None
 
     def _fill_holes(self, step: Step, keep: torch.Tensor, counts: torch.Tensor) -> None:
@@ -201,9 +199,12 @@ class CompactLayer(PressedLayer):
         self._mask = None
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
-        kept = (self.pos < n) & (self.pos >= 0)
-        self.counts = kept.sum(-1).tolist()
+        self._keep_before(n)
         self._read = None
+
+    def _keep_before(self, n: int) -> None:
+        """Hold only the positions before ``n`` (``n`` at or after the last press: they are each head's tail)."""
+        self.counts = ((self.pos < n) & (self.pos >= 0)).sum(-1).tolist()
 
     def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
         """For each KV head, the position in each key column the last step's attention read (its slots in storage
@@ -224,14 +225,8 @@ class CompactLayer(PressedLayer):
     def reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def overhead_slots(self) -> int:
-        """Slots of storage (over every batch row and head) that hold no kept position: the headroom and the
-        padding of heads that keep fewer than the most."""
-        B, H, S = self.pos.shape
-        return B * H * S - sum(sum(row) for row in self.counts)
-
     def slot_view(self, length: int, head: int = 0) -> SlotView:
-        """Head ``head``'s slots (of the first sequence): kept positions packed in order, then free slots."""
+        """Head ``head``'s slots (of the first sequence): kept positions packed at the front, then free slots."""
         n, S = self.counts[0][head], self.slots
         positions = self.pos[0, head, :n].tolist()
         return SlotView([FILLED] * n + [FREE] * (S - n), positions + [-1] * (S - n), [1] * n + [0] * (S - n),

@@ -69,15 +69,16 @@ class PressedLayer(FullLayer):
         self._q_new = q
 
     def commit(self, step: Step) -> None:
-        q, plan = self._q_new, self.plan
-        if q is not None and plan.queries:
-            qp = torch.arange(step.pos, step.end, device=q.device)
+        new, plan = self._q_new, self.plan
+        if new is not None and plan.queries:
+            new_pos = torch.arange(step.pos, step.end, device=new.device)
+            q, qp = new, new_pos
             if self.queries is not None and self.query_pos is not None and step.pos > 0:
                 q = torch.cat([self.queries[:, :, self.query_pos < step.pos], q], 2)
                 qp = torch.cat([self.query_pos[self.query_pos < step.pos], qp])
             self.queries, self.query_pos = q[:, :, -plan.kept_queries:].clone(), qp[-plan.kept_queries:]
             if plan.press.accumulates:
-                self._accumulate(self._q_new, torch.arange(step.pos, step.end, device=q.device))
+                self._accumulate(new, new_pos)
         self._q_new = None
         decision = plan.decide(step)
         if decision is not None:
@@ -166,6 +167,12 @@ class PressedLayer(FullLayer):
 
     def held(self, length: int) -> int:
         return int(self.head_counts().max()) if length else 0
+
+    def overhead_slots(self) -> int:
+        """Slots of storage (over every batch row and head) that hold no kept position: a compacting layer's
+        headroom and the padding of heads that keep fewer than the most; a masked layer's evicted and free ones."""
+        B, H, S = self.k.shape[:3]
+        return B * H * S - int(self.head_counts().sum())
 
     def held_positions(self, length: int) -> list[int]:
         return sorted({p for head in self.kept() for p in head})
