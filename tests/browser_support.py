@@ -170,6 +170,30 @@ def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...]
             server.stop()
 
 
+def open_voila_app(page, server: Server, timeout_s: float = WIDGETS_S):
+    """Open the Voila app at ``server`` in ``page`` and wait for the explorer; returns its locator.
+
+    Voila starts a kernel per page load. On a busy machine a kernel start has been seen to never answer (CI, once:
+    the page waited 180 s, the other Voila servers of the run were fine). When the explorer has not appeared after
+    ``timeout_s``, the page is loaded once more with a fresh kernel, and what the first load showed (the page's
+    text, the server's log) is printed; a second failure raises with both."""
+    first = ""
+    for attempt in (1, 2):
+        page.goto(server.base_url + "/")
+        explorer = page.locator(".kvx-explorer").first
+        try:
+            explorer.wait_for(timeout=timeout_s * 1000)
+            if first:
+                print(f"Voila: the explorer appeared on the second load; the first showed:\n{first}")
+            return explorer
+        except Exception as exc:  # playwright's TimeoutError
+            text = page.evaluate("() => document.body ? document.body.innerText.slice(0, 1500) : ''")
+            seen = f"load {attempt}: {type(exc).__name__}\npage text:\n{text}\nserver log:\n{server.output()}"
+            if attempt == 2:
+                raise AssertionError(f"the Voila app never showed the explorer\n{first}\n{seen}") from exc
+            first = seen
+
+
 @contextlib.contextmanager
 def chromium(viewport: dict | None = None) -> Iterator[object]:
     """A Playwright browser context on Debian Chromium with a fresh profile, able to reach only 127.0.0.1.

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from browser_support import (LAB_SCROLLER, NOTEBOOKS, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, figure, new_page,
-                             plot_signature, rendered_cells, require_browser, save_timings, start_run_all,
+                             open_voila_app, plot_signature, rendered_cells, require_browser, save_timings, start_run_all,
                              tall_screenshot, token_count, undrawn_traces, voila_server, wait_run_finished)
 
 pytestmark = pytest.mark.browser
@@ -146,9 +146,7 @@ def test_voila_app_shows_the_explorer_without_code(voila, browser, shots):
     page = new_page(browser)
     try:
         t0 = time.monotonic()
-        page.goto(voila.base_url + "/")
-        explorer = page.locator(".kvx-explorer").first
-        explorer.wait_for(timeout=WIDGETS_S * 1000)
+        explorer = open_voila_app(page, voila)
         _wait_figures(explorer)
         timings["page_to_widgets"] = time.monotonic() - t0
         tall_screenshot(page, shots / "voila_app_initial.png", VOILA_SCROLLER)

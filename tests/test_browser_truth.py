@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from browser_support import (figure, new_page, require_browser, save_timings, start_run_all, voila_server,
-                             wait_run_finished)
+from browser_support import (figure, new_page, open_voila_app, require_browser, save_timings, start_run_all,
+                             voila_server, wait_run_finished)
 from browser_truth import kernel_truth, mismatches, page_truth
 
 pytestmark = pytest.mark.browser
@@ -283,7 +283,7 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
         try:
             page.set_viewport_size(VIEWPORT)
             t0 = time.monotonic()
-            page.goto(server.base_url + "/")
+            open_voila_app(page, server, timeout_s=150)
             done = _session(page, False, shots, name, timings, t0)
         finally:
             page.close()
