@@ -22,9 +22,10 @@ Evicted positions are always the contiguous run ``sinks .. window_start - 1`` (:
 What attention reads: ``write`` returns the held slots *in storage order* (a view of the storage, no gather, no
 copy): the sinks, then the ring as it lies. For a single new token the order does not matter (softmax over a set;
 positions live in the rotated keys) and every kept key is at or before the query, so no mask is needed.
-:meth:`held_positions` gives the position of each column (for tracers reading ``attn.probs``). Writes of several
-tokens (a prompt) must fit without evicting, since the model's causal mask assumes keys ``0..pos+T-1``: a longer
-prompt raises "window too small for a prompt" before anything is written.
+:meth:`held_positions` gives the position of each column (for tracers reading ``attn.probs``). A write of several
+tokens that evicts (a prompt longer than the window, a speculative draft) first gathers the held keys its queries
+read, appends the new ones and masks each query to the sinks and its own last ``window`` positions (a temporary copy,
+counted), exactly what writing the tokens one at a time reads; then only the positions kept after it are written.
 
 Rewind (``truncate(n)``): allowed to ``n <= sinks`` (only sinks remain) or ``n >= window_start`` (the evicted
 positions stay evicted, so the window holds fewer than ``window`` positions until it refills; meanwhile the
@@ -124,16 +125,6 @@ class SinkCache(KVCache):
         end = pos + q_len
         if self._capacity is not None and end > self._capacity:
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
-        ws_before = self.sinks if pos <= self.sinks else self.slots.ws
-        evicts = max(ws_before, end - self.window) > self.sinks  # keys read would not be positions 0..end-1
-        if evicts and q_len > 1:
-            held = f"has evicted positions {self.sinks}..{ws_before - 1}" if ws_before > self.sinks else (
-                f"holds {self.sinks + self.window} positions")
-            raise SettingsError(
-                f"window too small for a prompt of {q_len} tokens at position {pos}: SinkCache(sinks={self.sinks}, "
-                f"window={self.window}) {held}, and a write of several tokens must fit without evicting (the "
-                f"model's causal mask assumes keys 0..{end - 1}); use window >= {end - self.sinks} or feed the "
-                f"tokens one at a time")
 
     def key(self, layer: int) -> torch.Tensor | None:
         """The live key storage of ``layer``: ``sinks + window`` slots in storage order."""

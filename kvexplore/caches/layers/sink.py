@@ -23,6 +23,10 @@ class SinkSlots:
         self.pending: tuple | None = None  # (pos, end, ws_before, ws_after, read) of the step being written
         self.evicted_last: list[int] = []
         self._step: Step | None = None
+        self.gather: torch.Tensor | None = None  # slots read before a write of several tokens that evicts
+        self.mask_now: torch.Tensor | None = None  # that write's mask over the gathered keys and the new ones
+        self.read_now: list[int] = []  # the positions of its key columns
+        self.last_read: list[int] | None = None  # the positions the last such step read (None: the held slots)
 
     def slot(self, p: int) -> int:
         return p if p < self.sinks else self.sinks + (p - self.sinks) % self.window
@@ -47,14 +51,27 @@ class SinkSlots:
         if self._step is step and self.pending is not None and self.pending[:2] == (step.pos, step.end):
             return
         if self._step is not step:
-            step.journal.remember(self._restore, (list(self.slot_pos), self.ws, list(self.evicted_last)))
+            step.journal.remember(self._restore, (list(self.slot_pos), self.ws, list(self.evicted_last),
+                                                  self.last_read))
         self._step = step
         pos, end = step.pos, step.end
         ws_before = self.sinks if pos <= self.sinks else self.ws
         ws_after = max(ws_before, end - self.window)
+        self.gather, self.mask_now = None, None
+        if ws_after > self.sinks and end - pos > 1:  # several tokens that evict: read what the queries need first
+            before = [*range(min(pos, self.sinks)), *range(max(ws_before, self.sinks), pos)]
+            self.gather = torch.tensor([self.slot(p) for p in before], dtype=torch.long, device=self.device)
+            k_pos = torch.tensor([*before, *range(pos, end)], device=self.device)
+            q_pos = torch.arange(pos, end, device=self.device)
+            first = torch.clamp(q_pos - self.window + 1, min=ws_before)  # the first window position each query reads
+            self.mask_now = (k_pos[None, :] <= q_pos[:, None]) & (
+                (k_pos[None, :] < self.sinks) | (k_pos[None, :] >= first[:, None]))
+            self.read_now = [*before, *range(pos, end)]
         for p in range(pos, end):
             self.slot_pos[self.slot(p)] = p
-        if ws_after == self.sinks:
+        if self.gather is not None:
+            read = None
+        elif ws_after == self.sinks:
             read = end  # nothing evicted: slots 0..end-1 hold positions 0..end-1
         elif end - ws_after == self.window:
             read = self.sinks + self.window  # every slot held: the whole storage
@@ -62,10 +79,24 @@ class SinkSlots:
             read = torch.tensor(self.held_slots(end, ws_after), device=self.device)
         self.pending = (pos, end, ws_before, ws_after, read)
 
+    def runs(self, pos: int, end: int, ws_after: int) -> list[tuple[int, int, int]]:
+        """Where a write of ``pos..end-1`` goes: ``(slot, offset in the write, count)`` runs of contiguous slots, for
+        the positions kept after it (sinks, and the window from ``ws_after``), each slot written once."""
+        out = []
+        if pos < self.sinks:
+            out.append((pos, 0, min(end, self.sinks) - pos))
+        p = max(pos, ws_after, self.sinks)
+        while p < end:
+            slot = self.slot(p)
+            count = min(end - p, self.sinks + self.window - slot)
+            out.append((slot, p - pos, count))
+            p += count
+        return out
+
     def _restore(self, saved: tuple) -> None:
-        slot_pos, self.ws, evicted = saved
+        slot_pos, self.ws, evicted, self.last_read = saved
         self.slot_pos, self.evicted_last = list(slot_pos), list(evicted)
-        self.pending, self._step = None, None
+        self.pending, self._step, self.gather, self.mask_now = None, None, None, None
 
     def commit(self, step: Step) -> None:
         if self._step is not step:  # committed already (every layer commits; the first one does it)
@@ -76,7 +107,8 @@ class SinkSlots:
             self.ws = ws_after
         else:
             self.evicted_last = []
-        self.pending, self._step = None, None
+        self.last_read = self.read_now if self.gather is not None else None
+        self.pending, self._step, self.gather, self.mask_now = None, None, None, None
 
     def truncate(self, n: int) -> None:
         if self.pending is not None:  # truncated mid-step (a failed step rolls back instead): overwritten = lost
@@ -84,7 +116,7 @@ class SinkSlots:
             self.pending = None
         if n <= self.sinks:
             self.ws = self.sinks
-        self.evicted_last, self._step = [], None
+        self.evicted_last, self._step, self.last_read = [], None, None
 
     def slot_view(self, length: int) -> SlotView:
         states, positions, sharers = [], [], []
@@ -103,6 +135,7 @@ class SinkSlots:
         twin.__dict__.update(self.__dict__)
         twin.slot_pos, twin.evicted_last, twin.pending, twin._step = list(self.slot_pos), list(self.evicted_last), \
             None, None
+        twin.gather, twin.mask_now = None, None
         return twin
 
 
@@ -120,17 +153,29 @@ class SinkLayer(SlotMapLayer, FullLayer):
         self.slots.begin(step)
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slots, q_len = self.slots, k.shape[2]
+        slots = self.slots
         if slots.pending is None or slots._step is not step:
             slots.begin(step)
-        read = slots.pending[4]
-        slot = slots.slot(step.pos)  # a write of several tokens never wraps (check_write): its slots are contiguous
-        step.journal.keep(self.k, 2, slot, q_len)  # what the slots held (an evicted position): for a rollback
-        step.journal.keep(self.v, 2, slot, q_len)
-        self.k.narrow(2, slot, q_len).copy_(k)  # in place: no allocation
-        self.v.narrow(2, slot, q_len).copy_(v)
-        c = step.counters
-        c.written_bytes += k.nbytes + v.nbytes
+        pos, end, _, ws_after, read = slots.pending
+        c, journal = step.counters, step.journal
+        gathered = None
+        if slots.gather is not None:  # what the queries need, read before the write overwrites it
+            gathered = (torch.cat([self.k.index_select(2, slots.gather), k.to(self.k.dtype)], 2),
+                        torch.cat([self.v.index_select(2, slots.gather), v.to(self.v.dtype)], 2))
+            n = gathered[0].nbytes + gathered[1].nbytes
+            c.copied_bytes += n - k.nbytes - v.nbytes
+            c.allocated_bytes += n
+            c.freed_bytes += n
+            c.allocations += 2
+            c.frees += 2
+        for slot, offset, count in slots.runs(pos, end, ws_after):
+            journal.keep(self.k, 2, slot, count)  # what the slots held (an evicted position): for a rollback
+            journal.keep(self.v, 2, slot, count)
+            self.k.narrow(2, slot, count).copy_(k.narrow(2, offset, count))  # in place: no allocation
+            self.v.narrow(2, slot, count).copy_(v.narrow(2, offset, count))
+            c.written_bytes += k.narrow(2, offset, count).nbytes + v.narrow(2, offset, count).nbytes
+        if gathered is not None:
+            return gathered
         if isinstance(read, int):
             return self.k.narrow(2, 0, read), self.v.narrow(2, 0, read)  # views
         k_all, v_all = self.k.index_select(2, read), self.v.index_select(2, read)
@@ -140,6 +185,14 @@ class SinkLayer(SlotMapLayer, FullLayer):
         c.allocations += 2
         c.frees += 2
         return k_all, v_all
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        slots = self.slots
+        if slots.pending is None or slots._step is not step:
+            slots.begin(step)
+        if slots.mask_now is not None:
+            return slots.mask_now
+        return super().mask(step)
 
     def commit(self, step: Step) -> None:
         self.slots.commit(step)
@@ -157,4 +210,9 @@ class SinkLayer(SlotMapLayer, FullLayer):
         return sorted(self.slots.held_positions(length))
 
     def read_positions(self, length: int) -> list[int]:
-        return self.slots.held_positions(length)  # write() returns the held slots in storage order
+        slots = self.slots
+        if slots.gather is not None:
+            return list(slots.read_now)
+        if slots.last_read is not None:
+            return list(slots.last_read)
+        return slots.held_positions(length)  # write() returns the held slots in storage order
