@@ -32,6 +32,7 @@ from ..config.model_config import ModelConfig
 from ..core.allocator import Window, allocator_for
 from ..core.settings import positive_int
 from ..errors import SettingsError
+from .crop import Crop
 from .inspection import CacheInspection
 from .journal import UndoJournal
 from .layers.state import StateLayers
@@ -43,7 +44,7 @@ from .registry import build_layers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 (the strategies import them here)
 
 
-class KVCache(CacheInspection, ModelCache):
+class KVCache(CacheInspection, Crop, ModelCache):
     """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
     implements :meth:`full_layer` (the factory of its full-layer caches) and calls :meth:`_build` at the end of
     its ``__init__``, once its options are set."""

@@ -92,6 +92,14 @@ class EvictCache(KVCache):
         self.pressplan = PressPlan(self.press, self.budget, positions == "rerotate", decode_every, decode_target, full)
         self._build()
 
+    def speculation_refusal(self) -> str | None:
+        every = self.pressplan.decode_every
+        if every is None:
+            return None
+        return (f"presses while decoding (decode_every={every}) run at step boundaries, and a drafting generator's "
+                f"steps are verification passes of several tokens: its tokens would not be plain decoding's. Press "
+                f"after the prompt only (decode_every=None), or generate without draft=")
+
     @classmethod
     def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
         options["max_seq_len"] = slots

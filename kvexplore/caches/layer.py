@@ -121,6 +121,17 @@ class LayerCache(ABC):
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         """Keep positions ``0..n-1`` (checked before); ``counters`` count what it frees."""
 
+    # -- speculative decoding: taking rejected drafts back ------------------------------------------------------
+    #: how taking drafted positions back looks in this layer, in words (the views and notebook 12 show it)
+    crop_way = "the drafted slots past the kept length are left stale: nothing is copied or freed"
+
+    def crop_error(self, n: int, length: int) -> str | None:
+        """Why cutting the step just written (the cache now at ``length``) back to ``n`` positions would not leave
+        this layer as a step that wrote only up to ``n`` leaves it (None: :meth:`truncate` does). Speculative
+        decoding asks before it takes rejected drafts back; when a layer objects, the step is rolled back from its
+        journal and the accepted tokens are written again."""
+        return self.replay_error(n, length) or self.truncate_error(n, length)
+
     # -- copies ---------------------------------------------------------------------------------------------
     @abstractmethod
     def clone(self, memo: dict[int, Any]) -> "LayerCache":

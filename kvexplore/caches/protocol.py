@@ -55,6 +55,15 @@ class ModelCache(ABC):
         """Keep only the first ``n`` positions."""
 
     @abstractmethod
+    def crop_error(self, n: int) -> str | None:
+        """Why cutting the last step back to ``n`` positions would not leave the cache as a step that wrote only up to
+        ``n`` would (None: ``truncate(n)`` does). A cache that cannot say: every cut is rolled back and recomputed."""
+        return f"{type(self).__name__} does not say whether a cut is exact: the step is rolled back and recomputed"
+
+    def speculation_refusal(self) -> str | None:
+        """Why a drafting generator cannot run on this cache (None: it can)."""
+        return None
+
     def clone(self) -> "ModelCache":
         """An independent copy."""
 

@@ -18,6 +18,7 @@ keys attention reads (values travel with them). With no tracer none of this runs
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -243,6 +244,30 @@ class Model(nn.Module):
         self.rotary = Rotary(config)
         self.tokenizer = None  # set by the loader
         self.source: str | None = None
+
+    def first_layers(self, n: int) -> "Model":
+        """A model made of this one's first ``n`` layers, then its final norm and output head: the same weights
+        (nothing copied), ``n / num_layers`` of the work. What self-speculative decoding drafts with (LayerSkip's
+        early exit); its logits are a guess of the full model's, not equal to them."""
+        N = self.config.num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= N:
+            raise SettingsError(f"first_layers({n!r}): give a number of layers 1..{N}")
+        c = self.config
+        shared_from = N - c.num_kv_shared_layers  # the first layer that reads an earlier layer's cache
+        config = replace(c, num_layers=n, layer_types=list(c.layer_types[:n]),
+                         num_kv_shared_layers=max(0, n - shared_from),
+                         layer_head_dims={i: d for i, d in c.layer_head_dims.items() if i < n},
+                         layer_kv_head_counts={i: h for i, h in c.layer_kv_head_counts.items() if i < n},
+                         dense_layers=[i for i in c.dense_layers if i < n])
+        twin = Model.__new__(Model)
+        nn.Module.__init__(twin)
+        decoder = Decoder.__new__(Decoder)
+        nn.Module.__init__(decoder)
+        decoder.embed_tokens, decoder.norm = self.model.embed_tokens, self.model.norm
+        decoder.layers = nn.ModuleList(list(self.model.layers)[:n])
+        twin.config, twin.model, twin.lm_head, twin.rotary = config, decoder, self.lm_head, self.rotary
+        twin.tokenizer, twin.source = self.tokenizer, f"{self.source or c.architecture} (first {n} of {N} layers)"
+        return twin
 
     @property
     def dtype(self) -> torch.dtype:

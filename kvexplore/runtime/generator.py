@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,19 +27,9 @@ from . import clock, eager  # noqa: F401  (registers the adapter that runs a kve
 from .compiled import MODES
 from .executor import CompiledExecutor, Executor, as_executor
 from .prompt import prompt_ids
-from .recording import step_record
-from .sampling import SamplingSettings, choose
-
-
-def _sampling_setting(name: str) -> property:
-    """A generator attribute that reads ``sampling.<name>`` and sets it through a new, checked SamplingSettings."""
-    def get(self: "Generator"):
-        return getattr(self._sampling, name)
-
-    def set_(self: "Generator", value) -> None:
-        self._sampling = replace(self._sampling, **{name: value})  # __post_init__ checks the new value
-
-    return property(get, set_, doc=f"``sampling.{name}``; setting it checks the value first (SettingsError)")
+from .recording import run_meta, step_record
+from .sampling import SamplingSettings, choose, sampling_setting
+from .speculative import Speculation, draft_for, undo_verification, verify
 
 
 class Generator:
@@ -54,11 +43,17 @@ class Generator:
     lists; ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry. ``compile``: single-token
     steps run the executor's compiled step where it has one (True: the best mode for the device; or a
     torch.compile mode), with :attr:`compile_note` saying why not.
+
+    ``draft``: speculative decoding (:mod:`~kvexplore.runtime.speculative`) with ``"prompt-lookup"``, ``"self:L"``
+    (the model's first L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification. Each
+    :meth:`step` is then one verification pass (one or more records; it returns the last), :meth:`run` gives one
+    record per token as ever, and :attr:`speculation` holds the drafted, accepted and rolled-back counts.
     """
 
     def __init__(self, model: Any, cache: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 top_candidates: int = 5, tracer: Tracer | None = None, compile: bool | str = False) -> None:
+                 top_candidates: int = 5, tracer: Tracer | None = None, compile: bool | str = False,
+                 draft: Any = None, draft_tokens: int = 4) -> None:
         executor = as_executor(model)
         if cache is None:
             cache = executor.default_cache()
@@ -95,6 +90,8 @@ class Generator:
                 warnings.warn(f"compile=True: {self.compile_note}; decoding runs eager", stacklevel=2)
             else:
                 self._fast = executor.compiled(cache, None if compile is True else compile)
+        self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
+        self._spec_undo: tuple[int, str, int] | None = None  # (length before, take-back, records) to undo a verification
 
     @property
     def model(self) -> Any:
@@ -113,9 +110,9 @@ class Generator:
                                 f"{type(settings).__name__}")
         self._sampling = settings
 
-    temperature = _sampling_setting("temperature")
-    top_k = _sampling_setting("top_k")
-    top_p = _sampling_setting("top_p")
+    temperature = sampling_setting("temperature")
+    top_k = sampling_setting("top_k")
+    top_p = sampling_setting("top_p")
 
     @property
     def top_candidates(self) -> int:
@@ -169,21 +166,11 @@ class Generator:
         self.cache.settle()
         self._tokens = [*ids, record.token_id]
         self._undoable = False
+        if self.speculation is not None:
+            self.speculation.forget()
         self._prompt_len = len(ids)
-        self.history = History([record], self._run_meta(ids))
+        self.history = History([record], run_meta(self.executor, self.cache, ids))
         return record
-
-    def _run_meta(self, ids: list[int]) -> dict:
-        """What a saved trace carries besides its records: the prompt, the strategy, the model's shape."""
-        ex = self.executor
-        c, tok = ex.config, ex.tokenizer
-        return {"prompt_ids": list(ids),
-                "prompt_texts": [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)],
-                "kind": self.cache.kind, "dtype": str(ex.dtype).removeprefix("torch."),
-                "device": str(ex.device),
-                "model": {"name": ex.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
-                          "num_kv_heads": c.num_kv_heads, "gqa_groups": c.gqa_groups,
-                          "attention_sinks": bool(c.attention_sinks)}}
 
     def prefill_chat(self, messages: list[dict[str, str]]) -> StepRecord:
         """Prefill with ``messages`` rendered by the tokenizer's chat template (ready for the reply)."""
@@ -204,7 +191,14 @@ class Generator:
         the model's own candidates and the forced token's probability), e.g. to keep two caches on one sequence.
         ``keep_undo``: keep what :meth:`undo_step` needs (the slots the step overwrote and, for the concatenating
         cache, the storage it replaced) until :meth:`settle`; by default it is dropped when the step succeeds.
+        With a drafter (and no ``force``) the step is one verification pass: its records are added and the last is
+        returned.
         """
+        if self.speculation is not None and force is None:
+            return self._speculate(1 << 62, False, keep_undo)[-1]
+        return self._plain_step(force, keep_undo)
+
+    def _plain_step(self, force: int | None, keep_undo: bool) -> StepRecord:
         if not self._tokens:
             raise StateError("nothing to continue: call prefill(prompt) first")
         self._check_force(force)
@@ -217,9 +211,8 @@ class Generator:
         record = self._forward(self._tokens[start:], pos=start, first=False, context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
-        if keep_undo:
-            self._undoable = True
-        else:
+        self._spec_undo, self._undoable = None, keep_undo
+        if not keep_undo:
             self.settle()
         return record
 
@@ -236,21 +229,43 @@ class Generator:
         if not self._undoable:
             raise StateError("undo_step() takes back only the last step(keep_undo=True), right after it; use "
                              "rewind(1) instead")
-        self.cache.rollback()
-        self._rng.set_state(self._rng_states.pop())
-        self._tokens.pop()
-        self.history.pop()
-        self._undoable = False
+        n = undo_verification(self) if self._spec_undo is not None else 1
+        if n == 1 and self._spec_undo is None:
+            self.cache.rollback()
+        self._rng.set_state(self._rng_states[-n])
+        del self._tokens[-n:], self.history[-n:], self._rng_states[-n:]
+        self._undoable, self._spec_undo = False, None
 
     def run(self, n: int, stop_at_eos: bool = True) -> list[StepRecord]:
         """Up to ``n`` steps; stops after an end-of-sequence token when ``stop_at_eos`` (and does not start
         past one). If a step fails, the steps before it are kept and the error is raised."""
         n = integer(n, "n", minimum=0, hint=" (the number of steps)")
         records: list[StepRecord] = []
-        for _ in range(n):
+        while len(records) < n:
             if stop_at_eos and self.history and self.history[-1].is_eos:
                 break
-            records.append(self.step())
+            if self.speculation is None:
+                records.append(self.step())
+            else:
+                records.extend(self._speculate(n - len(records), stop_at_eos, False))
+        return records
+
+    def _speculate(self, limit: int, stop_at_eos: bool, keep_undo: bool) -> list[StepRecord]:
+        """One verification of at most ``limit`` tokens (a plain step when the drafter has nothing to offer)."""
+        self.check_step()
+        draft = draft_for(self, limit - 1)
+        if not draft.tokens:
+            return [self._plain_step(None, keep_undo)]
+        self._undoable = False
+        state = self._rng.get_state()
+        records = verify(self, draft, stop_at_eos, keep_undo)
+        self._tokens.extend(r.token_id for r in records)
+        self._rng_states.extend([state] * len(records))
+        for r in records:
+            self.history.append(r)
+        self._undoable = keep_undo
+        if not keep_undo:
+            self.settle()
         return records
 
     def check_rewind(self, n: int) -> None:
@@ -281,6 +296,8 @@ class Generator:
             self.cache.truncate(target)
         self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
+        if self.speculation is not None:
+            self.speculation.forget_after(len(self.history))
 
     def reset(self) -> None:
         """Forget the sequence and empty the cache (its storage is kept)."""
@@ -288,6 +305,8 @@ class Generator:
         self.cache.truncate(0)
         self._tokens, self._prompt_len, self.history, self._rng_states = [], 0, History(), []
         self._rng.manual_seed(self.seed)
+        if self.speculation is not None:
+            self.speculation.forget()
 
     def fork(self) -> "Generator":
         """A second generator that continues from the same sequence, with the cache's ``fork()`` (a copy, or
@@ -297,7 +316,8 @@ class Generator:
         self._undoable = False  # the fork shares what the last step wrote (paged pages): it stays
         self.cache.settle()
         twin = Generator(self.executor, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
-                         self.sampling.top_p, self.seed, self.top_candidates, self.tracer, self.compile)
+                         self.sampling.top_p, self.seed, self.top_candidates, self.tracer, self.compile,
+                         *((spec.drafter, spec.k) if (spec := self.speculation) is not None else ()))
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
         twin.history, twin._rng_states = History(self.history), list(self._rng_states)

@@ -31,3 +31,16 @@ def step_record(logits: torch.Tensor, token: int, *, step: int, first: bool, pos
                       prob=float(probs[token]), top=top, forward_s=forward_s,
                       sample_s=time.perf_counter() - sampled_at, is_eos=token in eos,
                       memory=cache.memory_report(), trace=None if tracer is None else tracer.end_step(cache))
+
+
+def run_meta(executor: Any, cache: Any, ids: list[int]) -> dict:
+    """What a saved trace carries besides its records: the prompt, the strategy, the model's shape."""
+    ex = executor
+    c, tok = ex.config, ex.tokenizer
+    return {"prompt_ids": list(ids),
+            "prompt_texts": [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)],
+            "kind": cache.kind, "dtype": str(ex.dtype).removeprefix("torch."),
+            "device": str(ex.device),
+            "model": {"name": ex.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
+                      "num_kv_heads": c.num_kv_heads, "gqa_groups": c.gqa_groups,
+                      "attention_sinks": bool(c.attention_sinks)}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from ..errors import StepError
@@ -28,6 +28,17 @@ class SamplingSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def sampling_setting(name: str) -> property:
+    """A generator attribute that reads ``sampling.<name>`` and sets it through a new, checked SamplingSettings."""
+    def get(self: "Any"):
+        return getattr(self._sampling, name)
+
+    def set_(self: "Any", value) -> None:
+        self._sampling = replace(self._sampling, **{name: value})  # __post_init__ checks the new value
+
+    return property(get, set_, doc=f"``sampling.{name}``; setting it checks the value first (SettingsError)")
 
 
 def filtered_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

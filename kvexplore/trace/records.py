@@ -44,6 +44,18 @@ class StepRecord:
     is_eos: bool = False
     memory: MemoryReport | None = None  # the cache's memory after this step's forward pass
     trace: StepTrace | None = None  # what a Tracer recorded (None without one)
+    draft_token: int | None = None  # speculative decoding: what the drafter proposed at this position (None: nothing)
+    verification: int | None = None  # the verification pass that gave this token (None: a plain step)
+
+    @property
+    def drafted(self) -> bool:
+        """A drafter proposed a token at this position (it became this token if :attr:`accepted`)."""
+        return self.draft_token is not None
+
+    @property
+    def accepted(self) -> bool:
+        """This token was drafted and the target accepted it (False for a correction, a bonus or a plain step)."""
+        return self.draft_token is not None and self.draft_token == self.token_id
 
     @property
     def is_prefill(self) -> bool:

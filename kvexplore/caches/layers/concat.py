@@ -48,6 +48,8 @@ class ConcatLayer(FullLayer):
         self.k, self.v = new_k, new_v
         return new_k, new_v
 
+    crop_way = "the keys and values are narrowed to the kept length (a view: the storage is kept, nothing copied)"
+
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         if self.k is not None:
             self.k, self.v = self.k.narrow(2, 0, n), self.v.narrow(2, 0, n)  # views: storage kept

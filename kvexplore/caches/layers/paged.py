@@ -235,6 +235,9 @@ class PagedLayer(FullLayer):
     def commit(self, step: Step) -> None:
         self.table.commit()
 
+    crop_way = ("pages that hold only drafted positions go back to the pool; the kept pages, and a shared prefix's "
+                "reference counts, are untouched")
+
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.table.truncate(n, counters)
 

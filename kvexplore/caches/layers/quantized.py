@@ -57,8 +57,20 @@ class QuantizedLayer(FullLayer):
         """Channels per value scale: ``min(group_size, head_dim)``."""
         return min(self.group_size, self.spec.head_dim)
 
+    crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
+                "flush undone) and the accepted tokens are written again")
+
     def begin(self, step: Step) -> None:
         step.journal.remember(self._restore, (self.qf, self.q_high, self.r_high))
+        self.qf_start = self.qf  # the frontier before the step (what a cut of its drafts compares with)
+
+    def crop_error(self, n: int, length: int) -> str | None:
+        G = self.group_size
+        would = min(self.nq, max(getattr(self, "qf_start", 0), (n - self.residual) // G * G))
+        if n < length and self.qf > would:
+            return (f"the draft pushed positions {would}..{self.qf - 1} into the quantized part (a step that stopped "
+                    f"at {n} keeps them in the full-precision residual)")
+        return None
 
     def _restore(self, saved: tuple[int, int, int]) -> None:
         self.qf, self.q_high, self.r_high = saved

@@ -64,6 +64,10 @@ class RingLayer(SlotMapLayer, StoredLayer):
     def replay_error(self, n: int, length: int) -> str | None:
         return self.slots.rewind_error(n, length)
 
+    crop_way = ("a draft that wrapped the ring over positions the kept sequence still reads is rolled back (the "
+                "journal puts those slots back) and the accepted tokens are written again; otherwise its slots are "
+                "left stale")
+
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.slots.forget_reads()
 

@@ -16,6 +16,8 @@ class SharedLayer(LayerCache):
     """Reads what its source layer's attention read this step (``step.reads``); holds no storage of its own.
     ``source`` is the source layer's cache object (a reference, never copied by it)."""
 
+    crop_way = "stores nothing: it reads its source layer's cache, cut with it"
+
     def __init__(self, spec, source: LayerCache) -> None:
         super().__init__(spec)
         self.source = source

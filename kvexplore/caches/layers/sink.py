@@ -197,8 +197,19 @@ class SinkLayer(SlotMapLayer, FullLayer):
     def commit(self, step: Step) -> None:
         self.slots.commit(step)
 
+    crop_way = ("a draft that evicted positions the kept sequence still holds is rolled back (the journal puts the "
+                "overwritten slots back) and the accepted tokens are written again; otherwise its slots are left stale")
+
     def truncate_error(self, n: int, length: int) -> str | None:
         return self.slots.rewind_error(n)
+
+    def crop_error(self, n: int, length: int) -> str | None:
+        slots = self.slots
+        keeps = max(slots.ws - len(slots.evicted_last), n - slots.window)  # the window start had it stopped at n
+        if n < length and slots.ws > max(keeps, slots.sinks):
+            return (f"the draft evicted positions {max(keeps, slots.sinks)}..{slots.ws - 1}, which the kept sequence "
+                    f"still holds")
+        return slots.rewind_error(n)
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.slots.truncate(n)

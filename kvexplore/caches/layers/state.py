@@ -60,6 +60,14 @@ class StateLayer(LayerCache):
                     f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
         return None
 
+    crop_way = ("the state after the draft has taken in every drafted token and cannot be cut: the step is rolled "
+                "back to the state before it and the accepted tokens are recomputed")
+
+    def crop_error(self, n: int, length: int) -> str | None:
+        if 0 < n < length:
+            return f"a linear-attention state has taken in positions {n}..{length - 1} and cannot give them back"
+        return None
+
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         if n == 0:
             self.conv.zero_()

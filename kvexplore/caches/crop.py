@@ -1,0 +1,36 @@
+"""Taking a step's last positions back: what speculative decoding asks of a cache after the target rejected drafts.
+
+A verification pass writes the newest token and ``k`` drafted ones; only the accepted prefix stays. Each layer says
+whether cutting the step back (:meth:`~kvexplore.caches.layer.LayerCache.truncate`) leaves it exactly as a step that
+wrote only the kept positions would (:meth:`~kvexplore.caches.layer.LayerCache.crop_error`), and in words how the cut
+looks in it (``crop_way``). Where any layer objects (a ring the draft wrapped over positions still read, a sink
+window that evicted, a quantized flush, a recurrent state), the whole step is rolled back from its undo journal and
+the accepted tokens are written again (the generator does it: :mod:`kvexplore.runtime.speculative`).
+"""
+
+from __future__ import annotations
+
+
+class Crop:
+    """The take-back questions of a model-level cache (mixed into :class:`~kvexplore.caches.base.KVCache`)."""
+
+    def crop_error(self, n: int) -> str | None:
+        """Why cutting the step just written back to ``n`` positions would not leave the cache as a step that wrote
+        only up to ``n`` would (None: ``truncate(n)`` does); names the first layer that objects."""
+        if not 0 <= n <= self.length:
+            return f"cannot cut to {n}: the cache holds {self.length} positions"
+        for spec, layer in zip(self.plan, self.layers):
+            if msg := layer.crop_error(n, self.length):
+                return f"layer {spec.index} ({spec.kind}): {msg}"
+        return None
+
+    def crop_ways(self) -> dict[str, str]:
+        """How a take-back looks in each kind of layer this cache has: the layers' description -> the way, in words."""
+        ways: dict[str, str] = {}
+        for spec, layer in zip(self.plan, self.layers):
+            ways.setdefault(type(layer).__name__, layer.crop_way)
+        return ways
+
+    def speculation_refusal(self) -> str | None:
+        """Why a drafting generator cannot run on this cache (None: it can)."""
+        return None

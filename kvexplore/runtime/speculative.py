@@ -1,0 +1,234 @@
+"""Speculative decoding: a drafter proposes ``k`` tokens, the target checks them all in one forward pass, and the
+cache takes back what the target rejected.
+
+One verification (:func:`verify`): the generator's newest token (not yet in the cache) and the ``k`` drafted tokens
+are fed at ``pos = cache.length``: the cache writes ``k + 1`` positions (``narrow(2, pos, k + 1)`` on the
+pre-allocated cache) and the pass returns ``k + 1`` rows of logits. Row ``i`` is the target's distribution after
+the ``i``-th drafted token, so:
+
+* greedy: drafted token ``i`` is accepted while it is the target's argmax; the first mismatch is replaced by the
+  target's own choice; if all ``k`` pass, row ``k`` gives one more token (the bonus). The tokens are exactly plain
+  greedy decoding's.
+* sampling (Leviathan et al. 2023, Chen et al. 2023): drafted token ``x`` drawn from ``q`` is accepted with
+  probability ``min(1, p(x) / q(x))`` (``p`` the target's filtered distribution); the first rejection draws from
+  ``normalise(max(0, p - q))``; all accepted: the bonus draws from ``p``. The output is distributed as ``p``'s.
+
+Then the take-back: the cache holds ``k + 1`` new positions and only the ``m`` accepted ones (the fed token and the
+accepted drafts) stay. Where every layer can be cut exactly (:meth:`~kvexplore.caches.crop.Crop.crop_error` is None)
+the cache is truncated: each layer's way (stale slots, a narrowed view, pages back to the pool) is its ``crop_way``.
+Otherwise (a ring the draft wrapped, a sink window that evicted, a quantized flush, a recurrent state) the step is
+rolled back from its undo journal, which puts every overwritten slot and state back, and the accepted tokens are
+written again by a second pass (``recompute``): the cache a step that never saw the rejected tokens leaves.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import host
+from ..core.settings import integer
+from ..errors import SettingsError
+from . import clock
+from .drafters import Draft, Drafter, make_drafter
+from .recording import step_record
+from .sampling import choose, filtered_probs
+
+if TYPE_CHECKING:
+    from ..trace.records import StepRecord
+    from .generator import Generator
+
+TRUNCATE, RECOMPUTE, NOTHING = "truncate", "recompute", "nothing"  # how a verification's rejected drafts went
+
+
+@dataclass
+class Verification:
+    """One verification pass: ``drafted`` tokens checked at positions ``pos + 1 ..`` (the fed newest token at
+    ``pos``), ``accepted`` of them kept, ``tokens`` the new tokens it gave (the accepted drafts, then the target's
+    correction or bonus token), ``rolled_back`` positions taken back out of the ``written`` ones, and how
+    (``take_back``: truncate, recompute or nothing; ``why``: the layer that asked for a recompute). ``first_step``
+    is the step number of its first record."""
+
+    index: int
+    first_step: int
+    pos: int
+    drafted: list[int]
+    accepted: int
+    tokens: list[int]
+    written: int
+    rolled_back: int
+    take_back: str
+    why: str | None = None
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    take_back_s: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def kept(self) -> int:
+        """Positions of the pass that stay in the cache: the fed token and the accepted drafts."""
+        return self.written - self.rolled_back
+
+
+class Speculation:
+    """A generator's drafting settings and what its verifications did (``Generator.speculation``)."""
+
+    def __init__(self, draft, draft_tokens: int, executor, cache) -> None:
+        self.k = integer(draft_tokens, "draft_tokens", 1, 64, hint=" (tokens drafted per verification)")
+        if msg := cache.speculation_refusal():
+            raise SettingsError(f"draft={draft!r}: {msg}")
+        self.drafter: Drafter = make_drafter(draft, executor)
+        self.verifications: list[Verification] = []
+
+    # -- counts ---------------------------------------------------------------------------------------------
+    @property
+    def drafted(self) -> int:
+        return sum(len(v.drafted) for v in self.verifications)
+
+    @property
+    def accepted(self) -> int:
+        return sum(v.accepted for v in self.verifications)
+
+    @property
+    def rolled_back(self) -> int:
+        return sum(v.rolled_back for v in self.verifications)
+
+    @property
+    def acceptance(self) -> float:
+        """Share of drafted tokens the target accepted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def counts(self) -> list[dict]:
+        """Per verification: drafted, accepted, rolled back, tokens gained, how the take-back went."""
+        return [{"step": v.first_step, "pos": v.pos, "drafted": len(v.drafted), "accepted": v.accepted,
+                 "rolled_back": v.rolled_back, "tokens": len(v.tokens), "take_back": v.take_back}
+                for v in self.verifications]
+
+    def forget_after(self, steps: int) -> None:
+        """Keep the verifications whose tokens all lie within the first ``steps`` records."""
+        self.verifications = [v for v in self.verifications if v.first_step + len(v.tokens) <= steps]
+
+    def forget(self) -> None:
+        self.verifications = []
+        self.drafter.forget()
+
+
+def eos_ids(executor) -> list[int]:
+    tok = executor.tokenizer
+    return list(tok.eos_ids if tok is not None else executor.config.eos_token_id)
+
+
+def draft_for(gen: "Generator", limit: int) -> Draft:
+    """What the drafter proposes now, at most ``limit`` tokens and no more than the cache has room for."""
+    spec, cache = gen.speculation, gen.cache
+    k = min(spec.k, limit)
+    if cache.capacity is not None:
+        k = min(k, cache.capacity - len(gen._tokens))
+    if k <= 0:
+        return Draft([])
+    return spec.drafter.propose(list(gen._tokens), k, gen.sampling, gen._rng)
+
+
+def accept(logits: torch.Tensor, draft: Draft, gen: "Generator") -> tuple[list[int], int]:
+    """The new tokens from ``k + 1`` rows of host logits and the draft, and how many drafts were accepted."""
+    settings, rng, out = gen.sampling, gen._rng, []
+    for i, d in enumerate(draft.tokens):
+        if settings.greedy:
+            token = choose(logits[i], settings, rng)
+            if token != d:
+                return [*out, token], i
+        else:
+            p = filtered_probs(logits[i], settings)
+            q = draft.probs[i] if draft.probs is not None else None
+            qd = 1.0 if q is None else float(q[d])
+            if not float(torch.rand((), generator=rng)) * qd < float(p[d]):
+                rest = p.clone() if q is None else (p - q).clamp_min(0)
+                if q is None:
+                    rest[d] = 0
+                if not float(rest.sum()) > 0:  # p is all on the drafted token but it lost: only rounding
+                    rest = p
+                return [*out, int(torch.multinomial(rest / rest.sum(), 1, generator=rng))], i
+        out.append(d)
+    return [*out, choose(logits[len(draft.tokens)], settings, rng)], len(draft.tokens)
+
+
+def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -> list["StepRecord"]:
+    """Check ``draft`` in one pass, keep the accepted tokens, take back the rest; the new records (at least one).
+    A failure anywhere leaves the generator and its cache as they were."""
+    cache, ex, tracer, spec = gen.cache, gen.executor, gen.tracer, gen.speculation
+    tokens, k = gen._tokens, len(draft.tokens)
+    start = cache.length
+    feed = [*tokens[start:], *draft.tokens]
+    pos = len(tokens) - 1  # where the newest token goes
+    state = gen._rng.get_state()
+    cache.settle()
+    if tracer is not None:
+        tracer.begin_step(cache, start, len(feed))
+    mark = clock.now()
+    truncated_from = None
+    try:
+        logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)[0, -(k + 1):]
+        (logits,) = host.fetch([logits])
+        verify_s, t1 = clock.since(mark), time.perf_counter()
+        new, accepted = accept(logits, draft, gen)
+        if stop_at_eos:
+            eos = next((i for i, t in enumerate(new) if t in eos_ids(ex)), None)
+            if eos is not None:
+                new, accepted = new[:eos + 1], min(accepted, eos)
+        keep = pos + len(new)  # the fed token and the accepted drafts stay; positions from keep on go
+        how, why = NOTHING, None
+        tb = time.perf_counter()
+        if cache.stores and keep < cache.length:
+            why = cache.crop_error(keep)
+            if why is None:
+                truncated_from = start
+                cache.truncate(keep)
+                how = TRUNCATE
+            else:
+                cache.rollback()
+                ex(torch.tensor([feed[:keep - start]], dtype=torch.long), cache, start, last_only=True,
+                   keep_undo=True)
+                how = RECOMPUTE
+        take_back_s = time.perf_counter() - tb
+        records = []
+        for i, token in enumerate(new):
+            last = i == len(new) - 1
+            r = step_record(logits[i], token, step=len(gen.history) + i, first=False, pos=0, feed=len(feed), context=tokens + new[:i], executor=ex, cache=cache,
+                            top_candidates=gen.top_candidates, forward_s=verify_s if i == 0 else 0.0,
+                            sampled_at=t1, tracer=tracer if last else None)
+            records.append(replace(r, position=pos + 1 + i,
+                                   draft_token=draft.tokens[i] if i < k else None, verification=len(spec.verifications)))
+        trace = records[-1].trace
+        for r in records[:-1]:
+            r.trace = trace
+    except BaseException:
+        if truncated_from is not None and cache.crop_error(truncated_from) is None:
+            cache.truncate(truncated_from)
+        else:
+            cache.rollback()
+        gen._rng.set_state(state)
+        raise
+    written = k + 1  # positions the pass checked: the newest token and the drafts
+    spec.verifications.append(Verification(
+        len(spec.verifications), len(gen.history), pos, list(draft.tokens), accepted, list(new), written,
+        written - len(new) if cache.stores else 0, how, why, draft.seconds, verify_s, take_back_s, dict(draft.notes)))
+    gen._spec_undo = (start, how, len(records)) if keep_undo else None
+    return records
+
+
+def undo_verification(gen: "Generator") -> int:
+    """Put the cache back as it was before the last verification (``step(keep_undo=True)``), exactly where the cache
+    can; returns how many records it gave (the generator drops them)."""
+    start, how, n = gen._spec_undo
+    cache = gen.cache
+    if how != TRUNCATE:
+        cache.rollback()  # the journal of its pass, or of the pass that wrote the accepted tokens again
+    elif cache.crop_error(start) is None:
+        cache.truncate(start)
+    else:
+        gen.executor.replay(gen._tokens[:start], cache)
+    gen.speculation.verifications.pop()
+    return n
