@@ -357,3 +357,34 @@ def test_the_explorer_shows_an_architecture_kvexplore_does_not_implement(models)
     assert list(ex.lanes) == ["hf:dynamic", "hf:static"] and ex.specs()["cache_map"].traces
     with pytest.raises(kvexplore.SettingsError, match="kvexplore does not implement GPT2LMHeadModel"):
         kvexplore.Explorer(module, strategies=("hf:dynamic", "preallocated"))
+
+
+@pytest.mark.parametrize("kind", ["hf:dynamic", "hf:static"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])
+def test_speculative_decoding_on_transformers_caches_gives_plain_greedy_tokens(models, arch, kind):
+    """Prompt lookup on transformers' own caches: full layers are cut by transformers' crop, sliding and state layers
+    rolled back and recomputed; the tokens are plain greedy decoding's."""
+    model = hf.wrap(models(arch))
+    prompt = [*PROMPT, *PROMPT[:6], *PROMPT, *PROMPT[:6]]
+    plain = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 96))
+    plain.prefill(prompt)
+    plain.run(24, stop_at_eos=False)
+    spec = kvexplore.Generator(model, kvexplore.make_cache(kind, model, 96), draft="prompt-lookup", draft_tokens=4)
+    spec.prefill(prompt)
+    spec.run(24, stop_at_eos=False)
+    assert spec.tokens == plain.tokens and spec.speculation.drafted > 0
+    ways = {v.take_back for v in spec.speculation.verifications if v.rolled_back}
+    assert ways <= ({"truncate"} if arch == "llama" else {"recompute"})
+
+
+def test_a_rolled_back_static_step_puts_the_layers_counters_back(models):
+    """transformers' static layers count their length in a tensor they update in place: a rollback restores it, so
+    the next step writes where the kept sequence ends (it wrote past the taken-back slots before)."""
+    model = hf.wrap(models("llama"))
+    gen, ref = (kvexplore.Generator(model, kvexplore.make_cache("hf:static", model, 64)) for _ in range(2))
+    gen.prefill(PROMPT)
+    ref.prefill(PROMPT)
+    gen.step(keep_undo=True)
+    gen.undo_step()
+    assert [gen.step().token_id for _ in range(4)] == [ref.step().token_id for _ in range(4)]
+    assert [c.prob for c in gen.history[-1].top] == [c.prob for c in ref.history[-1].top]

@@ -24,6 +24,8 @@ class ModelCache(ABC):
     ``kind`` (its name), ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
     ``batch_size``, ``dtype``, ``device``, ``length``, ``capacity`` (None: unbounded), ``full_layers``."""
 
+    stores = True  # keeps keys and values between steps (a cache that stores nothing recomputes every step)
+
     # -- a step ---------------------------------------------------------------------------------------------
     @abstractmethod
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
@@ -54,7 +56,6 @@ class ModelCache(ABC):
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions."""
 
-    @abstractmethod
     def crop_error(self, n: int) -> str | None:
         """Why cutting the last step back to ``n`` positions would not leave the cache as a step that wrote only up to
         ``n`` would (None: ``truncate(n)`` does). A cache that cannot say: every cut is rolled back and recomputed."""
@@ -64,6 +65,7 @@ class ModelCache(ABC):
         """Why a drafting generator cannot run on this cache (None: it can)."""
         return None
 
+    @abstractmethod
     def clone(self) -> "ModelCache":
         """An independent copy."""
 

@@ -66,7 +66,8 @@ class HFCache(ModelCache):
         saved = []
         for layer in self.hf.layers:
             attrs = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(layer).items()}
-            saved.append((layer, attrs, self._overwritten(layer, pos, q_len)))
+            counters = [(t, -1, t.clone()) for t in attrs.values() if isinstance(t, torch.Tensor) and t.dim() < 2]
+            saved.append((layer, attrs, self._overwritten(layer, pos, q_len) + counters))  # counters move in place
         self._undo = (saved, len(self.hf.layers), self.length, self._states, self._moves, self._reads, self._report)
         self.window = Window(self.allocator)  # the CUDA allocator inside the cache's updates this step
         self._report = None
@@ -120,6 +121,13 @@ class HFCache(ModelCache):
         if n == self.length:
             return False
         return not self._croppable()
+
+    def crop_error(self, n: int) -> str | None:
+        """Full layers are cut exactly by transformers' own ``crop``; sliding windows and states cannot be."""
+        if n == self.length or self._croppable():
+            return None
+        return (f"a {self.kind} cache with sliding or state layers cannot be cropped: the step is rolled back and the "
+                f"kept tokens are written again")
 
     def _croppable(self) -> bool:
         layers = self.hf.layers
