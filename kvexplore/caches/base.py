@@ -243,15 +243,15 @@ class KVCache(CacheInspection, Crop, ModelCache):
         """A linear-attention layer's state: its convolution's last inputs and its recurrent matrix."""
         return self.layers[layer].read_state()
 
-    def write_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Replace a linear-attention layer's state (in place: its storage never moves or grows)."""
+    def write_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
+        """Replace a linear-attention layer's state in place; ``checkpoints`` (see :attr:`checkpointing`)."""
         target, step = self.layers[layer], self._cur
         target.read_state()  # raises for a layer that has no state, before a step is started
         if step is None or step.committed:
             step = self._start(self._length, 0, None)
         before = step.counters.written_bytes
         with self._window:
-            target.write_state(step, conv, recurrent)
+            target.write_state(step, conv, recurrent, checkpoints)
         self._layer_moved[layer] = (step.counters.written_bytes - before, 0)
 
     def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:

@@ -14,6 +14,11 @@ from __future__ import annotations
 class Crop:
     """The take-back questions of a model-level cache (mixed into :class:`~kvexplore.caches.base.KVCache`)."""
 
+    #: set by the generator around a verification pass: linear-attention layers then compute token by token and hand
+    #: the state after each position to the cache (``write_state(..., checkpoints=)``), so a cut restores one of them
+    #: instead of recomputing the accepted tokens
+    checkpointing = False
+
     def crop_error(self, n: int) -> str | None:
         """Why cutting the step just written back to ``n`` positions would not leave the cache as a step that wrote
         only up to ``n`` would (None: ``truncate(n)`` does); names the first layer that objects."""

@@ -104,8 +104,9 @@ class LayerCache(ABC):
         """A recurrent layer's state (its convolution's last inputs and its recurrent matrix)."""
         raise SettingsError(f"layer {self.spec.index} is not a linear-attention layer; it has no state")
 
-    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Replace a recurrent layer's state in place."""
+    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
+        """Replace a recurrent layer's state in place (``checkpoints``: the state after each of the step's positions,
+        ``(convs, recurrents)`` stacked on a leading position axis, kept until the next step)."""
         self.read_state()
 
     # -- rewinds --------------------------------------------------------------------------------------------

@@ -37,9 +37,10 @@ CHUNKED_FROM = 5
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              state: torch.Tensor, states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token. ``q, k (B, T, H, dk)``, ``v (B, T, H, dv)``, ``g, beta (B, T, H)``, ``state (B, H, dk, dv)``;
-    returns the outputs ``(B, T, H, dv)`` and the state after the last token."""
+    returns the outputs ``(B, T, H, dv)`` and the state after the last token (``states``, a list: every token's state
+    is appended to it)."""
     decay = g.exp()
     S, out = state, []
     for t in range(q.shape[1]):
@@ -47,6 +48,8 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
         S = S + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - predicted))[:, :, None, :]
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+        if states is not None:
+            states.append(S)
     return torch.stack(out, 1), S
 
 

@@ -32,7 +32,7 @@ from .blocks import RMSNorm
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
 from ..core.hooks import hook
-from .delta_rule import gated_delta_rule
+from .delta_rule import gated_delta_rule, recurrent
 
 
 def _l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +74,15 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normalise(k.reshape(B, T, hk, dk).float()).repeat_interleave(r, 2)
         v = v.reshape(B, T, hv, dv).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # the log decay, (B, T, hv)
-        o, S = gated_delta_rule(q, k, v, g, torch.sigmoid(b.float()), state)
-        cache.write_state(self.layer, extended[..., -(self.kernel - 1):], S)
+        if cache.checkpointing and T > 1:  # a verification pass: the state after each position, token by token
+            states: list[torch.Tensor] = []
+            o, S = recurrent(q, k, v, g, torch.sigmoid(b.float()), state, states)
+            K = self.kernel - 1
+            convs = torch.stack([extended[..., t + 1:t + 1 + K] for t in range(T)])  # (T, B, channels, kernel - 1)
+            cache.write_state(self.layer, extended[..., -K:], S, (convs, torch.stack(states)))
+        else:
+            o, S = gated_delta_rule(q, k, v, g, torch.sigmoid(b.float()), state)
+            cache.write_state(self.layer, extended[..., -(self.kernel - 1):], S)
         if tracer is not None:  # the state after the step (a point only linear-attention layers have)
             hook(tracer, f"layers.{self.layer}.attn.state", S)
         o = self.norm(o.to(x.dtype)) * F.silu(z)  # (B, T, hv, dv)

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from .generator import Generator
 
 TRUNCATE, RECOMPUTE, NOTHING = "truncate", "recompute", "nothing"  # how a verification's rejected drafts went
+CHECKPOINT = "checkpoint"
+STATE_ROLLBACKS = (CHECKPOINT, RECOMPUTE)  # how linear-attention states give drafts back (Speculation.states)
 
 
 @dataclass
@@ -82,6 +84,19 @@ class Speculation:
             raise SettingsError(f"draft={draft!r}: {msg}")
         self.drafter: Drafter = make_drafter(draft, executor)
         self.verifications: list[Verification] = []
+        self.states = CHECKPOINT
+
+    @property
+    def states(self) -> str:
+        """How a linear-attention state gives back rejected drafts: ``"checkpoint"`` (the verification keeps the state
+        after each position and the cut restores one) or ``"recompute"`` (rolled back, accepted tokens fed again)."""
+        return self._states
+
+    @states.setter
+    def states(self, value: str) -> None:
+        if value not in STATE_ROLLBACKS:
+            raise SettingsError(f"speculation.states must be one of {', '.join(STATE_ROLLBACKS)}, got {value!r}")
+        self._states = value
 
     # -- counts ---------------------------------------------------------------------------------------------
     @property
@@ -169,8 +184,16 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         tracer.begin_step(cache, start, len(feed))
     mark = clock.now()
     truncated_from = None
+    checkpoints = spec.states == CHECKPOINT and hasattr(cache, "checkpointing")
     try:
-        logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)[0, -(k + 1):]
+        if checkpoints:
+            cache.checkpointing = True  # linear-attention layers keep their state after each position of the pass
+        try:
+            logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)
+        finally:
+            if checkpoints:
+                cache.checkpointing = False
+        logits = logits[0, -(k + 1):]
         (logits,) = host.fetch([logits])
         verify_s, t1 = clock.since(mark), time.perf_counter()
         new, accepted = accept(logits, draft, gen)

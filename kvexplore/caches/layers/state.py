@@ -9,6 +9,10 @@ The state of position ``n`` cannot be recovered from the state of a later positi
 (``truncate(n)`` for ``0 < n < length``) is refused; :meth:`kvexplore.Generator.rewind` then recomputes the kept
 tokens in one pass (``needs_replay``). No earlier states are kept: a rewind costs one forward pass over the kept
 sequence, and no memory. A write at position 0 (a new prompt) starts from zero state.
+
+Speculative decoding's verification pass is the exception: with ``cache.checkpointing`` the layer receives the state
+after each position the pass wrote (``checkpoints``; ``k + 1`` copies of the state, counted as allocated) and keeps
+them until the next step, so cutting the step back to any of its positions restores that state exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ class StateLayer(LayerCache):
         self.recurrent = torch.zeros(batch_size, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim,
                                      dtype=torch.float32, device=device)
 
+    checkpoints: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (first position, convs, recurrents) of a step
+
     def begin(self, step: Step) -> None:
+        step.journal.remember(self._forget, self.checkpoints)
+        self.checkpoints = None
         if step.pos == 0:  # a new sequence starts from zero state
             for t in (self.conv, self.recurrent):
                 step.journal.keep(t, 0, 0, t.shape[0])
@@ -47,28 +55,50 @@ class StateLayer(LayerCache):
     def read_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv, self.recurrent
 
-    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Replace the state in place (the old one kept in the journal for a rollback)."""
+    def _forget(self, saved) -> None:
+        self.checkpoints = saved
+
+    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
+        """Replace the state in place (the old one kept in the journal for a rollback), and keep ``checkpoints``."""
         for old, new in ((self.conv, conv), (self.recurrent, recurrent)):
             step.journal.keep(old, 0, 0, old.shape[0])
             old.copy_(new)
             step.counters.written_bytes += old.nbytes
+        if checkpoints is not None:
+            convs, states = checkpoints
+            self.checkpoints = (step.pos, convs.to(self.conv.dtype), states.to(self.recurrent.dtype))
+            step.counters.allocated_bytes += convs.nbytes + states.nbytes
+            step.counters.allocations += 2
+
+    crop_way = ("the state after the draft has taken in every drafted token: the state after the last accepted one "
+                "is restored from the checkpoint the verification kept per position (or, without checkpoints, the "
+                "step is rolled back and the accepted tokens recomputed)")
+
+    def _checkpoint(self, n: int) -> int | None:
+        """Index of the checkpoint holding the state after position ``n - 1`` (None: none does)."""
+        if self.checkpoints is None:
+            return None
+        first, convs, _ = self.checkpoints
+        return n - 1 - first if 0 <= n - 1 - first < convs.shape[0] else None
+
+    def crop_error(self, n: int, length: int) -> str | None:
+        if 0 < n < length and self._checkpoint(n) is None:
+            return f"a linear-attention state has taken in positions {n}..{length - 1} and cannot give them back"
+        return None
 
     def replay_error(self, n: int, length: int) -> str | None:
-        if 0 < n < length:
+        if 0 < n < length and self._checkpoint(n) is None:
             return (f"the linear-attention layers keep one state, of position {length - 1}, and cannot go back "
                     f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
         return None
 
-    crop_way = ("the state after the draft has taken in every drafted token and cannot be cut: the step is rolled "
-                "back to the state before it and the accepted tokens are recomputed")
-
-    def crop_error(self, n: int, length: int) -> str | None:
-        if 0 < n < length:
-            return f"a linear-attention state has taken in positions {n}..{length - 1} and cannot give them back"
-        return None
-
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
+        if 0 < n < length and (i := self._checkpoint(n)) is not None:
+            _, convs, states = self.checkpoints
+            self.conv.copy_(convs[i])
+            self.recurrent.copy_(states[i])
+            counters.copied_bytes += self.conv.nbytes + self.recurrent.nbytes
+        self.checkpoints = None
         if n == 0:
             self.conv.zero_()
             self.recurrent.zero_()
