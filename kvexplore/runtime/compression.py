@@ -117,6 +117,12 @@ def presses_while_decoding(cache: KVCache) -> bool:
     return getattr(getattr(cache, "pressplan", None), "decode_every", None) is not None
 
 
+def evicts_as_it_writes(cache: KVCache) -> bool:
+    """Whether ``cache`` drops positions as it writes (the sink cache): the queries of one write then read different
+    positions, so what each read is seen only when the continuation goes in token by token."""
+    return hasattr(cache, "evicted_positions")
+
+
 def largest_write(cache: KVCache, pos: int, n: int) -> int:
     """The most of ``n`` tokens at ``pos`` that ``cache`` accepts in one write (it may refuse several tokens that
     would evict, as a sink cache does); at least 1."""
@@ -211,7 +217,7 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
                         reference: Reference | None = None, stepwise: bool | None = None) -> Quality:
     """How far the cache ``factory(model, len(context) + len(continuation))`` makes the model's predictions of
     ``continuation`` after ``context`` from the full cache's (see the module docstring). ``stepwise``: feed the
-    continuation token by token (default: only when the cache presses during decoding)."""
+    continuation token by token (default: when the cache presses during decoding or evicts as it writes)."""
     ctx = check_ids(context, "context", model)
     cont = check_ids(continuation, "continuation", model, minimum=2)
     if not callable(factory):
@@ -227,7 +233,7 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
         raise SettingsError(f"factory returned {type(cache).__name__}, not a kvexplore cache")
     C = len(ctx)
     first = feed(model, cache, ctx, 0, every=False)
-    stepwise = presses_while_decoding(cache) if stepwise is None else bool(stepwise)
+    stepwise = (presses_while_decoding(cache) or evicts_as_it_writes(cache)) if stepwise is None else bool(stepwise)
     layers = [i for i in reference.mass if i in cache.full_layers]
     kept = {i: torch.zeros_like(reference.mass[i], dtype=torch.bool) for i in layers}
     writes: list[int] = []
