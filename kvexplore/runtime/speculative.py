@@ -183,7 +183,7 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
     if tracer is not None:
         tracer.begin_step(cache, start, len(feed))
     mark = clock.now()
-    truncated_from = None
+    truncated = False
     checkpoints = spec.states == CHECKPOINT and hasattr(cache, "checkpointing")
     try:
         if checkpoints:
@@ -207,8 +207,8 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         if cache.stores and keep < cache.length:
             why = cache.crop_error(keep)
             if why is None:
-                truncated_from = start
                 cache.truncate(keep)
+                truncated = True
                 how = TRUNCATE
             else:
                 cache.rollback()
@@ -219,19 +219,16 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         records = []
         for i, token in enumerate(new):
             last = i == len(new) - 1
-            r = step_record(logits[i], token, step=len(gen.history) + i, first=False, pos=0, feed=len(feed), context=tokens + new[:i], executor=ex, cache=cache,
-                            top_candidates=gen.top_candidates, forward_s=verify_s if i == 0 else 0.0,
-                            sampled_at=t1, tracer=tracer if last else None)
+            r = step_record(logits[i], token, step=len(gen.history) + i, first=False, pos=0, feed=len(feed),
+                            context=tokens + new[:i], executor=ex, cache=cache, top_candidates=gen.top_candidates,
+                            forward_s=verify_s if i == 0 else 0.0, sampled_at=t1, tracer=tracer if last else None)
             records.append(replace(r, position=pos + 1 + i,
                                    draft_token=draft.tokens[i] if i < k else None, verification=len(spec.verifications)))
         trace = records[-1].trace
         for r in records[:-1]:
             r.trace = trace
     except BaseException:
-        if truncated_from is not None and cache.crop_error(truncated_from) is None:
-            cache.truncate(truncated_from)
-        else:
-            cache.rollback()
+        back_to(gen, start, TRUNCATE if truncated else RECOMPUTE)
         gen._rng.set_state(state)
         raise
     written = k + 1  # positions the pass checked: the newest token and the drafts
@@ -242,16 +239,23 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
     return records
 
 
-def undo_verification(gen: "Generator") -> int:
-    """Put the cache back as it was before the last verification (``step(keep_undo=True)``), exactly where the cache
-    can; returns how many records it gave (the generator drops them)."""
-    start, how, n = gen._spec_undo
+def back_to(gen: "Generator", start: int, how: str) -> None:
+    """Put the cache back as it was before a verification that began at ``start`` and whose take-back was ``how``:
+    from the undo journal (of its pass, or of the pass that wrote the accepted tokens again), or, once a truncate has
+    dropped the journal, by cutting back to ``start`` where that is exact, else by recomputing the sequence."""
     cache = gen.cache
     if how != TRUNCATE:
-        cache.rollback()  # the journal of its pass, or of the pass that wrote the accepted tokens again
+        cache.rollback()
     elif cache.crop_error(start) is None:
         cache.truncate(start)
     else:
         gen.executor.replay(gen._tokens[:start], cache)
+
+
+def undo_verification(gen: "Generator") -> int:
+    """Take back the last verification (a ``step(keep_undo=True)``): the cache as it was before it; returns how many
+    records it gave (the generator drops them)."""
+    start, how, n = gen._spec_undo
+    back_to(gen, start, how)
     gen.speculation.verifications.pop()
     return n
