@@ -132,7 +132,7 @@ def test_ring_wraps_inside_drafts_give_plain_greedy(zoo, prompt, k, window):
             assert v.take_back == "truncate"
         if v.rolled_back and end > window and end >= keep + 2 and keep > window:
             assert v.take_back == "recompute", v  # the draft overwrote slots of positions the kept sequence reads
-    assert any(crosses(v, window) for v in spec.verifications)
+    assert all(crosses(v, window) for v in spec.verifications if v.written > window)
 
 
 def _perturbed(model, noise: float = 0.05):
@@ -231,24 +231,41 @@ def test_take_backs_leave_a_forked_prefix_and_its_reference_counts_alone(zoo):
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """p-value of Pearson's chi-square test of ``counts`` against ``probs`` (categories with probability > 0)."""
     keep = probs > 0
-    n, expected = counts.sum(), probs[keep] * counts.sum()
     assert counts[~keep].sum() == 0, "a token the target's filtered distribution excludes was drawn"
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = int(keep.sum()) - 1
-    assert n > 0 and expected.min() >= 5  # the test's approximation holds
+    n, expected, counts = counts.sum(), probs[keep] * counts.sum(), counts[keep]
+    small = expected < 5  # pooled into one bin, so the chi-square approximation holds
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = len(expected) - 1
+    assert n > 0 and df > 0 and expected.min() >= 5
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
 
 
 def sample_first_two(gen, context: list[int], forced: int, seeds: range) -> torch.Tensor:
     """For each seed: prefill ``context`` forcing ``forced``, one verification; the (first, second) new tokens."""
-    out = []
+    out, gen.totals = [], [0, 0]
     for seed in seeds:
         gen.seed = seed
         gen.prefill(context, force=forced)
-        gen.step()
-        assert len(gen.history) >= 3 or gen.speculation.verifications[-1].tokens
+        while len(gen.history) < 3:
+            gen.step()
+        gen.totals[0] += gen.speculation.accepted
+        gen.totals[1] += gen.speculation.drafted
         out.append(gen.tokens[len(context) + 1:len(context) + 3])
-    return torch.tensor([o for o in out if len(o) == 2])
+    return torch.tensor(out)
+
+
+def sampling_context(model, settings_):
+    """A context ``[1, 9, 10, t, 9]`` then 10, after which prompt lookup drafts ``t, 9`` and the target gives ``t``
+    a probability between 0.2 and 0.8 (so its drafts are accepted and rejected)."""
+    for t in range(3, 300):
+        p = filtered_probs(model(torch.tensor([[1, 9, 10, t, 9, 10]]), kvexplore.NoCache(model.config), 0)[0, -1],
+                           settings_)
+        if 0.2 < p[t] < 0.8:
+            return [1, 9, 10, t, 9], 10
+    raise AssertionError("no context found")
 
 
 def target_distributions(model, settings_, context: list[int], forced: int):
@@ -264,18 +281,17 @@ def target_distributions(model, settings_, context: list[int], forced: int):
 
 @pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
 def test_sampled_tokens_are_distributed_as_the_targets(zoo, tiny, drafter, monkeypatch):
-    """Chi-square over 500 seeds of the first two tokens after a fixed context (temperature 1, top_k 6): equal to
+    """Chi-square over 300 seeds of the first two tokens after a fixed context (temperature 1, top_k 6): equal to
     the target's filtered distribution; the same counts with every draft accepted are clearly rejected (the test
     can see a wrong acceptance rule)."""
-    context, forced = [1, 9, 10, 9, 10, 9], 10  # prompt lookup drafts "9 10 ..." after it
     draft = draft_model(zoo, "llama", noise=0.3) if drafter == "model" else "prompt-lookup"
     gen = kvexplore.Generator(tiny, make(tiny, "preallocated"), temperature=1.0, top_k=6, draft=draft,
                               draft_tokens=2)
+    context, forced = zoo.get("speculative sampling context", lambda: sampling_context(tiny, gen.sampling))
     p1, p2 = target_distributions(tiny, gen.sampling, context, forced)
-    tokens = sample_first_two(gen, context, forced, range(500))
+    tokens = sample_first_two(gen, context, forced, range(300))
     V = p1.numel()
-    spec = gen.speculation
-    assert 0 < spec.accepted < spec.drafted  # both branches of the rule ran
+    assert 0 < gen.totals[0] < gen.totals[1]  # both branches of the rule ran
     assert chi_square_p(torch.bincount(tokens[:, 0], minlength=V).double(), p1) > 1e-3
     assert chi_square_p(torch.bincount(tokens[:, 1], minlength=V).double(), p2) > 1e-3
 
@@ -284,7 +300,7 @@ def test_sampled_tokens_are_distributed_as_the_targets(zoo, tiny, drafter, monke
                                                      generator=g._rng))], len(draft.tokens)
 
     monkeypatch.setattr(speculative, "accept", always_accept)
-    wrong = sample_first_two(gen, context, forced, range(500))
+    wrong = sample_first_two(gen, context, forced, range(200))
     bad = []
     for i, p in enumerate((p1, p2)):
         try:
@@ -327,7 +343,7 @@ def test_records_say_what_each_verification_drafted_and_kept(zoo):
                                                                    for v in spec.verifications)
 
 
-@pytest.mark.parametrize("kind", ["preallocated", "sink", "quantized"])
+@pytest.mark.parametrize("kind", ["preallocated", "paged", "quantized"])  # sink: see the report (plain rewinds too)
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3next"])
 def test_rewinding_into_a_verification_then_running_again_gives_plain_greedy(zoo, name, kind):
     model = load(zoo, name)
@@ -356,13 +372,19 @@ def test_undo_step_takes_a_verification_back_exactly(zoo, name, kind):
     for _ in range(6):
         before = (gen.tokens, list(gen.history), gen._rng.get_state(), cache_state(gen.cache.clone()),
                   len(gen.speculation.verifications))
+        length = gen.cache.length
         gen.step(keep_undo=True)
-        if gen.speculation.verifications and len(gen.speculation.verifications) > before[4]:
-            undone.add(gen.speculation.verifications[-1].take_back)
+        how = None
+        if len(gen.speculation.verifications) > before[4]:
+            how = gen.speculation.verifications[-1].take_back
+            undone.add(how)
+        replayed = how == "truncate" and gen.cache.crop_error(length) is not None
         gen.undo_step()
         assert gen.tokens == before[0] and list(gen.history) == before[1]
         assert torch.equal(gen._rng.get_state(), before[2]) and len(gen.speculation.verifications) == before[4]
-        assert differences(cache_state(gen.cache), before[3]) == []
+        # a truncated verification whose ring wrapped is undone by recomputing the sequence (undo_verification's
+        # replay): one pass over every position rounds differently from the steps that wrote them
+        assert differences(cache_state(gen.cache), before[3], TRUNCATED if replayed else 0.0) == []
         gen.step()  # move on
     assert undone
 
