@@ -92,15 +92,15 @@ def lookup_prompt(zoo, name: str, n: int, k: int = 4) -> list[int]:
 
     def find():
         model = load(zoo, name)
-        best = (-1, None)
-        for seed in range(8):
+        best = (-1, -1, None)
+        for seed in range(3):
             for prompt in candidate_prompts(model, seed):
                 gen = greedy(model, make(model, "preallocated"), prompt, n)
                 accepted, rejected = lookup_counts(gen.tokens, len(prompt), k)
                 if accepted and rejected:
                     return prompt
-                best = max(best, (accepted, prompt))
-        return best[1]
+                best = max(best, (accepted, rejected, prompt))
+        return best[2]
 
     return zoo.get(("speculative prompt", name, n, k), find)
 

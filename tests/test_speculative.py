@@ -16,7 +16,7 @@ from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
 from speculative_reference import (ARCHS, KINDS, cache_state, differences, draft_model, greedy, load, lookup_prompt,
                                    make)
 
-N = 20  # tokens per run
+N = 16  # tokens per run
 REFUSED = {("deepseek", "quantized"): "latent", ("deepseek", "evict"): "latent",
            ("deepseek32", "quantized"): "latent", ("deepseek32", "evict"): "latent"}
 EXACT = ("preallocated", "concat", "none", "paged")  # caches that hold every position as written
@@ -63,9 +63,11 @@ def test_greedy_drafting_gives_plain_greedy_tokens(zoo, name, kind):
         runs[label] = spec
         seen |= {v.take_back for v in spec.verifications if v.rolled_back or not gen.cache.stores}
         rejected = [v for v in spec.verifications if v.accepted < len(v.drafted)]
-        assert rejected and spec.drafted > spec.accepted, label
+        drafts = label != "prompt-lookup" or kind in EXACT or name not in LOOKUP_MISSES  # it had drafts to check
+        assert rejected and spec.drafted > spec.accepted or not drafts, label
         if gen.cache.stores:
-            assert spec.rolled_back == sum(len(v.drafted) - v.accepted for v in spec.verifications) > 0
+            assert spec.rolled_back == sum(len(v.drafted) - v.accepted for v in spec.verifications)
+            assert spec.rolled_back > 0 or not drafts
         else:
             assert spec.rolled_back == 0 and {v.take_back for v in spec.verifications} == {"nothing"}
     # the draft model gets drafts accepted and rejected; so does prompt lookup where the tokens are plain decoding's
@@ -87,6 +89,32 @@ def test_self_drafting_through_shared_layers_and_a_draft_model_of_first_layers(z
     assert a.tokens == b.tokens == plain.tokens
     assert a.speculation.accepted > 0 and a.speculation.rolled_back > 0
     assert a.speculation.counts() == b.speculation.counts()  # the same drafts, the same acceptances
+
+
+def test_a_quantized_verification_reads_what_one_token_steps_read(zoo):
+    """A pass of several tokens that pushes blocks out of the residual: each query reads every position as its own
+    one-token step would have (quantized below that step's frontier, full precision above), so the verification's
+    logits are plain decoding's (they differed by up to 8e-3 when the chunk read its whole flush dequantized); a
+    traced verification records those key columns."""
+    model = load(zoo, "llama")
+    tokens = [1] + [(7 * i * i + 3 * i + 11) % 300 + 3 for i in range(34)]
+    for start, size in [(14, 2), (14, 5), (20, 5), (25, 3), (29, 6)]:
+        chunk, steps = make(model, "quantized"), make(model, "quantized")
+        for c in (chunk, steps):
+            model(torch.tensor([tokens[:start]]), c, 0)
+        got = model(torch.tensor([tokens[start:start + size]]), chunk, start)[0]
+        want = torch.stack([model(torch.tensor([[tokens[p]]]), steps, p)[0, -1] for p in range(start, start + size)])
+        assert (got - want).abs().max() < 5e-5 and chunk.quantized_upto == steps.quantized_upto > 0
+        q = chunk.quantized_upto
+        flushed = q > (start - 4) // 4 * 4
+        assert chunk.read_positions(0) == ([*range(q), *range((start - 4) // 4 * 4 if start >= 8 else 0, start + size)]
+                                           if flushed else list(range(start + size)))
+    tracer = kvexplore.Tracer(capture={"cache", "attention"})
+    gen = kvexplore.Generator(model, make(model, "quantized"), tracer=tracer, draft=draft_model(zoo, "llama"))
+    gen.prefill(tokens[:10])
+    gen.run(12)
+    plain = greedy(model, make(model, "quantized"), tokens[:10], 12)
+    assert gen.tokens == plain.tokens
 
 
 # -- 2. hypothesis: prompts, k and cache sizes, with a page boundary and a ring wrap inside drafts --------------------
@@ -196,7 +224,7 @@ def test_after_every_take_back_the_cache_never_saw_the_rejected_drafts(zoo, name
     prompt = lookup_prompt(zoo, name, N)
     gen = kvexplore.Generator(model, make(model, kind), draft=draft_model(zoo, name), draft_tokens=4)
     gen.prefill(prompt)
-    spec = follow(model, gen, make(model, kind), 10)
+    spec = follow(model, gen, make(model, kind), 8)
     assert spec.rolled_back > 0
     assert spec.accepted > 0 or kind == "evict"  # the pressed target agrees less with the draft model
 
@@ -378,13 +406,11 @@ def test_undo_step_takes_a_verification_back_exactly(zoo, name, kind):
         if len(gen.speculation.verifications) > before[4]:
             how = gen.speculation.verifications[-1].take_back
             undone.add(how)
-        replayed = how == "truncate" and gen.cache.crop_error(length) is not None
+        assert how != "truncate" or gen.cache.crop_error(length) is None  # else recomputed, to keep the journal
         gen.undo_step()
         assert gen.tokens == before[0] and list(gen.history) == before[1]
         assert torch.equal(gen._rng.get_state(), before[2]) and len(gen.speculation.verifications) == before[4]
-        # a truncated verification whose ring wrapped is undone by recomputing the sequence (undo_verification's
-        # replay): one pass over every position rounds differently from the steps that wrote them
-        assert differences(cache_state(gen.cache), before[3], TRUNCATED if replayed else 0.0) == []
+        assert differences(cache_state(gen.cache), before[3]) == []
         gen.step()  # move on
     assert undone
 
@@ -467,7 +493,7 @@ def test_a_failed_verification_leaves_everything_as_it_was(zoo, kind, fail, monk
 
     monkeypatch.setattr(cls, "__call__", failing)
     failures = 0
-    while len(gen.history) < 3 * N and failures < 3:
+    while len(gen.history) < 60 and failures < 2:
         before = snapshot(gen)
         calls.clear()
         try:

@@ -190,6 +190,8 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         tb = time.perf_counter()
         if cache.stores and keep < cache.length:
             why = cache.crop_error(keep)
+            if why is None and keep_undo and (undo := cache.crop_error(start)) is not None:
+                why = f"undo_step needs the journal (a cut back to {start} would not be exact: {undo})"
             if why is None:
                 truncated_from = start
                 cache.truncate(keep)
