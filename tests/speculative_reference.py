@@ -35,21 +35,22 @@ def load(zoo, name: str):
     return zoo.load(arch, **options)
 
 
-def draft_model(zoo, name: str, noise: float = 0.05):
-    """A separate draft model on the target's vocabulary and tokenizer: a copy of it with every weight moved by
+def perturbed(model, noise: float = 0.05):
+    """A separate draft model on ``model``'s vocabulary and tokenizer: a copy of it with every weight moved by
     ``noise`` of its spread, so its greedy tokens agree with the target's often but not always (a random-weight
     model's first layers, or another random model, almost never agree)."""
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
+    return twin
 
-    def build():
-        model = copy.deepcopy(load(zoo, name))
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.numel() > 1:
-                    p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
-        return model
 
-    return zoo.get(("speculative draft", name, noise), build)
+def draft_model(zoo, name: str, noise: float = 0.05):
+    """:func:`perturbed` of the architecture ``name``'s test model, built once per session."""
+    return zoo.get(("speculative draft", name, noise), lambda: perturbed(load(zoo, name), noise))
 
 
 def make(model, kind: str, **options):

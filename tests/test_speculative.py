@@ -14,7 +14,7 @@ from kvexplore.errors import SettingsError
 from kvexplore.runtime import speculative
 from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
 from speculative_reference import (ARCHS, KINDS, cache_state, differences, draft_model, greedy, load, lookup_prompt,
-                                   make)
+                                   make, perturbed)
 
 N = 16  # tokens per run
 REFUSED = {("deepseek", "quantized"): "latent", ("deepseek", "evict"): "latent",
@@ -31,7 +31,7 @@ def drafters(zoo, name):
 
 
 def expected_take_backs(name: str, kind: str) -> set[str]:
-    """The ways of taking drafts back that a run of 20 tokens must show for ``kind`` on ``name``."""
+    """The ways of taking drafts back that a run of ``N`` tokens must show for ``kind`` on ``name``."""
     if kind == "none":
         return {"nothing"}
     want = set()
@@ -149,7 +149,7 @@ def test_paged_drafts_across_page_boundaries_give_plain_greedy(zoo, prompt, k, b
 def test_ring_wraps_inside_drafts_give_plain_greedy(zoo, prompt, k, window):
     """Gemma 3 with a ring of ``window`` slots: drafts of the (perturbed) draft model wrap it."""
     model = zoo.load("gemma3", layers=3, sliding_window=window)
-    draft = zoo.get(("speculative ring draft", window), lambda: _perturbed(model))
+    draft = zoo.get(("speculative ring draft", window), lambda: perturbed(model))
     plain = greedy(model, make(model, "preallocated"), [1, *prompt], 14)
     gen = greedy(model, make(model, "preallocated"), [1, *prompt], 14, draft=draft, draft_tokens=k)
     assert gen.tokens == plain.tokens
@@ -160,19 +160,8 @@ def test_ring_wraps_inside_drafts_give_plain_greedy(zoo, prompt, k, window):
             assert v.take_back == "truncate"
         if v.rolled_back and end > window and end >= keep + 2 and keep > window:
             assert v.take_back == "recompute", v  # the draft overwrote slots of positions the kept sequence reads
-    assert all(crosses(v, window) for v in spec.verifications if v.written > window)
-
-
-def _perturbed(model, noise: float = 0.05):
-    import copy
-
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in twin.parameters():
-            if p.numel() > 1:
-                p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3))
-    return twin
+    if k + 1 > window:  # the draft model's full drafts write more positions than the ring has: they wrap it
+        assert any(v.written > window and crosses(v, window) for v in spec.verifications)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -413,6 +402,26 @@ def test_undo_step_takes_a_verification_back_exactly(zoo, name, kind):
         assert differences(cache_state(gen.cache), before[3]) == []
         gen.step()  # move on
     assert undone
+
+
+@pytest.mark.xfail(strict=True, reason="Generator._speculate takes the RNG state after draft_for, whose sampling draft "
+                   "model already drew from it: rewind and undo_step restore the state after the draft's draws. Fix in "
+                   "generator.py: take the state before draft_for (then drop this mark)")
+def test_sampled_verifications_rewind_and_undo_to_the_rng_before_the_draft(zoo):
+    model = load(zoo, "llama")
+    gen = kvexplore.Generator(model, make(model, "preallocated"), temperature=1.0, seed=5,
+                              draft=draft_model(zoo, "llama", noise=0.3))
+    gen.prefill([1, 5, 6, 7])
+    gen.run(12)
+    tokens, v = gen.tokens, gen.speculation.verifications[-1]
+    back = len(gen.history) - v.first_step
+    gen.rewind(back)  # to the start of the last verification: drafted and drawn again, the same tokens
+    gen.run(back)
+    assert gen.tokens == tokens
+    before = gen._rng.get_state()
+    gen.step(keep_undo=True)
+    gen.undo_step()
+    assert torch.equal(gen._rng.get_state(), before)
 
 
 def test_bad_settings_are_refused_naming_the_fix(zoo, tiny):
