@@ -199,6 +199,9 @@ def follow(model, gen, ref, steps: int, atol: float = 0.0, check=None):
         assert ref.length == gen.cache.length
         truncated |= any(v.take_back == "truncate" for v in gen.speculation.verifications)
         assert differences(cache_state(gen.cache), cache_state(ref), TRUNCATED if truncated else 0.0) == []
+        if hasattr(ref, "block_tables"):  # as many pages as the reference, the drafted ones back in the pool
+            assert len(gen.cache.block_tables[0]) == len(ref.block_tables[0])
+            assert gen.cache.free_blocks == ref.free_blocks or check is not None  # (a fork holds pages of its own)
         if check is not None:
             check(gen)
     return gen.speculation
