@@ -56,7 +56,9 @@ class QuantizedCache(KVCache):
     :meth:`rollback` puts the storage back bit for bit (the residual and one block when blocks leave the window).
 
     ``write`` returns what the cache holds after the write: the quantized positions dequantized (in the
-    dtype), then the residual; a chunk long enough to push blocks out of the window is read dequantized too.
+    dtype), then the residual; a prompt long enough to push blocks out of the window is read dequantized too. A
+    chunk appended after position 0 that pushes blocks out (a speculative verification) reads, query by query, what
+    one-token steps would have read: the flushed positions both dequantized and in full precision, a mask choosing.
     """
 
     kind = "quantized"

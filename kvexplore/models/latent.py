@@ -71,16 +71,18 @@ class Indexer(nn.Module):
         return rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin)
 
     def select(self, x: torch.Tensor, q_compressed: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, pos: int) -> torch.Tensor:
-        """The positions each query reads, ``(B, T, k)``: the top ``index_topk`` of the causal ones by score."""
+               sin: torch.Tensor, pos: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The key columns each query reads, ``(B, T, k)``: the top ``index_topk`` by score of those it may read
+        (``mask``, the cache's ``(T, S)`` mask of the columns it returned; None: the causal ones)."""
         B, T, _ = x.shape
         S = keys.shape[2]
         q = rotate(self.wq_b(q_compressed).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)  # (B,h,T,d)
         scores = torch.relu(q.float() @ keys.float().transpose(-1, -2) * self.dim ** -0.5)  # (B, h, T, S)
         weights = self.weights_proj(x).float() * self.heads ** -0.5  # (B, T, h)
         index = torch.einsum("bth,bhts->bts", weights, scores)
-        causal = torch.arange(S, device=x.device)[None, :] <= torch.arange(pos, pos + T, device=x.device)[:, None]
-        index = index.masked_fill(~causal, float("-inf"))
+        if mask is None:
+            mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(pos, pos + T, device=x.device)[:, None]
+        index = index.masked_fill(~mask, float("-inf"))
         return index.topk(min(self.topk, S), dim=-1).indices
 
 
@@ -131,7 +133,7 @@ class LatentAttention(nn.Module):
         k_rope_all = second[..., : self.rope]
         mask = cache.mask(self.layer, pos, T)
         if self.sparse:  # DeepSeek-V3.2: each query reads only the indexer's top k positions
-            chosen = self.indexer.select(x, q_compressed, second[..., self.rope:], cos, sin, pos)
+            chosen = self.indexer.select(x, q_compressed, second[..., self.rope:], cos, sin, pos, mask)
             c_all, k_rope_all, mask = self._sparse(cache, c_all, k_rope_all, chosen, mask, pos, T)
         if tracer is not None:
             c_all = hook(tracer, f"{name}.cache_read", c_all)
@@ -154,8 +156,9 @@ class LatentAttention(nn.Module):
             cache.note_reads(self.layer, positions, c_sel.nbytes + k_sel.nbytes)
             return c_sel, k_sel, None
         picked = torch.zeros(B, T, S, dtype=torch.bool, device=c_all.device).scatter_(-1, chosen, True)
-        causal = torch.arange(S, device=c_all.device)[None, :] <= torch.arange(pos, pos + T, device=c_all.device)[:, None]
-        return c_all, k_rope_all, (picked & causal).unsqueeze(1)  # (B, 1, T, S)
+        if mask is None:  # the columns are positions 0..S-1 (a cache whose columns are not says so by its mask)
+            mask = torch.arange(S, device=c_all.device)[None, :] <= torch.arange(pos, pos + T, device=c_all.device)[:, None]
+        return c_all, k_rope_all, (picked & mask).unsqueeze(1)  # (B, 1, T, S)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_k`` ``(nh, nope, rank)`` and ``W_v`` ``(nh, vd, rank)`` from ``kv_b_proj``."""

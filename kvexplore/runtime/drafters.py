@@ -31,12 +31,13 @@ from .sampling import SamplingSettings, filtered_probs
 @dataclass
 class Draft:
     """What a drafter proposed: ``tokens`` (at most ``k``), the distribution each was drawn from (``probs``, None: a
-    point mass on the token), and the seconds it took."""
+    point mass on the token), and the seconds it took; ``rng_state`` is set by the generator."""
 
     tokens: list[int]
     probs: list[torch.Tensor] | None = None
     seconds: float = 0.0
     notes: dict[str, Any] = field(default_factory=dict)
+    rng_state: torch.Tensor | None = None  # the generator's RNG before the drafter drew (a failed pass goes back)
 
 
 class Drafter(ABC):

@@ -144,7 +144,14 @@ def draft_for(gen: "Generator", limit: int) -> Draft:
         k = min(k, cache.capacity - len(gen._tokens))
     if k <= 0:
         return Draft([])
-    return spec.drafter.propose(list(gen._tokens), k, gen.sampling, gen._rng)
+    state = gen._rng.get_state()  # a model drafter that samples draws from the generator's RNG
+    try:
+        draft = spec.drafter.propose(list(gen._tokens), k, gen.sampling, gen._rng)
+    except BaseException:
+        gen._rng.set_state(state)
+        raise
+    draft.rng_state = state
+    return draft
 
 
 def accept(logits: torch.Tensor, draft: Draft, gen: "Generator") -> tuple[list[int], int]:
@@ -178,7 +185,7 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
     start = cache.length
     feed = [*tokens[start:], *draft.tokens]
     pos = len(tokens) - 1  # where the newest token goes
-    state = gen._rng.get_state()
+    state = draft.rng_state if draft.rng_state is not None else gen._rng.get_state()  # before the draft's draws
     cache.settle()
     if tracer is not None:
         tracer.begin_step(cache, start, len(feed))
@@ -206,6 +213,8 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         tb = time.perf_counter()
         if cache.stores and keep < cache.length:
             why = cache.crop_error(keep)
+            if why is None and keep_undo and (undo := cache.crop_error(start)) is not None:
+                why = f"undo_step needs the journal (a cut back to {start} would not be exact: {undo})"
             if why is None:
                 cache.truncate(keep)
                 truncated = True

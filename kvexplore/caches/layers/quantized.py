@@ -63,6 +63,31 @@ class QuantizedLayer(FullLayer):
     def begin(self, step: Step) -> None:
         step.journal.remember(self._restore, (self.qf, self.q_high, self.r_high))
         self.qf_start = self.qf  # the frontier before the step (what a cut of its drafts compares with)
+        self.columns = None  # (mask, positions) of a chunk that read each position as one-token steps would
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        columns = getattr(self, "columns", None)
+        return super().mask(step) if columns is None else columns[0]
+
+    def read_positions(self, length: int) -> list[int]:
+        columns = getattr(self, "columns", None)
+        return super().read_positions(length) if columns is None else list(columns[1])
+
+    def _as_steps(self, pos: int, end: int, qf: int, fk: torch.Tensor, fv: torch.Tensor):
+        """What a chunk of queries ``pos..end-1`` appended after position 0 reads when it pushes blocks out of the
+        window: each query what it would have read decoded one token at a time (the frontier of its own step), so a
+        speculative verification gives plain decoding's logits. The keys are the dequantized ``0..Q-1`` (the new
+        frontier) then the full-precision ``qf..end-1`` (``fk``/``fv``), and the mask picks one of the two copies
+        of each position per query."""
+        G, device = self.group_size, fk.device
+        kd, vd = self.read_upto(self.qf)
+        keys, values = torch.cat([kd, fk], 2), torch.cat([vd, fv], 2)
+        p = torch.arange(pos, end, device=device)[:, None]
+        front = ((p + 1 - self.residual).div(G, rounding_mode="floor") * G).clamp(min=qf, max=self.nq)
+        deq, full = torch.arange(self.qf, device=device)[None, :], torch.arange(qf, end, device=device)[None, :]
+        mask = torch.cat([deq < front, (full >= front) & (full <= p)], 1)
+        self.columns = (mask, [*range(self.qf), *range(qf, end)])
+        return keys, values
 
     def crop_error(self, n: int, length: int) -> str | None:
         G = self.group_size
@@ -108,6 +133,9 @@ class QuantizedLayer(FullLayer):
             c.copied_bytes += moved * per_token
             c.written_bytes += (keep - moved) * per_token
             self.qf = new_qf
+            if 0 < pos and end - pos > 1:
+                self.q_high, self.r_high = max(self.q_high, new_qf), max(self.r_high, end - new_qf)
+                return self._as_steps(pos, end, qf, fk, fv)
         self.q_high = max(self.q_high, new_qf)
         self.r_high = max(self.r_high, end - new_qf)
         return self.read_upto(end)
