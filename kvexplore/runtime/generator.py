@@ -253,11 +253,11 @@ class Generator:
     def _speculate(self, limit: int, stop_at_eos: bool, keep_undo: bool) -> list[StepRecord]:
         """One verification of at most ``limit`` tokens (a plain step when the drafter has nothing to offer)."""
         self.check_step()
+        state = self._rng.get_state()  # before the drafter samples: a rewind or undo draws the draft again
         draft = draft_for(self, limit - 1)
         if not draft.tokens:
             return [self._plain_step(None, keep_undo)]
         self._undoable = False
-        state = self._rng.get_state()
         records = verify(self, draft, stop_at_eos, keep_undo)
         self._tokens.extend(r.token_id for r in records)
         self._rng_states.extend([state] * len(records))
