@@ -1,0 +1,63 @@
+"""The cache doctor's check on a lane's cache as it stands: after a speculative verification took positions back, is
+the cache what a cache that never saw the rejected drafts gives?
+
+One doctor step (:mod:`kvexplore.diagnosis`): a copy of the lane's cache (``cache.fork()``: the lane is not touched)
+is fed the tokens it does not hold yet (the newest token) and what its attention read (keys and values per layer,
+with their positions), each layer's output, a recurrent state and the logits are compared with a full
+recomputation of the sequence through a fresh cache. A rejected draft left behind where attention reads it (a stale
+slot read, a ring slot not restored, a state that took in a rejected token) shows as the first departure, with the
+doctor's hint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..diagnosis.compare import departures
+from ..diagnosis.hints import hint
+from ..diagnosis.passes import KVPasses
+from ..trace.diff import TOLERANCE
+
+AUTO_TOKENS = 1024  # up to this many tokens the session runs the check after each take-back; beyond, on demand
+
+
+@dataclass(frozen=True)
+class Checkup:
+    """The doctor's verdict on a lane's cache after verification ``verification`` (at ``tokens`` tokens)."""
+
+    verification: int
+    tokens: int
+    clean: bool
+    text: str  # the verdict in words
+    worst: float  # the largest relative difference seen (the first departure's, when not clean)
+    seconds: float
+
+
+def check(model: Any, generator: Any, verification: int) -> Checkup:
+    """Run one doctor step on a copy of ``generator``'s cache (see the module's docstring)."""
+    t0 = time.perf_counter()
+    tokens = list(generator.tokens)
+    twin = generator.cache.fork()
+    passes = KVPasses(model, twin)
+    start = twin.length
+    tol = TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"])
+    with torch.inference_mode():
+        got = passes.cached(tokens[start:], start)
+        ref = passes.reference(tokens)
+    position = len(tokens) - 1
+    found = departures(got, ref, position)
+    first = next((d for d in found if d.relative > tol), None)
+    if first is None:
+        worst = max(found, key=lambda d: d.relative)
+        text = (f"doctor: clean — the cache after the take-back reads what a recomputation of the {len(tokens)} "
+                f"tokens gives (worst {worst.relative:.2g} relative, in the {worst.what}; tolerance {tol:g})")
+        return Checkup(verification, len(tokens), True, text, worst.relative, time.perf_counter() - t0)
+    layer = "the logits" if first.layer is None else f"layer {first.layer}"
+    why = hint(first, got, ref, passes, len(generator.prompt_tokens), position, tol)
+    text = (f"doctor: departs at {layer}: {first.what} differ by {first.max_diff:.3g} at position {first.position} "
+            f"(tolerance {tol:g}) — {why}")
+    return Checkup(verification, len(tokens), False, text, first.relative, time.perf_counter() - t0)
