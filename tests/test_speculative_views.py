@@ -105,7 +105,7 @@ def test_a_take_back_by_recompute_is_checked_against_the_strategy_prefilled_agai
     assert set(lane.checkups) == {v.index for v in spec.verifications if v.rolled_back}
     assert all(c.clean and "take-back is exact" in c.text for c in lane.checkups.values())
     ex.controls["lane"].value = "sink@spec"
-    title = ex.specs(["speculation"])["speculation"].layout["title"]["text"]
+    title = ex.specs(["speculation"])["speculation"].layout["title"]["text"].replace("<br>", " ")
     assert "recompute" in title and "evicted" in title  # Verification.why
 
 
@@ -133,7 +133,7 @@ def test_the_view_draws_the_generators_counts(ex):
     assert sum(tok["y"]) == len(history) - 1  # each pass's tokens, every generated token once
     mean = fig.trace("mean so far")
     assert mean["y"][-1] == pytest.approx((len(history) - 1) / len(ends))
-    title = fig.layout["title"]["text"]
+    title = fig.layout["title"]["text"].replace("<br>", " ")
     assert f"{spec.drafter.name}, 4 drafted per verification" in title
     assert f"{spec.drafted} drafted, {spec.accepted} accepted" in title
     assert "doctor:" in title and "left stale" in title  # the pre-allocated layer's way, in words

@@ -301,6 +301,11 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
         head += " · " + main[0].layout.step(event.write, event.read[1], event.view)
     lines, shared = [], []
+    gone = rejected(record, main[1][0]) if fresh and main is not None and record.trace else range(0)
+    if record.verification is not None and fresh:
+        lines.append(f"verification: {record.input_len - 1} drafted · "
+                     + (f"positions {gone.start}–{gone.stop - 1} written, then taken back" if gone else
+                        "every draft accepted, nothing taken back"))
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):  # one line for every shared layer
             shared += [f"{layer} reads {view.layout.source}" for layer in layers]

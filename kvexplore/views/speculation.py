@@ -85,7 +85,7 @@ def _lines(info: SpecInfo | None, found: list) -> list[str]:
     return lines
 
 
-def _wrap(text: str, width: int = 120) -> str:
+def _wrap(text: str, width: int = 64) -> str:
     out, line = [], ""
     for word in text.split(" "):
         if line and len(line) + len(word) + 1 > width:
@@ -136,10 +136,9 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
     shown = onscreen.describe(b, n, "steps")
     top = max(int(dr.max(initial=0)), 1)
     layout = dict(
-        barmode="stack", hovermode="closest", margin=dict(l=60, r=10, t=30 + 16 * (title.count("<br>") + 1), b=50),
+        barmode="stack", hovermode="closest", margin=dict(l=60, r=10, t=36 + 15 * (title.count("<br>") + 1), b=50),
         height=480 + 16 * title.count("<br>"),
-        title=dict(text=title, font=dict(size=12),
-                   x=0.01, xanchor="left", y=0.99, yanchor="top"),
+        title=dict(text=title, font=dict(size=12), x=0.01, xanchor="left"),
         legend=dict(font=dict(size=12), orientation="h", y=-0.12),
         xaxis=dict(domain=[0, 1], anchor="y", range=view_range, autorange=False, showticklabels=False),
         yaxis=dict(domain=[0.55, 1.0], anchor="x", range=[0, top + 0.5], title=dict(text="drafts")),
@@ -149,8 +148,8 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
                     range=[0, max(float(gained.max(initial=1)), 1.0) + 0.5], title=dict(text="tokens / pass")),
         annotations=[dict(text=t, xref="paper", yref="paper", x=0, y=y, xanchor="left", yanchor="bottom",
                           showarrow=False, font=dict(size=11))
-                     for t, y in (("accepted ▮ rejected ▮ drafts per verification", 1.0),
-                                  ("tokens per forward pass ━ · mean so far ┈", 0.42))])
+                     for t, y in (("drafts per verification: accepted, rejected", 1.0),
+                                  ("tokens per forward pass · mean so far", 0.42))])
     return FigureSpec(traces, layout)
 
 
