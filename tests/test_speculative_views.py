@@ -134,7 +134,7 @@ def test_the_view_draws_the_generators_counts(ex):
     mean = fig.trace("mean so far")
     assert mean["y"][-1] == pytest.approx((len(history) - 1) / len(ends))
     title = fig.layout["title"]["text"].replace("<br>", " ")
-    assert f"{spec.drafter.name}, 4 drafted per verification" in title
+    assert f"{spec.drafter.name}, 4 per verification" in title
     assert f"{spec.drafted} drafted, {spec.accepted} accepted" in title
     assert "doctor:" in title and "left stale" in title  # the pre-allocated layer's way, in words
     ex.controls["lane"].value = "paged"

@@ -22,7 +22,7 @@ from ..diagnosis.hints import hint
 from ..diagnosis.passes import KVPasses
 from ..trace.diff import TOLERANCE
 
-AUTO_TOKENS = 1024  # up to this many tokens the session runs the check after each take-back; beyond, on demand
+AUTO_TOKENS = 256  # up to this many tokens the session runs the check after each take-back; beyond, on demand
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Checkup:
     tokens: int
     clean: bool
     text: str  # the verdict in words
+    short: str  # the verdict in a few words (a line of a figure's title)
     worst: float  # the largest relative difference seen (the first departure's, when not clean)
     seconds: float
 
@@ -55,7 +56,8 @@ def check(model: Any, generator: Any, verification: int) -> Checkup:
         worst = max(found, key=lambda d: d.relative)
         text = (f"doctor: clean — the cache after the take-back reads what a recomputation of the {len(tokens)} "
                 f"tokens gives (worst {worst.relative:.2g} relative, in the {worst.what}; tolerance {tol:g})")
-        return Checkup(verification, len(tokens), True, text, worst.relative, time.perf_counter() - t0)
+        return Checkup(verification, len(tokens), True, text, f"doctor: clean (worst {worst.relative:.1g} relative)",
+                       worst.relative, time.perf_counter() - t0)
     layer = "the logits" if first.layer is None else f"layer {first.layer}"
     why = hint(first, got, ref, passes, len(generator.prompt_tokens), position, tol)
     text = (f"{layer}: {first.what} differ by {first.max_diff:.3g} at position {first.position} (tolerance {tol:g}) "
@@ -71,6 +73,8 @@ def check(model: Any, generator: Any, verification: int) -> Checkup:
     if same is None:
         text = (f"doctor: the take-back is exact — the cache reads what the same strategy prefilled again with the "
                 f"kept tokens reads; against a full recomputation it departs as the strategy does ({text})")
-        return Checkup(verification, len(tokens), True, text, first.relative, time.perf_counter() - t0)
-    return Checkup(verification, len(tokens), False, "doctor: departs at " + text, first.relative,
+        return Checkup(verification, len(tokens), True, text, "doctor: exact (equals the strategy prefilled "
+                       "again)", first.relative, time.perf_counter() - t0)
+    return Checkup(verification, len(tokens), False, "doctor: departs at " + text,
+                   f"doctor: DEPARTS at {layer} ({first.what}, position {first.position})", first.relative,
                    time.perf_counter() - t0)

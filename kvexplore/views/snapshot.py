@@ -38,13 +38,16 @@ class LaneDetail:
 class SpecInfo:
     """A lane that drafts (speculative decoding), live: its drafter, tokens drafted per verification, its
     verifications (:class:`~kvexplore.runtime.speculative.Verification`), how each kind of layer of its cache takes
-    drafts back (``cache.crop_ways()``) and the doctor's verdict after its last take-back (None: not run)."""
+    drafts back (``cache.crop_ways()``) and the doctor's verdict after its last take-back, short and in full (None:
+    not run)."""
 
     drafter: str
     k: int
     verifications: list[Any]
     ways: dict[str, str]
     checkup: str | None = None
+    checkup_detail: str | None = None
+    paced_by: str | None = None  # the lane whose verification sets a Step's tokens, when it is another lane
 
 
 @dataclass
@@ -97,9 +100,10 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     """The snapshot of ``session`` with ``shown`` (and ``second``) on screen; ``strip`` names the tokens."""
     tokenizer = session.model.tokenizer
     lanes = {}
+    pace = next((n for n, lane in session.lanes.items() if getattr(lane.generator, "speculation", None)), None)
     for name, lane in session.lanes.items():
         lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at),
-                                   speculation=_speculation(lane))
+                                   speculation=_speculation(lane, pace))
     for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
         lane = session.lanes[name]
         has = bool(lane.history)
@@ -115,13 +119,15 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
                     session.model.device.type == "cuda", zoom=dict(zoom or {}), max_bins=max_bins)
 
 
-def _speculation(lane: Any) -> SpecInfo | None:
+def _speculation(lane: Any, pace: str | None) -> SpecInfo | None:
     spec = getattr(lane.generator, "speculation", None)
     if spec is None:
         return None
     checkups = getattr(lane, "checkups", {})
-    last = checkups[max(checkups)].text if checkups else None
-    return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(), last)
+    last = checkups[max(checkups)] if checkups else None
+    return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(),
+                    last.short if last else None, last.text if last else None,
+                    pace if pace != lane.name else None)
 
 
 def _attention(session: Any, lane: Any) -> LaneAttention | None:

@@ -59,33 +59,42 @@ def _sums(at: np.ndarray, values: np.ndarray, b, n: int) -> np.ndarray:
     return out
 
 
-def _lines(info: SpecInfo | None, found: list) -> list[str]:
+def _lines(info: SpecInfo | None, found: list) -> tuple[list[str], str]:
+    """The title's lines (short) and the whole story for the hover of "details": every layer's way, the recompute's
+    reason and the doctor's full verdict."""
     drafted = sum(p[2] for p in found)
     accepted = sum(p[3] for p in found)
     verifications = sum(1 for p in found if p[2])
     share = f" ({accepted / drafted:.0%})" if drafted else ""
-    head = (f"{verifications} verifications: {drafted} drafted, {accepted} accepted{share}, "
-            f"{drafted - accepted} rejected · {len(found)} passes gave {sum(p[1] for p in found)} tokens")
+    counts = (f"{verifications} verifications: {drafted} drafted, {accepted} accepted{share} · "
+              f"{sum(p[1] for p in found)} tokens in {len(found)} passes")
     if info is None:
-        return [head]
-    lines = [f"{info.drafter}, {info.k} drafted per verification · {head}"]
+        return [counts], counts
+    lines = [counts]
+    detail = [f"{info.drafter}, {info.k} drafted per verification · {counts}"]
     last = next((v for v in reversed(info.verifications) if v.rolled_back), None)
+    if info.paced_by is not None:
+        lines.append(f"a Step is a verification of {info.paced_by}: this lane takes as many tokens, drafting one "
+                     f"fewer at most")
     if last is None:
-        lines.append("nothing taken back yet: every draft so far was accepted")
-    elif last.take_back == "recompute":
-        lines.append(f"take-back of verification {last.index}: positions {last.pos + last.kept}–"
-                     f"{last.pos + last.written - 1} rolled back and the {last.kept} kept written again "
-                     f"(recompute: {last.why})")
+        lines.append("nothing taken back yet" + (": every draft so far was accepted" if drafted else ""))
     else:
-        ways = "; ".join(f"{name}: {way}" for name, way in info.ways.items())
-        lines.append(f"take-back of verification {last.index}: positions {last.pos + last.kept}–"
-                     f"{last.pos + last.written - 1} cut ({last.take_back}) · {ways}")
+        gone = f"take-back {last.index}: positions {last.pos + last.kept}–{last.pos + last.written - 1}"
+        if last.take_back == "recompute":
+            lines.append(f"{gone} rolled back, the {last.kept} kept written again (recompute): {last.why}")
+        else:
+            ways = list(dict.fromkeys(info.ways.values()))
+            lines.append(f"{gone} cut (truncate)" + (f": {ways[0]}" if len(ways) == 1 else
+                                                        f": each layer its own way (details)"))
+        detail.append(lines[-1])
+    detail += [f"{name}: {way}" for name, way in info.ways.items()]
     if info.checkup is not None:
         lines.append(info.checkup)
-    return lines
+        detail.append(info.checkup_detail or info.checkup)
+    return lines, "<br>".join(_wrap(t, 90) for t in detail)
 
 
-def _wrap(text: str, width: int = 64) -> str:
+def _wrap(text: str, width: int = 70) -> str:
     out, line = [], ""
     for word in text.split(" "):
         if line and len(line) + len(word) + 1 > width:
@@ -132,24 +141,29 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
     traces.append(dict(type="scatter", name="mean so far", x=x[mean_on], y=ends[last_in[mean_on]].astype(np.float32),
                        mode="lines", xaxis="x2", yaxis="y2", line=dict(color=MEAN, dash="dot", width=1.5),
                        hovertemplate=f"{where}<br>%{{y:.2f}} tokens per pass so far<extra></extra>"))
-    title = f"speculation · {kind}<br>" + "<br>".join(_wrap(t) for t in _lines(info, found))
+    lines, detail = _lines(info, found)
+    drafter = f" · {info.drafter}, {info.k} per verification" if info is not None else ""
+    title = f"speculation · {kind}{drafter}<br>" + "<br>".join(_wrap(t) for t in lines)
     shown = onscreen.describe(b, n, "steps")
     top = max(int(dr.max(initial=0)), 1)
     layout = dict(
-        barmode="stack", hovermode="closest", margin=dict(l=60, r=10, t=36 + 15 * (title.count("<br>") + 1), b=50),
-        height=480 + 16 * title.count("<br>"),
-        title=dict(text=title, font=dict(size=12), x=0.01, xanchor="left"),
-        legend=dict(font=dict(size=12), orientation="h", y=-0.12),
+        barmode="stack", hovermode="closest", margin=dict(l=50, r=10, t=24 + 14 * (title.count("<br>") + 1), b=36),
+        height=480 + 16 * title.count("<br>"), showlegend=False,
+        title=dict(text=title, font=dict(size=11), x=0.01, xanchor="left"),
         xaxis=dict(domain=[0, 1], anchor="y", range=view_range, autorange=False, showticklabels=False),
-        yaxis=dict(domain=[0.55, 1.0], anchor="x", range=[0, top + 0.5], title=dict(text="drafts")),
+        yaxis=dict(domain=[0.55, 0.9], anchor="x", range=[0, top + 0.5], title=dict(text="drafts")),
         xaxis2=dict(domain=[0, 1], anchor="y2", matches="x", range=view_range, autorange=False,
                     title=dict(text="step" + (f"<br>{shown}" if shown else ""), standoff=2)),
         yaxis2=dict(domain=[0.0, 0.42], anchor="x2", rangemode="tozero",
                     range=[0, max(float(gained.max(initial=1)), 1.0) + 0.5], title=dict(text="tokens / pass")),
         annotations=[dict(text=t, xref="paper", yref="paper", x=0, y=y, xanchor="left", yanchor="bottom",
                           showarrow=False, font=dict(size=11))
-                     for t, y in (("drafts per verification: accepted, rejected", 1.0),
-                                  ("tokens per forward pass · mean so far", 0.42))])
+                     for t, y in ((f"drafts per verification: <span style='color:{ACCEPTED}'>accepted</span> + "
+                                   f"<span style='color:{REJECTED}'>rejected</span>", 0.9),
+                                  (f"<span style='color:{TOKENS}'>tokens per forward pass</span> · mean so far "
+                                   "(dotted)", 0.42))]
+        + [dict(text="<u>details</u>", hovertext=detail, xref="paper", yref="paper", x=1, y=0.9, xanchor="right",
+                yanchor="bottom", showarrow=False, font=dict(size=11, color="#1f77b4"))])
     return FigureSpec(traces, layout)
 
 
