@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from browser_truth import page_truth
-from test_browser_truth import (LAB, _checks, _kernel_until, _lab_operations, _notebook, _select, _set, _shot,
-                                _tab)
+from test_browser_truth import (LAB, _checks, _idle, _kernel_until, _lab_operations, _notebook, _select, _set,
+                                _shot, _tab)
 
 pytestmark = pytest.mark.browser
 
@@ -46,36 +46,47 @@ def test_lab_speculative_lane_page_equals_kernel(lab, lab_page, browser, shots):
 
 def _operations(page, explorer, shots: Path, name: str) -> list[str]:
     done = []
-    check, click = _checks(page, explorer, True, done)
+    check, _ = _checks(page, explorer, True, done)
+
+    def click(button: str, label: str, reached) -> dict:
+        """Click, wait until the kernel's state shows the click (``reached``), then the page must equal it."""
+        explorer.locator(f".kvx-{button}").first.click()
+        _kernel_until(explorer, reached, label)
+        return check(label)
+
     check("display")
     _set(explorer, "prompt", PROMPT)
-    click("prefill")
+    state = click("prefill", "prefill", lambda s: s["tokens"] > 0)
     state = _tab(explorer, check, "Speculation", "speculation", "tab Speculation")
     _counts_in_page(explorer, state, "after prefill")
     for i in range(3):
-        state = click("step", f"step {i + 1} (one verification)")
+        n = state["tokens"]
+        state = click("step", f"step {i + 1} (one verification)", lambda s, n=n: s["tokens"] > n)
         _counts_in_page(explorer, state, f"step {i + 1}")
     _shot(page, explorer, shots / f"{name}_1280x800_speculation_steps.png")
     _set(explorer, "run-n", "4")
-    state = click("run", "run 4")
+    n = state["tokens"]
+    state = click("run", "run 4", lambda s: s["tokens"] >= n + 4 and s["error"] == "")
+    _idle(page, explorer)
+    state = check("run 4 finished")
     _counts_in_page(explorer, state, "run 4")
     assert state["speculation"]["verifications"], "the lane verified drafts"
     _shot(page, explorer, shots / f"{name}_1280x800_speculation_run.png")
     _select(explorer, "lane", "sink@spec")
-    state = _kernel_until(explorer, lambda s: s["lane"] == "sink@spec", "the sink lane")
+    _kernel_until(explorer, lambda s: s["lane"] == "sink@spec", "the sink lane")
     state = check("strategy sink@spec")
     _counts_in_page(explorer, state, "sink@spec")
     _shot(page, explorer, shots / f"{name}_1280x800_speculation_sink.png")
     _select(explorer, "lane", "preallocated@spec")
-    check("strategy preallocated@spec")
+    _kernel_until(explorer, lambda s: s["lane"] == "preallocated@spec", "the pre-allocated lane")
+    state = check("strategy preallocated@spec")
     n = state["tokens"]
     _set(explorer, "rewind-n", "3")
-    state = click("rewind", "rewind 3 (across verifications)")
-    assert state["tokens"] == n - 3
+    state = click("rewind", "rewind 3 (across verifications)", lambda s: s["tokens"] == n - 3)
     _counts_in_page(explorer, state, "rewind 3")
-    state = click("step", "step after rewind")
+    state = click("step", "step after rewind", lambda s: s["tokens"] > n - 3)
     _counts_in_page(explorer, state, "step after rewind")
     _shot(page, explorer, shots / f"{name}_1280x800_speculation_after_rewind.png")
-    state = _tab(explorer, check, "Attention", "attention", "tab Attention")
+    _tab(explorer, check, "Attention", "attention", "tab Attention")
     _shot(page, explorer, shots / f"{name}_1280x800_cache_map.png")
     return done

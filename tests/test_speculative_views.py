@@ -186,9 +186,15 @@ def test_the_cache_map_draws_the_drafted_slots_taken_back(trained):
         assert {s for s, c in row.items() if c == "taken back"} == back, layer
         assert all(lane.cache.slot_views()[layer].states[s] == "stale" for s in back)  # left behind, not read
     assert "taken back" in [t["name"] for t in ex.specs(["cache_map"])["cache_map"].traces]
+    attention = ex.specs(["attention"])["attention"]
     ex.controls["lane"].value = "preallocated"  # the plain lane wrote the kept tokens one by one: nothing back
     heat = ex.specs(["cache_map"])["cache_map"].traces[0]
     assert SLOT_CLASSES.index("taken back") not in set(np.asarray(heat["z"]).tolist())
+    # the attention drawn is the newest token's (the rejected drafts' rows went with them), as the plain lane's
+    plain = ex.specs(["attention"])["attention"]
+    assert attention.layout["title"]["text"] == plain.layout["title"]["text"]
+    np.testing.assert_allclose(np.asarray(attention.trace("current")["y"], dtype=float),
+                               np.asarray(plain.trace("current")["y"], dtype=float), atol=1e-5)
 
 
 def test_a_rewind_across_verifications_keeps_the_lanes_aligned(trained):

@@ -146,6 +146,10 @@ class LaneTracer(Tracer):
                     raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
                 checked.add(id(reads))
             self.history.end()
+            if cache.length < end and getattr(cache, "stores", True):  # a speculative take-back: the rows of the
+                self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
+                step._attention = {layer: (n, q0, min(q1, cache.length)) for layer, (n, q0, q1)
+                                   in step._attention.items()}
         self._hooked, self._direct, self._small = [], set(), []
         self.recent_traces.push(step)
         return step
