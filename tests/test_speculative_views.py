@@ -5,6 +5,8 @@ pre-allocated cache left behind, and a rewind across verifications keeps every l
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ pytest.importorskip("ipywidgets")
 import kvexplore  # noqa: E402
 from kvexplore.errors import SettingsError  # noqa: E402
 from kvexplore.explorer.lanes import split_options  # noqa: E402
-from kvexplore.views import speculation  # noqa: E402
+from kvexplore.views import cache_map, speculation  # noqa: E402
 from kvexplore.views.palette import SLOT_CLASSES  # noqa: E402
 from kvexplore.views.registry import TABS, VIEWS, replayed  # noqa: E402
 
@@ -186,6 +188,11 @@ def test_the_cache_map_draws_the_drafted_slots_taken_back(trained):
         assert {s for s, c in row.items() if c == "taken back"} == back, layer
         assert all(lane.cache.slot_views()[layer].states[s] == "stale" for s in back)  # left behind, not read
     assert "taken back" in [t["name"] for t in ex.specs(["cache_map"])["cache_map"].traces]
+    # binned (more slots on screen than columns), a bin holding a taken-back slot shows it first
+    binned = cache_map.from_snapshot(dataclasses.replace(ex.snapshot(), max_bins=8)).traces[0]
+    bx, bz = np.asarray(binned["x"]), np.asarray(binned["z"])
+    size = 128 // 8
+    assert {int(b) // size for b in bx[bz == SLOT_CLASSES.index("taken back")]} == {s // size for s in back}
     attention = ex.specs(["attention"])["attention"]
     ex.controls["lane"].value = "preallocated"  # the plain lane wrote the kept tokens one by one: nothing back
     heat = ex.specs(["cache_map"])["cache_map"].traces[0]

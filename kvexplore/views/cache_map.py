@@ -25,7 +25,7 @@ from .spec import FigureSpec, columns, hide_axes, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 # which class a bin of slots shows: the most telling one it holds (what this step did first, then what is kept)
-RANKED = "written > taken back > read > shared > not read > stale > evicted > free"
+RANKED = "taken back > written > read > shared > not read > stale > evicted > free"
 PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
 MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
 MAX_TICKS = 4  # labelled ticks (pages) on the slot axis: upright, they fit a narrow figure
