@@ -228,3 +228,17 @@ def test_a_rewind_across_verifications_keeps_the_lanes_aligned(trained):
     plain.prefill(PROMPT)
     plain.run(len(tokens["preallocated"]) - len(plain.tokens))
     assert plain.tokens == tokens["preallocated@spec"]
+
+
+def test_a_long_way_is_cut_in_the_title_and_whole_in_the_details(ex):
+    """The panel beside the cache map is short: the title keeps at most its lines, the hover has every word."""
+    snap = ex.snapshot()
+    lane = snap.lanes["preallocated@spec"]
+    way = "the drafted slots " + "are left behind " * 30 + "and nothing is copied"
+    info = dataclasses.replace(lane.speculation, ways={"PreallocatedLayer": way})
+    fig = speculation.spec(lane.history, lane.kind, info)
+    title = fig.layout["title"]["text"]
+    assert title.count("<br>") + 1 <= speculation.TITLE_LINES and "… (details)" in title
+    assert title.split("<br>")[-1].startswith("doctor:")  # the verdict stays
+    details = next(a for a in fig.layout["annotations"] if a.get("hovertext"))
+    assert "and nothing is copied" in details["hovertext"].replace("<br>", " ")

@@ -24,6 +24,7 @@ from .snapshot import MAX_BINS, SpecInfo
 from .spec import FigureSpec
 
 ACCEPTED, REJECTED, TOKENS, MEAN = "#2ca02c", "#d62728", "#1f77b4", "#222222"
+TITLE_LINES = 7  # lines of title at most (the panel beside the cache map is short)
 
 
 def drafts(records: Sequence[StepRecord]) -> bool:
@@ -74,8 +75,7 @@ def _lines(info: SpecInfo | None, found: list) -> tuple[list[str], str]:
     detail = [f"{info.drafter}, {info.k} drafted per verification · {counts}"]
     last = next((v for v in reversed(info.verifications) if v.rolled_back), None)
     if info.paced_by is not None:
-        lines.append(f"a Step is a verification of {info.paced_by}: this lane takes as many tokens, drafting one "
-                     f"fewer at most")
+        lines.append(f"paced by {info.paced_by}: drafts at most its verification's tokens less one")
     if last is None:
         lines.append("nothing taken back yet" + (": every draft so far was accepted" if drafted else ""))
     else:
@@ -92,6 +92,18 @@ def _lines(info: SpecInfo | None, found: list) -> tuple[list[str], str]:
         lines.append(info.checkup)
         detail.append(info.checkup_detail or info.checkup)
     return lines, "<br>".join(_wrap(t, 90) for t in detail)
+
+
+def _fit(lines: list[str], budget: int = TITLE_LINES - 1) -> list[str]:
+    """``lines`` wrapped, at most ``budget`` screen lines: the longest (a take-back's way) is cut short first,
+    ending in "… (details)" (the hover has it whole); the first and the last line (the counts, the doctor) stay."""
+    wrapped = [_wrap(t).split("<br>") for t in lines]
+    while sum(map(len, wrapped)) > budget:
+        i = max(range(len(wrapped)), key=lambda j: (len(wrapped[j]), j))  # a tie: the later line
+        if len(wrapped[i]) == 1:
+            break
+        wrapped[i] = [*wrapped[i][:-2], wrapped[i][-2] + " … (details)"]
+    return [line for w in wrapped for line in w]
 
 
 def _wrap(text: str, width: int = 70) -> str:
@@ -127,8 +139,10 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
     drafted_on = on & (dr > 0)
     traces = [
         dict(type="bar", name="accepted", x=x[drafted_on], y=acc[drafted_on], marker=dict(color=ACCEPTED),
+             width=0.8 * b.size,
              xaxis="x", yaxis="y", hovertemplate=f"{where}<br>%{{y}} drafts accepted<extra></extra>"),
         dict(type="bar", name="rejected", x=x[drafted_on], y=(dr - acc)[drafted_on], marker=dict(color=REJECTED),
+             width=0.8 * b.size,
              xaxis="x", yaxis="y", hovertemplate=f"{where}<br>%{{y}} drafts rejected (taken back)<extra></extra>"),
         dict(type="scatter", name="tokens per pass", x=x[on], y=(tok[on] / count[on]).astype(np.float32),
              mode="lines+markers" if on.sum() < 80 else "lines", xaxis="x2", yaxis="y2",
@@ -143,11 +157,11 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
                        hovertemplate=f"{where}<br>%{{y:.2f}} tokens per pass so far<extra></extra>"))
     lines, detail = _lines(info, found)
     drafter = f" · {info.drafter}, {info.k} per verification" if info is not None else ""
-    title = f"speculation · {kind}{drafter}<br>" + "<br>".join(_wrap(t) for t in lines)
+    title = "<br>".join([f"speculation · {kind}{drafter}", *_fit(lines)])
     shown = onscreen.describe(b, n, "steps")
     top = max(int(dr.max(initial=0)), 1)
     layout = dict(
-        barmode="stack", hovermode="closest", margin=dict(l=50, r=10, t=24 + 14 * (title.count("<br>") + 1), b=36),
+        barmode="stack", hovermode="closest", margin=dict(l=50, r=10, t=30 + 16 * (title.count("<br>") + 1), b=36),
         height=480 + 16 * title.count("<br>"), showlegend=False,
         title=dict(text=title, font=dict(size=11), x=0.01, xanchor="left"),
         xaxis=dict(domain=[0, 1], anchor="y", range=view_range, autorange=False, showticklabels=False),
