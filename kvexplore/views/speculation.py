@@ -161,11 +161,12 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
     shown = onscreen.describe(b, n, "steps")
     top = max(int(dr.max(initial=0)), 1)
     layout = dict(
-        barmode="stack", hovermode="closest", margin=dict(l=50, r=10, t=30 + 16 * (title.count("<br>") + 1), b=36),
+        barmode="stack", hovermode="closest", margin=dict(l=50, r=10, t=28 + 15 * (title.count("<br>") + 1), b=36),
         height=480 + 16 * title.count("<br>"), showlegend=False,
-        title=dict(text=title, font=dict(size=11), x=0.01, xanchor="left"),
+        title=dict(text=title, font=dict(size=11), x=0.01, xanchor="left", y=1, yref="container", yanchor="top",
+                   pad=dict(t=20)),
         xaxis=dict(domain=[0, 1], anchor="y", range=view_range, autorange=False, showticklabels=False),
-        yaxis=dict(domain=[0.55, 0.9], anchor="x", range=[0, top + 0.5], title=dict(text="drafts")),
+        yaxis=dict(domain=[0.55, 0.94], anchor="x", range=[0, top + 0.5], title=dict(text="drafts")),
         xaxis2=dict(domain=[0, 1], anchor="y2", matches="x", range=view_range, autorange=False,
                     title=dict(text="step" + (f"<br>{shown}" if shown else ""), standoff=2)),
         yaxis2=dict(domain=[0.0, 0.42], anchor="x2", rangemode="tozero",
@@ -173,10 +174,10 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
         annotations=[dict(text=t, xref="paper", yref="paper", x=0, y=y, xanchor="left", yanchor="bottom",
                           showarrow=False, font=dict(size=11))
                      for t, y in ((f"drafts per verification: <span style='color:{ACCEPTED}'>accepted</span> + "
-                                   f"<span style='color:{REJECTED}'>rejected</span>", 0.9),
+                                   f"<span style='color:{REJECTED}'>rejected</span>", 0.94),
                                   (f"<span style='color:{TOKENS}'>tokens per forward pass</span> · mean so far "
                                    "(dotted)", 0.42))]
-        + [dict(text="<u>details</u>", hovertext=detail, xref="paper", yref="paper", x=1, y=0.9, xanchor="right",
+        + [dict(text="<u>details</u>", hovertext=detail, xref="paper", yref="paper", x=1, y=0.94, xanchor="right",
                 yanchor="bottom", showarrow=False, font=dict(size=11, color="#1f77b4"))])
     return FigureSpec(traces, layout)
 
