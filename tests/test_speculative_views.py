@@ -242,3 +242,44 @@ def test_a_long_way_is_cut_in_the_title_and_whole_in_the_details(ex):
     assert title.split("<br>")[-1].startswith("doctor:")  # the verdict stays
     details = next(a for a in fig.layout["annotations"] if a.get("hovertext"))
     assert "and nothing is copied" in details["hovertext"].replace("<br>", " ")
+
+
+def test_a_lane_that_fails_after_the_verification_leaves_every_lane_as_it_was(trained, monkeypatch):
+    """Every operation succeeds on all lanes or changes none: the pace lane's verification is taken back when a
+    lane stepping after it fails, and the next Step gives what it would have given."""
+    ex = kvexplore.Explorer(trained, strategies=["preallocated@spec", "preallocated", "paged"], max_seq_len=128,
+                            strategy_options={"preallocated@spec": SPEC})
+    ex.prefill(PROMPT)
+    ex.step()
+    lanes = ex.lanes
+
+    def state():
+        return {n: (list(l.generator.tokens), l.cache.length, len(l.generator.speculation.verifications)
+                    if l.generator.speculation else None) for n, l in lanes.items()}
+
+    before = state()
+    real = lanes["paged"].generator.step
+    calls = []
+
+    def failing(*args, **kwargs):  # the paged lane fails on its second token of the Step
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a lane failed")
+        return real(*args, **kwargs)
+
+    for _ in range(20):  # until a Step gives the pace lane more than one token
+        calls.clear()
+        monkeypatch.setattr(lanes["paged"].generator, "step", failing)
+        try:
+            ex.step()
+        except RuntimeError:
+            assert state() == before
+            break
+        monkeypatch.undo()
+        before = state()
+    else:
+        pytest.fail("no verification gave more than one token")
+    monkeypatch.undo()
+    ex.step()
+    assert len({len(l.generator.tokens) for l in lanes.values()}) == 1
+    assert lanes["paged"].generator.tokens == lanes["preallocated@spec"].generator.tokens

@@ -35,16 +35,14 @@ def pace_lane(lanes: Iterable[Any]) -> Any | None:
 def take_back(lane: Any, before: int) -> None:
     """Undo what ``lane`` did in a step that failed elsewhere: back to ``before`` records (its last step exactly
     when it took one, else a rewind)."""
-    n = len(lane.history) - before
-    if n <= 0:
+    if len(lane.history) <= before:
         return
     try:
         lane.generator.undo_step()  # the last step(keep_undo=True): exact, one record or one verification
     except StateError:
-        lane.generator.rewind(n)
-    else:
-        if len(lane.history) > before:
-            lane.generator.rewind(len(lane.history) - before)
+        pass  # its last step keeps no undo (a run of several): the rewind takes it back
+    if len(lane.history) > before:
+        lane.generator.rewind(len(lane.history) - before)
     lane.forget_after(len(lane.history))
 
 

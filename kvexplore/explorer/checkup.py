@@ -78,3 +78,12 @@ def check(model: Any, generator: Any, verification: int) -> Checkup:
     return Checkup(verification, len(tokens), False, "doctor: departs at " + text,
                    f"doctor: DEPARTS at {layer} ({first.what}, position {first.position})", first.relative,
                    time.perf_counter() - t0)
+
+
+def safely(model: Any, generator: Any, verification: int) -> Checkup:
+    """:func:`check`, its failure kept as a verdict (the step it follows has succeeded: it stays)."""
+    try:
+        return check(model, generator, verification)
+    except Exception as e:  # noqa: BLE001 (any failure of the check is its finding, shown, not raised)
+        return Checkup(verification, len(generator.tokens), False, f"doctor: could not run ({type(e).__name__}: {e})",
+                       "doctor: could not run (details)", float("nan"), 0.0)

@@ -252,11 +252,12 @@ class Session:
         :data:`~.checkup.AUTO_TOKENS` tokens; longer, :meth:`checkup` runs it on demand)."""
         for lane in self.lanes.values():
             spec = getattr(lane.generator, "speculation", None)
-            if spec is None or not spec.verifications or not isinstance(self.model, Model):
+            if spec is None or not spec.verifications or not isinstance(self.model, Model) or \
+                    lane.lane_kind.transformers:
                 continue
             v = spec.verifications[-1]
             if v.rolled_back and v.index not in lane.checkups and len(lane.generator.tokens) <= checkup.AUTO_TOKENS:
-                lane.checkups[v.index] = checkup.check(self.model, lane.generator, v.index)
+                lane.checkups[v.index] = checkup.safely(self.model, lane.generator, v.index)
 
     def checkup(self, name: str | None = None) -> "checkup.Checkup":
         """Run the doctor's check on lane ``name``'s cache now (default: the first lane that drafts)."""
@@ -268,7 +269,7 @@ class Session:
         spec = getattr(lane.generator, "speculation", None)
         index = spec.verifications[-1].index if spec is not None and spec.verifications else -1
         result = lane.checkups[index] = checkup.check(self.model, lane.generator, index)
-        return result
+        return result  # (on demand: an error is raised, not kept)
 
     def step_order(self) -> list[Lane]:
         """The order the lanes take the next step in: the reference first (the others may be fed its token), then
