@@ -124,8 +124,9 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
         spec.layout["showlegend"] = False  # the first cache map's legend says it
     if presenting:  # read from the back of a lecture hall
         spec.layout["font"] = dict(size=15)
-        if isinstance(spec.layout.get("title"), dict):
-            spec.layout["title"]["font"] = dict(size=17)
+        title = spec.layout.get("title")
+        if isinstance(title, dict) and str(title.get("text", "")).count("<br>") < 3:  # a long title (the
+            title["font"] = dict(size=17)  # speculation view's) keeps its size: it fills its margin already
         for t in spec.traces:
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:

@@ -44,7 +44,20 @@ def state(explorer: Any) -> dict[str, Any]:
                       for name, s in explorer.specs().items()},
             "compare": explorer.compare_rows(), "view": explorer.view, "error": explorer.error,
             "tokens": len(explorer.lane.generator.tokens), "lane": explorer.lane.name, "shown": explorer.shown(),
-            "press": press(explorer)}
+            "press": press(explorer), "speculation": speculation(explorer)}
+
+
+def speculation(explorer: Any) -> dict[str, Any] | None:
+    """What the shown lane's generator counted of its verifications (``generator.speculation``, not a record):
+    per verification the step of its last token, drafted and accepted; and the tokens generated (None: the lane
+    does not draft)."""
+    lane = explorer.lane
+    spec = getattr(lane.generator, "speculation", None)
+    if spec is None:
+        return None
+    return {"verifications": [{"last_step": v.first_step + len(v.tokens) - 1, "drafted": len(v.drafted),
+                               "accepted": v.accepted} for v in spec.verifications],
+            "generated": max(0, len(lane.history) - 1)}
 
 
 def press(explorer: Any) -> dict[str, Any] | None:

@@ -32,6 +32,15 @@ from ..runtime.sampling import SamplingSettings
 
 COMPILED = "compiled"  # the compiled lane's strategy name
 VARIANT = "@"  # "evict@mask": a second lane of kvexplore's strategy "evict", with its own strategy_options
+#: a lane's options that go to its Generator (speculative decoding), not to make_cache
+GENERATOR_OPTIONS = ("draft", "draft_tokens")
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A lane's options as (the cache's, the generator's): ``{"draft": "prompt-lookup", "draft_tokens": 4,
+    "block_size": 8}`` gives ``({"block_size": 8}, {"draft": "prompt-lookup", "draft_tokens": 4})``."""
+    cache = {k: v for k, v in options.items() if k not in GENERATOR_OPTIONS}
+    return cache, {k: v for k, v in options.items() if k in GENERATOR_OPTIONS}
 
 
 def base_strategy(strategy: str) -> str:
@@ -84,14 +93,15 @@ class LaneKind(ABC):
 
     def build(self, strategy: str, spec: LaneSpec, tracer: Any) -> Generator:
         """A fresh generator of lane ``strategy``: its cache (its own ``max_seq_len`` option first, else the
-        session's) and the session's sampling, traced by ``tracer``."""
-        options = dict(spec.options)
+        session's) and the session's sampling, traced by ``tracer``; the options ``draft`` and ``draft_tokens``
+        (:data:`GENERATOR_OPTIONS`) make it draft (speculative decoding), the others go to the cache."""
+        options, drafting = split_options(spec.options)  # drafting: Generator(draft=..., draft_tokens=...)
         slots = options.pop("max_seq_len", spec.max_seq_len)  # a strategy may have its own size
         model = self.model_for(spec)
         cache = make_cache(self.cache_strategy(strategy), model, max_seq_len=slots, **options)
         s = spec.sampling
         return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer,
-                         compile=self.compiled)
+                         compile=self.compiled, **drafting)
 
     def trace_options(self, generator: Generator) -> dict[str, Any]:
         """The tracer's options for a lane after its prefill: a cache that kept nothing of the prefill (its length

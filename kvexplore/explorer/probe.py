@@ -22,6 +22,7 @@ from ..trace.tracer import StepTrace, Tracer
 
 CHUNK = 64  # query rows per chunk of a prefill's attention (at least the store's bin sizes)
 SMALL = 4  # blocks of at most this many rows (a decode step's) land together when the step ends
+ROWS_KEPT = 65  # a pass of at most this many rows keeps every row's log-probabilities (a verification's k + 1)
 
 
 class LaneTracer(Tracer):
@@ -35,6 +36,9 @@ class LaneTracer(Tracer):
         # past a layer's own kv heads when layers differ: num_kv_heads is the most any layer has)
         self.norms = torch.full((num_layers, 2, num_kv_heads, 0), float("nan"))
         self.last_logprobs: torch.Tensor | None = None
+        # every row's log-probabilities of the last pass when it had few rows (a speculative verification: row i
+        # chose its i-th new token), else its last row only; use_row(i) makes row i the newest token's
+        self.row_logprobs: torch.Tensor | None = None
         # linear-attention layers: the norm of each value head's recurrent state, by the sequence length it holds
         self.state_norms: dict[int, dict[int, torch.Tensor]] = {}
         # without a cache every decode step recomputes all rows of attention; only the newest is new (and only it
@@ -87,7 +91,8 @@ class LaneTracer(Tracer):
         # what the views draw is computed on the device here and lands on the host with the rest of the step
         if self._step is not None:
             if name == "logits":
-                self.later(t[0, -1].detach().float().log_softmax(-1), self._land_logprobs)
+                rows = t[0] if t.shape[1] <= ROWS_KEPT else t[0, -1:]
+                self.later(rows.detach().float().log_softmax(-1), self._land_logprobs)
             elif name.endswith(".attn.state"):
                 layer, end = int(name.split(".")[1]), self._pos + self._q_len
                 self.later(t[0].detach().float().norm(dim=(-2, -1)),
@@ -119,7 +124,10 @@ class LaneTracer(Tracer):
         end = self._pos + self._q_len
         step = super().end_step(cache)
         if "attention" in self.capture:
-            for layer, q0, rows, c0 in self._hooked:
+            # a speculative take-back (the cache kept less than the pass wrote) changed what the cache says it reads:
+            # rows that wait for the read positions cannot be placed; they are left out of the store
+            hooked = self._hooked if cache.length >= end or not getattr(cache, "stores", True) else []
+            for layer, q0, rows, c0 in hooked:
                 if layer in self._per_head:  # one row of positions per KV head
                     reads = np.asarray(cache.read_positions_by_head(self._per_head[layer]))[:, c0: c0 + rows.shape[-1]]
                 else:
@@ -133,18 +141,27 @@ class LaneTracer(Tracer):
                 self.history.add([n for n, _ in items], q0, torch.stack([r for _, r in items]), c0=c0)
             checked: set[int] = set()
             for layer in self._direct:  # reduced as position order: the step must have read positions 0..end-1
-                reads = step.reads_of(layer)
-                if id(reads) not in checked and not np.array_equal(np.asarray(reads), np.arange(end)):
+                reads = step.reads_of(layer)  # (the cache after the step: a speculative take-back cut the drafts)
+                if id(reads) not in checked and not np.array_equal(np.asarray(reads), np.arange(min(len(reads), end))):
                     raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
                 checked.add(id(reads))
             self.history.end()
+            if cache.length < end and getattr(cache, "stores", True):  # a speculative take-back: the rows of the
+                self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
+                step._attention = {layer: (n, q0, min(q1, cache.length)) for layer, (n, q0, q1)
+                                   in step._attention.items()}
         self._hooked, self._direct, self._small = [], set(), []
         self.recent_traces.push(step)
         return step
 
     # -- the rest the views draw -----------------------------------------------------------------------------
-    def _land_logprobs(self, logprobs: torch.Tensor) -> None:
-        self.last_logprobs = logprobs
+    def _land_logprobs(self, rows: torch.Tensor) -> None:
+        self.row_logprobs, self.last_logprobs = rows, rows[-1]
+
+    def use_row(self, i: int) -> None:
+        """Row ``i`` of the last pass gave the newest token (a verification whose later rows were rejected)."""
+        if self.row_logprobs is not None and -len(self.row_logprobs) <= i < len(self.row_logprobs):
+            self.last_logprobs = self.row_logprobs[i]
 
     def _record_norms(self, layer: int, which: int, start: int, norms: torch.Tensor) -> None:
         """``norms`` (kv heads, positions from ``start``) of one layer's new keys (0) or values (1)."""

@@ -23,7 +23,8 @@ from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
-from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind
+from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind, split_options
+from . import aligned, checkup
 from .probe import LaneTracer
 from . import timing
 from ..errors import SettingsError, StateError
@@ -46,6 +47,7 @@ class Lane:
     top1_at: dict[int, bool] = field(default_factory=dict)  # step -> own top-1 == the reference's top-1
     forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
     fork_of: str | None = None
+    checkups: dict[int, Any] = field(default_factory=dict)  # verification -> the doctor's check after it (.checkup)
 
     @property
     def lane_kind(self) -> LaneKind:
@@ -62,6 +64,9 @@ class Lane:
             for k in [k for k in d if k >= steps]:
                 del d[k]
         self.forced_at = {k for k in self.forced_at if k < steps}
+        spec = getattr(self.generator, "speculation", None)
+        kept = len(spec.verifications) if spec is not None else 0
+        self.checkups = {i: c for i, c in self.checkups.items() if i < kept}
 
     @property
     def cache(self):
@@ -157,7 +162,13 @@ class Session:
         spec = LaneSpec(self.model, self.hf, self.max_seq_len, self.options.get(strategy, {}), self.sampling,
                         self.seed, self.top_candidates)
         tracer = self._tracer(attention=kind.records_attention)
-        return Lane(strategy, strategy, kind.build(strategy, spec, tracer), tracer, follows)
+        generator = kind.build(strategy, spec, tracer)
+        # a lane that drafts runs free (a forced step would be a plain step): see .aligned
+        return Lane(strategy, strategy, generator, tracer, follows and generator.speculation is None)
+
+    def cache_options(self, strategy: str) -> dict[str, Any]:
+        """The options lane ``strategy``'s cache was made with (its drafting options left out)."""
+        return split_options(self.options.get(strategy, {}))[0]
 
     @staticmethod
     def _trace_options(lane: Lane) -> None:
@@ -199,37 +210,66 @@ class Session:
         self._active = time.perf_counter()
 
     def step(self) -> dict[str, StepRecord]:
-        """One token on every lane; if any lane fails, the lanes that stepped take their step back exactly
+        """One token on every lane (with a lane that drafts: one verification on it and as many tokens on every
+        other lane, :mod:`.aligned`); if any lane fails, the lanes that stepped take their step back exactly
         (:meth:`Generator.undo_step`) and the error is raised."""
         ref = self.reference
         if not ref.generator.tokens:
             raise StateError("nothing to continue: enter a prompt and prefill first")
         for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
             lane.generator.check_step()
-        done: list[Lane] = []
+        pace = aligned.pace_lane(self.lanes.values())
+        done: list[tuple[Lane, int]] = []
         out = {}
         try:
             with timing.quiet():  # the kernel's output sent, no garbage collection while the lanes are timed
                 if time.perf_counter() - self._active >= IDLE_S:
                     timing.warm_up(self.model, ref.generator.tokens[-1])
-                for lane in self.step_order():
+                if pace is not None:
+                    out = aligned.step(self, pace, [lane for lane in self.step_order() if lane is not pace], done)
+                for lane in self.step_order() if pace is None else ():
                     force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
+                    done.append((lane, len(lane.history)))
                     out[lane.name] = lane.generator.step(force=force, keep_undo=True)
                     if force is not None:
                         lane.forced_at.add(out[lane.name].step)
-                    done.append(lane)
         except BaseException:  # unexpected (the checks passed): undo exactly what the other lanes did
-            for lane in done:
-                lane.generator.undo_step()
-                lane.forget_after(len(lane.history))
+            for lane, before in reversed(done):
+                aligned.take_back(lane, before)
             raise
-        for lane in done:
+        for lane, _ in done:
             lane.generator.settle()
+        aligned.settle_rows(self.lanes.values())
         self._compare_last()
+        self._checkups()
         self.last_op = "step"
         self._steps += 1
         self._active = time.perf_counter()
         return {name: out[name] for name in self.lanes}
+
+    def _checkups(self) -> None:
+        """The doctor's check on each lane that drafts, after a verification that took positions back (up to
+        :data:`~.checkup.AUTO_TOKENS` tokens; longer, :meth:`checkup` runs it on demand)."""
+        for lane in self.lanes.values():
+            spec = getattr(lane.generator, "speculation", None)
+            if spec is None or not spec.verifications or not isinstance(self.model, Model) or \
+                    lane.lane_kind.transformers:
+                continue
+            v = spec.verifications[-1]
+            if v.rolled_back and v.index not in lane.checkups and len(lane.generator.tokens) <= checkup.AUTO_TOKENS:
+                lane.checkups[v.index] = checkup.safely(self.model, lane.generator, v.index)
+
+    def checkup(self, name: str | None = None) -> "checkup.Checkup":
+        """Run the doctor's check on lane ``name``'s cache now (default: the first lane that drafts)."""
+        lane = self.lanes[name] if name is not None else aligned.pace_lane(self.lanes.values())
+        if lane is None or not isinstance(self.model, Model) or lane.lane_kind.transformers:
+            raise StateError("the doctor's check runs on a kvexplore lane: pick one (and prefill first)")
+        if not lane.history:
+            raise StateError("nothing to check yet: prefill first")
+        spec = getattr(lane.generator, "speculation", None)
+        index = spec.verifications[-1].index if spec is not None and spec.verifications else -1
+        result = lane.checkups[index] = checkup.check(self.model, lane.generator, index)
+        return result  # (on demand: an error is raised, not kept)
 
     def step_order(self) -> list[Lane]:
         """The order the lanes take the next step in: the reference first (the others may be fed its token), then

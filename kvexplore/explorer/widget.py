@@ -155,9 +155,9 @@ class Explorer(Screen):
         self._operate(lambda: self._prefill(None, None) if not self.session.tokens else self.session.step())
 
     def run(self, n: int | None = None) -> None:
-        """Up to ``n`` tokens (default: the Run box; a prefill of the prompt box first when nothing has run),
+        """Up to ``n`` steps (default: the Run box; a prefill of the prompt box first when nothing has run),
         stopping after an end-of-sequence token; the figures follow every step and a progress bar shows how far
-        the run is."""
+        the run is. With a lane that drafts, a step is one verification (one token or more on every lane)."""
         n = self.controls["run_n"].value if n is None else n
         if n < 1:
             raise SettingsError(f"run needs a positive number of steps, got {n}")

@@ -25,7 +25,7 @@ from .spec import FigureSpec, columns, hide_axes, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
 # which class a bin of slots shows: the most telling one it holds (what this step did first, then what is kept)
-RANKED = "written > read > shared > not read > stale > evicted > free"
+RANKED = "taken back > written > read > shared > not read > stale > evicted > free"
 PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
 MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
 MAX_TICKS = 4  # labelled ticks (pages) on the slot axis: upright, they fit a narrow figure
@@ -41,9 +41,12 @@ def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool 
     slots = slots if slots is not None else trace.slots_of(layer)
     written = _written(record, layer) if fresh else set()
     read = set(trace.reads_of(layer)) if fresh else {p for p in slots.positions if p >= 0}
+    back = taken_back(record, slots, layer) if fresh else range(0)
     out = []
-    for state, pos, sharers in zip(slots.states, slots.positions, slots.sharers):
-        if state in (FILLED, SHARED) and pos >= 0:
+    for slot, (state, pos, sharers) in enumerate(zip(slots.states, slots.positions, slots.sharers)):
+        if slot in back and state not in (FILLED, SHARED):
+            out.append("taken back")
+        elif state in (FILLED, SHARED) and pos >= 0:
             if pos in written:
                 out.append("written")
             elif pos in read:
@@ -55,6 +58,31 @@ def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool 
         else:
             out.append({FREE: "free", STALE: "stale", EVICTED: "evicted"}[state])
     return out
+
+
+def rejected(record: StepRecord, layer: int) -> range:
+    """The positions ``record``'s verification pass wrote in ``layer`` and took back (its rejected drafts): from
+    the length the cache kept to the end of the pass's write; empty for a plain step."""
+    if record.verification is None:
+        return range(0)
+    for event in record.trace.events:
+        if event.layer == layer:
+            start, count = event.write
+            return range(record.cache_length, start + count)
+    return range(0)
+
+
+def taken_back(record: StepRecord, slots: SlotView, layer: int) -> range:
+    """The physical slots of ``layer`` that held the rejected drafts, where the layout puts position ``p`` in slot
+    ``p`` (the pre-allocated cache, the residual-free full layers: the slots stay behind, stale, or free where a
+    page went back). A layout that moves positions (a ring, a sink window, a quantized part) restored them by a
+    recompute or held them elsewhere: nothing to mark (the speculation view says how)."""
+    gone = rejected(record, layer)
+    n = record.cache_length
+    if not gone or gone.stop > len(slots.positions) or n > len(slots.positions):
+        return range(0)
+    held = np.asarray(slots.positions[:n])
+    return gone if np.array_equal(held, np.arange(n)) else range(0)
 
 
 def _written(record: StepRecord, layer: int) -> set[int]:
@@ -273,6 +301,11 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
         head += " · " + main[0].layout.step(event.write, event.read[1], event.view)
     lines, shared = [], []
+    gone = rejected(record, main[1][0]) if fresh and main is not None and record.trace else range(0)
+    if record.verification is not None and fresh:
+        lines.append(f"verification: {record.input_len - 1} drafted · "
+                     + (f"positions {gone.start}–{gone.stop - 1} written, then taken back" if gone else
+                        "every draft accepted, nothing taken back"))
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):  # one line for every shared layer
             shared += [f"{layer} reads {view.layout.source}" for layer in layers]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 # slot classes drawn by the cache map, in code order (the heatmap's z values)
-SLOT_CLASSES = ("free", "not read", "read", "shared", "written", "stale", "evicted")
-SLOT_COLOURS = ("#eeeeee", "#bdbdbd", "#6baed6", "#9e72c3", "#f16913", "#e6c229", "#d62728")
+SLOT_CLASSES = ("free", "not read", "read", "shared", "written", "stale", "evicted", "taken back")
+SLOT_COLOURS = ("#eeeeee", "#bdbdbd", "#6baed6", "#9e72c3", "#f16913", "#e6c229", "#d62728", "#c51b7d")
 SLOT_MEANING = {
     "free": "never written",
     "not read": "holds a position this sequence does not read (another sequence's page)",
@@ -13,6 +13,7 @@ SLOT_MEANING = {
     "written": "written this step, then read",
     "stale": "left behind by a rewind: still in storage, no longer read",
     "evicted": "its position was dropped by the strategy",
+    "taken back": "written by this verification's drafts, then taken back (the target rejected them): not read",
 }
 
 # probability scales as explicit colour lists: the page's plotly.js reads a named scale its own way ("Blues" runs

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import SettingsError
-from . import attention, cache_map, compare, eviction, memory, press, tensors
+from . import attention, cache_map, compare, eviction, memory, press, speculation, tensors
 from ..trace.records import StepRecord
 from .snapshot import Snapshot
 from .spec import FigureSpec
@@ -51,6 +51,7 @@ VIEWS: dict[str, View] = {v.name: v for v in (
     View("press", "Press scores", press.scores_from_snapshot, replay=PER_LANE, applies=press.presses),
     View("kept", "Held per head", press.kept_from_snapshot, replay=PER_LANE, applies=press.presses),
     View("eviction", "Eviction", eviction.from_snapshot, replay=PER_RUN, applies=press.presses),
+    View("speculation", "Speculation", speculation.from_snapshot, replay=PER_LANE, applies=speculation.drafts),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 )}
 BUILT_IN = frozenset(VIEWS)  # what register() may not replace

@@ -35,6 +35,22 @@ class LaneDetail:
 
 
 @dataclass
+class SpecInfo:
+    """A lane that drafts (speculative decoding), live: its drafter, tokens drafted per verification, its
+    verifications (:class:`~kvexplore.runtime.speculative.Verification`), how each kind of layer of its cache takes
+    drafts back (``cache.crop_ways()``) and the doctor's verdict after its last take-back, short and in full (None:
+    not run)."""
+
+    drafter: str
+    k: int
+    verifications: list[Any]
+    ways: dict[str, str]
+    checkup: str | None = None
+    checkup_detail: str | None = None
+    paced_by: str | None = None  # the lane whose verification sets a Step's tokens, when it is another lane
+
+
+@dataclass
 class LaneSnapshot:
     name: str
     kind: str
@@ -43,6 +59,7 @@ class LaneSnapshot:
     top1: list[bool | None]
     forced: set[int]
     detail: LaneDetail | None = None  # for the lanes on screen only
+    speculation: SpecInfo | None = None  # a lane that drafts (live only: a replay has the records alone)
 
     @property
     def last(self) -> StepRecord | None:
@@ -83,8 +100,10 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     """The snapshot of ``session`` with ``shown`` (and ``second``) on screen; ``strip`` names the tokens."""
     tokenizer = session.model.tokenizer
     lanes = {}
+    pace = next((n for n, lane in session.lanes.items() if getattr(lane.generator, "speculation", None)), None)
     for name, lane in session.lanes.items():
-        lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at))
+        lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at),
+                                   speculation=_speculation(lane, pace))
     for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
         lane = session.lanes[name]
         has = bool(lane.history)
@@ -100,13 +119,25 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
                     session.model.device.type == "cuda", zoom=dict(zoom or {}), max_bins=max_bins)
 
 
+def _speculation(lane: Any, pace: str | None) -> SpecInfo | None:
+    spec = getattr(lane.generator, "speculation", None)
+    if spec is None:
+        return None
+    checkups = getattr(lane, "checkups", {})
+    last = checkups[max(checkups)] if checkups else None
+    return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(),
+                    last.short if last else None, last.text if last else None,
+                    pace if pace != lane.name else None)
+
+
 def _attention(session: Any, lane: Any) -> LaneAttention | None:
     """The lane's attention store, with recomputation when the lane runs kvexplore's own model."""
     store = getattr(lane.tracer, "store", None)
     if store is None:
         return None
     model = session.model if isinstance(session.model, Model) and not lane.lane_kind.transformers else None
-    options = getattr(session, "options", {}).get(lane.kind, {})
+    options = session.cache_options(lane.kind) if hasattr(session, "cache_options") else \
+        getattr(session, "options", {}).get(lane.kind, {})
     generator = lane.generator
     return LaneAttention(store, model, (lambda: generator.tokens) if model is not None else None, lane.cache.kind,
                          options)

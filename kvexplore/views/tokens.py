@@ -16,6 +16,8 @@ STYLE = """<style>
 .kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
 .kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
 .kvx-tok.kvx-last {outline: 2px solid #f16913;}
+.kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
+.kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
 .kvx-presenting .kvx-strip {font-size: 18px;}
 </style>"""
 
@@ -38,13 +40,28 @@ def prompt_spans(prompt_texts: Sequence[str]) -> str:
     return "".join(prompt_span(pos, text) for pos, text in enumerate(prompt_texts))
 
 
+def _drafted(record: StepRecord) -> tuple[str, str]:
+    """A speculative token's class (underlined: green an accepted draft, red the target's correction of one) and
+    a line for its tooltip; nothing for a plain step."""
+    if record.verification is None:
+        return "", ""
+    v = f"verification {record.verification}"
+    if record.accepted:
+        return " kvx-accepted", f"\ndrafted and accepted ({v})"
+    if record.drafted:
+        return " kvx-corrected", f"\nthe target's correction: the draft (id {record.draft_token}) was rejected ({v})"
+    return "", f"\nthe bonus token after every draft was accepted ({v})"
+
+
 def token_span(record: StepRecord, last: bool = False) -> str:
-    """One generated token: its step's colour, the newest outlined; the tooltip lists the candidates."""
+    """One generated token: its step's colour, the newest outlined, a speculative token underlined (green: an
+    accepted draft, red: a correction); the tooltip lists the candidates."""
     top = "\n".join(f"  {c.text!r}  {c.prob:.3f}" for c in record.top)
+    cls, drafted = _drafted(record)
     tip = html.escape(f"step {record.step} ({record.kind}) · position {record.position} · p = {record.prob:.3f}"
-                      f"\ncandidates:\n{top}", quote=True)
-    return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}" style="background:{step_colour(record.step)}" '
-            f'title="{tip}">{_show(record.text)}</span>')
+                      f"{drafted}\ncandidates:\n{top}", quote=True)
+    return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}{cls}" '
+            f'style="background:{step_colour(record.step)}" title="{tip}">{_show(record.text)}</span>')
 
 
 def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] | Sequence[str],
