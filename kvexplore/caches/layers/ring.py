@@ -30,14 +30,7 @@ class RingLayer(SlotMapLayer, StoredLayer):
         c, journal = step.counters, step.journal
         gathered = None
         if isinstance(plan.read, torch.Tensor):  # gather what the queries need before the write overwrites it
-            gathered = (torch.cat([rk.index_select(2, plan.read), k.to(rk.dtype)], 2),
-                        torch.cat([rv.index_select(2, plan.read), v.to(rv.dtype)], 2))
-            n = gathered[0].nbytes + gathered[1].nbytes
-            c.copied_bytes += n - k.nbytes - v.nbytes
-            c.allocated_bytes += n
-            c.freed_bytes += n
-            c.allocations += 2
-            c.frees += 2
+            gathered = self.gather_with(c, plan.read, k, v)
         p = max(pos, plan.end - W)  # only the last `window` new positions are kept
         while p < plan.end:  # runs of slots up to the end of the ring, then from slot 0
             start = p % W

@@ -160,14 +160,7 @@ class SinkLayer(SlotMapLayer, FullLayer):
         c, journal = step.counters, step.journal
         gathered = None
         if slots.gather is not None:  # what the queries need, read before the write overwrites it
-            gathered = (torch.cat([self.k.index_select(2, slots.gather), k.to(self.k.dtype)], 2),
-                        torch.cat([self.v.index_select(2, slots.gather), v.to(self.v.dtype)], 2))
-            n = gathered[0].nbytes + gathered[1].nbytes
-            c.copied_bytes += n - k.nbytes - v.nbytes
-            c.allocated_bytes += n
-            c.freed_bytes += n
-            c.allocations += 2
-            c.frees += 2
+            gathered = self.gather_with(c, slots.gather, k, v)
         for slot, offset, count in slots.runs(pos, end, ws_after):
             journal.keep(self.k, 2, slot, count)  # what the slots held (an evicted position): for a rollback
             journal.keep(self.v, 2, slot, count)

@@ -23,6 +23,19 @@ class SlotMapLayer:
     def storage(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
+    def gather_with(self, counters, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The keys and values of ``slots``, read before a write overwrites them, with the new ``k``/``v`` appended:
+        what the queries of a write of several tokens read (temporaries, counted as copied and allocated)."""
+        out = (torch.cat([self.k.index_select(2, slots), k.to(self.k.dtype)], 2),
+               torch.cat([self.v.index_select(2, slots), v.to(self.v.dtype)], 2))
+        n = out[0].nbytes + out[1].nbytes
+        counters.copied_bytes += n - k.nbytes - v.nbytes
+        counters.allocated_bytes += n
+        counters.freed_bytes += n
+        counters.allocations += 2
+        counters.frees += 2
+        return out
+
     def reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
