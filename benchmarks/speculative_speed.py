@@ -6,7 +6,8 @@
 Each prompt gives the model something prompt lookup can find: a passage of Moby-Dick (kvexplore/data/texts) to
 copy, the same passage to edit (through the chat template), and a Python function to repeat with one change. For
 every prompt and round, each configuration generates ``--tokens`` tokens from the same prefilled prompt: plain
-greedy (the baseline), prompt lookup with k = 3, 5 and 8, and self-speculation with the first L layers (L = 15, 24 of 30).
+greedy (the baseline), prompt lookup with k = 3, 5 and 8 (n-grams of 3 down to 1, the default) and with k = 5 on
+n-grams of 3 and 2 only, and self-speculation with the first L layers (L = 15, 24 of 30).
 The order of the configurations rotates every round, so none is always timed first or last on a shared machine;
 times are the generator's own (kvexplore.runtime.clock: wall time less the time the thread waited for a CPU), and
 every speculative run's tokens are checked equal to plain greedy's. The table gives the median tokens per second
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "img" / "speculative_speed.json"
 CONFIGS = [("plain greedy", None, 0), ("prompt lookup, k=3", "prompt-lookup", 3),
            ("prompt lookup, k=5", "prompt-lookup", 5), ("prompt lookup, k=8", "prompt-lookup", 8),
+           ("prompt lookup, n-grams 2-3, k=5", "lookup-2", 5),
            ("self:15, k=3", "self:15", 3), ("self:24, k=3", "self:24", 3)]
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -55,6 +57,10 @@ def prompts(tok) -> dict[str, list[int]]:
 def run_one(model, ids: list[int], draft, k: int, tokens: int):
     import kvexplore
 
+    from kvexplore.runtime.drafters import PromptLookup
+
+    if draft == "lookup-2":  # no single-token matches: n-grams of 3, then 2
+        draft = PromptLookup(max_ngram=3, min_ngram=2)
     cache = kvexplore.make_cache("preallocated", model, max_seq_len=len(ids) + tokens + 16)
     gen = kvexplore.Generator(model, cache, draft=draft, draft_tokens=max(k, 1)) if draft else \
         kvexplore.Generator(model, cache)

@@ -549,3 +549,25 @@ def test_recurrent_states_checkpoint_or_recompute_alike(zoo):
             assert torch.allclose(x, y, atol=1e-5)
     with pytest.raises(SettingsError, match="speculation.states must be one of checkpoint, recompute, got 'keep'"):
         runs["checkpoint"].speculation.states = "keep"
+
+
+def test_the_verification_keeps_the_memory_report_of_its_pass(tiny):
+    """A verification's records report memory after the take-back; ``pass_memory`` is the pass's own: ``k + 1``
+    positions written by ``narrow(2, pos, k + 1)`` on the pre-allocated cache, nothing copied or allocated."""
+    from kvexplore.caches.memory import kv_bytes
+    from kvexplore.runtime.drafters import Draft, Drafter
+
+    class Fives(Drafter):
+        def propose(self, tokens, k, sampling, rng):
+            return Draft([5] * k)
+
+    gen = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, max_seq_len=64), draft=Fives(),
+                              draft_tokens=4)
+    gen.prefill([1, 2, 3])
+    record = gen.step()
+    v = gen.speculation.verifications[-1]
+    m = v.pass_memory
+    assert m.written_bytes == kv_bytes(tiny.config, 5) and m.copied_bytes == m.allocated_bytes == 0
+    assert m.length == 3 + 5 and record.memory.length == gen.cache.length == 3 + v.kept
+    if v.rolled_back:  # cut back: the record's report is the truncate's, which writes nothing
+        assert v.take_back == "truncate" and record.memory.written_bytes == 0

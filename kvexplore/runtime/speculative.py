@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..caches.memory import MemoryReport
 from ..core import host
 from ..core.settings import integer
 from ..errors import SettingsError
@@ -68,6 +69,7 @@ class Verification:
     verify_s: float = 0.0
     take_back_s: float = 0.0
     notes: dict = field(default_factory=dict)
+    pass_memory: MemoryReport | None = None  # the cache's report right after the pass wrote its k + 1 positions
 
     @property
     def kept(self) -> int:
@@ -200,6 +202,7 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         finally:
             if checkpoints:
                 cache.checkpointing = False
+        pass_memory = cache.memory_report()  # what the pass wrote, before the take-back
         logits = logits[0, -(k + 1):]
         (logits,) = host.fetch([logits])
         verify_s, t1 = clock.since(mark), time.perf_counter()
@@ -243,7 +246,8 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
     written = k + 1  # positions the pass checked: the newest token and the drafts
     spec.verifications.append(Verification(
         len(spec.verifications), len(gen.history), pos, list(draft.tokens), accepted, list(new), written,
-        written - len(new) if cache.stores else 0, how, why, draft.seconds, verify_s, take_back_s, dict(draft.notes)))
+        written - len(new) if cache.stores else 0, how, why, draft.seconds, verify_s, take_back_s, dict(draft.notes),
+        pass_memory))
     gen._spec_undo = (start, how, len(records)) if keep_undo else None
     return records
 
