@@ -31,6 +31,7 @@ from torch import nn
 from .attend import weigh_values
 from .blocks import RMSNorm
 from ..caches.base import KVCache
+from ..caches.masks import positions_mask
 from ..config.model_config import ModelConfig
 from ..core.hooks import hook
 from ..config.layer_plan import LayerSpec
@@ -71,18 +72,16 @@ class Indexer(nn.Module):
         return rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin)
 
     def select(self, x: torch.Tensor, q_compressed: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, pos: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+               sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """The key columns each query reads, ``(B, T, k)``: the top ``index_topk`` by score of those it may read
-        (``mask``, the cache's ``(T, S)`` mask of the columns it returned; None: the causal ones)."""
+        (``allowed``, ``(T, S)``)."""
         B, T, _ = x.shape
         S = keys.shape[2]
         q = rotate(self.wq_b(q_compressed).view(B, T, self.heads, self.dim).transpose(1, 2), cos, sin)  # (B,h,T,d)
         scores = torch.relu(q.float() @ keys.float().transpose(-1, -2) * self.dim ** -0.5)  # (B, h, T, S)
         weights = self.weights_proj(x).float() * self.heads ** -0.5  # (B, T, h)
         index = torch.einsum("bth,bhts->bts", weights, scores)
-        if mask is None:
-            mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(pos, pos + T, device=x.device)[:, None]
-        index = index.masked_fill(~mask, float("-inf"))
+        index = index.masked_fill(~allowed, float("-inf"))
         return index.topk(min(self.topk, S), dim=-1).indices
 
 
@@ -133,8 +132,11 @@ class LatentAttention(nn.Module):
         k_rope_all = second[..., : self.rope]
         mask = cache.mask(self.layer, pos, T)
         if self.sparse:  # DeepSeek-V3.2: each query reads only the indexer's top k positions
-            chosen = self.indexer.select(x, q_compressed, second[..., self.rope:], cos, sin, pos, mask)
-            c_all, k_rope_all, mask = self._sparse(cache, c_all, k_rope_all, chosen, mask, pos, T)
+            # the columns each query may read: the cache's mask, or causal where its columns are positions 0..S-1
+            allowed = mask if mask is not None else positions_mask(
+                torch.arange(pos, pos + T, device=x.device), torch.arange(second.shape[2], device=x.device), None)
+            chosen = self.indexer.select(x, q_compressed, second[..., self.rope:], cos, sin, allowed)
+            c_all, k_rope_all, mask = self._sparse(cache, c_all, k_rope_all, chosen, allowed, T)
         if tracer is not None:
             c_all = hook(tracer, f"{name}.cache_read", c_all)
         explicit = tracer is not None and tracer.wants_attention(self.layer)
@@ -146,7 +148,7 @@ class LatentAttention(nn.Module):
         return out if tracer is None else hook(tracer, f"{name}.out", out)
 
     def _sparse(self, cache: KVCache, c_all: torch.Tensor, k_rope_all: torch.Tensor, chosen: torch.Tensor,
-                mask: torch.Tensor | None, pos: int, T: int):
+                allowed: torch.Tensor, T: int):
         """One token of one sequence reads a gather of the chosen positions (the cache is told which, so the cache
         map marks exactly those); several tokens read every position under a mask of what each query chose."""
         B, _, S, _ = c_all.shape
@@ -156,9 +158,7 @@ class LatentAttention(nn.Module):
             cache.note_reads(self.layer, positions, c_sel.nbytes + k_sel.nbytes)
             return c_sel, k_sel, None
         picked = torch.zeros(B, T, S, dtype=torch.bool, device=c_all.device).scatter_(-1, chosen, True)
-        if mask is None:  # the columns are positions 0..S-1 (a cache whose columns are not says so by its mask)
-            mask = torch.arange(S, device=c_all.device)[None, :] <= torch.arange(pos, pos + T, device=c_all.device)[:, None]
-        return c_all, k_rope_all, (picked & mask).unsqueeze(1)  # (B, 1, T, S)
+        return c_all, k_rope_all, (picked & allowed).unsqueeze(1)  # (B, 1, T, S)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_k`` ``(nh, nope, rank)`` and ``W_v`` ``(nh, vd, rank)`` from ``kv_b_proj``."""

@@ -50,6 +50,8 @@ class QuantizedLayer(FullLayer):
         self.rk, self.rv = zeros(B, H, nr, D, dtype=dtype), zeros(B, H, nr, D, dtype=dtype)
         self.kerr, self.verr = zeros(B, H, max_seq_len), zeros(B, H, max_seq_len)  # max abs error per position
         self.qf = 0  # the quantized frontier
+        self.qf_start = 0  # the frontier before the step under way (what a cut of its drafts compares with)
+        self.columns = None  # (mask, positions) of a chunk that read each position as one-token steps would
         self.q_high = self.r_high = 0  # slots below these were written at some point
 
     @property
@@ -62,16 +64,13 @@ class QuantizedLayer(FullLayer):
 
     def begin(self, step: Step) -> None:
         step.journal.remember(self._restore, (self.qf, self.q_high, self.r_high))
-        self.qf_start = self.qf  # the frontier before the step (what a cut of its drafts compares with)
-        self.columns = None  # (mask, positions) of a chunk that read each position as one-token steps would
+        self.qf_start, self.columns = self.qf, None
 
     def mask(self, step: Step) -> torch.Tensor | None:
-        columns = getattr(self, "columns", None)
-        return super().mask(step) if columns is None else columns[0]
+        return super().mask(step) if self.columns is None else self.columns[0]
 
     def read_positions(self, length: int) -> list[int]:
-        columns = getattr(self, "columns", None)
-        return super().read_positions(length) if columns is None else list(columns[1])
+        return super().read_positions(length) if self.columns is None else list(self.columns[1])
 
     def _as_steps(self, pos: int, end: int, qf: int, fk: torch.Tensor, fv: torch.Tensor):
         """What a chunk of queries ``pos..end-1`` appended after position 0 reads when it pushes blocks out of the
@@ -91,7 +90,7 @@ class QuantizedLayer(FullLayer):
 
     def crop_error(self, n: int, length: int) -> str | None:
         G = self.group_size
-        would = min(self.nq, max(getattr(self, "qf_start", 0), (n - self.residual) // G * G))
+        would = min(self.nq, max(self.qf_start, (n - self.residual) // G * G))
         if n < length and self.qf > would:
             return (f"the draft pushed positions {would}..{self.qf - 1} into the quantized part (a step that stopped "
                     f"at {n} keeps them in the full-precision residual)")
@@ -117,6 +116,7 @@ class QuantizedLayer(FullLayer):
         rk, rv = self.rk, self.rv
         self.kerr[:, :, pos:end] = 0
         self.verr[:, :, pos:end] = 0
+        as_steps = None  # a chunk after position 0 that flushes: what its queries read, one-token steps' way
         if new_qf == qf:  # everything new goes to the residual, in place
             rk[:, :, pos - qf:end - qf] = k
             rv[:, :, pos - qf:end - qf] = v
@@ -134,11 +134,10 @@ class QuantizedLayer(FullLayer):
             c.written_bytes += (keep - moved) * per_token
             self.qf = new_qf
             if 0 < pos and end - pos > 1:
-                self.q_high, self.r_high = max(self.q_high, new_qf), max(self.r_high, end - new_qf)
-                return self._as_steps(pos, end, qf, fk, fv)
+                as_steps = self._as_steps(pos, end, qf, fk, fv)
         self.q_high = max(self.q_high, new_qf)
         self.r_high = max(self.r_high, end - new_qf)
-        return self.read_upto(end)
+        return self.read_upto(end) if as_steps is None else as_steps
 
     def _keep_touched(self, journal, pos: int, end: int, qf: int, new_qf: int) -> None:
         """Keep every slot a write of ``pos..end-1`` at the end of the sequence touches, so a rollback restores
