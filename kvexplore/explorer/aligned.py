@@ -24,7 +24,7 @@ from ..trace.records import StepRecord
 
 def drafts(lane: Any) -> bool:
     """Whether ``lane``'s generator drafts (speculative decoding)."""
-    return getattr(lane.generator, "speculation", None) is not None
+    return lane.speculation is not None
 
 
 def pace_lane(lanes: Iterable[Any]) -> Any | None:
@@ -83,7 +83,7 @@ def settle_rows(lanes: Iterable[Any]) -> None:
     """For each lane that drafts and whose newest token came from a verification: the row of the pass that chose
     it gives its log-probabilities (the pass's later rows were for rejected drafts)."""
     for lane in lanes:
-        spec = getattr(lane.generator, "speculation", None)
+        spec = lane.speculation
         last = lane.last
         if spec is None or last is None or last.verification is None or not spec.verifications:
             continue

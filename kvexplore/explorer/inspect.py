@@ -52,7 +52,7 @@ def speculation(explorer: Any) -> dict[str, Any] | None:
     per verification the step of its last token, drafted and accepted; and the tokens generated (None: the lane
     does not draft)."""
     lane = explorer.lane
-    spec = getattr(lane.generator, "speculation", None)
+    spec = lane.speculation
     if spec is None:
         return None
     return {"verifications": [{"last_step": v.first_step + len(v.tokens) - 1, "drafted": len(v.drafted),

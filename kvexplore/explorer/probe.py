@@ -126,7 +126,7 @@ class LaneTracer(Tracer):
         if "attention" in self.capture:
             # a speculative take-back (the cache kept less than the pass wrote) changed what the cache says it reads:
             # rows that wait for the read positions cannot be placed; they are left out of the store
-            hooked = self._hooked if cache.length >= end or not getattr(cache, "stores", True) else []
+            hooked = self._hooked if cache.length >= end or not cache.stores else []
             for layer, q0, rows, c0 in hooked:
                 if layer in self._per_head:  # one row of positions per KV head
                     reads = np.asarray(cache.read_positions_by_head(self._per_head[layer]))[:, c0: c0 + rows.shape[-1]]
@@ -146,7 +146,7 @@ class LaneTracer(Tracer):
                     raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
                 checked.add(id(reads))
             self.history.end()
-            if cache.length < end and getattr(cache, "stores", True):  # a speculative take-back: the rows of the
+            if cache.length < end and cache.stores:  # a speculative take-back: the rows of the
                 self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
                 step._attention = {layer: (n, q0, min(q1, cache.length)) for layer, (n, q0, q1)
                                    in step._attention.items()}

@@ -64,13 +64,17 @@ class Lane:
             for k in [k for k in d if k >= steps]:
                 del d[k]
         self.forced_at = {k for k in self.forced_at if k < steps}
-        spec = getattr(self.generator, "speculation", None)
-        kept = len(spec.verifications) if spec is not None else 0
+        kept = len(self.speculation.verifications) if self.speculation is not None else 0
         self.checkups = {i: c for i, c in self.checkups.items() if i < kept}
 
     @property
     def cache(self):
         return self.generator.cache
+
+    @property
+    def speculation(self):
+        """The generator's drafting counts (None: the lane does not draft)."""
+        return self.generator.speculation
 
     @property
     def history(self) -> list[StepRecord]:
@@ -218,7 +222,7 @@ class Session:
             raise StateError("nothing to continue: enter a prompt and prefill first")
         for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
             lane.generator.check_step()
-        pace = aligned.pace_lane(self.lanes.values())
+        pace = self.pace
         done: list[tuple[Lane, int]] = []
         out = {}
         try:
@@ -227,12 +231,13 @@ class Session:
                     timing.warm_up(self.model, ref.generator.tokens[-1])
                 if pace is not None:
                     out = aligned.step(self, pace, [lane for lane in self.step_order() if lane is not pace], done)
-                for lane in self.step_order() if pace is None else ():
-                    force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
-                    done.append((lane, len(lane.history)))
-                    out[lane.name] = lane.generator.step(force=force, keep_undo=True)
-                    if force is not None:
-                        lane.forced_at.add(out[lane.name].step)
+                else:
+                    for lane in self.step_order():
+                        force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
+                        done.append((lane, len(lane.history)))
+                        out[lane.name] = lane.generator.step(force=force, keep_undo=True)
+                        if force is not None:
+                            lane.forced_at.add(out[lane.name].step)
         except BaseException:  # unexpected (the checks passed): undo exactly what the other lanes did
             for lane, before in reversed(done):
                 aligned.take_back(lane, before)
@@ -251,22 +256,30 @@ class Session:
         """The doctor's check on each lane that drafts, after a verification that took positions back (up to
         :data:`~.checkup.AUTO_TOKENS` tokens; longer, :meth:`checkup` runs it on demand)."""
         for lane in self.lanes.values():
-            spec = getattr(lane.generator, "speculation", None)
-            if spec is None or not spec.verifications or not isinstance(self.model, Model) or \
-                    lane.lane_kind.transformers:
+            spec = lane.speculation
+            if spec is None or not spec.verifications or not self._checkable(lane):
                 continue
             v = spec.verifications[-1]
             if v.rolled_back and v.index not in lane.checkups and len(lane.generator.tokens) <= checkup.AUTO_TOKENS:
                 lane.checkups[v.index] = checkup.safely(self.model, lane.generator, v.index)
 
+    def _checkable(self, lane: Lane) -> bool:
+        """The doctor checks kvexplore's own model and caches (not a transformers lane)."""
+        return isinstance(self.model, Model) and not lane.lane_kind.transformers
+
+    @property
+    def pace(self) -> Lane | None:
+        """The lane whose verification sets how many tokens a Step gives (None: no lane drafts; see .aligned)."""
+        return aligned.pace_lane(self.lanes.values())
+
     def checkup(self, name: str | None = None) -> "checkup.Checkup":
         """Run the doctor's check on lane ``name``'s cache now (default: the first lane that drafts)."""
-        lane = self.lanes[name] if name is not None else aligned.pace_lane(self.lanes.values())
-        if lane is None or not isinstance(self.model, Model) or lane.lane_kind.transformers:
+        lane = self.lanes[name] if name is not None else self.pace
+        if lane is None or not self._checkable(lane):
             raise StateError("the doctor's check runs on a kvexplore lane: pick one (and prefill first)")
         if not lane.history:
             raise StateError("nothing to check yet: prefill first")
-        spec = getattr(lane.generator, "speculation", None)
+        spec = lane.speculation
         index = spec.verifications[-1].index if spec is not None and spec.verifications else -1
         result = lane.checkups[index] = checkup.check(self.model, lane.generator, index)
         return result  # (on demand: an error is raised, not kept)

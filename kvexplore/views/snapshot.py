@@ -100,7 +100,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     """The snapshot of ``session`` with ``shown`` (and ``second``) on screen; ``strip`` names the tokens."""
     tokenizer = session.model.tokenizer
     lanes = {}
-    pace = next((n for n, lane in session.lanes.items() if getattr(lane.generator, "speculation", None)), None)
+    pace = session.pace.name if session.pace is not None else None
     for name, lane in session.lanes.items():
         lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at),
                                    speculation=_speculation(lane, pace))
@@ -120,10 +120,10 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
 
 
 def _speculation(lane: Any, pace: str | None) -> SpecInfo | None:
-    spec = getattr(lane.generator, "speculation", None)
+    spec = lane.speculation
     if spec is None:
         return None
-    checkups = getattr(lane, "checkups", {})
+    checkups = lane.checkups
     last = checkups[max(checkups)] if checkups else None
     return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(),
                     last.short if last else None, last.text if last else None,

@@ -13,6 +13,7 @@ tokens per pass.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -107,14 +108,8 @@ def _fit(lines: list[str], budget: int = TITLE_LINES - 1) -> list[str]:
 
 
 def _wrap(text: str, width: int = 70) -> str:
-    out, line = [], ""
-    for word in text.split(" "):
-        if line and len(line) + len(word) + 1 > width:
-            out.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    return "<br>".join([*out, line])
+    """``text`` in lines of at most ``width`` characters (words kept whole), joined for a plotly title."""
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""])
 
 
 def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None, zoom: dict | None = None,
