@@ -120,10 +120,7 @@ class ModelDrafter(Drafter):
                 break
             keep += 1
         if keep < self.cache.length:
-            if self.cache.needs_replay(keep):  # a ring or a recurrent state: recompute what is kept
-                self.executor.replay(tokens[:keep], self.cache)
-            else:
-                self.cache.truncate(keep)
+            self.executor.cut_back(tokens[:keep], self.cache)
         self.fed = self.fed[:keep]
         out, probs = [], []
         logits = self._feed(tokens[keep:], keep)

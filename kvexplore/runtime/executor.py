@@ -91,6 +91,14 @@ class Executor(ABC):
             raise
         cache.settle()
 
+    def cut_back(self, ids: Sequence[int], cache: Any) -> None:
+        """Bring ``cache`` back to holding ``ids`` (a prefix of what it holds): a truncate, or, where a sliding ring
+        or a recurrent state cannot go back, a :meth:`replay` of ``ids``."""
+        if cache.needs_replay(len(ids)):
+            self.replay(ids, cache)
+        else:
+            cache.truncate(len(ids))
+
     def compile_refusal(self, cache: Any) -> str | None:
         """Why one-token steps through ``cache`` cannot run compiled (None: :meth:`compiled` gives a step)."""
         return f"{type(self).__name__} has no compiled decode step (compiled decoding runs kvexplore's own model)"

@@ -290,10 +290,7 @@ class Generator:
             return
         keep = len(self._tokens) - n
         target = min(self.cache.length, keep - 1)
-        if self.cache.needs_replay(target):  # the same cache a fresh prefill of the kept tokens gives
-            self.executor.replay(self._tokens[:target], self.cache)
-        else:
-            self.cache.truncate(target)
+        self.executor.cut_back(self._tokens[:target], self.cache)  # a replay: what a fresh prefill of them gives
         self._rng.set_state(self._rng_states[len(self.history) - n])  # the last kept token is fed again next step
         del self._tokens[keep:], self.history[len(self.history) - n:], self._rng_states[len(self._rng_states) - n:]
         if self.speculation is not None:

@@ -25,12 +25,18 @@ def step_record(logits: torch.Tensor, token: int, *, step: int, first: bool, pos
     tok = executor.tokenizer
     text = (lambda i: tok.token_text(i, context)) if tok is not None else str
     top = [Candidate(int(i), text(int(i)), float(p)) for p, i in zip(top_p.tolist(), top_i.tolist())]
-    eos = tok.eos_ids if tok is not None else executor.config.eos_token_id
+    eos = eos_ids(executor)
     return StepRecord(step=0 if first else step, kind=PREFILL if first else DECODE, token_id=token,
                       text=text(token), position=pos + feed, input_len=feed, cache_length=cache.length,
                       prob=float(probs[token]), top=top, forward_s=forward_s,
                       sample_s=time.perf_counter() - sampled_at, is_eos=token in eos,
                       memory=cache.memory_report(), trace=None if tracer is None else tracer.end_step(cache))
+
+
+def eos_ids(executor: Any) -> list[int]:
+    """The end-of-sequence token ids: the tokenizer's, else the model config's."""
+    tok = executor.tokenizer
+    return list(tok.eos_ids if tok is not None else executor.config.eos_token_id)
 
 
 def run_meta(executor: Any, cache: Any, ids: list[int]) -> dict:

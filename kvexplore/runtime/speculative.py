@@ -35,7 +35,7 @@ from ..core.settings import integer
 from ..errors import SettingsError
 from . import clock
 from .drafters import Draft, Drafter, make_drafter
-from .recording import step_record
+from .recording import eos_ids, step_record
 from .sampling import choose, filtered_probs
 
 if TYPE_CHECKING:
@@ -133,11 +133,6 @@ class Speculation:
         self.drafter.forget()
 
 
-def eos_ids(executor) -> list[int]:
-    tok = executor.tokenizer
-    return list(tok.eos_ids if tok is not None else executor.config.eos_token_id)
-
-
 def draft_for(gen: "Generator", limit: int) -> Draft:
     """What the drafter proposes now, at most ``limit`` tokens and no more than the cache has room for."""
     spec, cache = gen.speculation, gen.cache
@@ -208,7 +203,8 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         verify_s, t1 = clock.since(mark), time.perf_counter()
         new, accepted = accept(logits, draft, gen)
         if stop_at_eos:
-            eos = next((i for i, t in enumerate(new) if t in eos_ids(ex)), None)
+            ends = set(eos_ids(ex))
+            eos = next((i for i, t in enumerate(new) if t in ends), None)
             if eos is not None:
                 new, accepted = new[:eos + 1], min(accepted, eos)
         keep = pos + len(new)  # the fed token and the accepted drafts stay; positions from keep on go
