@@ -67,10 +67,10 @@ def run_one(model, ids: list[int], draft, k: int, tokens: int):
     gen.prefill(ids)
     records = gen.run(tokens, stop_at_eos=False)
     spec = gen.speculation
-    passes = len({r.verification for r in records if r.verification is not None}) + sum(
-        1 for r in records if r.verification is None)
-    seconds = sum(v.draft_s + v.verify_s + v.take_back_s for v in spec.verifications) + sum(
-        r.forward_s for r in records if r.verification is None) if spec else sum(r.forward_s for r in records)
+    plain = [r for r in records if r.verification is None]  # plain steps (no draft found, or no drafter)
+    verifications = spec.verifications if spec else []
+    passes = len(verifications) + len(plain)
+    seconds = sum(v.draft_s + v.verify_s + v.take_back_s for v in verifications) + sum(r.forward_s for r in plain)
     return {"tokens": gen.generated_tokens, "seconds": seconds, "passes": passes,
             "drafted": spec.drafted if spec else 0, "accepted": spec.accepted if spec else 0}
 
@@ -104,7 +104,8 @@ def main() -> None:
             row = {"prompt": name, "prompt_tokens": len(ids), "config": label, "same_tokens": same,
                    "tok_s": statistics.median(args.tokens / x["seconds"] for x in rs),
                    "speedup": statistics.median(speedups), "speedups": speedups,
-                   "acceptance": (sum(x["accepted"] for x in rs) / sum(x["drafted"] for x in rs)) if draft else None,
+                   "acceptance": (sum(x["accepted"] for x in rs) / max(1, sum(x["drafted"] for x in rs)))
+                   if draft else None,
                    "tokens_per_pass": statistics.median(args.tokens / x["passes"] for x in rs)}
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "speedups"}), flush=True)
