@@ -229,8 +229,10 @@ class Generator:
         if not self._undoable:
             raise StateError("undo_step() takes back only the last step(keep_undo=True), right after it; use "
                              "rewind(1) instead")
-        n = undo_verification(self) if self._spec_undo is not None else 1
-        if n == 1 and self._spec_undo is None:
+        if self._spec_undo is not None:  # a verification: its records, and the cache back before it
+            n = undo_verification(self)
+        else:
+            n = 1
             self.cache.rollback()
         self._rng.set_state(self._rng_states[-n])
         del self._tokens[-n:], self.history[-n:], self._rng_states[-n:]
