@@ -30,11 +30,8 @@ class Crop:
         return None
 
     def crop_ways(self) -> dict[str, str]:
-        """How a take-back looks in each kind of layer this cache has: the layers' description -> the way, in words."""
-        ways: dict[str, str] = {}
-        for spec, layer in zip(self.plan, self.layers):
-            ways.setdefault(type(layer).__name__, layer.crop_way)
-        return ways
+        """How a take-back looks in each kind of layer this cache has: the layer class's name -> the way, in words."""
+        return {type(layer).__name__: layer.crop_way for layer in self.layers}
 
     def speculation_refusal(self) -> str | None:
         """Why a drafting generator cannot run on this cache (None: it can)."""
