@@ -1,0 +1,3 @@
+"""Prefix sharing across requests: one page pool, a block-hash chain (vLLM's automatic prefix caching) or a radix
+tree (SGLang's RadixAttention) over it, every hit counted and every miss explained; and a serving engine's own KV
+cache events replayed into the same frames."""
