@@ -3,5 +3,6 @@
 from .session import Lane, Session
 from ..views.registry import TABS, VIEWS
 from .widget import Explorer
+from .prefix_widget import PrefixView
 
-__all__ = ["Explorer", "Lane", "Session", "TABS", "VIEWS"]
+__all__ = ["Explorer", "Lane", "PrefixView", "Session", "TABS", "VIEWS"]

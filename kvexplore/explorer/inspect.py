@@ -98,4 +98,9 @@ def element():
 def publish(box: Any, explorer: Any) -> None:
     """Put ``explorer``'s state into ``box`` (see :func:`element`)."""
     if box is not None:
-        box.value = f"<pre>{html.escape(json.dumps(state(explorer)))}</pre>"
+        put(box, state(explorer))
+
+
+def put(box: Any, data: dict[str, Any]) -> None:
+    """Put ``data`` (JSON-safe, see :func:`plain`) into ``box`` (see :func:`element`), as any widget's state."""
+    box.value = f"<pre>{html.escape(json.dumps(data))}</pre>"

@@ -48,21 +48,34 @@ def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int
             "prompt": {name: tokens.prompt_spans(texts(run, -1)) for name, run in runs.items()},
             "spans": {name: [tokens.token_span(r) for r in run] for name, run in runs.items()},
             "style": tokens.STYLE}
-    data = json.dumps({"meta": meta, "arrays": store.arrays, "frames": all_frames}, separators=(",", ":"),
-                      allow_nan=False)
-    packed = base64.b64encode(gzip.compress(data.encode(), 6, mtime=0)).decode()
-    plotly_js = ""
-    if plotly:
-        try:
-            from plotly.offline import get_plotlyjs
-        except ImportError as e:  # pragma: no cover - the notebook extra
-            raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
-        packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
-        plotly_js = f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
+    packed = pack({"meta": meta, "arrays": store.arrays, "frames": all_frames})
+    plotly_js = plotly_script() if plotly else ""
     uid = f"kvx-replay-{uuid.uuid4().hex[:12]}"  # two identical replays on one page are still two
     return (FRAGMENT.replace("__ID__", uid).replace("__SIDE__", " kvx-side" if side_by_side else "")
             .replace("__TITLE__", html.escape(meta["title"]))
             .replace("__PLOTLY__", plotly_js).replace("__DATA__", packed).replace("__PLAYER__", PLAYER))
+
+
+def pack(data: object) -> str:
+    """``data`` as the page carries it: JSON (no NaN), gzip-compressed, base64 (unpacked by :data:`.player.UNPACK`)."""
+    text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    return base64.b64encode(gzip.compress(text.encode(), 6, mtime=0)).decode()
+
+
+def plotly_script() -> str:
+    """plotly.js (the installed plotly package's copy), packed in a script element the player runs once per page."""
+    try:
+        from plotly.offline import get_plotlyjs
+    except ImportError as e:  # pragma: no cover - the notebook extra
+        raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
+    packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
+    return f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
+
+
+def document(body: str, title: str) -> str:
+    """A whole HTML document around ``body`` (a fragment)."""
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f'</head>\n<body style="margin: 12px 18px">\n{body}\n</body></html>\n')
 
 
 def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
@@ -71,9 +84,7 @@ def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer:
     ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
     path = Path(path)
     body = fragment(runs, layer, head, title, marks, side_by_side=side_by_side)
-    name = html.escape(title or "kvexplore replay")
-    path.write_text(f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}</title></head>\n'
-                    f'<body style="margin: 12px 18px">\n{body}\n</body></html>\n', encoding="utf-8")
+    path.write_text(document(body, title or "kvexplore replay"), encoding="utf-8")
     return path
 
 

@@ -47,3 +47,10 @@ def step_colour(step: int) -> str:
     lo, hi = (224, 243, 219), (67, 162, 202)
     r, g, b = (round(a + (z - a) * t) for a, z in zip(lo, hi))
     return f"rgb({r},{g},{b})"
+
+
+# the states of a prefix cache's block (kvexplore.prefix.frames.STATES, in that order: the pool heatmap's z values)
+BLOCK_COLOURS = {"free": "#eeeeee", "cached": "#6baed6", "hit": "#2ca02c", "written": "#f16913",
+                 "evicted": "#d62728", "held": "#9e72c3"}
+# a request's tokens: found in the cache, computed again, generated (the timeline's stacked bars)
+HIT_COLOUR, RECOMPUTED_COLOUR, GENERATED_COLOUR = "#2ca02c", "#f16913", "#9ecae1"

@@ -31,7 +31,11 @@ __PLOTLY__
 <script>(__PLAYER__)((document.currentScript && document.currentScript.parentElement) || document.getElementById("__ID__"));</script>
 </div>"""
 
-PLAYER = r"""async function (root) {
+# what every player starts with: unpack(root) runs the packed plotly.js once per page (or waits for another
+# fragment's), then gives the packed data (views/page.py: pack) and decode(v), which turns the array references
+# ({"$a": i, "n": n}, views/frames.py: ArrayStore) back into typed arrays and lists of strings stored once in a table
+# ({"$t": indices into all.strings}, replay/prefix_page.py)
+UNPACK = r"""
   const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                  uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
   async function gunzip(el) {
@@ -39,7 +43,7 @@ PLAYER = r"""async function (root) {
     const stream = new Blob([bin]).stream().pipeThrough(new DecompressionStream('gzip'));
     return await new Response(stream).text();
   }
-  try {
+  async function unpack(root) {
     const packedJs = root.querySelector('.kvx-plotly');
     if (!window.Plotly && packedJs && !window.__kvxPlotlyLoading) {
       window.__kvxPlotlyLoading = true;
@@ -50,18 +54,26 @@ PLAYER = r"""async function (root) {
       await new Promise((r) => setTimeout(r, 50));
     }
     const all = JSON.parse(await gunzip(root.querySelector('.kvx-data')));
-    const meta = all.meta, frames = all.frames;
     const arrays = all.arrays.map((a) => new TYPED[a.dtype](Uint8Array.from(atob(a.b64), (c) => c.charCodeAt(0)).buffer));
     const decode = (v) => {
       if (Array.isArray(v)) return v.map(decode);
       if (v && typeof v === 'object') {
         if (v['$a'] !== undefined) return arrays[v['$a']].slice(0, v.n);
+        if (v['$t'] !== undefined) return Array.from(decode(v['$t']), (i) => all.strings[i]);  // a string table's
         const o = {};
         for (const [k, x] of Object.entries(v)) o[k] = decode(x);
         return o;
       }
       return v;
     };
+    return {all, decode};
+  }
+"""
+
+PLAYER = "async function (root) {" + UNPACK + r"""
+  try {
+    const {all, decode} = await unpack(root);
+    const meta = all.meta, frames = all.frames;
     const styleHost = document.createElement('div');
     styleHost.innerHTML = meta.style;
     root.prepend(...styleHost.children);

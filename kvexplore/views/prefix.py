@@ -1,0 +1,51 @@
+"""A prefix cache as the views draw it: the frames of a source (a :class:`~kvexplore.prefix.pool.PrefixPool`, or
+anything with ``frames()``, or a list of :class:`~kvexplore.prefix.frames.PoolFrame`) and, for one frame, the three
+figures (:mod:`.prefix_pool`, :mod:`.prefix_tree`, :mod:`.prefix_timeline`) and its story (:mod:`.prefix_words`).
+The notebook widget (:class:`kvexplore.explorer.prefix_widget.PrefixView`) and the HTML replay
+(:func:`kvexplore.replay.prefix_page.save_prefix_html`) both draw from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import SettingsError
+from ..prefix.frames import PoolFrame
+from . import prefix_pool, prefix_timeline, prefix_tree
+from .prefix_words import explain_html
+from .spec import FigureSpec
+
+NAMES = ("prefix_pool", "prefix_tree", "prefix_timeline")  # each figure's name (its CSS class kvx-fig-<name>)
+
+
+def frames_of(source: Any) -> list[PoolFrame]:
+    """The frames of ``source``: a pool's ``frames()``, or a non-empty list of PoolFrames, checked."""
+    if hasattr(source, "frames") and callable(source.frames):
+        got = list(source.frames())
+    elif isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        got = list(source)
+    else:
+        raise SettingsError(f"cannot draw a prefix cache from {type(source).__name__}: pass a PrefixPool (anything "
+                            "with .frames()) or a list of kvexplore.prefix.frames.PoolFrame")
+    bad = [i for i, f in enumerate(got) if not isinstance(f, PoolFrame)]
+    if bad:
+        raise SettingsError(f"item {bad[0]} is a {type(got[bad[0]]).__name__}, not a PoolFrame: pass the frames a "
+                            "PrefixPool or an event stream gives (pool.frames())")
+    if not got:
+        raise SettingsError("no frames to draw: a PrefixPool has at least its empty frame; pass pool.frames() or a "
+                            "non-empty list of PoolFrames")
+    return got
+
+
+def figures(frames: Sequence[PoolFrame], i: int) -> dict[str, FigureSpec]:
+    """The three figures of frame ``i`` (a position in ``frames``), by name."""
+    if not 0 <= i < len(frames):
+        raise SettingsError(f"frame {i} does not exist: there are frames 0..{len(frames) - 1}")
+    return {"prefix_pool": prefix_pool.spec(frames[i]), "prefix_tree": prefix_tree.spec(frames[i]),
+            "prefix_timeline": prefix_timeline.spec(frames, i)}
+
+
+def story(frames: Sequence[PoolFrame], i: int) -> str:
+    """Frame ``i``'s explanation as HTML (the panel beside the figures)."""
+    return explain_html(frames[i])

@@ -1,0 +1,75 @@
+"""A prefix cache in words: a block's or a node's tokens as hover text, and the story of one frame (what the request
+found in the cache, what it computed again and why, what the frame evicted) as plain text and as HTML, for the
+widget's panel and the HTML replay.
+"""
+
+from __future__ import annotations
+
+import html
+import textwrap
+
+from ..caches.memory import format_bytes
+from ..prefix.frames import MISS_KINDS, PoolFrame
+
+IDS_SHOWN = 24  # token ids listed in a hover at most (a block of 16 shows all)
+
+
+def visible(text: str) -> str:
+    """``text`` with its spaces, tabs and newlines made visible (a block often starts or ends in one)."""
+    return text.replace(" ", "·").replace("\t", "→").replace("\n", "↵")
+
+
+def wrap(text: str, width: int = 60) -> str:
+    """``text`` escaped for a plotly hover and wrapped in lines of ``width`` characters (``<br>`` between)."""
+    lines = textwrap.wrap(text, width, break_long_words=True, replace_whitespace=False, drop_whitespace=False)
+    return "<br>".join(html.escape(line) for line in lines) or ""
+
+
+def tokens_hover(tokens: tuple[int, ...], text: str) -> str:
+    """The hover lines of a run of tokens: its text (visible spaces) and its ids."""
+    ids = ", ".join(map(str, tokens[:IDS_SHOWN])) + (", …" if len(tokens) > IDS_SHOWN else "")
+    lines = [f"“{wrap(visible(text))}”"] if text else []
+    return "<br>".join([*lines, f"ids [{ids}]"]) if tokens else "no tokens"
+
+
+def label(text: str, limit: int = 8) -> str:
+    """A short label of a run of tokens, for a cell or a node too small for the whole text."""
+    shown = visible(text)
+    return html.escape(shown if len(shown) <= limit else shown[: limit - 1] + "…")
+
+
+def _request_lines(frame: PoolFrame) -> list[str]:
+    r = frame.request
+    shared = frame.bytes_per_block and r.bytes_shared // frame.bytes_per_block
+    lines = [f"{r.label}: {r.prompt_tokens} prompt tokens: {r.hit_tokens} hit, {r.recomputed_tokens} recomputed, "
+             f"{r.generated_tokens} generated",
+             f"shared from the cache: {format_bytes(r.bytes_shared)}" + (f" ({shared} blocks)" if shared else "")]
+    if not r.misses:
+        lines.append("nothing recomputed that could have been shared")
+    for m in r.misses:
+        lines.append(f"tokens {m.start}–{m.end - 1} recomputed ({m.kind}): {m.reason or MISS_KINDS.get(m.kind, '')}")
+    return lines
+
+
+def explain(frame: PoolFrame) -> list[str]:
+    """The frame's story, one line per fact: the request's counts and each miss's reason, then the frame's notes
+    (evictions, events); the pool's counts last."""
+    lines = [frame.title] if frame.title else []
+    if frame.request is not None:
+        lines += _request_lines(frame)
+    elif frame.index == 0 and frame.policy != "events":
+        lines.append(f"the empty pool: {frame.num_blocks} blocks of {frame.block_size} tokens, all free")
+    lines += list(frame.notes)
+    counts = ", ".join(f"{frame.count(s)} {s}" for s in ("cached", "hit", "written", "held", "evicted", "free")
+                       if frame.count(s))
+    lines.append(f"pool ({frame.policy}): {counts or 'empty'}; {len(frame.free_queue)} blocks in the free queue")
+    return lines
+
+
+def explain_html(frame: PoolFrame) -> str:
+    """:func:`explain` as HTML: the first line a heading, the misses and notes a list, the counts small."""
+    lines = explain(frame)
+    head, body, tail = lines[0], lines[1:-1], lines[-1]
+    items = "".join(f"<li>{html.escape(t)}</li>" for t in body)
+    return (f'<div class="kvx-prefix-story"><b>{html.escape(head)}</b>'
+            f"<ul>{items}</ul><small>{html.escape(tail)}</small></div>")
