@@ -127,3 +127,20 @@ def synthetic(num_blocks: int, requests: int, block_size: int = 16, seed: int = 
                 order.remove(s)
             order.append(s)
     return out
+
+
+def events() -> list[PoolFrame]:
+    """An engine's event stream as frames: batch 1 stores two blocks (a chain), batch 2 stores one more and removes
+    the first."""
+    def ev(index, blocks, tree, notes):
+        return PoolFrame(index, f"batch {index}", "events", BS, 3, tuple(blocks), tuple(tree), (), None, notes)
+
+    held = "held"
+    return [ev(0, [], [], ()),
+            ev(1, [block(0, held, A[:4], "e1", None, 0, 1, 1, "e1"), block(1, held, A[4:8], "e2", "e1", 0, 1, 1, "e2")],
+               [node("e1", None, 0, A[:4], [0], held), node("e2", "e1", 4, A[4:8], [1], held)],
+               ("BlockStored: 2 blocks",)),
+            ev(2, [block(0, EVICTED, A[:4], "e1", None, 0, 1, 1), block(1, held, A[4:8], "e2", "e1", 0, 1, 1, "e2"),
+                   block(2, held, C[:4], "e3", None, 0, 2, 2, "e3")],
+               [node("e2", "e1", 4, A[4:8], [1], held, reachable=False), node("e3", None, 0, C[:4], [2], held)],
+               ("BlockStored: 1 block", "BlockRemoved: 1 block"))]

@@ -12,6 +12,7 @@ from ..caches.memory import format_bytes
 from ..prefix.frames import MISS_KINDS, PoolFrame
 
 IDS_SHOWN = 24  # token ids listed in a hover at most (a block of 16 shows all)
+NOTES_SHOWN = 8  # a frame's notes listed at most (an eviction under pressure may drop hundreds of blocks)
 
 
 def visible(text: str) -> str:
@@ -43,7 +44,7 @@ def _request_lines(frame: PoolFrame) -> list[str]:
     shared = frame.bytes_per_block and r.bytes_shared // frame.bytes_per_block
     lines = [f"{r.label}: {r.prompt_tokens} prompt tokens: {r.hit_tokens} hit, {r.recomputed_tokens} recomputed, "
              f"{r.generated_tokens} generated",
-             f"shared from the cache: {format_bytes(r.bytes_shared)}" + (f" ({shared} blocks)" if shared else "")]
+             f"shared from the cache: {format_bytes(r.bytes_shared)}" + (f" ({shared} block{'s' if shared != 1 else ''})" if shared else "")]
     if not r.misses:
         lines.append("nothing recomputed that could have been shared")
     for m in r.misses:
@@ -59,7 +60,9 @@ def explain(frame: PoolFrame) -> list[str]:
         lines += _request_lines(frame)
     elif frame.index == 0 and frame.policy != "events":
         lines.append(f"the empty pool: {frame.num_blocks} blocks of {frame.block_size} tokens, all free")
-    lines += list(frame.notes)
+    lines += list(frame.notes[:NOTES_SHOWN])
+    if len(frame.notes) > NOTES_SHOWN:
+        lines.append(f"… and {len(frame.notes) - NOTES_SHOWN} more")
     counts = ", ".join(f"{frame.count(s)} {s}" for s in ("cached", "hit", "written", "held", "evicted", "free")
                        if frame.count(s))
     lines.append(f"pool ({frame.policy}): {counts or 'empty'}; {len(frame.free_queue)} blocks in the free queue")
