@@ -84,6 +84,10 @@ class Ledger:
             when = f"evicted under pressure at request {r}" if r is not None else "not cached any more"
             return Miss("evicted", start, end, f"{block} was cached by {q.label}, then {when}: every block after it "
                                                f"is computed again too", q.index)
+        if common >= len(q.written) == start:
+            return Miss("first-seen", start, end,
+                        f"{q.label} wrote positions up to {start - 1} only (the last token it generated is never "
+                        f"written: nothing reads it), so the tokens from {start} on are new", q.index)
         if common >= len(q.written):
             return Miss("partial-block", start, end,
                         f"{q.label} wrote tokens up to position {len(q.written) - 1} only, inside {block}: its last "
