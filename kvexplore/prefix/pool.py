@@ -115,7 +115,7 @@ class PrefixPool:
         cache.adopt(pages, hit)
         restored = self.states.restore(cache, hashes[usable - 1]) if usable and self.states.needed else 0
         try:
-            generated, logits = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
+            generated, logits, first = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
         except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
             self._give_back(cache)
             self._settle_evictions(r)
@@ -139,7 +139,7 @@ class PrefixPool:
             self._give_back(cache)
         result = ServeResult(
             r, label, list(ids), generated, hit, n - hit, misses, table, list(pages), cached, len(evictions),
-            len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0)
+            len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
         self.results.append(result)
         self.events.record(self.index, evictions, cached)
         frame = frame_of(self, result, evictions, len(self._frames))
@@ -173,8 +173,10 @@ class PrefixPool:
                                 f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
 
     def _run(self, cache: PagedCache, ask, hit: int, sampling: SamplingSettings, seed: int, stop_at_eos: bool,
-             keep_logits: bool) -> tuple[list[int], torch.Tensor | None]:
-        """Compute the prompt from ``hit`` on (stopping where a state is to be saved) and generate the answer."""
+             keep_logits: bool) -> tuple[list[int], torch.Tensor | None, float]:
+        """Compute the prompt from ``hit`` on (stopping where a state is to be saved) and generate the answer; the
+        tokens, their logits (with ``keep_logits``) and the seconds the prompt took (to the first token's logits)."""
+        t0 = time.perf_counter()
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
         written = n + max(ask.new_tokens - 1, 0)
         points = self.states.points(hit, n, written, bs)
@@ -183,6 +185,7 @@ class PrefixPool:
             logits = self.executor(torch.tensor([ids[pos:stop]]), cache, pos, last_only=True)[0, -1]
             pos = stop
             self._save_state(cache, ids, pos, points)
+        first = time.perf_counter() - t0
         rng = torch.Generator().manual_seed(seed)
         eos = set(eos_ids(self.executor)) if stop_at_eos else set()
         generated, kept = [], []
@@ -196,7 +199,7 @@ class PrefixPool:
             logits = self.executor(torch.tensor([[token]]), cache, pos, last_only=True)[0, -1]
             pos += 1
             self._save_state(cache, list(ids) + generated, pos, points)
-        return generated, (torch.stack(kept) if kept else None)
+        return generated, (torch.stack(kept) if kept else None), first
 
     def _save_state(self, cache: PagedCache, ids: Sequence[int], pos: int, points: list[int]) -> None:
         if pos in points:

@@ -56,7 +56,8 @@ class ServeResult:
     bytes_shared: int  # keys and values it read from shared blocks (and a state checkpoint) instead of computing
     text: str = ""
     logits: torch.Tensor | None = field(default=None, repr=False)  # (generated, vocab) float32, with keep_logits
-    seconds: float = 0.0
+    seconds: float = 0.0  # serving it, start to end
+    prompt_seconds: float = 0.0  # computing the prompt's missed positions (the time to the first token's logits)
 
     @property
     def hit_rate(self) -> float:
