@@ -12,6 +12,7 @@ from .runtime.evaluate import perplexity
 from .explorer import Explorer, PrefixView
 from .runtime.generator import Generator
 from .formats.loading import load
+from .prefix import PrefixPool
 from .caches.memory import MemoryReport, kv_bytes
 from .models.model import Model, hook_point_names
 from .trace.records import Candidate, StepRecord
@@ -27,5 +28,5 @@ __all__ = [
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "EvictCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",
-    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "doctor", "DoctorReport", "perplexity", "save_trace",
+    "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace", "make_cache", "diff_traces", "TraceDiff", "doctor", "DoctorReport", "perplexity", "save_trace", "PrefixPool",
 ]

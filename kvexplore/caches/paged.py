@@ -47,7 +47,9 @@ class PagedCache(KVCache):
 
     def __init__(self, config: ModelConfig, max_seq_len: int | None = None, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 block_size: int = 16, num_blocks: int | None = None) -> None:
+                 block_size: int = 16, num_blocks: int | None = None, pool: PagePool | None = None) -> None:
+        if pool is not None:  # a pool made elsewhere (one that chooses which free page to take): its size wins
+            block_size, num_blocks = pool.block_size, pool.num_blocks
         block_size = positive_int(block_size, "block_size")
         if max_seq_len is None and num_blocks is None:
             raise SettingsError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
@@ -59,7 +61,7 @@ class PagedCache(KVCache):
         if num_blocks is None:
             num_blocks = math.ceil(max_seq_len / block_size) * batch_size
         self.max_seq_len, self.block_size = max_seq_len, block_size
-        pool = PagePool(len(self.plan), num_blocks, block_size)
+        pool = pool or PagePool(len(self.plan), num_blocks, block_size)
         self.table = PageTable(pool, batch_size, full_layer_bytes(config, block_size, 1, self.dtype), self.device)
         self._build()
 
@@ -126,6 +128,30 @@ class PagedCache(KVCache):
     def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
         self.check_write(pos, q_len, self.batch_size)  # the plan takes pages: refuse before it does
         super().begin_step(pos, q_len)
+
+    def sibling(self) -> "PagedCache":
+        """An empty cache for another sequence on the same pool (the same tensors): what a server makes for each
+        request. Its pages are its own, or adopted (:meth:`adopt`) from what the pool already holds."""
+        twin = self._copy("fork")
+        twin.table.release()
+        twin.table.tables = [[] for _ in range(self.batch_size)]
+        twin._length, twin._report = 0, None
+        return twin
+
+    def adopt(self, pages: list[int], length: int) -> None:
+        """Start this cache's (empty, one-sequence) table on ``pages`` of its pool that already hold positions
+        ``0 .. length - 1`` (a prefix another sequence computed): each page's reference count goes up, nothing is
+        written or copied. The next write continues at ``length``."""
+        if self.batch_size != 1 or self.length or any(self._tables):
+            raise SettingsError("adopt() starts an empty one-sequence paged cache on pages of its pool; this one "
+                                "already holds positions (truncate(0) first) or has several sequences")
+        if len(pages) != math.ceil(length / self.block_size):
+            raise SettingsError(f"adopt(): {length} positions fill {math.ceil(length / self.block_size)} pages of "
+                                f"{self.block_size}, {len(pages)} were given")
+        for page in pages:
+            self.pool.hold(page)
+        self.table.tables[0] = list(pages)
+        self._length, self._report = length, None
 
     def fork(self) -> "PagedCache":
         """A second cache on the same pool (the same tensors) with a copy of the block tables: every page is

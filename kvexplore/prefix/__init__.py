@@ -1,3 +1,9 @@
 """Prefix sharing across requests: one page pool, a block-hash chain (vLLM's automatic prefix caching) or a radix
 tree (SGLang's RadixAttention) over it, every hit counted and every miss explained; and a serving engine's own KV
 cache events replayed into the same frames."""
+
+from .frames import BlockView, MissView, PoolFrame, RequestView, TreeNode
+from .pool import PrefixPool
+from .result import Miss, ServeResult
+
+__all__ = ["BlockView", "Miss", "MissView", "PoolFrame", "PrefixPool", "RequestView", "ServeResult", "TreeNode"]

@@ -46,6 +46,7 @@ class BlockView:
     last_used: int | None = None    # the last request (or batch) that held it
     state_checkpoint: bool = False  # a recurrent state was saved at its end (hybrid models)
     node: str | None = None         # the tree node it belongs to
+    evicted: str | None = None      # the hash of the cached block this frame evicted from it (then maybe reused)
 
 
 @dataclass(frozen=True)

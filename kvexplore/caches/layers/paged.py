@@ -36,6 +36,13 @@ class PagePool:
         self.refcount[page], self.written[page] = 1, 0
         return page
 
+    def hold(self, page: int) -> None:
+        """One more reference to ``page``, which may be on the free list (a page kept for reuse)."""
+        if self.refcount[page] == 0:
+            self.free.remove(page)
+            self.written[page] = self.block_size
+        self.refcount[page] += 1
+
     def release(self, page: int) -> bool:
         """Drop one reference; True when the page went back to the free list."""
         self.refcount[page] -= 1
@@ -139,10 +146,12 @@ class PageTable:
         self.prepared, self._step = None, None
         self.drop_blocks(math.ceil(n / self.block_size), counters)
 
-    def release(self) -> None:
-        """Give every page of these tables back to the pool (a dropped fork)."""
+    def release(self, tail_first: bool = False) -> None:
+        """Give every page of these tables back to the pool (a dropped fork); ``tail_first``: each table's last page
+        first (a pool that reuses free pages in the order they came back then takes a prefix's tail first).
+        """
         for table in self.tables:
-            for page in table:
+            for page in (reversed(table) if tail_first else table):
                 self.pool.release(page)
         self.tables = []
 

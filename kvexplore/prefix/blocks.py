@@ -1,0 +1,29 @@
+"""The page pool a prefix cache serves requests from: a :class:`~kvexplore.caches.layers.paged.PagePool` whose free
+pages form a queue (in the order they came back) and whose policy (:class:`~kvexplore.prefix.index.PrefixIndex`)
+chooses which free page a write takes, evicting the block it cached if it cached one. It also remembers, per page,
+the tokens it holds, who wrote it, who used it last and how often it was hit, for the frames.
+"""
+
+from __future__ import annotations
+
+from ..caches.layers.paged import PagePool
+from .index import PrefixIndex
+
+
+class BlockPool(PagePool):
+    def __init__(self, layers: int, num_blocks: int, block_size: int, index: PrefixIndex) -> None:
+        super().__init__(layers, num_blocks, block_size)
+        self.free = list(range(num_blocks))  # a queue: the front is offered to the policy first
+        self.index = index
+        index.pool = self
+        self.tokens: list[tuple[int, ...]] = [()] * num_blocks  # what each page holds (as last written)
+        self.stored_by: list[int | None] = [None] * num_blocks  # the request that wrote it
+        self.last_used: list[int | None] = [None] * num_blocks  # the last request that held it
+        self.hits = [0] * num_blocks  # requests served from it since it was written
+
+    def take(self) -> int:
+        page = self.index.victim(self.free)
+        self.free.remove(page)
+        self.refcount[page], self.written[page] = 1, 0
+        self.tokens[page], self.hits[page] = (), 0
+        return page

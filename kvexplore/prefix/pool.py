@@ -1,0 +1,256 @@
+"""Several requests over one page pool, with their shared prefixes found by a block-hash chain (vLLM) or a radix
+tree (SGLang), and each request's hits and misses explained: :class:`PrefixPool`.
+
+A request (text, token ids, or chat messages) is served in four moves. Its prompt's whole blocks, up to the block
+before the one holding its last token, are looked up (the *partial-block floor*: the last token is always computed,
+its logits start the answer). The pages found are adopted by a fresh paged cache on the pool (their reference counts
+go up, nothing is copied); a hybrid model's recurrent state is restored from the last block where one was saved.
+The rest of the prompt is computed at its positions and the answer generated, new pages taken from the pool (which
+may evict cached blocks, by the policy's rule). Then the full blocks it wrote, generated tokens included, are cached,
+and its pages go back to the pool's free queue, last block first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..caches.paged import PagedCache, PagePoolFullError
+from ..config.layer_plan import layer_plan
+from ..core.settings import positive_int
+from ..errors import SettingsError
+from ..runtime.executor import as_executor
+from ..runtime.recording import eos_ids
+from ..runtime.sampling import SamplingSettings, choose
+from .blocks import BlockPool
+from .engine_events import EngineEvents
+from .frames import PoolFrame
+from .hashing import HashIndex
+from .index import PrefixIndex, block_hashes, short
+from .radix import RadixIndex
+from .reasons import Ledger, Served
+from .request import RequestInput
+from .result import ServeResult
+from .snapshot import frame_of
+from .states import StateCheckpoints
+
+POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix": RadixIndex}
+
+
+def _check_layers(plan, config) -> None:
+    for s in plan:
+        if s.ring or s.latent:
+            what = "a sliding-window ring" if s.ring else "a compressed latent (MLA)"
+            raise SettingsError(
+                f"PrefixPool shares full-attention blocks and recurrent states across requests; layer {s.index} of "
+                f"this {config.architecture} model keeps {what}, which it does not share yet: use a model with "
+                f"full-attention (and linear-attention) layers")
+
+
+class PrefixPool:
+    """``num_blocks`` pages of ``block_size`` positions (every full-attention layer's keys and values), shared by
+    every request :meth:`serve` runs, and a prefix ``policy``: ``"hash"`` (vLLM's automatic prefix caching) or
+    ``"radix"`` (SGLang's RadixAttention). ``checkpoint_states`` says where a hybrid model's recurrent states are
+    saved (:mod:`kvexplore.prefix.states`).
+
+    Readable state: :attr:`blocks` (a view of every page), :attr:`hashes`, :attr:`tree`, :attr:`refcounts`,
+    :attr:`free_queue`, :attr:`results`, :meth:`frames` (one :class:`~kvexplore.prefix.frames.PoolFrame` per request
+    served; ``listeners`` are called with each new one), :meth:`kv_events` (the same history as vLLM's KV cache
+    events).
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
+                 checkpoint_states: str = "ends", dtype: torch.dtype | None = None) -> None:
+        num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
+        if policy not in POLICIES:
+            raise SettingsError(f"policy must be one of {sorted(POLICIES)} (vLLM's block hashes or SGLang's radix "
+                                f"tree), got {policy!r}")
+        self.executor = as_executor(model)
+        self.model, self.config, self.policy = model, self.executor.config, policy
+        self.tokenizer = self.executor.tokenizer
+        plan = layer_plan(self.config)
+        _check_layers(plan, self.config)
+        self.index = POLICIES[policy](block_size)
+        self.cache = PagedCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
+                                pool=BlockPool(len(plan), num_blocks, block_size, self.index))
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.pool: BlockPool = self.cache.pool
+        self.states = StateCheckpoints([s.index for s in self.cache.plan if s.recurrent], checkpoint_states)
+        self.ledger = Ledger(block_size, self._token_text)
+        self.events = EngineEvents(block_size)
+        self.results: list[ServeResult] = []
+        self.listeners: list[Callable[[PoolFrame], None]] = []
+        self._live: dict[int, PagedCache] = {}  # requests served with keep=True, still holding their pages
+        self._frames = [frame_of(self, None, [], 0)]
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.token_text(token) if self.tokenizer is not None else str(token)
+
+    # -- serving -------------------------------------------------------------------------------------------
+    def serve(self, request, max_new_tokens: int | None = None, response=None, label: str | None = None,
+              chat_template: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+              top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True, keep: bool = False,
+              keep_logits: bool = False) -> ServeResult:
+        """Serve one request: ``request`` is text, token ids, or chat messages (``[{"role", "content"}]``, rendered
+        with the model's chat template or ``chat_template``). ``max_new_tokens`` tokens are generated (greedy, or
+        sampled with ``temperature``/``top_k``/``top_p`` from ``seed``), or ``response`` (text or ids) is taken as
+        the answer, as when replaying a recorded conversation. ``keep``: the request keeps its pages (a request
+        still running; :meth:`finish` lets them go). Returns a :class:`~kvexplore.prefix.result.ServeResult`."""
+        r = len(self.results)
+        ask = RequestInput.parse(self, request, chat_template, response, max_new_tokens)
+        sampling = SamplingSettings(temperature, top_k, top_p)
+        ids, bs, n = ask.ids, self.block_size, len(ask.ids)
+        hashes = block_hashes(ids, bs, (n - 1) // bs)
+        matched = self.index.match(ids, hashes)
+        usable = self.states.usable(hashes, len(matched))
+        pages, hit = matched[:usable], usable * bs
+        self._check_room(ask, pages)
+        label = label or f"request {r}"
+        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat,
+                                     [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved])
+        t0 = time.perf_counter()
+        cache = self.cache.sibling()
+        cache.adopt(pages, hit)
+        restored = self.states.restore(cache, hashes[usable - 1]) if usable and self.states.needed else 0
+        try:
+            generated, logits, first = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
+        except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
+            self._give_back(cache)
+            self._settle_evictions(r)
+            raise
+        written = list(ids) + generated[:-1]
+        table = list(cache.table.tables[0])
+        all_hashes = block_hashes(written, bs)
+        cached = self.index.insert(written, table[: len(all_hashes)], all_hashes)
+        for page, i in zip(table, range(len(table))):
+            self.pool.tokens[page] = tuple(written[i * bs: (i + 1) * bs])
+            self.pool.last_used[page] = r
+            if page in pages:
+                self.pool.hits[page] += 1
+            else:
+                self.pool.stored_by[page] = r
+        evictions = self._settle_evictions(r)
+        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat))
+        if keep:
+            self._live[r] = cache
+        else:
+            self._give_back(cache)
+        result = ServeResult(
+            r, label, list(ids), generated, hit, n - hit, misses, table, list(pages), cached, len(evictions),
+            len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
+        self.results.append(result)
+        self.events.record(self.index, evictions, cached)
+        frame = frame_of(self, result, evictions, len(self._frames))
+        self._frames.append(frame)
+        for listener in list(self.listeners):
+            listener(frame)
+        return result
+
+    def _give_back(self, cache: PagedCache) -> None:
+        cache.table.release(tail_first=True)  # the tail first: the hash policy then evicts a prefix's end first
+        cache.table.tables = [[]]
+
+    def _settle_evictions(self, r: int) -> list:
+        """The blocks request ``r``'s pages evicted: their states dropped, the ledger told."""
+        evictions, self.index.evictions = list(self.index.evictions), []
+        for e in evictions:
+            self.states.drop(e.hash)
+        self.ledger.note_evictions(evictions, r)
+        return evictions
+
+    def _check_room(self, ask: "RequestInput", pages: list[int]) -> None:
+        written = len(ask.ids) + max(ask.new_tokens - 1, 0)
+        need = -(-written // self.block_size) - len(pages)
+        free = len(self.pool.free) - sum(1 for p in pages if self.pool.refcount[p] == 0)
+        if need > free:
+            held = self.num_blocks - len(self.pool.free)
+            raise PagePoolFullError(held, need, self.num_blocks, free)
+        if written > self.config.max_position_embeddings:
+            raise SettingsError(f"this request writes {written} positions (prompt {len(ask.ids)} + "
+                                f"{ask.new_tokens} new tokens, the last not written), past the model's "
+                                f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
+
+    def _run(self, cache: PagedCache, ask, hit: int, sampling: SamplingSettings, seed: int, stop_at_eos: bool,
+             keep_logits: bool) -> tuple[list[int], torch.Tensor | None, float]:
+        """Compute the prompt from ``hit`` on (stopping where a state is to be saved) and generate the answer; the
+        tokens, their logits (with ``keep_logits``) and the seconds the prompt took (to the first token's logits)."""
+        t0 = time.perf_counter()
+        ids, bs, n = ask.ids, self.block_size, len(ask.ids)
+        written = n + max(ask.new_tokens - 1, 0)
+        points = self.states.points(hit, n, written, bs)
+        pos, logits = hit, None
+        for stop in [p for p in points if p < n] + [n]:
+            logits = self.executor(torch.tensor([ids[pos:stop]]), cache, pos, last_only=True)[0, -1]
+            pos = stop
+            self._save_state(cache, ids, pos, points)
+        first = time.perf_counter() - t0
+        rng = torch.Generator().manual_seed(seed)
+        eos = set(eos_ids(self.executor)) if stop_at_eos else set()
+        generated, kept = [], []
+        for i in range(ask.new_tokens):
+            if keep_logits:
+                kept.append(logits.float().cpu())
+            token = ask.forced[i] if ask.forced is not None else choose(logits, sampling, rng)
+            generated.append(token)
+            if i == ask.new_tokens - 1 or (token in eos and ask.forced is None):
+                break
+            logits = self.executor(torch.tensor([[token]]), cache, pos, last_only=True)[0, -1]
+            pos += 1
+            self._save_state(cache, list(ids) + generated, pos, points)
+        return generated, (torch.stack(kept) if kept else None), first
+
+    def _save_state(self, cache: PagedCache, ids: Sequence[int], pos: int, points: list[int]) -> None:
+        if pos in points:
+            self.states.save(cache, block_hashes(ids, self.block_size, pos // self.block_size)[-1])
+
+    def finish(self, result: ServeResult) -> None:
+        """Let a request served with ``keep=True`` give its pages back (they stay cached)."""
+        cache = self._live.pop(result.index, None)
+        if cache is None:
+            raise SettingsError(f"{result.label} holds no pages (it was not served with keep=True, or has finished)")
+        self._give_back(cache)
+
+    # -- reading the pool ----------------------------------------------------------------------------------
+    def frames(self) -> list[PoolFrame]:
+        """The pool before any request (frame 0) and after each request served."""
+        return list(self._frames)
+
+    @property
+    def blocks(self):
+        """Every page as the pool holds it now (a :class:`~kvexplore.prefix.frames.BlockView` each)."""
+        return frame_of(self, None, [], len(self._frames)).blocks
+
+    @property
+    def tree(self):
+        """The tree of cached prefixes now (:class:`~kvexplore.prefix.frames.TreeNode` each, parents first)."""
+        return frame_of(self, None, [], len(self._frames)).tree
+
+    @property
+    def hashes(self) -> dict[str, int]:
+        """Short chain hash of each cached block -> its page."""
+        return {short(h): p for p in range(self.num_blocks) if (h := self.index.hash_of(p)) is not None}
+
+    @property
+    def refcounts(self) -> list[int]:
+        return list(self.pool.refcount)
+
+    @property
+    def free_queue(self) -> list[int]:
+        """Free pages in the order they came back (the hash policy takes from the front)."""
+        return list(self.pool.free)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.cache.page_bytes
+
+    def kv_events(self) -> list[dict]:
+        """What happened to the cache, one batch per request, as vLLM publishes its KV cache events (map form:
+        ``{"ts", "events": [{"type": "BlockStored" | "BlockRemoved", ...}], "data_parallel_rank": 0}``)."""
+        return self.events.batches()
+
+    def __repr__(self) -> str:
+        cached = sum(1 for p in range(self.num_blocks) if self.index.cached(p))
+        return (f"PrefixPool({self.policy}, {self.num_blocks} blocks of {self.block_size}, {cached} cached, "
+                f"{len(self.pool.free)} free, {len(self.results)} requests served)")

@@ -1,0 +1,109 @@
+"""Why a request's tokens were computed instead of read from the cache: the ledger of every request served (the
+tokens each wrote, where its prompt ended, whether it was a chat) and of every eviction (which request's pressure
+dropped which block) answers it for each stretch of recomputed positions, in words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .index import Eviction
+from .result import Miss
+
+
+@dataclass(frozen=True)
+class Served:
+    index: int
+    label: str
+    written: tuple[int, ...]  # the tokens whose keys and values it wrote: prompt and generated, but the last
+    prompt_len: int
+    chat: bool
+
+
+class Ledger:
+    def __init__(self, block_size: int, token_text: Callable[[int], str]) -> None:
+        self.block_size, self.token_text = block_size, token_text
+        self.served: list[Served] = []
+        self.evicted_at: dict[bytes, int] = {}  # chain hash -> the request whose pages it gave way to (the latest)
+
+    def note_evictions(self, evictions: Sequence[Eviction], request: int) -> None:
+        for e in evictions:
+            self.evicted_at[e.hash] = request
+
+    def longest(self, ids: Sequence[int]) -> tuple[int, Served | None]:
+        """The longest run of leading tokens ``ids`` shares with a request served before (the latest on a tie)."""
+        a, best, who = np.asarray(ids), 0, None
+        for s in self.served:
+            m = min(len(a), len(s.written))
+            differ = np.flatnonzero(a[:m] != np.asarray(s.written[:m]))
+            common = int(differ[0]) if differ.size else m
+            if common >= best and common > 0:
+                best, who = common, s
+        return best, who
+
+    def _tok(self, token: int) -> str:
+        return f"{self.token_text(token)!r} (id {token})"
+
+    def explain(self, ids: Sequence[int], hit: int, matched: int, hashes: list[bytes], chat: bool,
+                saved_at: Sequence[int]) -> list[Miss]:
+        """Every recomputed prompt position ``hit .. len(ids) - 1`` explained. ``matched``: the prefix whose blocks
+        were cached (past ``hit`` only when a recurrent state was not saved where they end); ``hashes``: the chain
+        hashes of the blocks that could have been hit; ``saved_at``: where states were saved along the prefix."""
+        bs, n = self.block_size, len(ids)
+        floor, misses = len(hashes) * bs, []
+        if matched > hit:
+            where = (f"only at position {', '.join(str(p) for p in saved_at)} of this prefix" if saved_at else
+                     "at no position of this prefix")
+            misses.append(Miss("no-state-checkpoint", hit, matched,
+                               f"positions 0..{matched - 1} are cached as blocks, but the recurrent layers' state "
+                               f"was saved {where}: a hybrid model resumes only where its state was checkpointed, "
+                               f"so this request resumes at {hit}"))
+        start = max(hit, matched)
+        if start < floor:
+            misses.append(self._cause(ids, start, floor, hashes, chat))
+        if floor < n:
+            why = (f"the last {n - floor} tokens fill no whole block of {bs}: only full blocks are shared"
+                   if n - floor < bs else
+                   f"the block holding the prompt's last token is always computed: that token's logits start the "
+                   f"answer, so a hit stops one block short of a prompt that fills its blocks exactly")
+            misses.append(Miss("partial-block", floor, n, why))
+        return misses
+
+    def _cause(self, ids: Sequence[int], start: int, end: int, hashes: list[bytes], chat: bool) -> Miss:
+        bs = self.block_size
+        b = start // bs
+        common, q = self.longest(ids)
+        block = f"block {b} (positions {start}..{start + bs - 1})"
+        if q is None:
+            return Miss("first-seen", start, end, "no earlier request began with these tokens")
+        if common >= start + bs:  # an earlier request wrote this whole block: it was cached, and is not now
+            r = self.evicted_at.get(hashes[b])
+            when = f"evicted under pressure at request {r}" if r is not None else "not cached any more"
+            return Miss("evicted", start, end, f"{block} was cached by {q.label}, then {when}: every block after it "
+                                               f"is computed again too", q.index)
+        if common >= len(q.written) == start:
+            return Miss("first-seen", start, end,
+                        f"{q.label} wrote positions up to {start - 1} only (the last token it generated is never "
+                        f"written: nothing reads it), so the tokens from {start} on are new", q.index)
+        if common >= len(q.written):
+            return Miss("partial-block", start, end,
+                        f"{q.label} wrote tokens up to position {len(q.written) - 1} only, inside {block}: its last "
+                        f"{len(q.written) - start} tokens filled no whole block, so they were never cached", q.index)
+        mine, theirs = self._tok(ids[common]), self._tok(q.written[common])
+        if common < bs:
+            return Miss("shorter-than-block", start, end,
+                        f"the first {common} tokens are the same as {q.label}'s, fewer than one block of {bs}, so "
+                        f"no block is shared (at token {common} this request has {mine}, {q.label} had {theirs})",
+                        q.index)
+        if chat and q.chat and common >= q.prompt_len:
+            return Miss("template", start, end,
+                        f"the chat template changed the prefix: at token {common}, inside the answer {q.label} "
+                        f"generated, it renders {mine} where {q.label} generated {theirs} (a template that rewrites "
+                        f"earlier turns, e.g. one that drops their thinking, breaks the match from there)", q.index)
+        where = "inside" if common % bs else "at the start of"
+        return Miss("diverged", start, end,
+                    f"diverged at token {common} ({where} block {common // bs}): this request has {mine} where "
+                    f"{q.label} had {theirs}", q.index)
