@@ -170,7 +170,7 @@ def test_widget_slider_moves_the_figures_and_the_story():
         assert plain(drawn["data"]) == plain(spec.traces) and plain(drawn["layout"]) == plain(spec.layout), name
     assert view.figures["prefix_pool"].patch != before  # a patch went to the page, not a new figure
     assert view.figures["prefix_timeline"].spec.layout["shapes"][0]["x0"] == 0.5
-    assert "request 1: 10 prompt tokens" in view.story.value and "request <b>" not in view.label.value
+    assert "request 1: 10 prompt tokens" in view.story.value and view.label.value == "frame 1/3 · request 1"
     view.show(2)
     assert view.slider.value == 2 and "diverged at token 6" in view.story.value
 
@@ -216,8 +216,8 @@ def test_replay_page_carries_every_frames_figures_once(tmp_path):
     text = path.read_text()
     assert "<title>three requests</title>" in text and 'class="kvx-plotly"' in text
     data = _unpacked(path)
-    assert [f["label"] for f in data["frames"]] == ["request 0 of 3 · empty pool", "request 1 of 3 · request 1",
-                                                  "request 2 of 3 · request 2", "request 3 of 3 · request 3"]
+    assert [f["label"] for f in data["frames"]] == ["frame 0/3 · empty pool", "frame 1/3 · request 1",
+                                                  "frame 2/3 · request 2", "frame 3/3 · request 3"]
     arrays = [np.frombuffer(base64.b64decode(a["b64"]), dtype=a["dtype"]) for a in data["arrays"]]
     heat = data["frames"][2]["figures"]["prefix_pool"]["data"][0]
     hover = [data["strings"][i] for i in arrays[heat["text"]["$t"]["$a"]][: heat["text"]["$t"]["n"]]]

@@ -9,12 +9,13 @@ moves it to the new frame (the pool's ``listeners``).
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from ..errors import SettingsError
 from ..prefix.frames import PoolFrame
 from ..views.plot import PlotWidget, loader
-from ..views.prefix import NAMES, figures, frames_of, story
+from ..views.prefix import NAMES, figures, frame_label, frames_of, story
 from . import inspect
 
 
@@ -34,14 +35,14 @@ class PrefixView:
         specs = figures(self.frames, shown)
         self.figures = {name: PlotWidget(specs[name], name) for name in NAMES}
         last = len(self.frames) - 1
-        self.slider = W.IntSlider(value=shown, min=0, max=last, description="request", continuous_update=False,
-                                  style={"description_width": "initial"}, layout=W.Layout(flex="1 1 auto"))
+        self.slider = W.IntSlider(value=shown, min=0, max=last, description="frame", continuous_update=False,
+                                  style={"description_width": "initial"}, layout=W.Layout(width="40%", min_width="260px"))
         self.slider.add_class("kvx-prefix-slider")
         self.play = W.Play(value=shown, min=0, max=last, interval=interval, description="play")
         self.play.add_class("kvx-prefix-play")
         W.jslink((self.play, "value"), (self.slider, "value"))
         W.jslink((self.play, "max"), (self.slider, "max"))
-        self.label = W.HTML()
+        self.label = W.HTML(layout=W.Layout(flex="1 1 300px"))
         self.label.add_class("kvx-prefix-label")
         self.story = W.HTML(layout=W.Layout(flex="1 1 360px", min_width="320px"))
         self.story.add_class("kvx-prefix-story-box")
@@ -80,9 +81,7 @@ class PrefixView:
         self._write(i)
 
     def _write(self, i: int) -> None:
-        f = self.frames[i]
-        who = "batch" if f.policy == "events" else "request"
-        self.label.value = f"<b>{who} {f.index}</b> of {self.frames[-1].index}"
+        self.label.value = html.escape(frame_label(self.frames, i))
         self.story.value = story(self.frames, i)
         if self._truth is not None:
             inspect.put(self._truth, self.state())

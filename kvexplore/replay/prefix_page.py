@@ -18,7 +18,7 @@ import numpy as np
 from ..views.frames import ArrayStore
 from ..views.page import document, pack, plotly_script
 from ..views.player import UNPACK
-from ..views.prefix import NAMES, figures, frames_of, story
+from ..views.prefix import NAMES, figures, frame_label, frames_of, story
 
 PAGE = """<div class="kvx-prefix-page" id="__ID__">
 <style>
@@ -28,9 +28,6 @@ PAGE = """<div class="kvx-prefix-page" id="__ID__">
   border-bottom: 1px solid #ddd; display: flex; gap: 12px; align-items: center; font-size: 16px;}
 .kvx-prefix-page .kvx-slider {flex: 1;}
 .kvx-prefix-page .kvx-grid {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin-top: 8px;}
-.kvx-prefix-page .kvx-prefix-story {font-size: 16px; line-height: 1.45; padding: 8px 12px; background: #fafafa;
-  border: 1px solid #ddd; border-radius: 4px;}
-.kvx-prefix-page .kvx-prefix-story ul {margin: 6px 0; padding-left: 20px;}
 </style>
 <h1>__TITLE__</h1>
 <div class="kvx-controls"><button class="kvx-play">▶ play</button>
@@ -88,12 +85,6 @@ PLAYER = "async function (root) {" + UNPACK + r"""
     console.error('kvexplore prefix replay:', e);
   }
 }"""
-
-
-def frame_label(frames: list, i: int) -> str:
-    """The slider's label at frame ``i``: which request (or event batch) and its title."""
-    who = "batch" if frames[i].policy == "events" else "request"
-    return f"{who} {frames[i].index} of {frames[-1].index}" + (f" · {frames[i].title}" if frames[i].title else "")
 
 
 class Strings:

@@ -49,3 +49,8 @@ def figures(frames: Sequence[PoolFrame], i: int) -> dict[str, FigureSpec]:
 def story(frames: Sequence[PoolFrame], i: int) -> str:
     """Frame ``i``'s explanation as HTML (the panel beside the figures)."""
     return explain_html(frames[i])
+
+
+def frame_label(frames: Sequence[PoolFrame], i: int) -> str:
+    """The slider's label at frame ``i``: its place among the frames and its title (which request or batch)."""
+    return f"frame {i}/{len(frames) - 1}" + (f" · {frames[i].title}" if frames[i].title else "")

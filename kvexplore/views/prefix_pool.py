@@ -21,7 +21,7 @@ from .prefix_words import label, tokens_hover
 from .spec import FigureSpec, columns
 
 NEXT_SHOWN = 8      # free-queue positions numbered on the grid
-LABELLED = 128      # pools up to this many blocks show each block's first characters in its cell
+LABELLED = 128      # pools up to this many blocks (16 to a row) show each block's first characters in its cell
 STATE_MEANING = {
     "free": "holds nothing reusable", "cached": "no request holds it; a later request may hit it",
     "hit": "this request found it in the cache (not recomputed)", "written": "this request computed it",
@@ -30,8 +30,9 @@ STATE_MEANING = {
 
 
 def grid_columns(num_blocks: int) -> int:
-    """Cells per row: about three times as wide as tall, a multiple of 8 (16 for 64 blocks, 112 for 4,096)."""
-    return max(8, 8 * math.ceil(math.sqrt(3 * max(num_blocks, 1)) / 8))
+    """Cells per row: about one and a half times as wide as tall, a multiple of 8 (8 for 24 blocks, 16 for 64,
+    80 for 4,096)."""
+    return max(8, 8 * math.ceil(math.sqrt(1.5 * max(num_blocks, 1)) / 8))
 
 
 def cell(slot: int, cols: int) -> tuple[int, int]:
@@ -83,8 +84,10 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
         shown = [b for b in frame.blocks if b.text and b.state != "free"]
         traces.append(dict(type="scatter", name="labels", mode="text", hoverinfo="skip", showlegend=False,
                            x=np.array([cell(b.slot, cols)[0] for b in shown], dtype=np.int32),
-                           y=np.array([cell(b.slot, cols)[1] for b in shown], dtype=np.int32),
-                           text=[label(b.text) for b in shown], textfont=dict(size=11, color="#111")))
+                           y=np.array([cell(b.slot, cols)[1] + 0.1 for b in shown], dtype=np.float32),  # (below
+                           # the free queue's numbers)
+                           text=[label(b.text, max(3, 48 // cols), 2) for b in shown],
+                           textfont=dict(size=12, color="#111")))
     nxt = frame.free_queue[:NEXT_SHOWN]
     traces.append(dict(type="scatter", name="next free", mode="markers+text", showlegend=False,
                        x=np.array([cell(s, cols)[0] - 0.28 for s in nxt], dtype=np.float32),
@@ -108,7 +111,7 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
     queue = ", ".join(map(str, nxt)) + (" …" if len(frame.free_queue) > len(nxt) else "")
     title = (f"block pool · {frame.policy} · {n} blocks of {frame.block_size} tokens<br>"
              f"<span style='font-size:12px'>{counts or 'empty'} · next free: {queue or 'none'}</span>")
-    cell_px = 34 if cols <= 16 else (22 if cols <= 48 else 12)
+    cell_px = 46 if cols <= 8 else (34 if cols <= 16 else (20 if cols <= 48 else 11))
     layout = dict(
         title=dict(text=title, font=dict(size=15), x=0.01, xanchor="left"),
         height=height or int(min(640, max(240, rows * cell_px + 150))), margin=dict(l=60, r=10, t=64, b=40),

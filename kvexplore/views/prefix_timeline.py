@@ -42,6 +42,16 @@ def stored_removed(frames: Sequence[PoolFrame]) -> tuple[np.ndarray, np.ndarray,
     return index, stored, removed
 
 
+def ticks(frames: Sequence[PoolFrame]) -> dict:
+    """The x axis' ticks: a bar sits at its frame's index, labelled with its request's own number (a pool counts
+    requests from 0, its frames from 1: frame 0 is the empty pool)."""
+    on = [f for f in frames if f.request is not None] if frames[0].policy != "events" else list(frames[1:])
+    step = max(1, len(on) // 25)
+    on = on[::step]
+    return dict(tickvals=[f.index for f in on],
+                ticktext=[str(f.request.index if f.request is not None else f.index) for f in on])
+
+
 def _layout(title: str, frames: Sequence[PoolFrame], current: int, ytitle: str, height: int | None) -> dict:
     last = frames[-1].index
     return dict(
@@ -49,7 +59,7 @@ def _layout(title: str, frames: Sequence[PoolFrame], current: int, ytitle: str, 
         height=height or 300, margin=dict(l=60, r=10, t=50, b=45), hovermode="closest", plot_bgcolor="#ffffff",
         legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=12)),
         xaxis=dict(title=dict(text="request" if frames[0].policy != "events" else "event batch"),
-                   range=[0.5, max(last, 1) + 0.5], zeroline=False, **({"dtick": 1} if last <= 30 else {})),
+                   range=[0.5, max(last, 1) + 0.5], zeroline=False, **ticks(frames)),
         yaxis=dict(title=dict(text=ytitle), zeroline=True, gridcolor="#eee"),
         shapes=[dict(type="rect", xref="x", yref="paper", x0=current - 0.5, x1=current + 0.5, y0=0, y1=1,
                      fillcolor="#fff3b0", line=dict(color="#e6a700", width=2), layer="below")])

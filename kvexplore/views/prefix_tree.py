@@ -95,13 +95,17 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
                    marker=dict(size=size, color="#ffffff", line=dict(color="#333", width=1.5)),
                    hovertemplate="the empty prefix: every request starts here<extra></extra>")]
     labelled = len(frame.tree) <= LABELLED
+    right = max((end(n) for n in frame.tree), default=frame.block_size)
+    step = max((len(n.tokens) for n in frame.tree), default=frame.block_size) or 1
+    chars = max(4, min(12, int(540 / max(1.0, right / step) / 7)))  # a label fits the room to the next node
     for state in STATES:  # every state has its trace, empty or not: frame to frame only the data changes
         nodes = [n for n in frame.tree if n.state == state]
         traces.append(dict(
             type="scatter", name=state, mode="markers+text" if labelled else "markers",
             x=np.array([end(n) for n in nodes], dtype=np.int32),
             y=np.array([rows[n.id] for n in nodes], dtype=np.float32),
-            **(dict(text=[label(n.text, 10) for n in nodes], textposition="top center", textfont=dict(size=11))
+            **(dict(text=[label(n.text, chars) for n in nodes], textfont=dict(size=11),
+                    textposition=["top center" if (end(n) // step) % 2 else "bottom center" for n in nodes])
                if labelled else {}),
             hovertext=[_hover(n, who) for n in nodes], hoverinfo="text",
             marker=dict(size=size, color=BLOCK_COLOURS[state], line=dict(color="#333", width=1)),
@@ -113,15 +117,14 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
                        marker=dict(symbol="x-thin-open", size=size + 8, color="#d62728", line=dict(width=3)),
                        showlegend=bool(lost)))
     leaves = max(1, int(max(rows.values(), default=0)) + 1)
-    right = max((end(n) for n in frame.tree), default=frame.block_size)
     unit = "blocks" if frame.policy != "radix" else "runs of blocks"
     title = (f"tree of cached prefixes · {frame.policy} · {len(frame.tree)} nodes ({unit})"
              + (f" · <span style='color:#d62728'>{len(lost)} unreachable</span>" if lost else ""))
     layout = dict(
-        title=dict(text=title, font=dict(size=15), x=0.01, xanchor="left"),
-        height=height or int(min(640, max(260, 26 * leaves + 130))), margin=dict(l=20, r=20, t=50, b=50),
+        title=dict(text=title, font=dict(size=15), x=0.01, xanchor="left", y=0.98, yanchor="top"),
+        height=height or int(min(640, max(280, 30 * leaves + 150))), margin=dict(l=20, r=20, t=74, b=50),
         hovermode="closest", plot_bgcolor="#ffffff",
-        legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=12)),
+        legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom", font=dict(size=12)),
         xaxis=dict(title=dict(text="token position where the prefix ends"), range=[-0.06 * right - 1,
                                                                                   1.06 * right + 1],
                    zeroline=False, showgrid=True, gridcolor="#eee",

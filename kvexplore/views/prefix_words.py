@@ -12,6 +12,8 @@ from ..caches.memory import format_bytes
 from ..prefix.frames import MISS_KINDS, PoolFrame
 
 IDS_SHOWN = 24  # token ids listed in a hover at most (a block of 16 shows all)
+STORY_STYLE = ("font-size: 15px; line-height: 1.4; padding: 8px 12px; background: #fafafa; border: 1px solid #ddd; "
+               "border-radius: 4px")  # the same in a notebook (whose widgets set their own line height) and a page
 NOTES_SHOWN = 8  # a frame's notes listed at most (an eviction under pressure may drop hundreds of blocks)
 
 
@@ -33,18 +35,25 @@ def tokens_hover(tokens: tuple[int, ...], text: str) -> str:
     return "<br>".join([*lines, f"ids [{ids}]"]) if tokens else "no tokens"
 
 
-def label(text: str, limit: int = 8) -> str:
-    """A short label of a run of tokens, for a cell or a node too small for the whole text."""
+def label(text: str, limit: int = 8, lines: int = 1) -> str:
+    """A short label of a run of tokens, for a cell or a node too small for the whole text: at most ``lines``
+    lines of ``limit`` characters, the last ending in "…" when the text is longer."""
     shown = visible(text)
-    return html.escape(shown if len(shown) <= limit else shown[: limit - 1] + "…")
+    parts = [shown[i:i + limit] for i in range(0, len(shown), limit)] or [""]
+    if len(parts) > lines:
+        parts = parts[:lines]
+        parts[-1] = parts[-1][: limit - 1] + "…"
+    return "<br>".join(html.escape(p) for p in parts)
 
 
 def _request_lines(frame: PoolFrame) -> list[str]:
     r = frame.request
     shared = frame.bytes_per_block and r.bytes_shared // frame.bytes_per_block
-    lines = [f"{r.label}: {r.prompt_tokens} prompt tokens: {r.hit_tokens} hit, {r.recomputed_tokens} recomputed, "
-             f"{r.generated_tokens} generated",
-             f"shared from the cache: {format_bytes(r.bytes_shared)}" + (f" ({shared} block{'s' if shared != 1 else ''})" if shared else "")]
+    lines = [] if "prompt tokens" in frame.title else [  # (a pool's frame title already counts them)
+        f"{r.label}: {r.prompt_tokens} prompt tokens: {r.hit_tokens} hit, {r.recomputed_tokens} recomputed, "
+        f"{r.generated_tokens} generated"]
+    lines.append(f"shared from the cache: {format_bytes(r.bytes_shared)}"
+                 + (f" ({shared} block{'s' if shared != 1 else ''})" if shared else ""))
     if not r.misses:
         lines.append("nothing recomputed that could have been shared")
     for m in r.misses:
@@ -74,5 +83,5 @@ def explain_html(frame: PoolFrame) -> str:
     lines = explain(frame)
     head, body, tail = lines[0], lines[1:-1], lines[-1]
     items = "".join(f"<li>{html.escape(t)}</li>" for t in body)
-    return (f'<div class="kvx-prefix-story"><b>{html.escape(head)}</b>'
-            f"<ul>{items}</ul><small>{html.escape(tail)}</small></div>")
+    return (f'<div class="kvx-prefix-story" style="{STORY_STYLE}"><b>{html.escape(head)}</b>'
+            f'<ul style="margin: 6px 0; padding-left: 20px">{items}</ul><small>{html.escape(tail)}</small></div>')

@@ -1,0 +1,149 @@
+"""Browser truth for the prefix cache's views, over a real PrefixPool on the tiny model.
+
+In the run's JupyterLab: a notebook cell serves four requests and shows ``kvexplore.PrefixView(pool)``; after the
+first draw, after each slider move (a pause between moves, as a teacher's) and after the pool serves one more
+request from the kernel (the widget follows: its slider grows and moves), every figure's ``gd.data`` in the page
+equals the kernel's spec (``kvx-truth``, ``KVEXPLORE_INSPECT``). The HTML replay of a pool, opened from disk in
+Chromium with the network blocked: after each slider move, every figure equals that frame's spec. Screenshots go to
+``$KVX_SCREENSHOTS``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kvexplore
+from browser_truth import PAGE_FIGURES, kernel_truth, mismatches, page_truth
+from kvexplore.explorer.inspect import plain
+from kvexplore.views.prefix import NAMES, figures
+from test_browser_truth import LAB, SETTLE_S, VIEWPORT, _frames, _notebook
+
+pytestmark = pytest.mark.browser
+
+SYSTEM = "You are a terse guide at the whale museum. Answer in one short sentence. "
+QUESTIONS = ("Where is the whale skeleton?", "When does the museum open?", "Where is the whale skeleton?",
+             "Tell me about the ships in the harbour and the sea.")
+SOURCE = (f"import kvexplore\npool = kvexplore.PrefixPool(kvexplore.load('tiny'), num_blocks=24, block_size=8, "
+          f"policy='hash')\nfor q in {QUESTIONS!r}:\n    pool.serve({SYSTEM!r} + q, max_new_tokens=4)\n"
+          f"view = kvexplore.PrefixView(pool)\nview")
+PAUSE_MS = 600  # between slider moves, as a person pauses to look
+
+
+def _agree(page, root, label: str) -> dict:
+    """Wait until every figure in the page equals the kernel's spec; fail naming every difference."""
+    t0 = time.monotonic()
+    while True:
+        kernel = kernel_truth(root)
+        diff = mismatches(kernel, page_truth(root))
+        if not diff:
+            return kernel
+        if time.monotonic() - t0 > SETTLE_S:
+            raise AssertionError(f"after {label}: the page differs from the kernel:\n  " + "\n  ".join(diff[:20]))
+        page.wait_for_timeout(100)  # polling a condition: the page is still drawing
+
+
+def _kernel_at(page, root, frame: int, frames: int | None = None) -> None:
+    t0 = time.monotonic()
+    while True:
+        state = kernel_truth(root)
+        if state["frame"] == frame and (frames is None or state["frames"] == frames):
+            return
+        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never showed frame {frame}: {state['frame']}"
+        page.wait_for_timeout(100)
+
+
+def _slide(page, root, key: str) -> None:
+    """Move the slider one frame with the keyboard, as a person does (focus the handle, press an arrow)."""
+    handle = root.locator(".kvx-prefix-slider .noUi-handle").first
+    handle.focus()
+    handle.press(key)
+
+
+def _shot(page, root, path) -> None:
+    root.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+    _frames(page)
+    page.screenshot(path=str(path))
+
+
+@LAB
+def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
+    from browser_support import start_run_all, wait_run_finished
+
+    name = "truth_lab_prefix"
+    _notebook(lab.root / f"{name}.ipynb", SOURCE)
+    with lab_page.notebook(f"{name}.ipynb", {"width": 1280, "height": 1000}) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        root = page.locator(".kvx-prefix-view").first
+        try:
+            root.wait_for(timeout=120_000)
+            for fig in NAMES:
+                root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
+            state = _agree(page, root, "display")
+            assert (state["frame"], state["frames"]) == (4, 5)
+            _shot(page, root, shots / f"{name}_1280x1000_last.png")
+            done = ["display"]
+            for frame in (3, 2, 1, 0):
+                _slide(page, root, "ArrowLeft")
+                _kernel_at(page, root, frame)
+                _agree(page, root, f"slider to frame {frame}")
+                done.append(f"slider to {frame}")
+                if frame == 2:
+                    _shot(page, root, shots / f"{name}_1280x1000_frame2.png")
+                page.wait_for_timeout(PAUSE_MS)
+            _slide(page, root, "ArrowRight")
+            _kernel_at(page, root, 1)
+            _agree(page, root, "slider forward to frame 1")
+            # the pool serves a request while the widget is shown: the slider grows and moves to it
+            page.evaluate("""() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel
+                .requestExecute({code: "pool.serve('You are a terse guide at the whale museum. Where is the gift "
+                                 + "shop?', max_new_tokens=4)"}).done.then(() => true)""")
+            _kernel_at(page, root, 5, 6)
+            _agree(page, root, "a request served live")
+            assert root.locator(".kvx-prefix-slider .widget-readout").first.inner_text().strip() == "5"
+            assert "request 4" in root.locator(".kvx-prefix-story-box").first.inner_text()
+            _shot(page, root, shots / f"{name}_1280x1000_live.png")
+            done.append("live request")
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise
+    assert len(done) == 6, done
+
+
+READY = "(r) => r.dataset.kvxReady === '1' || !!r.dataset.kvxError"
+
+
+def test_prefix_replay_page_draws_each_frames_specs(tmp_path, browser, shots, tiny):
+    for policy in ("hash", "radix"):
+        pool = kvexplore.PrefixPool(tiny, num_blocks=16, block_size=8, policy=policy)
+        for q in QUESTIONS:
+            pool.serve(SYSTEM + q, max_new_tokens=4)
+        frames = pool.frames()
+        path = kvexplore.replay.save_prefix_html(pool, tmp_path / f"prefix_{policy}.html")
+        page = browser.new_page()
+        outside = []
+        try:
+            page.set_viewport_size({"width": 1280, "height": 1000})
+            page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:")
+                       else (outside.append(r.request.url), r.abort()))
+            page.goto(path.as_uri())
+            root = page.locator(".kvx-prefix-page").first
+            page.wait_for_function(READY, arg=root.element_handle(), timeout=120_000)
+            assert root.evaluate("(r) => r.dataset.kvxError || null") is None
+            assert root.evaluate("(r) => r.querySelector('.kvx-slider').max") == str(len(frames) - 1)
+            for i in (len(frames) - 1, *range(len(frames))):
+                root.evaluate("(r, i) => { const s = r.querySelector('.kvx-slider'); s.value = String(i); "
+                              "s.dispatchEvent(new Event('input')); }", i)
+                page.wait_for_function(f"(r) => r.dataset.kvxFrame === '{i}'", arg=root.element_handle())
+                specs = {n: {"traces": plain(s.traces), "layout": plain(s.layout)}
+                         for n, s in figures(frames, i).items()}
+                diff = mismatches({"specs": specs}, {"figures": root.evaluate(PAGE_FIGURES)}, list(NAMES))
+                assert not diff, f"{policy} frame {i}:\n  " + "\n  ".join(diff[:20])
+                assert frames[i].title in root.locator(".kvx-label").inner_text()
+                if i == 3:
+                    page.screenshot(path=str(shots / f"prefix_replay_{policy}_frame3.png"), full_page=True)
+            assert outside == []
+        finally:
+            page.close()
