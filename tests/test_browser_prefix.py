@@ -15,10 +15,10 @@ import time
 import pytest
 
 import kvexplore
-from browser_truth import PAGE_FIGURES, kernel_truth, mismatches, page_truth
+from browser_truth import PAGE_FIGURES, kernel_truth, mismatches
 from kvexplore.explorer.inspect import plain
 from kvexplore.views.prefix import NAMES, figures
-from test_browser_truth import LAB, SETTLE_S, VIEWPORT, _frames, _notebook
+from test_browser_truth import LAB, SETTLE_S, _agree, _frames, _notebook
 
 pytestmark = pytest.mark.browser
 
@@ -29,19 +29,6 @@ SOURCE = (f"import kvexplore\npool = kvexplore.PrefixPool(kvexplore.load('tiny')
           f"policy='hash')\nfor q in {QUESTIONS!r}:\n    pool.serve({SYSTEM!r} + q, max_new_tokens=4)\n"
           f"view = kvexplore.PrefixView(pool)\nview")
 PAUSE_MS = 600  # between slider moves, as a person pauses to look
-
-
-def _agree(page, root, label: str) -> dict:
-    """Wait until every figure in the page equals the kernel's spec; fail naming every difference."""
-    t0 = time.monotonic()
-    while True:
-        kernel = kernel_truth(root)
-        diff = mismatches(kernel, page_truth(root))
-        if not diff:
-            return kernel
-        if time.monotonic() - t0 > SETTLE_S:
-            raise AssertionError(f"after {label}: the page differs from the kernel:\n  " + "\n  ".join(diff[:20]))
-        page.wait_for_timeout(100)  # polling a condition: the page is still drawing
 
 
 def _kernel_at(page, root, frame: int, frames: int | None = None) -> None:
@@ -81,27 +68,27 @@ def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
             root.wait_for(timeout=120_000)
             for fig in NAMES:
                 root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
-            state = _agree(page, root, "display")
+            state = _agree(page, root, True, "display")
             assert (state["frame"], state["frames"]) == (4, 5)
             _shot(page, root, shots / f"{name}_1280x1000_last.png")
             done = ["display"]
             for frame in (3, 2, 1, 0):
                 _slide(page, root, "ArrowLeft")
                 _kernel_at(page, root, frame)
-                _agree(page, root, f"slider to frame {frame}")
+                _agree(page, root, True, f"slider to frame {frame}")
                 done.append(f"slider to {frame}")
                 if frame == 2:
                     _shot(page, root, shots / f"{name}_1280x1000_frame2.png")
                 page.wait_for_timeout(PAUSE_MS)
             _slide(page, root, "ArrowRight")
             _kernel_at(page, root, 1)
-            _agree(page, root, "slider forward to frame 1")
+            _agree(page, root, True, "slider forward to frame 1")
             # the pool serves a request while the widget is shown: the slider grows and moves to it
             page.evaluate("""() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel
                 .requestExecute({code: "pool.serve('You are a terse guide at the whale museum. Where is the gift "
                                  + "shop?', max_new_tokens=4)"}).done.then(() => true)""")
             _kernel_at(page, root, 5, 6)
-            _agree(page, root, "a request served live")
+            _agree(page, root, True, "a request served live")
             assert root.locator(".kvx-prefix-slider .widget-readout").first.inner_text().strip() == "5"
             assert "request 4" in root.locator(".kvx-prefix-story-box").first.inner_text()
             _shot(page, root, shots / f"{name}_1280x1000_live.png")

@@ -43,43 +43,19 @@ PLAYER = "async function (root) {" + UNPACK + r"""
   try {
     const {all, decode} = await unpack(root);
     const frames = all.frames;
-    const slider = root.querySelector('.kvx-slider'), label = root.querySelector('.kvx-label');
-    const play = root.querySelector('.kvx-play'), storyBox = root.querySelector('.kvx-story');
-    slider.max = String(frames.length - 1);
+    const label = root.querySelector('.kvx-label'), storyBox = root.querySelector('.kvx-story');
     const config = {displaylogo: false, responsive: true};
-    let queue = Promise.resolve();
-    const show = (i) => {
-      queue = queue.then(async () => {
-        const f = frames[i];
-        for (const [name, fig] of Object.entries(f.figures)) {
-          const d = decode(fig);
-          await Plotly.react(root.querySelector('.kvx-fig-' + name), d.data, d.layout, config);
-        }
-        storyBox.innerHTML = f.story;
-        label.textContent = f.label;
-        root.dataset.kvxFrame = String(i);
-      });
-      return queue;
+    const draw = async (i) => {
+      const f = frames[i];
+      for (const [name, fig] of Object.entries(f.figures)) {
+        const d = decode(fig);
+        await Plotly.react(root.querySelector('.kvx-fig-' + name), d.data, d.layout, config);
+      }
+      storyBox.innerHTML = f.story;
+      label.textContent = f.label;
+      root.dataset.kvxFrame = String(i);
     };
-    root.kvxShow = (i) => { slider.value = String(i); return show(i); };
-    slider.addEventListener('input', () => show(Number(slider.value)));
-    let timer = null;
-    const stop = () => { clearInterval(timer); timer = null; play.textContent = '▶ play'; };
-    play.addEventListener('click', () => {
-      if (timer) return stop();
-      if (Number(slider.value) >= frames.length - 1) slider.value = '0';
-      play.textContent = '⏸ pause';
-      show(Number(slider.value));
-      timer = setInterval(() => {
-        const next = Number(slider.value) + 1;
-        if (next >= frames.length) return stop();
-        slider.value = String(next);
-        show(next);
-      }, 1200);
-    });
-    await show(frames.length - 1);  // the pool as it ended; the slider goes back to any request
-    slider.value = String(frames.length - 1);
-    root.dataset.kvxReady = '1';
+    await wire(root, frames.length, draw, 1200);  // the pool as it ended; the slider goes back to any request
   } catch (e) {
     root.dataset.kvxError = String(e);
     console.error('kvexplore prefix replay:', e);

@@ -34,7 +34,7 @@ __PLOTLY__
 # what every player starts with: unpack(root) runs the packed plotly.js once per page (or waits for another
 # fragment's), then gives the packed data (views/page.py: pack) and decode(v), which turns the array references
 # ({"$a": i, "n": n}, views/frames.py: ArrayStore) back into typed arrays and lists of strings stored once in a table
-# ({"$t": indices into all.strings}, replay/prefix_page.py)
+# ({"$t": indices into all.strings}, replay/prefix_page.py); wire(...) then drives its slider and play button
 UNPACK = r"""
   const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                  uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
@@ -68,6 +68,32 @@ UNPACK = r"""
     };
     return {all, decode};
   }
+  // the slider and play/pause over frames 0..count-1, drawn by draw(i) (async; draws run one after another), every
+  // ms when playing; the last frame first (play from the last starts over)
+  async function wire(root, count, draw, ms) {
+    let queue = Promise.resolve();
+    const show = (i) => { queue = queue.then(() => draw(i)); return queue; };
+    const slider = root.querySelector('.kvx-slider'), play = root.querySelector('.kvx-play');
+    slider.max = String(count - 1);
+    root.kvxShow = (i) => { slider.value = String(i); return show(i); };
+    slider.addEventListener('input', () => show(Number(slider.value)));
+    let timer = null;
+    const stop = () => { clearInterval(timer); timer = null; play.textContent = '▶ play'; };
+    play.addEventListener('click', () => {
+      if (timer) return stop();
+      if (Number(slider.value) >= count - 1) { slider.value = '0'; show(0); }
+      play.textContent = '⏸ pause';
+      timer = setInterval(() => {
+        const next = Number(slider.value) + 1;
+        if (next >= count) return stop();
+        slider.value = String(next);
+        show(next);
+      }, ms);
+    });
+    await show(count - 1);
+    slider.value = String(count - 1);
+    root.dataset.kvxReady = '1';
+  }
 """
 
 PLAYER = "async function (root) {" + UNPACK + r"""
@@ -98,47 +124,25 @@ PLAYER = "async function (root) {" + UNPACK + r"""
       strips[lane] = box.querySelector('.kvx-strip-box');
     }
     for (const view of meta.views.run) divs[view] = figure(root.querySelector('.kvx-run-views'), view);
-    const slider = root.querySelector('.kvx-slider'), label = root.querySelector('.kvx-label');
-    const mark = root.querySelector('.kvx-mark'), play = root.querySelector('.kvx-play');
-    slider.max = String(frames.length - 1);
+    const label = root.querySelector('.kvx-label'), mark = root.querySelector('.kvx-mark');
     const config = {displaylogo: false, responsive: true};
-    let queue = Promise.resolve();
     const strip = (lane, n) => {
       const spans = meta.spans[lane].slice(0, n);
       if (spans.length) spans[spans.length - 1] = spans[spans.length - 1].replace('kvx-gen"', 'kvx-gen kvx-last"');
       return '<div class="kvx-strip">' + meta.prompt[lane] + spans.join('') + '</div>';
     };
-    const show = (i) => {
-      queue = queue.then(async () => {
-        const f = frames[i];
-        for (const lane of meta.lanes) strips[lane].innerHTML = strip(lane, f.tokens[lane]);
-        for (const [key, fig] of Object.entries(f.figures)) {
-          const d = decode(fig);
-          await Plotly.react(divs[key], d.data, d.layout, config);
-        }
-        label.textContent = `step ${i} of ${frames.length - 1}`;
-        mark.textContent = meta.marks[String(i)] || '';
-        root.dataset.kvxStep = String(i);
-      });
-      return queue;
+    const draw = async (i) => {
+      const f = frames[i];
+      for (const lane of meta.lanes) strips[lane].innerHTML = strip(lane, f.tokens[lane]);
+      for (const [key, fig] of Object.entries(f.figures)) {
+        const d = decode(fig);
+        await Plotly.react(divs[key], d.data, d.layout, config);
+      }
+      label.textContent = `step ${i} of ${frames.length - 1}`;
+      mark.textContent = meta.marks[String(i)] || '';
+      root.dataset.kvxStep = String(i);
     };
-    root.kvxShow = (i) => { slider.value = String(i); return show(i); };
-    slider.addEventListener('input', () => show(Number(slider.value)));
-    let timer = null;
-    const stop = () => { clearInterval(timer); timer = null; play.textContent = '▶ play'; };
-    play.addEventListener('click', () => {
-      if (timer) return stop();
-      play.textContent = '⏸ pause';
-      timer = setInterval(() => {
-        const next = Number(slider.value) + 1;
-        if (next >= frames.length) return stop();
-        slider.value = String(next);
-        show(next);
-      }, 700);
-    });
-    await show(frames.length - 1);  // the run as it ended; the slider goes back to any step
-    slider.value = String(frames.length - 1);
-    root.dataset.kvxReady = '1';
+    await wire(root, frames.length, draw, 700);  // the run as it ended; the slider goes back to any step
   } catch (e) {
     root.dataset.kvxError = String(e);
     console.error('kvexplore replay:', e);
