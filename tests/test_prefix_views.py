@@ -231,3 +231,30 @@ def test_replay_page_of_50_requests_on_512_blocks_stays_small(tmp_path):
     assert len(data["frames"]) == 51
     assert len(data["strings"]) < 51 * 512 / 3  # a block's hover travels once, not once per frame
     assert path.stat().st_size < 4_000_000  # plotly.js alone is about 2 MB of it
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_views_of_a_real_pool_show_its_own_state_and_follow_it(tiny, policy):
+    pool = kvexplore.PrefixPool(tiny, num_blocks=16, block_size=8, policy=policy)
+    system = "You are a terse guide at the whale museum. "
+    pool.serve(system + "Where is the whale?", max_new_tokens=3)
+    view = kvexplore.PrefixView(pool)
+    assert view.slider.max == 1
+    r = pool.serve(system + "When does it open?", max_new_tokens=3)
+    assert (view.slider.max, view.slider.value) == (2, 2)  # the listener grew the slider and moved it
+    frame = pool.frames()[-1]
+    cells = _cells(view.figures["prefix_pool"].spec)
+    assert {s: state for s, (state, _) in cells.items()} == {b.slot: b.state for b in frame.blocks}
+    for h, page in pool.hashes.items():  # the pool's own table: every cached block's hover names its hash
+        assert f"hash {h}" in cells[page][1]
+    hit = [s for s, (state, _) in cells.items() if state == "hit"]
+    assert len(hit) * 8 == r.hit_tokens > 0
+    bars = view.figures["prefix_timeline"].spec
+    assert bars.trace("hit")["y"].tolist() == [0, r.hit_tokens]
+    assert bars.trace("recomputed")["y"].tolist()[-1] == r.recomputed_tokens
+    tree = view.figures["prefix_tree"].spec
+    assert sum(len(t["x"]) for t in tree.traces if t["name"] in STATES) == len(pool.tree)
+    assert set(prefix_tree.edges(frame)) == {(n.parent, n.id) for n in pool.tree}
+    view.close()
+    pool.serve(system + "Where is the shop?", max_new_tokens=3)
+    assert view.slider.max == 2 and pool.listeners == []

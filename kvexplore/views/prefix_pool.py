@@ -21,6 +21,7 @@ from .prefix_words import label, tokens_hover
 from .spec import FigureSpec, columns
 
 NEXT_SHOWN = 8      # free-queue positions numbered on the grid
+EXPLAINED = 512     # pools up to this many blocks say in each hover what the state means (the legend does too)
 LABELLED = 128      # pools up to this many blocks (16 to a row) show each block's first characters in its cell
 STATE_MEANING = {
     "free": "holds nothing reusable", "cached": "no request holds it; a later request may hit it",
@@ -41,8 +42,11 @@ def cell(slot: int, cols: int) -> tuple[int, int]:
 
 
 def _hover(frame: PoolFrame, b, queue_at: dict[int, int], reachable: dict[str, bool], who: str) -> str:
-    lines = [f"<b>slot {b.slot}</b> · {b.state}" + (f" (node {b.node})" if b.node else ""),
-             STATE_MEANING.get(b.state, "")]
+    if b.state == "free" and not b.tokens:  # (most of a big pool: kept short)
+        return f"<b>slot {b.slot}</b> · free" + (" · in the free queue" if b.slot in queue_at else "")
+    lines = [f"<b>slot {b.slot}</b> · {b.state}" + (f" (node {b.node})" if b.node else "")]
+    if frame.num_blocks <= EXPLAINED:
+        lines.append(STATE_MEANING.get(b.state, ""))
     if b.hash is not None:
         lines.append(f"hash {b.hash} ← " + (f"parent {b.parent}" if b.parent else "first block of its prefix"))
     lines.append(f"refcount {b.refcount}" + (f" · stored by {who} {b.stored_by}" if b.stored_by is not None else "")
