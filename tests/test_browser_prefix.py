@@ -93,10 +93,17 @@ def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
             assert "request 4" in root.locator(".kvx-prefix-story-box").first.inner_text()
             _shot(page, root, shots / f"{name}_1280x1000_live.png")
             done.append("live request")
+            for _ in range(2):
+                _slide(page, root, "ArrowLeft")
+            _kernel_at(page, root, 3)
+            root.locator(".kvx-prefix-play button").first.click()  # play: frames 4, 5, then it stops
+            _kernel_at(page, root, 5)
+            _agree(page, root, True, "played to the end")
+            done.append("play")
         except Exception:
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
-    assert len(done) == 6, done
+    assert len(done) == 7, done
 
 
 READY = "(r) => r.dataset.kvxReady === '1' || !!r.dataset.kvxError"
