@@ -163,3 +163,15 @@ def test_a_request_that_fails_midway_leaves_the_pool_consistent(tiny, monkeypatc
     again = pool.serve(a, max_new_tokens=3, keep_logits=True)  # the cached blocks are intact
     assert again.hit_tokens == 8
     torch.testing.assert_close(again.logits, first.logits, atol=1e-5, rtol=0)
+
+
+def test_a_hash_block_whose_parent_was_evicted_is_unreachable():
+    from kvexplore.prefix.hashing import HashIndex
+    index = HashIndex(BS)
+    a = ids(1, 12)
+    chain = block_hashes(a, BS)
+    assert index.insert(a, [5, 6, 7], chain) == [5, 6, 7]
+    assert index.victim([6, 5, 7]) == 6  # the middle block was at the queue's front
+    nodes = index.nodes()
+    assert [(n.id, n.reachable) for n in nodes] == [(short(chain[0]), True), (short(chain[2]), False)]
+    assert index.match(a, chain) == [5] and index.evictions[0].page == 6 and index.evictions[0].start == 4

@@ -33,7 +33,7 @@ from .radix import RadixIndex
 from .reasons import Ledger, Served
 from .request import RequestInput
 from .result import ServeResult
-from .snapshot import frame_of
+from .snapshot import FrameMaker
 from .states import StateCheckpoints
 
 POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix": RadixIndex}
@@ -83,7 +83,8 @@ class PrefixPool:
         self.results: list[ServeResult] = []
         self.listeners: list[Callable[[PoolFrame], None]] = []
         self._live: dict[int, PagedCache] = {}  # requests served with keep=True, still holding their pages
-        self._frames = [frame_of(self, None, [], 0)]
+        self._maker = FrameMaker(self)
+        self._frames = [self._maker.frame(None, [], 0)]
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_text(token) if self.tokenizer is not None else str(token)
@@ -142,7 +143,7 @@ class PrefixPool:
             len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
         self.results.append(result)
         self.events.record(self.index, evictions, cached)
-        frame = frame_of(self, result, evictions, len(self._frames))
+        frame = self._maker.frame(result, evictions, len(self._frames))
         self._frames.append(frame)
         for listener in list(self.listeners):
             listener(frame)
@@ -220,12 +221,12 @@ class PrefixPool:
     @property
     def blocks(self):
         """Every page as the pool holds it now (a :class:`~kvexplore.prefix.frames.BlockView` each)."""
-        return frame_of(self, None, [], len(self._frames)).blocks
+        return self._maker.frame(None, [], len(self._frames)).blocks
 
     @property
     def tree(self):
         """The tree of cached prefixes now (:class:`~kvexplore.prefix.frames.TreeNode` each, parents first)."""
-        return frame_of(self, None, [], len(self._frames)).tree
+        return self._maker.frame(None, [], len(self._frames)).tree
 
     @property
     def hashes(self) -> dict[str, int]:
