@@ -29,6 +29,7 @@ from .engine_events import EngineEvents
 from .frames import PoolFrame
 from .hashing import HashIndex
 from .index import PrefixIndex, block_hashes, short
+from .page_writer import write_page
 from .radix import RadixIndex
 from .reasons import Ledger, Served
 from .request import RequestInput
@@ -250,6 +251,11 @@ class PrefixPool:
         """What happened to the cache, one batch per request, as vLLM publishes its KV cache events (map form:
         ``{"ts", "events": [{"type": "BlockStored" | "BlockRemoved", ...}], "data_parallel_rank": 0}``)."""
         return self.events.batches()
+
+    def save_html(self, path, title: str | None = None):
+        """One self-contained HTML page of the pool's history: a slider over the requests redrawing the block pool,
+        the tree and the timeline (:func:`kvexplore.replay.save_prefix_html`)."""
+        return write_page(self, path, title=title)
 
     def __repr__(self) -> str:
         cached = sum(1 for p in range(self.num_blocks) if self.index.cached(p))
