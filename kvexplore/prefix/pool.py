@@ -37,6 +37,20 @@ from .result import ServeResult
 from .snapshot import FrameMaker
 from .states import StateCheckpoints
 
+class PrefixPoolFullError(PagePoolFullError):
+    """A request needs more new blocks than the pool has free (cached blocks no request holds count as free: they
+    would be evicted); nothing was computed or evicted."""
+
+    def __init__(self, held: int, needed: int, capacity: int, free: int, prompt: int, written: int, kept: int) -> None:
+        self.used, self.needed, self.capacity, self.free = held, needed, capacity, free
+        hint = f", or let kept requests go (pool.finish(result): {kept} kept)" if kept else ""
+        Exception.__init__(
+            self, f"prefix pool full: this request writes {written} positions ({prompt} prompt tokens and its "
+                  f"answer but the last token), which needs {needed} new block{'s' * (needed != 1)}, and "
+                  f"{free} of the {capacity} are free or only cached ({held} held by kept requests); create the "
+                  f"pool with a larger num_blocks, or shorten the request or max_new_tokens{hint}")
+
+
 POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix": RadixIndex}
 
 
@@ -110,8 +124,8 @@ class PrefixPool:
         pages, hit = matched[:usable], usable * bs
         self._check_room(ask, pages)
         label = label or f"request {r}"
-        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat,
-                                     [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved])
+        saved_at = [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved]
+        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat, saved_at, ask.answers)
         t0 = time.perf_counter()
         cache = self.cache.sibling()
         cache.adopt(pages, hit)
@@ -120,7 +134,7 @@ class PrefixPool:
             generated, logits, first = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
         except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
             self._give_back(cache)
-            self._settle_evictions(r)
+            self._settle_evictions(label)
             raise
         written = list(ids) + generated[:-1]
         table = list(cache.table.tables[0])
@@ -133,8 +147,8 @@ class PrefixPool:
                 self.pool.hits[page] += 1
             else:
                 self.pool.stored_by[page] = r
-        evictions = self._settle_evictions(r)
-        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat))
+        evictions = self._settle_evictions(label)
+        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat, self._answer_text(generated)))
         if keep:
             self._live[r] = cache
         else:
@@ -154,12 +168,16 @@ class PrefixPool:
         cache.table.release(tail_first=True)  # the tail first: the hash policy then evicts a prefix's end first
         cache.table.tables = [[]]
 
-    def _settle_evictions(self, r: int) -> list:
-        """The blocks request ``r``'s pages evicted: their states dropped, the ledger told."""
+    def _answer_text(self, generated: list[int]) -> str:
+        eos = set(eos_ids(self.executor))
+        return self.tokenizer.decode([t for t in generated if t not in eos]) if self.tokenizer is not None else ""
+
+    def _settle_evictions(self, label: str) -> list:
+        """The blocks the request ``label``'s pages evicted: their states dropped, the ledger told."""
         evictions, self.index.evictions = list(self.index.evictions), []
         for e in evictions:
             self.states.drop(e.hash)
-        self.ledger.note_evictions(evictions, r)
+        self.ledger.note_evictions(evictions, label)
         return evictions
 
     def _check_room(self, ask: "RequestInput", pages: list[int]) -> None:
@@ -167,8 +185,8 @@ class PrefixPool:
         need = -(-written // self.block_size) - len(pages)
         free = len(self.pool.free) - sum(1 for p in pages if self.pool.refcount[p] == 0)
         if need > free:
-            held = self.num_blocks - len(self.pool.free)
-            raise PagePoolFullError(held, need, self.num_blocks, free)
+            raise PrefixPoolFullError(self.num_blocks - len(self.pool.free), need, self.num_blocks, free,
+                                      len(ask.ids), written, len(self._live))
         if written > self.config.max_position_embeddings:
             raise SettingsError(f"this request writes {written} positions (prompt {len(ask.ids)} + "
                                 f"{ask.new_tokens} new tokens, the last not written), past the model's "
