@@ -169,6 +169,7 @@ def test_a_pool_too_small_evicts_by_each_policys_rule(tiny):
     assert hashed[2].blocks == [2, 1] and radix[2].blocks == [2, 5]
     assert kinds(hashed[3])[0] == ("evicted", 4, 8)
     assert "was cached by request 0, then evicted under pressure at request 2" in hashed[3].misses[0].reason
+    assert "(1 block," in hashed[3].explain() and "(4 tokens)" in str(hashed[3].misses[0])
     for r in hashed + radix:
         check_accounting(r)
 
@@ -240,3 +241,15 @@ def test_shared_blocks_give_the_logits_of_a_request_computed_from_scratch(zoo, a
     seq = b + shared.generated[:-1]
     logits = model(torch.tensor([seq]), cache, 0)[0, len(b) - 1:].float()
     torch.testing.assert_close(shared.logits, logits, atol=1e-4, rtol=0)
+
+
+def test_an_edited_answer_is_not_blamed_on_the_template(trained):
+    pool = kvexplore.PrefixPool(trained, num_blocks=64, block_size=BS)
+    turn1 = [{"role": "user", "content": "Tell me about the sea."}]
+    t1 = pool.serve(turn1, max_new_tokens=12, chat_template=KEEP_THINKING)
+    edited = turn1 + [{"role": "assistant", "content": "Something else entirely."},
+                      {"role": "user", "content": "And the moon?"}]
+    t2 = pool.serve(edited, response=[5], chat_template=KEEP_THINKING)
+    assert t2.misses[0].kind == "diverged", t2.explain()
+    assert "this conversation's copy of that answer is not the text it generated; edited?" in t2.misses[0].reason
+    assert t2.hit_tokens == len(t1.prompt) // BS * BS

@@ -63,8 +63,9 @@ def test_a_kept_request_holds_its_pages_and_shares_them(tiny):
     assert pool.frames()[-1].blocks[2].state == HELD
     # six pages are held or shared: a request needing four new pages does not fit, and says why
     before = state(pool)
-    with pytest.raises(PagePoolFullError, match=r"page pool full: 4 of 8 pages in use \(4 free\) and this write "
-                                                r"needs 5 new pages"):
+    with pytest.raises(PagePoolFullError, match=r"writes 17 positions \(17 prompt tokens .*needs 5 new blocks, and 4 "
+                                                r"of the 8 are free or only cached \(4 held by kept requests\).*"
+                                                r"pool.finish\(result\): 2 kept"):
         pool.serve(ids(100, 17), response=[5])
     assert state(pool) == before
     pool.finish(a)
@@ -125,7 +126,7 @@ def test_bad_requests_are_refused_before_anything_changes(tiny, request_, kwargs
 
 def test_a_pool_too_small_for_one_request_names_the_fix(tiny):
     pool = kvexplore.PrefixPool(tiny, num_blocks=3, block_size=BS)
-    with pytest.raises(PagePoolFullError, match="create the cache with a larger num_blocks"):
+    with pytest.raises(PagePoolFullError, match="create the pool with a larger num_blocks"):
         pool.serve(ids(1, 13), max_new_tokens=2)
     assert pool.free_queue == [0, 1, 2] and not pool.results
 
@@ -163,3 +164,15 @@ def test_a_request_that_fails_midway_leaves_the_pool_consistent(tiny, monkeypatc
     again = pool.serve(a, max_new_tokens=3, keep_logits=True)  # the cached blocks are intact
     assert again.hit_tokens == 8
     torch.testing.assert_close(again.logits, first.logits, atol=1e-5, rtol=0)
+
+
+def test_a_hash_block_whose_parent_was_evicted_is_unreachable():
+    from kvexplore.prefix.hashing import HashIndex
+    index = HashIndex(BS)
+    a = ids(1, 12)
+    chain = block_hashes(a, BS)
+    assert index.insert(a, [5, 6, 7], chain) == [5, 6, 7]
+    assert index.victim([6, 5, 7]) == 6  # the middle block was at the queue's front
+    nodes = index.nodes()
+    assert [(n.id, n.reachable) for n in nodes] == [(short(chain[0]), True), (short(chain[2]), False)]
+    assert index.match(a, chain) == [5] and index.evictions[0].page == 6 and index.evictions[0].start == 4

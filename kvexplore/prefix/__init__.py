@@ -3,7 +3,7 @@ tree (SGLang's RadixAttention) over it, every hit counted and every miss explain
 cache events replayed into the same frames."""
 
 from .frames import BlockView, MissView, PoolFrame, RequestView, TreeNode
-from .pool import PrefixPool
+from .pool import PrefixPool, PrefixPoolFullError
 from .result import Miss, ServeResult
 
-__all__ = ["BlockView", "Miss", "MissView", "PoolFrame", "PrefixPool", "RequestView", "ServeResult", "TreeNode"]
+__all__ = ["BlockView", "Miss", "MissView", "PoolFrame", "PrefixPool", "PrefixPoolFullError", "RequestView", "ServeResult", "TreeNode"]

@@ -29,12 +29,27 @@ from .engine_events import EngineEvents
 from .frames import PoolFrame
 from .hashing import HashIndex
 from .index import PrefixIndex, block_hashes, short
+from .page_writer import write_page
 from .radix import RadixIndex
 from .reasons import Ledger, Served
 from .request import RequestInput
 from .result import ServeResult
-from .snapshot import frame_of
+from .snapshot import FrameMaker
 from .states import StateCheckpoints
+
+class PrefixPoolFullError(PagePoolFullError):
+    """A request needs more new blocks than the pool has free (cached blocks no request holds count as free: they
+    would be evicted); nothing was computed or evicted."""
+
+    def __init__(self, held: int, needed: int, capacity: int, free: int, prompt: int, written: int, kept: int) -> None:
+        self.used, self.needed, self.capacity, self.free = held, needed, capacity, free
+        hint = f", or let kept requests go (pool.finish(result): {kept} kept)" if kept else ""
+        Exception.__init__(
+            self, f"prefix pool full: this request writes {written} positions ({prompt} prompt tokens and its "
+                  f"answer but the last token), which needs {needed} new block{'s' * (needed != 1)}, and "
+                  f"{free} of the {capacity} are free or only cached ({held} held by kept requests); create the "
+                  f"pool with a larger num_blocks, or shorten the request or max_new_tokens{hint}")
+
 
 POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix": RadixIndex}
 
@@ -83,7 +98,8 @@ class PrefixPool:
         self.results: list[ServeResult] = []
         self.listeners: list[Callable[[PoolFrame], None]] = []
         self._live: dict[int, PagedCache] = {}  # requests served with keep=True, still holding their pages
-        self._frames = [frame_of(self, None, [], 0)]
+        self._maker = FrameMaker(self)
+        self._frames = [self._maker.frame(None, [], 0)]
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.token_text(token) if self.tokenizer is not None else str(token)
@@ -108,8 +124,8 @@ class PrefixPool:
         pages, hit = matched[:usable], usable * bs
         self._check_room(ask, pages)
         label = label or f"request {r}"
-        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat,
-                                     [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved])
+        saved_at = [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved]
+        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat, saved_at, ask.answers)
         t0 = time.perf_counter()
         cache = self.cache.sibling()
         cache.adopt(pages, hit)
@@ -118,7 +134,7 @@ class PrefixPool:
             generated, logits, first = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
         except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
             self._give_back(cache)
-            self._settle_evictions(r)
+            self._settle_evictions(label)
             raise
         written = list(ids) + generated[:-1]
         table = list(cache.table.tables[0])
@@ -131,8 +147,8 @@ class PrefixPool:
                 self.pool.hits[page] += 1
             else:
                 self.pool.stored_by[page] = r
-        evictions = self._settle_evictions(r)
-        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat))
+        evictions = self._settle_evictions(label)
+        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat, self._answer_text(generated)))
         if keep:
             self._live[r] = cache
         else:
@@ -142,7 +158,7 @@ class PrefixPool:
             len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
         self.results.append(result)
         self.events.record(self.index, evictions, cached)
-        frame = frame_of(self, result, evictions, len(self._frames))
+        frame = self._maker.frame(result, evictions, len(self._frames))
         self._frames.append(frame)
         for listener in list(self.listeners):
             listener(frame)
@@ -152,12 +168,16 @@ class PrefixPool:
         cache.table.release(tail_first=True)  # the tail first: the hash policy then evicts a prefix's end first
         cache.table.tables = [[]]
 
-    def _settle_evictions(self, r: int) -> list:
-        """The blocks request ``r``'s pages evicted: their states dropped, the ledger told."""
+    def _answer_text(self, generated: list[int]) -> str:
+        eos = set(eos_ids(self.executor))
+        return self.tokenizer.decode([t for t in generated if t not in eos]) if self.tokenizer is not None else ""
+
+    def _settle_evictions(self, label: str) -> list:
+        """The blocks the request ``label``'s pages evicted: their states dropped, the ledger told."""
         evictions, self.index.evictions = list(self.index.evictions), []
         for e in evictions:
             self.states.drop(e.hash)
-        self.ledger.note_evictions(evictions, r)
+        self.ledger.note_evictions(evictions, label)
         return evictions
 
     def _check_room(self, ask: "RequestInput", pages: list[int]) -> None:
@@ -165,8 +185,8 @@ class PrefixPool:
         need = -(-written // self.block_size) - len(pages)
         free = len(self.pool.free) - sum(1 for p in pages if self.pool.refcount[p] == 0)
         if need > free:
-            held = self.num_blocks - len(self.pool.free)
-            raise PagePoolFullError(held, need, self.num_blocks, free)
+            raise PrefixPoolFullError(self.num_blocks - len(self.pool.free), need, self.num_blocks, free,
+                                      len(ask.ids), written, len(self._live))
         if written > self.config.max_position_embeddings:
             raise SettingsError(f"this request writes {written} positions (prompt {len(ask.ids)} + "
                                 f"{ask.new_tokens} new tokens, the last not written), past the model's "
@@ -220,12 +240,12 @@ class PrefixPool:
     @property
     def blocks(self):
         """Every page as the pool holds it now (a :class:`~kvexplore.prefix.frames.BlockView` each)."""
-        return frame_of(self, None, [], len(self._frames)).blocks
+        return self._maker.frame(None, [], len(self._frames)).blocks
 
     @property
     def tree(self):
         """The tree of cached prefixes now (:class:`~kvexplore.prefix.frames.TreeNode` each, parents first)."""
-        return frame_of(self, None, [], len(self._frames)).tree
+        return self._maker.frame(None, [], len(self._frames)).tree
 
     @property
     def hashes(self) -> dict[str, int]:
@@ -249,6 +269,11 @@ class PrefixPool:
         """What happened to the cache, one batch per request, as vLLM publishes its KV cache events (map form:
         ``{"ts", "events": [{"type": "BlockStored" | "BlockRemoved", ...}], "data_parallel_rank": 0}``)."""
         return self.events.batches()
+
+    def save_html(self, path, title: str | None = None):
+        """One self-contained HTML page of the pool's history: a slider over the requests redrawing the block pool,
+        the tree and the timeline (:func:`kvexplore.replay.save_prefix_html`)."""
+        return write_page(self, path, title=title)
 
     def __repr__(self) -> str:
         cached = sum(1 for p in range(self.num_blocks) if self.index.cached(p))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .index import Eviction
-from .result import Miss
+from .result import Miss, count
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,16 @@ class Served:
     written: tuple[int, ...]  # the tokens whose keys and values it wrote: prompt and generated, but the last
     prompt_len: int
     chat: bool
+    answer: str = ""  # the text it generated (special tokens left out)
 
 
 class Ledger:
     def __init__(self, block_size: int, token_text: Callable[[int], str]) -> None:
         self.block_size, self.token_text = block_size, token_text
         self.served: list[Served] = []
-        self.evicted_at: dict[bytes, int] = {}  # chain hash -> the request whose pages it gave way to (the latest)
+        self.evicted_at: dict[bytes, str] = {}  # chain hash -> the request whose pages it gave way to (the latest)
 
-    def note_evictions(self, evictions: Sequence[Eviction], request: int) -> None:
+    def note_evictions(self, evictions: Sequence[Eviction], request: str) -> None:
         for e in evictions:
             self.evicted_at[e.hash] = request
 
@@ -48,10 +49,11 @@ class Ledger:
         return f"{self.token_text(token)!r} (id {token})"
 
     def explain(self, ids: Sequence[int], hit: int, matched: int, hashes: list[bytes], chat: bool,
-                saved_at: Sequence[int]) -> list[Miss]:
+                saved_at: Sequence[int], answers: Sequence[str] = ()) -> list[Miss]:
         """Every recomputed prompt position ``hit .. len(ids) - 1`` explained. ``matched``: the prefix whose blocks
         were cached (past ``hit`` only when a recurrent state was not saved where they end); ``hashes``: the chain
-        hashes of the blocks that could have been hit; ``saved_at``: where states were saved along the prefix."""
+        hashes of the blocks that could have been hit; ``saved_at``: where states were saved along the prefix;
+        ``answers``: the contents of the chat's assistant messages (to tell a template's rewrite from an edit)."""
         bs, n = self.block_size, len(ids)
         floor, misses = len(hashes) * bs, []
         if matched > hit:
@@ -63,16 +65,17 @@ class Ledger:
                                f"so this request resumes at {hit}"))
         start = max(hit, matched)
         if start < floor:
-            misses.append(self._cause(ids, start, floor, hashes, chat))
+            misses.append(self._cause(ids, start, floor, hashes, chat, answers))
         if floor < n:
-            why = (f"the last {n - floor} tokens fill no whole block of {bs}: only full blocks are shared"
+            why = (f"the last {count(n - floor, 'token')} fill no whole block of {bs}: only full blocks are shared"
                    if n - floor < bs else
                    f"the block holding the prompt's last token is always computed: that token's logits start the "
                    f"answer, so a hit stops one block short of a prompt that fills its blocks exactly")
             misses.append(Miss("partial-block", floor, n, why))
         return misses
 
-    def _cause(self, ids: Sequence[int], start: int, end: int, hashes: list[bytes], chat: bool) -> Miss:
+    def _cause(self, ids: Sequence[int], start: int, end: int, hashes: list[bytes], chat: bool,
+               answers: Sequence[str]) -> Miss:
         bs = self.block_size
         b = start // bs
         common, q = self.longest(ids)
@@ -81,7 +84,7 @@ class Ledger:
             return Miss("first-seen", start, end, "no earlier request began with these tokens")
         if common >= start + bs:  # an earlier request wrote this whole block: it was cached, and is not now
             r = self.evicted_at.get(hashes[b])
-            when = f"evicted under pressure at request {r}" if r is not None else "not cached any more"
+            when = f"evicted under pressure at {r}" if r is not None else "not cached any more"
             return Miss("evicted", start, end, f"{block} was cached by {q.label}, then {when}: every block after it "
                                                f"is computed again too", q.index)
         if common >= len(q.written) == start:
@@ -91,19 +94,29 @@ class Ledger:
         if common >= len(q.written):
             return Miss("partial-block", start, end,
                         f"{q.label} wrote tokens up to position {len(q.written) - 1} only, inside {block}: its last "
-                        f"{len(q.written) - start} tokens filled no whole block, so they were never cached", q.index)
+                        f"{count(len(q.written) - start, 'token')} filled no whole block, so they were never cached",
+                        q.index)
         mine, theirs = self._tok(ids[common]), self._tok(q.written[common])
         if common < bs:
             return Miss("shorter-than-block", start, end,
                         f"the first {common} tokens are the same as {q.label}'s, fewer than one block of {bs}, so "
                         f"no block is shared (at token {common} this request has {mine}, {q.label} had {theirs})",
                         q.index)
-        if chat and q.chat and common >= q.prompt_len:
+        if chat and q.chat and common >= q.prompt_len and _same_answer(q.answer, answers):
             return Miss("template", start, end,
                         f"the chat template changed the prefix: at token {common}, inside the answer {q.label} "
                         f"generated, it renders {mine} where {q.label} generated {theirs} (a template that rewrites "
                         f"earlier turns, e.g. one that drops their thinking, breaks the match from there)", q.index)
         where = "inside" if common % bs else "at the start of"
+        edited = (f" (inside the answer {q.label} generated: this conversation's copy of that answer is not the "
+                  f"text it generated; edited?)" if chat and q.chat and common >= q.prompt_len else "")
         return Miss("diverged", start, end,
                     f"diverged at token {common} ({where} block {common // bs}): this request has {mine} where "
-                    f"{q.label} had {theirs}", q.index)
+                    f"{q.label} had {theirs}{edited}", q.index)
+
+
+def _same_answer(generated: str, answers: Sequence[str]) -> bool:
+    """Whether one of the chat's assistant messages is the answer as generated (one may be cut short of the other):
+    then a difference in the tokens is the template's (or the tokenizer's) doing, not an edit."""
+    g = generated.strip()
+    return any(a.strip() and (a.strip().startswith(g) or g.startswith(a.strip())) for a in answers)

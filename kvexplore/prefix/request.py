@@ -19,6 +19,7 @@ class RequestInput:
     text: str
     new_tokens: int
     forced: list[int] | None  # the answer to replay instead of generating (None: generate)
+    answers: tuple[str, ...] = ()  # the contents of a chat's assistant messages
 
     @classmethod
     def parse(cls, pool, request, chat_template: str | None, response, max_new_tokens: int | None) -> "RequestInput":
@@ -51,7 +52,8 @@ class RequestInput:
                 raise SettingsError(f"max_new_tokens={new} is more than the response's {len(forced)} tokens; leave "
                                     f"it out to replay the whole response")
         text = tok.decode(ids) if tok is not None else ""
-        return cls(ids, chat, text, new, forced)
+        answers = tuple(m["content"] for m in request if m.get("role") == "assistant") if chat else ()
+        return cls(ids, chat, text, new, forced, answers)
 
     @staticmethod
     def _text(tok, text: str, what: str) -> list[int]:

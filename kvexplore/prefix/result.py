@@ -10,6 +10,11 @@ import torch
 from .frames import MISS_KINDS
 
 
+def count(n: int, what: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {what}{'s' * (n != 1)}"
+
+
 @dataclass(frozen=True)
 class Miss:
     """Prompt positions ``start .. end - 1`` were computed, not taken from the cache, because of ``kind`` (a key of
@@ -30,7 +35,7 @@ class Miss:
         return self.end - self.start
 
     def __str__(self) -> str:
-        return f"positions {self.start}..{self.end - 1} ({self.tokens} tokens): {self.reason}"
+        return f"positions {self.start}..{self.end - 1} ({count(self.tokens, 'token')}): {self.reason}"
 
 
 @dataclass
@@ -65,9 +70,9 @@ class ServeResult:
 
     def explain(self) -> str:
         """The request in a few lines: hits, recomputed tokens, and each miss's reason."""
-        head = (f"{self.label}: {len(self.prompt)} prompt tokens, {self.hit_tokens} from the cache "
-                f"({len(self.hit_blocks)} blocks, {self.bytes_shared:,} B shared), {self.recomputed_tokens} computed, "
-                f"{len(self.generated)} generated")
+        head = (f"{self.label}: {count(len(self.prompt), 'prompt token')}, {self.hit_tokens} from the cache "
+                f"({count(len(self.hit_blocks), 'block')}, {self.bytes_shared:,} B shared), {self.recomputed_tokens} "
+                f"computed, {len(self.generated)} generated")
         return "\n".join([head] + [f"  - {m}" for m in self.misses])
 
     def __repr__(self) -> str:

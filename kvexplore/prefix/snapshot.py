@@ -28,39 +28,70 @@ def request_view(result) -> RequestView:
                        tuple(result.generated), result.text)
 
 
-def frame_of(pool, result, evictions: Sequence[Eviction], index: int) -> PoolFrame:
-    p, idx, tok = pool.pool, pool.index, pool.tokenizer
-    decode = (lambda ids: tok.decode(list(ids))) if tok is not None else (lambda ids: "")
-    evicted = {e.page for e in evictions}
-    gone = {e.page: e.hash for e in evictions}
-    nodes = idx.nodes()
-    node_of = {page: n.id for n in nodes for page in n.pages}
-    saved = pool.states.saved
-    blocks = []
-    for page in range(pool.num_blocks):
-        h = idx.hash_of(page)
-        state = _state(page, pool, result, evicted)
-        tokens = p.tokens[page] if state != FREE else ()
-        blocks.append(BlockView(page, state, short(h), short(idx.parent_of(page)), tokens, decode(tokens),
-                                p.refcount[page], p.stored_by[page], p.last_used[page], h in saved,
-                                node_of.get(page), short(gone.get(page))))
-    by_state = {b.slot: b.state for b in blocks}
-    tree = []
-    for n in nodes:
-        states = {by_state[page] for page in n.pages}
-        state = next((s for s in (HIT, WRITTEN, HELD) if s in states), CACHED)
-        tokens = tuple(t for page in n.pages for t in p.tokens[page])
-        tree.append(TreeNode(n.id, n.parent, n.start, tokens, decode(tokens), n.pages, state, p.hits[n.pages[0]],
-                             n.reachable))
-    known = {short(idx.hash_of(page)): n.id for n in nodes for page in n.pages}
-    for e in evictions:  # shown once, in the frame that dropped them
-        known.setdefault(short(e.hash), f"x{short(e.hash)}")
-    for e in evictions:
-        tree.append(TreeNode(f"x{short(e.hash)}", known.get(short(e.parent)), e.start, e.tokens, decode(e.tokens),
-                             (e.page,), EVICTED, 0, False))
-    title = "the empty pool" if result is None else result.explain().splitlines()[0]
-    notes = tuple(f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from page "
-                  f"{e.page}" for e in evictions)
-    return PoolFrame(index, title, pool.policy, pool.block_size, pool.num_blocks, tuple(blocks), tuple(tree),
-                     tuple(p.free), None if result is None else request_view(result), notes, pool.page_bytes,
-                     {"taking": idx.taking, "state_bytes": pool.states.bytes})
+class FrameMaker:
+    """Makes a pool's frames, sharing what did not change between them: a page whose view is the same as in the
+    last frame is the same :class:`BlockView` object, and a block's text is decoded once. A frame then costs memory
+    for what its request changed, not for the whole pool (4,096 pages, 40 requests: a few MB, not 50)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self._views: dict[int, tuple[tuple, BlockView]] = {}
+        self._texts: dict[tuple[int, ...], str] = {}
+        self._nodes: dict[tuple, TreeNode] = {}
+
+    def text(self, tokens: tuple[int, ...]) -> str:
+        tok = self.pool.tokenizer
+        if tok is None or not tokens:
+            return ""
+        if tokens not in self._texts:
+            if len(self._texts) > 65536:
+                self._texts.clear()
+            self._texts[tokens] = tok.decode(list(tokens))
+        return self._texts[tokens]
+
+    def frame(self, result, evictions: Sequence[Eviction], index: int) -> PoolFrame:
+        pool = self.pool
+        p, idx = pool.pool, pool.index
+        evicted = {e.page for e in evictions}
+        gone = {e.page: e.hash for e in evictions}
+        nodes = idx.nodes()
+        node_of = {page: n.id for n in nodes for page in n.pages}
+        saved = pool.states.saved
+        blocks = []
+        for page in range(pool.num_blocks):
+            h = idx.hash_of(page)
+            state = _state(page, pool, result, evicted)
+            tokens = p.tokens[page] if state != FREE else ()
+            key = (state, h, idx.parent_of(page) if h is not None else None, tokens, p.refcount[page],
+                   p.stored_by[page], p.last_used[page], h in saved, node_of.get(page), gone.get(page))
+            last = self._views.get(page)
+            if last is None or last[0] != key:
+                view = BlockView(page, state, short(h), short(key[2]), tokens, self.text(tokens), key[4], key[5],
+                                 key[6], key[7], key[8], short(key[9]))
+                self._views[page] = last = (key, view)
+            blocks.append(last[1])
+        by_state = {b.slot: b.state for b in blocks}
+        tree = []
+        for n in nodes:
+            states = {by_state[page] for page in n.pages}
+            state = next((s for s in (HIT, WRITTEN, HELD) if s in states), CACHED)
+            key = (n.id, n.parent, n.start, n.pages, state, p.hits[n.pages[0]], n.reachable)
+            if key not in self._nodes:
+                tokens = tuple(t for page in n.pages for t in p.tokens[page])
+                self._nodes[key] = TreeNode(n.id, n.parent, n.start, tokens, self.text(tokens), n.pages, state,
+                                            key[5], n.reachable)
+            tree.append(self._nodes[key])
+        live = set(tree)
+        self._nodes = {k: v for k, v in self._nodes.items() if v in live}
+        known = {short(idx.hash_of(page)): n.id for n in nodes for page in n.pages}
+        for e in evictions:  # shown once, in the frame that dropped them
+            known.setdefault(short(e.hash), f"x{short(e.hash)}")
+        for e in evictions:
+            tree.append(TreeNode(f"x{short(e.hash)}", known.get(short(e.parent)), e.start, e.tokens,
+                                 self.text(e.tokens), (e.page,), EVICTED, 0, False))
+        title = "the empty pool" if result is None else result.explain().splitlines()[0]
+        notes = tuple(f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from "
+                      f"page {e.page}" for e in evictions)
+        return PoolFrame(index, title, pool.policy, pool.block_size, pool.num_blocks, tuple(blocks), tuple(tree),
+                         tuple(p.free), None if result is None else request_view(result), notes, pool.page_bytes,
+                         {"taking": idx.taking, "state_bytes": pool.states.bytes})

@@ -1,0 +1,26 @@
+"""Where ``PrefixPool.save_html`` (and an event replay's) finds the page writer: the replay registers it
+(:func:`kvexplore.replay.prefix_page.save_prefix_html`) when it is imported, as it does for ``History.save_html``
+(:func:`kvexplore.trace.files.register_html_writer` says why: the drawing layer sits above this one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import StateError
+
+PageWriter = Callable[..., Path]  # (a source of frames, path, title=) -> the path written
+_writer: PageWriter | None = None
+
+
+def register_page_writer(write: PageWriter) -> None:
+    global _writer
+    if not callable(write):
+        raise TypeError(f"a page writer must be callable, got {type(write).__name__}")
+    _writer = write
+
+
+def write_page(source, path: str | Path, title: str | None = None) -> Path:
+    if _writer is None:
+        raise StateError("no prefix page writer is registered: import kvexplore (or kvexplore.replay) first")
+    return _writer(source, path, title=title)
