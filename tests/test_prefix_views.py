@@ -258,3 +258,20 @@ def test_views_of_a_real_pool_show_its_own_state_and_follow_it(tiny, policy):
     view.close()
     pool.serve(system + "Where is the shop?", max_new_tokens=3)
     assert view.slider.max == 2 and pool.listeners == []
+
+
+def test_a_hybrid_pools_state_checkpoints_are_marked_and_its_misses_told(zoo):
+    pool = kvexplore.PrefixPool(zoo.load("qwen3_next"), num_blocks=32, block_size=4, policy="hash",
+                                checkpoint_states="ends")
+    a = list(range(1, 15))
+    pool.serve(a, response=[5])
+    pool.serve(a[:10] + list(range(200, 206)), response=[5])  # shares 10 tokens: no state saved at 4 or 8
+    frame = pool.frames()[-1]
+    saved = sorted(b.slot for b in frame.blocks if b.state_checkpoint)
+    assert saved  # the first request's state at its floor
+    cols = prefix_pool.grid_columns(frame.num_blocks)
+    marks = prefix_pool.spec(frame).trace("state checkpoint")
+    assert sorted(round(float(x) - 0.3) + cols * round(float(y) + 0.22) for x, y in zip(marks["x"], marks["y"])) \
+        == saved
+    assert any("(no-state-checkpoint)" in line for line in explain(frame))
+    assert "no-state-checkpoint" in prefix_timeline.spec(pool.frames(), 2).trace("recomputed")["hovertext"][-1]
