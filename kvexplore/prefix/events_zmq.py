@@ -201,4 +201,7 @@ def record(endpoint: str | Sequence[str], path: str | Path, seconds: float | Non
             sub.collect(seconds, max_batches)
         except KeyboardInterrupt:
             sub.replay.notes.append("recording stopped by an interrupt")
+        if sub.recovered:
+            sub.replay.notes.append(f"{sub.recovered} of the batches came through the replay socket (sent before "
+                                    f"the recording began, or missed)")
         return sub.replay
