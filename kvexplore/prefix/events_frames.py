@@ -85,30 +85,28 @@ class FrameMaker:
 
 
 def describe(change: Change, names: HashNames) -> list[str]:
-    """What one batch did to one cache, in words."""
+    """What one batch did to one cache, in words, in the order it did it."""
     notes = []
-    for ev, new, again, parent_held in change.stored:
-        n = len(ev.hashes)
-        where = "as a new prefix (no parent)" if ev.parent is None else f"under {names(ev.parent)}"
-        if not parent_held:
-            where += ", a block this cache does not hold (removed, or stored before the stream began)"
-        note = f"stored {_blocks(n)} ({len(ev.tokens)} tokens) {where}: {_listed([b.hash for b in new], names)}"
-        if again:
-            note += f"; {again} of them held already (stored again)"
-        if ev.lora:
-            note += f"; LoRA {ev.lora}"
-        notes.append(note)
-    if change.cleared is not None:
-        notes.append(f"all blocks cleared ({_blocks(change.cleared)})")
-    removed = [b.hash for b in change.removed]
-    if removed:
-        notes.append(f"removed {_blocks(len(removed))}: {_listed(removed, names)}")
-    if change.unknown_removed:
-        notes.append(f"removed {_blocks(len(change.unknown_removed))} this stream never showed stored "
-                     f"({_listed(change.unknown_removed, names)}): stored before the recording began, or in a "
-                     f"missing batch")
-    notes += [f"token_ids do not fill the blocks exactly: {m}" for m in change.token_mismatch]
-    return notes
+    for what, *rest in change.log:
+        if what == "stored":
+            ev, new, again, parent_held = rest
+            where = "as a new prefix (no parent)" if ev.parent is None else f"under {names(ev.parent)}"
+            if not parent_held:
+                where += ", a block this cache does not hold (removed, or stored before the stream began)"
+            note = f"stored {_blocks(len(ev.hashes))} ({len(ev.tokens)} tokens) {where}: " \
+                   f"{_listed([b.hash for b in new], names)}"
+            notes.append(note + (f"; {again} of them held already (stored again)" if again else "")
+                         + (f"; LoRA {ev.lora}" if ev.lora else ""))
+        elif what == "removed":
+            gone, unknown = rest
+            if gone:
+                notes.append(f"removed {_blocks(len(gone))}: {_listed([b.hash for b in gone], names)}")
+            if unknown:
+                notes.append(f"removed {_blocks(len(unknown))} this stream never showed stored "
+                             f"({_listed(unknown, names)}): stored before the recording began, or in a missing batch")
+        else:
+            notes.append(f"all blocks cleared ({_blocks(rest[0])})")
+    return notes + [f"token_ids do not fill the blocks exactly: {m}" for m in change.token_mismatch]
 
 
 def capped(notes: list[str]) -> list[str]:

@@ -153,21 +153,21 @@ class KVEventReplay:
             lost = sum(b - a + 1 for a, b in gaps)
             lines.append(f"rank {r}: {len(mine)} batches, seq {mine[0].seq}..{mine[-1].seq}, "
                          f"{sum(len(rec.batch.events) for rec in mine)} events"
-                         + (f", {lost} batches missing in {len(gaps)} gaps" if gaps else ", no gaps")
-                         + (f", {sum(rec.restart for rec in mine)} restarts" if any(rec.restart for rec in mine)
-                            else ""))
+                         + (f", {_n(lost, 'batch')} missing in {_n(len(gaps), 'gap')}" if gaps else ", no gaps")
+                         + (f", {_n(sum(rec.restart for rec in mine), 'restart')}"
+                            if any(rec.restart for rec in mine) else ""))
             for (_, m, g), s in sorted((k, s) for k, s in self._states.items() if k[0] == r):
                 t = s.totals
                 held = sum(len(b.tokens) for b in s.blocks.values())
                 depth = s.depth()
-                lines.append(f"  {m} group {g}: {len(s.blocks)} blocks stored now ({held} tokens, block size "
+                lines.append(f"  {m} group {g}: {_n(len(s.blocks), 'block')} stored now ({held} tokens, block size "
                              f"{s.block_size}); {t['stored']} stored, {t['removed']} removed, cleared "
-                             f"{t['cleared']} times ({t['cleared_blocks']} blocks); tree depth {depth} blocks "
-                             f"({depth * s.block_size} tokens)"
+                             f"{_n(t['cleared'], 'time')} ({_n(t['cleared_blocks'], 'block')}); tree depth "
+                             f"{_n(depth, 'block')} ({depth * s.block_size} tokens)"
                              + (f"; {t['unknown_removed']} removals of blocks never seen stored"
                                 if t["unknown_removed"] else ""))
         if self.duplicates:
-            lines.append(f"{self.duplicates} duplicate batches skipped")
+            lines.append(f"{_n(self.duplicates, 'duplicate batch')} skipped")
         return "\n".join(lines + self.notes)
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -237,6 +237,10 @@ def _state_for(states: dict, key: tuple[str, int], create: bool) -> CacheState |
     if s is None and create:
         s = states[key] = CacheState()
     return s
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 'es' if noun.endswith('ch') else 's'}"
 
 
 def _elsewhere(batch: Batch, medium: str, group: int) -> str:

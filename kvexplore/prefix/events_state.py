@@ -60,19 +60,17 @@ class Block:
 
 @dataclass
 class Change:
-    """What one batch did to one cache."""
+    """What one batch did to one cache, in the order it did it: ``log`` entries are ``("stored", event, new blocks,
+    how many it held already, whether it held the parent)``, ``("removed", blocks, hashes it did not hold)`` and
+    ``("cleared", blocks dropped)``."""
 
-    stored: list[tuple[Stored, list[Block], int, bool]] = field(default_factory=list)  # event, new blocks, how
-    # many it held already, whether it held the parent
-    removed: list[Block] = field(default_factory=list)   # by BlockRemoved
+    log: list[tuple] = field(default_factory=list)
     dropped: list[Block] = field(default_factory=list)   # by BlockRemoved or AllBlocksCleared: shown evicted
-    unknown_removed: list[Hash] = field(default_factory=list)
-    cleared: int | None = None  # blocks dropped by AllBlocksCleared (None: no clear)
     token_mismatch: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.stored or self.dropped or self.unknown_removed or self.cleared is not None)
+        return not self.log
 
 
 class CacheState:
@@ -115,25 +113,27 @@ class CacheState:
             self.starts[h] = start
             parent, start = h, start + bs
         self.totals["stored"] += len(new)
-        self.change.stored.append((ev, new, again, parent_held))
+        self.change.log.append(("stored", ev, new, again, parent_held))
 
     def remove(self, ev: Removed) -> None:
+        gone, unknown = [], []
         for h in ev.hashes:
             block = self.blocks.pop(h, None)
             if block is None:
-                self.change.unknown_removed.append(h)
-                self.totals["unknown_removed"] += 1
-                continue
-            self._drop(block)
-            self.change.removed.append(block)
-            self.totals["removed"] += 1
+                unknown.append(h)
+            else:
+                self._drop(block)
+                gone.append(block)
+        self.totals["removed"] += len(gone)
+        self.totals["unknown_removed"] += len(unknown)
+        self.change.log.append(("removed", gone, unknown))
 
     def clear(self) -> None:
         dropped = list(self.blocks.values())
         for block in dropped:
             self._drop(block)
         self.blocks.clear()
-        self.change.cleared = (self.change.cleared or 0) + len(dropped)
+        self.change.log.append(("cleared", len(dropped)))
         self.totals["cleared"] += 1
         self.totals["cleared_blocks"] += len(dropped)
 
