@@ -29,6 +29,7 @@ class FrameMaker:
     decode: Callable[[tuple[int, ...]], str] | None = None
     _text: dict[Hash, str] = field(default_factory=dict)
     _views: dict[tuple, BlockView] = field(default_factory=dict)
+    _nodes: dict[tuple, TreeNode] = field(default_factory=dict)
 
     def text(self, block: Block) -> str:
         if self.decode is None:
@@ -70,9 +71,15 @@ class FrameMaker:
 
     def _tree_node(self, block: Block, st: str, reachable: bool, state: CacheState, gone: set) -> TreeNode:
         p = block.parent
-        parent = None if p is None else ("x" if p in gone and p not in state.blocks else "") + self.names(p)
-        return TreeNode(id=self._node_id(block, st), parent=parent, start=block.start, tokens=block.tokens,
-                        text=self.text(block), slots=(block.slot,), state=st, reachable=reachable)
+        x = p is not None and p in gone and p not in state.blocks
+        key = (block.hash, block.stored_by, block.slot, st, reachable, x)
+        node = self._nodes.get(key)
+        if node is None:
+            parent = None if p is None else ("x" if x else "") + self.names(p)
+            node = self._nodes[key] = TreeNode(id=self._node_id(block, st), parent=parent, start=block.start,
+                                               tokens=block.tokens, text=self.text(block), slots=(block.slot,),
+                                               state=st, reachable=reachable)
+        return node
 
     def _node_id(self, block: Block, st: str) -> str:
         return ("x" if st == EVICTED else "") + self.names(block.hash)
