@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import msgspec
@@ -311,16 +310,21 @@ def test_vllm_stream_tells_evictions_and_the_reset():
 class Publisher:
     """vLLM's ZmqEventPublisher's wire behaviour (vllm/distributed/kv_events.py, 0.34): PUB (topic, seq, payload);
     a ROUTER answering (b"", start) with (b"", topic, seq, payload) per buffered batch, then seq -1. ``drop``: seqs
-    buffered but not published (lost on the way)."""
+    buffered but not published (lost on the way). An XPUB socket (a PUB that also hears subscriptions), so that the
+    test publishes once the subscriber is listening."""
 
     def __init__(self, zmq, ctx, topic=b"kv", drop=()):
         self.zmq, self.topic, self.drop, self.buffer = zmq, topic, set(drop), []
-        self.pub = ctx.socket(zmq.PUB)
+        self.pub = ctx.socket(zmq.XPUB)
         self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.requests, self._stop = [], threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def wait_for_subscriber(self):
+        assert self.pub.poll(10_000), "no subscriber within 10 s"
+        self.pub.recv()  # the subscription message
 
     def publish(self, seq, b):
         payload = pack(b)
@@ -362,7 +366,7 @@ def test_live_stream_with_a_missed_batch_recovered_through_replay(tmp_path):
         written = []
         sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub.port}", f"tcp://127.0.0.1:{pub.replay_port}", topic="kv",
                                 sink=lambda seq, payload, rank: written.append(seq))
-        time.sleep(0.3)  # the subscription reaches the publisher
+        pub.wait_for_subscriber()
         for seq, b in enumerate(BATCHES):
             pub.publish(seq, b)
         replay = sub.collect(duration_s=10, max_batches=len(BATCHES))
@@ -387,7 +391,7 @@ def test_record_catches_up_then_a_silent_replay_socket_leaves_the_gap_told(tmp_p
             f"tcp://127.0.0.1:{pub.port}", tmp_path / "rec.kvev", seconds=10, max_batches=len(BATCHES),
             replay_endpoint=f"tcp://127.0.0.1:{pub.replay_port}")))
         thread.start()
-        time.sleep(0.5)
+        pub.wait_for_subscriber()
         for seq, b in enumerate(BATCHES[2:], 2):
             pub.publish(seq, b)
         thread.join()
@@ -397,10 +401,10 @@ def test_record_catches_up_then_a_silent_replay_socket_leaves_the_gap_told(tmp_p
     assert [f.to_dict() for f in back.frames()] == [f.to_dict() for f in KVEventReplay().feed_all(BATCHES).frames()]
     # a replay endpoint nobody serves: one request times out, the gap is told in the frame after it
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     with KVEventSubscriber(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1", replay_timeout_s=0.2) as sub:
-        time.sleep(0.3)
+        assert pub.poll(10_000) and pub.recv() == b"\x01"  # subscribed (to every topic)
         for seq in (0, 2):
             pub.send_multipart([b"", seq.to_bytes(8, "big"), pack(BATCHES[seq])])
         sub.collect(duration_s=5, max_batches=2)
@@ -438,3 +442,38 @@ def test_cli_show_and_bad_file(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text("nope\n")
     assert main(["kv-events", "show", str(tmp_path / "x.jsonl")]) == 1
     assert "x.jsonl, line 1: not JSON" in capsys.readouterr().err
+
+
+def test_cli_records_a_live_stream(tmp_path, capsys):
+    import queue
+
+    from kvexplore.cli import main
+
+    zmq = pytest.importorskip("zmq")
+    ports, recorded = queue.Queue(), threading.Event()
+
+    def engine():  # its sockets live in this thread only
+        ctx = zmq.Context()
+        with Publisher(zmq, ctx, topic=b"") as pub:
+            ports.put(pub.port)
+            pub.wait_for_subscriber()
+            for seq, b in enumerate(BATCHES):
+                pub.publish(seq, b)
+            recorded.wait(30)  # closing at once could drop what is still queued
+        ctx.term()
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    port = ports.get(timeout=10)
+    out = tmp_path / "cli.kvev"
+    assert main(["kv-events", "record", f"tcp://127.0.0.1:{port}", "-o", str(out), "--batches", "6",
+                 "--seconds", "20"]) == 0
+    recorded.set()
+    thread.join()
+    assert capsys.readouterr().out.startswith(f"6 batches recorded to {out}\nrank 0: 6 batches, seq 0..5")
+    assert [f.to_dict() for f in read_kv_events(out).frames()] == \
+        [f.to_dict() for f in KVEventReplay().feed_all(BATCHES).frames()]
+    assert main(["kv-events", "record", "tcp://127.0.0.1:1", "-o", str(tmp_path / "none.kvev"),
+                 "--seconds", "0.2"]) == 1
+    assert "nothing arrived from tcp://127.0.0.1:1: is the engine running with --kv-events-config" in \
+        capsys.readouterr().out

@@ -36,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
                         max_batches=args.batches, replay_endpoint=args.replay_endpoint, topic=args.topic,
                         ranks=args.ranks)
         print(f"{len(replay.history)} batches recorded to {args.output}")
+        if not replay.history:
+            print(f"nothing arrived from {args.endpoint}: is the engine running with --kv-events-config "
+                  f"(enable_kv_cache_events, publisher zmq), and is this its endpoint and topic?")
+            return 1
         print(replay.summary())
         return 0
     replay = read_kv_events(args.file)
