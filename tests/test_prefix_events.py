@@ -427,6 +427,9 @@ def test_endpoints_pyzmq_and_arguments(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zmq", None)
     with pytest.raises(SettingsError, match=r"needs pyzmq: pip install pyzmq"):
         KVEventSubscriber()
+    monkeypatch.setitem(__import__("sys").modules, "msgspec", None)
+    with pytest.raises(SettingsError, match=r"needs msgspec: pip install msgspec"):
+        decode_payload(b"\x90")
 
 
 def test_cli_show_and_bad_file(tmp_path, capsys):

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptFileError
+from ..errors import CorruptFileError, SettingsError
 
 Hash = bytes | int
 DEFAULT_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: what a store or removal without a medium refers to
@@ -101,8 +101,11 @@ def hash_hex(h: Hash) -> str:
 
 def decode_payload(payload: bytes, where: str = "payload") -> Batch:
     """One msgpack payload (what vLLM's publisher sends as the last frame of a message) -> :class:`Batch`."""
-    import msgspec  # kvexplore[events]
-
+    try:
+        import msgspec
+    except ImportError as e:
+        raise SettingsError("decoding KV events needs msgspec: pip install msgspec (or pip install "
+                            "'kvexplore[events]')") from e
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise KVEventFormatError(f"{where}: a KV event payload is bytes (msgpack), got {type(payload).__name__}")
     try:
