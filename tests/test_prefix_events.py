@@ -397,6 +397,9 @@ def test_record_catches_up_then_a_silent_replay_socket_leaves_the_gap_told(tmp_p
         thread.join()
     ctx.term()
     assert pub.requests == [0] and "2 of the batches came through the replay socket" in done["r"].summary()
+    assert done["r"].history == [] and done["r"].stats[0].batches == 6  # a recorder keeps counts, not batches
+    with pytest.raises(SettingsError, match=r"keeps no batches .* read_kv_events\(path\).frames\(\)"):
+        done["r"].frames()
     back = read_kv_events(tmp_path / "rec.kvev")
     assert [f.to_dict() for f in back.frames()] == [f.to_dict() for f in KVEventReplay().feed_all(BATCHES).frames()]
     # a replay endpoint nobody serves: one request times out, the gap is told in the frame after it

@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         replay = record(args.endpoint, args.output, seconds=float("inf") if forever else args.seconds,
                         max_batches=args.batches, replay_endpoint=args.replay_endpoint, topic=args.topic,
                         ranks=args.ranks)
-        print(f"{len(replay.history)} batches recorded to {args.output}")
-        if not replay.history:
+        print(f"{sum(st.batches for st in replay.stats.values())} batches recorded to {args.output}")
+        if not replay.stats:
             print(f"nothing arrived from {args.endpoint}: is the engine running with --kv-events-config "
                   f"(enable_kv_cache_events, publisher zmq), and is this its endpoint and topic?")
             return 1

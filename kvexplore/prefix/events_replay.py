@@ -35,17 +35,30 @@ class Received:
     restart: bool = False               # the publisher started over at 0
 
 
-class KVEventReplay:
-    """The prefix caches of a serving engine, as its KV cache events tell them."""
+@dataclass
+class RankStats:
+    batches: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    events: int = 0
+    gaps: int = 0
+    lost: int = 0      # batches missing in the gaps
+    restarts: int = 0
 
-    def __init__(self) -> None:
+
+class KVEventReplay:
+    """The prefix caches of a serving engine, as its KV cache events tell them. ``keep_history=False`` keeps only
+    the caches as they are now and the counts (a long recording's replay, whose batches are in its file): no
+    frames then."""
+
+    def __init__(self, keep_history: bool = True) -> None:
         self.history: list[Received] = []      # every batch fed, all ranks, in the order they came
+        self.keep_history = keep_history
         self.names = HashNames()
         self.duplicates = 0                    # batches skipped because their sequence number was seen already
         self.notes: list[str] = []             # about the stream (the subscriber's replay requests, ...)
+        self.stats: dict[int, RankStats] = {}  # rank -> its counts
         self._states: dict[Key, CacheState] = {}
-        self._last: dict[int, int] = {}        # rank -> the last sequence number applied
-        self._count: dict[int, int] = {}       # rank -> batches applied
 
     # feeding ---------------------------------------------------------------------------------------------------
     def feed(self, batch: bytes | dict | list | Batch, seq: int | None = None, rank: int | None = None,
@@ -54,13 +67,13 @@ class KVEventReplay:
         sequence number (None: the next one); ``rank``: the data-parallel rank when the batch does not say (the
         socket it came from). Returns False for a duplicate (a sequence number this rank has had), which is skipped;
         a bad batch raises :class:`~kvexplore.prefix.events_schema.KVEventFormatError` and changes nothing."""
-        label = where or f"batch {len(self.history)}"
+        label = where or f"batch {sum(st.batches for st in self.stats.values()) + self.duplicates}"
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode_payload(bytes(batch), label)
         elif not isinstance(batch, Batch):
             batch = read_batch(batch, label, text_hashes=True)
         r = batch.rank if batch.rank is not None else (rank or 0)
-        last = self._last.get(r)
+        last = self.last_seq(r)
         seq = (0 if last is None else last + 1) if seq is None else seq
         gap, restart = None, False
         if last is not None:
@@ -72,10 +85,14 @@ class KVEventReplay:
             elif seq > last + 1:
                 gap = (last + 1, seq - 1)
         rec = Received(seq, r, batch, gap, restart)
-        self._last[r], self._count[r] = seq, self._count.get(r, 0) + 1
-        self.history.append(rec)
+        st = self.stats.setdefault(r, RankStats(first_seq=seq))
+        st.batches, st.last_seq, st.events = st.batches + 1, seq, st.events + len(batch.events)
+        st.gaps, st.lost, st.restarts = st.gaps + bool(gap), st.lost + (gap[1] - gap[0] + 1 if gap else 0), \
+            st.restarts + restart
+        if self.keep_history:
+            self.history.append(rec)
         states = {k[1:]: s for k, s in self._states.items() if k[0] == r}
-        apply(rec, states, self._count[r], create=True)
+        apply(rec, states, st.batches, create=True)
         self._states.update({(r, *k): s for k, s in states.items()})
         return True
 
@@ -87,7 +104,8 @@ class KVEventReplay:
 
     def last_seq(self, rank: int = 0) -> int | None:
         """The last sequence number applied for ``rank`` (None: none yet)."""
-        return self._last.get(rank)
+        st = self.stats.get(rank)
+        return None if st is None else st.last_seq
 
     # reading ---------------------------------------------------------------------------------------------------
     def caches(self) -> list[Key]:
@@ -95,7 +113,7 @@ class KVEventReplay:
         return sorted(self._states)
 
     def ranks(self) -> list[int]:
-        return sorted(self._count)
+        return sorted(self.stats)
 
     def state(self, rank: int | None = None, medium: str | None = None, group: int | None = None) -> CacheState:
         """One cache as it is now (``.blocks``: hash -> Block, ``.slots``, ``.totals``, ``.depth()``)."""
@@ -116,6 +134,9 @@ class KVEventReplay:
         medium or group of that rank gives a frame that says so, so the frames of one rank line up). ``rank``,
         ``medium``, ``group``: which cache (None: the lowest rank, GPU, the lowest group; frame 0's notes name the
         others). ``tokenizer``: anything with ``decode(ids) -> str``, for the blocks' text."""
+        if not self.keep_history:
+            raise SettingsError("this replay keeps no batches (keep_history=False), so it has no frames; a "
+                                "recording keeps them: read_kv_events(path).frames()")
         key = self._pick(rank, medium, group)
         r, m, g = key
         decode = None if tokenizer is None else (lambda ids: tokenizer.decode(list(ids)))
@@ -144,18 +165,15 @@ class KVEventReplay:
 
     def summary(self) -> str:
         """Each cache in a few words: blocks stored now, stored and removed in all, clears, tree depth, gaps."""
-        if not self.history:
+        if not self.stats:
             return "no KV event batches"
         lines = []
         for r in self.ranks():
-            mine = [rec for rec in self.history if rec.rank == r]
-            gaps = [rec.gap for rec in mine if rec.gap]
-            lost = sum(b - a + 1 for a, b in gaps)
-            lines.append(f"rank {r}: {len(mine)} batches, seq {mine[0].seq}..{mine[-1].seq}, "
-                         f"{sum(len(rec.batch.events) for rec in mine)} events"
-                         + (f", {_n(lost, 'batch')} missing in {_n(len(gaps), 'gap')}" if gaps else ", no gaps")
-                         + (f", {_n(sum(rec.restart for rec in mine), 'restart')}"
-                            if any(rec.restart for rec in mine) else ""))
+            st = self.stats[r]
+            lines.append(f"rank {r}: {_n(st.batches, 'batch')}, seq {st.first_seq}..{st.last_seq}, "
+                         f"{_n(st.events, 'event')}"
+                         + (f", {_n(st.lost, 'batch')} missing in {_n(st.gaps, 'gap')}" if st.gaps else ", no gaps")
+                         + (f", {_n(st.restarts, 'restart')}" if st.restarts else ""))
             for (_, m, g), s in sorted((k, s) for k, s in self._states.items() if k[0] == r):
                 t = s.totals
                 held = sum(len(b.tokens) for b in s.blocks.values())

@@ -194,8 +194,10 @@ def record(endpoint: str | Sequence[str], path: str | Path, seconds: float | Non
            max_batches: int | None = None, replay_endpoint: str | Sequence[str] | None = None, topic: str = "",
            ranks: int = 1, catch_up: bool = True) -> KVEventReplay:
     """Record a live stream to ``path`` (a kvexplore recording, see :mod:`.events_files`) for ``seconds`` or
-    ``max_batches``; returns the replay of what was recorded. A KeyboardInterrupt ends it with the file whole."""
+    ``max_batches``; returns the replay of what was recorded (its caches and counts; the batches are in the file:
+    ``read_kv_events(path)`` for frames). A KeyboardInterrupt ends it with the file whole."""
     with KVEventRecorder(path) as out, KVEventSubscriber(endpoint, replay_endpoint, topic, ranks, catch_up=catch_up,
+                                                         replay=KVEventReplay(keep_history=False),
                                                          sink=out.write) as sub:
         try:
             sub.collect(seconds, max_batches)
