@@ -275,3 +275,13 @@ def test_a_hybrid_pools_state_checkpoints_are_marked_and_its_misses_told(zoo):
         == saved
     assert any("(no-state-checkpoint)" in line for line in explain(frame))
     assert "no-state-checkpoint" in prefix_timeline.spec(pool.frames(), 2).trace("recomputed")["hovertext"][-1]
+
+
+def test_a_pool_saves_its_replay_through_the_registered_writer(tiny, tmp_path):
+    pool = kvexplore.PrefixPool(tiny, num_blocks=8, block_size=4)
+    pool.serve(list(range(1, 10)), response=[5])
+    pool.serve(list(range(1, 10)), response=[5])
+    path = pool.save_html(tmp_path / "pool.html", title="two requests")
+    text = path.read_text()
+    assert path.stat().st_size > 1_000_000 and "two requests" in text  # plotly.js inside, the title
+    assert text.count("request 1") >= 1

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from ..caches.factory import STRATEGIES
 from ..errors import KVExploreError
+from . import kv_events
 
 
 
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(empty: none)")
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    kv_events.add_parser(sub, _Parser)
     return parser
 
 
@@ -286,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (KVExploreError, ValueError, OSError) as e:
                 print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
                 return 2
+        elif args.command == "kv-events":
+            return kv_events.run(args)
         elif args.command == "lab":
             from .launch import lab
 

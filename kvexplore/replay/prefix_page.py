@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..prefix.page_writer import register_page_writer
 from ..views.frames import ArrayStore
 from ..views.page import document, pack, plotly_script
 from ..views.player import UNPACK
@@ -119,3 +120,6 @@ def save_prefix_html(source: Any, path: str | Path, title: str | None = None) ->
     path = Path(path)
     path.write_text(document(prefix_fragment(source, title), title or "kvexplore · prefix cache"), encoding="utf-8")
     return path
+
+
+register_page_writer(save_prefix_html)  # PrefixPool.save_html (the prefix folder sits below this one)

@@ -1,0 +1,54 @@
+"""``kvexplore kv-events``: record a serving engine's KV event stream to a file, and show what a file holds."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction, parser_class: type) -> None:
+    events = sub.add_parser("kv-events", help="a serving engine's (vLLM's) KV cache events: record a live stream, "
+                                              "show a file")
+    verbs = events.add_subparsers(dest="verb", required=True, parser_class=parser_class)
+    rec = verbs.add_parser("record", help="record the events published at ENDPOINT (vLLM: --kv-events-config) to a "
+                                          "file, until --seconds or --batches or Ctrl-C")
+    rec.add_argument("endpoint", metavar="ENDPOINT", help="the engine's PUB socket, e.g. tcp://localhost:5557")
+    rec.add_argument("-o", "--output", required=True, metavar="FILE")
+    rec.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    rec.add_argument("--batches", type=int, default=None, help="stop after this many batches")
+    rec.add_argument("--replay-endpoint", default=None, metavar="ENDPOINT",
+                     help="the engine's replay (ROUTER) socket: missed batches are asked for there")
+    rec.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (rank r publishes on port + r)")
+    rec.add_argument("--topic", default="", help="the topic the engine publishes under (default: all)")
+    show = verbs.add_parser("show", help="each cache of a recorded or JSON lines file in a few lines: blocks stored "
+                                         "now, removed, cleared, tree depth, gaps")
+    show.add_argument("file", metavar="FILE")
+    show.add_argument("--batches", action="store_true", help="also each batch of each cache in words")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..prefix.events import read_kv_events, record
+
+    if args.verb == "record":
+        forever = args.seconds is None and args.batches is None
+        if forever:
+            print(f"recording {args.endpoint} to {args.output} until Ctrl-C", flush=True)
+        replay = record(args.endpoint, args.output, seconds=float("inf") if forever else args.seconds,
+                        max_batches=args.batches, replay_endpoint=args.replay_endpoint, topic=args.topic,
+                        ranks=args.ranks)
+        print(f"{sum(st.batches for st in replay.stats.values())} batches recorded to {args.output}")
+        if not replay.stats:
+            print(f"nothing arrived from {args.endpoint}: is the engine running with --kv-events-config "
+                  f"(enable_kv_cache_events, publisher zmq), and is this its endpoint and topic?")
+            return 1
+        print(replay.summary())
+        return 0
+    replay = read_kv_events(args.file)
+    print(replay.summary())
+    if args.batches:
+        for r, m, g in replay.caches():
+            print(f"\nrank {r} · {m} · group {g}")
+            for f in replay.frames(rank=r, medium=m, group=g)[1:]:
+                print(f"  {f.title}")
+                for note in f.notes:
+                    print(f"    {note}")
+    return 0

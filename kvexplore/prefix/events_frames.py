@@ -1,0 +1,131 @@
+"""One :class:`~kvexplore.prefix.frames.PoolFrame` of an engine cache after an event batch, the same kind a
+:class:`~kvexplore.prefix.pool.PrefixPool` makes, so that one view draws both.
+
+States: a block stored by this batch is WRITTEN, one stored earlier and still held is HELD (the engine does not say
+whether a request holds it or it only stays cached), one this batch removed is EVICTED (in this frame only; its slot
+is FREE from the next one). The tree has one node per stored block, its parent the block whose hash went into its
+own; a block whose parent is not stored (removed, or stored before the stream began) is unreachable, as is every
+block under it. A block removed by this batch is a node ``x<hash>`` in this frame only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events_schema import Hash
+from .events_state import Block, CacheState, Change, HashNames
+from .frames import EVICTED, FREE, HELD, WRITTEN, BlockView, PoolFrame, TreeNode
+
+MAX_NOTES = 24  # a batch of hundreds of events is summed up after this many notes
+
+
+@dataclass
+class FrameMaker:
+    """Builds the frames of one cache, sharing what does not change between frames (text, block views)."""
+
+    names: HashNames
+    decode: Callable[[tuple[int, ...]], str] | None = None
+    _text: dict[Hash, str] = field(default_factory=dict)
+    _views: dict[tuple, BlockView] = field(default_factory=dict)
+    _nodes: dict[tuple, TreeNode] = field(default_factory=dict)
+
+    def text(self, block: Block) -> str:
+        if self.decode is None:
+            return ""
+        text = self._text.get(block.hash)
+        if text is None:
+            text = self._text[block.hash] = self.decode(block.tokens)
+        return text
+
+    def frame(self, state: CacheState, number: int, title: str, notes: list[str], meta: dict[str, Any]) -> PoolFrame:
+        evicted = {b.slot: b for b in state.change.dropped}
+        blocks = []
+        for slot, h in enumerate(state.slots):
+            block = state.blocks[h] if h is not None else evicted.get(slot)
+            if block is None:
+                blocks.append(self._view((slot, FREE), lambda: BlockView(slot=slot, state=FREE)))
+                continue
+            st = EVICTED if h is None else WRITTEN if block.stored_by == number else HELD
+            blocks.append(self._view((slot, st, block.hash, block.stored_by, block.last_used), lambda: BlockView(
+                slot=slot, state=st, hash=self.names(block.hash), parent=self.names(block.parent),
+                tokens=block.tokens, text=self.text(block), stored_by=block.stored_by, last_used=block.last_used,
+                node=self._node_id(block, st))))
+        tree = self.tree(state, number, evicted)
+        free = tuple(sorted(state.free))
+        return PoolFrame(index=number, title=title, policy="events", block_size=state.block_size,
+                         num_blocks=len(state.slots), blocks=tuple(blocks), tree=tree, free_queue=free,
+                         notes=tuple(notes), meta=meta)
+
+    def tree(self, state: CacheState, number: int, evicted: dict[int, Block]) -> tuple[TreeNode, ...]:
+        reach = state.reachable()
+        gone = {b.hash for b in evicted.values()}
+        out = []
+        for block in sorted(state.blocks.values(), key=lambda b: (b.start, b.slot)):
+            st = WRITTEN if block.stored_by == number else HELD
+            out.append(self._tree_node(block, st, reach[block.hash], state, gone))
+        for block in sorted(evicted.values(), key=lambda b: (b.start, b.slot)):
+            out.append(self._tree_node(block, EVICTED, False, state, gone))
+        return tuple(out)
+
+    def _tree_node(self, block: Block, st: str, reachable: bool, state: CacheState, gone: set) -> TreeNode:
+        p = block.parent
+        x = p is not None and p in gone and p not in state.blocks
+        key = (block.hash, block.stored_by, block.slot, st, reachable, x)
+        node = self._nodes.get(key)
+        if node is None:
+            parent = None if p is None else ("x" if x else "") + self.names(p)
+            node = self._nodes[key] = TreeNode(id=self._node_id(block, st), parent=parent, start=block.start,
+                                               tokens=block.tokens, text=self.text(block), slots=(block.slot,),
+                                               state=st, reachable=reachable)
+        return node
+
+    def _node_id(self, block: Block, st: str) -> str:
+        return ("x" if st == EVICTED else "") + self.names(block.hash)
+
+    def _view(self, key: tuple, make: Callable[[], BlockView]) -> BlockView:
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = make()
+        return view
+
+
+def describe(change: Change, names: HashNames) -> list[str]:
+    """What one batch did to one cache, in words, in the order it did it."""
+    notes = []
+    for what, *rest in change.log:
+        if what == "stored":
+            ev, new, again, parent_held = rest
+            where = "as a new prefix (no parent)" if ev.parent is None else f"under {names(ev.parent)}"
+            if not parent_held:
+                where += ", a block this cache does not hold (removed, or stored before the stream began)"
+            note = f"stored {_blocks(len(ev.hashes))} ({len(ev.tokens)} tokens) {where}: " \
+                   f"{_listed([b.hash for b in new], names)}"
+            notes.append(note + (f"; {again} of them held already (stored again)" if again else "")
+                         + (f"; LoRA {ev.lora}" if ev.lora else ""))
+        elif what == "removed":
+            gone, unknown = rest
+            if gone:
+                notes.append(f"removed {_blocks(len(gone))}: {_listed([b.hash for b in gone], names)}")
+            if unknown:
+                notes.append(f"removed {_blocks(len(unknown))} this stream never showed stored "
+                             f"({_listed(unknown, names)}): stored before the recording began, or in a missing batch")
+        else:
+            notes.append(f"all blocks cleared ({_blocks(rest[0])})")
+    return notes + [f"token_ids do not fill the blocks exactly: {m}" for m in change.token_mismatch]
+
+
+def capped(notes: list[str]) -> list[str]:
+    if len(notes) <= MAX_NOTES:
+        return notes
+    return notes[:MAX_NOTES - 1] + [f"... and {len(notes) - MAX_NOTES + 1} more notes"]
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block{'' if n == 1 else 's'}"
+
+
+def _listed(hashes: list[Hash], names: HashNames, most: int = 4) -> str:
+    shown = ", ".join(names(h) for h in hashes[:most])
+    return shown + (f" and {len(hashes) - most} more" if len(hashes) > most else "")
