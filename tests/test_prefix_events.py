@@ -483,3 +483,32 @@ def test_cli_records_a_live_stream(tmp_path, capsys):
                  "--seconds", "0.2"]) == 1
     assert "nothing arrived from tcp://127.0.0.1:1: is the engine running with --kv-events-config" in \
         capsys.readouterr().out
+
+
+def test_cli_draws_one_cache_of_a_file_to_a_replay_page(tmp_path, capsys):
+    from kvexplore.cli import main
+
+    out = tmp_path / "events.html"
+    assert main(["kv-events", "show", str(DATA / "vllm034_bytes.kvev"), "--html", str(out), "--rank", "1",
+                 "--group", "1"]) == 0
+    assert "batches drawn to" in capsys.readouterr().out
+    text = out.read_text()
+    assert out.stat().st_size > 1_000_000 and "vllm034_bytes.kvev · KV cache events" in text
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_a_pools_own_events_replay_into_its_blocks(tiny, policy):
+    """The pool tells its history as vLLM does (pool.kv_events()); read back as an engine's stream, every frame's
+    stored blocks are the pool's cached blocks after that request, with the same tokens."""
+    import kvexplore
+
+    pool = kvexplore.PrefixPool(tiny, num_blocks=6, block_size=4, policy=policy)
+    replay = KVEventReplay()
+    for prompt in (list(range(1, 10)), list(range(100, 109)), list(range(200, 205)), list(range(1, 10)),
+                   list(range(50, 71))):
+        pool.serve(prompt, response=[5])
+        replay.feed(msgspec.msgpack.encode(pool.kv_events()[-1]))
+        stored = replay.frames()[-1]
+        held = {b.hash: b.tokens for b in stored.blocks if b.state in (WRITTEN, HELD)}
+        cached = {b.hash: b.tokens for b in pool.blocks if b.hash is not None}
+        assert held == cached

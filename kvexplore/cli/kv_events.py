@@ -23,6 +23,12 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type) -> None:
                                          "now, removed, cleared, tree depth, gaps")
     show.add_argument("file", metavar="FILE")
     show.add_argument("--batches", action="store_true", help="also each batch of each cache in words")
+    show.add_argument("--html", default=None, metavar="OUT", help="also write the replay page of one cache (a slider "
+                                                                   "over the batches: block pool, tree, timeline)")
+    show.add_argument("--rank", type=int, default=None, help="the data-parallel rank drawn by --html (default: the "
+                                                             "lowest)")
+    show.add_argument("--medium", default=None, help="the medium drawn by --html (default: GPU)")
+    show.add_argument("--group", type=int, default=None, help="the KV cache group drawn by --html (default: 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,4 +57,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {f.title}")
                 for note in f.notes:
                     print(f"    {note}")
+    if args.html:
+        from ..replay.prefix_page import save_prefix_html
+
+        frames = replay.frames(rank=args.rank, medium=args.medium, group=args.group)
+        path = save_prefix_html(frames, args.html, title=f"{args.file} · KV cache events")
+        print(f"{len(frames) - 1} batches drawn to {path}")
     return 0
