@@ -221,8 +221,10 @@ def test_hybrid_model_reuses_state_only_where_it_was_checkpointed(zoo, policy):
     assert end.bytes_shared == 3 * pool.page_bytes + state
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3", "gpt_oss", "gemma4"])
 def test_shared_blocks_give_the_logits_of_a_request_computed_from_scratch(zoo, arch, policy):
+    """Sliding-window layers (window 8 in the zoo's Gemma 3, gpt-oss and Gemma 4, all shorter than the 30-token
+    prompts) are paged like full ones, each query reading its window; Gemma 4's shared layers read their source's."""
     model = zoo.load(arch) if arch != "llama" else zoo.load("llama", heads=4, kv_heads=2)
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, model.config.vocab_size, (30,), generator=g).tolist()
@@ -231,6 +233,8 @@ def test_shared_blocks_give_the_logits_of_a_request_computed_from_scratch(zoo, a
     pool.serve(a, max_new_tokens=4)
     shared = pool.serve(b, max_new_tokens=6, keep_logits=True)
     assert shared.hit_tokens == 20
+    # a page: keys and values of every full and sliding layer (shared and linear-attention layers store none)
+    assert pool.page_bytes == sum(2 * s.kv_heads * BS * s.head_dim * 4 for s in pool.cache.plan if s.full or s.ring)
     fresh = kvexplore.PrefixPool(model, num_blocks=40, block_size=BS, policy=policy).serve(
         b, max_new_tokens=6, keep_logits=True)
     assert fresh.hit_tokens == 0 and shared.generated == fresh.generated

@@ -138,8 +138,8 @@ def test_bad_pools_are_refused(tiny, zoo):
         kvexplore.PrefixPool(tiny, num_blocks=0)
     with pytest.raises(SettingsError, match="checkpoint_states must be one of"):
         kvexplore.PrefixPool(tiny, num_blocks=8, checkpoint_states="never")
-    with pytest.raises(SettingsError, match="keeps a sliding-window ring, which it does not share yet"):
-        kvexplore.PrefixPool(zoo.load("gemma3"), num_blocks=8)
+    with pytest.raises(SettingsError, match="keeps a compressed latent \\(MLA\\), which it does not page yet"):
+        kvexplore.PrefixPool(zoo.load("deepseek_v3"), num_blocks=8)
 
 
 def test_a_request_that_fails_midway_leaves_the_pool_consistent(tiny, monkeypatch):

@@ -225,6 +225,13 @@ class StoredLayer(LayerCache):
 class FullLayer(StoredLayer):
     """A full-attention layer of a strategy: every position (unless the strategy evicts), read from position 0."""
 
+    #: a sliding-window layer the strategy keeps whole (every position in its storage, each query reading only its
+    #: window: ``cache.keeps_windows_whole``, a prefix pool's pages); None: a full layer
+    window: int | None = None
+
+    def mask(self, step: Step) -> torch.Tensor | None:
+        return causal_mask(step.pos, step.q_len, self.window, step.device)
+
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
         return full_phrase(self.spec, count, strategy, config)
 

@@ -75,7 +75,8 @@ class PagedCache(KVCache):
 
     def _index(self) -> None:
         super()._index()
-        self.table = self.layers[self.full_layers[0]].table if self.full_layers else self.table
+        # the table every paged layer shares (the full layers', and sliding ones' when kept whole)
+        self.table = next((layer.table for layer in self.layers if isinstance(layer, PagedLayer)), self.table)
 
     # -- pages ------------------------------------------------------------------------------------------
     @property

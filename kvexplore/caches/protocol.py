@@ -25,6 +25,8 @@ class ModelCache(ABC):
     ``batch_size``, ``dtype``, ``device``, ``length``, ``capacity`` (None: unbounded), ``full_layers``."""
 
     stores = True  # keeps keys and values between steps (a cache that stores nothing recomputes every step)
+    keeps_windows_whole = False  # sliding-window layers in the strategy's storage, every position, read under the
+    # window (a prefix pool shares them as pages), instead of the ring every other strategy keeps
 
     # -- a step ---------------------------------------------------------------------------------------------
     @abstractmethod

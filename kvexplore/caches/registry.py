@@ -106,6 +106,10 @@ def _full(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "Laye
 def _sliding(cache: "KVCache", spec: LayerSpec, built: list, shared: dict) -> "LayerCache":
     if not cache.stores:  # a cache that stores nothing recomputes the layer under its window mask
         return RecomputeLayer(spec, spec.window)
+    if cache.keeps_windows_whole:  # the strategy's own storage, every position, each query reading its window
+        layer = _full(cache, spec, built, shared)
+        layer.window = spec.window
+        return layer
     slots = shared.setdefault("rings", SlidingLayers(spec.window))  # one slot map for every sliding layer
     return RingLayer(spec, cache.batch_size, cache.dtype, cache.device, slots)
 

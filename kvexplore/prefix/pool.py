@@ -25,6 +25,7 @@ from ..runtime.executor import as_executor
 from ..runtime.recording import eos_ids
 from ..runtime.sampling import SamplingSettings, choose
 from .blocks import BlockPool
+from .cache import PoolCache
 from .engine_events import EngineEvents
 from .frames import PoolFrame
 from .hashing import HashIndex
@@ -56,12 +57,11 @@ POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix":
 
 def _check_layers(plan, config) -> None:
     for s in plan:
-        if s.ring or s.latent:
-            what = "a sliding-window ring" if s.ring else "a compressed latent (MLA)"
+        if s.latent:
             raise SettingsError(
-                f"PrefixPool shares full-attention blocks and recurrent states across requests; layer {s.index} of "
-                f"this {config.architecture} model keeps {what}, which it does not share yet: use a model with "
-                f"full-attention (and linear-attention) layers")
+                f"PrefixPool shares attention blocks and recurrent states across requests; layer {s.index} of this "
+                f"{config.architecture} model keeps a compressed latent (MLA), which it does not page yet: use a "
+                f"model with full, sliding-window or linear-attention layers")
 
 
 class PrefixPool:
@@ -88,7 +88,7 @@ class PrefixPool:
         plan = layer_plan(self.config)
         _check_layers(plan, self.config)
         self.index = POLICIES[policy](block_size)
-        self.cache = PagedCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
+        self.cache = PoolCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
                                 pool=BlockPool(len(plan), num_blocks, block_size, self.index))
         self.block_size, self.num_blocks = block_size, num_blocks
         self.pool: BlockPool = self.cache.pool
