@@ -218,3 +218,26 @@ def test_a_model_in_chunks_is_joined_and_checked(tmp_path, monkeypatch, damaged)
     assert (folder / "TERMS.txt").read_text() == "terms"
     assert json.loads((folder / "kvexplore.json").read_text())["terms_accepted"] == "the Chunky Terms"
     assert kvexplore.load("chunky").config == model.config  # converted: no acceptance asked again
+
+
+@GEMMA3
+def test_prefix_pool_shares_a_long_passage_past_the_window(gemma):
+    """Two chat requests sharing 700 tokens of prose (past the 512-token window of the local layers, which the pool
+    pages like the global ones): the second hits every whole block of the shared part, and its answer and logits are
+    the same request's on an empty pool."""
+    passage = gemma.tokenizer.decode(gemma.tokenizer.encode(PROSE)[:700])
+    tail = "Answer in one short sentence, then quote the words of the passage that tell you, and say why."
+    chats = [[{"role": "user", "content": f"{passage}\n\n{q} {tail}"}] for q in ("Who is speaking?", "Where are we?")]
+    pool = kvexplore.PrefixPool(gemma, num_blocks=200, block_size=16)
+    first = pool.serve(chats[0], max_new_tokens=4)
+    second = pool.serve(chats[1], max_new_tokens=4, keep_logits=True)
+    common = next(i for i, (a, b) in enumerate(zip(first.prompt, second.prompt)) if a != b)
+    floor = (len(second.prompt) - 1) // 16  # whole blocks before the one holding the last token
+    assert common > 700 and second.hit_tokens == min(common // 16, floor) * 16
+    assert common // 16 < floor  # the questions differ before the last block
+    assert second.misses[0].kind == "diverged" and f"at token {common}" in second.misses[0].reason
+    assert second.misses[-1].kind == "partial-block" and second.misses[-1].end == len(second.prompt)
+    fresh = kvexplore.PrefixPool(gemma, num_blocks=200, block_size=16).serve(chats[1], max_new_tokens=4,
+                                                                             keep_logits=True)
+    assert fresh.generated == second.generated
+    torch.testing.assert_close(second.logits, fresh.logits, atol=1e-4, rtol=0)
