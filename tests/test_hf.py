@@ -107,6 +107,9 @@ def test_a_generator_given_the_transformers_module_runs_it_through_hfmodel(model
         kvexplore.Generator(module, kvexplore.PreallocatedCache(gen.executor.config, 16))
     with pytest.warns(UserWarning, match="HFModel has no compiled decode step"):
         kvexplore.Generator(module, compile=True)
+    with pytest.raises(kvexplore.SettingsError, match=r"PrefixPool pages kvexplore's own models .*cache must be a "
+                                                      r"transformers cache"):
+        kvexplore.PrefixPool(module, num_blocks=8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])

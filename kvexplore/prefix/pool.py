@@ -90,6 +90,11 @@ class PrefixPool:
         self.index = POLICIES[policy](block_size)
         self.cache = PoolCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
                                 pool=BlockPool(len(plan), num_blocks, block_size, self.index))
+        try:
+            self.executor.check_cache(self.cache)
+        except SettingsError as e:  # a transformers model runs its own caches, not a kvexplore page pool
+            raise SettingsError(f"PrefixPool pages kvexplore's own models (kvexplore.load(...)); this model's "
+                                f"executor refuses its pool: {e}") from e
         self.block_size, self.num_blocks = block_size, num_blocks
         self.pool: BlockPool = self.cache.pool
         self.states = StateCheckpoints([s.index for s in self.cache.plan if s.recurrent], checkpoint_states)
