@@ -9,7 +9,7 @@ from .diagnosis import DoctorReport, doctor
 from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreError, LoadError, MissingFileError,
                      NonFiniteWeightsError, SettingsError, StateError, StepError, UnsupportedModelError)
 from .runtime.evaluate import perplexity
-from .explorer import Explorer, PrefixView
+from .explorer import Explorer, PrefixCompare, PrefixView
 from .runtime.generator import Generator
 from .formats.loading import load
 from .prefix import PrefixPool
@@ -24,7 +24,7 @@ from .trace.files import load_trace, save_trace
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheEvent", "CacheFullError", "ConfigError", "CorruptFileError", "Explorer", "MissingFileError", "PrefixView",
+    "CacheEvent", "CacheFullError", "ConfigError", "CorruptFileError", "Explorer", "MissingFileError", "PrefixCompare", "PrefixView",
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator", "KVCache", "KVExploreError",
     "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache", "PreallocatedCache",
     "QuantizedCache", "SinkCache", "EvictCache", "SlotView", "StepRecord", "StepTrace", "Tokenizer", "Tracer",

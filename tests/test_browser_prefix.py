@@ -141,3 +141,47 @@ def test_prefix_replay_page_draws_each_frames_specs(tmp_path, browser, shots, ti
             assert outside == []
         finally:
             page.close()
+
+
+COMPARE = (f"import kvexplore\nmodel = kvexplore.load('tiny')\npools = [kvexplore.PrefixPool(model, num_blocks=10, "
+           f"block_size=8, policy=p) for p in ('hash', 'radix')]\nfor q in {QUESTIONS!r}:\n"
+           f"    kvexplore.PrefixPool.serve_each(pools, {SYSTEM!r} + q, max_new_tokens=4)\n"
+           f"both = kvexplore.PrefixCompare(pools)\nboth")
+
+
+@LAB
+def test_lab_pools_side_by_side_page_equals_kernel(lab, lab_page, browser, shots):
+    """Two pools (hash, radix; a pool small enough to evict) under one slider: after the first draw, after slider
+    moves and after both serve one more request from the kernel, each view's figures in the page equal its kernel."""
+    from browser_support import start_run_all, wait_run_finished
+
+    name = "truth_lab_prefix_compare"
+    _notebook(lab.root / f"{name}.ipynb", COMPARE)
+    with lab_page.notebook(f"{name}.ipynb", {"width": 1600, "height": 1000}) as page:
+        start_run_all(page)
+        assert not wait_run_finished(page)
+        both = page.locator(".kvx-prefix-compare").first
+        try:
+            both.wait_for(timeout=120_000)
+            roots = [both.locator(".kvx-prefix-view").nth(i) for i in range(2)]
+            for root in roots:
+                for fig in NAMES:
+                    root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
+                assert _agree(page, root, True, "display")["frame"] == 4
+            _shot(page, both, shots / f"{name}_1600x1000_last.png")
+            for frame in (3, 2):
+                _slide(page, both, "ArrowLeft")
+                for root in roots:
+                    _kernel_at(page, root, frame)
+                    _agree(page, root, True, f"slider to frame {frame}")
+                page.wait_for_timeout(PAUSE_MS)
+            page.evaluate("""() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel
+                .requestExecute({code: "kvexplore.PrefixPool.serve_each(pools, 'You are a terse guide at the whale "
+                                 + "museum. Where is the gift shop?', max_new_tokens=4)"}).done.then(() => true)""")
+            for root in roots:
+                _kernel_at(page, root, 5, 6)
+                _agree(page, root, True, "a request served live to both")
+            _shot(page, both, shots / f"{name}_1600x1000_live.png")
+        except Exception:
+            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            raise

@@ -285,3 +285,38 @@ def test_a_pool_saves_its_replay_through_the_registered_writer(tiny, tmp_path):
     text = path.read_text()
     assert path.stat().st_size > 1_000_000 and "<title>two requests</title>" in text  # plotly.js inside
     assert text.count("kvx-prefix-") >= 2  # the replay's element and its player
+
+def test_pools_side_by_side_move_under_one_slider_and_follow_their_pools(tiny):
+    pools = [kvexplore.PrefixPool(tiny, num_blocks=6, block_size=4, policy=p) for p in ("hash", "radix")]
+    for prompt in (list(range(1, 10)), list(range(100, 109)), list(range(200, 205))):
+        kvexplore.PrefixPool.serve_each(pools, prompt, response=[5])
+    both = kvexplore.PrefixCompare(pools)
+    hashed, radix = both.views["hash"], both.views["radix"]
+    assert (hashed.shown, radix.shown) == (3, 3)
+    assert both.slider in both.widget.children[0].children and radix.slider not in radix.widget.children
+    both.slider.value = 1
+    assert (hashed.shown, radix.shown) == (1, 1)
+    assert radix.story.value == kvexplore.views.prefix.story(pools[1].frames(), 1)
+    # the same request again: hash hits 4 tokens (a block of it was evicted), radix 8 (see test_prefix.py)
+    results = kvexplore.PrefixPool.serve_each(pools, list(range(1, 10)), response=[5])
+    assert [r.hit_tokens for r in results] == [4, 8]
+    assert (hashed.shown, radix.shown, both.slider.max) == (4, 4, 4)
+    assert "4 from the cache" in hashed.story.value and "8 from the cache" in radix.story.value
+    pools[0].serve(list(range(1, 10)), response=[5])  # only the first pool: the second stays at its last frame
+    assert (hashed.shown, radix.shown) == (5, 4)
+    both.show(2)
+    assert (hashed.shown, radix.shown) == (2, 2)
+    both.close()
+    assert pools[0].listeners == [] and pools[1].listeners == []
+
+
+def test_pools_side_by_side_refuse_what_cannot_be_compared(tiny):
+    a = kvexplore.PrefixPool(tiny, num_blocks=6, block_size=4)
+    b = kvexplore.PrefixPool(tiny, num_blocks=6, block_size=4, policy="radix")
+    with pytest.raises(SettingsError, match="shows two or more pools side by side, got 1"):
+        kvexplore.PrefixCompare([a])
+    a.serve([1, 2, 3], response=[4])
+    with pytest.raises(SettingsError, match=r"served different numbers of requests .*serve_each"):
+        kvexplore.PrefixCompare({"hash": a, "radix": b})
+    with pytest.raises(SettingsError, match="takes a list or a dict of pools"):
+        kvexplore.PrefixCompare(a)

@@ -3,6 +3,7 @@
 from .session import Lane, Session
 from ..views.registry import TABS, VIEWS
 from .widget import Explorer
+from .prefix_compare import PrefixCompare
 from .prefix_widget import PrefixView
 
-__all__ = ["Explorer", "Lane", "PrefixView", "Session", "TABS", "VIEWS"]
+__all__ = ["Explorer", "Lane", "PrefixCompare", "PrefixView", "Session", "TABS", "VIEWS"]

@@ -169,6 +169,12 @@ class PrefixPool:
             listener(frame)
         return result
 
+    @staticmethod
+    def serve_each(pools: Sequence["PrefixPool"], request, **options) -> list[ServeResult]:
+        """Serve ``request`` (with the same options) to every pool in turn, as when comparing policies side by side
+        (``kvexplore.PrefixCompare(pools)``); the results in the pools' order."""
+        return [pool.serve(request, **options) for pool in pools]
+
     def _give_back(self, cache: PagedCache) -> None:
         cache.table.release(tail_first=True)  # the tail first: the hash policy then evicts a prefix's end first
         cache.table.tables = [[]]

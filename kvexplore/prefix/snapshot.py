@@ -88,7 +88,7 @@ class FrameMaker:
             known.setdefault(short(e.hash), f"x{short(e.hash)}")
         for e in evictions:
             tree.append(TreeNode(f"x{short(e.hash)}", known.get(short(e.parent)), e.start, e.tokens,
-                                 self.text(e.tokens), (e.page,), EVICTED, 0, False))
+                                 self.text(e.tokens), (e.page,), EVICTED, 0))
         title = "the empty pool" if result is None else result.explain().splitlines()[0]
         notes = tuple(f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from "
                       f"page {e.page}" for e in evictions)
