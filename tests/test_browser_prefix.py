@@ -11,6 +11,7 @@ Chromium with the network blocked: after each slider move, every figure equals t
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -54,20 +55,31 @@ def _shot(page, root, path) -> None:
     page.screenshot(path=str(path))
 
 
-@LAB
-def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
+@contextmanager
+def _run(lab, lab_page, name: str, source: str, width: int):
+    """A one-cell notebook of ``source`` open in JupyterLab and run to the end: its page."""
     from browser_support import start_run_all, wait_run_finished
 
-    name = "truth_lab_prefix"
-    _notebook(lab.root / f"{name}.ipynb", SOURCE)
-    with lab_page.notebook(f"{name}.ipynb", {"width": 1280, "height": 1000}) as page:
+    _notebook(lab.root / f"{name}.ipynb", source)
+    with lab_page.notebook(f"{name}.ipynb", {"width": width, "height": 1000}) as page:
         start_run_all(page)
         assert not wait_run_finished(page)
+        yield page
+
+
+def _drawn(root) -> None:
+    root.wait_for(timeout=120_000)
+    for fig in NAMES:
+        root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
+
+
+@LAB
+def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
+    name = "truth_lab_prefix"
+    with _run(lab, lab_page, name, SOURCE, 1280) as page:
         root = page.locator(".kvx-prefix-view").first
         try:
-            root.wait_for(timeout=120_000)
-            for fig in NAMES:
-                root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
+            _drawn(root)
             state = _agree(page, root, True, "display")
             assert (state["frame"], state["frames"]) == (4, 5)
             _shot(page, root, shots / f"{name}_1280x1000_last.png")
@@ -153,20 +165,14 @@ COMPARE = (f"import kvexplore\nmodel = kvexplore.load('tiny')\npools = [kvexplor
 def test_lab_pools_side_by_side_page_equals_kernel(lab, lab_page, browser, shots):
     """Two pools (hash, radix; a pool small enough to evict) under one slider: after the first draw, after slider
     moves and after both serve one more request from the kernel, each view's figures in the page equal its kernel."""
-    from browser_support import start_run_all, wait_run_finished
-
     name = "truth_lab_prefix_compare"
-    _notebook(lab.root / f"{name}.ipynb", COMPARE)
-    with lab_page.notebook(f"{name}.ipynb", {"width": 1600, "height": 1000}) as page:
-        start_run_all(page)
-        assert not wait_run_finished(page)
+    with _run(lab, lab_page, name, COMPARE, 1600) as page:
         both = page.locator(".kvx-prefix-compare").first
         try:
             both.wait_for(timeout=120_000)
             roots = [both.locator(".kvx-prefix-view").nth(i) for i in range(2)]
             for root in roots:
-                for fig in NAMES:
-                    root.locator(f".kvx-fig-{fig} .js-plotly-plot").first.wait_for(timeout=120_000)
+                _drawn(root)
                 assert _agree(page, root, True, "display")["frame"] == 4
             _shot(page, both, shots / f"{name}_1600x1000_last.png")
             for frame in (3, 2):
