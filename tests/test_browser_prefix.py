@@ -191,3 +191,33 @@ def test_lab_pools_side_by_side_page_equals_kernel(lab, lab_page, browser, shots
         except Exception:
             page.screenshot(path=str(shots / f"{name}_FAILED.png"))
             raise
+
+
+def test_side_by_side_replay_page_draws_each_pools_frame_under_one_slider(tmp_path, browser, shots, tiny):
+    pools = [kvexplore.PrefixPool(tiny, num_blocks=16, block_size=8, policy=p) for p in ("hash", "radix")]
+    for q in QUESTIONS:
+        kvexplore.PrefixPool.serve_each(pools, SYSTEM + q, max_new_tokens=4)
+    path = kvexplore.replay.save_prefix_html(pools, tmp_path / "side_by_side.html")
+    page = browser.new_page()
+    try:
+        page.set_viewport_size({"width": 1600, "height": 1000})
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto(path.as_uri())
+        root = page.locator(".kvx-prefix-compare-page").first
+        page.wait_for_function(READY, arg=root.element_handle(), timeout=120_000)
+        assert root.evaluate("(r) => r.dataset.kvxError || null") is None
+        columns = [root.locator(".kvx-columns > .kvx-prefix-page").nth(k) for k in range(2)]
+        for i in (2, 0, 4, 3):
+            root.evaluate("(r, i) => { const s = r.querySelector('.kvx-slider'); s.value = String(i); "
+                          "s.dispatchEvent(new Event('input')); }", i)
+            page.wait_for_function(f"(r) => r.dataset.kvxFrame === '{i}'", arg=root.element_handle())
+            for pool, column in zip(pools, columns):
+                assert column.evaluate("(r) => r.dataset.kvxFrame") == str(i)
+                specs = {n: {"traces": plain(s.traces), "layout": plain(s.layout)}
+                         for n, s in figures(pool.frames(), i).items()}
+                diff = mismatches({"specs": specs}, {"figures": column.evaluate(PAGE_FIGURES)}, list(NAMES))
+                assert not diff, f"{pool.policy} frame {i}:\n  " + "\n  ".join(diff[:20])
+            if i == 3:
+                page.screenshot(path=str(shots / "prefix_replay_side_by_side_frame3.png"), full_page=True)
+    finally:
+        page.close()

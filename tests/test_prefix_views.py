@@ -320,3 +320,15 @@ def test_pools_side_by_side_refuse_what_cannot_be_compared(tiny):
         kvexplore.PrefixCompare({"hash": a, "radix": b})
     with pytest.raises(SettingsError, match="takes a list or a dict of pools"):
         kvexplore.PrefixCompare(a)
+
+
+def test_a_side_by_side_page_holds_one_replay_per_pool_and_plotly_once(tiny, tmp_path):
+    pools = {p: kvexplore.PrefixPool(tiny, num_blocks=6, block_size=4, policy=p) for p in ("hash", "radix")}
+    kvexplore.PrefixPool.serve_each(list(pools.values()), list(range(1, 10)), response=[5])
+    text = save_prefix_html(pools, tmp_path / "both.html").read_text()
+    assert text.count('class="kvx-prefix-page"') == 2 and text.count('class="kvx-plotly"') == 1
+    assert "<title>kvexplore · prefix cache</title>" in text and "hash and radix side by side" in text
+    pools["hash"].serve([1, 2, 3], response=[4])
+    with pytest.raises(SettingsError, match=r"two or more pools that served the same requests, got \{'hash': 3, "
+                                            r"'radix': 2\}"):
+        save_prefix_html(pools, tmp_path / "bad.html")

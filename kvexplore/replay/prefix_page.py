@@ -116,9 +116,14 @@ def prefix_fragment(source: Any, title: str | None = None, plotly: bool = True) 
 
 def save_prefix_html(source: Any, path: str | Path, title: str | None = None) -> Path:
     """Write the replay of ``source``'s frames (a :class:`~kvexplore.prefix.pool.PrefixPool`, anything with
-    ``frames()``, or a list of :class:`~kvexplore.prefix.frames.PoolFrame`) to ``path``: one self-contained file."""
+    ``frames()``, or a list of :class:`~kvexplore.prefix.frames.PoolFrame`) to ``path``: one self-contained file.
+    Several pools (a ``{name: pool}`` mapping or a list of pools that served the same requests) are drawn side by
+    side under one slider (:mod:`.prefix_compare_page`)."""
+    from .prefix_compare_page import compare_fragment, several
+
     path = Path(path)
-    path.write_text(document(prefix_fragment(source, title), title or "kvexplore · prefix cache"), encoding="utf-8")
+    body = compare_fragment(source, title) if several(source) else prefix_fragment(source, title)
+    path.write_text(document(body, title or "kvexplore · prefix cache"), encoding="utf-8")
     return path
 
 
