@@ -37,11 +37,7 @@ __PLOTLY__
 # waits for every column's replay, then one slider (the first .kvx-slider in the page: the one on top) moves them all
 LINK = "async function (root) {" + UNPACK + r"""
   try {
-    const packedJs = root.querySelector('.kvx-plotly');  // the columns wait for the page's one copy of plotly.js
-    if (!window.Plotly && packedJs && !window.__kvxPlotlyLoading) {
-      window.__kvxPlotlyLoading = true;
-      (0, eval)(await gunzip(packedJs));
-    }
+    await loadPlotly(root);  // the columns wait for the page's one copy of plotly.js
     const pages = [...root.querySelectorAll('.kvx-columns > .kvx-prefix-page')];
     const settled = (p) => p.dataset.kvxReady === '1' || !!p.dataset.kvxError;
     while (!pages.every(settled)) await new Promise((r) => setTimeout(r, 50));

@@ -43,12 +43,15 @@ UNPACK = r"""
     const stream = new Blob([bin]).stream().pipeThrough(new DecompressionStream('gzip'));
     return await new Response(stream).text();
   }
-  async function unpack(root) {
+  async function loadPlotly(root) {  // the page's copy of plotly.js, run once (whichever replay gets there first)
     const packedJs = root.querySelector('.kvx-plotly');
     if (!window.Plotly && packedJs && !window.__kvxPlotlyLoading) {
       window.__kvxPlotlyLoading = true;
       (0, eval)(await gunzip(packedJs));  // plotly.js defines window.Plotly
     }
+  }
+  async function unpack(root) {
+    await loadPlotly(root);
     for (let t = 0; !window.Plotly; t++) {  // another replay on the page brings it
       if (t > 1200) throw new Error('plotly.js did not load');
       await new Promise((r) => setTimeout(r, 50));
