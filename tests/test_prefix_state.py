@@ -176,3 +176,10 @@ def test_a_hash_block_whose_parent_was_evicted_is_unreachable():
     nodes = index.nodes()
     assert [(n.id, n.reachable) for n in nodes] == [(short(chain[0]), True), (short(chain[2]), False)]
     assert index.match(a, chain) == [5] and index.evictions[0].page == 6 and index.evictions[0].start == 4
+
+
+def test_a_hash_chain_goes_on_from_the_blocks_already_hashed():
+    a = ids(1, 23)
+    whole = block_hashes(a, BS)
+    assert len(whole) == 5 and block_hashes(a, BS, known=block_hashes(a[:9], BS)) == whole
+    assert block_hashes(a, BS, 2, known=whole) == whole[:2]

@@ -19,13 +19,17 @@ import numpy as np
 ROOT_HASH = hashlib.sha256(b"kvexplore prefix root").digest()  # the parent of every first block
 
 
-def block_hashes(ids: Sequence[int], block_size: int, blocks: int | None = None) -> list[bytes]:
+def block_hashes(ids: Sequence[int], block_size: int, blocks: int | None = None,
+                 known: Sequence[bytes] = ()) -> list[bytes]:
     """The chain hash of each full block of ``ids`` (the first ``blocks`` of them): ``sha256(parent || tokens)``
-    with the tokens as little-endian int64; the first block's parent is :data:`ROOT_HASH`."""
+    with the tokens as little-endian int64; the first block's parent is :data:`ROOT_HASH`. ``known``: the chain of
+    the leading blocks, already worked out (only the blocks after them are hashed)."""
     n = len(ids) // block_size if blocks is None else blocks
+    if n <= len(known):
+        return list(known[:n])
     arr = np.asarray(list(ids[: n * block_size]), dtype="<i8")
-    out, parent = [], ROOT_HASH
-    for i in range(n):
+    out, parent = list(known), (known[-1] if known else ROOT_HASH)
+    for i in range(len(known), n):
         parent = hashlib.sha256(parent + arr[i * block_size: (i + 1) * block_size].tobytes()).digest()
         out.append(parent)
     return out

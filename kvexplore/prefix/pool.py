@@ -136,19 +136,21 @@ class PrefixPool:
         cache.adopt(pages, hit)
         restored = self.states.restore(cache, hashes[usable - 1]) if usable and self.states.needed else 0
         try:
-            generated, logits, first = self._run(cache, ask, hit, sampling, seed, stop_at_eos, keep_logits)
+            generated, logits, first = self._run(cache, ask, hit, hashes, sampling, seed, stop_at_eos,
+                                                 keep_logits)
         except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
             self._give_back(cache)
             self._settle_evictions(label)
             raise
         written = list(ids) + generated[:-1]
         table = list(cache.table.tables[0])
-        all_hashes = block_hashes(written, bs)
+        all_hashes = block_hashes(written, bs, known=hashes)
         cached = self.index.insert(written, table[: len(all_hashes)], all_hashes)
-        for page, i in zip(table, range(len(table))):
+        shared = set(pages)
+        for i, page in enumerate(table):
             self.pool.tokens[page] = tuple(written[i * bs: (i + 1) * bs])
             self.pool.last_used[page] = r
-            if page in pages:
+            if page in shared:
                 self.pool.hits[page] += 1
             else:
                 self.pool.stored_by[page] = r
@@ -203,10 +205,12 @@ class PrefixPool:
                                 f"{ask.new_tokens} new tokens, the last not written), past the model's "
                                 f"{self.config.max_position_embeddings}; shorten the prompt or max_new_tokens")
 
-    def _run(self, cache: PagedCache, ask, hit: int, sampling: SamplingSettings, seed: int, stop_at_eos: bool,
-             keep_logits: bool) -> tuple[list[int], torch.Tensor | None, float]:
+    def _run(self, cache: PagedCache, ask, hit: int, hashes: list[bytes], sampling: SamplingSettings, seed: int,
+             stop_at_eos: bool, keep_logits: bool) -> tuple[list[int], torch.Tensor | None, float]:
         """Compute the prompt from ``hit`` on (stopping where a state is to be saved) and generate the answer; the
-        tokens, their logits (with ``keep_logits``) and the seconds the prompt took (to the first token's logits)."""
+        tokens, their logits (with ``keep_logits``) and the seconds the prompt took (to the first token's logits).
+        ``hashes``: the prompt's chain hashes, extended here as states are saved further on."""
+        chain = list(hashes)
         t0 = time.perf_counter()
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
         written = n + max(ask.new_tokens - 1, 0)
@@ -215,7 +219,7 @@ class PrefixPool:
         for stop in [p for p in points if p < n] + [n]:
             logits = self.executor(torch.tensor([ids[pos:stop]]), cache, pos, last_only=True)[0, -1]
             pos = stop
-            self._save_state(cache, ids, pos, points)
+            self._save_state(cache, ids, pos, points, chain)
         first = time.perf_counter() - t0
         rng = torch.Generator().manual_seed(seed)
         eos = set(eos_ids(self.executor)) if stop_at_eos else set()
@@ -229,12 +233,17 @@ class PrefixPool:
                 break
             logits = self.executor(torch.tensor([[token]]), cache, pos, last_only=True)[0, -1]
             pos += 1
-            self._save_state(cache, list(ids) + generated, pos, points)
+            self._save_state(cache, list(ids) + generated, pos, points, chain)
         return generated, (torch.stack(kept) if kept else None), first
 
-    def _save_state(self, cache: PagedCache, ids: Sequence[int], pos: int, points: list[int]) -> None:
+    def _save_state(self, cache: PagedCache, ids: Sequence[int], pos: int, points: list[int],
+                    chain: list[bytes]) -> None:
+        """Save the recurrent states if ``pos`` is a checkpoint (keyed by the hash of the block ending there;
+        ``chain``, the hashes worked out so far, grows to it)."""
         if pos in points:
-            self.states.save(cache, block_hashes(ids, self.block_size, pos // self.block_size)[-1])
+            upto = block_hashes(ids, self.block_size, pos // self.block_size, known=chain)
+            chain[len(chain):] = upto[len(chain):]
+            self.states.save(cache, upto[-1])
 
     def finish(self, result: ServeResult) -> None:
         """Let a request served with ``keep=True`` give its pages back (they stay cached)."""
