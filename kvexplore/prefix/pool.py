@@ -155,7 +155,7 @@ class PrefixPool:
             else:
                 self.pool.stored_by[page] = r
         evictions = self._settle_evictions(label)
-        self.ledger.served.append(Served(r, label, tuple(written), n, ask.chat, self._answer_text(generated)))
+        self.ledger.add(Served(r, label, tuple(written), n, ask.chat, self._answer_text(generated)))
         if keep:
             self._live[r] = cache
         else:

@@ -28,18 +28,23 @@ class Ledger:
     def __init__(self, block_size: int, token_text: Callable[[int], str]) -> None:
         self.block_size, self.token_text = block_size, token_text
         self.served: list[Served] = []
+        self._written: list[np.ndarray] = []  # each served request's written tokens as an array (compared often)
         self.evicted_at: dict[bytes, str] = {}  # chain hash -> the request whose pages it gave way to (the latest)
 
     def note_evictions(self, evictions: Sequence[Eviction], request: str) -> None:
         for e in evictions:
             self.evicted_at[e.hash] = request
 
+    def add(self, served: Served) -> None:
+        self.served.append(served)
+        self._written.append(np.asarray(served.written, dtype=np.int64))
+
     def longest(self, ids: Sequence[int]) -> tuple[int, Served | None]:
         """The longest run of leading tokens ``ids`` shares with a request served before (the latest on a tie)."""
         a, best, who = np.asarray(ids), 0, None
-        for s in self.served:
-            m = min(len(a), len(s.written))
-            differ = np.flatnonzero(a[:m] != np.asarray(s.written[:m]))
+        for s, written in zip(self.served, self._written):
+            m = min(len(a), len(written))
+            differ = np.flatnonzero(a[:m] != written[:m])
             common = int(differ[0]) if differ.size else m
             if common >= best and common > 0:
                 best, who = common, s

@@ -9,10 +9,10 @@ from .frames import CACHED, EVICTED, FREE, HELD, HIT, WRITTEN, BlockView, MissVi
 from .index import Eviction, short
 
 
-def _state(page: int, pool, result, evicted: set[int]) -> str:
-    if result is not None and page in result.hit_blocks:
+def _state(page: int, pool, hit: set[int], held: set[int], evicted: set[int]) -> str:
+    if page in hit:
         return HIT
-    if result is not None and page in result.blocks:
+    if page in held:
         return WRITTEN
     if pool.pool.refcount[page] > 0:
         return HELD
@@ -53,6 +53,7 @@ class FrameMaker:
         pool = self.pool
         p, idx = pool.pool, pool.index
         evicted = {e.page for e in evictions}
+        hit, held = (set(), set()) if result is None else (set(result.hit_blocks), set(result.blocks))
         gone = {e.page: e.hash for e in evictions}
         nodes = idx.nodes()
         node_of = {page: n.id for n in nodes for page in n.pages}
@@ -60,7 +61,7 @@ class FrameMaker:
         blocks = []
         for page in range(pool.num_blocks):
             h = idx.hash_of(page)
-            state = _state(page, pool, result, evicted)
+            state = _state(page, pool, hit, held, evicted)
             tokens = p.tokens[page] if state != FREE else ()
             key = (state, h, idx.parent_of(page) if h is not None else None, tokens, p.refcount[page],
                    p.stored_by[page], p.last_used[page], h in saved, node_of.get(page), gone.get(page))
