@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import SettingsError
-from ..views.prefix import frames_of
+from ..views.prefix import side_by_side
 from .prefix_widget import PrefixView
 
 
@@ -21,21 +20,7 @@ class PrefixCompare:
                  interval: int = 1200) -> None:
         import ipywidgets as W
 
-        if isinstance(sources, Mapping):
-            named = {str(name): s for name, s in sources.items()}
-        elif isinstance(sources, Sequence) and not isinstance(sources, (str, bytes)):
-            named = {getattr(s, "policy", f"pool {i}"): s for i, s in enumerate(sources)}
-            if len(named) < len(sources):  # two pools of one policy: number them
-                named = {f"{getattr(s, 'policy', 'pool')} {i}": s for i, s in enumerate(sources)}
-        else:
-            raise SettingsError(f"PrefixCompare takes a list or a dict of pools, got {type(sources).__name__}")
-        if len(named) < 2:
-            raise SettingsError(f"PrefixCompare shows two or more pools side by side, got {len(named)}; one pool: "
-                                f"kvexplore.PrefixView(pool)")
-        counts = {name: len(frames_of(s)) for name, s in named.items()}
-        if len(set(counts.values())) > 1:
-            raise SettingsError(f"the pools have served different numbers of requests ({counts}): serve every request "
-                                f"to every pool (kvexplore.PrefixPool.serve_each(pools, request, ...))")
+        named = side_by_side(sources)
         self.views = {name: PrefixView(s, frame, interval) for name, s in named.items()}
         lead, *rest = self.views.values()
         self.slider, self.play = lead.slider, lead.play

@@ -9,10 +9,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import SettingsError
 from ..views.page import plotly_script
 from ..views.player import UNPACK
-from ..views.prefix import frames_of
+from ..views.prefix import side_by_side
 
 PAGE = """<div class="kvx-prefix-compare-page" id="__ID__">
 <style>
@@ -71,14 +70,7 @@ def compare_fragment(sources: Any, title: str | None = None) -> str:
     of requests) in a column of one element."""
     from .prefix_page import prefix_fragment
 
-    named = ({str(k): v for k, v in sources.items()} if isinstance(sources, Mapping)
-             else {f"{getattr(s, 'policy', 'pool')} {i}": s for i, s in enumerate(sources)})
-    if not isinstance(sources, Mapping) and len({getattr(s, "policy", None) for s in sources}) == len(sources):
-        named = {s.policy: s for s in sources}
-    counts = {name: len(frames_of(s)) for name, s in named.items()}
-    if len(named) < 2 or len(set(counts.values())) > 1:
-        raise SettingsError(f"a side-by-side page needs two or more pools that served the same requests, got "
-                            f"{counts}: serve every request to every pool (PrefixPool.serve_each)")
+    named = side_by_side(sources)
     columns = "\n".join(prefix_fragment(s, name, plotly=False) for name, s in named.items())
     return (PAGE.replace("__ID__", f"kvx-prefix-compare-{uuid.uuid4().hex[:12]}")
             .replace("__TITLE__", html.escape(title or "kvexplore · " + " and ".join(named) + " side by side"))

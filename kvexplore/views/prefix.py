@@ -7,7 +7,7 @@ The notebook widget (:class:`kvexplore.explorer.prefix_widget.PrefixView`) and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import SettingsError
@@ -36,6 +36,30 @@ def frames_of(source: Any) -> list[PoolFrame]:
         raise SettingsError("no frames to draw: a PrefixPool has at least its empty frame; pass pool.frames() or a "
                             "non-empty list of PoolFrames")
     return got
+
+
+def side_by_side(sources: Any) -> dict[str, Any]:
+    """Pools to draw side by side (the widget's :class:`~kvexplore.explorer.prefix_compare.PrefixCompare` and the
+    replay page's): ``{name: pool}`` as given, or a list named by each pool's policy (numbered when two share one),
+    checked: two or more, all having served the same number of requests."""
+    if isinstance(sources, Mapping):
+        named = {str(name): s for name, s in sources.items()}
+    elif isinstance(sources, Sequence) and not isinstance(sources, (str, bytes)):
+        named = {getattr(s, "policy", f"pool {i}"): s for i, s in enumerate(sources)}
+        if len(named) < len(sources):  # two pools of one policy: number them
+            named = {f"{getattr(s, 'policy', 'pool')} {i}": s for i, s in enumerate(sources)}
+    else:
+        raise SettingsError(f"a side-by-side view takes a list or a dict of pools, got {type(sources).__name__}")
+    if len(named) < 2:
+        raise SettingsError(f"a side-by-side view shows two or more pools side by side, got {len(named)}; one pool: "
+                            f"kvexplore.PrefixView(pool), or save_prefix_html(pool, path)")
+    counts = {name: len(frames_of(s)) for name, s in named.items()}
+    if len(set(counts.values())) > 1:
+        raise SettingsError(f"a side-by-side view needs two or more pools that served the same requests, got {counts}: "
+                            f"they served different numbers of requests (the counts are frames: each has its empty "
+                            f"frame 0); serve every request to every pool (kvexplore.PrefixPool.serve_each(pools, "
+                            f"request, ...))")
+    return named
 
 
 def figures(frames: Sequence[PoolFrame], i: int) -> dict[str, FigureSpec]:
