@@ -32,12 +32,6 @@ def layer_bytes(spec: LayerSpec, positions: int, batch_size: int = 1, dtype: tor
     return spec.position_bytes(dtype.itemsize) * batch_size * positions
 
 
-def full_layer_bytes(config: ModelConfig, positions: int, batch_size: int = 1,
-                     dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of ``positions`` keys and values in every full-attention layer (what a strategy's storage holds)."""
-    return sum(layer_bytes(s, positions, batch_size, dtype) for s in layer_plan(config) if s.full)
-
-
 @dataclass(frozen=True)
 class LayerMemory:
     """One layer's cache after a step: its ``kind`` (full, sliding, shared), bytes held and moved."""

@@ -17,7 +17,7 @@ from ..core.settings import positive_int
 from ..errors import CacheFullError, SettingsError
 from .base import KVCache
 from .layers.paged import PagedLayer, PagePool, PageTable
-from .memory import full_layer_bytes
+from .memory import layer_bytes
 
 __all__ = ["PagedCache", "PagePool", "PagePoolFullError"]
 
@@ -62,7 +62,11 @@ class PagedCache(KVCache):
             num_blocks = math.ceil(max_seq_len / block_size) * batch_size
         self.max_seq_len, self.block_size = max_seq_len, block_size
         pool = pool or PagePool(len(self.plan), num_blocks, block_size)
-        self.table = PageTable(pool, batch_size, full_layer_bytes(config, block_size, 1, self.dtype), self.device)
+        # a page holds the keys and values of every layer kept in pages: the full ones, and the sliding ones when
+        # this cache keeps windows whole
+        paged = sum(layer_bytes(s, block_size, 1, self.dtype) for s in self.plan
+                    if s.full or (s.ring and self.keeps_windows_whole))
+        self.table = PageTable(pool, batch_size, paged, self.device)
         self._build()
 
     @classmethod
@@ -104,8 +108,8 @@ class PagedCache(KVCache):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across the full layers, keys and values: ``2 * layers * kv_heads * block_size * hd *
-        elt`` summed over them."""
+        """Bytes of one page across the paged layers (the full ones, and the sliding ones when windows are kept
+        whole), keys and values: ``2 * kv_heads * block_size * hd * elt`` summed over them."""
         return self.table.page_bytes
 
     @property
