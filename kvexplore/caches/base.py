@@ -33,6 +33,7 @@ from ..core.allocator import Window, allocator_for
 from ..core.settings import positive_int
 from ..errors import SettingsError
 from .crop import Crop
+from .held import THIS_STEP, UNDO_SCRATCH
 from .inspection import CacheInspection
 from .journal import UndoJournal
 from .layers.state import StateLayers
@@ -155,7 +156,7 @@ class KVCache(CacheInspection, Crop, ModelCache):
         every layer now, count its writes, copies and allocations, and open the journal :meth:`rollback` undoes."""
         self._saved = (self._length, self._counters, self._report, self._window, self._layer_moved,
                        self._sparse_reads)
-        self._journal = UndoJournal(self._scratch)
+        self._journal = UndoJournal(self._scratch, q_len)
         self._start(pos, q_len, self._journal)
         self._window = Window(self.allocator)
 
@@ -197,13 +198,19 @@ class KVCache(CacheInspection, Crop, ModelCache):
     def settle(self) -> None:
         """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
         the journal kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
-        had_step = self._journal is not None
-        window = Window(self.allocator if had_step else None)
+        journal = self._journal
+        window = Window(self.allocator if journal is not None else None)
         with window:
             self._journal, self._saved, self._cur = None, None, None  # the step held the journal and its reads
+            self._masks = {}  # and its masks (read by its forward pass only)
+            if had_step := journal is not None:
+                journal.trim()
+                del journal
         if self._report is not None:
             for name, n in window.figures().items():
                 self._report.cuda[name] = self._report.cuda.get(name, 0) + n
+        if had_step:
+            self._held_again()
 
     def rollback(self) -> None:
         """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
@@ -211,9 +218,11 @@ class KVCache(CacheInspection, Crop, ModelCache):
         if self._journal is None:
             return
         self._journal.undo()
+        self._journal.trim()
         (self._length, self._counters, self._report, self._window, self._layer_moved,
          self._sparse_reads) = self._saved
         self._journal, self._saved, self._cur, self._masks = None, None, None, {}
+        self._held_again(walk=True)
 
     # -- the write protocol --------------------------------------------------------------------------------
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,14 +324,35 @@ class KVCache(CacheInspection, Crop, ModelCache):
         return self._report
 
     def _make_report(self) -> MemoryReport:
-        s = self._counters
-        layers = self.layer_memory()
+        s, walk = self._counters, self.held_walk()
+        layers = self.layer_memory(walk)
+        held = dict(walk.parts)
+        step = held.pop(THIS_STEP, 0)
         return MemoryReport(
             length=self.length, logical_bytes=sum(m.logical_bytes for m in layers),
             reserved_bytes=self.reserved_bytes, analytic_bytes=sum(m.analytic_bytes for m in layers),
             written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
             freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=self._window.figures(),
-            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers))
+            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers),
+            held_bytes=sum(held.values()), held=held, step_bytes=step)
+
+    def _held_again(self, walk: bool = False) -> None:
+        """The step was let go: the report's held figures lose what only the step held and count the undo scratch
+        as it is now (trimmed), the rest unchanged since the report was made; ``walk``: count everything again
+        (a rollback restores the report of before the step, and the step's masks are gone)."""
+        report = self._report
+        if report is not None and walk:
+            fresh = self._make_report()
+            if (fresh.held, fresh.step_bytes, fresh.layers) != (report.held, report.step_bytes, report.layers):
+                self._report = replace(report, layers=fresh.layers, held=fresh.held, held_bytes=fresh.held_bytes,
+                                       step_bytes=fresh.step_bytes)
+        elif report is not None:
+            held = dict(report.held)
+            scratch = sum(t.untyped_storage().nbytes() for pool in self._scratch.values() for t in pool)
+            before = held.pop(UNDO_SCRATCH, 0)
+            if scratch:
+                held[UNDO_SCRATCH] = scratch
+            self._report = replace(report, held=held, held_bytes=report.held_bytes - before + scratch, step_bytes=0)
 
     # -- rewinds ----------------------------------------------------------------------------------------------
     def check_truncate(self, n: int, rings: bool = True) -> None:
@@ -376,6 +406,7 @@ class KVCache(CacheInspection, Crop, ModelCache):
         twin._scratch = {}
         if self._report is not None:  # settle() adds to a report's allocator figures: each copy keeps its own
             twin._report = replace(self._report, cuda=dict(self._report.cuda))
+            twin._held_again(walk=True)
         return twin
 
     def clone(self) -> "KVCache":

@@ -162,7 +162,7 @@ class EvictCache(KVCache):
         plan.rotary = model.rotary
         if model.config.attention_sinks and plan.queries:  # the attention a press reads is the model's, sinks too
             layers = model.model.layers
-            plan.sinks = {i: layers[i].self_attn.sinks.detach() for i in self.full_layers}
+            plan.sinks = {i: layers[i].self_attn for i in self.full_layers}  # the model's: not the cache's memory
 
     def observes_queries(self, layer: int) -> bool:
         return self.pressplan.queries > 0 and layer in self._pressed

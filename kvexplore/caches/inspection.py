@@ -4,11 +4,14 @@ the layer's own :class:`~kvexplore.caches.layer.LayerCache` object."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..config.layer_plan import LayerSpec, layers_by_kind
 from ..core import host
 from ..errors import SettingsError
+from .held import THIS_STEP, UNDO_SCRATCH, StorageWalk
 from .memory import LayerMemory
 from .slots import SlotView
 
@@ -17,10 +20,43 @@ class CacheInspection:
     """The read-only side of a cache (see the module docstring)."""
 
     # -- memory, layer by layer ----------------------------------------------------------------------------
-    def layer_memory(self) -> list[LayerMemory]:
-        """One :class:`LayerMemory` per layer, each from that layer's own storage and positions."""
+    def layer_memory(self, walk: StorageWalk | None = None) -> list[LayerMemory]:
+        """One :class:`LayerMemory` per layer, each from that layer's own storage and positions; ``walk``: a
+        :meth:`held_walk` whose per-layer figures fill ``held_bytes`` and ``parts``."""
         moved, n = self._layer_moved, self.length
-        return [layer.memory(n, *moved.get(i, (0, 0))) for i, layer in enumerate(self.layers)]
+        out = [layer.memory(n, *moved.get(i, (0, 0))) for i, layer in enumerate(self.layers)]
+        if walk is not None:
+            out = [replace(m, held_bytes=sum(parts.values()), parts=parts) for m, parts in zip(out, walk.layer_parts)]
+        return out
+
+    #: the container's attributes that are not held memory of their own (the layers are walked one by one; the
+    #: step's journal, reads and masks are counted apart; the rest holds no tensor)
+    _NOT_WALKED = frozenset({"layers", "_journal", "_cur", "_scratch", "_saved", "_masks", "config", "plan",
+                             "_report", "allocator", "_window"})
+
+    def held_walk(self) -> StorageWalk:
+        """Every tensor storage reachable from this cache, each counted once, by part (see :mod:`.held`):
+        ``walk.parts`` (the step's part under :data:`~.held.THIS_STEP`), ``walk.layer_parts`` (per layer)."""
+        walk = StorageWalk()
+        layer_parts: list[dict[str, int]] = [{} for _ in self.layers]
+        for parts, layer in zip(layer_parts, self.layers):
+            if got := walk.add(layer.stored_name, *layer.storage()):
+                parts[layer.stored_name] = got
+        for tensors in (True, False):  # each layer's own tensors first, then what it shares (a plan, a page table)
+            for parts, layer in zip(layer_parts, self.layers):
+                names = layer.held_names
+                for name, value in vars(layer).items():
+                    if (type(value) is torch.Tensor) is tensors:
+                        label = names.get(name) or name.lstrip("_")
+                        if got := walk.add(label, value):
+                            parts[label] = parts.get(label, 0) + got
+        for name, value in vars(self).items():
+            if name not in self._NOT_WALKED:
+                walk.add(name.lstrip("_"), value)
+        walk.add(THIS_STEP, self._journal, self._cur, self._saved, self._masks)
+        walk.add(UNDO_SCRATCH, self._scratch)
+        walk.layer_parts = layer_parts
+        return walk
 
     def layer_held(self, layer: int) -> int:
         """Positions ``layer`` holds: the strategy's for a full layer, the ring's for a sliding one, 0 shared."""

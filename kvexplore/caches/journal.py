@@ -16,16 +16,29 @@ import torch
 
 
 class UndoJournal:
-    """What the step under way changed. ``scratch`` (owned by the cache, kept across steps) holds reusable copy
-    buffers by shape and dtype, so a decode step that saves what it saved last time allocates nothing."""
+    """What the step under way changed. ``scratch`` (owned by the cache) holds reusable copy buffers by shape and
+    dtype, so a decode step that saves what it saved last time allocates nothing; :meth:`trim` keeps only those."""
 
-    __slots__ = ("entries", "restores", "_scratch", "_used")
+    __slots__ = ("entries", "restores", "_scratch", "_used", "q_len")
 
-    def __init__(self, scratch: dict[tuple, list[torch.Tensor]]) -> None:
+    def __init__(self, scratch: dict[tuple, list[torch.Tensor]], q_len: int = 1) -> None:
         self.entries: list[tuple[torch.Tensor, int, int, torch.Tensor | int]] = []  # slots the step overwrote
         self.restores: list[tuple[Callable[[Any], None], Any]] = []  # bookkeeping to put back
         self._scratch = scratch
         self._used: dict[tuple, int] = {}
+        self.q_len = q_len  # positions the step writes
+
+    def trim(self) -> None:
+        """The step is over (settled or rolled back): the scratch keeps the buffers it used only if it wrote one
+        position (the next decode step needs the same), and nothing else: a prompt's or a verification's copies go
+        with their step, a decode step's rare large one (a press compacting in place) with the next step."""
+        scratch = self._scratch
+        for key in list(scratch):
+            used = self._used.get(key, 0) if self.q_len == 1 else 0
+            if used:
+                del scratch[key][used:]
+            else:
+                del scratch[key]
 
     def keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
         """Save ``t.narrow(dim, start, n)`` before the step overwrites it in place."""

@@ -23,6 +23,7 @@ they plan once per step.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -37,12 +38,15 @@ from .memory import LayerMemory, StepCounters, layer_bytes
 from .slots import SlotView
 
 
+_SERIALS = itertools.count()
+
+
 class Step:
     """One forward pass as the layers see it: it writes ``q_len`` positions at ``pos`` (``end = pos + q_len``) into
     a cache that held ``length`` positions; ``counters`` sum its bytes, ``journal`` records how to undo it,
     ``reads`` keeps what each source layer's attention read (for the layers that share it)."""
 
-    __slots__ = ("pos", "q_len", "end", "length", "device", "counters", "journal", "reads", "committed")
+    __slots__ = ("pos", "q_len", "end", "length", "device", "counters", "journal", "reads", "committed", "serial")
 
     def __init__(self, pos: int, q_len: int, length: int, device: torch.device,
                  journal: UndoJournal | None = None) -> None:
@@ -51,6 +55,7 @@ class Step:
         self.journal = NoJournal() if journal is None else journal
         self.reads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.committed = False
+        self.serial = next(_SERIALS)  # what a structure planning once per step remembers (never the step itself)
 
 
 class LayerCache(ABC):
@@ -201,6 +206,12 @@ class LayerCache(ABC):
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
         """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"
+
+    #: how the memory report names what this layer holds beyond its keys and values, by attribute (an attribute
+    #: not listed is named as it is spelled; see :mod:`kvexplore.caches.held`)
+    held_names: dict[str, str] = {}
+    #: how the memory report names what :meth:`storage` holds
+    stored_name = "keys and values"
 
     # the batch and dtype the byte formulas use: set by the classes that store tensors
     _batch: int = 1

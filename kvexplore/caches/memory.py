@@ -44,6 +44,10 @@ class LayerMemory:
     analytic_bytes: int
     written_bytes: int = 0
     copied_bytes: int = 0
+    # every storage reachable from the layer's object and not counted before it (kvexplore.caches.held): its keys
+    # and values and what else it keeps (positions, masks, press scores, checkpoints, a shared page table), by part
+    held_bytes: int = 0
+    parts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +81,18 @@ class MemoryReport:
     cuda: dict[str, int] = field(default_factory=dict)
     cuda_now: dict[str, int] = field(default_factory=dict)
     layers: tuple[LayerMemory, ...] = ()
+    # what the cache object really holds once the step is settled: every tensor storage reachable from it, each once,
+    # by part ("keys and values", "undo scratch", a layer's positions, masks, press scores, checkpoints, page
+    # tables; kvexplore.caches.held), and what the step under way holds on top until it is settled (its undo journal's
+    # copies, its reads; 0 after settle()). held_bytes + step_bytes is everything reachable from the cache now.
+    held_bytes: int = 0
+    held: dict[str, int] = field(default_factory=dict)
+    step_bytes: int = 0
+
+    @property
+    def extra_bytes(self) -> int:
+        """What the cache holds beyond its keys and values (``held_bytes`` less the "keys and values" part)."""
+        return self.held_bytes - self.held.get("keys and values", 0)
 
     def per_layer(self) -> list[LayerMemory]:
         """One report per layer, measured on that layer's own storage (full, sliding and shared layers differ)."""
@@ -87,8 +103,9 @@ class MemoryReport:
         out: dict[str, dict[str, int]] = {}
         for m in self.layers:
             d = out.setdefault(m.kind, dict(layers=0, logical_bytes=0, reserved_bytes=0, analytic_bytes=0,
-                                            written_bytes=0, copied_bytes=0))
+                                            written_bytes=0, copied_bytes=0, held_bytes=0))
             d["layers"] += 1
-            for name in ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes"):
+            for name in ("logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes",
+                         "held_bytes"):
                 d[name] += getattr(m, name)
         return out

@@ -53,7 +53,7 @@ class SlidingLayers:
         self.slot_pos = [-1] * window  # position last written to each slot (-1: never)
         self.plan: RingPlan | None = None
         self.last_read: list[int] | None = None  # the positions the last step's attention read
-        self._step: Step | None = None  # the step planned (each layer asks; the first one plans)
+        self._step: int | None = None  # the serial of the step planned (each layer asks; the first one plans)
 
     # -- positions -----------------------------------------------------------------------------------------
     def holds(self, p: int) -> bool:
@@ -77,11 +77,11 @@ class SlidingLayers:
     # -- a step --------------------------------------------------------------------------------------------
     def begin(self, step: Step) -> None:
         """Plan ``step`` (once, whichever layer asks first) and record how to undo its bookkeeping."""
-        if self._step is step and self.plan is not None and (self.plan.pos, self.plan.end) == (step.pos, step.end):
+        if self._step == step.serial and self.plan is not None and (self.plan.pos, self.plan.end) == (step.pos, step.end):
             return
-        if self._step is not step:
+        if self._step != step.serial:
             step.journal.remember(self._restore, (list(self.slot_pos), self.last_read))
-        self._step = step
+        self._step = step.serial
         self.plan = self._plan(step.pos, step.q_len, step.device)
 
     def _restore(self, saved: tuple[list[int], list[int] | None]) -> None:
@@ -104,7 +104,7 @@ class SlidingLayers:
 
     def commit(self, step: Step) -> None:
         """Once per step: the slots written now hold the step's positions."""
-        if self.plan is not None and self._step is step:
+        if self.plan is not None and self._step == step.serial:
             for p in range(max(self.plan.pos, self.plan.end - self.window), self.plan.end):
                 self.slot_pos[p % self.window] = p
             self.last_read = self.plan.positions

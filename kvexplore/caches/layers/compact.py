@@ -92,10 +92,11 @@ class CompactLayer(PressedLayer):
         T = k.shape[2]
         counts = self.counts
         low, top = min(min(c) for c in counts), max(max(c) for c in counts)
-        if top + T > self.slots:
+        if top + T > self.slots:  # new storage: a rollback puts the old tensors back (remembered in begin), no copy
             self._grow(step, top + T)
-        for t in (self.k, self.v, self.pos, self.rot):  # what the step overwrites in place, for a rollback
-            step.journal.keep(t, 2, low, top + T - low)
+        else:
+            for t in (self.k, self.v, self.pos, self.rot):  # what the step overwrites in place, for a rollback
+                step.journal.keep(t, 2, low, top + T - low)
         step.counters.written_bytes += k.nbytes + v.nbytes
         positions = torch.arange(step.pos, step.end, device=self.device)
         uniform = low == top

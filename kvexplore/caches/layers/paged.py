@@ -66,7 +66,7 @@ class PageTable:
         self.prepared: tuple[int, int] | None = None  # (pos, q_len) whose pages are allocated
         self.read_idx = self.write_page = self.write_slot = None
         self.pages_written: list[int] = []
-        self._step: Step | None = None
+        self._step: int | None = None  # the serial of the step planned (not the step: its journal is not ours to keep)
 
     @property
     def block_size(self) -> int:
@@ -103,13 +103,13 @@ class PageTable:
     def plan(self, step: Step) -> None:
         """Before the first layer writes (once per step): see the class docstring."""
         pos, q_len = step.pos, step.q_len
-        if self._step is step and self.prepared == (pos, q_len):
+        if self._step == step.serial and self.prepared == (pos, q_len):
             return
         pool, c = self.pool, step.counters
-        if self._step is not step:
+        if self._step != step.serial:
             step.journal.remember(self._restore, (self.copies(), list(pool.refcount), list(pool.written),
                                                   list(pool.free)))
-        self._step = step
+        self._step = step.serial
         bs, keep = self.block_size, math.ceil(pos / self.block_size)
         self.drop_blocks(keep, c)
         for table in self.tables:
@@ -212,6 +212,8 @@ class PageTable:
 class PagedLayer(FullLayer):
     """One full layer's pages: ``table.pool.k[index]``/``.v[index]``. A write scatters into the pages; attention
     reads a gather of the pages in logical order (a copy made for attention, not counted as copied bytes)."""
+
+    held_names = {"table": "page tables", "pool": "page pool"}
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, table: PageTable) -> None:
         super().__init__(spec, batch_size, dtype, device)

@@ -23,6 +23,10 @@ class PressedLayer(FullLayer):
     """A full layer of the ``evict`` cache (see the module docstring). ``rot`` (in the subclass's slots): the position
     each stored key is rotated at (its own position, unless re-rotated)."""
 
+    held_names = {"pos": "positions", "rot": "positions", "read": "positions read", "scores": "press scores",
+                  "scored_kept": "press scores", "acc": "press scores", "queries": "recent queries",
+                  "query_pos": "recent queries", "visible": "masks", "mask": "masks", "plan": "press plan"}
+
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, plan: PressPlan,
                  config) -> None:
         super().__init__(spec, batch_size, dtype, device)
@@ -91,7 +95,7 @@ class PressedLayer(FullLayer):
         total = torch.zeros(valid.shape, dtype=torch.float32, device=k.device)
         for r in range(0, q.shape[2], ROWS):
             probs = attention(q[:, :, r:r + ROWS], q_pos[r:r + ROWS], k, pos, valid, self.scale, self.softcap,
-                              self.plan.sinks.get(self.spec.index))
+                              self.plan.sink_logits(self.spec.index))
             total += per_kv_head(probs.sum(2), k.shape[1])
         acc = self.acc.clone()
         acc[:, :, :k.shape[2]] += total
@@ -105,7 +109,7 @@ class PressedLayer(FullLayer):
         obs = Observation(self.spec.index, k, v, valid, pos, self.queries[:, :, -W:] if W else None,
                           self.query_pos[-W:] if W else None,
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
-                          step.end, n_kept, plan.sinks.get(self.spec.index))
+                          step.end, n_kept, plan.sink_logits(self.spec.index))
         scores = plan.press.score(obs)
         if int(valid.sum(-1).max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
             self._note_scores(scores, valid, pos, valid, step.end)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..layer import Step
 from ..presses import Budget, Press
 
@@ -38,24 +40,32 @@ class PressPlan:
         # recent queries each layer keeps: the press's window, and the tokens a rewind may drop before the next press
         self.kept_queries = self.queries + ((decode_every or 0) if press.queries else 0)
         self.rotary: Any = None  # the model's Rotary, attached by the model before a step (re-rotation needs it)
-        self.sinks: dict[int, Any] = {}  # layer -> the model's learned sink logits (gpt-oss), for the attention read
+        self.sinks: dict[int, Any] = {}  # layer -> the model's attention with learned sink logits (gpt-oss)
         self.anchor = 0  # the length at the last press (or the prompt): decoding presses count tokens from there
         self.horizon = 0  # the length at the last press: positions before it may be evicted
         self.target: int | None = decode_target
         self.events: list[PressEvent] = []
-        self._step: Step | None = None
+        self._step: int | None = None  # the serial of the step planned (not the step: its journal is not ours to keep)
         self._decision: tuple[str, list[int]] | None = None
 
     def slot(self, layer: int) -> int:
         return self.layers.index(layer)
 
     def begin(self, step: Step) -> None:
-        if self._step is step:
+        if self._planned(step):
             return
         step.journal.remember(self._restore, (self.anchor, self.horizon, self.target, list(self.events)))
-        self._step, self._decision = step, None
+        self._step, self._decision = step.serial, None
         if step.pos == 0:
             self.restart()
+
+    def sink_logits(self, layer: int) -> torch.Tensor | None:
+        """The model's learned sink logits of ``layer`` (gpt-oss), for the attention a press reads; None: none."""
+        attention = self.sinks.get(layer)
+        return None if attention is None else attention.sinks.detach()
+
+    def _planned(self, step: Step) -> bool:
+        return self._step == step.serial
 
     def restart(self) -> None:
         """A new sequence (a truncate to 0, or a write at position 0): no press so far."""
@@ -74,7 +84,7 @@ class PressPlan:
     def decide(self, step: Step) -> tuple[str, list[int]] | None:
         """Whether a press runs after ``step`` (worked out once per step) and, if so, why and the positions per head
         each pressed layer keeps (a layer that holds no more keeps what it holds)."""
-        if self._step is step and self._decision is not None:
+        if self._planned(step) and self._decision is not None:
             return self._decision or None
         self.begin(step)
         decision: Any = ()

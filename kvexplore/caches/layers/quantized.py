@@ -25,6 +25,10 @@ class QuantizedLayer(FullLayer):
     token), full-precision residual (``rk``/``rv``), per-position max errors (``kerr``/``verr``) and frontier
     ``qf``."""
 
+    held_names = {"kq": "keys and values", "vq": "keys and values", "ks": "scales and zero points",
+                  "kz": "scales and zero points", "vs": "scales and zero points", "vz": "scales and zero points",
+                  "kerr": "stored error (for the views)", "verr": "stored error (for the views)"}
+
     @classmethod
     def refuses(cls, spec) -> str | None:
         if spec.latent:

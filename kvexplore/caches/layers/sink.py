@@ -22,7 +22,7 @@ class SinkSlots:
         self.slot_pos = [-1] * (sinks + window)  # position last written to each slot (-1: never)
         self.pending: tuple | None = None  # (pos, end, ws_before, ws_after, read) of the step being written
         self.evicted_last: list[int] = []
-        self._step: Step | None = None
+        self._step: int | None = None  # the serial of the step planned (not the step: its journal is not ours to keep)
         self.gather: torch.Tensor | None = None  # slots read before a write of several tokens that evicts
         self.mask_now: torch.Tensor | None = None  # that write's mask over the gathered keys and the new ones
         self.read_now: list[int] = []  # the positions of its key columns
@@ -48,12 +48,12 @@ class SinkSlots:
 
     def begin(self, step: Step) -> None:
         """Once per step (whichever layer asks first): the slot bookkeeping and what attention reads."""
-        if self._step is step and self.pending is not None and self.pending[:2] == (step.pos, step.end):
+        if self._step == step.serial and self.pending is not None and self.pending[:2] == (step.pos, step.end):
             return
-        if self._step is not step:
+        if self._step != step.serial:
             step.journal.remember(self._restore, (list(self.slot_pos), self.ws, list(self.evicted_last),
                                                   self.last_read))
-        self._step = step
+        self._step = step.serial
         pos, end = step.pos, step.end
         ws_before = self.sinks if pos <= self.sinks else self.ws
         ws_after = max(ws_before, end - self.window)
@@ -99,7 +99,7 @@ class SinkSlots:
         self.pending, self._step, self.gather, self.mask_now = None, None, None, None
 
     def commit(self, step: Step) -> None:
-        if self._step is not step:  # committed already (every layer commits; the first one does it)
+        if self._step != step.serial:  # committed already (every layer commits; the first one does it)
             return
         if self.pending is not None:
             _, _, ws_before, ws_after, _ = self.pending
@@ -154,7 +154,7 @@ class SinkLayer(SlotMapLayer, FullLayer):
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.slots
-        if slots.pending is None or slots._step is not step:
+        if slots.pending is None or slots._step != step.serial:
             slots.begin(step)
         pos, end, _, ws_after, read = slots.pending
         c, journal = step.counters, step.journal
@@ -181,7 +181,7 @@ class SinkLayer(SlotMapLayer, FullLayer):
 
     def mask(self, step: Step) -> torch.Tensor | None:
         slots = self.slots
-        if slots.pending is None or slots._step is not step:
+        if slots.pending is None or slots._step != step.serial:
             slots.begin(step)
         if slots.mask_now is not None:
             return slots.mask_now

@@ -29,6 +29,9 @@ from ..slots import SlotView
 
 
 class StateLayer(LayerCache):
+    held_names = {"checkpoints": "state checkpoints"}
+    stored_name = "recurrent state"
+
     def __init__(self, spec, config, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec)
         c = config

@@ -1,0 +1,115 @@
+"""What a cache object really holds: every tensor storage reachable from it, each counted once, named by the part it
+belongs to.
+
+The memory report's ``reserved_bytes`` is the storage a strategy meant to keep (its keys and values). A cache holds
+more than that: the undo journal's copies, page tables, the positions and masks of an evicting layer, a press's
+scores, a recurrent layer's checkpoints. :func:`held_parts` walks the objects a cache is made of (attributes,
+``__slots__``, lists, tuples, dicts, sets) and sums the storage of every tensor it meets, once per storage: what a
+``del cache`` would give back. The model is not part of its cache (a cache that re-rotates keys keeps a reference to
+the model's rotary): :class:`torch.nn.Module` objects are not entered.
+
+Each storage goes to the first part that reaches it, in this order: the keys and values of every layer
+(``layer.storage()``), then each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the
+attribute's own name), then the container's own attributes (the undo scratch kept for the next step, a press plan),
+and last what only the step under way holds (its undo journal and reads), which :meth:`~.base.KVCache.settle` lets
+go. Each part is thus the memory that would be freed with it alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from typing import Any, Iterable
+
+import torch
+
+KEYS_AND_VALUES = "keys and values"
+UNDO_SCRATCH = "undo scratch"
+THIS_STEP = "this step (undo journal, reads, masks)"
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size, range, type,
+          enum.Enum, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+_PLAIN = frozenset({str, int, float, bool, type(None), torch.dtype, torch.device, types.MethodType})
+
+
+class StorageWalk:
+    """Counts tensor storages reachable from objects, each storage once across every :meth:`add` (by its
+    address), and remembers how many bytes each named part brought."""
+
+    def __init__(self) -> None:
+        self._storages: set[int] = set()  # data_ptr of each storage counted
+        self._objects: set[int] = set()
+        self.parts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def add(self, part: str, *objects: Any) -> int:
+        """Walk ``objects`` and add the bytes of the storages not counted before to ``part``; returns them."""
+        got = 0
+        stack = list(objects)
+        objects_seen, plain = self._objects, _PLAIN
+        while stack:
+            o = stack.pop()
+            kind = type(o)
+            if kind in plain:
+                continue
+            if kind is torch.Tensor or isinstance(o, torch.Tensor):
+                got += self._tensor(o)
+                continue
+            if id(o) in objects_seen or isinstance(o, _ATOMS) or isinstance(o, torch.nn.Module):
+                continue
+            objects_seen.add(id(o))
+            if kind is list or kind is tuple or isinstance(o, (list, tuple, set, frozenset)):
+                if len(o) > 8 and kind is not set and kind is not frozenset and _flat(o):
+                    continue  # positions, counts: numbers only (checked at both ends and the middle)
+                stack.extend(o)
+            elif isinstance(o, dict):
+                stack.extend(o.values())
+                stack.extend(k for k in o if type(k) not in plain)
+            else:
+                stack.extend(_attributes(o))
+        if got:
+            self.parts[part] = self.parts.get(part, 0) + got
+        return got
+
+    def _tensor(self, t: torch.Tensor) -> int:
+        if t.layout != torch.strided:  # sparse: count its parts
+            return sum(self._tensor(p) for p in _components(t))
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key in self._storages or not key:
+            return 0
+        self._storages.add(key)
+        return s.nbytes()
+
+
+def _flat(seq: list | tuple) -> bool:
+    return isinstance(seq[0], _ATOMS) and isinstance(seq[-1], _ATOMS) and isinstance(seq[len(seq) // 2], _ATOMS)
+
+
+def _attributes(o: Any) -> Iterable[Any]:
+    """The values an object holds: its ``__dict__`` and its ``__slots__`` (a class's own attributes are shared)."""
+    d = getattr(o, "__dict__", None)
+    if isinstance(d, dict):
+        yield from d.values()
+    for cls in type(o).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__"):
+                value = getattr(o, name, None)
+                if value is not None:
+                    yield value
+
+
+def _components(t: torch.Tensor) -> list[torch.Tensor]:
+    if t.is_sparse:
+        return [t._indices(), t._values()]
+    return [t.values(), t.indices()] if t.layout in (torch.sparse_csr, torch.sparse_csc) else []
+
+
+def reachable_bytes(*objects: Any) -> int:
+    """Bytes of every tensor storage reachable from ``objects`` (each once; nn.Modules not entered)."""
+    walk = StorageWalk()
+    walk.add("all", *objects)
+    return walk.total
