@@ -1,21 +1,20 @@
 """Every byte a cache holds is in its memory report: the report's ``held_bytes`` (+ ``step_bytes`` while a step is
-open) equals every tensor storage reachable from the cache object, walked here independently of the package (through
+open) equals every tensor storage reachable from the cache object, walked independently of the report (through
 ``gc.get_referents``, which also sees closures and C-level members), for every strategy and layer kind, after a
-prefill, decode steps, a press, a speculative verification's take-back and a rollback.
+prefill, decode steps, a press, a speculative verification's take-back and a rollback (the independent count is
+:func:`kvexplore.caches.held.referents_bytes`: it shares no code with the report's walk).
 
 The tolerance is 1% (the issue's bound); in practice the two agree to the byte, which the last test pins where the
 parts are known."""
 
 from __future__ import annotations
 
-import gc
-import types
-
 import pytest
 import torch
 
 import kvexplore
 from kvexplore.caches.held import KEYS_AND_VALUES, UNDO_SCRATCH
+from kvexplore.caches.held import referents_bytes as reachable
 
 # the prompt is longer than the sink window and than a page, so the sink evicts, pages fill and presses drop
 PROMPT = [1] + [(7 * i) % 200 + 5 for i in range(70)]
@@ -44,25 +43,6 @@ MODELS = {
     "qwen3_next": ("qwen3_next", {}),
     "deepseek_v3": ("deepseek_v3", {}),
 }
-
-
-def reachable(obj) -> int:
-    """Bytes of every tensor storage reachable from ``obj`` through the garbage collector's referents, each storage
-    counted once; a model (an nn.Module) is not the cache's, classes and modules are not entered."""
-    seen, storages, stack = set(), {}, [obj]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            s = o.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-            continue
-        if isinstance(o, (torch.nn.Module, type, types.ModuleType, types.FunctionType, str, bytes, int, float)):
-            continue
-        stack.extend(gc.get_referents(o))
-    return sum(n for ptr, n in storages.items() if ptr)
 
 
 def check(cache, when: str) -> None:
@@ -166,3 +146,34 @@ def test_the_memory_report_of_a_pressed_cache_names_its_parts(zoo):
     assert report.extra_bytes == report.held_bytes - report.held[KEYS_AND_VALUES] > 0
     layer = report.layers[0]
     assert layer.held_bytes == sum(layer.parts.values()) and layer.parts[KEYS_AND_VALUES] > 0
+
+
+def test_the_explorers_memory_view_draws_the_held_total(zoo):
+    """The top panel's solid line per lane is the held total each step's record carries, and that is what the cache
+    holds once the step is settled (a record is made before the step is let go)."""
+    ex = kvexplore.Explorer(zoo.trained, strategies=("preallocated", "sink", "evict"), max_seq_len=CAPACITY,
+                            strategy_options={"sink": STRATEGIES["sink"], "evict": STRATEGIES["evict"]})
+    ex.prefill(PROMPT)
+    ex.run(3)
+    spec = ex.specs()["memory"]
+    for name, lane in ex.lanes.items():
+        records = lane.history
+        drawn = next(t for t in spec.traces if t.get("name") == f"held · {name}")
+        assert list(drawn["y"]) == [r.memory.held_bytes for r in records]
+        assert records[-1].memory.held_bytes == lane.cache.memory_report().held_bytes == reachable(lane.cache)
+
+
+@pytest.mark.parametrize("kind", ["hf:dynamic", "hf:static", "hf:quantized"])
+def test_a_transformers_cache_is_counted_too(zoo, kind):
+    """A transformers cache object behind an hf: lane: its layers' keys and values and everything else it keeps."""
+    _, reference = zoo.checkpoint("llama")
+    model = kvexplore.hf.wrap(reference)
+    gen = kvexplore.Generator(model, kvexplore.make_cache(kind, model, CAPACITY))
+    gen.prefill(PROMPT)
+    gen.run(4, stop_at_eos=False)
+    check(gen.cache, f"{kind} after 4 decode steps")
+    assert gen.cache.memory_report().held[KEYS_AND_VALUES] > 0
+    gen.step(keep_undo=True)
+    check(gen.cache, f"{kind} with a step open")
+    gen.undo_step()
+    check(gen.cache, f"{kind} after a rollback")

@@ -47,13 +47,16 @@ class CacheInspection:
                 names = layer.held_names
                 for name, value in vars(layer).items():
                     if (type(value) is torch.Tensor) is tensors:
-                        label = names.get(name) or name.lstrip("_")
+                        label = names.get(name.lstrip("_")) or name.lstrip("_")
                         if got := walk.add(label, value):
                             parts[label] = parts.get(label, 0) + got
         for name, value in vars(self).items():
             if name not in self._NOT_WALKED:
                 walk.add(name.lstrip("_"), value)
-        walk.add(THIS_STEP, self._journal, self._cur, self._saved, self._masks)
+        journal = self._journal  # the step under way: what its journal keeps for the next step is held already
+        if journal is not None:
+            walk.add(UNDO_SCRATCH, journal.kept_scratch())
+        walk.add(THIS_STEP, journal, self._cur, self._saved, self._masks, self._scratch if journal else None)
         walk.add(UNDO_SCRATCH, self._scratch)
         walk.layer_parts = layer_parts
         return walk

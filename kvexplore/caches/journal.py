@@ -28,6 +28,12 @@ class UndoJournal:
         self._used: dict[tuple, int] = {}
         self.q_len = q_len  # positions the step writes
 
+    def kept_scratch(self) -> list[torch.Tensor]:
+        """The scratch buffers :meth:`trim` will keep when the step is over."""
+        if self.q_len != 1:
+            return []
+        return [t for key, used in self._used.items() for t in self._scratch.get(key, [])[:used]]
+
     def trim(self) -> None:
         """The step is over (settled or rolled back): the scratch keeps the buffers it used only if it wrote one
         position (the next decode step needs the same), and nothing else: a prompt's or a verification's copies go

@@ -6,6 +6,7 @@ the object itself after every step (:mod:`.watch`). The transformers cache does 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 
@@ -14,10 +15,15 @@ from ..caches.slots import FILLED, FREE, STALE, SlotView
 from ..config.model_config import ModelConfig
 from ..errors import CacheFullError, SettingsError
 from ..config.layer_plan import FULL, SLIDING, STATE, LayerSpec, layer_plan
+from ..caches.held import KEYS_AND_VALUES, THIS_STEP, StorageWalk
 from ..caches.memory import LayerMemory, MemoryReport
 from ..caches.protocol import ModelCache
 from ..core.allocator import Window, allocator_for
 from . import watch
+
+
+#: how the memory report names what the wrapper itself keeps (kvexplore.caches.held)
+HELD_NAMES = {"_states": "what kvexplore watches", "_reads": "reads of the last step"}
 
 
 class HFCache(ModelCache):
@@ -100,7 +106,9 @@ class HFCache(ModelCache):
         self._reads = reads
 
     def settle(self) -> None:
-        self._undo = None
+        had_step, self._undo = self._undo is not None, None
+        if had_step and self._report is not None:  # what the step kept to undo itself is gone
+            self._report = replace(self._report, **self._held())
 
     def rollback(self) -> None:
         """Put the cache back as it was before the step under way (also after a forward pass that failed)."""
@@ -266,7 +274,26 @@ class HFCache(ModelCache):
             written_bytes=total("written_bytes"), copied_bytes=total("copied_bytes"),
             allocated_bytes=total("allocated_bytes"), freed_bytes=total("freed_bytes"),
             allocations=total("allocations"), frees=total("frees"), cuda=self.window.figures(),
-            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers))
+            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers),
+            **self._held())
+
+    def _held(self) -> dict:
+        """Every tensor storage reachable from the transformers cache and this wrapper (kvexplore.caches.held): each
+        layer's keys and values first, then what else its layer objects keep, by attribute; the step's undo apart."""
+        walk, layers = StorageWalk(), list(getattr(self.hf, "layers", ()))
+        for layer in layers:
+            walk.add(KEYS_AND_VALUES, getattr(layer, "keys", None), getattr(layer, "values", None))
+        for layer in layers:
+            for name, value in vars(layer).items():
+                name = name.lstrip("_")
+                walk.add(KEYS_AND_VALUES if name in ("quantized_keys", "quantized_values") else name, value)
+        walk.add("transformers cache", self.hf)
+        walk.add(THIS_STEP, self._undo)
+        for name, value in vars(self).items():  # the wrapper's own: the reads of the last step, what it watches
+            walk.add(HELD_NAMES.get(name, name.lstrip("_")), value)
+        held = dict(walk.parts)
+        step = held.pop(THIS_STEP, 0)
+        return dict(held_bytes=sum(held.values()), held=held, step_bytes=step)
 
     @property
     def reserved_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """Memory timeline: per step and per strategy, the bytes a cache holds and what the step moved.
 
-Top: reserved (storage held), logical (slots holding tokens) and the analytic
-``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
+Top: held (every tensor storage the cache object keeps: its keys and values, undo scratch, page tables, positions,
+masks, press scores, checkpoints; see :mod:`kvexplore.caches.held`), reserved (the storage meant for keys and values),
+logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
 the step. On CUDA a third panel shows the caching allocator's reserved and allocated bytes and its inactive split
 bytes (fragmentation) after each step, for the whole process.
 """
@@ -14,8 +15,8 @@ from ..trace.records import StepRecord
 from .palette import strategy_colour
 from .spec import FigureSpec
 
-HELD = (("reserved", "reserved_bytes", "solid"), ("logical", "logical_bytes", "dash"),
-        ("analytic", "analytic_bytes", "dot"))
+HELD = (("held", "held_bytes", "solid"), ("reserved", "reserved_bytes", "longdash"),
+        ("logical", "logical_bytes", "dash"), ("analytic", "analytic_bytes", "dot"))
 MOVED = (("written", "written_bytes", "solid"), ("copied", "copied_bytes", "dash"),
          ("allocated", "allocated_bytes", "dot"))
 CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated", "allocated_bytes", "dash"),
@@ -29,7 +30,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill). When the
     layers keep different caches (full, sliding, shared), one more panel splits lane ``shown``'s bytes by layer
     kind, each from its layers' own reports."""
-    panels = [("held after the step: reserved ━ logical ╌ analytic ┈", HELD, "y"),
+    panels = [("after the step: held ━ reserved ▬ ▬ logical ╌ analytic ┈", HELD, "y"),
               ("moved by the step: written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
         panels.append(("CUDA caching allocator (whole process): reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
@@ -51,7 +52,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
                 if axis == "y3":
                     ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems]
                 else:
-                    ys = [getattr(m, attr) if m is not None else None for m in mems]
+                    ys = [_figure(m, attr) for m in mems]
                 traces.append(dict(
                     type="scatter", mode="lines+markers" if len(steps) < 40 else "lines", name=f"{label} · {lane}",
                     legendgroup=lane, showlegend=False, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
@@ -91,6 +92,13 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
         layout["annotations"].append(dict(text=title, xref="paper", yref="paper", x=0, y=round(top, 6),
                                           xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=12)))
     return FigureSpec(traces, layout)
+
+
+def _figure(m, attr: str) -> int | None:
+    """``m.attr``, or None where it is not known: no report, or a report saved before held bytes were counted."""
+    if m is None or attr == "held_bytes" and not m.held_bytes and m.reserved_bytes:
+        return None
+    return getattr(m, attr)
 
 
 def _kinds(records: Sequence[StepRecord]) -> list[str]:

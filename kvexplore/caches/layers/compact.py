@@ -110,7 +110,8 @@ class CompactLayer(PressedLayer):
         self.counts = [[n + T for n in row] for row in counts]
         S = top + T
         self._mask = self._make_mask(counts, T, S, step)
-        self._read = self.pos.narrow(2, 0, S).clone()  # a press after the step moves the slots: keep what was read
+        # a press after the step moves the slots: keep what was read (as int32: positions fit, half the bytes)
+        self._read = self.pos.narrow(2, 0, S).to(torch.int32)
         return self.k.narrow(2, 0, S), self.v.narrow(2, 0, S)
 
     def _make_mask(self, counts: list[list[int]], T: int, S: int, step: Step) -> torch.Tensor | None:
