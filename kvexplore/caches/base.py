@@ -218,7 +218,7 @@ class KVCache(CacheInspection, Crop, ModelCache):
         if self._journal is None:
             return
         self._journal.undo()
-        self._journal.trim()
+        self._journal.trim_back()
         (self._length, self._counters, self._report, self._window, self._layer_moved,
          self._sparse_reads) = self._saved
         self._journal, self._saved, self._cur, self._masks = None, None, None, {}

@@ -19,14 +19,24 @@ class UndoJournal:
     """What the step under way changed. ``scratch`` (owned by the cache) holds reusable copy buffers by shape and
     dtype, so a decode step that saves what it saved last time allocates nothing; :meth:`trim` keeps only those."""
 
-    __slots__ = ("entries", "restores", "_scratch", "_used", "q_len")
+    __slots__ = ("entries", "restores", "_scratch", "_used", "_had", "q_len")
 
     def __init__(self, scratch: dict[tuple, list[torch.Tensor]], q_len: int = 1) -> None:
         self.entries: list[tuple[torch.Tensor, int, int, torch.Tensor | int]] = []  # slots the step overwrote
         self.restores: list[tuple[Callable[[Any], None], Any]] = []  # bookkeeping to put back
         self._scratch = scratch
         self._used: dict[tuple, int] = {}
+        self._had = {key: len(pool) for key, pool in scratch.items()}  # the scratch before the step
         self.q_len = q_len  # positions the step writes
+
+    def trim_back(self) -> None:
+        """The step was rolled back: the scratch is as it was before it (buffers the step added are let go)."""
+        scratch = self._scratch
+        for key in list(scratch):
+            if had := self._had.get(key, 0):
+                del scratch[key][had:]
+            else:
+                del scratch[key]
 
     def kept_scratch(self) -> list[torch.Tensor]:
         """The scratch buffers :meth:`trim` will keep when the step is over."""
