@@ -21,7 +21,7 @@ MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(h
           "mha": ("llama", dict(heads=4, kv_heads=4)), "gemma3": ("gemma3", dict(layers=3)),
           "qwen3next": ("qwen3_next", dict(layers=4)), "gptoss": ("gpt_oss", dict(layers=2)),
           "gemma4": ("gemma4", {}), "llama3": VARIANTS["llama3-rope-tied"]}
-OPTS = {"snapkv": dict(window=4, kernel=3), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25),
+OPTS = {"snapkv": dict(window=4, kernel=3, pooling="max"), "streaming": dict(sinks=3), "h2o": dict(recent_ratio=0.25),
         "snapkv-avg": dict(window=5, kernel=5, pooling="avg")}
 
 
@@ -91,7 +91,7 @@ def test_a_long_prompts_attention_is_summed_in_chunks_of_rows_as_a_whole(models,
     """H2O sums the prompt's attention 256 query rows at a time; SnapKV's window reaches over the chunk border."""
     model = models("gqa2")
     ids = tokens(300, seed=24)
-    opts = dict(window=48, kernel=5) if press == "snapkv" else None
+    opts = dict(window=48, kernel=5, pooling="max") if press == "snapkv" else None
     r = run(model, evict(model, press=press, press_options=opts, compression_ratio=0.7, max_seq_len=300), ids, 300)
     assert_scores_match(simulate(model, r, press, opts))
 
@@ -537,7 +537,7 @@ def test_compact_and_mask_storages_keep_the_same_positions_through_exact_ties(mo
     earliest is kept, in either storage, so both keep the same positions."""
     model = models("gqa2")
     ids = tokens(40, seed=25)
-    opts = dict(window=4, kernel=5) if press == "snapkv" else dict(sinks=8)
+    opts = dict(window=4, kernel=5, pooling="max") if press == "snapkv" else dict(sinks=8)
     runs = [run(model, evict(model, press=press, press_options=opts, compression_ratio=0.75, heads=heads,
                              decode_every=3, storage=storage), ids, 20)
             for heads in ("per-head", "adaptive") for storage in ("compact", "mask")]

@@ -4,12 +4,20 @@ The last ``window`` queries of the prompt (the observation window: usually the q
 ``A`` the attention ``(heads, window, keys)`` of those queries,
 
     vote[h, j] = Σ_i A[h, i, j]                       (summed over the window's queries)
-    score[h, j] = pool_kernel(vote[h, :])[j]          (max-pooled over ``kernel`` neighbouring held keys)
+    score[h, j] = pool_kernel(vote[h, :])[j]          (averaged over ``kernel`` neighbouring held keys)
 
 summed over the query heads that read KV head ``h`` (grouped-query attention). The window's own keys are always
 kept (score ``inf``) and take no part in the pooling: as the paper's code, the keys before the window are pooled
 alone (the last of them do not borrow the window's votes). Query-aware: the same context compressed for two
 questions keeps different keys.
+
+The defaults are the authors' code's: average pooling (``avg_pool1d``, stride 1, ``kernel // 2`` zeros of padding
+on each side, counted in the mean: an edge key's average is over ``kernel`` values, some of them 0) with
+``kernel=5``, as kvpress pools too, and a window of 32 queries (kvpress's ``SnapKVPress`` defaults to
+``window_size=64``: pass ``window=64`` to match it). ``pooling="max"`` max-pools instead (the padding never wins
+a maximum); it gives neighbouring keys exactly equal scores, which the cache breaks by keeping the earliest.
+Summing (not averaging) over the window and the group scales every score of a head alike, so the kept set is
+kvpress's.
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ from .observation import Observation, in_position_order, per_kv_head
 from .press import Press
 
 
+POOLINGS = ("avg", "max")  # the first is the default
+
+
 class SnapKVPress(Press):
     name = "snapkv"
 
-    def __init__(self, window: int = 32, kernel: int = 5, pooling: str = "max") -> None:
+    def __init__(self, window: int = 32, kernel: int = 5, pooling: str = "avg") -> None:
         self.queries = self.window = positive_int(window, "window")
         self.kernel = positive_int(kernel, "kernel")
         if self.kernel % 2 == 0:
             raise SettingsError(f"kernel must be odd so the pooling is centred on each key, got {kernel}; use {kernel + 1}")
-        self.pooling = choice(pooling, "pooling", ("max", "avg"))
+        self.pooling = choice(pooling, "pooling", POOLINGS)
 
     def options(self) -> dict[str, Any]:
         return dict(window=self.window, kernel=self.kernel, pooling=self.pooling)
