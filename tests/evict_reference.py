@@ -169,7 +169,7 @@ def press_scores(press: str, opts: dict, keys_h: list[torch.Tensor], pos_h: list
         recent = int(n_kept * opts.get("recent_ratio", 0.5))
         return [[math.inf if p >= length - recent else acc_h[h][p] for p in pos_h[h]] for h in range(H)]
     if press == "snapkv":  # Li et al. 2024: the window's votes for the keys before it, pooled, group-summed
-        W, kernel, how = opts.get("window", 32), opts.get("kernel", 5), opts.get("pooling", "max")
+        W, kernel, how = opts.get("window", 32), opts.get("kernel", 5), opts.get("pooling", "avg")
         qw, pw = queries[:, -W:], q_pos[-W:]
         out = []
         for h in range(H):
