@@ -73,3 +73,33 @@ class CacheFullError(KVExploreError, RuntimeError):
             f"({used + needed} > {capacity}); create the cache with a larger max_seq_len "
             f"(at least {used + needed}) or rewind"
         )
+
+
+#: the command that installs the widgets' libraries (the ``notebook`` extra) next to an installed kvexplore, from
+#: a source checkout as from a wheel
+NOTEBOOK_INSTALL = 'pip install "kvexplore[notebook]"'
+
+#: the top-level modules that come with the notebook extra (its libraries and theirs that kvexplore imports)
+NOTEBOOK_MODULES = frozenset({"anywidget", "ipywidgets", "plotly", "traitlets", "IPython", "jupyterlab", "voila"})
+
+
+class MissingExtraError(KVExploreError, ImportError):
+    """A part of kvexplore that needs an optional library was used where that library is not installed: the widgets
+    (:class:`~kvexplore.Explorer`, :class:`~kvexplore.PrefixView`, :class:`~kvexplore.PrefixCompare`), the HTML
+    replay and ``kvexplore lab``/``app`` need the ``notebook`` extra. ``name`` is the missing module; the message
+    says what needed it and the command that installs it. The engine (load, caches, generator, doctor, prefix pool,
+    traces) never needs it."""
+
+    def __init__(self, what: str, module: str, extra: str = "notebook") -> None:
+        self.what, self.extra = what, extra
+        super().__init__(f"{what} needs {module}, which is not installed in this environment; install kvexplore's "
+                         f"{extra} extra: pip install \"kvexplore[{extra}]\"", name=module)
+
+
+def missing_extra(what: str, error: ImportError) -> MissingExtraError | None:
+    """The :class:`MissingExtraError` to raise instead of ``error`` when the module it could not import is one of the
+    notebook extra's (:data:`NOTEBOOK_MODULES`); ``None`` for any other import error (a real bug, raised as it is)."""
+    missing = getattr(error, "name", None) or ""
+    if isinstance(error, ModuleNotFoundError) and missing.split(".")[0] in NOTEBOOK_MODULES:
+        return MissingExtraError(what, missing.split(".")[0])
+    return None

@@ -125,7 +125,8 @@ def test_lab_defaults_to_a_folder_in_home(bundle, tmp_path, monkeypatch, no_exec
     assert (tmp_path / "kvexplore-notebooks" / "01_first.ipynb").exists()
 
 
-@pytest.mark.parametrize("command, module, name", [("lab", "jupyterlab", "JupyterLab"), ("app", "voila", "Voila")])
+@pytest.mark.parametrize("command, module, name", [("lab", "jupyterlab", "JupyterLab"), ("app", "voila", "Voila"),
+                                                  ("lab", "plotly", "plotly"), ("app", "anywidget", "anywidget")])
 def test_missing_jupyter_is_one_line_naming_the_extra(command, module, name, tmp_path, monkeypatch, no_exec, capsys):
     real = launch.importlib.util.find_spec
     monkeypatch.setattr(launch.importlib.util, "find_spec", lambda m, *a: None if m == module else real(m, *a))
@@ -133,7 +134,7 @@ def test_missing_jupyter_is_one_line_naming_the_extra(command, module, name, tmp
     captured = capsys.readouterr()
     err = captured.err
     assert err.count("\n") == 1 and err.startswith(f"kvexplore {command}: error: {name} is not installed")
-    assert 'pip install -e ".[notebook]"' in err
+    assert 'install the notebook extra: pip install "kvexplore[notebook]"' in err
     assert no_exec == [] and not (tmp_path / "x").exists()  # nothing copied, nothing started
 
 

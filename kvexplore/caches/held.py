@@ -53,17 +53,17 @@ class StorageWalk:
         objects_seen, plain = self._objects, _PLAIN
         while stack:
             o = stack.pop()
-            kind = type(o)
-            if kind in plain:
+            cls = type(o)
+            if cls in plain:
                 continue
-            if kind is torch.Tensor or isinstance(o, torch.Tensor):
+            if cls is torch.Tensor or isinstance(o, torch.Tensor):
                 got += self._tensor(o)
                 continue
             if id(o) in objects_seen or isinstance(o, _ATOMS) or isinstance(o, torch.nn.Module):
                 continue
             objects_seen.add(id(o))
-            if kind is list or kind is tuple or isinstance(o, (list, tuple, set, frozenset)):
-                if len(o) > 8 and kind is not set and kind is not frozenset and _flat(o):
+            if cls is list or cls is tuple or isinstance(o, (list, tuple, set, frozenset)):
+                if len(o) > 8 and cls is not set and cls is not frozenset and _flat(o):
                     continue  # positions, counts: numbers only (checked at both ends and the middle)
                 stack.extend(o)
             elif isinstance(o, dict):

@@ -1,5 +1,6 @@
 """What a cache can say about itself, layer by layer: its storage, the positions each layer read, the state of every
-physical slot, and its bytes (held, used, the formula). :class:`~.base.KVCache` inherits it; every answer comes from
+physical slot, and its bytes: the memory report of each step (used, reserved, the formula, and held: every tensor
+storage reachable from the cache, by part, see :mod:`.held`). :class:`~.base.KVCache` inherits it; every answer comes from
 the layer's own :class:`~kvexplore.caches.layer.LayerCache` object."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ..config.layer_plan import LayerSpec, layers_by_kind
 from ..core import host
 from ..errors import SettingsError
 from .held import THIS_STEP, UNDO_SCRATCH, StorageWalk
-from .memory import LayerMemory
+from .memory import LayerMemory, MemoryReport
 from .slots import SlotView
 
 
@@ -60,6 +61,43 @@ class CacheInspection:
         walk.add(UNDO_SCRATCH, self._scratch)
         walk.layer_parts = layer_parts
         return walk
+
+    def memory_report(self) -> MemoryReport:
+        """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
+        if self._report is None:
+            self._report = self._make_report()
+        return self._report
+
+    def _make_report(self) -> MemoryReport:
+        s, walk = self._counters, self.held_walk()
+        layers = self.layer_memory(walk)
+        held = dict(walk.parts)
+        step = held.pop(THIS_STEP, 0)
+        return MemoryReport(
+            length=self.length, logical_bytes=sum(m.logical_bytes for m in layers),
+            reserved_bytes=self.reserved_bytes, analytic_bytes=sum(m.analytic_bytes for m in layers),
+            written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
+            freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=self._window.figures(),
+            cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers),
+            held_bytes=sum(held.values()), held=held, step_bytes=step)
+
+    def _held_again(self, walk: bool = False) -> None:
+        """The step was let go: the report's held figures lose what only the step held and count the undo scratch
+        as it is now (trimmed), the rest unchanged since the report was made; ``walk``: count everything again
+        (a rollback restores the report of before the step, and the step's masks are gone)."""
+        report = self._report
+        if report is not None and walk:
+            fresh = self._make_report()
+            if (fresh.held, fresh.step_bytes, fresh.layers) != (report.held, report.step_bytes, report.layers):
+                self._report = replace(report, layers=fresh.layers, held=fresh.held, held_bytes=fresh.held_bytes,
+                                       step_bytes=fresh.step_bytes)
+        elif report is not None:
+            held = dict(report.held)
+            scratch = sum(t.untyped_storage().nbytes() for pool in self._scratch.values() for t in pool)
+            before = held.pop(UNDO_SCRATCH, 0)
+            if scratch:
+                held[UNDO_SCRATCH] = scratch
+            self._report = replace(report, held=held, held_bytes=report.held_bytes - before + scratch, step_bytes=0)
 
     def layer_held(self, layer: int) -> int:
         """Positions ``layer`` holds: the strategy's for a full layer, the ring's for a sliding one, 0 shared."""

