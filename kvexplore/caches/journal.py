@@ -31,12 +31,7 @@ class UndoJournal:
 
     def trim_back(self) -> None:
         """The step was rolled back: the scratch is as it was before it (buffers the step added are let go)."""
-        scratch = self._scratch
-        for key in list(scratch):
-            if had := self._had.get(key, 0):
-                del scratch[key][had:]
-            else:
-                del scratch[key]
+        self._keep_first(self._had)
 
     def kept_scratch(self) -> list[torch.Tensor]:
         """The scratch buffers :meth:`trim` will keep when the step is over."""
@@ -45,14 +40,17 @@ class UndoJournal:
         return [t for key, used in self._used.items() for t in self._scratch.get(key, [])[:used]]
 
     def trim(self) -> None:
-        """The step is over (settled or rolled back): the scratch keeps the buffers it used only if it wrote one
-        position (the next decode step needs the same), and nothing else: a prompt's or a verification's copies go
-        with their step, a decode step's rare large one (a press compacting in place) with the next step."""
+        """The step was settled: the scratch keeps the buffers it used only if it wrote one position (the next
+        decode step needs the same), and nothing else: a prompt's or a verification's copies go with their step, a
+        decode step's rare large one (a press compacting in place) with the next step."""
+        self._keep_first(self._used if self.q_len == 1 else {})
+
+    def _keep_first(self, counts: dict[tuple, int]) -> None:
+        """Keep the first ``counts[key]`` buffers of each shape in the scratch, and no other."""
         scratch = self._scratch
         for key in list(scratch):
-            used = self._used.get(key, 0) if self.q_len == 1 else 0
-            if used:
-                del scratch[key][used:]
+            if n := counts.get(key, 0):
+                del scratch[key][n:]
             else:
                 del scratch[key]
 
