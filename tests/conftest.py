@@ -55,11 +55,17 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _notebook_path(item) -> Path | None:
+    """The course notebook a test is parametrized with (``path``), if any."""
+    path = getattr(getattr(item, "callspec", None), "params", {}).get("path")
+    return path if isinstance(path, Path) and path.suffix == ".ipynb" and path.exists() else None
+
+
 def _notebook_models(item) -> list[str]:
     """The tiers of the real models a notebook loads, for a test parametrized with that notebook (``path``): its
     execution is shared (``executed_notebook``), so whichever test runs it first fetches them."""
-    path = getattr(getattr(item, "callspec", None), "params", {}).get("path")
-    if not (isinstance(path, Path) and path.suffix == ".ipynb" and path.exists()):
+    path = _notebook_path(item)
+    if path is None:
         return []
     text = path.read_text()
     return [tier for name, tier in (("smollm2", "smollm2"), ("gemma3-270m", "gemma3")) if name in text]
@@ -72,16 +78,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, tier))
         if any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.slow)
-    # the notebooks' runs first among the tests that are not in a group, and the browser tests that open executed
-    # notebooks last, in reverse order: the JupyterLab worker executes the last notebooks itself while the other
-    # worker executes the first ones, and neither waits for the other (each notebook still runs once)
+    # the notebooks' runs first among the tests that are not in a group (the other worker executes them from the
+    # first on); the JupyterLab worker begins by opening the last third of the course, last first, executing those
+    # notebooks itself, and opens the others at its end, by when they have been executed: neither worker waits for a
+    # notebook the other is executing (each notebook still runs once)
     position = {id(item): i for i, item in enumerate(items)}
+    course = sorted({p for item in items if (p := _notebook_path(item)) is not None})
+    tail = set(course[len(course) - len(course) // 3:])
 
     def order(item) -> tuple[int, int]:
         browser, notebooks = item.get_closest_marker("browser"), item.get_closest_marker("notebooks")
         if browser and notebooks:
-            return 2, -position[id(item)]
-        return (0 if notebooks else 1), position[id(item)]
+            return (1 if _notebook_path(item) in tail else 3), -position[id(item)]
+        return (0 if notebooks else 2), position[id(item)]
 
     items.sort(key=order)
 

@@ -30,11 +30,11 @@ HERE = Path(__file__).resolve().parent
 SETTLE_S = 20  # how long the page may take to draw what the kernel sent (a busy 2-core machine)
 
 
-def _notebook(path: Path, source: str) -> None:
+def _notebook(path: Path, *sources: str) -> None:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(path))
 
@@ -88,9 +88,11 @@ def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
     return check, click
 
 
-def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str]:
+def _operations(page, explorer, lab: bool, shots: Path, prefix: str, every: bool = True) -> list[str]:
     """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
-    returns the labels checked."""
+    returns the labels checked. ``every=False``: the operations that draw a model's own layers (the sequence, a
+    strategy, a fork, layer and head picks, every tab) and one screenshot; the page-wide ones (sizes, side by side,
+    presentation, sampling, reset, a model load) are the same for every model and checked on the others."""
     done = []
     check, click = _checks(page, explorer, lab, done)
 
@@ -116,6 +118,9 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str) -> list[str
     for title in ("Memory", "Stored K/V", "Compare strategies", "Attention"):
         explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
         check(f"tab {title}")
+    if not every:
+        _shot(page, explorer, shots / f"{prefix}_1280x800_attention.png")
+        return done
     _screenshots(page, explorer, shots, prefix)
     check("after the screenshots")
     explorer.locator(".kvx-side-by-side input").first.check()
@@ -179,38 +184,45 @@ def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
     _idle(page, explorer)
 
 
-def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = None, t0: float = 0.0) -> list[str]:
-    """Wait for the explorer, check it fits one screen, then every operation (a screenshot if anything fails)."""
+def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = None, t0: float = 0.0,
+             every: bool = True, index: int = 0) -> list[str]:
+    """Wait for the explorer (the page's ``index``-th), check it fits one screen, then every operation (a screenshot
+    if anything fails)."""
     try:
-        explorer = page.locator(".kvx-explorer").first
+        explorer = page.locator(".kvx-explorer").nth(index)
         explorer.wait_for(timeout=300_000)
         figure(explorer, "cache_map").wait_for(timeout=120_000)
         if timings is not None:
             timings["page_to_widgets"] = time.monotonic() - t0
         _on_one_screen(page, explorer)
         page.screenshot(path=str(shots / f"{name}_1280x800.png"))
-        return _operations(page, explorer, lab, shots, name)
+        return _operations(page, explorer, lab, shots, name, every)
     except Exception:
         page.screenshot(path=str(shots / f"{name}_FAILED.png"))
         raise
 
 
-def _run_lab(lab, lab_page, shots, name: str, source: str):
-    """Write a one-cell notebook into the run's JupyterLab, open it in the run's page, run it, check every
-    operation."""
-    _notebook(lab.root / f"{name}.ipynb", source)
+def _run_lab(lab, lab_page, shots, name: str, *cells: str, every: bool = True) -> dict[int, list[str]]:
+    """Write a notebook of ``cells`` into the run's JupyterLab, open it in the run's page, run it (one kernel),
+    then check every operation on each explorer it shows, first to last (``every=False``: those that draw the
+    model's own layers, see :func:`_operations`); returns the labels checked per explorer."""
+    _notebook(lab.root / f"{name}.ipynb", *cells)
+    done = {}
     with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
         start_run_all(page)
         assert not wait_run_finished(page)
-        done = _session(page, True, shots, name)
-    assert len(done) >= 20, done
+        for i in range(page.locator(".kvx-explorer").count()):
+            done[i] = _session(page, True, shots, f"{name}_{i}" if i else name, every=every, index=i)
+            assert len(done[i]) >= (20 if every else 15), done[i]
+    return done
 
 
 @LAB
 def test_lab_tiny_three_strategies_page_equals_kernel(lab, lab_page, browser, shots):
-    _run_lab(lab, lab_page, shots, "truth_lab_tiny",
-             'import kvexplore\nex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged", "quantized"), '
-             'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
+    done = _run_lab(lab, lab_page, shots, "truth_lab_tiny",
+                    'import kvexplore\nex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged", "quantized"), '
+                    'max_seq_len=64, strategy_options={"paged": {"block_size": 8}})\nex')
+    assert list(done) == [0]
 
 
 PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sinks
@@ -223,30 +235,25 @@ PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sin
 
 
 @LAB
-@pytest.mark.parametrize("arch", list(PER_LAYER))
-def test_lab_per_layer_caches_page_equals_kernel(arch, lab, lab_page, browser, shots, tmp_path):
+def test_lab_per_layer_and_transformers_caches_page_equals_kernel(lab, lab_page, browser, shots, tmp_path):
     """Random-weight models of the 2025 layouts: Gemma 4 (full, sliding and shared layers), gpt-oss (learned sinks),
     DeepSeek-V3.2 (a latent cache read sparsely) and Qwen3-Next (fixed-size state layers): the cache map draws each
-    layer's own layout, and the page still shows what the kernel holds."""
-    options, strategies = PER_LAYER[arch]
-    folder = tmp_path / f"{arch}-tiny"
-    _run_lab(lab, lab_page, shots, f"truth_lab_{arch}",
-             f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore\n"
-             f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), {options})\n"
-             f"ex = kvexplore.Explorer({str(folder)!r}, strategies={strategies!r}, max_seq_len=64)\nex")
-
-
-@LAB
-def test_lab_transformers_caches_page_equals_kernel(lab, lab_page, browser, shots, tmp_path):
-    """transformers' own DynamicCache and StaticCache as lanes beside kvexplore's pre-allocated cache, on the same
-    weights (kvexplore.hf): every click, and the page shows what the kernel holds."""
+    layer's own layout, and the page still shows what the kernel holds. Then transformers' own DynamicCache and
+    StaticCache as lanes beside kvexplore's pre-allocated cache, on the same weights (kvexplore.hf). One notebook,
+    one kernel, an explorer per model, each checked in turn."""
+    cells = [f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore, transformers\n"
+             f"from helpers import make_checkpoint"]
+    for arch, (options, strategies) in PER_LAYER.items():
+        folder = tmp_path / f"{arch}-tiny"
+        cells.append(f"make_checkpoint(Path({str(folder)!r}), {options})\n"
+                     f"kvexplore.Explorer({str(folder)!r}, strategies={strategies!r}, max_seq_len=64)")
     folder = tmp_path / "llama-hf"
-    _run_lab(lab, lab_page, shots, "truth_lab_transformers",
-             f"import sys\nsys.path.insert(0, {str(HERE)!r})\nfrom pathlib import Path\nimport kvexplore, transformers\n"
-             f"from helpers import make_checkpoint\nmake_checkpoint(Path({str(folder)!r}), 'llama', layers=3)\n"
-             f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
-             f"ex = kvexplore.Explorer(model, {str(folder)!r}, strategies=('hf:dynamic', 'hf:static', 'preallocated'), "
-             f"max_seq_len=64)\nex")
+    cells.append(f"make_checkpoint(Path({str(folder)!r}), 'llama', layers=3)\n"
+                 f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
+                 f"kvexplore.Explorer(model, {str(folder)!r}, strategies=('hf:dynamic', 'hf:static', 'preallocated'), "
+                 f"max_seq_len=64)")
+    done = _run_lab(lab, lab_page, shots, "truth_lab_per_layer", *cells, every=False)
+    assert len(done) == len(PER_LAYER) + 1, f"explorers drawn: {len(done)}"
 
 
 def _smollm2() -> None:
