@@ -3,7 +3,7 @@
 * ``01_tour.ipynb`` runs top to bottom in JupyterLab, the explorer and its plotly figures render, and pressing Step
   adds one token to the strip, redraws the cache map and advances the status line.
 * every notebook in ``notebooks/`` opens and renders in JupyterLab without an error dialog.
-* ``kvexplore app`` (Voila) shows the explorer with no code, and Step works there too.
+* (``kvexplore app``, Voila, is checked in ``test_browser_truth.py``: no code shown, and every operation.)
 
 Screenshots (full page, plus the explorer alone) go to ``$KVX_SCREENSHOTS`` (default: a pytest temporary folder),
 with ``timings.json``. Look at them: a test that passes while the page looks broken is not done.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from browser_support import (LAB_SCROLLER, NOTEBOOKS, PLOT_SIGNATURE, VOILA_SCROLLER, WIDGETS_S, figure, new_page,
-                             open_voila_app, plot_signature, rendered_cells, require_browser, save_timings, start_run_all,
-                             tall_screenshot, token_count, undrawn_traces, voila_server, wait_run_finished)
+from browser_support import (LAB_SCROLLER, NOTEBOOKS, PLOT_SIGNATURE, WIDGETS_S, figure, plot_signature, rendered_cells,
+                             save_timings, start_run_all, tall_screenshot, token_count, undrawn_traces,
+                             wait_run_finished)
 
 pytestmark = pytest.mark.browser
 LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLab server and page
@@ -29,13 +29,6 @@ LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLa
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 TOUR = "01_tour.ipynb"
 FIGURES = ("cache_map", "attention")  # on screen: the cache map and the tab's view (attention first)
-
-
-@pytest.fixture(scope="module")
-def voila(tmp_path_factory):
-    require_browser("voila", "ipywidgets", "plotly")
-    with voila_server(tmp_path_factory.mktemp("voila")) as server:
-        yield server
 
 
 def _wait_figures(explorer) -> None:
@@ -137,33 +130,3 @@ def test_notebook_opens_and_renders(path, lab, lab_page, browser, shots, execute
         assert (drawn["outputs"] > 0) == (outputs > 0), drawn
         expect(page.locator(".jp-Dialog")).to_have_count(0)
         tall_screenshot(page, shots / f"lab_open_{path.stem}.png", LAB_SCROLLER)
-
-
-def test_voila_app_shows_the_explorer_without_code(voila, browser, shots):
-    from playwright.sync_api import expect
-
-    timings = {"voila_ready": voila.ready_s}
-    page = new_page(browser)
-    try:
-        t0 = time.monotonic()
-        explorer = open_voila_app(page, voila)
-        _wait_figures(explorer)
-        timings["page_to_widgets"] = time.monotonic() - t0
-        tall_screenshot(page, shots / "voila_app_initial.png", VOILA_SCROLLER)
-        expect(page.locator("body")).not_to_contain_text("KVEXPLORE_APP_MODEL")  # the code cell's text
-        code = page.locator(".jp-CodeCell .jp-InputArea, .jp-CodeMirrorEditor, .jp-CodeCell .jp-InputPrompt")
-        shown = [c.evaluate("e => e.className + ': ' + e.textContent.slice(0, 80)")
-                 for c in code.all() if c.is_visible()]
-        assert not shown, f"Voila shows code: {shown}"
-        expect(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")).to_have_count(0)
-        timings["click_to_update"] = _step_and_check(page, explorer)
-        expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
-        tall_screenshot(page, shots / "voila_app.png", VOILA_SCROLLER)
-        tall_screenshot(page, shots / "voila_explorer.png", VOILA_SCROLLER, element=explorer,
-                        parts={shots / f"voila_fig_{name}.png": figure(explorer, name) for name in FIGURES})
-    except Exception:
-        tall_screenshot(page, shots / "voila_app_FAILED.png", VOILA_SCROLLER)
-        raise
-    finally:
-        page.close()
-        save_timings(shots, "voila_app", timings)

@@ -273,13 +273,17 @@ def test_lab_smollm2_two_strategies_page_equals_kernel(lab, lab_page, browser, s
     _smollm2()
     _run_lab(lab, lab_page, shots, "truth_lab_smollm2",
              'import kvexplore\nex = kvexplore.Explorer("smollm2-135m", strategies=("preallocated", "concat"), '
-             'max_seq_len=96)\nex')
+             'max_seq_len=96)\nex', every=False)  # the page-wide operations on SmolLM2: in Voila (below)
 
 
 @pytest.mark.parametrize("model, strategies", [
-    pytest.param("tiny", ("preallocated", "concat", "quantized"), id="tiny"),
+    pytest.param("tiny", None, id="tiny"),  # the app's own lanes, as `kvexplore app` starts
     pytest.param("smollm2-135m", ("preallocated", "concat"), id="smollm2", marks=pytest.mark.smollm2)])
 def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shots):
+    """``kvexplore app`` in Voila shows the explorer and no code, and the page equals the kernel after every kind of
+    operation."""
+    from playwright.sync_api import expect
+
     require_browser("voila", "ipywidgets", "plotly", "anywidget")
     if model != "tiny":
         _smollm2()
@@ -291,12 +295,25 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
             page.set_viewport_size(VIEWPORT)
             t0 = time.monotonic()
             open_voila_app(page, server, timeout_s=150)
+            _shows_no_code(page)
             done = _session(page, False, shots, name, timings, t0)
+            expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
         finally:
             page.close()
     save_timings(shots, name, timings)
     assert len(done) >= 20, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+
+
+def _shows_no_code(page) -> None:
+    """The Voila page shows neither the app notebook's code nor an error stream."""
+    from playwright.sync_api import expect
+
+    expect(page.locator("body")).not_to_contain_text("KVEXPLORE_APP_MODEL")  # the code cell's text
+    code = page.locator(".jp-CodeCell .jp-InputArea, .jp-CodeMirrorEditor, .jp-CodeCell .jp-InputPrompt")
+    shown = [c.evaluate("e => e.className + ': ' + e.textContent.slice(0, 80)") for c in code.all() if c.is_visible()]
+    assert not shown, f"Voila shows code: {shown}"
+    expect(page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")).to_have_count(0)
 
 
 LONG_TOKENS = 2100  # the prompt of the long-context test: more than 2,048 tokens of the project's docs
