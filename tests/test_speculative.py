@@ -30,6 +30,19 @@ def drafters(zoo, name):
     return {"prompt-lookup": "prompt-lookup", "self:1": "self:1", "model": draft_model(zoo, name)}
 
 
+def crossed_drafters(zoo, name: str, kind: str) -> dict:
+    """The draft model on every architecture and cache kind, and prompt lookup or self-drafting in turn (a Latin
+    square over the architectures and kinds): every architecture meets both on some kinds and every kind on some
+    architectures, at three runs a pair instead of four. On the pre-allocated cache prompt lookup runs on every
+    architecture whose prompt lookup gets acceptances (asserted), self-drafting on the other."""
+    out = drafters(zoo, name)
+    lookup = (list(ARCHS).index(name) + list(KINDS).index(kind)) % 2 == 0
+    if kind == "preallocated":
+        lookup = name not in LOOKUP_MISSES
+    del out["self:1" if lookup else "prompt-lookup"]
+    return out
+
+
 def expected_take_backs(name: str, kind: str) -> set[str]:
     """The ways of taking drafts back that a run of ``N`` tokens must show for ``kind`` on ``name``."""
     if kind == "none":
@@ -55,7 +68,7 @@ def test_greedy_drafting_gives_plain_greedy_tokens(zoo, name, kind):
     prompt = lookup_prompt(zoo, name, N)
     plain = greedy(model, make(model, kind), prompt, N)
     seen, runs = set(), {}
-    for label, draft in drafters(zoo, name).items():
+    for label, draft in crossed_drafters(zoo, name, kind).items():
         gen = greedy(model, make(model, kind), prompt, N, draft=draft, draft_tokens=4)
         spec = gen.speculation
         assert gen.tokens == plain.tokens, (label, gen.generated_tokens, plain.generated_tokens)
@@ -73,7 +86,7 @@ def test_greedy_drafting_gives_plain_greedy_tokens(zoo, name, kind):
     # the draft model gets drafts accepted and rejected; so does prompt lookup where the tokens are plain decoding's
     # with every position held exactly (the prompt was chosen on the pre-allocated cache's tokens)
     assert runs["model"].accepted > 0
-    if kind in EXACT and name not in LOOKUP_MISSES:
+    if kind in EXACT and name not in LOOKUP_MISSES and "prompt-lookup" in runs:
         assert runs["prompt-lookup"].accepted > 0
     assert expected_take_backs(name, kind) <= seen, seen
 
