@@ -149,16 +149,62 @@ def test_only_a_missing_notebook_module_becomes_the_install_hint():
     assert missing_extra("kvexplore.Explorer", ImportError("cannot import name 'x' from 'plotly'", name="plotly")) is None
 
 
+def _distributions(name: str, seen: dict | None = None) -> dict:
+    """``name``'s installed distribution and those it requires (in this environment), by name."""
+    import importlib.metadata as metadata
+
+    from packaging.markers import Marker
+
+    seen = {} if seen is None else seen
+    dist = metadata.distribution(name)
+    key = dist.metadata["Name"].lower()
+    if key not in seen:
+        seen[key] = dist
+        for requirement in dist.requires or []:
+            marker = requirement.split(";", 1)[1] if ";" in requirement else None
+            if marker is None or Marker(marker).evaluate():
+                _distributions(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0], seen)
+    return seen
+
+
+def share_torch(venv: Path) -> list[str]:
+    """Make this environment's torch and the distributions it requires (nothing else) importable in ``venv``: a
+    folder of links to them, on the venv's path through a ``.pth`` file. pip then sees torch installed, as after the
+    README's ``pip install torch==2.13.0``, without copying its 700 MB again (a minute of the suite's time)."""
+    shared = venv / "torch-shared"
+    shared.mkdir()
+    names = []
+    for key, dist in _distributions("torch").items():
+        if key in ("setuptools", "pip"):  # the venv has its own
+            continue
+        for top in sorted({Path(str(f)).parts[0] for f in dist.files or ()} - {"..", "__pycache__"}):
+            source = Path(str(dist.locate_file(top)))
+            if source.exists() and not (shared / top).exists():
+                (shared / top).symlink_to(source)
+                names.append(top)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (site / "torch-shared.pth").write_text(str(shared) + "\n")
+    return names
+
+
 @pytest.fixture(scope="module")
 def base_venv(tmp_path_factory):
     """A fresh virtual environment with the base requirements only: the pip ``python3 -m venv`` ships, torch 2.13.0
-    first (as the README says), then ``pip install -e <repo>`` (no extra)."""
+    first (as the README says: this environment's, shared by :func:`share_torch`, with only what torch requires),
+    then ``pip install -e <repo>`` (no extra)."""
+    import torch
+
     venv = tmp_path_factory.mktemp("base") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]  # no .pyc: a third faster
-    for args in (["torch==2.13.0"], ["-e", str(REPO)]):
-        done = subprocess.run(pip + args, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"pip install {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert torch.__version__.startswith("2.13.0") and "anywidget" not in " ".join(share_torch(venv))
+    python = str(venv / "bin" / "python")
+    found = subprocess.run([python, "-m", "pip", "show", "torch"], capture_output=True, text=True)
+    assert "Version: 2.13.0" in found.stdout, found.stdout + found.stderr  # pip sees it installed
+    done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", "-e", str(REPO)],
+                          capture_output=True, text=True, timeout=900)  # no .pyc: a third faster
+    assert done.returncode == 0, f"pip install -e failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    assert not (site / "torch").exists()  # pip kept the shared torch (it did not install another)
     return venv
 
 
