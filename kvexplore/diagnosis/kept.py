@@ -73,7 +73,7 @@ class KeptPasses(KVPasses):
                          max_seq_len=n)
         start = 0
         for length, kept in [(length, kept) for length, kept in self.history if length < n]:
-            self.model(torch.tensor([ids[start:length]]), ref, start)
+            self.model(torch.tensor([ids[start:length]]), ref, start, last_only=True)  # its logits go unread
             impose(ref, kept, self.model.rotary)
             start = length
         probe = _Probe(self.num_layers)
