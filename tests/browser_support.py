@@ -348,7 +348,13 @@ def tall_screenshot(page, path, scroller: str | None = None, element=None, max_h
                     parts: dict | None = None) -> None:
     """A screenshot of the whole content (or of ``element``), also when it scrolls inside an element (JupyterLab's
     notebook panel, Voila's page): the viewport is made as tall as the scrolled content for the shot, then restored.
-    ``parts`` (path -> locator): more element screenshots taken in the same tall viewport."""
+    ``parts`` (path -> locator): more element screenshots taken in the same tall viewport.
+
+    Only when someone will look at them (``$KVX_SCREENSHOTS`` set): a viewport as tall as a notebook makes every
+    plotly figure in it lay out again, seconds a shot on a busy machine. Otherwise the shot is of the screen as it is
+    (``element`` and ``parts`` still shot), which is what a failing test leaves to look at."""
+    if not os.environ.get("KVX_SCREENSHOTS"):
+        max_height = 0
     size = page.viewport_size
     extra = page.evaluate("""(sel) => { const els = sel ? [...document.querySelectorAll(sel)] : [];
         els.push(document.scrollingElement || document.documentElement);
@@ -359,7 +365,7 @@ def tall_screenshot(page, path, scroller: str | None = None, element=None, max_h
             page.set_viewport_size({"width": size["width"], "height": height})
             page.wait_for_function("() => new Promise(r => requestAnimationFrame(() => r(true)))")
         if element is None:
-            page.screenshot(path=str(path), full_page=True)
+            page.screenshot(path=str(path), full_page=bool(max_height))
         else:
             element.scroll_into_view_if_needed()
             element.screenshot(path=str(path))

@@ -49,6 +49,11 @@ def pytest_configure(config):
     # pytest's cache folder so that a second run reuses the compiled kernels too; a cache set by the caller wins
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and getattr(config, "cache", None) is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config.cache.mkdir("inductor"))
+    # the suite starts dozens of Python processes (workers, kernels, servers, subprocesses): let the first that imports
+    # kvexplore and the tests write their bytecode, so that the others do not compile them again (a machine-wide
+    # PYTHONDONTWRITEBYTECODE=1 costs each of them about a second)
+    if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+        sys.dont_write_bytecode = False
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: two workers already
         # keep both cores busy, and a second thread each would only contend with the other worker
