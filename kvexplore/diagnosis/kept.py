@@ -67,24 +67,42 @@ class KeptPasses(KVPasses):
 
     def reference(self, ids: list[int]) -> Pass:
         n = len(ids)
-        cache = self.cache
-        ref = EvictCache(self.model.config, press=cache.press, compression_ratio=0.0,
-                         positions=cache.position_mode, storage="mask", dtype=cache.dtype, device=cache.device,
-                         max_seq_len=n)
-        start = 0
-        for length, kept in [(length, kept) for length, kept in self.history if length < n]:
-            self.model(torch.tensor([ids[start:length]]), ref, start, last_only=True)  # its logits go unread
-            impose(ref, kept, self.model.rotary)
-            start = length
+        segments = [(length, kept) for length, kept in self.history if length < n]
+        start = segments[-1][0] if segments else 0
+        ref = self._pressed_base(ids, segments, n)
         probe = _Probe(self.num_layers)
-        logits = self.model(torch.tensor([ids[start:]]), ref, start, tracer=probe, last_only=True)[0, -1]
-        layers = []
-        for i, spec in enumerate(self.plan):
-            lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i))
-            if i in probe.read:
-                lp.keys, lp.positions = probe.read[i], ref.read_positions(i)  # a ring reads its window
-            layers.append(lp)
-        return land(logits, layers)
+        logits = self.model(torch.tensor([ids[start:]]), ref, start, tracer=probe, last_only=True,
+                            keep_undo=True)[0, -1]
+        try:
+            layers = []
+            for i, spec in enumerate(self.plan):
+                lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i))
+                if i in probe.read:
+                    lp.keys, lp.positions = probe.read[i], ref.read_positions(i)  # a ring reads its window
+                layers.append(lp)
+            return land(logits, layers)  # copies: the rollback below cannot change them
+        finally:
+            ref.rollback()  # back to the last press, where the next step's reference starts again
+
+    def _pressed_base(self, ids: list[int], segments: list, n: int) -> EvictCache:
+        """The reference cache fed up to the last press before ``n`` (one forward per segment between presses, the
+        recorded kept sets imposed at each press's length), kept from step to step while the presses and the tokens
+        before the last one stay the same: a step feeds only what follows the last press, then rolls it back."""
+        key = (len(segments), tuple(ids[:segments[-1][0]]) if segments else ())
+        base = getattr(self, "_base", None)
+        if base is not None and self._base_key == key and base.capacity >= n:
+            return base
+        cache = self.cache
+        base = EvictCache(self.model.config, press=cache.press, compression_ratio=0.0,
+                          positions=cache.position_mode, storage="mask", dtype=cache.dtype, device=cache.device,
+                          max_seq_len=max(2 * n, cache.capacity or 0))  # room for the steps to come
+        start = 0
+        for length, kept in segments:
+            self.model(torch.tensor([ids[start:length]]), base, start, last_only=True)  # its logits go unread
+            impose(base, kept, self.model.rotary)
+            start = length
+        self._base, self._base_key = base, key
+        return base
 
     def explain(self, first: Departure, got: Pass, ref: Pass, tol: float) -> str | None:
         """A hint of its own for a pressed layer's keys (see :func:`rotation_hint`), else None."""
