@@ -100,6 +100,34 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The machine's pace beside the run's times: these machines are shared and their speed drifts by a third within
+    an hour, so a wall time means little alone. One torch thread, the packaged tiny model, 100 decode steps on a
+    pre-allocated cache (the suite's typical work), the best of three; compare runs by this figure too
+    (docs/testing.md lists runs with theirs)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or config.getoption("collectonly"):
+        return
+    import time
+
+    import kvexplore
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = kvexplore.load("tiny")
+        best = float("inf")
+        for _ in range(3):
+            gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, max_seq_len=256))
+            gen.prefill("Call me Ishmael.")
+            t0 = time.perf_counter()
+            gen.run(100, stop_at_eos=False)
+            best = min(best, (time.perf_counter() - t0) / 100)
+    finally:
+        torch.set_num_threads(threads)
+    terminalreporter.write_line(f"machine pace: {best * 1e3:.2f} ms per decode step of the packaged tiny model (one "
+                                f"thread, best of 3 x 100 steps): compare wall times of runs at the same pace")
+
+
 _PYTHON = sys.executable  # the real interpreter: a test that swaps it in kvexplore's store runs a fake pip
 
 
