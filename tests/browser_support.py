@@ -353,19 +353,19 @@ def tall_screenshot(page, path, scroller: str | None = None, element=None, max_h
     Only when someone will look at them (``$KVX_SCREENSHOTS`` set): a viewport as tall as a notebook makes every
     plotly figure in it lay out again, seconds a shot on a busy machine. Otherwise the shot is of the screen as it is
     (``element`` and ``parts`` still shot), which is what a failing test leaves to look at."""
-    if not os.environ.get("KVX_SCREENSHOTS"):
-        max_height = 0
+    tall = bool(os.environ.get("KVX_SCREENSHOTS"))
     size = page.viewport_size
-    extra = page.evaluate("""(sel) => { const els = sel ? [...document.querySelectorAll(sel)] : [];
-        els.push(document.scrollingElement || document.documentElement);
-        return Math.max(0, ...els.map(e => e.scrollHeight - e.clientHeight)); }""", scroller)
-    height = min(size["height"] + extra, max_height)
     try:
-        if height > size["height"]:
-            page.set_viewport_size({"width": size["width"], "height": height})
-            page.wait_for_function("() => new Promise(r => requestAnimationFrame(() => r(true)))")
+        if tall:
+            extra = page.evaluate("""(sel) => { const els = sel ? [...document.querySelectorAll(sel)] : [];
+                els.push(document.scrollingElement || document.documentElement);
+                return Math.max(0, ...els.map(e => e.scrollHeight - e.clientHeight)); }""", scroller)
+            height = min(size["height"] + extra, max_height)
+            if height > size["height"]:
+                page.set_viewport_size({"width": size["width"], "height": height})
+                page.wait_for_function("() => new Promise(r => requestAnimationFrame(() => r(true)))")
         if element is None:
-            page.screenshot(path=str(path), full_page=bool(max_height))
+            page.screenshot(path=str(path), full_page=tall)
         else:
             element.scroll_into_view_if_needed()
             element.screenshot(path=str(path))

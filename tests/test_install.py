@@ -167,6 +167,11 @@ def _distributions(name: str, seen: dict | None = None) -> dict:
     return seen
 
 
+def site_packages(venv: Path) -> Path:
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    return site
+
+
 def share_torch(venv: Path) -> list[str]:
     """Make this environment's torch and the distributions it requires (nothing else) importable in ``venv``: a
     folder of links to them, on the venv's path through a ``.pth`` file. pip then sees torch installed, as after the
@@ -182,8 +187,7 @@ def share_torch(venv: Path) -> list[str]:
             if source.exists() and not (shared / top).exists():
                 (shared / top).symlink_to(source)
                 names.append(top)
-    (site,) = (venv / "lib").glob("python3*/site-packages")
-    (site / "torch-shared.pth").write_text(str(shared) + "\n")
+    (site_packages(venv) / "torch-shared.pth").write_text(str(shared) + "\n")
     return names
 
 
@@ -203,8 +207,7 @@ def base_venv(tmp_path_factory):
     done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", "-e", str(REPO)],
                           capture_output=True, text=True, timeout=900)  # no .pyc: a third faster
     assert done.returncode == 0, f"pip install -e failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-    (site,) = (venv / "lib").glob("python3*/site-packages")
-    assert not (site / "torch").exists()  # pip kept the shared torch (it did not install another)
+    assert not (site_packages(venv) / "torch").exists()  # pip kept the shared torch (it did not install another)
     return venv
 
 

@@ -52,6 +52,8 @@ class KeptPasses(KVPasses):
         self.history: list[tuple[int, dict[int, list[list[int]]]]] = []  # (length, layer -> kept per head)
         self.declared: dict[int, list[list[int]]] = {}  # layer -> rope positions the cache declares, per head
         self._events = len(cache.press_events)
+        self._base: EvictCache | None = None  # the reference fed up to the last press (see _pressed_base)
+        self._base_key: tuple | None = None
 
     def probe(self) -> "_SlotProbe":
         return _SlotProbe(self.num_layers, self.cache)
@@ -89,7 +91,7 @@ class KeptPasses(KVPasses):
         recorded kept sets imposed at each press's length), kept from step to step while the presses and the tokens
         before the last one stay the same: a step feeds only what follows the last press, then rolls it back."""
         key = (len(segments), tuple(ids[:segments[-1][0]]) if segments else ())
-        base = getattr(self, "_base", None)
+        base = self._base
         if base is not None and self._base_key == key and base.capacity >= n:
             return base
         cache = self.cache
