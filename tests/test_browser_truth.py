@@ -298,11 +298,45 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
             _shows_no_code(page)
             done = _session(page, False, shots, name, timings, t0)
             expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
+            if model == "tiny":
+                done += _pasted_chapter(page, page.locator(".kvx-explorer").first, shots, name)
         finally:
             page.close()
     save_timings(shots, name, timings)
     assert len(done) >= 20, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
+
+
+def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
+    """A teacher pastes a chapter longer than the app's 128 slots and the tiny model's 1,024 positions: the page says
+    how to shorten it (the explorer as it was); then 900 tokens of it: the caches grow and the page equals the
+    kernel; the token strip shows the newest token after Prefill and after Step."""
+    import kvexplore
+
+    text = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
+    tok = kvexplore.load("tiny").tokenizer
+    done = []
+    check, click = _checks(page, explorer, False, done, pause_ms=300)
+    _set(explorer, "prompt", text)
+    page.wait_for_timeout(1000)  # a person pastes, then looks for the button
+    explorer.locator(".kvx-prefill").first.click()
+    _idle(page, explorer)
+    state = _agree(page, explorer, False, "the chapter")
+    assert "shorten the prompt to fewer than 1,024 tokens" in state["error"], state["error"]
+    done.append("a chapter beyond the context: refused on the page")
+    _set(explorer, "prompt", tok.decode(tok.encode(text)[:900]))
+    page.wait_for_timeout(1000)
+    click("prefill", "prefill 900 tokens")
+    assert "the caches grew from 128 to 1,024 slots" in explorer.locator(".kvx-status").first.inner_text()
+    for label in ("after prefill", "after step"):
+        if label == "after step":
+            click("step", "step after 900 tokens")
+        strip = explorer.locator(".kvx-tokens .kvx-strip").first.bounding_box()
+        last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
+        assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
+            f"{label}: the newest token is outside the strip's box: {last} in {strip}"
+    page.screenshot(path=str(shots / f"{name}_900_tokens_1280x800.png"))
+    return done
 
 
 def _shows_no_code(page) -> None:

@@ -146,15 +146,15 @@ def test_app_serves_the_explorer_notebook_with_voila_on_loopback(no_exec, monkey
     assert Path(argv[3]).name == "app.ipynb" and Path(argv[3]).parent.name == "explorer"
     assert "--Voila.ip=127.0.0.1" in argv and "--port=8866" in argv and "--no-browser" in argv
     assert env["KVEXPLORE_APP_MODEL"] == "tiny" and "KVEXPLORE_APP_STRATEGIES" not in env
-    assert env["KVEXPLORE_APP_PROMPT"] == "Call me Ishmael."
+    assert env["KVEXPLORE_APP_PROMPT"] == "Call me Ishmael." and env["KVEXPLORE_APP_MAX_SEQ_LEN"] == "128"
 
 
 def test_app_passes_model_and_strategies_to_the_notebook(no_exec):
-    assert cli.main(["app", "--model", "smollm2-135m", "--strategies", "paged, sink", "--prompt", "", "--",
-                     "--VoilaConfiguration.show_tracebacks=True"]) == 0
+    assert cli.main(["app", "--model", "smollm2-135m", "--strategies", "paged, sink", "--prompt", "",
+                     "--max-seq-len", "4096", "--", "--VoilaConfiguration.show_tracebacks=True"]) == 0
     (argv, env), = no_exec
     assert env["KVEXPLORE_APP_MODEL"] == "smollm2-135m" and env["KVEXPLORE_APP_STRATEGIES"] == "paged,sink"
-    assert env["KVEXPLORE_APP_PROMPT"] == ""
+    assert env["KVEXPLORE_APP_PROMPT"] == "" and env["KVEXPLORE_APP_MAX_SEQ_LEN"] == "4096"
     assert argv[-1] == "--VoilaConfiguration.show_tracebacks=True" and "--no-browser" not in argv
     assert not any(a.startswith("--port") for a in argv)
 
@@ -162,6 +162,7 @@ def test_app_passes_model_and_strategies_to_the_notebook(no_exec):
 @pytest.mark.parametrize("argv, message", [
     (["app", "--strategies", "preallocated,bogus"], "unknown cache strategy 'bogus'; available: preallocated"),
     (["app", "--strategies", ","], "unknown cache strategy"),
+    (["app", "--max-seq-len", "0"], "argument --max-seq-len: must be a positive integer, got 0"),
     (["lab", "--port", "70000"], "must be a port number"),
     (["lab", "--port", "x"], "invalid _port value"),
     (["generate", "x", "--prompt", "p", "--bogus"], "unrecognized arguments: --bogus"),
@@ -191,8 +192,17 @@ def test_app_notebook_is_committed_clean_and_reads_the_environment():
     code = nb["cells"][1]
     assert not code["outputs"] and code["execution_count"] is None and "widgets" not in nb["metadata"]
     source = "".join(code["source"])
-    for name in ("KVEXPLORE_APP_MODEL", "KVEXPLORE_APP_STRATEGIES", "KVEXPLORE_APP_PROMPT", "Explorer("):
-        assert name in source
+    assert "from kvexplore.explorer.app_page import app_explorer" in source and "app_explorer()" in source
+    # what the page reads is what the command line writes
+    from kvexplore.explorer import app_page
+
+    env = launch.app_environment("smollm2-135m", ("paged", "sink"), "Hello", base={}, max_seq_len=512)
+    assert {k: env[k] for k in app_page.ENV} == {"KVEXPLORE_APP_MODEL": "smollm2-135m",
+                                                  "KVEXPLORE_APP_STRATEGIES": "paged,sink",
+                                                  "KVEXPLORE_APP_PROMPT": "Hello", "KVEXPLORE_APP_MAX_SEQ_LEN": "512"}
+    assert app_page.settings(env) == {"source": "smollm2-135m", "strategies": ("paged", "sink"), "max_seq_len": 512,
+                                      "strategy_options": {"paged": {"block_size": 8}}}
+    assert app_page.settings({})["strategies"] == ("preallocated", "concat", "paged")
 
 
 def test_every_package_folder_is_listed_in_pyproject():

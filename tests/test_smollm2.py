@@ -105,3 +105,20 @@ def test_second_load_reads_the_converted_folder(smollm2):
     again = kvexplore.load("smollm2-135m")
     assert time.perf_counter() - start < 30  # no conversion (a few seconds at most on a quiet machine)
     assert torch.equal(again.model.layers[3].self_attn.q_proj.weight, smollm2.model.layers[3].self_attn.q_proj.weight)
+
+
+def test_the_app_prefills_and_steps_a_pasted_chapter(smollm2):
+    """``kvexplore app --model smollm2-135m --prompt <chapter 4>``: the page's caches (128 slots asked) grow to hold
+    the 2,148-token chapter and step on (it was refused with CacheFullError, which the page could not act on)."""
+    from kvexplore.explorer import app_page
+
+    text = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
+    ex = app_page.app_explorer({"KVEXPLORE_APP_MODEL": "smollm2-135m", "KVEXPLORE_APP_PROMPT": text,
+                                "KVEXPLORE_APP_STRATEGIES": "paged"})  # one lane: a traced 2k prefill is slow
+    assert isinstance(ex, kvexplore.Explorer) and ex.error == ""
+    n = len(ex.session.prompt_tokens)
+    assert n > 2000 and ex.session.max_seq_len == -(-(n + 128) // 64) * 64
+    ex.step()
+    assert len(ex.session.tokens) == n + 2 and ex.error == ""
+    assert ex.lanes["paged"].cache.capacity == ex.session.max_seq_len
+    assert f"to hold the {n:,}-token prompt" in ex.controls["status"].value

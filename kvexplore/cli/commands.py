@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"cache strategies to compare, comma-separated (default: preallocated,concat,paged), from: {', '.join(STRATEGIES)}")
     app.add_argument("--prompt", default="Call me Ishmael.", help="the prompt prefilled when the page opens "
                                                                   "(empty: none)")
+    app.add_argument("--max-seq-len", type=_positive, default=128, metavar="N",
+                     help="slots of each cache (default: 128); a longer prompt grows them to fit, up to the model's "
+                          "context")
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     kv_events.add_parser(sub, _Parser)
@@ -298,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .launch import app
 
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
-                       extra=args.extra, prompt=args.prompt)
+                       extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len)
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -6,8 +6,9 @@ user already has, edited or not, is never overwritten, and the installed package
 itself with ``python -m jupyterlab`` on that folder, run by this same interpreter, so the kernel can import kvexplore.
 
 ``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
-strategies and the first prompt to the notebook in the environment variables ``KVEXPLORE_APP_MODEL``,
-``KVEXPLORE_APP_STRATEGIES`` and ``KVEXPLORE_APP_PROMPT``. It renders the page with kvexplore's own Voila template,
+strategies, the caches' size and the first prompt to the notebook in the environment variables
+``KVEXPLORE_APP_MODEL``, ``KVEXPLORE_APP_STRATEGIES``, ``KVEXPLORE_APP_MAX_SEQ_LEN`` and ``KVEXPLORE_APP_PROMPT``
+(read by :mod:`kvexplore.explorer.app_page`, which shows every error on the page). It renders the page with kvexplore's own Voila template,
 ``kvexplore`` (``kvexplore/explorer/voila/``, a Jupyter data folder put first on ``JUPYTER_PATH``): Voila's ``lab``
 template without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that
 leaves 127.0.0.1 (Voila's own static bundle already carries Font Awesome).
@@ -30,15 +31,15 @@ except ImportError:  # Python 3.10
     from importlib.abc import Traversable
 
 from ..errors import NOTEBOOK_INSTALL, KVExploreError
+from ..explorer import app_page
 
 DEFAULT_DIR = Path("~") / "kvexplore-notebooks"
 INSTALL_HINT = NOTEBOOK_INSTALL  # works next to an editable install from a checkout too (pip keeps it, adds the extra)
 #: what the notebooks and the explorer page import, besides JupyterLab or Voila: (module, name to show)
 WIDGET_LIBRARIES = (("ipywidgets", "ipywidgets"), ("plotly", "plotly"), ("anywidget", "anywidget"))
-APP_MODEL_ENV = "KVEXPLORE_APP_MODEL"
-APP_STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
-APP_PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
-APP_PROMPT = "Call me Ishmael."
+APP_MODEL_ENV, APP_STRATEGIES_ENV, APP_PROMPT_ENV, APP_MAX_SEQ_LEN_ENV = (
+    app_page.MODEL_ENV, app_page.STRATEGIES_ENV, app_page.PROMPT_ENV, app_page.MAX_SEQ_LEN_ENV)
+APP_PROMPT, APP_MAX_SEQ_LEN = app_page.PROMPT, app_page.MAX_SEQ_LEN
 APP_TEMPLATE = "kvexplore"  # kvexplore/explorer/voila/voila/templates/kvexplore: conf.json + index.html.j2
 
 
@@ -197,8 +198,9 @@ def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_br
 
 
 def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = APP_PROMPT,
-                    base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for Voila and its kernel: the model, strategies and prompt the app notebook reads, and
+                    base: dict[str, str] | None = None, max_seq_len: int = APP_MAX_SEQ_LEN) -> dict[str, str]:
+    """The environment for Voila and its kernel: the model, strategies, caches' size and prompt the app notebook
+    reads, and
     ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after it), where Voila
     finds the template of :func:`app_command`."""
     env = dict(os.environ if base is None else base)
@@ -207,6 +209,7 @@ def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = 
     env["JUPYTER_PATH"] = os.pathsep.join([data, *others])
     env[APP_MODEL_ENV] = model
     env[APP_PROMPT_ENV] = prompt
+    env[APP_MAX_SEQ_LEN_ENV] = str(max_seq_len)
     if strategies:
         env[APP_STRATEGIES_ENV] = ",".join(strategies)
     else:
@@ -233,9 +236,10 @@ def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, n
 
 
 def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int | None = None,
-        no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT) -> int:
+        no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT,
+        max_seq_len: int = APP_MAX_SEQ_LEN) -> int:
     """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden)."""
     _require("app", ("voila", "Voila"), *WIDGET_LIBRARIES)
     with resources.as_file(app_notebook()) as nb:
         return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
-                                env=app_environment(model, strategies, prompt))
+                                env=app_environment(model, strategies, prompt, max_seq_len=max_seq_len))

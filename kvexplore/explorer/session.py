@@ -26,6 +26,7 @@ from ..runtime.sampling import SamplingSettings
 from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind, split_options
 from . import aligned, checkup
 from .probe import LaneTracer
+from .fit import growth_note, slots_for
 from . import timing
 from ..errors import SettingsError, StateError
 
@@ -102,7 +103,8 @@ class Session:
     def __init__(self, model: Model, strategies: Sequence[str] = ("preallocated",), max_seq_len: int = 256,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  top_candidates: int = 5, strategy_options: dict[str, dict[str, Any]] | None = None,
-                 follow_reference: bool = True, generator: Generator | None = None, hf: Any = None) -> None:
+                 follow_reference: bool = True, generator: Generator | None = None, hf: Any = None,
+                 grow: bool = True) -> None:
         strategies = list(strategies)
         if not strategies:
             raise SettingsError("give at least one strategy, e.g. strategies=('preallocated',)")
@@ -115,7 +117,10 @@ class Session:
             raise SettingsError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
         self.model = model  # a kvexplore Model, or (transformers lanes only) the HFModel
         self.hf = hf  # the transformers model the hf:... lanes run (kvexplore.hf.HFModel), if any
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = max_seq_len  # the caches' size now (grown for a long prompt, see .fit)
+        self.asked_seq_len = max_seq_len  # the size asked for: a prefill that fits in it uses it
+        self.grow = grow  # False: a prompt that does not fit is refused by the caches (CacheFullError)
+        self.grew = ""  # what the last prefill's growth was, in words ("" when the caches kept the size asked)
         self.strategies = strategies
         self.options = options
         self.seed = seed
@@ -160,11 +165,12 @@ class Session:
         c = self.model.config
         return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)), attention)
 
-    def _new_lane(self, strategy: str, follows: bool) -> Lane:
-        """A fresh lane of ``strategy``, built by its lane kind (:mod:`.lanes`)."""
+    def _new_lane(self, strategy: str, follows: bool, slots: int | None = None) -> Lane:
+        """A fresh lane of ``strategy``, built by its lane kind (:mod:`.lanes`), its cache ``slots`` long (default:
+        the session's size)."""
         kind = lane_kind(strategy, self.hf)
-        spec = LaneSpec(self.model, self.hf, self.max_seq_len, self.options.get(strategy, {}), self.sampling,
-                        self.seed, self.top_candidates)
+        spec = LaneSpec(self.model, self.hf, slots or self.max_seq_len, self.options.get(strategy, {}),
+                        self.sampling, self.seed, self.top_candidates)
         tracer = self._tracer(attention=kind.records_attention)
         generator = kind.build(strategy, spec, tracer)
         # a lane that drafts runs free (a forced step would be a plain step): see .aligned
@@ -195,11 +201,12 @@ class Session:
             if tok is None or not tok.chat_template:
                 raise SettingsError("this model has no chat template: untick chat and give plain text")
             prompt = tok.encode_chat([{"role": "user", "content": str(prompt)}])
+        slots, grew = self._slots_for(prompt)
         fresh: dict[str, Lane] = {}
         for name, lane in self.lanes.items():
             if lane.is_fork:
                 continue  # forks end with the sequence they forked from
-            new = self._new_lane(lane.kind, lane.follows)
+            new = self._new_lane(lane.kind, lane.follows, slots)
             ref = next(iter(fresh.values()), None)
             force = ref.history[0].token_id if (ref is not None and new.follows) else None
             new.generator.prefill(prompt, force=force)
@@ -208,10 +215,20 @@ class Session:
             self._trace_options(new)
             fresh[name] = new
         self.lanes = fresh
+        self.max_seq_len, self.grew = slots, grew
         self._forks = {}
         self._compare_last()
         self.last_op = "prefill"
         self._active = time.perf_counter()
+
+    def _slots_for(self, prompt: str | Sequence[int]) -> tuple[int, str]:
+        """The caches' size for ``prompt`` and the note saying they grew (:mod:`.fit`); checks the prompt."""
+        generator = self.reference.generator
+        n = len(generator.prompt_ids(prompt))
+        if not self.grow:
+            return self.asked_seq_len, ""
+        slots = slots_for(n, self.asked_seq_len, generator.executor.config.max_position_embeddings)
+        return slots, growth_note(n, self.asked_seq_len, slots)
 
     def step(self) -> dict[str, StepRecord]:
         """One token on every lane (with a lane that drafts: one verification on it and as many tokens on every

@@ -51,6 +51,10 @@ class Explorer(Screen):
     for :func:`~kvexplore.make_cache` (e.g. ``{"paged": {"block_size": 8}}``). ``prompt``: prefilled at once when
     given; otherwise the prompt box holds :data:`DEFAULT_PROMPT` and Step or Run prefill it first. ``view``: the view
     beside the cache map (one of :data:`~.registry.TABS`). ``presentation``: bigger fonts, fewer controls.
+    ``max_seq_len``: the slots of each cache; a prompt that does not leave one free grows them to the prompt and 128
+    more (up to the model's context, :mod:`.fit`), and the status line says so; ``grow=False`` keeps the size (a
+    longer prompt is then refused with :class:`~kvexplore.CacheFullError`). A strategy's own ``max_seq_len`` in
+    ``strategy_options`` is kept as it is.
     """
 
     def __init__(self, source: str | Path | Model | Generator = "tiny", tokenizer: Any = None,
@@ -59,7 +63,7 @@ class Explorer(Screen):
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, top_candidates: int = 5,
                  layer: int = 0, head: int = 0, strategy_options: dict[str, dict[str, Any]] | None = None,
                  follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
-                 view: str = "attention", presentation: bool = False) -> None:
+                 view: str = "attention", presentation: bool = False, grow: bool = True) -> None:
         if isinstance(tokenizer, (list, tuple)) and strategies is None:  # Explorer(source, strategies) still works
             tokenizer, strategies = None, tokenizer
         if view not in TABS:
@@ -71,7 +75,7 @@ class Explorer(Screen):
             temperature, top_k, top_p, seed = g.temperature, g.top_k, g.top_p, generator.seed
             top_candidates = generator.top_candidates
         self._lanes_args = dict(strategies=opened.strategies, max_seq_len=max_seq_len, top_candidates=top_candidates,
-                                strategy_options=strategy_options, follow_reference=follow_reference)
+                                strategy_options=strategy_options, follow_reference=follow_reference, grow=grow)
         self._device, self._dtype = device, dtype
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
@@ -246,7 +250,7 @@ class Explorer(Screen):
         lane = self.lane
         w = self.controls
         w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
-        w["status"].value = html.escape(status_line(lane))
+        w["status"].value = html.escape(status_line(lane, self.session.grew))
         snap = self.snapshot()
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap))
         for name in self.shown():

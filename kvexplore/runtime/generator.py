@@ -154,7 +154,7 @@ class Generator:
 
         Text is encoded with the model's tokenizer and gets a bos token when the model expects one.
         """
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         self._check_force(force)
         saved = self._rng.get_state()
         self._rng.manual_seed(self.seed)
@@ -384,7 +384,9 @@ class Generator:
         if force is not None and not 0 <= force < self.executor.config.vocab_size:
             raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.executor.config.vocab_size - 1})")
 
-    def _prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
+        """The token ids ``prompt`` prefills as (text through the tokenizer, with its bos token), checked against
+        the vocabulary; nothing runs."""
         return prompt_ids(prompt, self._tokenizer, self.executor.config.vocab_size)
 
     def _tokenizer(self):

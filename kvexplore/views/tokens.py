@@ -19,6 +19,7 @@ STYLE = """<style>
 .kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
 .kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
 .kvx-presenting .kvx-strip {font-size: 18px;}
+.kvx-strip.kvx-follow {display: flex; flex-direction: column-reverse;}
 </style>"""
 
 
@@ -68,10 +69,12 @@ def strip_html(prompt_texts: Sequence[str] | str, records: Sequence[StepRecord] 
                earlier: int = 0) -> str:
     """The whole strip: the prompt (texts, or :func:`prompt_spans` already made), then one span per record (or the
     spans already made with :func:`token_span`); ``earlier``: how many tokens before these are left out (a long
-    sequence shows its newest tokens only), said first."""
+    sequence shows its newest tokens only), said first. The box follows its end: the newest token is in view."""
     head = prompt_texts if isinstance(prompt_texts, str) else prompt_spans(prompt_texts)
     n = len(records)
     spans = [r if isinstance(r, str) else token_span(r, last=i == n - 1) for i, r in enumerate(records)]
     more = (f'<span class="kvx-more" style="color:#777">… {earlier:,} earlier tokens (the cache map\'s token rows '
             f'name them) · </span>') if earlier else ""
-    return f'{STYLE}<div class="kvx-strip">{more}{head}{"".join(spans)}</div>'
+    # the box scrolls from its end (a column-reverse flex box starts scrolled to its last line): the newest token
+    # shows, whatever the length, and a teacher can scroll back
+    return f'{STYLE}<div class="kvx-strip kvx-follow"><div>{more}{head}{"".join(spans)}</div></div>'
