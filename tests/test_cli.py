@@ -39,6 +39,33 @@ def test_generate_without_a_cache(source, capsys):
     assert "cache none: 0.00 MiB reserved" in capsys.readouterr().out
 
 
+def _generate(source, capsys, *options, n=40):
+    assert main(["generate", source, "--prompt", "Call me Ishmael.", "--max-new-tokens", str(n), "--no-stop",
+                 *options]) == 0
+    return capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[-1]
+
+
+def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
+    """--cache sink evicts with its defaults (4 sinks, a window of 28) and says so; a window that holds the run says
+    the run is exact; --cache quantized says when a run is too short to quantize anything, and what it quantized."""
+    model = kvexplore.load(source)
+    prompt = len(model.tokenizer.encode("Call me Ishmael.")) + model.tokenizer.add_bos
+    n = prompt + 39  # positions a 40-token run leaves in the cache
+    assert _generate(source, capsys, "--cache", "sink") == (
+        f"[sink cache: evicted {n - 32} positions, keeps the first 4 and the last 28]")
+    assert _generate(source, capsys, "--cache", "sink", "--sinks", "0", "--window", "100") == (
+        f"[sink cache: nothing evicted, the run is exact: its {n} positions fit in 0 sinks + a window of 100 (a "
+        f"smaller --window evicts sooner)]")
+    assert _generate(source, capsys, "--cache", "quantized") == (
+        f"[quantized cache: nothing quantized, the run is exact: a block of 32 positions is quantized once 32 newer "
+        f"ones follow it, the first at 64 positions, and this run has {n} (a smaller --residual or --group-size "
+        f"quantizes sooner)]")
+    q = (n - 4) // 8 * 8  # whole blocks of 8 with at least 4 newer positions after them
+    assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual",
+                     "4") == f"[quantized cache: positions 0..{q - 1} quantized to 4 bits, the last {n - q} kept in full precision]"
+    assert _generate(source, capsys, n=4).startswith("[4 tokens in")  # an exact cache says nothing more
+
+
 def test_cache_full_is_one_line(source, capsys):
     assert main(["generate", source, "--prompt", "Call me Ishmael.", "--max-new-tokens", "30", "--no-stop",
                  "--max-seq-len", "20"]) == 1
@@ -60,6 +87,12 @@ def exit_code(argv):
     (["generate", "{src}", "--prompt", "x", "--cache", "ring"], "argument --cache: invalid choice: 'ring'"),
     (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p must be > 0 and <= 1 (or None for no limit), got 2.0"),
     (["generate", "{src}"], "the following arguments are required: --prompt"),
+    (["generate", "{src}", "--prompt", "x", "--window", "8"], "--window is an option of --cache sink, not of --cache "
+                                                             "preallocated"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--residual", "8"], "--residual is an option of "
+                                                                                   "--cache quantized, not of --cache sink"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--bits", "3"], "argument --bits: invalid choice: 3"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"], "must be 0 or more, got -1"),
 ])
 def test_bad_arguments(source, capsys, argv, message):
     code = exit_code([a.replace("{src}", source) for a in argv])

@@ -6,9 +6,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ..caches.factory import STRATEGIES
-from ..errors import KVExploreError
+from ..errors import KVExploreError, SettingsError
 from . import kv_events
 
 
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", choices=list(STRATEGIES), default="preallocated")
     gen.add_argument("--max-seq-len", type=_positive, default=None,
                      help="cache slots (default: prompt + max new tokens)")
+    gen.add_argument("--sinks", type=_count, default=None, help="--cache sink: positions kept from the start (default 4)")
+    gen.add_argument("--window", type=_positive, default=None,
+                     help="--cache sink: the most recent positions kept (default 28: it evicts past 32 positions)")
+    gen.add_argument("--bits", type=int, choices=(4, 8), default=None, help="--cache quantized: bits per value (default 8)")
+    gen.add_argument("--group-size", type=_positive, default=None,
+                     help="--cache quantized: positions per quantized block (default 32)")
+    gen.add_argument("--residual", type=_count, default=None,
+                     help="--cache quantized: the newest positions kept in full precision (default 32)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -115,6 +124,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+#: generate's cache options, by the cache kind that takes them (argument name -> make_cache keyword)
+CACHE_OPTIONS = {"sink": {"sinks": "sinks", "window": "window"},
+                 "quantized": {"bits": "bits", "group_size": "group_size", "residual": "residual"}}
+SINK_WINDOW = 28  # generate's sink window when none is given: with 4 sinks, it evicts past 32 positions
+
+
+def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``make_cache`` options of ``--cache`` from generate's arguments; an option of another kind is refused."""
+    given = {name: getattr(args, name) for kind in CACHE_OPTIONS for name in CACHE_OPTIONS[kind]
+             if getattr(args, name) is not None}
+    theirs = CACHE_OPTIONS.get(args.cache, {})
+    wrong = [name for name in given if name not in theirs]
+    if wrong:
+        owner = next(kind for kind in CACHE_OPTIONS if wrong[0] in CACHE_OPTIONS[kind])
+        raise SettingsError(f"--{wrong[0].replace('_', '-')} is an option of --cache {owner}, not of --cache "
+                            f"{args.cache}")
+    options = {theirs[name]: value for name, value in given.items()}
+    if args.cache == "sink":
+        options.setdefault("window", SINK_WINDOW)
+    return options
+
+
+def _what_the_cache_did(cache: Any) -> str:
+    """A lossy cache's account of what it did to the run, or "" for an exact one: a run too short for it to evict or
+    quantize anything is said to be exact, with the option that changes it."""
+    if cache.kind == "sink":
+        if not cache.evicted_count:
+            return (f"sink cache: nothing evicted, the run is exact: its {cache.length} positions fit in "
+                    f"{cache.sinks} sinks + a window of {cache.window} (a smaller --window evicts sooner)")
+        return (f"sink cache: evicted {cache.evicted_count} positions, keeps the first {cache.sinks} and the last "
+                f"{cache.window}")
+    if cache.kind == "quantized":
+        if not cache.quantized_upto:
+            first = cache.residual + cache.group_size
+            return (f"quantized cache: nothing quantized, the run is exact: a block of {cache.group_size} positions "
+                    f"is quantized once {cache.residual} newer ones follow it, the first at {first} positions, and "
+                    f"this run has {cache.length} (a smaller --residual or --group-size quantizes sooner)")
+        return (f"quantized cache: positions 0..{cache.quantized_upto - 1} quantized to {cache.bits} bits, the last "
+                f"{cache.length - cache.quantized_upto} kept in full precision")
+    return ""
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -153,6 +211,7 @@ def _generate(args: argparse.Namespace) -> None:
     from ..trace.textview import LEGEND, step_view
     from ..caches.memory import kv_bytes
 
+    options = _cache_options(args)  # checked before the model loads
     model = load(args.source, dtype=args.dtype, device=args.device)
     if model.tokenizer is None:
         raise KVExploreError(f"{args.source} has no tokenizer (tokenizer.model or tokenizer.json); "
@@ -161,7 +220,7 @@ def _generate(args: argparse.Namespace) -> None:
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else None
     if ids is None:
         ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
-    cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens)
+    cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, **options)
     tracer = Tracer(capture={"cache", "attention", "qkv", "memory", "timing"}) if args.save_trace else None
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed, tracer=tracer, compile=args.compile)
@@ -209,6 +268,8 @@ def _generate(args: argparse.Namespace) -> None:
         f"{cache.reserved_bytes / mib:.2f} MiB reserved, {cache.used_bytes / mib:.2f} MiB used for "
         f"{cache.length} positions ({kv_bytes(model.config, 1, 1, model.dtype)} bytes per token)]\n"
     )
+    if note := _what_the_cache_did(cache):
+        out.write(f"[{note}]\n")
     if args.save_trace:
         out.write(f"trace saved to {gen.history.save(args.save_trace)}\n")
 
