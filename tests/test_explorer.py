@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -684,3 +685,27 @@ def test_the_explorer_loads_a_named_model_through_the_loader(monkeypatch, model)
     assert asked == [("tiny", "float32", None)] and ex.model is model
     opened = models.open_source(model)
     assert (opened.model, opened.hf, opened.generator, opened.strategies) == (model, None, None, ("preallocated",))
+
+
+def test_the_model_picker_names_the_running_model(trained, checkpoint):
+    """The picker said "tiny" whatever model ran (a SmolLM2 or Gemma 3 object, a folder): it names the running model,
+    and Load on it opens it again, or, for a model that came as an object without a path, says it cannot."""
+    named = [(n, n) for n in ("tiny", "smollm2-135m", "gemma3-270m")]
+    ex = kvexplore.Explorer(trained, strategies=("preallocated",))  # the packaged tiny, as an object
+    assert (ex.controls["model"].value, list(ex.controls["model"].options)) == ("tiny", named)
+    folder = str(checkpoint("llama-gqa2")[0])
+    ex = kvexplore.Explorer(folder, strategies=("preallocated",))
+    entry = (f"{Path(folder).name} (this model)", folder)
+    assert ex.controls["model"].value == folder and list(ex.controls["model"].options) == [entry, *named]
+    ex.load_model("tiny")
+    assert ex.controls["model"].value == "tiny" and ex.model.config.vocab_size == trained.config.vocab_size
+    ex.load_model(folder)  # Load on the folder's entry opens it again
+    assert ex.controls["model"].value == folder and ex.model.source == folder
+    bare = kvexplore.load(folder)
+    bare.source = None
+    ex = kvexplore.Explorer(bare, strategies=("preallocated",), prompt="Call me")
+    assert ex.controls["model"].options[0] == ("LlamaForCausalLM (this model)", "")
+    tokens = list(ex.session.tokens)
+    with pytest.raises(kvexplore.SettingsError, match="it cannot be loaded again; choose a named model"):
+        ex.load_model(ex.controls["model"].value)
+    assert ex.session.tokens == tokens and ex.model is bare and "cannot be loaded again" in ex.error

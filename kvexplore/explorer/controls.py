@@ -22,7 +22,7 @@ HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
 
 
 def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling: Any, seed: int, prompt: str,
-         chat: bool, has_chat: bool, source: str | None, tabs: list[tuple[str, str]], view: str,
+         chat: bool, has_chat: bool, running: tuple[str, str], tabs: list[tuple[str, str]], view: str,
          presentation: bool) -> dict[str, Any]:
     """Every control, by name, each with its CSS class ``kvx-<name>`` (what the browser tests find)."""
     import ipywidgets as W
@@ -48,10 +48,8 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     button("fork", "Fork", "a second sequence from here (paged caches share pages)")
     w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5em"))
     w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
-    names = list(MODELS)
-    src = source if source in MODELS else None
-    w["model"] = W.Dropdown(options=names, value=src or names[0], description="model", style=wide,
-                            layout=W.Layout(width="12em"))
+    w["model"] = W.Dropdown(description="model", style=wide, layout=W.Layout(width="12em"))
+    name_model(w["model"], running)
     button("load", "Load", "load the chosen model and start over")
     w["lane"] = W.Dropdown(options=lanes, description="strategy", style=wide, layout=W.Layout(width="17em"))
     w["layer"] = W.Dropdown(options=list(range(c.num_layers)), value=layer, description="layer", style=wide,
@@ -140,6 +138,16 @@ def set_options(dropdown: Any, options: list, fallback: Any) -> None:
         current = dropdown.value
         dropdown.options = options
         dropdown.value = current if current in options else fallback
+
+
+def name_model(picker: Any, running: tuple[str, str]) -> None:
+    """Give the model picker the named models and the running model, ``(label, value)`` from
+    :func:`~.models.picker_entry` (first when it is not a named one), and select the running one."""
+    options = [(name, name) for name in MODELS]
+    if running not in options:
+        options.insert(0, running)
+    picker.options = options
+    picker.value = running[1]
 
 
 def error_html(e: Exception) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import SettingsError
 from ..formats.loading import load
+from ..formats.store import MODELS
 from ..hf import HFModel, is_hf_model, load_hf, wrap
 from ..models.model import Model
 from ..runtime.generator import Generator
@@ -91,3 +92,17 @@ def reopen(source: str | Path | Model | Any, strategies: Sequence[str], device: 
                                 f"model; got a {type(source).__name__}")
         hf = load_hf(source, dtype=dtype, device=device)
     return model_for_lanes(source, hf, strategies, device, dtype), hf
+
+
+def picker_entry(source: Any, model: Any) -> tuple[str, str]:
+    """What the model picker shows for the running model, ``(label, value)``: a named model by its name (given by
+    name, or loaded from that model's folder), another folder or file by its name with its path as the value that
+    Load opens again, and a model that came as an object without a path as ``"<architecture> (this model)"`` with the
+    value ``""`` (Load refuses it)."""
+    if isinstance(source, str) and source in MODELS:
+        return source, source
+    path = getattr(model, "source", None) or (str(source) if isinstance(source, (str, Path)) else None)
+    if path:
+        name = Path(path).name
+        return (name, name) if name in MODELS else (f"{name} (this model)", str(path))
+    return f"{model.config.architecture} (this model)", ""

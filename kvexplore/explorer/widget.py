@@ -89,7 +89,7 @@ class Explorer(Screen):
         self.layer, self.head = layer, head
         self.controls = layout.make(
             self.model.config, list(self.session.lanes), layer, head, self.session.sampling, self.session.seed,
-            prompt or DEFAULT_PROMPT, chat, self._has_chat(), source if isinstance(source, str) else None,
+            prompt or DEFAULT_PROMPT, chat, self._has_chat(), models.picker_entry(source, self.model),
             [(VIEWS[n].title, n) for n in TABS], view, presentation)
         snap = self.snapshot()
         self.figures: dict[str, PlotWidget] = {name: PlotWidget(self._fit(name, v.build(snap)), name)
@@ -202,6 +202,12 @@ class Explorer(Screen):
     def load_model(self, source: str | Path | Model) -> None:
         """Load another model and start over with the same strategies and sampling (the progress bar shows the
         load)."""
+        if source == "":
+            e = SettingsError("this model came as an object, not a name or a path: it cannot be loaded again; "
+                              "choose a named model")
+            self._show_error(e)
+            raise e
+
         def go():
             old = self.session
             with layout.progress(self.controls["progress"], 1, "loading"):
@@ -210,6 +216,7 @@ class Explorer(Screen):
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
                                   hf=hf, **self._lanes_args)
             self.model, self.session, self._hf = model, session, hf
+            layout.name_model(self.controls["model"], models.picker_entry(source, model))
             self._zoom.clear()
             self.layer = min(self.layer, model.config.num_layers - 1)
             self.head = min(self.head, model.config.num_heads - 1)
