@@ -62,6 +62,11 @@ class CacheInspection:
         walk.layer_parts = layer_parts
         return walk
 
+    def what_it_did(self) -> str:
+        """What a lossy cache did to the sequence so far, in one line (what it evicted or quantized, or that the
+        sequence was too short for it to do anything, naming the option that changes that); "" for an exact one."""
+        return ""
+
     def memory_report(self) -> MemoryReport:
         """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
         if self._report is None:

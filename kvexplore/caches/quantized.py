@@ -103,6 +103,15 @@ class QuantizedCache(KVCache):
         """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
         return self.layers[self.full_layers[0]].qf if self.full_layers else 0
 
+    def what_it_did(self) -> str:
+        q, n = self.quantized_upto, self.length
+        if not q:
+            return (f"quantized cache: nothing quantized, the run is exact: a block of {self.group_size} positions "
+                    f"is quantized once {self.residual} newer ones follow it, the first at "
+                    f"{self.residual + self.group_size} positions, and this run has {n} (a smaller residual or "
+                    f"group_size quantizes sooner)")
+        return f"quantized cache: positions 0..{q - 1} quantized to {self.bits} bits, the last {n - q} kept in full precision"
+
     def value_group(self, layer: int) -> int:
         """Channels per value scale in ``layer``: ``min(group_size, head_dim)``."""
         return min(self.group_size, self.plan[layer].head_dim)

@@ -103,6 +103,13 @@ class SinkCache(KVCache):
     def evicted_count(self) -> int:
         return self.slots.ws - self.sinks
 
+    def what_it_did(self) -> str:
+        if not self.evicted_count:
+            return (f"sink cache: nothing evicted, the run is exact: its {self.length} positions fit in {self.sinks} "
+                    f"sinks + a window of {self.window} (a smaller window evicts sooner)")
+        return (f"sink cache: evicted {self.evicted_count} positions, keeps the first {self.sinks} and the last "
+                f"{self.window}")
+
     @property
     def evicted_last_step(self) -> list[int]:
         """Positions the last forward pass evicted (empty after a rewind)."""

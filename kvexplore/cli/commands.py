@@ -153,26 +153,6 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _what_the_cache_did(cache: Any) -> str:
-    """A lossy cache's account of what it did to the run, or "" for an exact one: a run too short for it to evict or
-    quantize anything is said to be exact, with the option that changes it."""
-    if cache.kind == "sink":
-        if not cache.evicted_count:
-            return (f"sink cache: nothing evicted, the run is exact: its {cache.length} positions fit in "
-                    f"{cache.sinks} sinks + a window of {cache.window} (a smaller --window evicts sooner)")
-        return (f"sink cache: evicted {cache.evicted_count} positions, keeps the first {cache.sinks} and the last "
-                f"{cache.window}")
-    if cache.kind == "quantized":
-        if not cache.quantized_upto:
-            first = cache.residual + cache.group_size
-            return (f"quantized cache: nothing quantized, the run is exact: a block of {cache.group_size} positions "
-                    f"is quantized once {cache.residual} newer ones follow it, the first at {first} positions, and "
-                    f"this run has {cache.length} (a smaller --residual or --group-size quantizes sooner)")
-        return (f"quantized cache: positions 0..{cache.quantized_upto - 1} quantized to {cache.bits} bits, the last "
-                f"{cache.length - cache.quantized_upto} kept in full precision")
-    return ""
-
-
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -268,7 +248,7 @@ def _generate(args: argparse.Namespace) -> None:
         f"{cache.reserved_bytes / mib:.2f} MiB reserved, {cache.used_bytes / mib:.2f} MiB used for "
         f"{cache.length} positions ({kv_bytes(model.config, 1, 1, model.dtype)} bytes per token)]\n"
     )
-    if note := _what_the_cache_did(cache):
+    if note := cache.what_it_did():
         out.write(f"[{note}]\n")
     if args.save_trace:
         out.write(f"trace saved to {gen.history.save(args.save_trace)}\n")
