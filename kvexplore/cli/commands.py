@@ -131,9 +131,8 @@ def _count(text: str) -> int:
     return value
 
 
-#: generate's cache options, by the cache kind that takes them (argument name -> make_cache keyword)
-CACHE_OPTIONS = {"sink": {"sinks": "sinks", "window": "window"},
-                 "quantized": {"bits": "bits", "group_size": "group_size", "residual": "residual"}}
+#: generate's cache options (make_cache's keywords), by the cache kind that takes them
+CACHE_OPTIONS = {"sink": ("sinks", "window"), "quantized": ("bits", "group_size", "residual")}
 SINK_WINDOW = 28  # generate's sink window when none is given: with 4 sinks, it evicts past 32 positions
 
 
@@ -147,7 +146,7 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
         owner = next(kind for kind in CACHE_OPTIONS if wrong[0] in CACHE_OPTIONS[kind])
         raise SettingsError(f"--{wrong[0].replace('_', '-')} is an option of --cache {owner}, not of --cache "
                             f"{args.cache}")
-    options = {theirs[name]: value for name, value in given.items()}
+    options = dict(given)
     if args.cache == "sink":
         options.setdefault("window", SINK_WINDOW)
     return options

@@ -202,13 +202,10 @@ class Explorer(Screen):
     def load_model(self, source: str | Path | Model) -> None:
         """Load another model and start over with the same strategies and sampling (the progress bar shows the
         load)."""
-        if source == "":
-            e = SettingsError("this model came as an object, not a name or a path: it cannot be loaded again; "
-                              "choose a named model")
-            self._show_error(e)
-            raise e
-
         def go():
+            if source == "":
+                raise SettingsError("this model came as an object, not a name or a path: it cannot be loaded again; "
+                                    "choose a named model")
             old = self.session
             with layout.progress(self.controls["progress"], 1, "loading"):
                 model, hf = models.reopen(source, self._lanes_args["strategies"], self._device, self._dtype)
