@@ -709,3 +709,50 @@ def test_the_model_picker_names_the_running_model(trained, checkpoint):
     with pytest.raises(kvexplore.SettingsError, match="it cannot be loaded again; choose a named model"):
         ex.load_model(ex.controls["model"].value)
     assert ex.session.tokens == tokens and ex.model is bare and "cannot be loaded again" in ex.error
+
+
+def test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence(model):
+    """The status line and the cache map's title count the same slots (the first full layer's physical slots) for
+    every strategy, the sequence's limit in positions named as positions where it differs; at the end-of-sequence
+    token the status says the model has finished and that Step goes on, and after it how long ago it ended."""
+    import re
+
+    ex = explorer(model, strategies=("preallocated", "concat", "paged", "quantized", "sink", "evict", "none"),
+                  max_seq_len=40, strategy_options={"paged": {"block_size": 16}, "sink": {"sinks": 2, "window": 14},
+                                                    "quantized": {"residual": 8}},
+                  prompt=PROMPT)
+    ex.run(12)
+    seen = {}
+    for lane in ex.lanes:
+        ex.controls["lane"].value = lane
+        status = ex.controls["status"].value
+        title = ex.figures["cache_map"].plot_layout.title.text
+        view = ex.lanes[lane].cache.slot_view()
+        held, total = re.search(r"step 12 · (\d+)/(\d+) slots held", title).groups()
+        assert (int(held), int(total)) == (view.held, len(view.states))
+        seen[lane] = status
+        if total != "0":
+            assert f"cache holds {held} of {total} slots" in status
+        else:
+            assert "cache keeps no slots" in status
+    assert "of 48 slots · sequence limit 40 positions" in seen["paged"]  # 3 pages of 16 slots
+    assert "holds 16 of 16 slots" in seen["sink"] and "limit" not in seen["sink"]  # 2 sinks + a 14-slot ring
+    assert "unbounded" not in "".join(seen.values())
+    # the end of sequence: a token this prompt's greedy run produces is made to count as one
+    first = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    first.run(6)
+    tokens = [r.token_id for r in first.lane.history]
+    eos = model.tokenizer.eos_ids
+    model.tokenizer.eos_ids = [tokens[3]]
+    try:
+        ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+        ex.run(6)  # stops at the end of sequence
+        ended = ex.lane.history[-1]
+        assert ended.is_eos and ended.token_id == tokens[3] and tokens.index(tokens[3]) == len(ex.lane.history) - 1
+        assert "end of sequence: the model has finished (Step goes on past it)" in ex.controls["status"].value
+        click(ex, "step")
+        assert ex.lane.history[-2] is ended and not ex.lane.history[-1].is_eos
+        ended = ended.step
+        assert f"past the end of sequence (step {ended} ended it)" in ex.controls["status"].value
+    finally:
+        model.tokenizer.eos_ids = eos

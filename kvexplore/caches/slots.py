@@ -32,6 +32,11 @@ class SlotView:
     def count(self, state: str) -> int:
         return self.states.count(state)
 
+    @property
+    def held(self) -> int:
+        """Slots that hold a position of the sequence (filled or shared): the map's and the status's figure."""
+        return self.states.count(FILLED) + self.states.count(SHARED)
+
 
 STATES = (FREE, FILLED, STALE, EVICTED, SHARED)  # the codes of PackedSlots.states
 _CODE = {s: i for i, s in enumerate(STATES)}

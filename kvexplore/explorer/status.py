@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from ..caches.slots import SlotView
 from .session import Lane
 
 
-def status_line(lane: Lane, note: str = "") -> str:
-    """The status of ``lane``, and ``note`` (what the last prefill did to the caches' size) after it."""
+def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> str:
+    """The status of ``lane``, and ``note`` (what the last prefill did to the caches' size) after it.
+
+    ``slots``: the lane's slot view of its first full layer (default: asked of the cache). The slots counted are
+    the physical slots of that view, the figure the cache map's title gives; the sequence's limit in positions is
+    a second figure, named as positions, where it differs."""
     after = f" · {note}" if note else ""
     last = lane.last
     if last is None:
@@ -14,7 +19,18 @@ def status_line(lane: Lane, note: str = "") -> str:
         return (f"{lane.name} · no sequence yet: press Step (or Prefill) to run the prompt" if not n else
                 f"{lane.name} · {n} prompt tokens, nothing generated yet (Step continues){after}")
     cache = lane.cache
-    cap = "unbounded" if cache.capacity is None else cache.capacity
-    eos = " · end of sequence" if last.is_eos else ""
+    view = slots if slots is not None else cache.slot_view()
+    total = len(view.states)
+    held = f"cache holds {view.held} of {total} slots" if total else "cache keeps no slots"
+    limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity} positions"
     return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens)} tokens "
-            f"({len(lane.generator.prompt_tokens)} prompt) · cache holds {cache.held} of {cap} slots{eos}{after}")
+            f"({len(lane.generator.prompt_tokens)} prompt) · {held}{limit}{_end(lane)}{after}")
+
+
+def _end(lane: Lane) -> str:
+    """What the status says about the end-of-sequence token: at it, or how long ago the sequence passed it."""
+    history = lane.history
+    if history[-1].is_eos:
+        return " · end of sequence: the model has finished (Step goes on past it)"
+    ended = next((r.step for r in reversed(history) if r.is_eos), None)
+    return "" if ended is None else f" · past the end of sequence (step {ended} ended it)"

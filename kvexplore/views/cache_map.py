@@ -291,7 +291,7 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         return f"{kind}: empty"
     main = next(((v, layers, c) for v, layers, c in groups if c), None)
     classes = main[2] if main else []
-    held = sum(c in ("read", "shared", "written", "not read") for c in classes)
+    held = main[0].held if main else 0  # the status line's figure (SlotView.held of the same view)
     head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
     if not fresh and after == "rewind":
         head += f" · after a rewind ({classes.count('stale')} stale)"
