@@ -137,6 +137,26 @@ def test_memory_follows_the_formula(model):
     assert set(by_name["copied · preallocated"].y) == {0}
 
 
+def test_equal_memory_lines_stay_distinguishable(model):
+    """Lanes with the same bytes at every step (two strategies of one size, forks) lie on one line: each is drawn
+    narrower than the one under it so every colour shows, its hover names the others, and the held panel's title
+    says which lanes hold the same bytes; lanes that differ keep the plain width."""
+    ex = explorer(model, strategies=("preallocated", "paged", "concat"), max_seq_len=48,
+                  strategy_options={"paged": {"block_size": 48}}, prompt=PROMPT)
+    ex.run(3)
+    fig = shown(ex, "memory")
+    by_name = {t.name: t for t in fig.data}
+    pre, paged = by_name["reserved · preallocated"], by_name["reserved · paged"]
+    assert list(pre.y) == list(paged.y)  # one page of 48 slots: the same reserved bytes as 48 pre-allocated slots
+    assert (pre.line.width, paged.line.width) == (5, 2)  # the first drawn wider, under the second
+    assert "(same as paged)" in pre.hovertemplate and "(same as preallocated)" in paged.hovertemplate
+    assert by_name["reserved · concat"].line.width == 2 and "same as" not in by_name["reserved · concat"].hovertemplate
+    held = [by_name[f"held · {n}"].y for n in ("preallocated", "paged")]
+    title = fig.plot_layout.annotations[0].text
+    assert ("same held bytes: preallocated = paged" in title) == (list(held[0]) == list(held[1]))
+    assert "concat" not in title
+
+
 def test_attention_rows_sum_to_one_and_layer_picker(model):
     ex = explorer(model, prompt=PROMPT)
     ex.run(3)

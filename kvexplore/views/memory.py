@@ -39,25 +39,29 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     if len(kinds) > 1:
         panels.append((f"held by layer kind · {shown}: logical ━ reserved ┈ (colour: layer kind)", (),
                        f"y{len(panels) + 1}"))
+    series = {(lane, axis, attr): (steps, ys) for lane, records in lanes.items()
+              for _, metrics, axis in panels for _, attr, _ in metrics
+              for steps, ys in [_series(records, attr, axis == "y3")]}
+    stripes = _stripes(series)
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
-        steps = [r.step for r in records]
-        mems = [r.memory for r in records]
         traces.append(dict(type="scatter", name=lane, legendgroup=lane, x=[None], y=[None], mode="lines",
                            line=dict(color=strategy_colour(i), width=3), showlegend=True, hoverinfo="skip"))
         for p, (_, metrics, axis) in enumerate(panels):
             if not metrics:  # the layer-kind panel: drawn once, below, for the lane shown
                 continue
             for label, attr, dash in metrics:
-                if axis == "y3":
-                    ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems]
-                else:
-                    ys = [_figure(m, attr) for m in mems]
+                steps, ys = series[lane, axis, attr]
+                width, same = stripes[lane, axis, attr]
+                also = f" (same as {', '.join(same)})" if same else ""
                 traces.append(dict(
                     type="scatter", mode="lines+markers" if len(steps) < 40 else "lines", name=f"{label} · {lane}",
                     legendgroup=lane, showlegend=False, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
-                    line=dict(color=strategy_colour(i), dash=dash, width=2), marker=dict(size=4),
-                    hovertemplate=f"{lane} · {label}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
+                    line=dict(color=strategy_colour(i), dash=dash, width=width), marker=dict(size=2 + width),
+                    hovertemplate=f"{lane} · {label}{also}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
+    same_held = _same_held(lanes, stripes)
+    if same_held:
+        panels[0] = (panels[0][0] + f" · same held bytes: {same_held}", *panels[0][1:])
     if len(kinds) > 1:
         records = lanes[shown]
         steps = [r.step for r in records]
@@ -92,6 +96,40 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
         layout["annotations"].append(dict(text=title, xref="paper", yref="paper", x=0, y=round(top, 6),
                                           xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=12)))
     return FigureSpec(traces, layout)
+
+
+def _series(records: Sequence[StepRecord], attr: str, cuda: bool) -> tuple[list[int], list[int | None]]:
+    """A lane's steps and its figure ``attr`` at each (the allocator's when ``cuda``)."""
+    mems = [r.memory for r in records]
+    ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems] if cuda else [_figure(m, attr) for m in mems]
+    return [r.step for r in records], ys
+
+
+def _stripes(series: Mapping[tuple[str, str, str], tuple[list, list]]) -> dict[tuple[str, str, str], tuple]:
+    """Each line's width and the lanes whose line it lies on: lanes with the same figure at every step draw one
+    line, so each is drawn narrower than the one below it (the first 2 px wider per lane on it) and every colour
+    shows as a stripe; the hover names the others."""
+    out: dict[tuple[str, str, str], tuple[int, list[str]]] = {}
+    groups: dict[tuple, list[str]] = {}
+    for (lane, axis, attr), (steps, ys) in series.items():
+        groups.setdefault((axis, attr, tuple(steps), tuple(ys)), []).append(lane)
+    for (axis, attr, _, _), same in groups.items():
+        for k, lane in enumerate(same):
+            out[lane, axis, attr] = (2 + 3 * (len(same) - 1 - k), [o for o in same if o != lane])
+    return out
+
+
+def _same_held(lanes: Mapping[str, Sequence[StepRecord]], stripes) -> str:
+    """The lanes whose held bytes are equal at every step, as "a = b; c = d" (empty when every lane differs)."""
+    sets = dict.fromkeys(tuple([lane, *stripes[lane, "y", "held_bytes"][1]]) for lane in lanes
+                         if stripes[lane, "y", "held_bytes"][1])
+    seen, groups = set(), []
+    for group in sets:
+        key = frozenset(group)
+        if key not in seen:
+            seen.add(key)
+            groups.append(" = ".join(sorted(group, key=list(lanes).index)))
+    return "; ".join(groups)
 
 
 def _figure(m, attr: str) -> int | None:
