@@ -776,3 +776,18 @@ def test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence(model
         assert f"past the end of sequence (step {ended} ended it)" in ex.controls["status"].value
     finally:
         model.tokenizer.eos_ids = eos
+
+
+def test_an_explorer_displayed_twice_says_it_is_the_same_live_one(model, monkeypatch):
+    import IPython.display
+
+    ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
+    shown_objects = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown_objects.append(obj))
+    ex._ipython_display_()
+    assert shown_objects[0] is ex.widget  # the first display: the widget, no note
+    shown_objects.clear()
+    ex._ipython_display_()
+    note, widget = shown_objects[:2]
+    assert widget is ex.widget
+    assert "The same live explorer as displayed above (display 2)" in note.data and "fork()" in note.data

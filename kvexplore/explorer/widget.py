@@ -36,6 +36,9 @@ from .status import status_line
 from .strip import TokenStrip
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
+# said above an explorer displayed a second time (n: which display): both places show one live explorer
+SHOWN_AGAIN = ("The same live explorer as displayed above (display {n}): a click in either place changes both. "
+               "For a second sequence use <code>fork()</code>; for a separate explorer make a new one.")
 
 
 class Explorer(Screen):
@@ -99,6 +102,7 @@ class Explorer(Screen):
         if self._truth is not None:
             self.widget.children = (*self.widget.children, self._truth)
         self._static = StaticCopy(self)
+        self._displays = 0  # how many times IPython displayed this explorer
         self.figures["cache_map"].on_msg(self._static.on_message)
         self._wire()
         self._apply_presentation()
@@ -298,8 +302,11 @@ class Explorer(Screen):
             self.refresh()
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
+        from IPython.display import HTML, display
 
+        self._displays += 1
+        if self._displays > 1:  # the same widget again: every copy on the page shows (and changes with) one state
+            display(HTML(f'<div class="kvx-again">{SHOWN_AGAIN.format(n=self._displays)}</div>'))
         display(self.widget)
         self._static.show()  # for nbconvert and GitHub: emptied as soon as a frontend draws the widget
 
