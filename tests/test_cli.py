@@ -54,11 +54,11 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
     assert _generate(source, capsys, "--cache", "sink") == (
         f"[sink cache: evicted {n - 32} positions, keeps the first 4 and the last 28]")
     assert _generate(source, capsys, "--cache", "sink", "--sinks", "0", "--window", "100") == (
-        f"[sink cache: nothing evicted, the run is exact: its {n} positions fit in 0 sinks + a window of 100 (a "
-        f"smaller window evicts sooner)]")
+        f"[sink cache: nothing evicted yet: all {n} positions fit in 0 sinks + a window of 100 (a smaller window "
+        f"evicts sooner)]")
     assert _generate(source, capsys, "--cache", "quantized") == (
-        f"[quantized cache: nothing quantized, the run is exact: a block of 32 positions is quantized once 32 newer "
-        f"ones follow it, the first at 64 positions, and this run has {n} (a smaller residual or group_size "
+        f"[quantized cache: nothing quantized yet: all {n} positions are inside the residual (a block of 32 is "
+        f"quantized once 32 newer positions follow it, from 64 positions on; a smaller residual or group_size "
         f"quantizes sooner)]")
     q = (n - 4) // 8 * 8  # whole blocks of 8 with at least 4 newer positions after them
     assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual",

@@ -791,3 +791,31 @@ def test_an_explorer_displayed_twice_says_it_is_the_same_live_one(model, monkeyp
     note, widget = shown_objects[:2]
     assert widget is ex.widget
     assert "The same live explorer as displayed above (display 2)" in note.data and "fork()" in note.data
+
+
+def test_a_lossy_lane_says_what_it_did_and_an_error_of_zero_reads_as_none(model):
+    """Below the comparison table each lossy lane says what it did so far; before its first block is quantized the
+    quantized lane says why nothing is lost yet, and its error panel is drawn at the white end of its scale with
+    that note (not as a solid colour); once it quantizes, the note names the positions and the panel its error."""
+    ex = explorer(model, strategies=("preallocated", "quantized", "sink"), max_seq_len=64, prompt=PROMPT,
+                  strategy_options={"quantized": {"bits": 4, "group_size": 8, "residual": 8},
+                                    "sink": {"sinks": 2, "window": 8}})
+    ex.controls["lane"].value = "quantized"
+    ex.step()  # the prompt only: 9 positions, inside 8 + one block
+    n = ex.lane.cache.length
+    table = ex.controls["compare"].value
+    assert f"<b>quantized</b>: quantized cache: nothing quantized yet: all {n} positions are inside the residual" in table
+    assert f"<b>sink</b>: sink cache: nothing evicted yet: all {n} positions fit in 2 sinks + a window of 8" in table
+    assert "<b>preallocated</b>" not in table.split("</table>")[1]  # an exact cache has nothing to say
+    err = shown(ex, "tensors")
+    heat = next(t for t in err.data if t.name == "quantization error")
+    assert heat.zmax == 1.0 and max(heat.z) == 0
+    assert "nothing quantized yet" in " ".join(a.text for a in err.plot_layout.annotations)
+    ex.run(12)
+    cache = ex.lane.cache
+    assert f"positions 0..{cache.quantized_upto - 1} quantized to 4 bits" in ex.controls["compare"].value
+    assert f"<b>sink</b>: sink cache: evicted {ex.lanes['sink'].cache.evicted_count} positions" in \
+        ex.controls["compare"].value
+    heat = next(t for t in shown(ex, "tensors").data if t.name == "quantization error")
+    assert heat.zmax == pytest.approx(float(max(heat.z))) and heat.zmax > 0
+    assert not shown(ex, "tensors").plot_layout.annotations

@@ -106,10 +106,10 @@ class QuantizedCache(KVCache):
     def what_it_did(self) -> str:
         q, n = self.quantized_upto, self.length
         if not q:
-            return (f"quantized cache: nothing quantized, the run is exact: a block of {self.group_size} positions "
-                    f"is quantized once {self.residual} newer ones follow it, the first at "
-                    f"{self.residual + self.group_size} positions, and this run has {n} (a smaller residual or "
-                    f"group_size quantizes sooner)")
+            return (f"quantized cache: nothing quantized yet: all {n} positions are inside the residual (a block of "
+                    f"{self.group_size} is quantized once {self.residual} newer positions follow it, from "
+                    f"{self.residual + self.group_size} positions on; a smaller residual or group_size quantizes "
+                    f"sooner)")
         return f"quantized cache: positions 0..{q - 1} quantized to {self.bits} bits, the last {n - q} kept in full precision"
 
     def value_group(self, layer: int) -> int:

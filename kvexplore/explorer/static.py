@@ -98,7 +98,8 @@ class StaticCopy:
             return f'<div class="kvx-static">{intro}<p>no steps yet</p></div>'
         lane = ex.lane
         strip = ex._strip.html(ex.model.tokenizer, lane.generator)
-        table = compare.table_html(ex.compare_rows())
+        snap = ex.snapshot()
+        table = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
         if _plotly_owner is None:
             _plotly_owner = id(self)
         replay = fragment(runs, ex.layer, ex.head, title=f"replay of the {max(len(r) for r in runs.values())} steps "

@@ -260,7 +260,7 @@ class Explorer(Screen):
         w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
         w["status"].value = html.escape(status_line(lane, self.session.grew))
         snap = self.snapshot()
-        w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap))
+        w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
         for name in self.shown():
             self.figures[name].show(self._fit(name, VIEWS[name].build(snap)))
         inspect.publish(self._truth, self)

@@ -65,13 +65,17 @@ def _timing(seconds: Sequence[float]) -> str:
     return text
 
 
-def table_html(table: Sequence[Sequence[str]]) -> str:
-    """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages)."""
+def table_html(table: Sequence[Sequence[str]], notes: Mapping[str, str] | None = None) -> str:
+    """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages), and
+    below it ``notes``: lane -> what its lossy cache did so far (a lane that has lost nothing yet says why)."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table)
+    said = "".join(f"<li><b>{html.escape(lane)}</b>: {html.escape(text)}</li>" for lane, text in (notes or {}).items()
+                   if text)
     return (f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:4px 0">'
             f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-            "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 10px;text-align:left;"
+            + (f'<ul class="kvx-compare-notes" style="margin:2px 0;padding-left:18px">{said}</ul>' if said else "")
+            + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 10px;text-align:left;"
             "border-bottom:1px solid #ddd;white-space:nowrap}</style>")
 
 
@@ -103,6 +107,11 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
 
 def from_snapshot(s) -> FigureSpec:
     return spec(s.records(), {n: l.kl for n, l in s.lanes.items()}, s.reference)
+
+
+def notes_from_snapshot(s) -> dict[str, str]:
+    """What each lossy lane's cache did so far (empty for exact caches)."""
+    return {n: l.did for n, l in s.lanes.items() if l.did}
 
 
 def rows_from_snapshot(s) -> list[list[str]]:

@@ -60,6 +60,7 @@ class LaneSnapshot:
     forced: set[int]
     detail: LaneDetail | None = None  # for the lanes on screen only
     speculation: SpecInfo | None = None  # a lane that drafts (live only: a replay has the records alone)
+    did: str = ""  # what a lossy cache did so far (KVCache.what_it_did: "nothing quantized yet: ..."); live only
 
     @property
     def last(self) -> StepRecord | None:
@@ -103,7 +104,8 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     pace = session.pace.name if session.pace is not None else None
     for name, lane in session.lanes.items():
         lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at),
-                                   speculation=_speculation(lane, pace))
+                                   speculation=_speculation(lane, pace),
+                                   did=lane.cache.what_it_did() if lane.history else "")
     for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
         lane = session.lanes[name]
         has = bool(lane.history)

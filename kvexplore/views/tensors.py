@@ -7,6 +7,7 @@ channels, so a key's norm is the same before and after it); empty, stale and evi
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,10 +39,11 @@ def binned(rows: np.ndarray, b: bins.Bins, how: str) -> dict[str, np.ndarray]:
 
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
          quant_error: torch.Tensor | None = None, slots: SlotView | None = None,
-         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
+         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS, did: str = "") -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
-    (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max)."""
+    (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max).
+    ``did``: what the cache did so far (said over an error panel that is all zero: nothing quantized yet)."""
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots_of(layer)
     positions = list(slots.positions) if slots is not None and slots.positions else (
@@ -52,6 +54,7 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     kvh = len(k_rows)
     qe = quant_error.numpy() if quant_error is not None else empty
     common = dict(colorscale="Viridis", xgap=0, ygap=1)
+    top = float(np.nanmax(qe)) if qe.size else 0.0
     held = [i for i, p in enumerate(positions) if p >= 0]
     b, span = onscreen.axis_bins(zoom, "xaxis", len(positions), slot_range(len(positions), held[-1] if held else 0),
                                  max_bins)
@@ -68,15 +71,17 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
              yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12),
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖v‖ = %{{z:.3f}}<extra></extra>", **common),
         dict(type="heatmap", name="quantization error", **binned(qe.astype(np.float32), eb, "max"), colorscale="Reds",
-             zmin=0, xaxis="x3", yaxis="y3", ygap=1,
+             zmin=0, zmax=top or 1.0, xaxis="x3", yaxis="y3", ygap=1,
              colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12),
              hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
                            "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
     shown = onscreen.describe(b, len(positions))
-    note = [] if quant_error is not None else [dict(
-        text="exact cache: stored as computed, no error", xref="paper",
-        yref="paper", x=0.46, y=0.11, showarrow=False, font=dict(size=11, color="#666"))]
+    # an error of zero everywhere draws as the scale's white end (zmax 1), not its middle, and says why
+    said = "" if quant_error is not None and top > 0 else \
+        "exact cache: stored as computed, no error" if quant_error is None else did or "no error yet"
+    note = [dict(text=_wrap(said), xref="paper", yref="paper", x=0.46, y=0.11, showarrow=False,
+                 font=dict(size=11, color="#666"))] if said else []
     layout = dict(
         height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
         title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
@@ -91,6 +96,11 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
         annotations=note,
     )
     return FigureSpec(traces, layout if positions else hide_axes(layout))
+
+
+def _wrap(text: str, width: int = 90) -> str:
+    """``text`` broken into lines of about ``width`` characters (an annotation does not wrap by itself)."""
+    return "<br>".join(textwrap.wrap(text, width))
 
 
 def state_spec(history: tuple[list[int], torch.Tensor], layer: int) -> FigureSpec:
@@ -118,4 +128,5 @@ def from_snapshot(s) -> FigureSpec:
     if d is not None and d.state is not None:
         return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
-                d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins)
+                d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins,
+                did=ln.did)
