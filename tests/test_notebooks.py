@@ -52,3 +52,37 @@ def test_notebook_runs(path, executed_notebook):
     assert not errors
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code" and c.source.strip()), \
         "a cell did not run"
+
+
+def _links(text: str) -> list[str]:
+    """The targets of the markdown links ``[text](target)`` in ``text``."""
+    import re
+
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_the_course_reads_as_one_and_its_links_work_from_the_copied_folder(tmp_path):
+    """Every relative link in a notebook's markdown or the course's README resolves in the folder ``kvexplore lab``
+    copies them to; each notebook ends with a link to the next one and to the README (the last back to the tour),
+    and the tour's "Where next" lists every other notebook."""
+    from kvexplore.cli import launch
+
+    launch.copy_notebooks(tmp_path)
+    copied = sorted(p.name for p in tmp_path.iterdir())
+    assert copied == sorted([p.name for p in ALL] + ["README.md"])
+    texts = {"README.md": (NOTEBOOKS / "README.md").read_text()}
+    for path in ALL:
+        cells = json.loads(path.read_text())["cells"]
+        texts[path.name] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        last = "".join(cells[-1]["source"])
+        following = ALL[(ALL.index(path) + 1) % len(ALL)].name
+        if path != ALL[0]:
+            assert cells[-1]["cell_type"] == "markdown" and f"]({following})" in last and "](README.md)" in last, \
+                f"{path.name} does not end with its next step"
+    tour = texts[ALL[0].name].split("## Where next")[1]
+    assert [t for t in _links(tour) if t.endswith(".ipynb")] == [p.name for p in ALL[1:]]
+    for name, text in texts.items():
+        for target in _links(text):
+            if "://" in target or target.startswith("#"):
+                continue
+            assert (tmp_path / target.split("#")[0]).exists(), f"{name} links {target}, missing beside the notebooks"

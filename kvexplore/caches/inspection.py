@@ -62,10 +62,13 @@ class CacheInspection:
         walk.layer_parts = layer_parts
         return walk
 
-    def what_it_did(self) -> str:
-        """What a lossy cache did to the sequence so far, in one line (what it evicted or quantized, or that the
-        sequence was too short for it to do anything, naming the option that changes that); "" for an exact one."""
-        return ""
+    def error_bound(self, layer: int, keys, values):
+        """How far, element by element, a correct cache of this kind may give attention in ``layer`` something
+        other than the model's ``keys`` and ``values`` ``(kv_heads, positions, head_dim)`` of the sequence so far:
+        ``(key bound, value bound)`` of their shape for a cache lossy by design (the doctor judges it by them), None
+        for one that gives back what the model computed (every exact cache, and the evicting ones: what they keep,
+        they keep exactly)."""
+        return None
 
     def memory_report(self) -> MemoryReport:
         """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""

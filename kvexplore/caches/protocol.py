@@ -76,6 +76,11 @@ class ModelCache(ABC):
         """A cache for a second sequence continuing this one."""
 
     # -- what it holds -----------------------------------------------------------------------------------
+    def what_it_did(self) -> str:
+        """What a lossy cache did to the sequence so far, in one line (what it evicted or quantized, or that the
+        sequence was too short for it to do anything, naming the option that changes that); "" for an exact one."""
+        return ""
+
     @abstractmethod
     def memory_report(self) -> MemoryReport:
         """Memory after the last step."""

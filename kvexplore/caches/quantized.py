@@ -103,6 +103,21 @@ class QuantizedCache(KVCache):
         """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
         return self.layers[self.full_layers[0]].qf if self.full_layers else 0
 
+    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """Half a quantization step of each element's group at positions ``0..Q-1`` (round to nearest), 0 in the
+        residual; None until something is quantized and for the layers it does not quantize."""
+        q = self.quantized_upto
+        if not q or layer not in self.full_layers:
+            return None
+        H, T, D = keys.shape
+        G, g, steps = self.group_size, self.value_group(layer), 2 * (2 ** self.bits - 1)
+        k = keys[:, :q].float().reshape(H, q // G, G, D)
+        v = values[:, :q].float().reshape(H, q, D // g, g)
+        kb, vb = torch.zeros(H, T, D), torch.zeros(H, T, D)
+        kb[:, :q] = ((k.amax(2, keepdim=True) - k.amin(2, keepdim=True)) / steps).expand_as(k).reshape(H, q, D)
+        vb[:, :q] = ((v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / steps).expand_as(v).reshape(H, q, D)
+        return kb, vb
+
     def what_it_did(self) -> str:
         q, n = self.quantized_upto, self.length
         if not q:

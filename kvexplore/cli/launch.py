@@ -100,6 +100,13 @@ def bundled_notebooks(root: Traversable | None = None) -> list[Traversable]:
     return sorted((p for p in root.iterdir() if p.name.endswith(".ipynb") and p.is_file()), key=lambda p: p.name)
 
 
+def bundled_course(root: Traversable | None = None) -> list[Traversable]:
+    """The bundled notebooks, then the course's ``README.md`` (the list every notebook's "Where next" links to)."""
+    root = notebooks_root() if root is None else root
+    guide = root.joinpath("README.md")
+    return bundled_notebooks(root) + ([guide] if guide.is_file() else [])
+
+
 def _write_new(target: Path, data: bytes) -> bool:
     """Write ``data`` to ``target`` only if ``target`` does not exist; never a half-written notebook in its place."""
     tmp = target.with_name(f".{target.name}.kvexplore-tmp-{os.getpid()}")
@@ -121,9 +128,10 @@ def _write_new(target: Path, data: bytes) -> bool:
 
 
 def copy_notebooks(folder: str | os.PathLike[str], sources: Iterable[Traversable] | None = None) -> CopyReport:
-    """Copy each bundled notebook missing from ``folder`` into it (creating it); keep every file already there."""
+    """Copy each bundled notebook (default: and the course's README) missing from ``folder`` into it (creating
+    it); keep every file already there."""
     folder = Path(folder).expanduser()
-    sources = bundled_notebooks() if sources is None else sorted(sources, key=lambda p: p.name)
+    sources = bundled_course() if sources is None else sorted(sources, key=lambda p: p.name)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -66,6 +66,10 @@ class HFPasses:
             out = self.model.forward(torch.tensor([ids]), self.cache, hidden=True)
         return land(out.logits[0, -1], self._layers(seen, out.hidden_states, self.cache))
 
+    def bounds(self, ref: Pass) -> None:
+        """A transformers cache is checked as an exact one (see :meth:`KVPasses.bounds`)."""
+        return None
+
     def reference(self, ids: list[int]) -> Pass:
         import transformers
 
@@ -145,6 +149,14 @@ class KVPasses:
                 lp.positions = list(range(len(ids)))
             layers.append(lp)
         return land(logits, layers)
+
+    def bounds(self, ref: Pass) -> list[torch.Tensor | None] | None:
+        """Per layer, how far the keys a correct cache of this lossy-by-design kind gives attention may be from
+        ``ref``'s (:meth:`~kvexplore.caches.base.KVCache.error_bound`; None for a layer it keeps exact); None while
+        the whole cache is exact."""
+        out = [None if lp.keys is None else self.cache.error_bound(i, lp.keys, lp.values)
+               for i, lp in enumerate(ref.layers)]
+        return [b[0] if b is not None else None for b in out] if any(b is not None for b in out) else None
 
     def rotation(self, layer: int, offsets: list[int]):
         kind = self.model.config.layer_types[layer]

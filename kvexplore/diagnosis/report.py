@@ -30,9 +30,18 @@ class DoctorReport:
     tokens: list[int] = field(default_factory=list)  # the sequence compared (prompt and chosen tokens)
     departures: list[Departure] = field(default_factory=list)  # every comparison of the step reported
     reference: str = "a full recomputation"  # what the cached passes were compared with
+    lossy: str = ""  # a lossy-by-design cache: what it did (checked against its scheme at ``step``, then stopped)
+    scheme_error: float | None = None  # there, the largest difference of the keys read from the recomputation's
+    scheme_bound: float | None = None  # and the most the scheme allows (half a quantization step), absolute
 
     def summary(self) -> str:
         where = f"{self.model} · cache {self.cache} · {self.dtype}"
+        if self.lossy and not self.diverged:
+            return (f"lossy by design ({self.lossy}): exact for the {self.step} steps before it first lost precision; "
+                    f"at step {self.step} the keys attention read differ from {self.reference}'s by up to "
+                    f"{self.scheme_error:.3g}, inside the scheme's bound at every element (half a quantization step, "
+                    f"up to {self.scheme_bound:.3g}; tolerance {self.tolerance:g} beyond it); past it the outputs "
+                    f"part from {self.reference} by design, so the check stops ({where})")
         if not self.diverged:
             w = self.worst
             worst = "" if w is None else (f"; worst difference {w.relative:.2g} (relative) in the {w.what}"

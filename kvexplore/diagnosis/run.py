@@ -10,7 +10,8 @@ import torch
 from ..errors import KVExploreError, SettingsError
 from ..core.settings import integer
 from ..trace.diff import TOLERANCE
-from .compare import departures
+from .compare import columns, departures
+from .passes import LayerPass
 from .hints import hint
 from .kept import KeptPasses
 from .passes import HFPasses, KVPasses
@@ -105,8 +106,11 @@ def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, 
                                     f"the cache cannot run this model as it is") from e
             ref = passes.reference(tokens)
             position = len(tokens) - 1
-            found = departures(got, ref, position)
             report.steps = step + 1
+            bounds = passes.bounds(ref)
+            if bounds is not None:  # a lossy-by-design cache has just lost something: judged against its scheme
+                return _by_design(report, passes, got, ref, bounds, step, position, tol, tokens)
+            found = departures(got, ref, position)
             first = next((d for d in found if d.relative > tol), None)
             if first is not None:
                 report.diverged, report.step, report.layer, report.position = True, step, first.layer, first.position
@@ -119,6 +123,37 @@ def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, 
                 worst = top
             tokens.append(int(got.logits.argmax()))
     report.worst, report.tokens = worst, tokens
+    return report
+
+
+def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, position: int, tol: float,
+               tokens: list[int]) -> DoctorReport:
+    """The first step at which a lossy-by-design cache (the quantized one) lost precision. Every step before was
+    exact, so the keys it has just made lossy were the model's: what attention read may differ from the
+    recomputation's by the scheme's bound at each element (half a quantization step), and by no more than the
+    tolerance beyond it (the pass's own position, computed after reading them, is left out). Past this step the
+    outputs part from the recomputation by design: the check stops here."""
+    report.tokens, report.lossy, report.step = tokens, passes.cache.what_it_did(), step
+    report.scheme_error = report.scheme_bound = 0.0
+    for layer, (g, r, bound) in enumerate(zip(got.layers, ref.layers, bounds)):
+        if g.keys is None or r.keys is None:
+            continue
+        gi, ri, pos = columns(LayerPass(positions=[p for p in g.positions if p < position]), r)
+        if g.keys.shape[-1] != r.keys.shape[-1] or not pos:
+            continue
+        diff = (g.keys[:, gi] - r.keys[:, ri]).abs()
+        allowed = bound[:, ri] if bound is not None else torch.zeros_like(diff)
+        excess = (diff - allowed).clamp_min(0).amax(dim=(0, 2))  # per column
+        report.scheme_error = max(report.scheme_error, float(diff.max()))
+        report.scheme_bound = max(report.scheme_bound, float(allowed.max()))
+        top = float(excess.max())
+        rel = top / max(float(r.keys.abs().max()), 1e-6)
+        if rel > tol and not report.diverged:
+            at = pos[int(excess.argmax())]
+            report.diverged, report.layer, report.position, report.max_diff, report.what = True, layer, at, top, "keys"
+            report.hint = (f"layer {layer}'s keys at position {at} are {top:.3g} further from the recomputation's "
+                           f"than the scheme allows (half a quantization step of their group): the cache reads "
+                           f"something other than its quantization gives; a bug in the cache, not its designed loss")
     return report
 
 
