@@ -819,3 +819,20 @@ def test_a_lossy_lane_says_what_it_did_and_an_error_of_zero_reads_as_none(model)
     heat = next(t for t in shown(ex, "tensors").data if t.name == "quantization error")
     assert heat.zmax == pytest.approx(float(max(heat.z))) and heat.zmax > 0
     assert not shown(ex, "tensors").plot_layout.annotations
+
+
+def test_tabs_that_apply_to_no_lane_are_hidden(model):
+    """Four tabs for exact lanes; the press views appear once an evict lane has pressed (the tab on screen stays
+    where it was while they do); a hidden view asked for by name is added and shown."""
+    names = lambda ex: [v for _, v in ex.controls["view"].options]  # noqa: E731
+    plain = explorer(model, strategies=("preallocated", "paged"), prompt=PROMPT)
+    plain.run(2)
+    assert names(plain) == ["attention", "memory", "tensors", "compare"]
+    pressing = explorer(model, strategies=("preallocated", "evict"))  # nothing run yet
+    pressing.view = "memory"
+    assert names(pressing) == ["attention", "memory", "tensors", "compare"]  # nothing pressed yet
+    pressing.step()
+    assert names(pressing) == ["attention", "memory", "tensors", "compare", "press", "kept", "eviction"]
+    assert pressing.view == "memory" and pressing._panel.children[-1] is pressing.figures["memory"]
+    plain.view = "speculation"  # asked for by name: shown, with its tab
+    assert "speculation" in names(plain) and plain._panel.children[-1] is plain.figures["speculation"]

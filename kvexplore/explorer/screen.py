@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import SettingsError
-from ..views.registry import VIEWS
+from ..views.registry import TABS, VIEWS
 from ..views.spec import FigureSpec
 from . import controls as layout
 from . import inspect, zoom
@@ -100,7 +100,7 @@ class Screen:
             w[name].observe(lambda ch: self._redraw(), names="value")
         w["layer"].observe(lambda ch: self._pick(layer=ch["new"]), names="value")
         w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
-        w["view"].observe(lambda ch: self._show_view(), names="value")
+        w["view"].observe(lambda ch: None if self._syncing else self._show_view(), names="value")
         w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
         w["presentation"].observe(lambda ch: self._presentation_changed(), names="value")
         for name in ("temperature", "top_k", "top_p"):
@@ -149,8 +149,20 @@ class Screen:
         try:
             layout.set_options(self.controls["lane"], names, names[0])
             layout.set_options(self.controls["lane_b"], names, names[min(1, len(names) - 1)])
+            self._sync_tabs()
         finally:
             self._syncing = False
+
+    def _sync_tabs(self) -> None:
+        """Tabs for the views that apply to a lane (:attr:`~..views.registry.View.applies` on its records: the
+        press views once a lane has pressed, the speculation view once one has drafted), and the one on screen."""
+        picker = self.controls["view"]
+        current = picker.value
+        histories = [lane.history for lane in self.session.lanes.values()]
+        tabs = [(VIEWS[n].title, n) for n in TABS if n == current or any(VIEWS[n].drawn_for(h) for h in histories)]
+        if list(picker.options) != tabs:
+            picker.options = tabs
+            picker.value = current
 
     def _sync_pickers(self) -> None:
         c = self.model.config

@@ -129,7 +129,16 @@ class Explorer(Screen):
     def view(self, name: str) -> None:
         if name not in TABS:
             raise SettingsError(f"unknown view {name!r}; choose from {', '.join(TABS)}")
-        self.controls["view"].value = name
+        picker = self.controls["view"]
+        if name not in [value for _, value in picker.options]:  # a tab hidden as applying to no lane: asked for
+            self._syncing = True
+            try:
+                current = picker.value
+                picker.options = [*picker.options, (VIEWS[name].title, name)]
+                picker.value = current
+            finally:
+                self._syncing = False
+        picker.value = name
 
     @property
     def presentation(self) -> bool:
