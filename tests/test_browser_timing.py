@@ -27,7 +27,7 @@ WITHIN = 1.5
 
 DRAWS = "(el) => Number((el.closest('.kvx-fig-compare, .kvx-fig-cache_map') || el).dataset.kvxDraws || 0)"
 STEP_TIMES = """(el) => { const gd = el.closest('.js-plotly-plot') || el.querySelector('.js-plotly-plot');
-  const out = {}; for (const t of gd.data) if (t.name && t.name.startsWith('ms/step · ')) out[t.name.slice(10)] = t.y;
+  const out = {}; for (const t of gd.data) if (t.name && (t.yaxis || 'y') === 'y') out[t.name] = t.y;  // ms/step
   return out; }"""
 TABLE = """(root) => Object.fromEntries([...root.querySelectorAll('.kvx-compare-table tbody tr')]
   .map(r => [r.cells[0].textContent.replace(' (ref.)', ''), r.cells[4].textContent]))"""

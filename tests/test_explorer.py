@@ -444,7 +444,9 @@ def test_tabs_side_by_side_and_presentation(model):
     assert ex.figures["cache_map_b"].layout.display == "none" and ex.shown() == ["cache_map", "attention"]
     ex.presentation = True
     assert all(ex.controls[n].layout.display == "none" for n in ("settings", "fork"))
-    assert ex.figures["cache_map"].spec.layout["font"]["size"] == 15
+    spec = ex.figures["cache_map"].spec
+    assert spec.layout["font"]["size"] == 18 and spec.layout["legend"]["font"]["size"] == 18
+    assert spec.layout["title"]["font"]["size"] == 20
     assert ex.figures["cache_map"].spec.trace("free")["marker"]["size"] == 19  # legend squares 12 -> 19
     assert "kvx-presenting" in ex.widget._dom_classes
     ex.presentation = False

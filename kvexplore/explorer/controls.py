@@ -14,11 +14,24 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config.model_config import ModelConfig
+from ..views.lettering import at_least, fit_title
 from ..formats.store import MODELS
 
 HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disabled while an operation runs
 HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
+COLUMN_PX = 560  # a figure's width beside another at 1280 x 800, less its margins: the width titles wrap to
+PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
+# the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
+# (ipywidgets size their controls from these variables)
+STYLE = f"""<style>
+.kvx-presenting {{--jp-widgets-font-size: {PRESENTING_PX}px; --jp-widgets-inline-height: 36px;
+  --jp-widgets-inline-label-width: auto; font-size: {PRESENTING_PX}px;}}
+.kvx-presenting .widget-label, .kvx-presenting .widget-html-content, .kvx-presenting button,
+.kvx-presenting input, .kvx-presenting select, .kvx-presenting textarea, .kvx-presenting table,
+.kvx-presenting label, .kvx-presenting li {{font-size: {PRESENTING_PX}px !important;}}
+.kvx-presenting .widget-toggle-button, .kvx-presenting .widget-button {{height: auto; min-height: 36px;}}
+</style>"""
 
 
 def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling: Any, seed: int, prompt: str,
@@ -77,6 +90,7 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     w["error"] = W.HTML()
     w["tokens"] = W.HTML(layout=W.Layout(width="100%"))
     w["compare"] = W.HTML()
+    w["style"] = W.HTML(STYLE, layout=W.Layout(display="none"))
     for name, widget in w.items():
         widget.add_class(f"kvx-{name.replace('_', '-')}")
     return w
@@ -106,26 +120,32 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
             w["reset"], w["fork"]),
         row(w["lane"], w["layer"], w["head"], w["side_by_side"], w["lane_b"], w["presentation"], w["progress"]),
         settings,
-        w["status"], w["error"], w["tokens"], main, loader,
+        w["status"], w["error"], w["tokens"], main, loader, w["style"],
     ], layout=W.Layout(width="100%"))
     root.add_class("kvx-explorer")
     return root, panel
 
 
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
-    """``spec`` as drawn on this screen: its height for the one-screen layout, bigger type when presenting."""
+    """``spec`` as drawn on this screen: its height for the one-screen layout, its title wrapped to the width a
+    column has at 1280 x 800 (the top margin following its lines), and every text at :data:`PRESENTING_PX` at least
+    when presenting."""
     height = HEIGHT if name != "compare" else HEIGHT - 130  # the compare table sits above its figure
     if name == "cache_map_b" or (name == "cache_map" and side_by_side):
         height = HEIGHT // 2 + 60  # two cache maps, one above the other
     spec.layout["height"] = height
     if name == "cache_map_b":
         spec.layout["showlegend"] = False  # the first cache map's legend says it
+    floor = PRESENTING_PX if presenting else None
+    fit_title(spec.layout, COLUMN_PX, floor + 2 if floor else None)
     if presenting:  # read from the back of a lecture hall
-        spec.layout["font"] = dict(size=15)
-        title = spec.layout.get("title")
-        if isinstance(title, dict) and str(title.get("text", "")).count("<br>") < 3:  # a long title (the
-            title["font"] = dict(size=17)  # speculation view's) keeps its size: it fills its margin already
+        spec.layout["font"] = dict(size=PRESENTING_PX)
+        at_least(spec.layout, PRESENTING_PX)
+        for key, axis in spec.layout.items():  # bigger tick labels and axis titles push the plot in, not out
+            if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict):
+                axis["automargin"] = True
         for t in spec.traces:
+            at_least(t, PRESENTING_PX)
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
                 t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}

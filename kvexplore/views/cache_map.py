@@ -21,6 +21,7 @@ from ..trace.records import StepRecord
 from . import bins, onscreen
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .snapshot import MAX_BINS
+from .lettering import place_title
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
 CODE = {name: i for i, name in enumerate(SLOT_CLASSES)}
@@ -203,8 +204,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
     rows = max(1, len(drawn))
     shown = onscreen.describe(b, n)
-    layout = dict(title=dict(text=title or _title(record, kind, layouts, fresh, after), font=dict(size=13), x=0.01,
-                             xanchor="left"),
+    title = title or _title(record, kind, layouts, fresh, after)
+    layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
@@ -214,7 +215,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
                               title=dict(text="slot")),
-                  margin=dict(l=60 if rows == 1 else 90, r=20, t=90 + 14 * max(0, len(layouts) - 1), b=50))
+                  margin=dict(l=60 if rows == 1 else 90, r=20, t=0, b=50))
+    place_title(layout, below=8)
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
 
 
@@ -297,10 +299,10 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         head += f" · after a rewind ({classes.count('stale')} stale)"
     elif not fresh and after:
         head += f" · after a {after}"
-    elif record.trace and record.trace.events and main is not None:
-        event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
-        head += " · " + main[0].layout.step(event.write, event.read[1], event.view)
     lines, shared = [], []
+    if (fresh or not after) and record.trace and record.trace.events and main is not None:  # the step's windows
+        event = next((e for e in record.trace.events if e.layer == main[1][0]), record.trace.events[0])
+        lines.append(main[0].layout.step(event.write, event.read[1], event.view))
     gone = rejected(record, main[1][0]) if fresh and main is not None and record.trace else range(0)
     if record.verification is not None and fresh:
         lines.append(f"verification: {record.input_len - 1} drafted · "
@@ -318,7 +320,7 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
             lines.append(summary)
     if shared:
         lines.append(f"shared layers store nothing: {', '.join(shared[:6])}{', ...' if len(shared) > 6 else ''}")
-    return "<br>".join([head, *lines[:3]])
+    return "<br>".join([head, *lines[:4]])
 
 
 def _span(layers: list[int]) -> str:

@@ -72,11 +72,14 @@ def table_html(table: Sequence[Sequence[str]], notes: Mapping[str, str] | None =
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table)
     said = "".join(f"<li><b>{html.escape(lane)}</b>: {html.escape(text)}</li>" for lane, text in (notes or {}).items()
                    if text)
-    return (f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:4px 0">'
+    return (f'<table class="kvx-compare-table" lang="en" style="border-collapse:collapse;font-size:13px;'
+            f'margin:4px 0;width:100%">'
             f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
             + (f'<ul class="kvx-compare-notes" style="margin:2px 0;padding-left:18px">{said}</ul>' if said else "")
-            + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 10px;text-align:left;"
-            "border-bottom:1px solid #ddd;white-space:nowrap}</style>")
+            + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 6px;text-align:left;"
+            "border-bottom:1px solid #ddd;white-space:normal}"
+            ".kvx-compare-table th{vertical-align:bottom;font-weight:600;overflow-wrap:anywhere;hyphens:auto}"
+            "</style>")
 
 
 def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[float | None]],
@@ -85,23 +88,25 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
     traces = []
     for i, (name, records) in enumerate(lanes.items()):
         decode = [r for r in records if r.is_decode]
-        traces.append(dict(type="scatter", mode="lines+markers", name=f"ms/step · {name}", legendgroup=name,
+        traces.append(dict(type="scatter", mode="lines+markers", name=name, legendgroup=name,
                            x=[r.step for r in decode], y=[1000 * r.forward_s for r in decode],
                            line=dict(color=strategy_colour(i)), marker=dict(size=4), xaxis="x", yaxis="y",
                            hovertemplate=f"{name}<br>step %{{x}}: %{{y:.1f}} ms<extra></extra>"))
         ks = list(kl.get(name, []))
         traces.append(dict(type="scatter", mode="lines+markers", name=f"KL · {name}", legendgroup=name,
+                           showlegend=False,  # one legend entry per strategy: its colour in both panels
                            x=[r.step for r in records][:len(ks)], y=ks, marker=dict(size=4),
                            line=dict(color=strategy_colour(i), dash="dot"), xaxis="x2", yaxis="y2",
                            hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
-    layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=40),
+    layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=90),
                   title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
                   xaxis=dict(domain=[0, 0.44], anchor="y", title=dict(text="step")),
-                  yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="forward ms per step"), rangemode="tozero"),
+                  yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms / step (solid)"),
+                              rangemode="tozero"),
                   xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
-                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL(reference ‖ strategy)"),
+                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL (dotted)"),
                               rangemode="tozero", exponentformat="e"),
-                  legend=dict(font=dict(size=11)))
+                  legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"))
     return FigureSpec(traces, layout)
 
 

@@ -67,8 +67,9 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], layer: int) -> FigureSpec:
               "bytes: reserved ━ used ╌ · full cache ┈ (formula)")
     layout = dict(height=640, margin=dict(l=60, r=10, t=60, b=40), hovermode="closest",
                   title=dict(text="eviction over the steps (colour: strategy)", font=dict(size=13)),
-                  legend=dict(font=dict(size=12), groupclick="togglegroup", orientation="h", y=-0.12),
-                  xaxis=dict(domain=[0, 1], anchor="y", title=dict(text="")),
+                  legend=dict(font=dict(size=12), groupclick="togglegroup", orientation="h", y=-0.22,
+                              yanchor="top"),
+                  xaxis=dict(domain=[0, 1], anchor="y", title=dict(text=""), showticklabels=False),  # see below
                   yaxis=dict(domain=[0.57, 1.0], anchor="x", rangemode="tozero", title=dict(text="positions")),
                   xaxis2=dict(domain=[0, 1], anchor="y2", matches="x", title=dict(text="step", standoff=2)),
                   yaxis2=dict(domain=[0.0, 0.43], anchor="x2", rangemode="tozero", tickformat="~s", ticksuffix="B"),

@@ -89,6 +89,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
         suffix = "" if p == 0 else str(p + 1)
         layout[f"xaxis{suffix}"] = dict(domain=[0, 1], anchor=f"y{suffix}",
                                         title=dict(text="step" if p == n - 1 else "", standoff=2),
+                                        showticklabels=p == n - 1,  # one step axis, labelled under the last panel
                                         **({} if p == 0 else {"matches": "x"}))
         layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}",
                                         tickformat="~s", ticksuffix="B", rangemode="tozero")

@@ -65,14 +65,14 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     # array would travel as JSON, which has no NaN
     traces = [
         dict(type="heatmap", name="key norms", **binned(k_rows, b, "mean"), xaxis="x", hoverongaps=False,
-             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12),
+             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12, **_ends(k_rows)),
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖k‖ = %{{z:.3f}}<extra></extra>", **common),
         dict(type="heatmap", name="value norms", **binned(v_rows, b, "mean"), xaxis="x2", hoverongaps=False,
-             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12),
+             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12, **_ends(v_rows)),
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖v‖ = %{{z:.3f}}<extra></extra>", **common),
         dict(type="heatmap", name="quantization error", **binned(qe.astype(np.float32), eb, "max"), colorscale="Reds",
              zmin=0, zmax=top or 1.0, xaxis="x3", yaxis="y3", ygap=1,
-             colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12),
+             colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12, nticks=3),
              hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
                            "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
@@ -92,10 +92,20 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
         yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
                     range=[-0.5, kvh - 0.5]),
         xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=0)),
-        yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1),
+        yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1,
+                    range=[-0.5, max(kvh, 1) - 0.5], showticklabels=top > 0),
         annotations=note,
     )
     return FigureSpec(traces, layout if positions else hide_axes(layout))
+
+
+def _ends(rows: np.ndarray) -> dict:
+    """A colour bar a quarter of a figure high labelled at its two ends only (more labels overprint there)."""
+    held = rows[np.isfinite(rows)] if rows.size else rows
+    if not held.size:
+        return {}
+    lo, hi = float(held.min()), float(held.max())
+    return dict(tickvals=[lo, hi], ticktext=[f"{lo:.3g}", f"{hi:.3g}"])
 
 
 def _wrap(text: str, width: int = 90) -> str:

@@ -1,0 +1,104 @@
+"""Type on a figure of a given size: titles wrapped to the width a figure has on screen, the top margin a title of
+so many lines needs, and every font raised to a floor (presentation mode, read from the back of a lecture hall).
+
+The explorer fits each figure with these before it is sent (:func:`kvexplore.explorer.controls.fit`): a title line
+longer than the figure is broken at its `` · `` separators, and the top margin follows the title's lines instead of
+a fixed guess, so a many-line title neither spills over its neighbour nor squeezes the plot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LINE = 1.3  # a title line's height, in font sizes
+PAD = 10  # pixels above the first line of a title
+CHAR = 0.56  # a character's mean width, in font sizes (proportional sans-serif)
+SEPARATOR = " · "
+
+
+def title_height(text: str, size: float) -> float:
+    """Pixels from the figure's top to the bottom of a title of ``text`` (lines split at ``<br>``) at font ``size``
+    placed by :func:`place_title`."""
+    return _top(text, size) + LINE * size * (text.count("<br>") + 1) if text else 0.0
+
+
+def _top(text: str, size: float) -> float:
+    """Where :func:`place_title` anchors a title, in pixels from the figure's top: plotly draws a title anchored at
+    its top about a quarter of a line higher, and each further line a third of a font size higher again."""
+    return PAD + size * (0.3 + 0.36 * text.count("<br>"))
+
+
+def place_title(layout: dict, below: float) -> None:
+    """Anchor ``layout``'s title near the figure's top and make the top margin its lines and ``below`` pixels
+    (what the figure draws between its title and its plot: panel labels, a legend)."""
+    title = layout.get("title")
+    if not isinstance(title, dict) or not title.get("text"):
+        return
+    text, size = str(title["text"]), float(title.setdefault("font", {}).get("size", 13))
+    layout.setdefault("margin", {})["t"] = round(title_height(text, size) + below)
+    title.update(yref="container", y=round(1 - _top(text, size) / max(1, layout.get("height", 400)), 4),
+                 yanchor="top")
+
+
+def wrap(text: str, size: float, width: float) -> str:
+    """``text`` with every line longer than ``width`` pixels at font ``size`` broken at its `` · `` separators (a
+    part longer than a line stays whole)."""
+    most = max(12, int(width / (CHAR * size)))
+    lines = []
+    for line in text.split("<br>"):
+        if _visible(line) <= most or SEPARATOR not in line:
+            lines.append(line)
+            continue
+        current = ""
+        for part in line.split(SEPARATOR):
+            joined = f"{current}{SEPARATOR}{part}" if current else part
+            if current and _visible(joined) > most:
+                lines.append(current + " ·")
+                current = part
+            else:
+                current = joined
+        lines.append(current)
+    return "<br>".join(lines)
+
+
+def _visible(line: str) -> int:
+    """Characters of ``line`` a reader sees (tags such as ``<sup>`` left out)."""
+    out, inside = 0, False
+    for ch in line:
+        if ch == "<":
+            inside = True
+        elif ch == ">":
+            inside = False
+        elif not inside:
+            out += 1
+    return out
+
+
+def at_least(tree: Any, size: float) -> None:
+    """Raise every ``font``/``tickfont``/``textfont`` size in ``tree`` (a layout or a trace, nested dicts and lists)
+    to ``size`` at least, in place."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key in ("font", "tickfont", "textfont", "insidetextfont", "outsidetextfont") and isinstance(value, dict):
+                if value.get("size", 0) < size:
+                    value["size"] = size
+            at_least(value, size)
+    elif isinstance(tree, list):
+        for value in tree:
+            if isinstance(value, (dict, list)):
+                at_least(value, size)
+
+
+def fit_title(layout: dict, width: float, floor: float | None = None) -> None:
+    """Wrap ``layout``'s title to ``width`` pixels (at its font, raised to ``floor``) and give it the top margin its
+    lines need, keeping the room the figure had below its title (a legend, panel labels)."""
+    title = layout.get("title")
+    if not isinstance(title, dict) or not title.get("text"):
+        return
+    font = title.setdefault("font", {})
+    before = float(font.get("size", 13))
+    old = str(title["text"])
+    below = max(0.0, float(layout.get("margin", {}).get("t", 80)) - title_height(old, before))
+    font["size"] = max(before, floor or 0)
+    title["text"] = wrap(old, font["size"], width)
+    place_title(layout, below)
