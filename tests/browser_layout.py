@@ -61,9 +61,14 @@ CHECK = r"""
     if (!own || !shown(el)) continue;
     texts.push({el, r: el.getBoundingClientRect(), fig: null, kind: 'html'});
   }
-  for (const el of root.querySelectorAll('.kvx-status, .kvx-error, .kvx-compare, .kvx-view, .kvx-spec-hint, .widget-html-content, table')) {
-    if (!shown(el)) continue;
-    if (el.scrollWidth > el.clientWidth + 2 && getComputedStyle(el).overflowX !== 'visible')
+  // a box that hides what does not fit cuts it; one that scrolls (a wide table) keeps it in reach
+  const scrolls = el => ['auto', 'scroll'].includes(getComputedStyle(el).overflowX);
+  const inScroller = el => { for (let e = el.parentElement; e && e !== root; e = e.parentElement)
+    if (scrolls(e)) return true; return false; };
+  for (const el of root.querySelectorAll('.kvx-status, .kvx-error, .kvx-compare, .kvx-view, .kvx-tokens, ' +
+                                         '.widget-html-content, table, .kvx-compare-scroll')) {
+    if (!shown(el) || inScroller(el)) continue;
+    if (el.scrollWidth > el.clientWidth + 2 && !scrolls(el) && getComputedStyle(el).overflowX !== 'visible')
       out.push(`cut: ${name(el)} is ${el.scrollWidth}px wide in a ${el.clientWidth}px box`);
     const r = el.getBoundingClientRect();
     if (r.right > vw + 1) out.push(`off screen: ${name(el)} reaches x ${r.right.toFixed(0)} of ${vw}`);
@@ -96,3 +101,64 @@ CHECK = r"""
 def problems(explorer, min_font: float | None = None, plot_share: float = 0.3) -> list[str]:
     """Every layout problem of ``explorer`` (a locator of its ``.kvx-explorer`` root) as it is on screen now."""
     return explorer.evaluate(CHECK, {"minFont": min_font, "plotShare": plot_share})
+
+
+SIZES = ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080})
+PRESENTING_PX = 18
+
+
+def _idle(page, explorer) -> None:
+    page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled", arg=explorer.element_handle(),
+                           polling=100, timeout=120_000)
+
+
+def _settle(page, explorer) -> None:
+    """Wait until no operation runs and the figures have been laid out (two frames after plotly's redraw)."""
+    _idle(page, explorer)
+    page.wait_for_timeout(250)  # the kernel's figure messages arrive after the buttons are enabled again
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+
+
+def _lane(page, explorer, lane: str) -> None:
+    explorer.locator(".kvx-lane select").first.select_option(label=lane)
+    _settle(page, explorer)
+
+
+def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
+                 plot_share: float = 0.3) -> list[str]:
+    """At 1280 x 800 and 1920 x 1080, without and with presentation, every tab of the explorer and, for each lane of
+    ``lanes`` (lane -> the tabs to look at with it on screen; default: the lane shown, every tab), the layout
+    holds (:func:`problems`; presenting, every text at 18 px at least). A screenshot of each look goes to
+    ``shots``; the first look with problems fails, naming them and its screenshot. Returns what was looked at."""
+    looked = []
+    first_lane = explorer.locator(".kvx-lane select").first.input_value()
+    tabs_titles = [b.inner_text() for b in explorer.locator(".kvx-view button").all()]
+    lanes = lanes or {first_lane: tuple(tabs_titles)}
+    box = explorer.locator(".kvx-presentation input").first
+    try:
+        for size in SIZES:
+            page.set_viewport_size(size)
+            for presenting in (False, True):
+                if box.is_checked() != presenting:
+                    box.click()
+                    _settle(page, explorer)
+                for lane, tabs in lanes.items():
+                    _lane(page, explorer, lane)
+                    for title in tabs:
+                        explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
+                        _settle(page, explorer)
+                        explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+                        tag = (f"{name}_{size['width']}x{size['height']}{'_presenting' if presenting else ''}_"
+                               f"{lane.replace('@', '-').replace(' ', '_')}_{title.replace(' ', '_').replace('/', '')}")
+                        path = shots / f"layout_{tag}.png"
+                        page.screenshot(path=str(path))
+                        found = problems(explorer, PRESENTING_PX if presenting else None, plot_share)
+                        assert not found, f"{tag} ({path}):\n  " + "\n  ".join(found[:30])
+                        looked.append(tag)
+    finally:
+        if box.is_checked():
+            box.click()
+            _settle(page, explorer)
+        page.set_viewport_size(SIZES[0])
+        _lane(page, explorer, first_lane)
+    return looked

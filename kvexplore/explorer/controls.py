@@ -14,14 +14,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config.model_config import ModelConfig
-from ..views.lettering import at_least, fit_title
+from ..views.lettering import at_least, fit_notes, fit_title
 from ..formats.store import MODELS
 
 HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disabled while an operation runs
 HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
-COLUMN_PX = 560  # a figure's width beside another at 1280 x 800, less its margins: the width titles wrap to
+COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 x 800 in JupyterLab, files open
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
+PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)
 STYLE = f"""<style>
@@ -110,9 +111,11 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     left = W.VBox([figures["cache_map"], figures["cache_map_b"]],
                   layout=W.Layout(flex="1 1 360px", min_width="330px"))
     left.add_class("kvx-left")
+    w["left"] = left
     panel = W.VBox([], layout=W.Layout(width="100%"))
     right = W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 360px", min_width="330px"))
     right.add_class("kvx-right")
+    w["right"] = right
     main = row(left, right, align_content="flex-start")
     main.layout.align_items = "flex-start"
     root = W.VBox([
@@ -126,18 +129,26 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     return root, panel
 
 
+def columns(w: dict[str, Any], presenting: bool) -> None:
+    """The cache map and the tab's view side by side, or, presenting, one above the other at the full width (type
+    of 18 px needs a figure's whole width)."""
+    for name in ("left", "right"):
+        w[name].layout.flex = "1 1 100%" if presenting else "1 1 360px"
+
+
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
-    """``spec`` as drawn on this screen: its height for the one-screen layout, its title wrapped to the width a
-    column has at 1280 x 800 (the top margin following its lines), and every text at :data:`PRESENTING_PX` at least
-    when presenting."""
-    height = HEIGHT if name != "compare" else HEIGHT - 130  # the compare table sits above its figure
+    """``spec`` as drawn on this screen: its height for the one-screen layout (taller when presenting: the figures
+    are then one above the other), its title wrapped to the width a figure has (the top margin following its
+    lines), and every text at :data:`PRESENTING_PX` at least when presenting."""
+    full = PRESENTING_HEIGHT if presenting else HEIGHT
+    height = full if name != "compare" else full - 130  # the compare table sits above its figure
     if name == "cache_map_b" or (name == "cache_map" and side_by_side):
-        height = HEIGHT // 2 + 60  # two cache maps, one above the other
+        height = full // 2 + 60  # two cache maps, one above the other
     spec.layout["height"] = height
     if name == "cache_map_b":
         spec.layout["showlegend"] = False  # the first cache map's legend says it
     floor = PRESENTING_PX if presenting else None
-    fit_title(spec.layout, COLUMN_PX, floor + 2 if floor else None)
+    fit_title(spec.layout, 2 * COLUMN_PX if presenting else COLUMN_PX, floor + 2 if floor else None)
     if presenting:  # read from the back of a lecture hall
         spec.layout["font"] = dict(size=PRESENTING_PX)
         at_least(spec.layout, PRESENTING_PX)
@@ -149,6 +160,7 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
                 t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}
+    fit_notes(spec.layout, (2 if presenting else 1) * COLUMN_PX * 0.9)
     return spec
 
 

@@ -131,6 +131,7 @@ class Screen:
         for name in layout.HIDDEN_WHEN_PRESENTING:
             self.controls[name].layout.display = "none" if on else ""
         self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
+        layout.columns(self.controls, on)
         self.widget.remove_class("kvx-presenting")
         if on:
             self.widget.add_class("kvx-presenting")

@@ -200,7 +200,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
              xaxis="x", yaxis="y", **({} if width is None else {"width": width})),
         dict(type="heatmap", name="history", x=hx, y=hy, z=matrix[keep].astype(np.float32),
              colorscale=PROBABILITY_SCALE, zmin=0, zmax=1, xaxis="x2", yaxis="y2",
-             colorbar=dict(title=dict(text="p" if exact else "max p"), len=0.5, y=0, yanchor="bottom", x=0.62,
+             colorbar=dict(title=dict(text="p" if exact else "max p"), len=0.5, y=0, yanchor="bottom", x=0.57,
                            xanchor="left", thickness=10),
              hovertemplate=where + "<extra></extra>"),
         dict(type="heatmap", name="gqa", z=group_z, x=list(range(num_heads)), y=list(range(kvh)), zmin=0, zmax=2,
@@ -227,7 +227,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         notes.append(dict(text="this step's row is no longer held (the newest rows are kept)", xref="paper",
                           yref="paper", x=0.5, y=0.85, showarrow=False))
     binned = "" if exact else f" · history binned {rb.size}×{cb.size} (max)"
-    xaxis2 = dict(domain=[0, 0.6], anchor="y2", title=dict(text="key position", standoff=2))
+    xaxis2 = dict(domain=[0, 0.55], anchor="y2", title=dict(text="key position", standoff=2))
     yaxis2 = dict(domain=[0, 0.5], anchor="x2", title=dict(text="query position"), autorange="reversed")
     z = zoom or {}
     if z.get("xaxis2"):
@@ -244,7 +244,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
                    range=bar_range),
         yaxis=dict(domain=[0.68, 1], anchor="x", title=dict(text="p (now)"), rangemode="tozero"),
         xaxis2=xaxis2, yaxis2=yaxis2,
-        xaxis3=dict(domain=[0.86, 1], anchor="y3", title=dict(text="query<br>heads"),
+        xaxis3=dict(domain=[0.84, 1], anchor="y3", title=dict(text="query<br>heads"),
                     showticklabels=False),
         yaxis3=dict(domain=[0, 0.5], anchor="x3", title=dict(text="KV head"), dtick=1, autorange="reversed"),
         annotations=notes if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,

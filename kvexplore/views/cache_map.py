@@ -115,6 +115,21 @@ def _by_layout(groups: list) -> list:
     return [(view, sorted(layers), classes) for view, layers, classes in out.values()]
 
 
+def _token_rows(drawn: list, kinds: dict[int, str]) -> list[tuple]:
+    """The token rows over the map: one per kind of layer (full, sliding, ...), from its first layout (the main
+    layer's first: where the layers of a kind keep different slots, as an evicting cache's do, the others' rows
+    are in the map below); labelled with the kind and its layers' count, or "token" when there is one kind."""
+    first: dict[str, tuple] = {}
+    count: dict[str, int] = {}
+    for view, layers, classes in drawn:
+        kind = kinds.get(layers[0], "layer")
+        first.setdefault(kind, (view, layers, classes))
+        count[kind] = count.get(kind, 0) + len(layers)
+    if len(first) == 1:  # one kind: its first layout's row (an evicting cache's: the main layer's kept slots)
+        return [(*next(iter(first.values())), "token")]
+    return [(view, layers, classes, f"{kind} ({count[kind]})") for kind, (view, layers, classes) in first.items()]
+
+
 def _runs(layers: list[int]) -> list[tuple[int, int]]:
     """Consecutive runs ``(first, last)`` of a sorted list of layer numbers."""
     runs: list[list[int]] = []
@@ -177,14 +192,15 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                                          "<extra></extra>", showscale=False, **scale)
     traces = [heat]
     labels = []
-    for i, (view, layers, classes) in enumerate(drawn):  # one token row per kind of layout
+    rows_of = _token_rows(drawn, kinds)
+    for i, (view, layers, classes, label) in enumerate(rows_of):  # one token row per kind of layer
         row, hover = _token_row(view, classes, b, token_texts)
         on = row >= 0
         traces.append(dict(type="heatmap", name="tokens" if i == 0 else f"tokens {i + 1}", z=row[on][None, :],
                            customdata=[[h for h, k in zip(hover, on) if k]], x=x[on], y=[i], xgap=gap,
                            xaxis="x", yaxis="y2", showscale=False, hovertemplate="%{customdata}<extra></extra>",
                            **scale))
-        labels.append("token" if len(drawn) == 1 else f"{kinds.get(layers[0], 'layer')} ({len(layers)})")
+        labels.append(label)
     # the legend: one square per slot class (a heatmap has none of its own)
     traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
                     marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
@@ -202,7 +218,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
         annotations.append(_note(f"no cache: this step recomputed all {record.input_len} positions "
                                  f"(0..{record.position - 1}); nothing is kept between steps"))
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
-    rows = max(1, len(drawn))
+    rows = max(1, len(rows_of))
     shown = onscreen.describe(b, n)
     title = title or _title(record, kind, layouts, fresh, after)
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
@@ -308,16 +324,19 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         lines.append(f"verification: {record.input_len - 1} drafted · "
                      + (f"positions {gone.start}–{gone.stop - 1} written, then taken back" if gone else
                         "every draft accepted, nothing taken back"))
+    said: dict[str, list[int]] = {}  # each summary once, with every layer it describes
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):  # one line for every shared layer
             shared += [f"{layer} reads {view.layout.source}" for layer in layers]
             continue
-        summary = view.layout.summary()
-        if len(groups) > 1:
-            name = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_span(layers)}"
-            summary = f"{name}: {summary or view.layout.order}"
+        summary = view.layout.summary() or (view.layout.order if len(groups) > 1 else "")
         if summary:
-            lines.append(summary)
+            said.setdefault(summary, []).extend(layers)
+    for summary, layers in said.items():
+        if len(groups) > 1:
+            layers = sorted(layers)
+            summary = f"{f'layer {layers[0]}' if len(layers) == 1 else f'layers {_span(layers)}'}: {summary}"
+        lines.append(summary)
     if shared:
         lines.append(f"shared layers store nothing: {', '.join(shared[:6])}{', ...' if len(shared) > 6 else ''}")
     return "<br>".join([head, *lines[:4]])

@@ -65,20 +65,28 @@ def _timing(seconds: Sequence[float]) -> str:
     return text
 
 
+# what the table's head shows of each column (the full name of COLUMNS is its tooltip): short words, so a column
+# beside the cache map holds the table at 1280 x 800, presenting too
+HEADS = ("strategy", "own token = ref.", "top-1 agree", "mean KL (nats)", "ms / step (median, mid half)",
+         "reserved", "copied / step")
+
+
 def table_html(table: Sequence[Sequence[str]], notes: Mapping[str, str] | None = None) -> str:
     """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages), and
     below it ``notes``: lane -> what its lossy cache did so far (a lane that has lost nothing yet says why)."""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
+    head = "".join(f'<th title="{html.escape(c)}">{html.escape(h)}</th>' for c, h in zip(COLUMNS, HEADS))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table)
     said = "".join(f"<li><b>{html.escape(lane)}</b>: {html.escape(text)}</li>" for lane, text in (notes or {}).items()
                    if text)
-    return (f'<table class="kvx-compare-table" lang="en" style="border-collapse:collapse;font-size:13px;'
-            f'margin:4px 0;width:100%">'
-            f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return (f'<div class="kvx-compare-scroll" style="overflow-x:auto;max-width:100%">'  # narrower than the table:
+            f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:4px 0;'  # it
+            f'width:100%">'
+            f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
             + (f'<ul class="kvx-compare-notes" style="margin:2px 0;padding-left:18px">{said}</ul>' if said else "")
             + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 6px;text-align:left;"
             "border-bottom:1px solid #ddd;white-space:normal}"
-            ".kvx-compare-table th{vertical-align:bottom;font-weight:600;overflow-wrap:anywhere;hyphens:auto}"
+            ".kvx-compare-table th{vertical-align:bottom;font-weight:600}"
+            ".kvx-compare-table td:first-child{position:sticky;left:0;background:#fff}"
             "</style>")
 
 
@@ -99,14 +107,14 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                            line=dict(color=strategy_colour(i), dash="dot"), xaxis="x2", yaxis="y2",
                            hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
     layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=90),
-                  title=dict(text=f"strategies in lockstep · reference: {reference}", font=dict(size=13)),
-                  xaxis=dict(domain=[0, 0.44], anchor="y", title=dict(text="step")),
+                  title=dict(text=f"per step, strategies in lockstep · reference: {reference}", font=dict(size=13)),
+                  xaxis=dict(domain=[0, 0.44], anchor="y"),
                   yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms / step (solid)"),
                               rangemode="tozero"),
-                  xaxis2=dict(domain=[0.56, 1], anchor="y2", title=dict(text="step")),
+                  xaxis2=dict(domain=[0.56, 1], anchor="y2"),
                   yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL (dotted)"),
                               rangemode="tozero", exponentformat="e"),
-                  legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"))
+                  legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.25, yanchor="top"))
     return FigureSpec(traces, layout)
 
 

@@ -19,7 +19,7 @@ SEPARATOR = " · "
 def title_height(text: str, size: float) -> float:
     """Pixels from the figure's top to the bottom of a title of ``text`` (lines split at ``<br>``) at font ``size``
     placed by :func:`place_title`."""
-    return _top(text, size) + LINE * size * (text.count("<br>") + 1) if text else 0.0
+    return _top(text, size) + LINE * size * (text.count("<br>") + 1) + PAD / 2 if text else 0.0
 
 
 def _top(text: str, size: float) -> float:
@@ -46,19 +46,25 @@ def wrap(text: str, size: float, width: float) -> str:
     most = max(12, int(width / (CHAR * size)))
     lines = []
     for line in text.split("<br>"):
-        if _visible(line) <= most or SEPARATOR not in line:
-            lines.append(line)
-            continue
-        current = ""
-        for part in line.split(SEPARATOR):
-            joined = f"{current}{SEPARATOR}{part}" if current else part
-            if current and _visible(joined) > most:
-                lines.append(current + " ·")
-                current = part
-            else:
-                current = joined
-        lines.append(current)
+        for part in _split(line, SEPARATOR, " ·", most):
+            lines += _split(part, " ", "", most)  # a part still too long: at its spaces
     return "<br>".join(lines)
+
+
+def _split(line: str, at: str, ends: str, most: int) -> list[str]:
+    """``line`` in pieces of at most ``most`` visible characters, cut at ``at`` (each piece but the last ending
+    with ``ends``); a line that fits, or cannot be cut, comes back whole."""
+    if _visible(line) <= most or at not in line:
+        return [line]
+    out, current = [], ""
+    for part in line.split(at):
+        joined = f"{current}{at}{part}" if current else part
+        if current and _visible(joined) > most:
+            out.append(current + ends)
+            current = part
+        else:
+            current = joined
+    return out + [current]
 
 
 def _visible(line: str) -> int:
@@ -87,6 +93,14 @@ def at_least(tree: Any, size: float) -> None:
         for value in tree:
             if isinstance(value, (dict, list)):
                 at_least(value, size)
+
+
+def fit_notes(layout: dict, width: float) -> None:
+    """Wrap the notes centred on a figure (paper annotations at x = 0.5, the "nothing to show" sentences) to
+    ``width`` pixels at their font."""
+    for note in layout.get("annotations") or []:
+        if isinstance(note, dict) and note.get("xref") == "paper" and note.get("x") == 0.5 and note.get("text"):
+            note["text"] = wrap(str(note["text"]), float((note.get("font") or {}).get("size", 13)), width)
 
 
 def fit_title(layout: dict, width: float, floor: float | None = None) -> None:

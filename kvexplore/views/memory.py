@@ -80,9 +80,11 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     n = len(panels)
     gap = 0.14
     height = (1 - gap * (n - 1)) / n
-    layout = dict(height=260 * n + 60, margin=dict(l=60, r=10, t=60, b=40),
+    layout = dict(height=260 * n + 60, margin=dict(l=60, r=10, t=60, b=60),
                   title=dict(text="memory per step (colour: strategy · line style: which figure)", font=dict(size=13)),
-                  legend=dict(groupclick="togglegroup", font=dict(size=12), title=dict(text="strategy")),
+                  legend=dict(groupclick="togglegroup", font=dict(size=12), title=dict(text="strategy"),
+                              orientation="h", x=0, xanchor="left", y=-0.1, yanchor="top"),  # under: the panels
+                  # keep the figure's width (a legend beside them took a third of a column)
                   hovermode="closest", annotations=[])
     for p, (title, _, _) in enumerate(panels):
         top = 1 - p * (height + gap)
