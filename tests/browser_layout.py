@@ -98,7 +98,7 @@ CHECK = r"""
 """
 
 
-def problems(explorer, min_font: float | None = None, plot_share: float = 0.3) -> list[str]:
+def problems(explorer, min_font: float | None = None, plot_share: float = 0.25) -> list[str]:
     """Every layout problem of ``explorer`` (a locator of its ``.kvx-explorer`` root) as it is on screen now."""
     return explorer.evaluate(CHECK, {"minFont": min_font, "plotShare": plot_share})
 
@@ -125,7 +125,7 @@ def _lane(page, explorer, lane: str) -> None:
 
 
 def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
-                 plot_share: float = 0.3) -> list[str]:
+                 plot_share: float = 0.25) -> list[str]:
     """At 1280 x 800 and 1920 x 1080, without and with presentation, every tab of the explorer and, for each lane of
     ``lanes`` (lane -> the tabs to look at with it on screen; default: the lane shown, every tab), the layout
     holds (:func:`problems`; presenting, every text at 18 px at least). A screenshot of each look goes to

@@ -26,23 +26,67 @@ REPEATED = ("The whale swam under the ship while the crew slept, and the sea was
             "ship while the crew slept, and the sea was calm. The whale swam")
 
 
-@LAB
-def test_every_view_and_lane_kind_fits_both_screens_and_presentation(lab, lab_page, browser, shots):
-    name = "layout_tiny"
-    _notebook(lab.root / f"{name}.ipynb",
-              "import kvexplore\n"
-              f"ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged', 'evict', 'preallocated@spec'), "
-              f"max_seq_len=128, strategy_options={{'paged': {{'block_size': 8}}, 'preallocated@spec': {SPEC!r}}}, "
-              f"prompt={REPEATED!r})\nex.run(6)\nex")
+def _lab_layout(lab, lab_page, shots, name: str, source: str, lanes: dict[str, tuple[str, ...]]) -> list[str]:
+    """Run a notebook of one cell (``source`` shows an explorer) in the run's JupyterLab and look at its layout."""
+    _notebook(lab.root / f"{name}.ipynb", source)
     with lab_page.notebook(f"{name}.ipynb", VIEWPORT) as page:
         start_run_all(page)
         assert not wait_run_finished(page)
         explorer = page.locator(".kvx-explorer").first
-        explorer.locator(".js-plotly-plot").first.wait_for(timeout=120_000)
-        every = ("Attention", "Memory", "Stored K/V", "Compare strategies", "Press scores", "Held per head",
-                 "Eviction", "Speculation")
-        looked = check_layout(page, explorer, shots, "tiny", lanes={
-            "preallocated": every, "paged": ("Attention",), "evict": ("Attention", "Press scores", "Held per head"),
-            "preallocated@spec": ("Attention", "Speculation")})
-    assert len(looked) == 2 * 2 * (len(every) + 1 + 3 + 2), looked
+        explorer.locator(".js-plotly-plot").first.wait_for(timeout=300_000)
+        looked = check_layout(page, explorer, shots, name.removeprefix("layout_"), lanes=lanes)
     (shots / f"{name}_looks.json").write_text(json.dumps(looked, indent=1))
+    return looked
+
+
+@LAB
+def test_every_view_and_lane_kind_fits_both_screens_and_presentation(lab, lab_page, browser, shots):
+    every = ("Attention", "Memory", "Stored K/V", "Compare strategies", "Press scores", "Held per head", "Eviction",
+             "Speculation")
+    looked = _lab_layout(lab, lab_page, shots, "layout_tiny",
+                         "import kvexplore\n"
+                         f"ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged', 'evict', "
+                         f"'preallocated@spec'), max_seq_len=128, strategy_options={{'paged': {{'block_size': 8}}, "
+                         f"'preallocated@spec': {SPEC!r}}}, prompt={REPEATED!r})\nex.run(6)\nex",
+                         {"preallocated": every, "paged": ("Attention",),
+                          "evict": ("Attention", "Press scores", "Held per head"),
+                          "preallocated@spec": ("Attention", "Speculation")})
+    assert len(looked) == 2 * 2 * (len(every) + 1 + 3 + 2), looked
+
+
+EXACT_TABS = ("Attention", "Memory", "Stored K/V", "Compare strategies")
+
+
+@LAB
+@pytest.mark.smollm2
+def test_smollm2_with_an_evicting_lane_fits(lab, lab_page, browser, shots):
+    """SmolLM2 (30 layers, 9 query heads on 3 KV heads) beside an evicting lane, its chat prompt in the strip."""
+    from test_browser_truth import _smollm2
+
+    _smollm2()
+    looked = _lab_layout(lab, lab_page, shots, "layout_smollm2",
+                         "import kvexplore\n"
+                         "ex = kvexplore.Explorer('smollm2-135m', strategies=('preallocated', 'evict'), max_seq_len=160, "
+                         "prompt='Why is the sky blue? Answer in two sentences.', chat=True)\nex.run(6)\nex",
+                         {"preallocated": EXACT_TABS + ("Eviction",),
+                          "evict": ("Attention", "Press scores", "Held per head")})
+    assert len(looked) == 4 * 8, looked
+
+
+@LAB
+@pytest.mark.gemma3
+def test_gemma3_at_two_thousand_tokens_fits(lab, lab_page, browser, shots):
+    """Gemma 3 270M over 2,000 tokens of a chapter: rings of 512 slots beside the global layers, binned views."""
+    from gemma3_support import require_gemma3
+
+    require_gemma3()
+    looked = _lab_layout(lab, lab_page, shots, "layout_gemma3",
+                         "from pathlib import Path\nimport kvexplore\n"
+                         "gemma = kvexplore.load('gemma3-270m')\n"
+                         "text = (Path(kvexplore.__file__).parent / 'data' / 'texts' / "
+                         "'moby_dick_chapter_4.txt').read_text()\n"
+                         "ids = [gemma.tokenizer.bos_id, *gemma.tokenizer.encode(text)][:2000]\n"
+                         "ex = kvexplore.Explorer(gemma, strategies=('preallocated',), max_seq_len=2048, prompt=ids)\n"
+                         "ex.run(2)\nex",
+                         {"preallocated": EXACT_TABS})
+    assert len(looked) == 4 * 4, looked

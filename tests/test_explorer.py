@@ -825,7 +825,8 @@ def test_a_lossy_lane_says_what_it_did_and_an_error_of_zero_reads_as_none(model)
 
 def test_tabs_that_apply_to_no_lane_are_hidden(model):
     """Four tabs for exact lanes; the press views appear once an evict lane has pressed (the tab on screen stays
-    where it was while they do); a hidden view asked for by name is added and shown."""
+    where it was while they do), the speculation view with a lane that drafts; a hidden view asked for by name is
+    added and shown."""
     names = lambda ex: [v for _, v in ex.controls["view"].options]  # noqa: E731
     plain = explorer(model, strategies=("preallocated", "paged"), prompt=PROMPT)
     plain.run(2)
@@ -836,5 +837,17 @@ def test_tabs_that_apply_to_no_lane_are_hidden(model):
     pressing.step()
     assert names(pressing) == ["attention", "memory", "tensors", "compare", "press", "kept", "eviction"]
     assert pressing.view == "memory" and pressing._panel.children[-1] is pressing.figures["memory"]
+    drafting = explorer(model, strategies=("preallocated", "preallocated@spec"),
+                        strategy_options={"preallocated@spec": {"draft": "prompt-lookup"}})
+    assert names(drafting)[-1] == "speculation"  # a lane that drafts: its tab before its first verification
     plain.view = "speculation"  # asked for by name: shown, with its tab
     assert "speculation" in names(plain) and plain._panel.children[-1] is plain.figures["speculation"]
+
+
+def test_a_prompt_of_token_ids_is_run_as_given_and_shown_as_text(model):
+    ids = model.tokenizer.encode(PROMPT)[:5]
+    ex = explorer(model, strategies=("preallocated",), prompt=ids)
+    assert ex.error == "" and ex.lane.generator.prompt_tokens == ids
+    assert ex.controls["prompt"].value == model.tokenizer.decode(ids)
+    ex.prefill(ids[:3])
+    assert ex.lane.generator.prompt_tokens == ids[:3] and ex.controls["prompt"].value == model.tokenizer.decode(ids[:3])

@@ -155,12 +155,17 @@ class Screen:
             self._syncing = False
 
     def _sync_tabs(self) -> None:
-        """Tabs for the views that apply to a lane (:attr:`~..views.registry.View.applies` on its records: the
-        press views once a lane has pressed, the speculation view once one has drafted), and the one on screen."""
+        """Tabs for the views that apply to a lane (:attr:`~..views.registry.View.applies` on its records, or
+        ``View.live`` on the lane: the press views once a lane has pressed, the speculation view for a lane that
+        drafts), and the one on screen."""
         picker = self.controls["view"]
         current = picker.value
-        histories = [lane.history for lane in self.session.lanes.values()]
-        tabs = [(VIEWS[n].title, n) for n in TABS if n == current or any(VIEWS[n].drawn_for(h) for h in histories)]
+        lanes = list(self.session.lanes.values())
+
+        def applies(view) -> bool:
+            return any(view.drawn_for(lane.history) or (view.live is not None and view.live(lane)) for lane in lanes)
+
+        tabs = [(VIEWS[n].title, n) for n in TABS if n == current or applies(VIEWS[n])]
         if list(picker.options) != tabs:
             picker.options = tabs
             picker.value = current

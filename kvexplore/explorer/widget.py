@@ -62,7 +62,8 @@ class Explorer(Screen):
 
     def __init__(self, source: str | Path | Model | Generator = "tiny", tokenizer: Any = None,
                  strategies: Sequence[str] | None = None,
-                 max_seq_len: int = 256, prompt: str | None = None, chat: bool = False, temperature: float = 0.0,
+                 max_seq_len: int = 256, prompt: str | Sequence[int] | None = None, chat: bool = False,
+                 temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0, top_candidates: int = 5,
                  layer: int = 0, head: int = 0, strategy_options: dict[str, dict[str, Any]] | None = None,
                  follow_reference: bool = True, device: str | None = None, dtype: str | None = None,
@@ -92,7 +93,8 @@ class Explorer(Screen):
         self.layer, self.head = layer, head
         self.controls = layout.make(
             self.model.config, list(self.session.lanes), layer, head, self.session.sampling, self.session.seed,
-            prompt or DEFAULT_PROMPT, chat, self._has_chat(), models.picker_entry(source, self.model),
+            self._box_text(prompt) if prompt else DEFAULT_PROMPT, chat, self._has_chat(),
+            models.picker_entry(source, self.model),
             [(VIEWS[n].title, n) for n in TABS], view, presentation)
         snap = self.snapshot()
         self.figures: dict[str, PlotWidget] = {name: PlotWidget(self._fit(name, v.build(snap)), name)
@@ -279,11 +281,17 @@ class Explorer(Screen):
         w = self.controls
         prompt = w["prompt"].value if prompt is None else prompt
         chat = w["chat"].value if chat is None else chat
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise SettingsError("the prompt is empty: type some text in the prompt box, then press Prefill")
-            w["prompt"].value = prompt
+        if isinstance(prompt, str) and not prompt.strip():
+            raise SettingsError("the prompt is empty: type some text in the prompt box, then press Prefill")
         self.session.prefill(prompt, chat=chat)
+        w["prompt"].value = self._box_text(prompt)  # token ids: the text they decode to
+
+    def _box_text(self, prompt: str | Sequence[int]) -> str:
+        """What the prompt box shows for ``prompt``: the text, or the text token ids decode to."""
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.model.tokenizer
+        return tok.decode(list(prompt)) if tok is not None else " ".join(str(i) for i in prompt)
 
     def _check_picks(self, layer: int, head: int) -> None:
         c = self.model.config

@@ -201,7 +201,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         dict(type="heatmap", name="history", x=hx, y=hy, z=matrix[keep].astype(np.float32),
              colorscale=PROBABILITY_SCALE, zmin=0, zmax=1, xaxis="x2", yaxis="y2",
              colorbar=dict(title=dict(text="p" if exact else "max p"), len=0.5, y=0, yanchor="bottom", x=0.57,
-                           xanchor="left", thickness=10),
+                           xanchor="left", thickness=10, ticklabelposition="outside bottom"),  # clear of the title
              hovertemplate=where + "<extra></extra>"),
         dict(type="heatmap", name="gqa", z=group_z, x=list(range(num_heads)), y=list(range(kvh)), zmin=0, zmax=2,
              colorscale=[[0, "#f7f7f7"], [0.5, "#9ecae1"], [1, "#e6550d"]], showscale=False, xgap=2, ygap=2,

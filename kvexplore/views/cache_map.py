@@ -30,6 +30,7 @@ RANKED = "taken back > written > read > shared > not read > stale > evicted > fr
 PRIORITY = np.array([RANKED.split(" > ")[::-1].index(c) for c in SLOT_CLASSES], dtype=np.int64)
 MAX_MARKS = 64  # marks drawn per layout (page boundaries thinned out beyond)
 MAX_TICKS = 4  # labelled ticks (pages) on the slot axis: upright, they fit a narrow figure
+LEGEND_PX = 62  # the legend's rows of slot classes under the map (three rows in a column of 1280 x 800)
 
 
 def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool = True,
@@ -230,8 +231,9 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                               ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
-                              title=dict(text="slot")),
-                  margin=dict(l=60 if rows == 1 else 90, r=20, t=0, b=50))
+                              title=dict(text="slot"), orientation="h", x=0, xanchor="left", yref="container",
+                              y=0.005, yanchor="bottom"),  # at the foot of the figure: the map keeps its width
+                  margin=dict(l=60 if rows == 1 else 90, r=20, t=0, b=50 + (18 if shown else 0) + LEGEND_PX))
     place_title(layout, below=8)
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
 
@@ -324,12 +326,12 @@ def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, aft
         lines.append(f"verification: {record.input_len - 1} drafted · "
                      + (f"positions {gone.start}–{gone.stop - 1} written, then taken back" if gone else
                         "every draft accepted, nothing taken back"))
-    said: dict[str, list[int]] = {}  # each summary once, with every layer it describes
+    said: dict[str, list[int]] = {}  # each summary once, with every layer it describes (the x axis gives the order)
     for view, layers, _ in groups:
         if isinstance(view.layout, SharedLayout):  # one line for every shared layer
             shared += [f"{layer} reads {view.layout.source}" for layer in layers]
             continue
-        summary = view.layout.summary() or (view.layout.order if len(groups) > 1 else "")
+        summary = view.layout.summary()
         if summary:
             said.setdefault(summary, []).extend(layers)
     for summary, layers in said.items():

@@ -59,7 +59,7 @@ def _split(line: str, at: str, ends: str, most: int) -> list[str]:
     out, current = [], ""
     for part in line.split(at):
         joined = f"{current}{at}{part}" if current else part
-        if current and _visible(joined) > most:
+        if current and _visible(joined) + len(ends) > most:  # the piece ends with ``ends`` when cut here
             out.append(current + ends)
             current = part
         else:
@@ -96,10 +96,13 @@ def at_least(tree: Any, size: float) -> None:
 
 
 def fit_notes(layout: dict, width: float) -> None:
-    """Wrap the notes centred on a figure (paper annotations at x = 0.5, the "nothing to show" sentences) to
-    ``width`` pixels at their font."""
+    """Wrap the notes centred on a figure (paper annotations at x = 0.5, the "nothing to show" sentences) and the
+    panels' labels (at x = 0, anchored left) to ``width`` pixels at their font."""
     for note in layout.get("annotations") or []:
-        if isinstance(note, dict) and note.get("xref") == "paper" and note.get("x") == 0.5 and note.get("text"):
+        if not (isinstance(note, dict) and note.get("xref") == "paper" and note.get("text")):
+            continue
+        centred, label = note.get("x") == 0.5, note.get("x") == 0 and note.get("xanchor") == "left"
+        if centred or label:  # a panel's label (left, growing up from the panel) wraps to the width as well
             note["text"] = wrap(str(note["text"]), float((note.get("font") or {}).get("size", 13)), width)
 
 

@@ -37,7 +37,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     shown = shown if shown in lanes else next(iter(lanes), None)
     kinds = _kinds(lanes.get(shown, ()))
     if len(kinds) > 1:
-        panels.append((f"held by layer kind · {shown}: logical ━ reserved ┈ (colour: layer kind)", (),
+        panels.append((f"by layer kind ({shown}): logical ━ reserved ┈", (),
                        f"y{len(panels) + 1}"))
     series = {(lane, axis, attr): (steps, ys) for lane, records in lanes.items()
               for _, metrics, axis in panels for _, attr, _ in metrics

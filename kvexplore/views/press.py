@@ -21,6 +21,7 @@ from .spec import FigureSpec, columns, hide_axes
 # scores of the evicted in reds (light: low score), of the kept in blues (dark: high score): z = kept + score in 0..1
 SCORE_SCALE = [[0.0, "#fb6a4a"], [0.4999, "#67000d"], [0.5, "#c6dbef"], [1.0, "#08306b"]]
 HELD_SCALE = [[0.0, "#d62728"], [0.5, "#f2d0a4"], [1.0, "#2171b5"]]  # share of a cell's positions held
+ROW_LABELS = 12  # row labels a figure of the explorer's height has room for (every n-th row's beyond that)
 
 
 def press_of(record: StepRecord | None) -> PressStep | None:
@@ -191,13 +192,13 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
                              range=view_range, autorange=False, automargin=True, zeroline=False),
                   yaxis=dict(title=dict(text="layer · KV head"), autorange="reversed", domain=[0, 0.88], zeroline=False,
                              tickvals=list(range(len(rows))), ticktext=[f"L{l} h{h}" for l, h in rows],
-                             dtick=1 if len(rows) <= 24 else None),
+                             dtick=1 if len(rows) <= ROW_LABELS else None),
                   yaxis2=dict(domain=[0.91, 1], anchor="x", tickvals=[0], ticktext=["token"], fixedrange=True),
                   shapes=shapes, showlegend=False,
                   height=max(340, 200 + 16 * min(len(rows), 60)), margin=dict(l=70, r=20, t=70, b=60))
-    if len(rows) > 24:
+    if len(rows) > ROW_LABELS:
         layout["yaxis"].pop("dtick")
-        step = -(-len(rows) // 24)
+        step = -(-len(rows) // ROW_LABELS)
         layout["yaxis"]["tickvals"] = layout["yaxis"]["tickvals"][::step]
         layout["yaxis"]["ticktext"] = layout["yaxis"]["ticktext"][::step]
     return FigureSpec([heat, tokens], layout)

@@ -37,6 +37,9 @@ class View:
     # which lanes a replay draws it for: a function of one lane's records (None: every lane). A view drawn per lane
     # is drawn for the lanes it applies to, a view of the whole run when it applies to one lane at least
     applies: Callable[[Sequence[StepRecord]], bool] | None = None
+    # for a live lane (the explorer's), whether the view applies before its records can say so (a drafting lane
+    # before its first verification): a function of the lane (None: its records decide)
+    live: Callable[[object], bool] | None = None
 
     def drawn_for(self, records: Sequence[StepRecord]) -> bool:
         return self.applies is None or bool(self.applies(records))
@@ -51,7 +54,8 @@ VIEWS: dict[str, View] = {v.name: v for v in (
     View("press", "Press scores", press.scores_from_snapshot, replay=PER_LANE, applies=press.presses),
     View("kept", "Held per head", press.kept_from_snapshot, replay=PER_LANE, applies=press.presses),
     View("eviction", "Eviction", eviction.from_snapshot, replay=PER_RUN, applies=press.presses),
-    View("speculation", "Speculation", speculation.from_snapshot, replay=PER_LANE, applies=speculation.drafts),
+    View("speculation", "Speculation", speculation.from_snapshot, replay=PER_LANE, applies=speculation.drafts,
+         live=lambda lane: lane.speculation is not None),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 )}
 BUILT_IN = frozenset(VIEWS)  # what register() may not replace
@@ -98,6 +102,8 @@ def register(view: View, replace: bool = False) -> View:
         raise SettingsError(f"view {view.name!r}: build must be a function of a Snapshot to a FigureSpec")
     if view.applies is not None and not callable(view.applies):
         raise SettingsError(f"view {view.name!r}: applies must be a function of a lane's records to a bool")
+    if view.live is not None and not callable(view.live):
+        raise SettingsError(f"view {view.name!r}: live must be a function of a live lane to a bool")
     if view.replay not in REPLAY_SCOPES:
         raise SettingsError(f"view {view.name!r}: replay={view.replay!r}; use PER_LANE, PER_RUN or None")
     VIEWS[view.name] = view

@@ -124,7 +124,7 @@ def state_spec(history: tuple[list[int], torch.Tensor], layer: int) -> FigureSpe
                  hovertemplate="value head %{y} · record %{x}<br>‖S‖ = %{z:.3f}<extra></extra>")
     every = max(1, len(ends) // 12)
     layout = dict(height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
-                  title=dict(text=f"recurrent state · layer {layer} (linear attention: a fixed block, no slots)",
+                  title=dict(text=f"recurrent state · layer {layer}<br>(linear attention: a fixed block, no slots)",
                              font=dict(size=13)),
                   xaxis=dict(title=dict(text="after the step that reached length"), tickvals=list(range(0, len(ends), every)),
                              ticktext=[str(n) for n in ends[::every]]),
