@@ -298,8 +298,8 @@ def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shot
             _shows_no_code(page)
             done = _session(page, False, shots, name, timings, t0)
             expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
-            if model == "tiny":
-                done += _pasted_chapter(page, page.locator(".kvx-explorer").first, shots, name)
+            explorer = page.locator(".kvx-explorer").first
+            done += (_pasted_chapter if model == "tiny" else _pasted_whole_chapter)(page, explorer, shots, name)
         finally:
             page.close()
     save_timings(shots, name, timings)
@@ -336,6 +336,28 @@ def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
         assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
             f"{label}: the newest token is outside the strip's box: {last} in {strip}"
     page.screenshot(path=str(shots / f"{name}_900_tokens_1280x800.png"))
+    return done
+
+
+def _pasted_whole_chapter(page, explorer, shots: Path, name: str) -> list[str]:
+    """A teacher pastes a whole chapter (2,148 tokens of SmolLM2) into the app started with 128 slots: the caches
+    grow to hold it, Prefill and Step run, the page equals the kernel and the strip shows the newest token."""
+    import kvexplore
+
+    text = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
+    done = []
+    check, click = _checks(page, explorer, False, done, pause_ms=300)
+    _set(explorer, "prompt", text)
+    page.wait_for_timeout(1000)  # a person pastes, then looks for the button
+    state = click("prefill", "prefill the whole chapter")
+    assert state["tokens"] >= 2000, state["tokens"]
+    assert "the caches grew from 128 to" in explorer.locator(".kvx-status").first.inner_text()
+    click("step", "step after the chapter")
+    strip = explorer.locator(".kvx-tokens .kvx-strip").first.bounding_box()
+    last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
+    assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
+        f"the newest token is outside the strip's box: {last} in {strip}"
+    page.screenshot(path=str(shots / f"{name}_chapter_1280x800.png"))
     return done
 
 
