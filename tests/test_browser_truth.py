@@ -318,15 +318,19 @@ def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
     done = []
     check, click = _checks(page, explorer, False, done, pause_ms=300)
     _set(explorer, "prompt", text)
-    page.wait_for_timeout(1000)  # a person pastes, then looks for the button
+    page.wait_for_timeout(3000)  # a person pastes, then looks for the button (ipywidgets may hold the text back
+    # while an earlier update of the box is unanswered: a click sent sooner can reach the kernel first)
     explorer.locator(".kvx-prefill").first.click()
+    _kernel_until(explorer, lambda s: s["error"] != "", "the refusal")  # enabled buttons do not say it has run
     _idle(page, explorer)
     state = _agree(page, explorer, False, "the chapter")
     assert "shorten the prompt to fewer than 1,024 tokens" in state["error"], state["error"]
     done.append("a chapter beyond the context: refused on the page")
     _set(explorer, "prompt", tok.decode(tok.encode(text)[:900]))
-    page.wait_for_timeout(1000)
-    click("prefill", "prefill 900 tokens")
+    page.wait_for_timeout(3000)
+    explorer.locator(".kvx-prefill").first.click()
+    _kernel_until(explorer, lambda s: s["tokens"] >= 900 and s["error"] == "", "the 900-token prefill")
+    check("prefill 900 tokens")
     assert "the caches grew from 128 to 1,024 slots" in explorer.locator(".kvx-status").first.inner_text()
     for label in ("after prefill", "after step"):
         if label == "after step":
@@ -347,9 +351,18 @@ def _pasted_whole_chapter(page, explorer, shots: Path, name: str) -> list[str]:
     text = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
     done = []
     check, click = _checks(page, explorer, False, done, pause_ms=300)
+    _select(explorer, "model", "smollm2-135m")  # the operations before ended on the tiny model
+    explorer.locator(".kvx-load").first.click()
+    _kernel_until(explorer, lambda s: s["specs"]["cache_map"]["layout"]["yaxis"].get("dtick") == 5 and not any(
+        s["specs"]["cache_map"]["layout"]["title"]["text"].startswith(p) for p in ("tiny",)), "SmolLM2 loaded again")
+    _idle(page, explorer)  # 30 layers in the map (a tick every 5), and the load finished
+    check("SmolLM2 again")
     _set(explorer, "prompt", text)
-    page.wait_for_timeout(1000)  # a person pastes, then looks for the button
-    state = click("prefill", "prefill the whole chapter")
+    page.wait_for_timeout(3000)  # a person pastes, then looks for the button (ipywidgets may hold the text back
+    # while an earlier update of the box is unanswered: a click sent sooner can reach the kernel first)
+    explorer.locator(".kvx-prefill").first.click()
+    _kernel_until(explorer, lambda s: s["tokens"] >= 2000, "the chapter's prefill", limit_s=240)  # 2k on SmolLM2
+    state = check("prefill the whole chapter")
     assert state["tokens"] >= 2000, state["tokens"]
     assert "the caches grew from 128 to" in explorer.locator(".kvx-status").first.inner_text()
     click("step", "step after the chapter")
@@ -393,14 +406,14 @@ def _double_click(page, explorer, name: str, subplot: str) -> None:
     page.mouse.dblclick(area["x"] + area["width"] / 2, area["y"] + area["height"] / 2)
 
 
-def _kernel_until(explorer, done, what: str) -> dict:
+def _kernel_until(explorer, done, what: str, limit_s: float = SETTLE_S) -> dict:
     """Wait until the kernel's state satisfies ``done`` (the click or the zoom reached it); that state."""
     t0 = time.monotonic()
     while True:
         state = kernel_truth(explorer)
         if done(state):
             return state
-        assert time.monotonic() - t0 < SETTLE_S, f"the kernel never showed {what}"
+        assert time.monotonic() - t0 < limit_s, f"the kernel never showed {what}"
         explorer.page.wait_for_timeout(100)
 
 

@@ -50,10 +50,7 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
         w[name] = b
         return b
 
-    # the prompt is sent when the box loses focus (a click on Prefill does that first), not at every keystroke: a
-    # pasted chapter sent while an earlier update is pending would reach the kernel after the click that needs it
     w["prompt"] = W.Textarea(value=prompt, placeholder="Type a prompt, then press Prefill (or Step)",
-                             continuous_update=False,
                              layout=W.Layout(flex="1 1 18em", min_width="14em", height="2.6em"))
     w["chat"] = W.Checkbox(value=chat, description="chat template", indent=False,
                            layout=W.Layout(width="auto", display="" if has_chat else "none"))
