@@ -771,8 +771,11 @@ def test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence(model
         ex.run(6)  # stops at the end of sequence
         ended = ex.lane.history[-1]
         assert ended.is_eos and ended.token_id == tokens[3] and tokens.index(tokens[3]) == len(ex.lane.history) - 1
-        assert "end of sequence: the model has finished (Step goes on past it)" in ex.controls["status"].value
+        assert "end of sequence: the model has finished (press Continue to go on past it)" in \
+            ex.controls["status"].value
+        assert ex.controls["step"].description == "Continue" and "past it" in ex.controls["step"].tooltip
         click(ex, "step")
+        assert ex.controls["step"].description == "Step"
         assert ex.lane.history[-2] is ended and not ex.lane.history[-1].is_eos
         ended = ended.step
         assert f"past the end of sequence (step {ended} ended it)" in ex.controls["status"].value
@@ -851,3 +854,25 @@ def test_a_prompt_of_token_ids_is_run_as_given_and_shown_as_text(model):
     assert ex.controls["prompt"].value == model.tokenizer.decode(ids)
     ex.prefill(ids[:3])
     assert ex.lane.generator.prompt_tokens == ids[:3] and ex.controls["prompt"].value == model.tokenizer.decode(ids[:3])
+
+
+def test_the_prompt_box_takes_the_newest_edit_and_the_text_sent_with_a_click(model):
+    """The page sends each edit of the prompt box stamped, and a click on Prefill, Step or Run with the text: the kernel
+    keeps the newest edit (one handled late leaves the newer text), runs the click on the text that came with it, and
+    a message without text changes nothing."""
+    from kvexplore.runtime.prompt import prompt_ids
+
+    ex = explorer(model)
+    box = ex.controls["prompt"]
+    assert box.clicks == ["prefill", "step", "run"]
+    for stamp, text in ((1, "Call"), (3, "Call me"), (2, "Cal")):  # the third was sent before the second
+        box._message(box, {"value": text, "n": stamp}, [])
+    assert box.value == "Call me"
+    for bad in ({"value": 3, "n": 4}, {"other": "x"}, "text", {"value": None, "click": "prefill"}):
+        box._message(box, bad, [])
+        assert box.value == "Call me" and ex.lane.generator.tokens == []
+    box._message(box, {"value": PROMPT, "n": 5, "click": "prefill"}, [])
+    want = prompt_ids(PROMPT, lambda: model.tokenizer, model.config.vocab_size)
+    assert ex.error == "" and ex.lane.generator.prompt_tokens == want and box.value == PROMPT
+    box._message(box, {"value": "Call me Ishmael", "n": 4, "click": "step"}, [])  # late: the click, not the text
+    assert len(ex.lane.generator.tokens) == len(want) + 2 and box.value == PROMPT

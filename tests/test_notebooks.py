@@ -86,3 +86,19 @@ def test_the_course_reads_as_one_and_its_links_work_from_the_copied_folder(tmp_p
             if "://" in target or target.startswith("#"):
                 continue
             assert (tmp_path / target.split("#")[0]).exists(), f"{name} links {target}, missing beside the notebooks"
+
+
+def test_formulas_render_without_mathjax():
+    """An exported notebook (``jupyter nbconvert --to html``) loads MathJax from the network, which a lecture hall may
+    not have: the course writes its formulas in HTML (``<sub>``, ``<sup>``, Unicode), never as TeX between ``$``."""
+    import re
+
+    for path in ALL + [NOTEBOOKS / "README.md"]:
+        if path.suffix == ".md":
+            text = path.read_text()
+        else:
+            text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                             if c["cell_type"] == "markdown")
+        text = re.sub(r"`[^`]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))  # code is not a formula
+        tex = re.findall(r"\$\$.+?\$\$|\$[^$\s][^$\n]*?\$|\\\(|\\\[|\\begin\{", text, flags=re.S)
+        assert not tex, f"{path.name} writes a formula in TeX ({tex[0][:60]!r}): write it in HTML so it renders offline"

@@ -22,6 +22,7 @@ BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disab
 HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
 COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 x 800 in JupyterLab, files open
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
+STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
 PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)
@@ -41,6 +42,8 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     """Every control, by name, each with its CSS class ``kvx-<name>`` (what the browser tests find)."""
     import ipywidgets as W
 
+    from .prompt_box import PromptBox
+
     c = config
     w: dict[str, Any] = {}
     wide = {"description_width": "initial"}
@@ -50,16 +53,17 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
         w[name] = b
         return b
 
-    w["prompt"] = W.Textarea(value=prompt, placeholder="Type a prompt, then press Prefill (or Step)",
+    w["prompt"] = PromptBox(value=prompt, placeholder="Type a prompt, then press Prefill (or Step)",
                              layout=W.Layout(flex="1 1 18em", min_width="14em", height="2.6em"))
     w["chat"] = W.Checkbox(value=chat, description="chat template", indent=False,
                            layout=W.Layout(width="auto", display="" if has_chat else "none"))
     button("prefill", "Prefill", "run the whole prompt through every strategy", "primary")
-    button("step", "Step", "one token on every strategy (prefills the prompt first if nothing has run)", "success")
+    button("step", "Step", STEP_TIP, "success")
     button("run", "Run", "this many steps (stops at end of sequence)")
     button("rewind", "Rewind", "forget this many tokens (slots turn stale)", "warning")
     button("reset", "Reset", "empty every cache")
     button("fork", "Fork", "a second sequence from here (paged caches share pages)")
+    w["prompt"].reads_on({name: w[name] for name in ("prefill", "step", "run")})  # clicks that read the prompt
     w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5em"))
     w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
     w["model"] = W.Dropdown(description="model", style=wide, layout=W.Layout(width="12em"))

@@ -5,6 +5,9 @@ from __future__ import annotations
 from ..caches.slots import SlotView
 from .session import Lane
 
+STEP = "Step"
+CONTINUE = "Continue"  # the Step button's name at the end of sequence: one more token past it
+
 
 def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> str:
     """The status of ``lane``, and ``note`` (what the last prefill did to the caches' size) after it.
@@ -27,10 +30,15 @@ def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> st
             f"({len(lane.generator.prompt_tokens)} prompt) · {held}{limit}{_end(lane)}{after}")
 
 
+def at_end(lane: Lane) -> bool:
+    """Whether ``lane``'s newest token ends the sequence (the model finished its answer)."""
+    return bool(lane.history) and lane.history[-1].is_eos
+
+
 def _end(lane: Lane) -> str:
     """What the status says about the end-of-sequence token: at it, or how long ago the sequence passed it."""
     history = lane.history
-    if history[-1].is_eos:
-        return " · end of sequence: the model has finished (Step goes on past it)"
+    if at_end(lane):
+        return f" · end of sequence: the model has finished (press {CONTINUE} to go on past it)"
     ended = next((r.step for r in reversed(history) if r.is_eos), None)
     return "" if ended is None else f" · past the end of sequence (step {ended} ended it)"

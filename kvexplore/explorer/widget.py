@@ -32,7 +32,7 @@ from . import inspect, models
 from .screen import Screen
 from .session import Lane, Session
 from .static import StaticCopy
-from .status import status_line
+from .status import CONTINUE, STEP, at_end, status_line
 from .strip import TokenStrip
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
@@ -270,6 +270,10 @@ class Explorer(Screen):
         w = self.controls
         w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
         w["status"].value = html.escape(status_line(lane, self.session.grew))
+        ended = at_end(lane)  # Step offers to go on past the end of sequence
+        w["step"].description = CONTINUE if ended else STEP
+        w["step"].tooltip = (f"the model has finished (end of sequence): {CONTINUE} generates one more token past "
+                             "it on every strategy" if ended else layout.STEP_TIP)
         snap = self.snapshot()
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
         for name in self.shown():
