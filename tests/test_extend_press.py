@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.caches.presses import PRESSES, Press, register_press
+from kvexplore.caches.presses import Press, register_press, unregister_press
 
 
 class ValueNormPress(Press):
@@ -21,7 +21,7 @@ class ValueNormPress(Press):
 def vnorm():
     register_press(ValueNormPress)
     yield
-    PRESSES.pop("vnorm", None)
+    unregister_press("vnorm")
 
 
 def _values(model, ids):

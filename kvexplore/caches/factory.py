@@ -26,7 +26,7 @@ from .evict import EvictCache
 
 for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache, EvictCache):
     register_strategy(_cls.kind, _cls)
-
+STRATEGIES.seal()
 
 
 def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size: int = 1,

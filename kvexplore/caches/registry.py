@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config.layer_plan import FULL, SHARED, SLIDING, STATE, LayerSpec
+from ..core.registry import Registry
 from ..errors import SettingsError
 from .protocol import ModelCache
 from .layers.recompute import RecomputeLayer
@@ -32,14 +33,15 @@ if TYPE_CHECKING:
 
 LayerFactory = Callable[["KVCache", LayerSpec, list, dict], "LayerCache"]
 
-STRATEGIES: dict[str, type] = {}
-LAYER_KINDS: dict[str, LayerFactory] = {}
+STRATEGIES: Registry = Registry("strategy", "unregister_strategy")  # sealed by .factory (the built-in seven)
+LAYER_KINDS: Registry = Registry("layer kind", "unregister_layer_kind")  # sealed below (the built-in four)
 PREFIXES: dict[str, Callable[[Any, str, int | None], Any]] = {}
 
 
-def register_strategy(name: str, cls: type) -> type:
+def register_strategy(name: str, cls: type, replace: bool = False) -> type:
     """Make ``cls`` (a :class:`~kvexplore.caches.base.KVCache` subclass) the strategy ``name``; returns ``cls``.
-    ``cls.sizing`` says how ``max_seq_len`` sizes it (see :meth:`KVCache.sizing`)."""
+    ``cls.sizing`` says how ``max_seq_len`` sizes it (see :meth:`KVCache.sizing`). A taken name is refused unless
+    ``replace`` (never a built-in one); :func:`unregister_strategy` removes one."""
     if not isinstance(name, str) or not name or ":" in name:
         raise SettingsError(f"a strategy name is a non-empty string without ':' (prefixes are for other packages), "
                             f"got {name!r}")
@@ -48,25 +50,27 @@ def register_strategy(name: str, cls: type) -> type:
     if getattr(cls, "kind", None) != name:
         raise SettingsError(f"strategy {name!r}: the class's kind is {getattr(cls, 'kind', None)!r}; set "
                             f"kind = {name!r} on {cls.__name__} (lanes and records are named by it)")
-    if STRATEGIES.get(name, cls) is not cls:
-        raise SettingsError(f"strategy {name!r} is already {STRATEGIES[name].__name__}; unregister_strategy({name!r}) "
-                            f"first to replace it")
-    STRATEGIES[name] = cls
-    return cls
+    return STRATEGIES.add(name, cls, replace)
 
 
-def unregister_strategy(name: str) -> None:
-    STRATEGIES.pop(name, None)
+def unregister_strategy(name: str) -> type:
+    """Remove a strategy :func:`register_strategy` added; returns its class."""
+    return STRATEGIES.remove(name)
 
 
-def register_layer_kind(kind: str, make: LayerFactory) -> LayerFactory:
-    """Layers whose plan says ``kind`` get ``make(cache, spec, built, shared)``; returns ``make``."""
-    LAYER_KINDS[kind] = make
-    return make
+def register_layer_kind(kind: str, make: LayerFactory, replace: bool = False) -> LayerFactory:
+    """Layers whose plan says ``kind`` get ``make(cache, spec, built, shared)``; returns ``make``. A taken kind is
+    refused unless ``replace`` (never a built-in one); :func:`unregister_layer_kind` removes one."""
+    if not isinstance(kind, str) or not kind:
+        raise SettingsError(f"a layer kind is a non-empty string, got {kind!r}")
+    if not callable(make):
+        raise SettingsError(f"layer kind {kind!r}: make must be a function (cache, spec, built, shared) -> LayerCache")
+    return LAYER_KINDS.add(kind, make, replace)
 
 
-def unregister_layer_kind(kind: str) -> None:
-    LAYER_KINDS.pop(kind, None)
+def unregister_layer_kind(kind: str) -> LayerFactory:
+    """Remove a layer kind :func:`register_layer_kind` added; returns its factory."""
+    return LAYER_KINDS.remove(kind)
 
 
 def register_prefix(prefix: str, make: Callable[[Any, str, int | None], Any]) -> None:
@@ -126,3 +130,4 @@ register_layer_kind(FULL, _full)
 register_layer_kind(SLIDING, _sliding)
 register_layer_kind(SHARED, _shared)
 register_layer_kind(STATE, _state)
+LAYER_KINDS.seal()

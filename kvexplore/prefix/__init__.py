@@ -3,7 +3,9 @@ tree (SGLang's RadixAttention) over it, every hit counted and every miss explain
 cache events replayed into the same frames."""
 
 from .frames import BlockView, MissView, PoolFrame, RequestView, TreeNode
+from .policies import POLICIES, register_policy, unregister_policy
 from .pool import PrefixPool, PrefixPoolFullError
 from .result import Miss, ServeResult
 
-__all__ = ["BlockView", "Miss", "MissView", "PoolFrame", "PrefixPool", "PrefixPoolFullError", "RequestView", "ServeResult", "TreeNode"]
+__all__ = ["BlockView", "Miss", "MissView", "POLICIES", "PoolFrame", "PrefixPool", "PrefixPoolFullError", "RequestView",
+           "ServeResult", "TreeNode", "register_policy", "unregister_policy"]

@@ -28,10 +28,9 @@ from .blocks import BlockPool
 from .cache import PoolCache
 from .engine_events import EngineEvents
 from .frames import PoolFrame
-from .hashing import HashIndex
-from .index import PrefixIndex, block_hashes, short
+from .index import block_hashes, short
 from .page_writer import write_page
-from .radix import RadixIndex
+from .policies import make_index
 from .reasons import Ledger, Served
 from .request import RequestInput
 from .result import ServeResult
@@ -50,9 +49,6 @@ class PrefixPoolFullError(PagePoolFullError):
                   f"answer but the last token), which needs {needed} new block{'s' * (needed != 1)}, and "
                   f"{free} of the {capacity} are free or only cached ({held} held by kept requests); create the "
                   f"pool with a larger num_blocks, or shorten the request or max_new_tokens{hint}")
-
-
-POLICIES: dict[str, Callable[[int], PrefixIndex]] = {"hash": HashIndex, "radix": RadixIndex}
 
 
 def _check_layers(plan, config) -> None:
@@ -79,15 +75,13 @@ class PrefixPool:
     def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
                  checkpoint_states: str = "ends", dtype: torch.dtype | None = None) -> None:
         num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
-        if policy not in POLICIES:
-            raise SettingsError(f"policy must be one of {sorted(POLICIES)} (vLLM's block hashes or SGLang's radix "
-                                f"tree), got {policy!r}")
+        index = make_index(policy, block_size)
         self.executor = as_executor(model)
         self.model, self.config, self.policy = model, self.executor.config, policy
         self.tokenizer = self.executor.tokenizer
         plan = layer_plan(self.config)
         _check_layers(plan, self.config)
-        self.index = POLICIES[policy](block_size)
+        self.index = index
         self.cache = PoolCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
                                 pool=BlockPool(len(plan), num_blocks, block_size, self.index))
         try:

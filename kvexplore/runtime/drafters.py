@@ -18,11 +18,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from ..core.registry import Registry
 from ..core.settings import integer
 from ..errors import SettingsError
 from .sampling import SamplingSettings, filtered_probs
@@ -156,29 +157,72 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
                                 f"target's tokenizer")
 
 
+def _prompt_lookup(argument: str | None, executor: Any) -> Drafter:
+    if argument is not None:
+        raise SettingsError(f"draft='prompt-lookup:{argument}': prompt lookup takes nothing after its name; give "
+                            f"draft='prompt-lookup'")
+    return PromptLookup()
+
+
+def _first_layers(argument: str | None, executor: Any) -> Drafter:
+    from .executor import as_executor
+
+    draft = f"self:{argument or ''}"
+    first = getattr(executor.model, "first_layers", None)
+    if first is None:
+        raise SettingsError(f"draft={draft!r} runs the target's own first layers, which only a kvexplore "
+                            f"Model can do; give draft='prompt-lookup' or a draft model")
+    n = executor.config.num_layers
+    layers = argument or ""
+    if not layers.isdigit() or not 1 <= int(layers) < n:
+        raise SettingsError(f"draft={draft!r}: L must be a whole number of layers 1..{n - 1} (the target has "
+                            f"{n}), e.g. draft='self:{max(1, n // 4)}'")
+    return ModelDrafter(as_executor(first(int(layers))), draft)
+
+
+DRAFTERS: Registry = Registry("drafter", "unregister_drafter")
+
+
+def register_drafter(name: str, make: Callable[[str | None, Any], Drafter], replace: bool = False) -> Callable:
+    """Make ``draft="name"`` (or ``"name:argument"``) give ``make(argument, executor)``: a :class:`Drafter` for the
+    target that ``executor`` runs (``argument`` None without a colon); returns ``make``. A taken name is refused
+    unless ``replace`` (never a built-in one); :func:`unregister_drafter` removes one."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise SettingsError(f"a drafter's name is a non-empty string without ':' (what follows it is the "
+                            f"drafter's argument), got {name!r}")
+    if not callable(make):
+        raise SettingsError(f"drafter {name!r}: make must be a function (argument, executor) -> Drafter")
+    return DRAFTERS.add(name, make, replace)
+
+
+def unregister_drafter(name: str) -> Callable:
+    """Remove a drafter :func:`register_drafter` added; returns its factory."""
+    return DRAFTERS.remove(name)
+
+
+register_drafter("prompt-lookup", _prompt_lookup)
+register_drafter("self", _first_layers)
+DRAFTERS.seal()
+
+
 def make_drafter(draft: Any, executor: Any) -> Drafter:
-    """The drafter ``draft`` names for a target run by ``executor``: ``"prompt-lookup"``, ``"self:L"``, a model, or a
-    :class:`Drafter`."""
+    """The drafter ``draft`` names for a target run by ``executor``: ``"prompt-lookup"``, ``"self:L"``, a name
+    :func:`register_drafter` added, a model, or a :class:`Drafter`."""
     from .executor import as_executor
 
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, str):
-        if draft == "prompt-lookup":
-            return PromptLookup()
-        if draft.startswith("self:"):
-            layers = draft.removeprefix("self:")
-            first = getattr(executor.model, "first_layers", None)
-            if first is None:
-                raise SettingsError(f"draft={draft!r} runs the target's own first layers, which only a kvexplore "
-                                    f"Model can do; give draft='prompt-lookup' or a draft model")
-            n = executor.config.num_layers
-            if not layers.isdigit() or not 1 <= int(layers) < n:
-                raise SettingsError(f"draft={draft!r}: L must be a whole number of layers 1..{n - 1} (the target has "
-                                    f"{n}), e.g. draft='self:{max(1, n // 4)}'")
-            return ModelDrafter(as_executor(first(int(layers))), draft)
-        raise SettingsError(f"draft={draft!r} is not a drafter: give 'prompt-lookup', 'self:L' (the target's first L "
-                            f"layers), a draft model, or None")
+        name, colon, argument = draft.partition(":")
+        make = DRAFTERS.get(name)
+        if make is None:
+            others = "".join(f", {n!r}" for n in DRAFTERS if n not in DRAFTERS.built_in)
+            raise SettingsError(f"draft={draft!r} is not a drafter: give 'prompt-lookup', 'self:L' (the target's "
+                                f"first L layers){others}, a draft model, or None")
+        made = make(argument if colon else None, executor)
+        if not isinstance(made, Drafter):
+            raise SettingsError(f"drafter {name!r} made a {type(made).__name__}, not a Drafter")
+        return made
     try:
         other = as_executor(draft)
     except SettingsError as exc:

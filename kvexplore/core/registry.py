@@ -1,0 +1,55 @@
+"""One rule for every registry of named extensions (strategies, layer kinds, presses, drafters, prefix policies):
+registering a name that is taken is refused unless asked to replace it, a built-in entry is neither replaced nor
+removed, and removing a name that is not there says what is.
+
+A :class:`Registry` is a ``dict`` (look-ups, ``in``, iteration and ``sorted`` work as on one); change it through
+:meth:`Registry.add` and :meth:`Registry.remove`, which each module's ``register_*`` / ``unregister_*`` call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import SettingsError
+
+
+class Registry(dict):
+    """Names -> entries of one kind of extension. ``what`` names an entry in messages; ``unregister``
+    names the function that removes one."""
+
+    def __init__(self, what: str, unregister: str) -> None:
+        super().__init__()
+        self.what = what
+        self.unregister = unregister
+        self.built_in: frozenset[str] = frozenset()
+
+    def add(self, name: str, entry: Any, replace: bool = False) -> Any:
+        """Register ``entry`` as ``name`` (returned). A taken name is refused unless ``replace`` (never a built-in
+        one); registering the same entry again changes nothing."""
+        if name in self and self[name] is entry:
+            return entry
+        if name in self.built_in:
+            raise SettingsError(f"{self.what} {name!r} is built in and cannot be replaced; register yours under "
+                                f"another name")
+        if name in self and not replace:
+            raise SettingsError(f"a {self.what} named {name!r} is already registered ({_label(self[name])}); pick "
+                                f"another name, pass replace=True, or call {self.unregister}({name!r}) first")
+        self[name] = entry
+        return entry
+
+    def remove(self, name: str) -> Any:
+        """Remove ``name`` (an entry registered after the built-in ones); returns its entry."""
+        if name in self.built_in:
+            raise SettingsError(f"{self.what} {name!r} is built in; only a {self.what} registered later can be "
+                                f"removed")
+        if name not in self:
+            raise SettingsError(f"no {self.what} named {name!r} is registered; registered: {', '.join(self)}")
+        return self.pop(name)
+
+    def seal(self) -> None:
+        """Mark every entry registered so far as built in."""
+        self.built_in = frozenset(self)
+
+
+def _label(entry: Any) -> str:
+    return getattr(entry, "__qualname__", None) or type(entry).__name__
