@@ -113,3 +113,16 @@ def test_no_code_outside_the_registries_decides_by_kind():
              if str(p.relative_to(PACKAGE.parent)) not in REGISTRIES
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "comparisons of a kind outside the registries:\n" + "\n".join(found)
+
+
+def test_no_code_probes_a_cache_for_what_it_can_do():
+    """What a cache can do beyond the protocol is declared (``cache.eviction``, ``cache.evicts_on_write``,
+    ``cache.checkpointing_states()``), not probed with hasattr/getattr; only ``hf/`` (transformers' caches, not ours)
+    may probe."""
+    pattern = re.compile(r"(hasattr|getattr)\((getattr\()?[\w.]*cache\w*\s*,")
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}" for p in sorted(PACKAGE.rglob("*.py"))
+             if p.relative_to(PACKAGE).parts[0] != "hf"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "a cache probed for a capability (declare it on ModelCache instead):\n" + "\n".join(found)
+    assert pattern.search('x = getattr(getattr(cache, "pressplan", None), "decode_every", None)')
+    assert pattern.search('if hasattr(lane.cache, "kept_positions"):')

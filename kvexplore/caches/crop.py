@@ -10,14 +10,26 @@ the accepted tokens are written again (the generator does it: :mod:`kvexplore.ru
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class Crop:
     """The take-back questions of a model-level cache (mixed into :class:`~kvexplore.caches.base.KVCache`)."""
 
-    #: set by the generator around a verification pass: linear-attention layers then compute token by token and hand
-    #: the state after each position to the cache (``write_state(..., checkpoints=)``), so a cut restores one of them
-    #: instead of recomputing the accepted tokens
+    #: True inside :meth:`checkpointing_states` (a verification pass): linear-attention layers then compute token by
+    #: token and hand the state after each position to the cache (``write_state(..., checkpoints=)``), so a cut
+    #: restores one of them instead of recomputing the accepted tokens
     checkpointing = False
+
+    @contextmanager
+    def checkpointing_states(self) -> Iterator[None]:
+        """Inside: :attr:`checkpointing` (the states after each position are kept); after: as before."""
+        before, self.checkpointing = self.checkpointing, True
+        try:
+            yield
+        finally:
+            self.checkpointing = before
 
     def crop_error(self, n: int) -> str | None:
         """Why cutting the step just written back to ``n`` positions would not leave the cache as a step that wrote

@@ -178,6 +178,11 @@ class EvictCache(KVCache):
 
 
     # -- what it kept -------------------------------------------------------------------------------------
+    @property
+    def eviction(self) -> "EvictCache":
+        """This cache answers every question of :class:`~kvexplore.caches.protocol.Eviction`."""
+        return self
+
     def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head of ``layer``, the sorted positions it still holds (of sequence ``batch``)."""
         return self._pressed_layer(layer).kept(self._batch_index(batch))

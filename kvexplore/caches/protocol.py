@@ -12,11 +12,37 @@ construction, and ``tests/test_extend_caches.py`` checks every signature):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
 
 import torch
 
 from .memory import MemoryReport
 from .slots import SlotView
+
+
+class Eviction(Protocol):
+    """What a cache that evicts by scores answers (:attr:`ModelCache.eviction`; kvexplore's ``evict`` cache): per KV
+    head, the positions kept, where each is rotated and what each head read; the last press's scores; the presses so
+    far; the press and its plan (``pressplan.decode_every``: presses while decoding)."""
+
+    press: Any
+    pressplan: Any
+
+    def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]: ...
+
+    def rope_positions(self, layer: int, batch: int = 0) -> list[list[int]]: ...
+
+    def read_positions_by_head(self, layer: int, batch: int = 0) -> list[list[int]]: ...
+
+    def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor: ...
+
+    def press_scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    @property
+    def press_events(self) -> list: ...
+
+    def held_counts(self, layer: int, batch: int = 0) -> tuple[int, ...]: ...
 
 
 class ModelCache(ABC):
@@ -25,6 +51,8 @@ class ModelCache(ABC):
     ``batch_size``, ``dtype``, ``device``, ``length``, ``capacity`` (None: unbounded), ``full_layers``."""
 
     stores = True  # keeps keys and values between steps (a cache that stores nothing recomputes every step)
+    evicts_on_write = False  # drops positions as it writes, without a press (the sink cache's window): the queries of
+    # one write then read different positions
     keeps_windows_whole = False  # sliding-window layers in the strategy's storage, every position, read under the
     # window (a prefix pool shares them as pages), instead of the ring every other strategy keeps
 
@@ -62,6 +90,16 @@ class ModelCache(ABC):
         """Why cutting the last step back to ``n`` positions would not leave the cache as a step that wrote only up to
         ``n`` would (None: ``truncate(n)`` does). A cache that cannot say: every cut is rolled back and recomputed."""
         return f"{type(self).__name__} does not say whether a cut is exact: the step is rolled back and recomputed"
+
+    @property
+    def eviction(self) -> Eviction | None:
+        """The cache's eviction by scores (see :class:`Eviction`); None for a cache that does not press."""
+        return None
+
+    def checkpointing_states(self) -> AbstractContextManager:
+        """A context inside which a verification pass hands linear-attention layers the state after each position
+        it feeds, so a cut restores one of them (nothing to do for a cache without such layers)."""
+        return nullcontext()
 
     def speculation_refusal(self) -> str | None:
         """Why a drafting generator cannot run on this cache (None: it can)."""

@@ -50,6 +50,8 @@ class SinkCache(KVCache):
     """``sinks`` attention-sink positions plus a ring of the last ``window`` positions (see the module docs). The
     eviction bookkeeping is one :class:`~kvexplore.caches.layers.sink.SinkSlots` shared by every full layer."""
 
+    evicts_on_write = True  # the window drops its oldest position as each new one is written
+
     kind = "sink"
 
     def __init__(self, config: ModelConfig, window: int, sinks: int = 4, batch_size: int = 1,

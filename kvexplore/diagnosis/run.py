@@ -62,7 +62,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
             from ..hf.caches import make_hf_cache
 
             label, cache = name, make_hf_cache(name, model.hf, slots)
-        elif not (hasattr(cache, "update") and hasattr(cache, "layers")):
+        elif not hf.is_hf_cache(cache):
             raise SettingsError(f"cache must be a transformers cache name ({', '.join(hf.HF_CACHES)}) or a transformers "
                                 f"Cache object, got {type(cache).__name__}")
         else:

@@ -114,7 +114,7 @@ class LaneTracer(Tracer):
         self._first = pos + q_len - 1 if self.last_row_only else pos
         self._hooked, self._direct, self._small = [], set(), []
         # layers whose KV heads read different positions (a pressed cache): their rows wait for the reads per head
-        pressed = set(cache.full_layers) if hasattr(cache, "read_positions_by_head") else set()
+        pressed = set(cache.full_layers) if cache.eviction is not None else set()
         self._per_head = {s.index: s.source if s.shares else s.index for s in cache.plan
                           if (s.source if s.shares else s.index) in pressed}  # layer -> the layer whose reads
         if "attention" in self.capture:

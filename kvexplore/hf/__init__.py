@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import SettingsError
 from .cache import HFCache
-from .caches import HF_CACHES, available
+from .caches import HF_CACHES, available, is_hf_cache
 from .model import HFModel, is_hf_model, load_hf
 
 PREFIX = "hf:"
@@ -38,4 +38,4 @@ def make_cache(model: HFModel, kind: str = "dynamic", max_seq_len: int | None = 
                    slots if name in BOUNDED else None, fresh)
 
 
-__all__ = ["HFCache", "HFModel", "HF_CACHES", "available", "is_hf_model", "load_hf", "make_cache", "wrap"]
+__all__ = ["HFCache", "HFModel", "HF_CACHES", "available", "is_hf_cache", "is_hf_model", "load_hf", "make_cache", "wrap"]

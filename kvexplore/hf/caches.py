@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from ..caches.registry import register_prefix
 from ..errors import SettingsError
@@ -19,6 +20,12 @@ HF_CACHES = {
 }
 NEEDS = {"quantized-quanto": "optimum.quanto", "quantized-hqq": "hqq"}
 BOUNDED = {"static"}  # the transformers caches sized by max_seq_len (the others grow)
+
+
+def is_hf_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a transformers ``Cache`` (of any class, one's own subclass too), without importing
+    transformers when it is not loaded."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "Cache" for c in type(obj).__mro__)
 
 
 def available(name: str, device_type: str = "cpu") -> str | None:

@@ -114,13 +114,13 @@ def check_ids(ids: Sequence[int], name: str, model: Model, minimum: int = 1) -> 
 
 def presses_while_decoding(cache: KVCache) -> bool:
     """Whether ``cache`` evicts during decoding (an evicting cache with ``decode_every``)."""
-    return getattr(getattr(cache, "pressplan", None), "decode_every", None) is not None
+    return cache.eviction is not None and cache.eviction.pressplan.decode_every is not None
 
 
 def evicts_as_it_writes(cache: KVCache) -> bool:
     """Whether ``cache`` drops positions as it writes (the sink cache): the queries of one write then read different
     positions, so what each read is seen only when the continuation goes in token by token."""
-    return hasattr(cache, "evicted_positions")
+    return cache.evicts_on_write
 
 
 def largest_write(cache: KVCache, pos: int, n: int) -> int:
@@ -206,7 +206,7 @@ def kept_context(cache: KVCache, layer: int, context: int) -> torch.Tensor:
     """``(kv_heads, context)`` bool: which context positions each KV head of ``layer`` holds now."""
     spec = cache.plan[layer]
     out = torch.zeros((spec.kv_heads, context), dtype=torch.bool)
-    per_head = (cache.kept_positions(layer) if hasattr(cache, "kept_positions")
+    per_head = (cache.eviction.kept_positions(layer) if cache.eviction is not None
                 else [cache.held_positions_of(layer)] * spec.kv_heads)
     for h, positions in enumerate(per_head):
         out[h, [p for p in positions if p < context]] = True
@@ -237,7 +237,7 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
     layers = [i for i in reference.mass if i in cache.full_layers]
     kept = {i: torch.zeros_like(reference.mass[i], dtype=torch.bool) for i in layers}
     writes: list[int] = []
-    pressed = hasattr(cache, "kept_positions")
+    pressed = cache.eviction is not None
 
     def read(pos: int, n: int) -> None:  # what the queries of this write read of the context
         writes.append(n)

@@ -24,6 +24,7 @@ written again by a second pass (``recompute``): the cache a step that never saw 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -188,15 +189,11 @@ def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -
         tracer.begin_step(cache, start, len(feed))
     mark = clock.now()
     truncated = False
-    checkpoints = spec.states == CHECKPOINT and hasattr(cache, "checkpointing")
+    # linear-attention layers keep their state after each position of the pass
+    checkpoints = cache.checkpointing_states() if spec.states == CHECKPOINT else nullcontext()
     try:
-        if checkpoints:
-            cache.checkpointing = True  # linear-attention layers keep their state after each position of the pass
-        try:
+        with checkpoints:
             logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)
-        finally:
-            if checkpoints:
-                cache.checkpointing = False
         pass_memory = cache.memory_report()  # what the pass wrote, before the take-back
         logits = logits[0, -(k + 1):]
         (logits,) = host.fetch([logits])

@@ -59,9 +59,10 @@ class PressStep:
 def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None:
     """``cache``'s press state after a step (None for a cache that does not press). ``previous``: the outcome
     recorded last, reused while no new press ran."""
-    scores_of = getattr(cache, "press_scores", None)
-    if scores_of is None:
+    eviction = cache.eviction
+    if eviction is None:
         return None
+    scores_of = eviction.press_scores
     layers = list(cache.full_layers)
     got = {layer: scores_of(layer) for layer in layers}
     got = {layer: s for layer, s in got.items() if s is not None}
@@ -71,13 +72,13 @@ def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None
                                         for layer, s in got.items()):
             last = previous
         else:
-            events = cache.press_events
+            events = eviction.press_events
             reason = events[-1].reason if events else ""
             length = next(iter(got.values()))[0].shape[1]
             last = PressOutcome(length, reason, {layer: s[0] for layer, s in got.items()},
-                                {layer: s[1] for layer, s in got.items()}, getattr(cache.press, "name", ""))
-    held = {layer: cache.held_counts(layer) for layer in layers}
-    return PressStep(cache.length, held, len(cache.press_events), last,
+                                {layer: s[1] for layer, s in got.items()}, eviction.press.name)
+    held = {layer: eviction.held_counts(layer) for layer in layers}
+    return PressStep(cache.length, held, len(eviction.press_events), last,
                      kv_bytes(cache.config, cache.length, cache.batch_size, cache.dtype))
 
 
