@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from helpers import no_cache_logits
 
-import kvexplore
 
 
 def turn(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -345,4 +345,4 @@ def recompute(model, ids: torch.Tensor, r: Run, rotations: list[dict[int, list[d
     from kvexplore.config.layer_plan import layer_plan
 
     readers = {s.index: s.source for s in layer_plan(model.config) if s.shares and s.source in allowed}
-    return model(ids, kvexplore.make_cache("none", model), 0, tracer=Restrict(model, allowed, readers))
+    return no_cache_logits(model, ids, tracer=Restrict(model, allowed, readers), batched=True)

@@ -154,3 +154,15 @@ class FailingTracer:
 
     def wants_attention(self, layer):
         return False
+
+
+def no_cache_logits(model, ids, last: bool = False, batched: bool = False, **forward) -> torch.Tensor:
+    """The no-cache reference every test compares against: ``model``'s logits for ``ids`` in one pass with nothing
+    cached (kvexplore's ``NoCache``), ``(T, vocab)``; ``last``: the last row only. ``ids``: a list of ids, or with
+    ``batched`` a ``(B, T)`` tensor (``(B, T, vocab)`` back). ``forward``: options of the forward pass (a tracer)."""
+    import kvexplore
+
+    x = ids if batched else torch.tensor([list(ids)])
+    out = model(x, kvexplore.NoCache(model.config, batch_size=x.shape[0], dtype=model.dtype), 0, **forward)
+    out = out if batched else out[0]
+    return out[..., -1, :] if last else out

@@ -6,6 +6,7 @@ import torch
 import kvexplore
 from helpers import FailingTracer
 from kvexplore import CacheFullError, NoCache, PreallocatedCache, kv_bytes
+from helpers import no_cache_logits
 
 
 def test_storage_shape_and_bytes_match_the_formula(tiny):
@@ -122,7 +123,7 @@ def test_batched_decode_matches_single_sequences(tiny):
     cache = PreallocatedCache(tiny.config, 8, batch_size=2)
     both = torch.cat([tiny(ids[:, :3], cache, 0), tiny(ids[:, 3:4], cache, 3), tiny(ids[:, 4:], cache, 4)], 1)
     for b in range(2):
-        alone = tiny(ids[b:b + 1], NoCache(tiny.config), 0)[0]
+        alone = no_cache_logits(tiny, ids[b:b + 1], batched=True)[0]
         assert (both[b] - alone).abs().max() < 1e-4
 
 

@@ -16,6 +16,7 @@ from evict_reference import Recorder, expected_rotations, recompute, run, simula
 from kvexplore.caches.presses import TOVAPress
 from kvexplore.errors import SettingsError
 from zoo import VARIANTS
+from helpers import no_cache_logits
 
 MODELS = {"gqa2": ("llama", dict(heads=4, kv_heads=2)), "gqa8": ("qwen2", dict(heads=8, kv_heads=1, tied=True)),
           "mha": ("llama", dict(heads=4, kv_heads=4)), "gemma3": ("gemma3", dict(layers=3)),
@@ -174,7 +175,7 @@ def assert_exact(model, cache, ids, prompt: int, chunks: list[int] | None = None
             assert r.rope[s][l] == want, (s, l)
     want = recompute(model, ids, r, rotations)
     assert (r.logits - want).abs().max() < 1e-4
-    full = model(ids, kvexplore.make_cache("none", model), 0)
+    full = no_cache_logits(model, ids, batched=True)
     assert (r.logits[:, prompt:] - full[:, prompt:]).abs().max() > 1e-3  # the eviction matters
     return r
 
@@ -211,7 +212,7 @@ def test_chunks_after_a_press_and_storage_that_grows_stay_exact(models, storage,
 def prompt_norms(model, ids) -> dict[int, torch.Tensor]:
     """Each full layer's key norms ``(kv_heads, positions)`` of the prompt, as the model computes them."""
     rec = Recorder()
-    model(ids, kvexplore.make_cache("none", model), 0, tracer=rec)
+    no_cache_logits(model, ids, tracer=rec, batched=True)
     return {l: rec.keys(l).norm(dim=-1) for l in rec.k}
 
 
@@ -365,7 +366,7 @@ def test_bad_options_are_refused_naming_the_fix(models, options, message):
 
 
 def test_a_masking_storage_needs_max_seq_len_and_a_latent_model_is_refused(models):
-    from helpers import architectures
+    from helpers import architectures, no_cache_logits
     from kvexplore.config.model_config import ModelConfig
 
     with pytest.raises(SettingsError, match="storage='mask' allocates every position once: give max_seq_len"):

@@ -9,6 +9,7 @@ import torch
 
 import kvexplore
 from kvexplore.runtime.executor import Executor, as_executor
+from helpers import no_cache_logits
 
 PROMPT = "Call me Ishmael. Some years ago"
 
@@ -86,7 +87,7 @@ def test_a_rewind_past_the_ring_replays_through_the_executor_and_matches_recompu
     assert ex.calls == [(0, len(kept) - 1)]  # one pass over the kept tokens, through the contract
     assert gen.tokens == kept and gen.cache.length == len(kept) - 1
     record = gen.step()
-    full = model(torch.tensor([kept]), kvexplore.make_cache("none", model), 0)[0, -1].softmax(-1)
+    full = no_cache_logits(model, kept, last=True).softmax(-1)
     assert record.prob == pytest.approx(float(full[record.token_id]), abs=1e-5)  # the replayed cache is exact
     before = (list(gen.tokens), gen.cache.length, [t.clone() for t in gen.cache.storage(0)])
     inner = ex.inner

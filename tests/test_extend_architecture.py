@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import kvexplore
-from helpers import train_sentencepiece
-from kvexplore import ConfigError, LoadError, NoCache, UnsupportedModelError
+from helpers import train_sentencepiece, no_cache_logits
+from kvexplore import ConfigError, LoadError, UnsupportedModelError
 from kvexplore.config.fields import INT, Field
 from kvexplore.formats.weights import expected_shapes
 from kvexplore.models.architectures import Architecture, register, unregister
@@ -155,7 +155,7 @@ def test_the_toy_generates_exactly_as_recomputation_without_a_cache(model, strat
     cache = kvexplore.make_cache(strategy, model, max_seq_len=64)
     cached = [model(torch.tensor([ids[:9]]), cache, 0)[0]]
     cached += [model(torch.tensor([[t]]), cache, pos)[0] for pos, t in enumerate(ids[9:], start=9)]
-    full = model(torch.tensor([ids]), NoCache(model.config), 0)[0]
+    full = no_cache_logits(model, ids)
     assert (torch.cat(cached) - full).abs().max().item() < 1e-5
 
 

@@ -18,6 +18,7 @@ from kvexplore.caches.layer import FullLayer
 from kvexplore.caches.layout import GrowingLayout
 from kvexplore.caches.slots import SlotView
 from kvexplore.config.layer_plan import register_plan_rule, unregister_plan_rule
+from helpers import no_cache_logits
 
 PROMPT = [5, 17, 42, 7, 99, 3, 12]
 
@@ -203,7 +204,7 @@ def decode_logits(model, cache, ids):
 
 def recomputed_logits(model, ids):
     """The same logits recomputed from scratch every step (no cache)."""
-    return torch.stack([model(torch.tensor([ids[:p + 1]]), NoCache(model.config), 0)[0, -1]
+    return torch.stack([no_cache_logits(model, ids[:p + 1], last=True)
                         for p in range(len(PROMPT) - 1, len(ids))])
 
 

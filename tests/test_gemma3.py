@@ -20,6 +20,7 @@ from kvexplore.cli import main
 from kvexplore.config.model_config import ModelConfig
 from kvexplore.formats import store
 from kvexplore.runtime.evaluate import negative_log_likelihood
+from helpers import no_cache_logits
 
 # one worker runs them all: transformers' reference (about a minute) is computed once under a file lock, and a second
 # worker reaching it meanwhile would only wait (65 s of a worker in a fresh-clone run)
@@ -53,7 +54,7 @@ def ref(gemma):
 def logits(gemma, ref):
     """kvexplore's float32 logits of transformers' ids of the prose, no cache."""
     with torch.no_grad():
-        return gemma(torch.tensor([ref["prose_ids"]]), kvexplore.NoCache(gemma.config), 0)[0]
+        return no_cache_logits(gemma, ref["prose_ids"])
 
 
 @GEMMA3
@@ -185,7 +186,7 @@ def test_a_model_in_chunks_is_joined_and_checked(tmp_path, monkeypatch, damaged)
     import zipfile
 
     from gguf_writer import write_gguf
-    from helpers import make_checkpoint
+    from helpers import make_checkpoint, no_cache_logits
 
     monkeypatch.setenv("KVEXPLORE_HOME", str(tmp_path / "home"))
     ref = make_checkpoint(tmp_path / "src", "llama")
@@ -216,7 +217,7 @@ def test_a_model_in_chunks_is_joined_and_checked(tmp_path, monkeypatch, damaged)
     ids = list(range(3, 20))
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
-    assert (model(torch.tensor([ids]), kvexplore.NoCache(model.config), 0)[0] - want).abs().max() < 1e-4
+    assert (no_cache_logits(model, ids) - want).abs().max() < 1e-4
     folder = store.model_path("chunky")
     assert (folder / "TERMS.txt").read_text() == "terms"
     assert json.loads((folder / "kvexplore.json").read_text())["terms_accepted"] == "the Chunky Terms"

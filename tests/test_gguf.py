@@ -14,13 +14,14 @@ from kvexplore import LoadError, UnsupportedModelError
 from kvexplore.config import families
 from kvexplore.errors import CorruptFileError
 from kvexplore.formats import gguf_file
+from helpers import no_cache_logits
 
 IDS = list(range(3, 45))
 TEXTS = ["Call me Ishmael.", "  two  spaces\tand a tab\n\nnewlines", "naïve café 🐋 12345", "x", ""]
 
 
 def logits_of(model, ids=IDS):
-    return model(torch.tensor([ids]), kvexplore.NoCache(model.config, dtype=model.dtype), 0)[0].float()
+    return no_cache_logits(model, ids).float()
 
 
 def reference(ref, ids=IDS):

@@ -6,14 +6,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvexplore
 from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, SHARED, STALE, PagedLayout
 from kvexplore.caches.paged import PagedCache, PagePoolFullError
+from helpers import no_cache_logits
 
 
 def recompute(model, tokens):
-    return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]
+    return no_cache_logits(model, tokens, last=True)
 
 
 def greedy(model, cache, tokens, n):
@@ -197,7 +197,7 @@ def test_constructor_errors_and_batches(tiny):
     both = torch.cat([tiny(ids[:, :3], cache, 0), tiny(ids[:, 3:4], cache, 3), tiny(ids[:, 4:], cache, 4)], 1)
     assert cache.block_tables == [[0, 2], [1, 3]] and cache.free_blocks == 0
     for b in range(2):
-        assert torch.allclose(both[b], tiny(ids[b:b + 1], NoCache(tiny.config), 0)[0], atol=1e-5)
+        assert torch.allclose(both[b], no_cache_logits(tiny, ids[b:b + 1], batched=True)[0], atol=1e-5)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,7 +7,7 @@ import torch
 
 import kvexplore
 from conftest import VARIANTS
-from helpers import ARCHITECTURES, make_checkpoint
+from helpers import ARCHITECTURES, make_checkpoint, no_cache_logits
 
 TOL = 1e-4
 
@@ -130,8 +130,8 @@ def test_cpu_weights_are_stored_column_major_with_unchanged_values(checkpoint):
 
 def test_last_only_logits(tiny):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
-    full = tiny(ids, kvexplore.NoCache(tiny.config), 0)
-    last = tiny(ids, kvexplore.NoCache(tiny.config), 0, last_only=True)
+    full = no_cache_logits(tiny, ids, batched=True)
+    last = no_cache_logits(tiny, ids, last_only=True, batched=True)
     assert last.shape == (1, 1, tiny.config.vocab_size) and torch.allclose(last[0, 0], full[0, -1], atol=1e-5)
 
 

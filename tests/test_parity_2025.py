@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvexplore
-from helpers import FailingTracer, greedy_tokens_match, make_checkpoint
+from helpers import FailingTracer, greedy_tokens_match, make_checkpoint, no_cache_logits
 
 TOL = 1e-4
 SEQ = 40
@@ -237,7 +237,7 @@ def test_any_chunking_and_rewinds_match_recomputation_on_every_layer_kind(built,
     rings allow, gives the no-cache logits, on the pre-allocated and the paged cache."""
     model, _ = built("gemma4-w4")
     ids = ids_for(model, 30)
-    want = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+    want = no_cache_logits(model, ids)
     cache = kvexplore.make_cache(data.draw(st.sampled_from(["preallocated", "paged"]), label="kind"), model, 30)
     got = torch.empty_like(want)
     while cache.length < len(ids):

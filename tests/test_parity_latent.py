@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvexplore
-from helpers import greedy_tokens_match
+from helpers import greedy_tokens_match, no_cache_logits
 from kvexplore.models.latent import bytes_per_token
 
 TOL = 1e-4
@@ -44,7 +44,7 @@ def test_latent_attention_matches_transformers(deepseek, name, mla):
     ids = ids_for()
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()
-    full = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+    full = no_cache_logits(model, ids)
     assert (full - want).abs().max().item() < TOL
     for kind in ("preallocated", "concat", "paged"):
         got, _ = decode(model, kind, ids)
@@ -115,7 +115,7 @@ def test_sparse_attention_matches_transformers(sparse, mla):
         want = ref(torch.tensor([ids])).logits[0].float()
     for kind in ("preallocated", "paged", "none"):
         if kind == "none":
-            got = model(torch.tensor([ids]), kvexplore.make_cache("none", model), 0)[0]
+            got = no_cache_logits(model, ids)
         else:
             got, _ = decode(model, kind, ids)
         assert (got - want).abs().max().item() < TOL, kind

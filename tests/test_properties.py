@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvexplore import NoCache, PreallocatedCache
+from kvexplore import PreallocatedCache
 from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
+from helpers import no_cache_logits
 
 IDS = list(range(3, 43))
 
@@ -14,7 +15,7 @@ IDS = list(range(3, 43))
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_any_chunking_and_rewinds_match_the_no_cache_reference(tiny, data):
-    want = tiny(torch.tensor([IDS]), NoCache(tiny.config), 0)[0]
+    want = no_cache_logits(tiny, IDS)
     cache = PreallocatedCache(tiny.config, len(IDS))
     got = torch.empty_like(want)
     while cache.length < len(IDS):

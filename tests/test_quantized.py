@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvexplore
-from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache, kv_bytes
+from kvexplore import CacheFullError, Generator, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE, QuantizedLayout
 from kvexplore.caches.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack, quantize_keys,
                                         quantize_values, unpack)
+from helpers import no_cache_logits
 
 IDS = list(range(3, 83))  # 80 tokens
 
@@ -70,7 +70,7 @@ def test_dequantize_of_quantize_is_within_half_a_scale(bits, blocks, group, head
 
 
 def test_exact_while_everything_fits_the_residual(tiny):
-    want = tiny(torch.tensor([IDS]), NoCache(tiny.config), 0)[0]
+    want = no_cache_logits(tiny, IDS)
     for bits, chunks in [(4, (10,)), (8, (7, 30))]:
         cache = QuantizedCache(tiny.config, 96, bits=bits, residual=len(IDS))
         got = feed(tiny, cache, IDS, chunks)
@@ -82,7 +82,7 @@ def test_exact_while_everything_fits_the_residual(tiny):
 
 
 def test_quantized_past_is_close_but_not_exact(tiny):
-    want = tiny(torch.tensor([IDS]), NoCache(tiny.config), 0)[0]
+    want = no_cache_logits(tiny, IDS)
     cache = QuantizedCache(tiny.config, 96, bits=8, group_size=8, residual=8)
     got = feed(tiny, cache, IDS)
     assert cache.quantized_upto == 72  # largest multiple of 8 <= 80 - 8
@@ -233,7 +233,7 @@ def test_deep_rewind_keeps_whole_blocks_and_regenerates_consistently(tiny):
     again, twice = feed(tiny, cache, IDS), feed(tiny, twin, IDS)
     assert torch.equal(again, twice)  # deterministic: a copy rewound and regenerated the same way ends the same
     # as close to recomputation as the first pass was (4 bits, G=R=8 on the random model: 2.22 vs 2.19 measured)
-    want = tiny(torch.tensor([IDS]), NoCache(tiny.config), 0)[0]
+    want = no_cache_logits(tiny, IDS)
     first_err = (first - want).abs().max()
     assert cache.quantized_upto == 72 and (again - want[29:]).abs().max() < 1.25 * first_err
     assert (again - first[29:]).abs().max() < first_err

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kvexplore
-from helpers import FailingTracer
-from kvexplore import Generator, NoCache, PreallocatedCache, kv_bytes
+from helpers import FailingTracer, no_cache_logits
+from kvexplore import Generator, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE, RingLayout
 from kvexplore.caches.sink import SinkCache
 
@@ -37,7 +37,7 @@ def streaming_reference(model, tokens, sinks, lo):
         def wants_attention(self, layer):
             return True
 
-    return model(torch.tensor([tokens]), NoCache(model.config), 0, tracer=Mask())[0]
+    return no_cache_logits(model, tokens, tracer=Mask())
 
 
 def decode(model, cache, tokens, start):
@@ -59,7 +59,7 @@ def test_while_it_fits_logits_equal_recomputation(model):
         got[c] = [model(torch.tensor([tokens[:5]]), c, 0)[0, -1], model(torch.tensor([tokens[5:8]]), c, 5)[0, -1]]
         got[c] += decode(model, c, tokens, 8)
     for end, logits, same in zip([5, 8, *range(9, 17)], got[cache], got[pre]):
-        ref = model(torch.tensor([tokens[:end]]), NoCache(model.config), 0)[0, -1]
+        ref = no_cache_logits(model, tokens[:end], last=True)
         assert (logits - ref).abs().max() < tolerance(model) and torch.equal(logits, same)  # bit for bit
     assert cache.length == cache.held == 16 and cache.evicted_count == 0 and cache.evicted_last_step == []
     assert cache.used_bytes == cache.reserved_bytes == kv_bytes(model.config, 16)
@@ -121,7 +121,7 @@ def test_attention_after_overflow_equals_the_sink_reference(model):
     model(torch.tensor([tokens[:5]]), cache, 0)
     got = decode(model, Spy(), tokens, 5)
     ref = streaming_reference(model, tokens, S, [max(S, q - W + 1) for q in range(40)])
-    full = model(torch.tensor([tokens]), NoCache(model.config), 0)[0]
+    full = no_cache_logits(model, tokens)
     for q, logits in zip(range(5, 40), got):
         assert (logits - ref[q]).abs().max() < tolerance(model), q
     assert (got[-1] - full[-1]).abs().max() > 1e-3  # the eviction matters: the reference is not trivially met
@@ -229,7 +229,7 @@ def test_rewind_into_the_window_then_to_the_sinks(tiny):
     assert cache.length == 3 and cache.evicted_count == 0 and cache.slot_view().count(FILLED) == 3
     again = tokens[:3] + [tok(p + 200) for p in range(3, 12)]
     logits = tiny(torch.tensor([again[3:]]), cache, 3)[0, -1]
-    assert (logits - tiny(torch.tensor([again]), NoCache(tiny.config), 0)[0, -1]).abs().max() < 1e-5
+    assert (logits - no_cache_logits(tiny, again, last=True)).abs().max() < 1e-5
 
 
 def test_a_failed_step_puts_back_the_position_it_evicted(tiny):

@@ -15,6 +15,7 @@ from kvexplore.runtime import speculative
 from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
 from speculative_reference import (ARCHS, KINDS, cache_state, differences, draft_model, greedy, load, lookup_prompt,
                                    make, perturbed)
+from helpers import no_cache_logits
 
 N = 16  # tokens per run
 REFUSED = {("deepseek", "quantized"): "latent", ("deepseek", "evict"): "latent",
@@ -295,7 +296,7 @@ def sampling_context(model, settings_):
     """A context ``[1, 9, 10, t, 9]`` then 10, after which prompt lookup drafts ``t, 9`` and the target gives ``t``
     a probability between 0.2 and 0.8 (so its drafts are accepted and rejected)."""
     for t in range(3, 300):
-        p = filtered_probs(model(torch.tensor([[1, 9, 10, t, 9, 10]]), kvexplore.NoCache(model.config), 0)[0, -1],
+        p = filtered_probs(no_cache_logits(model, [1, 9, 10, t, 9, 10], last=True),
                            settings_)
         if 0.2 < p[t] < 0.8:
             return [1, 9, 10, t, 9], 10
@@ -305,10 +306,10 @@ def sampling_context(model, settings_):
 def target_distributions(model, settings_, context: list[int], forced: int):
     """The target's filtered distribution of the first new token, and of the second (averaged over the first)."""
     seq = [*context, forced]
-    p1 = filtered_probs(model(torch.tensor([seq]), kvexplore.NoCache(model.config), 0)[0, -1], settings_)
+    p1 = filtered_probs(no_cache_logits(model, seq, last=True), settings_)
     p2 = torch.zeros_like(p1)
     for t in p1.nonzero().flatten().tolist():
-        row = model(torch.tensor([[*seq, t]]), kvexplore.NoCache(model.config), 0)[0, -1]
+        row = no_cache_logits(model, [*seq, t], last=True)
         p2 += p1[t] * filtered_probs(row, settings_)
     return p1.double(), p2.double()
 

@@ -9,7 +9,7 @@ import torch
 
 import kvexplore
 from gguf_writer import write_gguf
-from helpers import make_checkpoint
+from helpers import make_checkpoint, no_cache_logits
 from kvexplore import LoadError
 from kvexplore.formats import store
 from kvexplore.cli import main
@@ -41,7 +41,7 @@ def test_first_load_converts_then_loads_the_folder(fake_model, monkeypatch):
     ids = list(range(3, 30))
     with torch.no_grad():
         want = fake_model(torch.tensor([ids])).logits[0]
-    assert (model(torch.tensor([ids]), kvexplore.NoCache(model.config), 0)[0] - want).abs().max() < 1e-4
+    assert (no_cache_logits(model, ids) - want).abs().max() < 1e-4
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
 
     def no_conversion(*args, **kwargs):

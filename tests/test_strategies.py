@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import kvexplore
 from kvexplore import CacheFullError, ConcatCache, Generator, NoCache, PreallocatedCache, kv_bytes, make_cache
 from kvexplore.caches import FILLED, FREE, STALE
+from helpers import no_cache_logits
 
 EXACT = ["preallocated", "concat", "none", "paged", "sink"]  # sink: while the sequence fits its window
 OPTIONS = {"paged": {"block_size": 4}}  # small pages: many page boundaries, and forks share a partial page
@@ -16,7 +17,7 @@ OPTIONS = {"paged": {"block_size": 4}}  # small pages: many page boundaries, and
 
 def reference_logits(model, tokens):
     """Logits of the last token, recomputed from scratch."""
-    return model(torch.tensor([tokens]), NoCache(model.config), 0)[0, -1]
+    return no_cache_logits(model, tokens, last=True)
 
 
 PROMPT = "Call me Ishmael. Some years ago"
@@ -206,5 +207,5 @@ def test_batch_of_two_matches_single_sequences(trained, kind):
                               *(trained(ids[b:b + 1, i:i + 1], alone, i) for i in range(5, 8))], 1)[0]
             assert [alone.kept_positions(0)] == [cache.kept_positions(0, batch=b)]
         else:
-            want = trained(ids[b:b + 1], NoCache(trained.config), 0)[0]
+            want = no_cache_logits(trained, ids[b:b + 1], batched=True)[0]
         assert (got[b] - want).abs().max() < 1e-4
