@@ -61,8 +61,6 @@ def unregister_strategy(name: str) -> type:
 def register_layer_kind(kind: str, make: LayerFactory, replace: bool = False) -> LayerFactory:
     """Layers whose plan says ``kind`` get ``make(cache, spec, built, shared)``; returns ``make``. A taken kind is
     refused unless ``replace`` (never a built-in one); :func:`unregister_layer_kind` removes one."""
-    if not isinstance(kind, str) or not kind:
-        raise SettingsError(f"a layer kind is a non-empty string, got {kind!r}")
     if not callable(make):
         raise SettingsError(f"layer kind {kind!r}: make must be a function (cache, spec, built, shared) -> LayerCache")
     return LAYER_KINDS.add(kind, make, replace)

@@ -26,6 +26,8 @@ class Registry(dict):
     def add(self, name: str, entry: Any, replace: bool = False) -> Any:
         """Register ``entry`` as ``name`` (returned). A taken name is refused unless ``replace`` (never a built-in
         one); registering the same entry again changes nothing."""
+        if not isinstance(name, str) or not name:
+            raise SettingsError(f"a {self.what}'s name is a non-empty string, got {name!r}")
         if name in self and self[name] is entry:
             return entry
         if name in self.built_in:

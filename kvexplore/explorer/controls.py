@@ -23,6 +23,7 @@ HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
 COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 x 800 in JupyterLab, files open
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
 STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
+CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
 PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)

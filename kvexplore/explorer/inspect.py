@@ -66,18 +66,19 @@ def press(explorer: Any) -> dict[str, Any] | None:
     length and its bytes (what the press views must draw)."""
     lane = explorer.lane
     cache = lane.cache
-    if cache.eviction is None or not lane.history:
+    eviction = cache.eviction
+    if eviction is None or not lane.history:
         return None
     layer = explorer.layer
-    got = cache.eviction.press_scores(layer) if layer in cache.full_layers else None
+    got = eviction.press_scores(layer) if layer in cache.full_layers else None
     scores = None if got is None else got[0].numpy()
     report = cache.memory_report()
     return {"layer": layer, "length": cache.length, "reserved_bytes": report.reserved_bytes,
             "used_bytes": report.logical_bytes,
             "scores": None if got is None else plain(np.where(np.isfinite(scores), scores, np.nan)),
             "kept": None if got is None else got[1].int().tolist(),
-            "held": {str(layer): [len(p) for p in cache.eviction.kept_positions(layer)] for layer in cache.full_layers},
-            "kept_mask": {str(layer): cache.eviction.kept_mask(layer).int().tolist() for layer in cache.full_layers}}
+            "held": {str(layer): [len(p) for p in eviction.kept_positions(layer)] for layer in cache.full_layers},
+            "kept_mask": {str(layer): eviction.kept_mask(layer).int().tolist() for layer in cache.full_layers}}
 
 
 def enabled() -> bool:

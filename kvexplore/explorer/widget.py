@@ -272,8 +272,7 @@ class Explorer(Screen):
         w["status"].value = html.escape(status_line(lane, self.session.grew))
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP
-        w["step"].tooltip = (f"the model has finished (end of sequence): {CONTINUE} generates one more token past "
-                             "it on every strategy" if ended else layout.STEP_TIP)
+        w["step"].tooltip = layout.CONTINUE_TIP if ended else layout.STEP_TIP
         snap = self.snapshot()
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
         for name in self.shown():

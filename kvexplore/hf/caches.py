@@ -7,6 +7,7 @@ from typing import Any
 
 from ..caches.registry import register_prefix
 from ..errors import SettingsError
+from .model import is_transformers
 
 # name -> what it is; "quantized" is transformers' QuantizedCache with its fp8 backend (no extra package),
 # "quantized-quanto" / "quantized-hqq" need optimum-quanto / hqq, "offloaded" a CUDA device
@@ -23,9 +24,8 @@ BOUNDED = {"static"}  # the transformers caches sized by max_seq_len (the others
 
 
 def is_hf_cache(obj: Any) -> bool:
-    """Whether ``obj`` is a transformers ``Cache`` (of any class, one's own subclass too), without importing
-    transformers when it is not loaded."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "Cache" for c in type(obj).__mro__)
+    """Whether ``obj`` is a transformers ``Cache`` (of any class, one's own subclass too)."""
+    return is_transformers(obj, "Cache")
 
 
 def available(name: str, device_type: str = "cpu") -> str | None:

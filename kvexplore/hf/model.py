@@ -32,9 +32,15 @@ def _transformers():
     return transformers
 
 
+def is_transformers(obj: Any, base: str) -> bool:
+    """Whether ``obj`` is an instance of transformers' class named ``base`` (any subclass, one's own too), without
+    importing transformers when it is not loaded."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == base for c in type(obj).__mro__)
+
+
 def is_hf_model(obj: Any) -> bool:
-    """Whether ``obj`` is a transformers model (without importing transformers when it is not loaded)."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(obj).__mro__)
+    """Whether ``obj`` is a transformers model."""
+    return is_transformers(obj, "PreTrainedModel")
 
 
 class HFModel(Executor):

@@ -22,8 +22,6 @@ POLICIES: Registry = Registry("prefix policy", "unregister_policy")
 def register_policy(name: str, make: Callable[[int], PrefixIndex], replace: bool = False) -> Callable:
     """Make ``make(block_size)`` (a :class:`PrefixIndex` subclass or a function returning one) the policy ``name``;
     returns ``make``. A taken name is refused unless ``replace`` (never a built-in one)."""
-    if not isinstance(name, str) or not name:
-        raise SettingsError(f"a prefix policy's name is a non-empty string, got {name!r}")
     if not callable(make):
         raise SettingsError(f"prefix policy {name!r}: give a PrefixIndex subclass or a function of the block size "
                             f"that returns one, got {make!r}")

@@ -1,8 +1,8 @@
 """Presses: score-based KV cache eviction (the name after NVIDIA's kvpress catalogue), used by the ``evict`` cache.
 
 :data:`PRESSES` maps a name to a :class:`Press` class; :func:`register_press` adds one (:func:`unregister_press`
-removes it), :func:`make_press` builds one by name with its options. A press scores (:mod:`.press`); the budget and the per-head policy choose
-(:mod:`.budget`); the cache stores what is kept (:mod:`kvexplore.caches.evict`).
+removes it), :func:`make_press` builds one by name with its options. A press scores (:mod:`.press`); the budget and
+the per-head policy choose (:mod:`.budget`); the cache stores what is kept (:mod:`kvexplore.caches.evict`).
 """
 
 from __future__ import annotations
