@@ -331,8 +331,8 @@ def test_kvexplore_and_transformers_caches_declare_the_same_protocol():
 
 def test_the_hf_prefix_is_a_registry_entry():
     from kvexplore.caches.registry import PREFIXES, prefix_factory
-    from kvexplore.hf import caches as hf_caches
+    from kvexplore.hf import model as hf_model
 
-    assert prefix_factory("hf:dynamic") is PREFIXES["hf:"] is hf_caches._make_cache
+    assert prefix_factory("hf:dynamic") is PREFIXES["hf:"] is hf_model._make_cache
     with pytest.raises(kvexplore.SettingsError, match="wrap it with"):
         kvexplore.make_cache("hf:dynamic", object())

@@ -37,12 +37,19 @@ def module_name(path: Path) -> tuple[str, bool]:
     return ".".join(parts), False
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """Every kvexplore module ``path`` imports, at the top or inside a function: ``(line, module)``."""
+def imports(path: Path, typing: bool = True) -> list[tuple[int, str]]:
+    """Every kvexplore module ``path`` imports, at the top or inside a function (and under ``if TYPE_CHECKING:``
+    unless not ``typing``): ``(line, module)``."""
     name, is_pkg = module_name(path)
     package = name if is_pkg else name.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                 and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                                 for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "kvexplore"]
         elif isinstance(node, ast.ImportFrom):
@@ -126,3 +133,70 @@ def test_no_code_probes_a_cache_for_what_it_can_do():
     assert not found, "a cache probed for a capability (declare it on ModelCache instead):\n" + "\n".join(found)
     assert pattern.search('x = getattr(getattr(cache, "pressplan", None), "decode_every", None)')
     assert pattern.search('if hasattr(lane.cache, "kept_positions"):')
+
+
+def private_reaches(package: Path) -> list[str]:
+    """``other._name`` (or ``getattr(other, "_name")``) where ``other`` is not ``self``/``cls`` and ``_name`` is a
+    private name of this package defined in another module only: one module's internals read or written by another.
+    (Private names of other libraries, such as torch's ``_indices``, are theirs to police; ``hf/`` reads
+    transformers' objects.)"""
+    trees = {p: ast.parse(p.read_text()) for p in sorted(package.rglob("*.py")) if p.parent.name != "hf"}
+    defined: dict[Path, set[str]] = {}
+    for p, tree in trees.items():
+        names = defined[p] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("self", "cls") and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # a dataclass field
+                names.add(node.target.id)
+    ours = set().union(*defined.values())
+    found = []
+    for p, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                owner, name = node.value, node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in \
+                    ("getattr", "hasattr", "setattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                owner, name = node.args[0], node.args[1].value
+            else:
+                continue
+            if not isinstance(name, str) or not name.startswith("_") or name.startswith("__"):
+                continue
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if name in ours and name not in defined[p]:
+                found.append(f"{p.relative_to(package.parent)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_state():
+    found = private_reaches(PACKAGE)
+    assert not found, ("private state of another module read or written (give its owner a public method or "
+                       "property):\n" + "\n".join(found))
+
+
+def test_the_private_checker_sees_a_reach(tmp_path):
+    fake = tmp_path / "kvexplore"
+    fake.mkdir()
+    (fake / "a.py").write_text("class A:\n    def __init__(self):\n        self._rng = 1\n        self._own = 2\n"
+                               "    def twin(self, other):\n        return other._own\n")
+    (fake / "b.py").write_text("def f(gen, t):\n    t._indices()\n    gen._rng = 3\n    return getattr(gen, '_own')\n")
+    assert private_reaches(fake) == ["kvexplore/b.py:3: gen._rng", "kvexplore/b.py:4: getattr(gen, '_own')"]
+
+
+def import_cycles() -> list[str]:
+    """Pairs of modules that import each other when they run (at the top or inside a function; an import for
+    annotations only, under ``if TYPE_CHECKING:``, runs nothing)."""
+    graph = {module_name(p)[0]: {t for _, t in imports(p, typing=False)} for p in PACKAGE.rglob("*.py")}
+    return sorted(f"{a} <-> {b}" for a, targets in graph.items() for b in targets
+                  if a < b and a in graph.get(b, ()))
+
+
+def test_no_two_modules_import_each_other():
+    cycles = import_cycles()
+    assert not cycles, "modules that import each other (one concept split across two files?):\n" + "\n".join(cycles)

@@ -330,9 +330,9 @@ def test_sampled_tokens_are_distributed_as_the_targets(zoo, tiny, drafter, monke
     assert chi_square_p(torch.bincount(tokens[:, 0], minlength=V).double(), p1) > 1e-3
     assert chi_square_p(torch.bincount(tokens[:, 1], minlength=V).double(), p2) > 1e-3
 
-    def always_accept(logits, draft, g):  # the control: a wrong rule (every draft kept)
-        return [*draft.tokens, int(torch.multinomial(filtered_probs(logits[len(draft.tokens)], g.sampling), 1,
-                                                     generator=g._rng))], len(draft.tokens)
+    def always_accept(logits, draft, sampling, rng):  # the control: a wrong rule (every draft kept)
+        return [*draft.tokens, int(torch.multinomial(filtered_probs(logits[len(draft.tokens)], sampling), 1,
+                                                     generator=rng))], len(draft.tokens)
 
     monkeypatch.setattr(speculative, "accept", always_accept)
     wrong = sample_first_two(gen, context, forced, range(200))

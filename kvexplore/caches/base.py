@@ -366,9 +366,7 @@ class KVCache(CacheInspection, Crop, ModelCache):
         twin._index()
         twin._journal, twin._saved, twin._cur, twin._masks = None, None, None, {}
         twin._scratch = {}
-        if self._report is not None:  # settle() adds to a report's allocator figures: each copy keeps its own
-            twin._report = replace(self._report, cuda=dict(self._report.cuda))
-            twin._held_again(walk=True)
+        self._copy_report_to(twin)
         return twin
 
     def clone(self) -> "KVCache":

@@ -89,6 +89,12 @@ class CacheInspection:
             cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers),
             held_bytes=sum(held.values()), held=held, step_bytes=step)
 
+    def _copy_report_to(self, twin: "CacheInspection") -> None:
+        """Give ``twin`` (a copy of this cache) its own report: settle() adds to a report's allocator figures."""
+        if self._report is not None:
+            twin._report = replace(self._report, cuda=dict(self._report.cuda))
+            twin._held_again(walk=True)
+
     def _held_again(self, walk: bool = False) -> None:
         """The step was let go: the report's held figures lose what only the step held and count the undo scratch
         as it is now (trimmed), the rest unchanged since the report was made; ``walk``: count everything again

@@ -76,7 +76,7 @@ class LaneTracer(Tracer):
         if self._step is None:
             return
         q0 = self._pos + r0
-        self._step._attention[layer] = (layer, self._first, self._pos + self._q_len)
+        self._step.keep_attention(layer, (layer, self._first, self._pos + self._q_len))
         if keys == self._pos + self._q_len and layer not in self._per_head:
             self._direct.add(layer)
             if probs.shape[1] <= SMALL:  # a decode step's row: lands with the step, every layer's together
@@ -110,7 +110,6 @@ class LaneTracer(Tracer):
 
     def begin_step(self, cache: KVCache, pos: int, q_len: int) -> None:
         super().begin_step(cache, pos, q_len)
-        self._step._history = self.history
         self._first = pos + q_len - 1 if self.last_row_only else pos
         self._hooked, self._direct, self._small = [], set(), []
         # layers whose KV heads read different positions (a pressed cache): their rows wait for the reads per head
@@ -133,7 +132,7 @@ class LaneTracer(Tracer):
                 else:
                     reads = list(step.reads_of(layer))[c0: c0 + rows.shape[-1]]
                 self.history.add(layer, q0, rows, positions=reads)
-                step._attention[layer] = (layer, self._first, end)
+                step.keep_attention(layer, (layer, self._first, end))
             groups: dict[tuple, list] = {}
             for layer, q0, rows, c0 in self._small:
                 groups.setdefault((q0, c0, tuple(rows.shape)), []).append((layer, rows))
@@ -148,8 +147,7 @@ class LaneTracer(Tracer):
             self.history.end()
             if cache.length < end and cache.stores:  # a speculative take-back: the rows of the
                 self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
-                step._attention = {layer: (n, q0, min(q1, cache.length)) for layer, (n, q0, q1)
-                                   in step._attention.items()}
+                step.truncate(cache.length)
         self._hooked, self._direct, self._small = [], set(), []
         self.recent_traces.push(step)
         return step

@@ -85,7 +85,7 @@ class Explorer(Screen):
         self._busy = False
         self._zoom, self._reversed = {}, {}  # per figure, the axis ranges on screen and its reversed axes (.zoom)
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
-        self._strip = TokenStrip()
+        self.token_strip = TokenStrip()
         self.model = opened.model
         self._check_picks(layer, head)
         self.session = Session(self.model, generator=generator, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -239,7 +239,7 @@ class Explorer(Screen):
     # -- state shown -------------------------------------------------------------------------------------
     def snapshot(self) -> snapshot.Snapshot:
         """What the views need of the session now (the lanes on screen in detail)."""
-        return snapshot.take(self.session, self._strip, self.lane.name, self.side_by_side, self.layer, self.head,
+        return snapshot.take(self.session, self.token_strip, self.lane.name, self.side_by_side, self.layer, self.head,
                              zoom=self._zoom)
 
     def save_html(self, path, title: str | None = None):
@@ -268,7 +268,7 @@ class Explorer(Screen):
         self._sync_lanes()
         lane = self.lane
         w = self.controls
-        w["tokens"].value = self._strip.html(self.model.tokenizer, lane.generator)
+        w["tokens"].value = self.token_strip.html(self.model.tokenizer, lane.generator)
         w["status"].value = html.escape(status_line(lane, self.session.grew))
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP

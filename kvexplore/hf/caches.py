@@ -5,9 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ..caches.registry import register_prefix
 from ..errors import SettingsError
-from .model import is_transformers
 
 # name -> what it is; "quantized" is transformers' QuantizedCache with its fp8 backend (no extra package),
 # "quantized-quanto" / "quantized-hqq" need optimum-quanto / hqq, "offloaded" a CUDA device
@@ -21,6 +19,12 @@ HF_CACHES = {
 }
 NEEDS = {"quantized-quanto": "optimum.quanto", "quantized-hqq": "hqq"}
 BOUNDED = {"static"}  # the transformers caches sized by max_seq_len (the others grow)
+
+
+def is_transformers(obj: Any, base: str) -> bool:
+    """Whether ``obj`` is an instance of transformers' class named ``base`` (any subclass, one's own too), without
+    importing transformers when it is not loaded."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == base for c in type(obj).__mro__)
 
 
 def is_hf_cache(obj: Any) -> bool:
@@ -59,13 +63,3 @@ def make_hf_cache(name: str, hf_module, max_seq_len: int):
         return transformers.QuantizedCache(backend, config=config)
     except ValueError as e:
         raise SettingsError(f"transformers' quantized cache refuses this model ({e}); use hf:dynamic or hf:static") from e
-
-
-def _make_cache(model, kind: str, max_seq_len: int | None):
-    """The ``"hf:"`` entry of :func:`kvexplore.make_cache` (the prefix registry of :mod:`kvexplore.caches.registry`)."""
-    from . import make_cache  # kvexplore.hf's: the HFCache over a fresh transformers cache
-
-    return make_cache(model, kind, max_seq_len)
-
-
-register_prefix("hf:", _make_cache)  # imported by kvexplore.hf, which kvexplore imports: always registered

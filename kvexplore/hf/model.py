@@ -15,7 +15,9 @@ from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
 from ..formats.tokenizer import Tokenizer
 from ..runtime.executor import Executor, register_adapter
+from ..caches.registry import register_prefix
 from .cache import HFCache
+from .caches import BOUNDED, is_transformers, make_hf_cache
 
 SUPPORTED_TRANSFORMERS = "5.0"  # the oldest major version driven here (its Cache classes have .layers)
 
@@ -30,12 +32,6 @@ def _transformers():
         raise SettingsError(f"transformers {transformers.__version__} is too old: kvexplore reads the per-layer "
                             f"caches of transformers >= {SUPPORTED_TRANSFORMERS}; pip install -U transformers")
     return transformers
-
-
-def is_transformers(obj: Any, base: str) -> bool:
-    """Whether ``obj`` is an instance of transformers' class named ``base`` (any subclass, one's own too), without
-    importing transformers when it is not loaded."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ == base for c in type(obj).__mro__)
 
 
 def is_hf_model(obj: Any) -> bool:
@@ -130,8 +126,6 @@ class HFModel(Executor):
                                 f"{type(cache).__name__}")
 
     def default_cache(self) -> HFCache:
-        from . import make_cache
-
         return make_cache(self, "dynamic")
 
     def replay(self, ids, cache: HFCache) -> None:
@@ -253,3 +247,28 @@ def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: 
 
 
 register_adapter(is_hf_model, HFModel)  # a Generator given a transformers module runs it through HFModel
+
+
+PREFIX = "hf:"
+
+
+def make_cache(model: HFModel, kind: str = "dynamic", max_seq_len: int | None = None) -> HFCache:
+    """An :class:`HFCache` of transformers' cache ``kind`` (``"dynamic"``, ``"static"``, ...; see
+    :data:`HF_CACHES`; an ``"hf:"`` prefix is accepted) for ``model``. ``max_seq_len`` sizes a static cache
+    (default 256)."""
+    if not isinstance(model, HFModel):
+        raise SettingsError(f"transformers caches (hf:...) run on a transformers model: wrap it with "
+                            f"kvexplore.hf.wrap(model, tokenizer), got {type(model).__name__}")
+    name = kind.removeprefix(PREFIX)
+    slots = 256 if max_seq_len is None else int(max_seq_len)
+    fresh = lambda: make_hf_cache(name, model.hf, slots)  # noqa: E731
+    return HFCache(PREFIX + name, fresh(), model.config, model.dtype, model.device,
+                   slots if name in BOUNDED else None, fresh)
+
+
+def _make_cache(model, kind: str, max_seq_len: int | None):
+    """The ``"hf:"`` entry of :func:`kvexplore.make_cache` (the prefix registry of :mod:`kvexplore.caches.registry`)."""
+    return make_cache(model, kind, max_seq_len)
+
+
+register_prefix(PREFIX, _make_cache)  # imported by kvexplore.hf, which kvexplore imports: always registered

@@ -1,5 +1,5 @@
 """Where ``PrefixPool.save_html`` (and an event replay's) finds the page writer: the replay registers it
-(:func:`kvexplore.replay.prefix_page.save_prefix_html`) when it is imported, as it does for ``History.save_html``
+(:func:`kvexplore.replay.prefix_save.save_prefix_html`) when it is imported, as it does for ``History.save_html``
 (:func:`kvexplore.trace.files.register_html_writer` says why: the drawing layer sits above this one)."""
 
 from __future__ import annotations

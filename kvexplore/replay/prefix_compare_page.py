@@ -12,6 +12,7 @@ from typing import Any
 from ..views.page import plotly_script
 from ..views.player import UNPACK
 from ..views.prefix import side_by_side
+from .prefix_page import prefix_fragment
 
 PAGE = """<div class="kvx-prefix-compare-page" id="__ID__">
 <style>
@@ -68,8 +69,6 @@ def several(source: Any) -> bool:
 def compare_fragment(sources: Any, title: str | None = None) -> str:
     """Every pool of ``sources`` (a ``{name: pool}`` mapping or a list of pools, all having served the same number
     of requests) in a column of one element."""
-    from .prefix_page import prefix_fragment
-
     named = side_by_side(sources)
     columns = "\n".join(prefix_fragment(s, name, plotly=False) for name, s in named.items())
     return (PAGE.replace("__ID__", f"kvx-prefix-compare-{uuid.uuid4().hex[:12]}")

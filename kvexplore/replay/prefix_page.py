@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import html
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..prefix.page_writer import register_page_writer
 from ..views.frames import ArrayStore
-from ..views.page import document, pack, plotly_script
+from ..views.page import pack, plotly_script
 from ..views.player import UNPACK
 from ..views.prefix import NAMES, figures, frame_label, frames_of, story
 
@@ -106,25 +104,9 @@ def page_data(source: Any) -> dict:
 
 
 def prefix_fragment(source: Any, title: str | None = None, plotly: bool = True) -> str:
-    """The replay of ``source`` (a PrefixPool or a list of PoolFrames) as one HTML element (see :func:`save_prefix_html`)."""
+    """The replay of ``source`` (a PrefixPool or a list of PoolFrames) as one HTML element (see :func:`~kvexplore.replay.prefix_save.save_prefix_html`)."""
     data = page_data(source)
     uid = f"kvx-prefix-{uuid.uuid4().hex[:12]}"
     return (PAGE.replace("__ID__", uid).replace("__TITLE__", html.escape(title or "kvexplore · prefix cache"))
             .replace("__PLOTLY__", plotly_script() if plotly else "").replace("__DATA__", pack(data))
             .replace("__PLAYER__", PLAYER))
-
-
-def save_prefix_html(source: Any, path: str | Path, title: str | None = None) -> Path:
-    """Write the replay of ``source``'s frames (a :class:`~kvexplore.prefix.pool.PrefixPool`, anything with
-    ``frames()``, or a list of :class:`~kvexplore.prefix.frames.PoolFrame`) to ``path``: one self-contained file.
-    Several pools (a ``{name: pool}`` mapping or a list of pools that served the same requests) are drawn side by
-    side under one slider (:mod:`.prefix_compare_page`)."""
-    from .prefix_compare_page import compare_fragment, several
-
-    path = Path(path)
-    body = compare_fragment(source, title) if several(source) else prefix_fragment(source, title)
-    path.write_text(document(body, title or "kvexplore · prefix cache"), encoding="utf-8")
-    return path
-
-
-register_page_writer(save_prefix_html)  # PrefixPool.save_html (the prefix folder sits below this one)

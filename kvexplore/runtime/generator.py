@@ -22,14 +22,14 @@ from ..core.settings import integer
 from ..errors import SettingsError, StateError
 from ..trace.files import History
 from ..trace.records import StepRecord
-from ..trace.tracer import Tracer
+from ..trace.tracer import Tracer, checked_tracer
 from . import clock, eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
 from .compiled import MODES
 from .executor import CompiledExecutor, Executor, as_executor
 from .prompt import prompt_ids
 from .recording import run_meta, step_record
 from .sampling import SamplingSettings, choose, sampling_setting
-from .speculative import Speculation, draft_for, undo_verification, verify
+from .speculative import Speculation, Target, Undo
 
 
 class Generator:
@@ -63,11 +63,7 @@ class Generator:
                                 f"make the cache with batch_size=1")
         self.executor: Executor = executor
         self.cache = cache
-        self.tracer = tracer
-        if tracer is not None and not all(callable(getattr(tracer, m, None)) for m in
-                                          ("begin_step", "end_step", "hook", "wants_attention")):
-            raise SettingsError(f"tracer must be a kvexplore Tracer (or have its begin_step, end_step, hook and "
-                                f"wants_attention methods), got {type(tracer).__name__}")
+        self.tracer = checked_tracer(tracer)
         self.sampling = SamplingSettings(temperature, top_k, top_p)
         self.top_candidates = top_candidates
         self.seed = int(torch.seed()) if seed is None else integer(seed, "seed", 0, 2 ** 64 - 1)
@@ -91,7 +87,7 @@ class Generator:
             else:
                 self._fast = executor.compiled(cache, None if compile is True else compile)
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
-        self._spec_undo: tuple[int, str, int] | None = None  # (length before, take-back, records) to undo a verification
+        self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
 
     @property
     def model(self) -> Any:
@@ -124,6 +120,10 @@ class Generator:
         self._top_candidates = integer(value, "top_candidates", 1, self.executor.config.vocab_size)
 
     # -- the sequence -----------------------------------------------------------------------------------
+    def target(self) -> Target:
+        """What a verification reads from this generator: executor, cache, tracer, sampling, RNG, top candidates."""
+        return Target(self.executor, self.cache, self.tracer, self.sampling, self._rng, self.top_candidates)
+
     @property
     def tokens(self) -> list[int]:
         """Every token id so far: the prompt, then the generated tokens."""
@@ -230,7 +230,7 @@ class Generator:
             raise StateError("undo_step() takes back only the last step(keep_undo=True), right after it; use "
                              "rewind(1) instead")
         if self._spec_undo is not None:  # a verification: its records, and the cache back before it
-            n = undo_verification(self)
+            n = self.speculation.undo(self._spec_undo, self.target(), self._tokens)
         else:
             n = 1
             self.cache.rollback()
@@ -256,11 +256,13 @@ class Generator:
         """One verification of at most ``limit`` tokens (a plain step when the drafter has nothing to offer)."""
         self.check_step()
         state = self._rng.get_state()  # before the drafter samples: a rewind or undo draws the draft again
-        draft = draft_for(self, limit - 1)
+        target = self.target()
+        draft = self.speculation.draft(self._tokens, limit - 1, target)
         if not draft.tokens:
             return [self._plain_step(None, keep_undo)]
         self._undoable = False
-        records = verify(self, draft, stop_at_eos, keep_undo)
+        records, self._spec_undo = self.speculation.verify(draft, list(self._tokens), len(self.history), target,
+                                                           stop_at_eos, keep_undo)
         self._tokens.extend(r.token_id for r in records)
         self._rng_states.extend([state] * len(records))
         for r in records:
@@ -379,9 +381,7 @@ class Generator:
         return None if self._fast is None else self._fast.compile_s(self.cache)
 
     def _check_force(self, force: int | None) -> None:
-        if force is not None:
-            integer(force, "force", hint=" (a token id)")
-        if force is not None and not 0 <= force < self.executor.config.vocab_size:
+        if force is not None and not 0 <= integer(force, "force", hint=" (a token id)") < self.executor.config.vocab_size:
             raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.executor.config.vocab_size - 1})")
 
     def prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:

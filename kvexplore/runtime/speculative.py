@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +41,6 @@ from .sampling import choose, filtered_probs
 
 if TYPE_CHECKING:
     from ..trace.records import StepRecord
-    from .generator import Generator
 
 TRUNCATE, RECOMPUTE, NOTHING = "truncate", "recompute", "nothing"  # how a verification's rejected drafts went
 CHECKPOINT = "checkpoint"
@@ -78,8 +77,33 @@ class Verification:
         return self.written - self.rolled_back
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a verification reads from the generator it serves (:meth:`~kvexplore.Generator.target`): its model
+    runner, cache and tracer, its sampling settings and RNG (drafts and corrections draw from it), and how many top
+    candidates each record keeps."""
+
+    executor: Any
+    cache: Any
+    tracer: Any
+    sampling: Any
+    rng: torch.Generator
+    top_candidates: int
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What :meth:`Speculation.undo` needs to take a verification back: the cache length before it, how its
+    rejected drafts went (``take_back``) and how many records it gave."""
+
+    start: int
+    take_back: str
+    records: int
+
+
 class Speculation:
-    """A generator's drafting settings and what its verifications did (``Generator.speculation``)."""
+    """A generator's drafting settings and what its verifications did (``Generator.speculation``). The generator
+    calls :meth:`draft`, :meth:`verify` and :meth:`undo` with its tokens and its :class:`Target`."""
 
     def __init__(self, draft, draft_tokens: int, executor, cache) -> None:
         self.k = integer(draft_tokens, "draft_tokens", 1, 64, hint=" (tokens drafted per verification)")
@@ -100,6 +124,104 @@ class Speculation:
         if value not in STATE_ROLLBACKS:
             raise SettingsError(f"speculation.states must be one of {', '.join(STATE_ROLLBACKS)}, got {value!r}")
         self._states = value
+
+    # -- one verification --------------------------------------------------------------------------------------
+    def draft(self, tokens: list[int], limit: int, target: Target) -> Draft:
+        """What the drafter proposes after ``tokens``, at most ``limit`` tokens and no more than the cache has room
+        for. A failing drafter leaves the RNG as it was."""
+        k = min(self.k, limit)
+        if target.cache.capacity is not None:
+            k = min(k, target.cache.capacity - len(tokens))
+        if k <= 0:
+            return Draft([])
+        rng = target.rng
+        state = rng.get_state()  # a model drafter that samples draws from the generator's RNG
+        try:
+            draft = self.drafter.propose(list(tokens), k, target.sampling, rng)
+        except BaseException:
+            rng.set_state(state)
+            raise
+        draft.rng_state = state
+        return draft
+
+    def verify(self, draft: Draft, tokens: list[int], step: int, target: Target, stop_at_eos: bool,
+               keep_undo: bool) -> tuple[list["StepRecord"], Undo | None]:
+        """Check ``draft`` (proposed after ``tokens``; the next record is step number ``step``) in one pass, keep
+        the accepted tokens, take back the rest: the new records (at least one) and, with ``keep_undo``, what
+        :meth:`undo` needs. A failure anywhere leaves the cache, the RNG and this object as they were."""
+        cache, ex, tracer, rng = target.cache, target.executor, target.tracer, target.rng
+        k = len(draft.tokens)
+        start = cache.length
+        feed = [*tokens[start:], *draft.tokens]
+        pos = len(tokens) - 1  # where the newest token goes
+        state = draft.rng_state if draft.rng_state is not None else rng.get_state()  # before the draft's draws
+        cache.settle()
+        if tracer is not None:
+            tracer.begin_step(cache, start, len(feed))
+        mark = clock.now()
+        truncated = False
+        # linear-attention layers keep their state after each position of the pass
+        checkpoints = cache.checkpointing_states() if self.states == CHECKPOINT else nullcontext()
+        try:
+            with checkpoints:
+                logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)
+            pass_memory = cache.memory_report()  # what the pass wrote, before the take-back
+            logits = logits[0, -(k + 1):]
+            (logits,) = host.fetch([logits])
+            verify_s, t1 = clock.since(mark), time.perf_counter()
+            new, accepted = accept(logits, draft, target.sampling, rng)
+            if stop_at_eos:
+                ends = set(eos_ids(ex))
+                eos = next((i for i, t in enumerate(new) if t in ends), None)
+                if eos is not None:
+                    new, accepted = new[:eos + 1], min(accepted, eos)
+            keep = pos + len(new)  # the fed token and the accepted drafts stay; positions from keep on go
+            how, why = NOTHING, None
+            tb = time.perf_counter()
+            if cache.stores and keep < cache.length:
+                why = cache.crop_error(keep)
+                if why is None and keep_undo and (undo := cache.crop_error(start)) is not None:
+                    why = f"undo_step needs the journal (a cut back to {start} would not be exact: {undo})"
+                if why is None:
+                    cache.truncate(keep)
+                    truncated = True
+                    how = TRUNCATE
+                else:
+                    cache.rollback()
+                    ex(torch.tensor([feed[:keep - start]], dtype=torch.long), cache, start, last_only=True,
+                       keep_undo=True)
+                    how = RECOMPUTE
+            take_back_s = time.perf_counter() - tb
+            records = []
+            for i, token in enumerate(new):
+                last = i == len(new) - 1
+                r = step_record(logits[i], token, step=step + i, first=False, pos=0, feed=len(feed),
+                                context=tokens + new[:i], executor=ex, cache=cache,
+                                top_candidates=target.top_candidates, forward_s=verify_s if i == 0 else 0.0,
+                                sampled_at=t1, tracer=tracer if last else None)
+                records.append(replace(r, position=pos + 1 + i, draft_token=draft.tokens[i] if i < k else None,
+                                       verification=len(self.verifications)))
+            trace = records[-1].trace
+            for r in records[:-1]:
+                r.trace = trace
+        except BaseException:
+            back_to(start, TRUNCATE if truncated else RECOMPUTE, target, tokens)
+            rng.set_state(state)
+            raise
+        written = k + 1  # positions the pass checked: the newest token and the drafts
+        self.verifications.append(Verification(
+            index=len(self.verifications), first_step=step, pos=pos, drafted=list(draft.tokens), accepted=accepted,
+            tokens=list(new), written=written, rolled_back=written - len(new) if cache.stores else 0, take_back=how,
+            why=why, draft_s=draft.seconds, verify_s=verify_s, take_back_s=take_back_s, notes=dict(draft.notes),
+            pass_memory=pass_memory))
+        return records, Undo(start, how, len(records)) if keep_undo else None
+
+    def undo(self, undo: Undo, target: Target, tokens: list[int]) -> int:
+        """Take back the last verification (one :meth:`verify` gave ``undo`` for): the cache as it was before it,
+        ``tokens`` being the sequence before it; returns how many records it gave (the generator drops them)."""
+        back_to(undo.start, undo.take_back, target, tokens)
+        self.verifications.pop()
+        return undo.records
 
     # -- counts ---------------------------------------------------------------------------------------------
     @property
@@ -134,27 +256,9 @@ class Speculation:
         self.drafter.forget()
 
 
-def draft_for(gen: "Generator", limit: int) -> Draft:
-    """What the drafter proposes now, at most ``limit`` tokens and no more than the cache has room for."""
-    spec, cache = gen.speculation, gen.cache
-    k = min(spec.k, limit)
-    if cache.capacity is not None:
-        k = min(k, cache.capacity - len(gen._tokens))
-    if k <= 0:
-        return Draft([])
-    state = gen._rng.get_state()  # a model drafter that samples draws from the generator's RNG
-    try:
-        draft = spec.drafter.propose(list(gen._tokens), k, gen.sampling, gen._rng)
-    except BaseException:
-        gen._rng.set_state(state)
-        raise
-    draft.rng_state = state
-    return draft
-
-
-def accept(logits: torch.Tensor, draft: Draft, gen: "Generator") -> tuple[list[int], int]:
+def accept(logits: torch.Tensor, draft: Draft, settings, rng: torch.Generator) -> tuple[list[int], int]:
     """The new tokens from ``k + 1`` rows of host logits and the draft, and how many drafts were accepted."""
-    settings, rng, out = gen.sampling, gen._rng, []
+    out: list[int] = []
     for i, d in enumerate(draft.tokens):
         if settings.greedy:
             token = choose(logits[i], settings, rng)
@@ -175,93 +279,14 @@ def accept(logits: torch.Tensor, draft: Draft, gen: "Generator") -> tuple[list[i
     return [*out, choose(logits[len(draft.tokens)], settings, rng)], len(draft.tokens)
 
 
-def verify(gen: "Generator", draft: Draft, stop_at_eos: bool, keep_undo: bool) -> list["StepRecord"]:
-    """Check ``draft`` in one pass, keep the accepted tokens, take back the rest; the new records (at least one).
-    A failure anywhere leaves the generator and its cache as they were."""
-    cache, ex, tracer, spec = gen.cache, gen.executor, gen.tracer, gen.speculation
-    tokens, k = gen._tokens, len(draft.tokens)
-    start = cache.length
-    feed = [*tokens[start:], *draft.tokens]
-    pos = len(tokens) - 1  # where the newest token goes
-    state = draft.rng_state if draft.rng_state is not None else gen._rng.get_state()  # before the draft's draws
-    cache.settle()
-    if tracer is not None:
-        tracer.begin_step(cache, start, len(feed))
-    mark = clock.now()
-    truncated = False
-    # linear-attention layers keep their state after each position of the pass
-    checkpoints = cache.checkpointing_states() if spec.states == CHECKPOINT else nullcontext()
-    try:
-        with checkpoints:
-            logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)
-        pass_memory = cache.memory_report()  # what the pass wrote, before the take-back
-        logits = logits[0, -(k + 1):]
-        (logits,) = host.fetch([logits])
-        verify_s, t1 = clock.since(mark), time.perf_counter()
-        new, accepted = accept(logits, draft, gen)
-        if stop_at_eos:
-            ends = set(eos_ids(ex))
-            eos = next((i for i, t in enumerate(new) if t in ends), None)
-            if eos is not None:
-                new, accepted = new[:eos + 1], min(accepted, eos)
-        keep = pos + len(new)  # the fed token and the accepted drafts stay; positions from keep on go
-        how, why = NOTHING, None
-        tb = time.perf_counter()
-        if cache.stores and keep < cache.length:
-            why = cache.crop_error(keep)
-            if why is None and keep_undo and (undo := cache.crop_error(start)) is not None:
-                why = f"undo_step needs the journal (a cut back to {start} would not be exact: {undo})"
-            if why is None:
-                cache.truncate(keep)
-                truncated = True
-                how = TRUNCATE
-            else:
-                cache.rollback()
-                ex(torch.tensor([feed[:keep - start]], dtype=torch.long), cache, start, last_only=True,
-                   keep_undo=True)
-                how = RECOMPUTE
-        take_back_s = time.perf_counter() - tb
-        records = []
-        for i, token in enumerate(new):
-            last = i == len(new) - 1
-            r = step_record(logits[i], token, step=len(gen.history) + i, first=False, pos=0, feed=len(feed),
-                            context=tokens + new[:i], executor=ex, cache=cache, top_candidates=gen.top_candidates,
-                            forward_s=verify_s if i == 0 else 0.0, sampled_at=t1, tracer=tracer if last else None)
-            records.append(replace(r, position=pos + 1 + i,
-                                   draft_token=draft.tokens[i] if i < k else None, verification=len(spec.verifications)))
-        trace = records[-1].trace
-        for r in records[:-1]:
-            r.trace = trace
-    except BaseException:
-        back_to(gen, start, TRUNCATE if truncated else RECOMPUTE)
-        gen._rng.set_state(state)
-        raise
-    written = k + 1  # positions the pass checked: the newest token and the drafts
-    spec.verifications.append(Verification(
-        len(spec.verifications), len(gen.history), pos, list(draft.tokens), accepted, list(new), written,
-        written - len(new) if cache.stores else 0, how, why, draft.seconds, verify_s, take_back_s, dict(draft.notes),
-        pass_memory))
-    gen._spec_undo = (start, how, len(records)) if keep_undo else None
-    return records
-
-
-def back_to(gen: "Generator", start: int, how: str) -> None:
+def back_to(start: int, how: str, target: Target, tokens: list[int]) -> None:
     """Put the cache back as it was before a verification that began at ``start`` and whose take-back was ``how``:
     from the undo journal (of its pass, or of the pass that wrote the accepted tokens again), or, once a truncate has
     dropped the journal, by cutting back to ``start`` where that is exact, else by recomputing the sequence."""
-    cache = gen.cache
+    cache = target.cache
     if how != TRUNCATE:
         cache.rollback()
     elif cache.crop_error(start) is None:
         cache.truncate(start)
     else:
-        gen.executor.replay(gen._tokens[:start], cache)
-
-
-def undo_verification(gen: "Generator") -> int:
-    """Take back the last verification (a ``step(keep_undo=True)``): the cache as it was before it; returns how many
-    records it gave (the generator drops them)."""
-    start, how, n = gen._spec_undo
-    back_to(gen, start, how)
-    gen.speculation.verifications.pop()
-    return n
+        target.executor.replay(tokens[:start], cache)

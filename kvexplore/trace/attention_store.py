@@ -220,6 +220,9 @@ class AttentionStore:
         layer, q0, q1 = entry
         return q1 - q0 <= self.recent and all(self.row(layer, q) is not None for q in range(q0, q1))
 
+    def clip(self, entry: tuple[int, int, int], n: int) -> tuple[int, int, int]:
+        return entry[0], entry[1], min(entry[2], n)  # the entry's rows of query positions below n
+
     def get(self, entry: tuple[int, int, int], reads) -> torch.Tensor:
         """``(rows, heads, len(reads))``: the entry's rows over the key positions ``reads`` (in that order), as
         :meth:`~kvexplore.trace.tracer.StepTrace.attention_raw` gives them."""

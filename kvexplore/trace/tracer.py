@@ -50,13 +50,14 @@ class CacheEvent:
 
 
 class AttentionHistory:
-    """One growing float32 buffer for a run's captured attention rows; entries are (offset, shape)."""
+    """One growing float32 buffer for a run's captured attention rows; entries are (offset, shape, first query
+    position)."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0)
         self._used = 0
 
-    def append(self, t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    def append(self, t: torch.Tensor, first: int = 0) -> tuple[int, tuple[int, ...], int]:
         flat = t.detach().reshape(-1).float()  # a host copy (Tracer.later brought it over)
         need = self._used + flat.numel()
         if need > self._buf.numel():  # grow by a quarter: resident memory stays close to what is held
@@ -64,16 +65,21 @@ class AttentionHistory:
             grown[: self._used] = self._buf[: self._used]
             self._buf = grown
         self._buf[self._used:need] = flat
-        entry = (self._used, tuple(t.shape))
+        entry = (self._used, tuple(t.shape), first)
         self._used = need
         return entry
 
     def holds(self, entry) -> bool:
         return True  # everything recorded is kept
 
-    def get(self, entry: tuple[int, tuple[int, ...]], reads=None) -> torch.Tensor:
-        offset, shape = entry
+    def get(self, entry: tuple[int, tuple[int, ...], int], reads=None) -> torch.Tensor:
+        offset, shape, _ = entry
         return self._buf[offset: offset + torch.Size(shape).numel()].view(shape)
+
+    def clip(self, entry: tuple[int, tuple[int, ...], int], n: int) -> tuple[int, tuple[int, ...], int]:
+        """The entry's rows of query positions below ``n`` (the first rows: still one piece of the buffer)."""
+        offset, shape, first = entry
+        return offset, (max(0, min(shape[0], n - first)), *shape[1:]), first
 
     @property
     def nbytes(self) -> int:
@@ -100,8 +106,22 @@ class StepTrace:
     heads: list[int] = field(default_factory=list)  # the query heads recorded
     qkv: dict[str, torch.Tensor] = field(default_factory=dict)
     press: PressStep | None = None  # a pressing cache's state after the step (with "cache"; see .press)
-    _attention: dict[int, tuple] = field(default_factory=dict)
+    _attention: dict[int, tuple] = field(default_factory=dict)  # layer -> where its rows are in the history
     _history: Any = None  # the run's AttentionHistory, or the explorer lane's AttentionStore
+
+    @property
+    def history(self) -> Any:
+        """Where this step's attention rows are kept: the run's :class:`AttentionHistory`, or the explorer lane's
+        :class:`~kvexplore.trace.attention_store.AttentionStore`."""
+        return self._history
+
+    def keep_attention(self, layer: int, entry: Any) -> None:
+        """Record that ``layer``'s rows of this step are ``entry`` in :attr:`history`."""
+        self._attention[layer] = entry
+
+    def truncate(self, n: int) -> None:
+        """Keep the attention rows of query positions below ``n`` only (a speculative take-back cut the rest)."""
+        self._attention = {layer: self._history.clip(entry, n) for layer, entry in self._attention.items()}
 
     @property
     def slots(self) -> SlotView | None:
@@ -204,7 +224,8 @@ class Tracer:
             step.events.append(self._event(layer, t))
         elif point == "attn.probs":
             rows = t[0] if self.heads is None else t[0, self.heads]  # (heads, T, S), first sequence
-            self.later(rows.transpose(0, 1).float(), lambda h: step._attention.__setitem__(layer, self.history.append(h)))
+            first = self._pos + self._q_len - rows.shape[1]  # the query position of the first row
+            self.later(rows.transpose(0, 1).float(), lambda h: step.keep_attention(layer, self.history.append(h, first)))
         elif "qkv" in self.capture and point in ("attn.q", "attn.k_new", "attn.v_new"):
             self.later(t, lambda h: step.qkv.__setitem__(name, h))
         return None
@@ -264,3 +285,12 @@ class Tracer:
     def __repr__(self) -> str:
         return (f"Tracer(capture={sorted(self.capture)}, layers={self.layers}, heads={self.heads}, "
                 f"attention held {self.history.nbytes} B)")
+
+
+def checked_tracer(tracer: Any) -> Any:
+    """``tracer`` if it is None or speaks the protocol a generator calls (a :class:`Tracer` or a look-alike)."""
+    if tracer is not None and not all(callable(getattr(tracer, m, None)) for m in
+                                      ("begin_step", "end_step", "hook", "wants_attention")):
+        raise SettingsError(f"tracer must be a kvexplore Tracer (or have its begin_step, end_step, hook and "
+                            f"wants_attention methods), got {type(tracer).__name__}")
+    return tracer

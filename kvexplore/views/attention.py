@@ -69,7 +69,7 @@ def _store(records: Sequence[StepRecord], source: Any) -> AttentionStore | None:
     if source is not None:
         return source.store
     last = records[-1] if records else None
-    h = getattr(last.trace, "_history", None) if last is not None and last.trace is not None else None
+    h = last.trace.history if last is not None and last.trace is not None else None
     return h if isinstance(h, AttentionStore) else None
 
 
