@@ -120,13 +120,13 @@ def test_without_the_registration_nothing_draws_it(model, tmp_path):
 
 def test_a_bad_view_is_refused_and_changes_nothing():
     before = dict(VIEWS)
-    with pytest.raises(kvexplore.SettingsError, match="already registered"):
+    with pytest.raises(kvexplore.SettingsError, match="view 'cache_map' is built in and cannot be replaced"):
         register(View("cache_map", "Mine", bytes_written))
     with pytest.raises(kvexplore.SettingsError, match="lower-case"):
         register(View("Bytes Written", "Mine", bytes_written))
     with pytest.raises(kvexplore.SettingsError, match="replay="):
         register(View("mine", "Mine", bytes_written, replay="sometimes"))
-    with pytest.raises(kvexplore.SettingsError, match="built-in"):
+    with pytest.raises(kvexplore.SettingsError, match="view .attention. is built in; only a view registered later can be removed"):
         unregister("attention")
     assert VIEWS == before
 

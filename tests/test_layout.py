@@ -200,3 +200,28 @@ def import_cycles() -> list[str]:
 def test_no_two_modules_import_each_other():
     cycles = import_cycles()
     assert not cycles, "modules that import each other (one concept split across two files?):\n" + "\n".join(cycles)
+
+
+#: register functions that are not named registries (docs/extending.md): plan rules are an ordered list of
+#: functions with no names, and the two page writers are single hooks a higher folder sets
+HOOKS = {"register_plan_rule", "register_html_writer", "register_page_writer"}
+
+
+def test_every_named_registry_follows_the_one_rule():
+    """Every ``register*`` function of the package adds through a :class:`kvexplore.core.registry.Registry`
+    (a taken name refused unless replace=True, built-ins kept, an unregister beside it)."""
+    loose = []
+    for p in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(p.read_text())
+        defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("register") \
+                    or node.name in HOOKS or node.name == "registered":
+                continue
+            adds = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add"
+                       for n in ast.walk(node))
+            undo = "un" + node.name in defs
+            if not (adds and undo):
+                loose.append(f"{p.relative_to(PACKAGE.parent)}: {node.name} "
+                             f"({'no Registry.add' if not adds else 'no un' + node.name})")
+    assert not loose, "registries outside the one rule (kvexplore/core/registry.py):\n" + "\n".join(loose)

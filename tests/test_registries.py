@@ -5,16 +5,24 @@ policy through the pool)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import kvexplore
 from kvexplore.caches.presses import PRESSES, Press, register_press, unregister_press
 from kvexplore.caches.registry import (LAYER_KINDS, STRATEGIES, register_layer_kind, register_strategy,
                                        unregister_layer_kind, unregister_strategy)
+from kvexplore.config.families import ARCHITECTURES, lookup
+from kvexplore.config.families import register as register_architecture, unregister as unregister_architecture
 from kvexplore.errors import SettingsError
 from kvexplore.prefix import POLICIES, register_policy, unregister_policy
 from kvexplore.prefix.hashing import HashIndex
 from kvexplore.runtime.drafters import DRAFTERS, Draft, Drafter, register_drafter, unregister_drafter
+from kvexplore.runtime.executor import ADAPTERS, as_executor, register_adapter, unregister_adapter
+from kvexplore.views import registry as views
+from kvexplore.views.prefix import PREFIX_FIGURES, register_prefix_figure, unregister_prefix_figure
+from kvexplore.views.spec import FigureSpec
 
 
 class Toy(Press):
@@ -63,6 +71,22 @@ CASES = {
               "toy", Toy, Toy2),
     "drafter": (DRAFTERS, lambda n, e, r=False: register_drafter(n, e, replace=r), unregister_drafter,
                 "prompt-lookup", lambda a, ex: None, "toy", lambda a, ex: None, lambda a, ex: None),
+    "view": (views.VIEWS, lambda n, e, r=False: views.register(e, replace=r), views.unregister, "attention",
+             views.View("attention", "Mine", lambda snap: None), "toy_view", views.View("toy_view", "One", lambda s: None),
+             views.View("toy_view", "Two", lambda s: None)),
+    "prefix figure": (PREFIX_FIGURES, lambda n, e, r=False: register_prefix_figure(n, e, replace=r),
+                      unregister_prefix_figure, "prefix_pool", lambda f, i: None, "toy_figure", lambda f, i: None,
+                      lambda f, i: None),
+    "model adapter": (ADAPTERS, lambda n, e, r=False: ADAPTERS[register_adapter(*e, name=n, replace=r)],
+                         unregister_adapter, "kvexplore", (callable, callable), "toy", (callable, int),
+                         (callable, float)),
+    "architecture": (ARCHITECTURES, lambda n, e, r=False: register_architecture(e, replace=r),
+                     unregister_architecture, "LlamaForCausalLM",
+                     replace(lookup("LlamaForCausalLM"), name="mine", model_type="mine"), "ToyArchForCausalLM",
+                     replace(lookup("LlamaForCausalLM"), name="toyarch", hf_class="ToyArchForCausalLM",
+                             model_type="toyarch"),
+                     replace(lookup("LlamaForCausalLM"), name="toyarch", hf_class="ToyArchForCausalLM",
+                             model_type="toyarch", family="toy")),
     "prefix policy": (POLICIES, lambda n, e, r=False: register_policy(n, e, replace=r), unregister_policy, "hash",
                       lambda size: HashIndex(size), "toy", HashIndex, lambda size: HashIndex(size)),
 }
@@ -73,19 +97,20 @@ def test_every_registry_refuses_a_taken_name_unless_asked_and_keeps_its_built_in
     registry, register, unregister, built_in, impostor, name, first, second = CASES[what]
     before = dict(registry)
     try:
-        assert register(name, first) is first and registry[name] is first
-        assert register(name, first) is first  # the same entry again: nothing changes
-        with pytest.raises(SettingsError, match=f"a {what} named '{name}' is already registered.*pass "
-                                                f"replace=True, or call unregister_"):
+        assert register(name, first) == first and registry[name] == first  # (an adapter's pair is a new tuple)
+        assert register(name, first) == first  # the same entry again: nothing changes
+        a = "an" if what[0] in "aeiou" else "a"
+        with pytest.raises(SettingsError, match=f"{a} {what} named '{name}' is already registered.*pass "
+                                                f"replace=True, or call unregister"):
             register(name, second)
-        assert registry[name] is first
-        assert register(name, second, True) is second and registry[name] is second
+        assert registry[name] == first
+        assert register(name, second, True) == second and registry[name] == second
         for attempt in (lambda: register(built_in, impostor), lambda: register(built_in, impostor, True)):
             with pytest.raises(SettingsError, match=f"{what} '{built_in}' is built in and cannot be replaced"):
                 attempt()
-        with pytest.raises(SettingsError, match=f"{what} '{built_in}' is built in; only a {what} registered later"):
+        with pytest.raises(SettingsError, match=f"{what} '{built_in}' is built in; only {a} {what} registered later"):
             unregister(built_in)
-        assert unregister(name) is second and name not in registry
+        assert unregister(name) == second and name not in registry
         with pytest.raises(SettingsError, match=f"no {what} named '{name}' is registered; registered: "):
             unregister(name)
     finally:
@@ -162,3 +187,58 @@ def test_a_prefix_policy_registered_from_outside_serves_through_the_pool(tiny):
     finally:
         POLICIES.pop("broken", None)
         unregister_policy("counting")
+
+
+def test_a_prefix_figure_registered_from_outside_is_drawn_by_the_widget_and_the_page(tmp_path):
+    """A toy prefix figure (the number of blocks in each state) is drawn in its own row by PrefixView and carried
+    by the replay page, with its div, for every frame; unregistered, neither draws it."""
+    import prefix_hand
+    from kvexplore.replay.prefix_page import page_data, prefix_fragment
+
+    frames = prefix_hand.frames()
+
+    def states(frames, i):
+        counts = {}
+        for block in frames[i].blocks:
+            counts[block.state] = counts.get(block.state, 0) + 1
+        return FigureSpec([{"type": "bar", "x": list(counts), "y": list(counts.values())}], {"title": {"text": "blocks"}})
+
+    register_prefix_figure("block_states", states)
+    try:
+        view = kvexplore.PrefixView(frames, frame=1)
+        assert list(view.figures)[-1] == "block_states"
+        bars = view.state()["specs"]["block_states"]["traces"][0]
+        assert sum(bars["y"]) == len(frames[1].blocks) and "block_states" in view.state()["shown"]
+        view.show(len(frames) - 1)
+        assert sum(view.state()["specs"]["block_states"]["traces"][0]["y"]) == len(frames[-1].blocks)
+        assert all("block_states" in f["figures"] for f in page_data(frames)["frames"])
+        assert '<div class="kvx-fig-block_states"></div>' in prefix_fragment(frames)
+    finally:
+        unregister_prefix_figure("block_states")
+    assert "block_states" not in kvexplore.PrefixView(frames).figures
+    assert "kvx-fig-block_states" not in prefix_fragment(frames)
+
+
+def test_a_model_adapter_registered_from_outside_runs_through_the_generator(tiny):
+    """A toy model class (a kvexplore model behind another object) becomes runnable once its adapter is registered;
+    before, and after unregistering it, the generator refuses it and names what it takes."""
+
+    class Boxed:
+        def __init__(self, model):
+            self.inside = model
+
+    boxed = Boxed(tiny)
+    with pytest.raises(SettingsError, match="model must be a kvexplore Model"):
+        as_executor(boxed)
+    name = register_adapter(lambda m: isinstance(m, Boxed), lambda m: as_executor(m.inside), name="boxed")
+    try:
+        assert name == "boxed" and set(ADAPTERS.built_in) == {"kvexplore", "transformers"}
+        gen = kvexplore.Generator(boxed)
+        gen.prefill("The cache")
+        ref = kvexplore.Generator(tiny)
+        ref.prefill("The cache")
+        assert [r.token_id for r in gen.run(6)] == [r.token_id for r in ref.run(6)]
+    finally:
+        unregister_adapter("boxed")
+    with pytest.raises(SettingsError, match="model must be a kvexplore Model"):
+        kvexplore.Generator(boxed)

@@ -35,7 +35,7 @@ LayerFactory = Callable[["KVCache", LayerSpec, list, dict], "LayerCache"]
 
 STRATEGIES: Registry = Registry("strategy", "unregister_strategy")  # sealed by .factory (the built-in seven)
 LAYER_KINDS: Registry = Registry("layer kind", "unregister_layer_kind")  # sealed below (the built-in four)
-PREFIXES: dict[str, Callable[[Any, str, int | None], Any]] = {}
+PREFIXES: Registry = Registry("name prefix", "unregister_prefix")  # "hf:" is added by kvexplore.hf
 
 
 def register_strategy(name: str, cls: type, replace: bool = False) -> type:
@@ -71,9 +71,14 @@ def unregister_layer_kind(kind: str) -> LayerFactory:
     return LAYER_KINDS.remove(kind)
 
 
-def register_prefix(prefix: str, make: Callable[[Any, str, int | None], Any]) -> None:
-    """Cache names starting with ``prefix`` are made by ``make(model, kind, max_seq_len)``."""
-    PREFIXES[prefix] = make
+def register_prefix(prefix: str, make: Callable[[Any, str, int | None], Any], replace: bool = False) -> Callable:
+    """Cache names starting with ``prefix`` are made by ``make(model, kind, max_seq_len)``; returns ``make``."""
+    return PREFIXES.add(prefix, make, replace)
+
+
+def unregister_prefix(prefix: str) -> Callable:
+    """Remove a prefix :func:`register_prefix` added; returns its function."""
+    return PREFIXES.remove(prefix)
 
 
 def prefix_factory(kind: Any) -> Callable | None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.registry import Registry
 from ..errors import SettingsError
 from .fields import Field
 
@@ -78,29 +79,28 @@ class Architecture:
 
 
 #: the registry: transformers class name -> its entry, in registration order (use register() to add)
-ARCHITECTURES: dict[str, Architecture] = {}
+ARCHITECTURES: Registry = Registry("architecture", "unregister")  # sealed by kvexplore.models.architectures
 
 
-def register(arch: Architecture) -> Architecture:
-    """Add ``arch`` to the registry (a new class name, or the same entry again); returns it."""
+def register(arch: Architecture, replace: bool = False) -> Architecture:
+    """Add ``arch`` to the registry under its transformers class name; returns it. A taken class name is refused
+    unless ``replace`` (never a built-in one); :func:`unregister` removes one."""
     if not isinstance(arch, Architecture):
         raise SettingsError(f"register() takes an Architecture, got {type(arch).__name__}")
     known = ARCHITECTURES.get(arch.hf_class)
-    if known is not None and known is not arch:
-        raise SettingsError(f"architecture {arch.hf_class} is already registered (by the {known.family} family); "
-                            f"unregister it first to replace it")
+    if known is not None and known is not arch and (not replace or arch.hf_class in ARCHITECTURES.built_in):
+        ARCHITECTURES.add(arch.hf_class, arch, replace)  # refused, with the registries' message
     clash = [a.hf_class for a in ARCHITECTURES.values() if a is not known and (a.name == arch.name or
                                                                            a.model_type == arch.model_type)]
     if clash:
         raise SettingsError(f"architecture {arch.hf_class}: its name {arch.name!r} or model_type "
                             f"{arch.model_type!r} is already used by {clash[0]}; choose others")
-    ARCHITECTURES[arch.hf_class] = arch
-    return arch
+    return ARCHITECTURES.add(arch.hf_class, arch, replace)
 
 
-def unregister(hf_class: str) -> None:
-    """Remove an entry (a test that registered a toy architecture cleans up with this)."""
-    ARCHITECTURES.pop(hf_class, None)
+def unregister(hf_class: str) -> Architecture:
+    """Remove an architecture :func:`register` added (a built-in one stays); returns it."""
+    return ARCHITECTURES.remove(hf_class)
 
 
 def registered() -> tuple[Architecture, ...]:

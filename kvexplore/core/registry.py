@@ -1,6 +1,6 @@
-"""One rule for every registry of named extensions (strategies, layer kinds, presses, drafters, prefix policies):
-registering a name that is taken is refused unless asked to replace it, a built-in entry is neither replaced nor
-removed, and removing a name that is not there says what is.
+"""One rule for every registry of named extensions (strategies, layer kinds, presses, drafters, prefix policies,
+views, prefix figures, model adapters): registering a name that is taken is refused unless asked to replace it, a
+built-in entry is neither replaced nor removed, and removing a name that is not there says what is.
 
 A :class:`Registry` is a ``dict`` (look-ups, ``in``, iteration and ``sorted`` work as on one); change it through
 :meth:`Registry.add` and :meth:`Registry.remove`, which each module's ``register_*`` / ``unregister_*`` call.
@@ -25,16 +25,16 @@ class Registry(dict):
 
     def add(self, name: str, entry: Any, replace: bool = False) -> Any:
         """Register ``entry`` as ``name`` (returned). A taken name is refused unless ``replace`` (never a built-in
-        one); registering the same entry again changes nothing."""
+        one); registering the same entry (or an equal one) again changes nothing."""
         if not isinstance(name, str) or not name:
-            raise SettingsError(f"a {self.what}'s name is a non-empty string, got {name!r}")
-        if name in self and self[name] is entry:
-            return entry
+            raise SettingsError(f"{_a(self.what)}'s name is a non-empty string, got {name!r}")
+        if name in self and (self[name] is entry or self[name] == entry):
+            return self[name]
         if name in self.built_in:
             raise SettingsError(f"{self.what} {name!r} is built in and cannot be replaced; register yours under "
                                 f"another name")
         if name in self and not replace:
-            raise SettingsError(f"a {self.what} named {name!r} is already registered ({_label(self[name])}); pick "
+            raise SettingsError(f"{_a(self.what)} named {name!r} is already registered ({_label(self[name])}); pick "
                                 f"another name, pass replace=True, or call {self.unregister}({name!r}) first")
         self[name] = entry
         return entry
@@ -42,7 +42,7 @@ class Registry(dict):
     def remove(self, name: str) -> Any:
         """Remove ``name`` (an entry registered after the built-in ones); returns its entry."""
         if name in self.built_in:
-            raise SettingsError(f"{self.what} {name!r} is built in; only a {self.what} registered later can be "
+            raise SettingsError(f"{self.what} {name!r} is built in; only {_a(self.what)} registered later can be "
                                 f"removed")
         if name not in self:
             raise SettingsError(f"no {self.what} named {name!r} is registered; registered: {', '.join(self)}")
@@ -55,3 +55,7 @@ class Registry(dict):
 
 def _label(entry: Any) -> str:
     return getattr(entry, "__qualname__", None) or type(entry).__name__
+
+
+def _a(what: str) -> str:
+    return ("an " if what[0] in "aeiou" else "a ") + what

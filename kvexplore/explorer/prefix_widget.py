@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import SettingsError
 from ..prefix.frames import PoolFrame
 from ..views.plot import PlotWidget, loader
-from ..views.prefix import NAMES, figures, frame_label, frames_of, story
+from ..views.prefix import extra_figures, figures, frame_label, frames_of, story
 from . import inspect
 
 
@@ -33,7 +33,7 @@ class PrefixView:
             raise SettingsError(f"frame {frame} does not exist: there are frames 0..{len(self.frames) - 1}")
         self.shown = shown
         specs = figures(self.frames, shown)
-        self.figures = {name: PlotWidget(specs[name], name) for name in NAMES}
+        self.figures = {name: PlotWidget(spec, name) for name, spec in specs.items()}
         last = len(self.frames) - 1
         self.slider = W.IntSlider(value=shown, min=0, max=last, description="frame", continuous_update=False,
                                   style={"description_width": "initial"}, layout=W.Layout(width="40%", min_width="260px"))
@@ -54,7 +54,10 @@ class PrefixView:
         row = dict(flex_flow="row wrap", align_items="flex-start", width="100%")
         parts = [W.HBox([self.play, self.slider, self.label], layout=W.Layout(align_items="center", width="100%")),
                  W.HBox([self.figures["prefix_pool"], self.figures["prefix_tree"]], layout=W.Layout(**row)),
-                 W.HBox([self.figures["prefix_timeline"], self.story], layout=W.Layout(**row)), loader()]
+                 W.HBox([self.figures["prefix_timeline"], self.story], layout=W.Layout(**row))]
+        if extra := extra_figures():  # figures registered beyond the three (views.prefix.register_prefix_figure)
+            parts.append(W.HBox([self.figures[name] for name in extra], layout=W.Layout(**row)))
+        parts.append(loader())
         self.widget = W.VBox(parts + ([self._truth] if self._truth is not None else []),
                              layout=W.Layout(width="100%"))
         self.widget.add_class("kvx-prefix-view")
@@ -104,7 +107,7 @@ class PrefixView:
         """What the widget shows, JSON-safe (browser tests compare the page with it)."""
         return {"specs": {name: {"traces": inspect.plain(s.traces), "layout": inspect.plain(s.layout)}
                           for name, s in self.specs().items()},
-                "shown": list(NAMES), "frame": self.shown, "frames": len(self.frames), "error": ""}
+                "shown": list(self.figures), "frame": self.shown, "frames": len(self.frames), "error": ""}
 
     def close(self) -> None:
         """Stop following the pool and close the widgets."""

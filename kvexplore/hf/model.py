@@ -14,7 +14,7 @@ import torch
 from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
 from ..formats.tokenizer import Tokenizer
-from ..runtime.executor import Executor, register_adapter
+from ..runtime.executor import ADAPTERS, Executor, register_adapter
 from ..caches.registry import register_prefix
 from .cache import HFCache
 from .caches import BOUNDED, is_transformers, make_hf_cache
@@ -246,7 +246,8 @@ def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: 
     return model
 
 
-register_adapter(is_hf_model, HFModel)  # a Generator given a transformers module runs it through HFModel
+register_adapter(is_hf_model, HFModel, name="transformers")  # a Generator given a transformers module runs it through HFModel
+ADAPTERS.seal()  # built in, like kvexplore's own
 
 
 PREFIX = "hf:"

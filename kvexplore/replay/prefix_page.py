@@ -17,7 +17,7 @@ import numpy as np
 from ..views.frames import ArrayStore
 from ..views.page import pack, plotly_script
 from ..views.player import UNPACK
-from ..views.prefix import NAMES, figures, frame_label, frames_of, story
+from ..views.prefix import extra_figures, figures, frame_label, frames_of, story
 
 PAGE = """<div class="kvx-prefix-page" id="__ID__">
 <style>
@@ -32,7 +32,7 @@ PAGE = """<div class="kvx-prefix-page" id="__ID__">
 <div class="kvx-controls"><button class="kvx-play">▶ play</button>
 <input class="kvx-slider" type="range" min="0" value="0"><span class="kvx-label">loading…</span></div>
 <div class="kvx-grid"><div class="kvx-fig-prefix_pool"></div><div class="kvx-fig-prefix_tree"></div>
-<div class="kvx-fig-prefix_timeline"></div><div class="kvx-story"></div></div>
+<div class="kvx-fig-prefix_timeline"></div><div class="kvx-story"></div>__EXTRA__</div>
 __PLOTLY__
 <script type="application/octet-stream" class="kvx-data">__DATA__</script>
 <script>(__PLAYER__)((document.currentScript && document.currentScript.parentElement) || document.getElementById("__ID__"));</script>
@@ -98,7 +98,7 @@ def page_data(source: Any) -> dict:
         figs = figures(frames, i)
         out[i] = {"figures": {name: store.encode(strings.intern({"data": figs[name].traces,
                                                                  "layout": figs[name].layout}), name)
-                              for name in NAMES},
+                              for name in figs},
                   "story": story(frames, i), "label": frame_label(frames, i)}
     return {"arrays": store.arrays, "strings": strings.table, "frames": out}
 
@@ -108,5 +108,6 @@ def prefix_fragment(source: Any, title: str | None = None, plotly: bool = True) 
     data = page_data(source)
     uid = f"kvx-prefix-{uuid.uuid4().hex[:12]}"
     return (PAGE.replace("__ID__", uid).replace("__TITLE__", html.escape(title or "kvexplore · prefix cache"))
+            .replace("__EXTRA__", "".join(f'<div class="kvx-fig-{name}"></div>' for name in extra_figures()))
             .replace("__PLOTLY__", plotly_script() if plotly else "").replace("__DATA__", pack(data))
             .replace("__PLAYER__", PLAYER))

@@ -11,7 +11,7 @@ from ..caches.base import KVCache
 from ..caches.factory import make_cache
 from ..errors import SettingsError
 from ..models.model import Model
-from .executor import CompiledExecutor, Executor, register_adapter
+from .executor import ADAPTERS, CompiledExecutor, Executor, register_adapter
 
 
 class EagerExecutor(Executor):
@@ -70,4 +70,5 @@ class EagerExecutor(Executor):
         return f"EagerExecutor({self._model.config.architecture}, {self._model.config.num_layers} layers)"
 
 
-register_adapter(lambda model: isinstance(model, Model), EagerExecutor)
+register_adapter(lambda model: isinstance(model, Model), EagerExecutor, name="kvexplore")
+ADAPTERS.seal()  # built in (kvexplore.hf adds "transformers")

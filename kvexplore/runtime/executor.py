@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..core.registry import Registry
 from ..errors import SettingsError
 
 
@@ -131,20 +132,33 @@ class CompiledExecutor(Executor):
         raise SettingsError("a compiled step runs the cache it was built for: make the cache with the eager model")
 
 
-#: (accepts, adapt): a model that ``accepts(model)`` becomes the executor ``adapt(model)`` (see :func:`as_executor`)
-ADAPTERS: list[tuple[Callable[[Any], bool], Callable[[Any], Executor]]] = []
+#: name -> (accepts, adapt): a model that ``accepts(model)`` becomes the executor ``adapt(model)``; the first
+#: registered that accepts a model runs it (see :func:`as_executor`)
+ADAPTERS: Registry = Registry("model adapter", "unregister_adapter")
 
 
-def register_adapter(accepts: Callable[[Any], bool], adapt: Callable[[Any], Executor]) -> None:
-    """Make models that ``accepts`` runnable by a Generator through ``adapt(model)`` (an :class:`Executor`)."""
-    ADAPTERS.append((accepts, adapt))
+def register_adapter(accepts: Callable[[Any], bool], adapt: Callable[[Any], Executor], name: str | None = None,
+                     replace: bool = False) -> str:
+    """Make models that ``accepts`` runnable by a Generator through ``adapt(model)`` (an :class:`Executor`), under
+    ``name`` (default: ``adapt``'s qualified name); returns the name. :func:`unregister_adapter` removes it."""
+    if not callable(accepts) or not callable(adapt):
+        raise SettingsError("register_adapter(accepts, adapt): both are functions of a model (a test, and the "
+                            "Executor that runs it)")
+    name = name if name is not None else getattr(adapt, "__qualname__", type(adapt).__name__)
+    ADAPTERS.add(name, (accepts, adapt), replace)
+    return name
+
+
+def unregister_adapter(name: str) -> tuple:
+    """Remove an adapter :func:`register_adapter` added; returns its ``(accepts, adapt)``."""
+    return ADAPTERS.remove(name)
 
 
 def as_executor(model: Any) -> Executor:
     """``model`` if it is an :class:`Executor`, else the registered adapter's executor for it."""
     if isinstance(model, Executor):
         return model
-    for accepts, adapt in ADAPTERS:
+    for accepts, adapt in ADAPTERS.values():
         if accepts(model):
             return adapt(model)
     raise SettingsError(f"model must be a kvexplore Model (from kvexplore.load), a transformers model or a "

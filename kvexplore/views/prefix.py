@@ -7,16 +7,42 @@ The notebook widget (:class:`kvexplore.explorer.prefix_widget.PrefixView`) and t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..core.registry import Registry
 from ..errors import SettingsError
 from ..prefix.frames import PoolFrame
 from . import prefix_pool, prefix_timeline, prefix_tree
 from .prefix_words import explain_html
+from .registry import css_name
 from .spec import FigureSpec
 
-NAMES = ("prefix_pool", "prefix_tree", "prefix_timeline")  # each figure's name (its CSS class kvx-fig-<name>)
+#: name -> build(frames, i) -> FigureSpec: the figures of a prefix cache's frame, drawn by the widget and the replay
+#: page in this order (the three built in, then any registered, in a row of their own)
+PREFIX_FIGURES: Registry = Registry("prefix figure", "unregister_prefix_figure")
+
+
+def register_prefix_figure(name: str, build: Callable[[Sequence[PoolFrame], int], FigureSpec],
+                           replace: bool = False) -> Callable:
+    """Draw ``build(frames, i)`` (a :class:`~.spec.FigureSpec` of frame ``i``) as the prefix figure ``name`` in the
+    :class:`~kvexplore.PrefixView` widgets and replay pages made after this; returns ``build``."""
+    css_name(name, "prefix figure")
+    if not callable(build):
+        raise SettingsError(f"prefix figure {name!r}: build must be a function of (frames, i) to a FigureSpec")
+    return PREFIX_FIGURES.add(name, build, replace)
+
+
+def unregister_prefix_figure(name: str) -> Callable:
+    """Remove a figure :func:`register_prefix_figure` added; returns its function."""
+    return PREFIX_FIGURES.remove(name)
+
+
+register_prefix_figure("prefix_pool", lambda frames, i: prefix_pool.spec(frames[i]))
+register_prefix_figure("prefix_tree", lambda frames, i: prefix_tree.spec(frames[i]))
+register_prefix_figure("prefix_timeline", prefix_timeline.spec)
+PREFIX_FIGURES.seal()
+BUILT_IN = ("prefix_pool", "prefix_tree", "prefix_timeline")  # the widget and the page lay these three out
 
 
 def frames_of(source: Any) -> list[PoolFrame]:
@@ -63,11 +89,15 @@ def side_by_side(sources: Any) -> dict[str, Any]:
 
 
 def figures(frames: Sequence[PoolFrame], i: int) -> dict[str, FigureSpec]:
-    """The three figures of frame ``i`` (a position in ``frames``), by name."""
+    """The figures of frame ``i`` (a position in ``frames``), by name: every one of :data:`PREFIX_FIGURES`."""
     if not 0 <= i < len(frames):
         raise SettingsError(f"frame {i} does not exist: there are frames 0..{len(frames) - 1}")
-    return {"prefix_pool": prefix_pool.spec(frames[i]), "prefix_tree": prefix_tree.spec(frames[i]),
-            "prefix_timeline": prefix_timeline.spec(frames, i)}
+    return {name: build(frames, i) for name, build in PREFIX_FIGURES.items()}
+
+
+def extra_figures() -> list[str]:
+    """The prefix figures registered beyond the built-in three (drawn in a row of their own)."""
+    return [name for name in PREFIX_FIGURES if name not in BUILT_IN]
 
 
 def story(frames: Sequence[PoolFrame], i: int) -> str:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..core.registry import Registry
 from ..errors import SettingsError
 from . import attention, cache_map, compare, eviction, memory, press, speculation, tensors
 from ..trace.records import StepRecord
@@ -45,7 +46,8 @@ class View:
         return self.applies is None or bool(self.applies(records))
 
 
-VIEWS: dict[str, View] = {v.name: v for v in (
+VIEWS: Registry = Registry("view", "unregister")
+for _view in (
     View("cache_map", "Cache map", cache_map.from_snapshot, tab=False, replay=PER_LANE),
     View("attention", "Attention", attention.from_snapshot, replay=PER_LANE),
     View("memory", "Memory", memory.from_snapshot, replay=PER_RUN),
@@ -57,8 +59,10 @@ VIEWS: dict[str, View] = {v.name: v for v in (
     View("speculation", "Speculation", speculation.from_snapshot, replay=PER_LANE, applies=speculation.drafts,
          live=lambda lane: lane.speculation is not None),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
-)}
-BUILT_IN = frozenset(VIEWS)  # what register() may not replace
+):
+    VIEWS.add(_view.name, _view)
+VIEWS.seal()
+BUILT_IN = VIEWS.built_in  # what register() may not replace
 
 
 class _Tabs(Sequence):
@@ -87,17 +91,20 @@ class _Tabs(Sequence):
 TABS: Sequence[str] = _Tabs()
 
 
+def css_name(name: str, what: str) -> str:
+    """``name`` if it can name a figure's CSS class ``kvx-fig-<name>`` (lower-case letters, digits, underscores)."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise SettingsError(f"{what} name {name!r}: use lower-case letters, digits and underscores (it names the "
+                            f"figure's CSS class kvx-fig-<name>)")
+    return name
+
+
 def register(view: View, replace: bool = False) -> View:
     """Add ``view`` to the registry (checked first; a bad one changes nothing). ``replace``: allow a view of that
     name registered before (never a built-in one). Returns the view."""
     if not isinstance(view, View):
         raise SettingsError(f"register a kvexplore.views.registry.View, got {type(view).__name__}")
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", view.name):
-        raise SettingsError(f"view name {view.name!r}: use lower-case letters, digits and underscores (it names "
-                            f"the figure's CSS class kvx-fig-<name>)")
-    if view.name in BUILT_IN or (view.name in VIEWS and not replace):
-        raise SettingsError(f"a view named {view.name!r} is already registered; pick another name"
-                            + ("" if view.name in BUILT_IN else " or pass replace=True"))
+    css_name(view.name, "view")
     if not callable(view.build):
         raise SettingsError(f"view {view.name!r}: build must be a function of a Snapshot to a FigureSpec")
     if view.applies is not None and not callable(view.applies):
@@ -106,17 +113,12 @@ def register(view: View, replace: bool = False) -> View:
         raise SettingsError(f"view {view.name!r}: live must be a function of a live lane to a bool")
     if view.replay not in REPLAY_SCOPES:
         raise SettingsError(f"view {view.name!r}: replay={view.replay!r}; use PER_LANE, PER_RUN or None")
-    VIEWS[view.name] = view
-    return view
+    return VIEWS.add(view.name, view, replace)
 
 
 def unregister(name: str) -> View:
     """Remove a view :func:`register` added (an explorer made after this no longer draws it)."""
-    if name in BUILT_IN:
-        raise SettingsError(f"{name!r} is a built-in view; only views added with register() can be removed")
-    if name not in VIEWS:
-        raise SettingsError(f"no view named {name!r}; registered: {', '.join(VIEWS)}")
-    return VIEWS.pop(name)
+    return VIEWS.remove(name)
 
 
 def replayed(runs: Mapping[str, Sequence[StepRecord]] | None = None) -> tuple[list[View], list[View]]:

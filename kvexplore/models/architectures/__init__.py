@@ -14,7 +14,7 @@ Adding an architecture from outside the package (docs/extending.md)::
 
 from __future__ import annotations
 
-from ...config.families import (Architecture, GGUFNames, by_model_type, by_name, lookup, register, registered,
+from ...config.families import (ARCHITECTURES, Architecture, GGUFNames, by_model_type, by_name, lookup, register, registered,
                                 unregister)
 from . import deepseek, gemma, gpt_oss, llama, qwen3_next
 
@@ -24,6 +24,7 @@ FAMILIES = (llama, gemma, gpt_oss, deepseek, qwen3_next)
 for _family in FAMILIES:
     for _arch in _family.ARCHITECTURES:
         register(_arch)
+ARCHITECTURES.seal()
 
 __all__ = ["Architecture", "FAMILIES", "GGUFNames", "by_model_type", "by_name", "lookup", "register", "registered",
            "unregister"]
