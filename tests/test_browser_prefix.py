@@ -18,7 +18,7 @@ import pytest
 import kvexplore
 from browser_truth import PAGE_FIGURES, kernel_truth, mismatches
 from kvexplore.explorer.inspect import plain
-from kvexplore.views.prefix import NAMES, figures
+from kvexplore.views.prefix import BUILT_IN as NAMES, figures
 from test_browser_truth import LAB, SETTLE_S, _agree, _frames, _notebook
 
 pytestmark = pytest.mark.browser

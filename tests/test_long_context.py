@@ -16,7 +16,7 @@ from kvexplore.caches.slots import PackedSlots
 from kvexplore.explorer.session import Session
 from kvexplore.explorer.strip import TokenStrip
 from kvexplore.trace import attention_store
-from kvexplore.trace.compact import KEEP_STEPS
+from kvexplore.trace.packed import KEEP_STEPS
 from kvexplore.views import attention, snapshot
 from kvexplore.views.spec import grid
 
@@ -254,9 +254,9 @@ def test_the_explorer_widget_draws_from_the_store(trained):
 
 def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, small_bins, monkeypatch):
     from kvexplore.replay import frames, snapshot_at
-    from kvexplore.trace import compact
+    from kvexplore.trace import packed
 
-    monkeypatch.setattr(compact, "KEEP_STEPS", 4)
+    monkeypatch.setattr(packed, "KEEP_STEPS", 4)
     s = Session(trained, ("preallocated", "paged"), max_seq_len=96, strategy_options={"paged": {"block_size": 8}})
     s.prefill(ids(40, 4))
     for _ in range(10):

@@ -15,7 +15,7 @@ import pytest
 from kvexplore.errors import CorruptFileError, MissingFileError, SettingsError
 from kvexplore.prefix.events import (KVEventFormatError, KVEventReplay, KVEventSubscriber, decode_payload,
                                      rank_endpoint, read_kv_events, read_recording, record, save_kv_events)
-from kvexplore.prefix.events_schema import hash_hex, parse_text_hash
+from kvexplore.prefix.events.schema import hash_hex, parse_text_hash
 from kvexplore.prefix.frames import EVICTED, FREE, HELD, WRITTEN, PoolFrame
 
 DATA = Path(__file__).parent / "data" / "vllm_kv_events"

@@ -8,7 +8,7 @@ from .registry import (LAYER_KINDS, PREFIXES, register_layer_kind, register_pref
                        unregister_layer_kind, unregister_strategy)
 from .layout import (EmptyLayout, GrowingLayout, Layout, LinearLayout, Mark, PagedLayout, QuantizedLayout, RingLayout,
                      SharedLayout)
-from .ring import SlidingLayers
+from .layers.sliding import SlidingLayers
 from .concat import ConcatCache
 from .factory import STRATEGIES, make_cache
 from .none import NoCache

@@ -23,7 +23,6 @@ held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`.
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import replace
 
 import torch
 
@@ -32,11 +31,12 @@ from ..config.model_config import ModelConfig
 from ..core.allocator import Window, allocator_for
 from ..core.settings import positive_int
 from ..errors import SettingsError
-from .crop import Crop
+from .rewind import Rewind
+from .steps import StepCycle
 from .inspection import CacheInspection
 from .journal import UndoJournal
 from .layers.state import StateLayers
-from .ring import SlidingLayers
+from .layers.sliding import SlidingLayers
 from .layer import LayerCache, Step
 from .memory import MemoryReport, StepCounters
 from .protocol import ModelCache
@@ -44,7 +44,7 @@ from .registry import build_layers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 (the strategies import them here)
 
 
-class KVCache(CacheInspection, Crop, ModelCache):
+class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
     """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
     implements :meth:`full_layer` (the factory of its full-layer caches) and calls :meth:`_build` at the end of
     its ``__init__``, once its options are set."""
@@ -141,88 +141,6 @@ class KVCache(CacheInspection, Crop, ModelCache):
         if pos < self.length and (msg := self._recompute_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
-    def _recompute_error(self, n: int) -> str | None:
-        """Why some layer (a ring, a recurrent state) cannot go back to ``n`` positions although recomputing would
-        rebuild it (None: every layer can); the generator then recomputes instead (:meth:`needs_replay`)."""
-        for layer in self.layers:
-            if msg := layer.replay_error(n, self.length):
-                return msg
-        return None
-
-    # -- the step -------------------------------------------------------------------------------------------
-    def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
-        """Start a forward pass writing ``q_len`` positions at ``pos`` (after ``check_write`` passed): plan it in
-        every layer now, count its writes, copies and allocations, and open the journal :meth:`rollback` undoes."""
-        self._saved = (self._length, self._counters, self._report, self._window, self._layer_moved,
-                       self._sparse_reads)
-        self._journal = UndoJournal(self._scratch, q_len)
-        self._start(pos, q_len, self._journal)
-        self._window = Window(self.allocator)
-
-    def _start(self, pos: int, q_len: int, journal: UndoJournal | None) -> Step:
-        step = self._cur = Step(pos, q_len, self._length, self.device, journal)
-        self._counters = step.counters
-        self._layer_moved, self._masks, self._sparse_reads = {}, {}, {}
-        for layer in self._planners:
-            layer.begin(step)
-        return step
-
-    def _step_for(self, pos: int, q_len: int) -> Step:
-        """The step under way, or one started now for a write without ``begin_step`` (no undo is kept)."""
-        step = self._cur
-        if step is None or step.committed:
-            return self._start(pos, q_len, None)
-        if step.pos != pos or step.q_len != q_len:  # the layers write another span than planned: plan it again
-            step.pos, step.q_len, step.end = pos, q_len, pos + q_len
-            self._masks = {}
-            for layer in self._planners:
-                layer.begin(step)
-        return step
-
-    @property
-    def _undo(self) -> UndoJournal | None:
-        """The journal of the step :meth:`rollback` would undo (None: nothing to undo)."""
-        return self._journal
-
-    @property
-    def _undo_data(self) -> list:
-        """The slots the step to undo overwrote, as the journal keeps them."""
-        return [] if self._journal is None else self._journal.entries
-
-    @property
-    def undo_length(self) -> int:
-        """The length before the current step began (what a rollback returns to)."""
-        return self._length if self._saved is None else self._saved[0]
-
-    def settle(self) -> None:
-        """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
-        the journal kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
-        journal = self._journal
-        window = Window(self.allocator if journal is not None else None)
-        with window:
-            self._journal, self._saved, self._cur = None, None, None  # the step held the journal and its reads
-            self._masks = {}  # and its masks (read by its forward pass only)
-            if had_step := journal is not None:
-                journal.trim()
-                del journal
-        if self._report is not None:
-            for name, n in window.figures().items():
-                self._report.cuda[name] = self._report.cuda.get(name, 0) + n
-        if had_step:
-            self._held_again()
-
-    def rollback(self) -> None:
-        """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
-        Does nothing when there is no step to undo (none began, or it was already rolled back)."""
-        if self._journal is None:
-            return
-        self._journal.undo()
-        self._journal.trim_back()
-        (self._length, self._counters, self._report, self._window, self._layer_moved,
-         self._sparse_reads) = self._saved
-        self._journal, self._saved, self._cur, self._masks = None, None, None, {}
-        self._held_again(walk=True)
-
     # -- the write protocol --------------------------------------------------------------------------------
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
@@ -315,41 +233,6 @@ class KVCache(CacheInspection, Crop, ModelCache):
                 layer.commit(step)
             step.committed = True
         self._report = self._make_report()
-
-    # -- rewinds ----------------------------------------------------------------------------------------------
-    def check_truncate(self, n: int, rings: bool = True) -> None:
-        """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
-        checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
-        if not 0 <= n <= self.length:
-            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
-        if rings and (msg := self._recompute_error(n)):
-            raise SettingsError(f"cannot truncate to {n}: {msg}")
-        for layer in self.layers:
-            if msg := layer.truncate_error(n, self.length):
-                raise SettingsError(msg)
-
-    def needs_replay(self, n: int) -> bool:
-        """True when only the sliding layers' rings or the linear-attention states stop a truncate to ``n``: going
-        back means recomputing the sequence's first ``n`` positions (what :meth:`kvexplore.Generator.rewind` does)."""
-        if not 0 <= n <= self.length or self._recompute_error(n) is None:
-            return False
-        try:
-            self.check_truncate(n, rings=False)
-        except SettingsError:
-            return False
-        return True
-
-    def truncate(self, n: int) -> None:
-        """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
-        self.check_truncate(n)
-        length = self._length
-        self._length = n
-        self._counters = StepCounters()
-        self._layer_moved, self._sparse_reads, self._masks = {}, {}, {}
-        for layer in self.layers:
-            layer.truncate(n, length, self._counters)
-        self._report = None
-        self._journal, self._saved, self._cur = None, None, None
 
     # -- copies -------------------------------------------------------------------------------------------
     def _copy(self, how: str) -> "KVCache":

@@ -1,6 +1,6 @@
 """KIVI: keys quantized per channel, values per token, the newest tokens kept in full precision.
 
-The quantization is :mod:`kvexplore.caches.quantize` (re-exported here); one layer's storage is
+The quantization is :mod:`kvexplore.caches.kivi` (re-exported here); one layer's storage is
 :class:`~kvexplore.caches.layers.quantized.QuantizedLayer`.
 """
 
@@ -17,7 +17,7 @@ from ..errors import CacheFullError, SettingsError
 from .base import KVCache
 from .layers.quantized import QuantizedLayer
 from .memory import StepCounters
-from .quantize import F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from .kivi import F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 
 __all__ = ["F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]

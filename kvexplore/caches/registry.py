@@ -25,7 +25,7 @@ from .layers.recompute import RecomputeLayer
 from .layers.ring import RingLayer
 from .layers.shared import SharedLayer
 from .layers.state import StateLayer
-from .ring import SlidingLayers
+from .layers.sliding import SlidingLayers
 
 if TYPE_CHECKING:
     from .base import KVCache

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, LoadError, UnsupportedModelError
-from .architectures import LLAMA_NORM
+from .norms import LLAMA_NORM
 from .config_fields import ACTIVATIONS, LAYER_TYPE_NAMES, mscale_all_dim, checked_rope_scaling
 from .config_json import fields_from_hf
 from .families import lookup

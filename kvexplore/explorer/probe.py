@@ -5,7 +5,7 @@ written (by layer, KV head and position) and the log-probabilities of the newest
 Attention is taken from kvexplore's model in chunks of query rows (:mod:`kvexplore.models.observe`) and reduced at
 once: a long prefill never holds a layer's full matrix. The records keep their steps' attention rows while the store
 holds them (the newest rows), and their slot views and read positions packed once they are
-:data:`~kvexplore.trace.compact.KEEP_STEPS` steps old (see :mod:`kvexplore.trace.compact`).
+:data:`~kvexplore.trace.packed.KEEP_STEPS` steps old (see :mod:`kvexplore.trace.packed`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ..caches.base import KVCache
 from ..trace.attention_store import AttentionStore
-from ..trace.compact import RecentTraces
+from ..trace.packed import RecentTraces
 from ..trace.tracer import StepTrace, Tracer
 
 CHUNK = 64  # query rows per chunk of a prefill's attention (at least the store's bin sizes)

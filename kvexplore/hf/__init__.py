@@ -11,7 +11,7 @@ from typing import Any
 
 from .cache import HFCache
 from .caches import HF_CACHES, available, is_hf_cache
-from .model import PREFIX, HFModel, is_hf_model, load_hf, make_cache
+from .model import PREFIX, HFModel, is_hf_model, load_hf, make_cache  # noqa: F401 (PREFIX: "hf:")
 
 
 def wrap(module: Any, tokenizer: Any = None) -> HFModel:

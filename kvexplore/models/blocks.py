@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.architectures import GEMMA_NORM, LLAMA_NORM
+from ..config.norms import GEMMA_NORM, LLAMA_NORM
 from ..config.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
     """RMSNorm, normalised in float32. ``style`` says how the weight is applied (see
-    :mod:`kvexplore.config.architectures`): Llama casts back to the dtype before ``* weight``; Gemma 3 multiplies by
+    :mod:`kvexplore.config.norms`): Llama casts back to the dtype before ``* weight``; Gemma 3 multiplies by
     ``1 + weight`` in float32, gpt-oss and Gemma 4 by ``weight`` in float32. ``scale=False``: no weight at all
     (Gemma 4's value norm)."""
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.architectures import FLOAT32_NORM
+from ..config.norms import FLOAT32_NORM
 from .blocks import RMSNorm
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig

@@ -14,7 +14,7 @@ the ``i``-th drafted token, so:
   ``normalise(max(0, p - q))``; all accepted: the bonus draws from ``p``. The output is distributed as ``p``'s.
 
 Then the take-back: the cache holds ``k + 1`` new positions and only the ``m`` accepted ones (the fed token and the
-accepted drafts) stay. Where every layer can be cut exactly (:meth:`~kvexplore.caches.crop.Crop.crop_error` is None)
+accepted drafts) stay. Where every layer can be cut exactly (:meth:`~kvexplore.caches.rewind.Rewind.crop_error` is None)
 the cache is truncated: each layer's way (stale slots, a narrowed view, pages back to the pool) is its ``crop_way``.
 Otherwise (a ring the draft wrapped, a sink window that evicted, a quantized flush, a recurrent state) the step is
 rolled back from its undo journal, which puts every overwritten slot and state back, and the accepted tokens are

@@ -21,7 +21,7 @@ from ..caches.layout import LinearLayout, layout_from_dict
 from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport
 from .records import Candidate, StepRecord
-from .compact import unpacked
+from .packed import unpacked
 from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 

@@ -29,7 +29,7 @@ from ..caches.base import KVCache, SlotView
 from ..caches.layout import SharedLayout
 from ..errors import SettingsError
 from ..core import host
-from .compact import unpacked
+from .packed import unpacked
 from .press import PressOutcome, PressStep, record as press_record
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})

@@ -1,7 +1,7 @@
 """A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision.
 
 See :class:`kvexplore.caches.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind does;
-the quantization itself is :mod:`kvexplore.caches.quantize`.
+the quantization itself is :mod:`kvexplore.caches.kivi`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ...core import host
 from ..layer import FullLayer, Step
 from ..layout import QuantizedLayout
 from ..memory import StepCounters
-from ..quantize import F32, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from ..kivi import F32, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from ..slots import FILLED, FREE, STALE, SlotView
 
 TENSORS = ("kq", "vq", "ks", "kz", "vs", "vz", "rk", "rv", "kerr", "verr")  # kerr, verr: diagnostics, not storage

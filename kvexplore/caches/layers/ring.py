@@ -6,13 +6,13 @@ import torch
 
 from .slotmap import SlotMapLayer
 from ..layer import StoredLayer, Step
-from ..ring import SlidingLayers
+from .sliding import SlidingLayers
 from ..memory import StepCounters
 
 
 class RingLayer(SlotMapLayer, StoredLayer):
     """``k``/``v`` of ``[batch, kv_heads, window, width]``; position ``p`` in slot ``p % window``. ``slots`` is the
-    :class:`~kvexplore.caches.ring.SlidingLayers` every sliding layer of the cache shares (see :mod:`..ring`)."""
+    :class:`~kvexplore.caches.layers.sliding.SlidingLayers` every sliding layer of the cache shares (see :mod:`..ring`)."""
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device,
                  slots: SlidingLayers) -> None:

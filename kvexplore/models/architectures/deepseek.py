@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.architectures import FLOAT32_NORM
+from ...config.norms import FLOAT32_NORM
 from ...config.config_fields import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_POSITIONS
 from ...config.families import Architecture
 from ...config.fields import BOOL, FLOAT, INT, Field

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.architectures import FLOAT32_NORM, GEMMA_NORM
+from ...config.norms import FLOAT32_NORM, GEMMA_NORM
 from ...config.config_fields import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS
 from ...config.config_json import every_nth
 from ...config.families import Architecture, GGUFNames

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.architectures import FLOAT32_NORM
+from ...config.norms import FLOAT32_NORM
 from ...config.config_json import every_nth
 from ...config.families import Architecture
 from ...config.fields import FLOAT, INT, Field

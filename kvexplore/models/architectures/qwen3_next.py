@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.architectures import GEMMA_NORM
+from ...config.norms import GEMMA_NORM
 from ...config.config_fields import MAX_FFN, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS
 from ...config.config_json import every_nth
 from ...config.families import Architecture

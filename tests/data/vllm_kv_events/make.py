@@ -96,7 +96,7 @@ def _key(h) -> str | int:
 
 
 def write_recording(path: Path, records) -> None:
-    """kvexplore's recording layout (kvexplore/prefix/events_files.py), written here from its description."""
+    """kvexplore's recording layout (kvexplore/prefix/events/files.py), written here from its description."""
     with open(path, "wb") as f:
         f.write(b"KVEVREC1")
         for seq, rank, payload in records:

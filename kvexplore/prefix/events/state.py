@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .events_schema import Hash, Removed, Stored, hash_hex
+from .schema import Hash, Removed, Stored, hash_hex
 
 SHORT = 8  # hex digits shown of a hash (as the pool shows its own)
 

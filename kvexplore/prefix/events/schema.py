@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CorruptFileError, SettingsError
+from ...errors import CorruptFileError, SettingsError
 
 Hash = bytes | int
 DEFAULT_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: what a store or removal without a medium refers to

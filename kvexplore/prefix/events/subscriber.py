@@ -6,7 +6,7 @@ a ``replay_endpoint`` it also binds a ROUTER socket that answers ``(b"", start s
 buffers from that number on, each ``(b"", [topic,] seq, payload)`` (vLLM 0.34 adds the topic), then ``seq = -1``.
 
 :class:`KVEventSubscriber` connects to those sockets, feeds every batch to a
-:class:`~kvexplore.prefix.events_replay.KVEventReplay`, and when sequence numbers jump (ZMQ drops messages a slow
+:class:`~kvexplore.prefix.events.replay.KVEventReplay`, and when sequence numbers jump (ZMQ drops messages a slow
 subscriber cannot take) asks the replay socket for the missed ones. With ``catch_up`` it also asks, on the first
 batch, for everything the engine still buffers, so the replay starts from the engine's start when it can.
 """
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SettingsError
-from .events_files import KVEventRecorder
-from .events_replay import KVEventReplay
-from .events_schema import KVEventFormatError, decode_payload
+from ...errors import SettingsError
+from .files import KVEventRecorder
+from .replay import KVEventReplay
+from .schema import KVEventFormatError, decode_payload
 
 END_SEQ = -1
 
@@ -63,7 +63,7 @@ class KVEventSubscriber:
     """Subscribes to an engine's KV events. ``endpoint``: the PUB socket to connect to (or a list, one per rank);
     ``ranks``: how many data-parallel ranks publish (endpoints derived by vLLM's port rule); ``replay_endpoint``: the
     ROUTER socket (or a list), for missed batches; ``sink(seq, payload, rank)``: called with every batch applied, in
-    order (a :class:`~kvexplore.prefix.events_files.KVEventRecorder`'s ``write``)."""
+    order (a :class:`~kvexplore.prefix.events.files.KVEventRecorder`'s ``write``)."""
 
     def __init__(self, endpoint: str | Sequence[str] = "tcp://localhost:5557",
                  replay_endpoint: str | Sequence[str] | None = None, topic: str = "", ranks: int = 1,
@@ -193,7 +193,7 @@ class KVEventSubscriber:
 def record(endpoint: str | Sequence[str], path: str | Path, seconds: float | None = None,
            max_batches: int | None = None, replay_endpoint: str | Sequence[str] | None = None, topic: str = "",
            ranks: int = 1, catch_up: bool = True) -> KVEventReplay:
-    """Record a live stream to ``path`` (a kvexplore recording, see :mod:`.events_files`) for ``seconds`` or
+    """Record a live stream to ``path`` (a kvexplore recording, see :mod:`.files`) for ``seconds`` or
     ``max_batches``; returns the replay of what was recorded (its caches and counts; the batches are in the file:
     ``read_kv_events(path)`` for frames). A KeyboardInterrupt ends it with the file whole."""
     with KVEventRecorder(path) as out, KVEventSubscriber(endpoint, replay_endpoint, topic, ranks, catch_up=catch_up,

@@ -2,12 +2,12 @@
 the same :class:`~kvexplore.prefix.frames.PoolFrame` s a :class:`~kvexplore.prefix.pool.PrefixPool` makes: from a
 file, or live from the engine's ZMQ socket. This module gathers the public names; each lives in its own module:
 
-- :mod:`.events_schema`: one batch's payload decoded (map and array forms, bytes and int hashes);
-- :mod:`.events_state`: one cache's blocks and slots as the events leave them;
-- :mod:`.events_frames`: a frame of a cache after a batch, and the batch in words;
-- :mod:`.events_replay`: :class:`KVEventReplay`, fed batch by batch, one cache per (rank, medium, group);
-- :mod:`.events_files`: recordings and JSON lines, :func:`read_kv_events`;
-- :mod:`.events_zmq`: :class:`KVEventSubscriber` (pyzmq) and :func:`record`.
+- :mod:`.schema`: one batch's payload decoded (map and array forms, bytes and int hashes);
+- :mod:`.state`: one cache's blocks and slots as the events leave them;
+- :mod:`.frame_maker`: a frame of a cache after a batch, and the batch in words;
+- :mod:`.replay`: :class:`KVEventReplay`, fed batch by batch, one cache per (rank, medium, group);
+- :mod:`.files`: recordings and JSON lines, :func:`read_kv_events`;
+- :mod:`.subscriber`: :class:`KVEventSubscriber` (pyzmq) and :func:`record`.
 
 ::
 
@@ -18,10 +18,10 @@ file, or live from the engine's ZMQ socket. This module gathers the public names
 
 from __future__ import annotations
 
-from .events_files import KVEventRecorder, read_kv_events, read_recording, save_kv_events
-from .events_replay import KVEventReplay, Received
-from .events_schema import Batch, Cleared, KVEventFormatError, Removed, Stored, decode_payload, read_batch
-from .events_zmq import KVEventSubscriber, rank_endpoint, record
+from .files import KVEventRecorder, read_kv_events, read_recording, save_kv_events
+from .replay import KVEventReplay, Received
+from .schema import Batch, Cleared, KVEventFormatError, Removed, Stored, decode_payload, read_batch
+from .subscriber import KVEventSubscriber, rank_endpoint, record
 
 __all__ = ["Batch", "Cleared", "KVEventFormatError", "KVEventRecorder", "KVEventReplay", "KVEventSubscriber",
            "Received", "Removed", "Stored", "decode_payload", "rank_endpoint", "read_batch", "read_kv_events",

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import MissingFileError, SettingsError
-from .events_replay import KVEventReplay
-from .events_schema import Batch, Cleared, KVEventFormatError, Removed, Stored
+from ...errors import MissingFileError, SettingsError
+from .replay import KVEventReplay
+from .schema import Batch, Cleared, KVEventFormatError, Removed, Stored
 
 MAGIC = b"KVEVREC1"
 RECORD = struct.Struct(">qhI")  # seq, rank, payload length

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import SettingsError
-from .events_frames import FrameMaker, capped, describe
-from .events_schema import DEFAULT_MEDIUM, Batch, Cleared, Hash, Removed, Stored, decode_payload, read_batch
-from .events_state import CacheState, HashNames
-from .frames import PoolFrame
+from ...errors import SettingsError
+from .frame_maker import FrameMaker, capped, describe
+from .schema import DEFAULT_MEDIUM, Batch, Cleared, Hash, Removed, Stored, decode_payload, read_batch
+from .state import CacheState, HashNames
+from ..frames import PoolFrame
 
 Key = tuple[int, str, int]  # (data-parallel rank, medium, KV cache group)
 
@@ -66,7 +66,7 @@ class KVEventReplay:
         """Apply one batch: a msgpack payload, a decoded batch (map or array form) or a :class:`Batch`. ``seq``: its
         sequence number (None: the next one); ``rank``: the data-parallel rank when the batch does not say (the
         socket it came from). Returns False for a duplicate (a sequence number this rank has had), which is skipped;
-        a bad batch raises :class:`~kvexplore.prefix.events_schema.KVEventFormatError` and changes nothing."""
+        a bad batch raises :class:`~kvexplore.prefix.events.schema.KVEventFormatError` and changes nothing."""
         label = where or f"batch {sum(st.batches for st in self.stats.values()) + self.duplicates}"
         if isinstance(batch, (bytes, bytearray, memoryview)):
             batch = decode_payload(bytes(batch), label)

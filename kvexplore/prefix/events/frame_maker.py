@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .events_schema import Hash
-from .events_state import Block, CacheState, Change, HashNames
-from .frames import EVICTED, FREE, HELD, WRITTEN, BlockView, PoolFrame, TreeNode
+from .schema import Hash
+from .state import Block, CacheState, Change, HashNames
+from ..frames import EVICTED, FREE, HELD, WRITTEN, BlockView, PoolFrame, TreeNode
 
 MAX_NOTES = 24  # a batch of hundreds of events is summed up after this many notes
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .layer import Step
-from .layout import RingLayout
-from .masks import causal_mask, positions_mask
-from .slots import EVICTED, FILLED, FREE, STALE, SlotView
+from ..layer import Step
+from ..layout import RingLayout
+from ..masks import causal_mask, positions_mask
+from ..slots import EVICTED, FILLED, FREE, STALE, SlotView
 
 
 @dataclass
