@@ -8,6 +8,8 @@ each a line naming the element and the numbers (an empty list: the layout holds)
 
 from __future__ import annotations
 
+from browser_support import screenshot
+
 # One pass over the explorer's visible text: HTML elements with text of their own (buttons, labels, the status, the
 # table's cells, the token strip's tokens) and every SVG <text> of the plotly figures (titles, axis titles, tick
 # labels, legend entries, annotations; hover labels excluded). Boxes are the client rectangles.
@@ -151,7 +153,7 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
                         tag = (f"{name}_{size['width']}x{size['height']}{'_presenting' if presenting else ''}_"
                                f"{lane.replace('@', '-').replace(' ', '_')}_{title.replace(' ', '_').replace('/', '')}")
                         path = shots / f"layout_{tag}.png"
-                        page.screenshot(path=str(path))
+                        screenshot(page, path)
                         found = problems(explorer, PRESENTING_PX if presenting else None, plot_share)
                         assert not found, f"{tag} ({path}):\n  " + "\n  ".join(found[:30])
                         looked.append(tag)

@@ -344,16 +344,32 @@ def plot_signature(locator) -> str:
     return locator.evaluate(PLOT_SIGNATURE)
 
 
+def looking() -> bool:
+    """Whether someone will look at the screenshots (``$KVX_SCREENSHOTS`` set). Otherwise the browser tests take
+    only the screenshots of a failure: a shot costs Chromium a render and a PNG (about 190 a run), and nobody opens
+    the temporary folder."""
+    return bool(os.environ.get("KVX_SCREENSHOTS"))
+
+
+def screenshot(target, path, **options) -> None:
+    """``target.screenshot(path=path)`` (a page or an element) when someone will look (:func:`looking`) or the name
+    says it is a failure's."""
+    if looking() or "FAILED" in Path(path).name:
+        target.screenshot(path=str(path), **options)
+
+
 def tall_screenshot(page, path, scroller: str | None = None, element=None, max_height: int = 12000,
                     parts: dict | None = None) -> None:
     """A screenshot of the whole content (or of ``element``), also when it scrolls inside an element (JupyterLab's
     notebook panel, Voila's page): the viewport is made as tall as the scrolled content for the shot, then restored.
     ``parts`` (path -> locator): more element screenshots taken in the same tall viewport.
 
-    Only when someone will look at them (``$KVX_SCREENSHOTS`` set): a viewport as tall as a notebook makes every
-    plotly figure in it lay out again, seconds a shot on a busy machine. Otherwise the shot is of the screen as it is
-    (``element`` and ``parts`` still shot), which is what a failing test leaves to look at."""
-    tall = bool(os.environ.get("KVX_SCREENSHOTS"))
+    Only when someone will look at them (:func:`looking`): a viewport as tall as a notebook makes every plotly figure
+    in it lay out again, seconds a shot on a busy machine. Otherwise only a failure's shot is taken, of the screen as
+    it is."""
+    tall = looking()
+    if not tall and "FAILED" not in Path(path).name:
+        return
     size = page.viewport_size
     try:
         if tall:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import pytest
 
 import kvexplore
+from browser_support import screenshot
 from browser_truth import PAGE_FIGURES, kernel_truth, mismatches
 from kvexplore.explorer.inspect import plain
 from kvexplore.views.prefix import BUILT_IN as NAMES, figures
@@ -52,7 +53,7 @@ def _slide(page, root, key: str) -> None:
 def _shot(page, root, path) -> None:
     root.evaluate("(e) => e.scrollIntoView({block: 'start'})")
     _frames(page)
-    page.screenshot(path=str(path))
+    screenshot(page, path)
 
 
 @contextmanager
@@ -113,7 +114,7 @@ def test_lab_prefix_view_page_equals_kernel(lab, lab_page, browser, shots):
             _agree(page, root, True, "played to the end")
             done.append("play")
         except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            screenshot(page, shots / f"{name}_FAILED.png")
             raise
     assert len(done) == 7, done
 
@@ -149,7 +150,7 @@ def test_prefix_replay_page_draws_each_frames_specs(tmp_path, browser, shots, ti
                 assert not diff, f"{policy} frame {i}:\n  " + "\n  ".join(diff[:20])
                 assert frames[i].title in root.locator(".kvx-label").inner_text()
                 if i == 3:
-                    page.screenshot(path=str(shots / f"prefix_replay_{policy}_frame3.png"), full_page=True)
+                    screenshot(page, shots / f"prefix_replay_{policy}_frame3.png", full_page=True)
             assert outside == []
         finally:
             page.close()
@@ -189,7 +190,7 @@ def test_lab_pools_side_by_side_page_equals_kernel(lab, lab_page, browser, shots
                 _agree(page, root, True, "a request served live to both")
             _shot(page, both, shots / f"{name}_1600x1000_live.png")
         except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            screenshot(page, shots / f"{name}_FAILED.png")
             raise
 
 
@@ -218,6 +219,6 @@ def test_side_by_side_replay_page_draws_each_pools_frame_under_one_slider(tmp_pa
                 diff = mismatches({"specs": specs}, {"figures": column.evaluate(PAGE_FIGURES)}, list(NAMES))
                 assert not diff, f"{pool.policy} frame {i}:\n  " + "\n  ".join(diff[:20])
             if i == 3:
-                page.screenshot(path=str(shots / "prefix_replay_side_by_side_frame3.png"), full_page=True)
+                screenshot(page, shots / "prefix_replay_side_by_side_frame3.png", full_page=True)
     finally:
         page.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from browser_support import (figure, new_page, open_voila_app, require_browser, save_timings, start_run_all,
+from browser_support import (figure, new_page, open_voila_app, require_browser, save_timings, screenshot, start_run_all,
                              voila_server, wait_run_finished)
 from browser_truth import kernel_truth, mismatches, page_truth
 
@@ -167,7 +167,7 @@ def _frames(page) -> None:
 def _shot(page, explorer, path: Path) -> None:
     explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
     _frames(page)
-    page.screenshot(path=str(path))
+    screenshot(page, path)
 
 
 def _screenshots(page, explorer, shots: Path, prefix: str) -> None:
@@ -195,10 +195,10 @@ def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = Non
         if timings is not None:
             timings["page_to_widgets"] = time.monotonic() - t0
         _on_one_screen(page, explorer)
-        page.screenshot(path=str(shots / f"{name}_1280x800.png"))
+        screenshot(page, shots / f"{name}_1280x800.png")
         return _operations(page, explorer, lab, shots, name, every)
     except Exception:
-        page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+        screenshot(page, shots / f"{name}_FAILED.png")
         raise
 
 
@@ -209,7 +209,7 @@ def _opened(page, shots: Path, name: str, timings: dict, t0: float) -> list[str]
     figure(explorer, "cache_map").wait_for(timeout=120_000)
     timings["page_to_widgets"] = time.monotonic() - t0
     _on_one_screen(page, explorer)
-    page.screenshot(path=str(shots / f"{name}_1280x800.png"))
+    screenshot(page, shots / f"{name}_1280x800.png")
     done = []
     _checks(page, explorer, False, done)[0]("display")
     return done
@@ -361,7 +361,7 @@ def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
         last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
         assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
             f"{label}: the newest token is outside the strip's box: {last} in {strip}"
-    page.screenshot(path=str(shots / f"{name}_900_tokens_1280x800.png"))
+    screenshot(page, shots / f"{name}_900_tokens_1280x800.png")
     return done
 
 
@@ -384,7 +384,7 @@ def _pasted_whole_chapter(page, explorer, shots: Path, name: str) -> list[str]:
     last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
     assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
         f"the newest token is outside the strip's box: {last} in {strip}"
-    page.screenshot(path=str(shots / f"{name}_chapter_1280x800.png"))
+    screenshot(page, shots / f"{name}_chapter_1280x800.png")
     return done
 
 
@@ -526,7 +526,7 @@ def _lab_operations(lab_page, shots: Path, name: str, operations, least: int) ->
             figure(explorer, "cache_map").wait_for(timeout=120_000)
             done = operations(page, explorer, shots, name)
         except Exception:
-            page.screenshot(path=str(shots / f"{name}_FAILED.png"))
+            screenshot(page, shots / f"{name}_FAILED.png")
             raise
     assert len(done) >= least, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
@@ -721,4 +721,4 @@ def test_lab_text_typed_on_a_busy_kernel_is_what_prefill_runs(lab, lab_page, bro
         assert state["tokens"] == want, f"the kernel prefilled {state['tokens']} tokens of the {want} on the page"
         page.wait_for_timeout(2500)  # every late edit handled (0.2 s each): the box keeps the text
         assert box.input_value() == on_page, box.input_value()
-        page.screenshot(path=str(shots / "truth_lab_typed_1280x800.png"))
+        screenshot(page, shots / "truth_lab_typed_1280x800.png")

@@ -83,7 +83,7 @@ def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path,
                 for t in spec.traces:
                     if t.get("type") == "heatmap":
                         assert same(drawn[t["name"]]["z"], t["z"]), (lane, step, t["name"])
-        page.screenshot(path=str(tmp_path / "replay.png"))
+        screenshot(page, tmp_path / "replay.png")
     finally:
         page.close()
     assert requests == []  # nothing but the file itself
