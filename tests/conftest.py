@@ -1,5 +1,5 @@
 """What the whole suite shares: one model zoo (tests/zoo.py), the tiers (markers) and the groups that keep servers,
-kernels and compiled graphs shared when the suite runs in two workers (``pytest -n 2``, see docs/testing.md).
+kernels and compiled graphs shared when the suite runs in workers (``pytest -n 3``, see docs/testing.md).
 
 Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not slow"``):
 
@@ -35,7 +35,7 @@ import torch
 
 from zoo import VARIANTS, Zoo
 
-# the test models are tiny: one thread is fastest, and immune to other processes contending for cores (two workers)
+# the test models are tiny: one thread is fastest, and immune to other processes contending for cores (the workers)
 torch.set_num_threads(1)
 
 TIERS = ("browser", "notebooks", "smollm2", "gemma3", "compile", "install", "long")
@@ -104,7 +104,7 @@ def pytest_configure(config):
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
         sys.dont_write_bytecode = False
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: two workers already
+        # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: the workers already
         # keep both cores busy, and a second thread each would only contend with the other worker
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 

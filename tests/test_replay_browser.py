@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvexplore
-from browser_support import require_browser
+from browser_support import require_browser, screenshot
 from kvexplore.views import cache_map
 from kvexplore.replay import save_html, snapshot_at
 
