@@ -16,7 +16,7 @@ from kvexplore.caches.slots import PackedSlots
 from kvexplore.explorer.session import Session
 from kvexplore.explorer.strip import TokenStrip
 from kvexplore.trace import attention_store
-from kvexplore.trace.packed import KEEP_STEPS
+from kvexplore.trace.packed import KEEP_STEPS, SlotChanges
 from kvexplore.views import attention, snapshot
 from kvexplore.views.spec import grid
 
@@ -162,7 +162,8 @@ def test_held_memory_is_bounded_whatever_the_number_of_steps(trained, small_bins
     assert sizes[0] == sizes[1]  # bins saturated: beyond the recent rows, more steps hold nothing more
     history = s.reference.history
     old, new = history[1].trace, history[-1].trace
-    assert all(isinstance(v, PackedSlots) for v in old.layer_slots) and isinstance(old.read_positions, range)
+    assert all(isinstance(v, (PackedSlots, SlotChanges)) for v in old.layer_slots)
+    assert isinstance(old.read_positions, range)
     assert not any(isinstance(v, PackedSlots) for v in new.layer_slots)
     # a packed trace reads as before; its attention rows are no longer held, the newest step's are
     assert old.slots.positions[: len(s.tokens) - 100] == list(range(len(s.tokens) - 100))

@@ -1,21 +1,95 @@
-"""What an explorer lane's records keep of an older step: its slot views packed into arrays and its read positions as
-a ``range`` (or an int32 array), so a long run's records do not hold Python lists as long as the cache per step.
+"""What an explorer lane's records keep of an older step: its slot views as the changes to the step before (a
+:class:`SlotChanges`: the slots whose state, position or sharers differ, about 11 bytes each; every
+:data:`KEYFRAME`-th view packed whole, 7 bytes a slot) and its read positions as a ``range`` (or an int32 array), so
+a long run's records grow with what each step changed, not with the cache's capacity.
 
 :class:`RecentTraces` keeps the newest :data:`KEEP_STEPS` traces as they are (the figures of the current step read
-them often) and packs each older one once. A packed trace reads the same: ``slots_of`` unpacks (the last few unpacked
-views are kept, so layers of one kind still share one object), ``reads_of`` gives the compact sequence.
+them often) and packs each older one once, against the one packed before it. A packed trace reads the same:
+``slots_of`` unpacks (the last few unpacked views are kept, so layers of one kind still share one object),
+``reads_of`` gives the compact sequence.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..caches.slots import PackedSlots, SlotView
+from ..caches.layout import Layout
+from ..caches.slots import FREE, STATES, PackedSlots, SlotView
 
 KEEP_STEPS = 32  # traces kept as they are
-_UNPACKED: "OrderedDict[int, tuple[PackedSlots, SlotView]]" = OrderedDict()  # id -> (packed, view): the last few
+KEYFRAME = 64  # a chain of changes is at most this long: then a view is packed whole
+_FREE = STATES.index(FREE)
+_UNPACKED: "OrderedDict[int, tuple[Any, SlotView]]" = OrderedDict()  # id -> (packed, view): the last few
+
+
+@dataclass(frozen=True)
+class SlotChanges:
+    """A slot view stored as what changed since ``base`` (the same layer's view one packed step before): the slots
+    whose state, position or sharers differ (``index``, and their new values), and the number of slots (a growing
+    cache adds some; slots past the base's count as free, position -1). :meth:`unpack` gives the view back, equal
+    to the original."""
+
+    base: Any  # PackedSlots or SlotChanges
+    size: int
+    index: np.ndarray  # int32: the slots that changed
+    states: np.ndarray  # uint8 codes (caches.slots.STATES)
+    positions: np.ndarray  # int32
+    sharers: np.ndarray  # int16
+    layout: Layout
+    depth: int  # changes between this view and the whole one its chain starts from
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The view's (states, positions, sharers) as fresh arrays."""
+        states, positions, sharers = _arrays(self.base, self.size)
+        states[self.index], positions[self.index], sharers[self.index] = self.states, self.positions, self.sharers
+        return states, positions, sharers
+
+    def unpack(self) -> SlotView:
+        states, positions, sharers = self.arrays()
+        return SlotView([STATES[c] for c in states.tolist()], positions.tolist(), sharers.tolist(), self.layout)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of this step's changes (the base's are counted with the base)."""
+        return self.index.nbytes + self.states.nbytes + self.positions.nbytes + self.sharers.nbytes
+
+
+def _arrays(packed, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A packed view's (states, positions, sharers) as fresh arrays of ``size`` slots (cut, or grown with free
+    slots)."""
+    if isinstance(packed, SlotChanges):
+        states, positions, sharers = packed.arrays()
+    else:
+        states, positions, sharers = packed.states.copy(), packed.positions.copy(), packed.sharers.copy()
+    n = states.size
+    if n == size:
+        return states, positions, sharers
+    if n > size:
+        return states[:size].copy(), positions[:size].copy(), sharers[:size].copy()
+    grow = size - n
+    return (np.concatenate([states, np.full(grow, _FREE, np.uint8)]),
+            np.concatenate([positions, np.full(grow, -1, np.int32)]), np.concatenate([sharers, np.zeros(grow, np.int16)]))
+
+
+def pack_slots(view: SlotView, base: Any = None):
+    """``view`` packed: as its changes to ``base`` (the same layer's previous packed view) when that is smaller and
+    the chain is shorter than :data:`KEYFRAME`, else whole (:class:`~kvexplore.caches.slots.PackedSlots`)."""
+    whole = PackedSlots.pack(view)
+    depth = base.depth if isinstance(base, SlotChanges) else 0
+    if base is None or depth + 1 >= KEYFRAME:
+        return whole
+    size = whole.states.size
+    states, positions, sharers = _arrays(base, size)
+    index = np.flatnonzero((states != whole.states) | (positions != whole.positions) | (sharers != whole.sharers))
+    if index.size * 11 >= whole.nbytes:
+        return whole
+    index = index.astype(np.int32)
+    return SlotChanges(base, size, index, whole.states[index], whole.positions[index], whole.sharers[index],
+                       view.layout, depth + 1)
 
 
 def compact_positions(reads):
@@ -31,7 +105,7 @@ def compact_positions(reads):
 def unpacked(view):
     """The :class:`SlotView` of ``view`` (packed or not); one object per packed view while it is among the last few
     asked for."""
-    if not isinstance(view, PackedSlots):
+    if not isinstance(view, (PackedSlots, SlotChanges)):
         return view
     hit = _UNPACKED.get(id(view))
     if hit is not None and hit[0] is view:
@@ -44,17 +118,24 @@ def unpacked(view):
     return out
 
 
-def pack(trace) -> None:
-    """Pack ``trace``'s slot views and read positions in place (objects shared by layers stay shared)."""
+def pack(trace, before=None) -> None:
+    """Pack ``trace``'s slot views and read positions in place (objects shared by layers stay shared); each slot view
+    as its changes to the same layer's view in ``before`` (the trace packed one step earlier) where that is smaller."""
     memo: dict[int, object] = {}
+    bases = before.layer_slots if before is not None and len(before.layer_slots) == len(trace.layer_slots) else None
 
     def once(item, make):
         if id(item) not in memo:
             memo[id(item)] = make(item)
         return memo[id(item)]
 
-    trace.layer_slots = [once(v, lambda v: v if isinstance(v, PackedSlots) else PackedSlots.pack(v))
-                         for v in trace.layer_slots]
+    def slots(i, v):
+        if isinstance(v, (PackedSlots, SlotChanges)):
+            return v
+        base = bases[i] if bases is not None else None
+        return pack_slots(v, base if isinstance(base, (PackedSlots, SlotChanges)) else None)
+
+    trace.layer_slots = [once(v, lambda v, i=i: slots(i, v)) for i, v in enumerate(trace.layer_slots)]
     trace.layer_reads = [once(r, compact_positions) for r in trace.layer_reads]
 
 
@@ -63,9 +144,12 @@ class RecentTraces:
 
     def __init__(self, keep: int | None = None) -> None:
         self._traces: deque = deque()
+        self._packed = None  # the trace packed last: the next one is packed as changes to it
         self.keep = KEEP_STEPS if keep is None else keep
 
     def push(self, trace) -> None:
         self._traces.append(trace)
         while len(self._traces) > self.keep:
-            pack(self._traces.popleft())
+            older = self._traces.popleft()
+            pack(older, self._packed)
+            self._packed = older

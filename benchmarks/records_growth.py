@@ -1,0 +1,70 @@
+"""What an explorer lane's records hold after thousands of steps: older steps' slot views packed whole (7 bytes a
+slot of capacity, every step: how records were kept before) against kept as changes to the step before
+(:mod:`kvexplore.trace.packed`), measured on the same run's records; and what the records and tracers allocated
+during the steps (``tracemalloc``).
+
+    python benchmarks/records_growth.py                      # tiny model, preallocated + paged, 4,000 steps
+    python benchmarks/records_growth.py --steps 1000 --lanes preallocated,sink
+
+Each packed object is counted once (layers that share a view share its packing); "whole" packs each step's
+distinct views afresh, "changes" sums what the records really hold (changes, and a whole view every KEYFRAME steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import tracemalloc
+
+import torch
+
+import kvexplore
+from kvexplore.caches.slots import PackedSlots
+from kvexplore.explorer.session import Session
+from kvexplore.trace.packed import KEYFRAME, SlotChanges, unpacked
+
+MiB = 2 ** 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--lanes", default="preallocated,paged")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = kvexplore.load(args.model)
+    lanes = tuple(args.lanes.split(","))
+    s = Session(model, lanes, max_seq_len=args.steps + 200)
+    s.prefill("Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        s.step()
+    seconds = time.perf_counter() - t0
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    print(f"{args.model}, lanes {', '.join(lanes)}, {args.steps} steps ({seconds:.0f} s), capacity "
+          f"{args.steps + 200} slots, a whole view every {KEYFRAME} packed steps")
+    print(f"{'lane':14s} {'whole views MiB':>16s} {'changes MiB':>12s} {'whole/changes':>14s} {'per step (changes)':>19s}")
+    for name in lanes:
+        whole = changes = 0
+        seen: set[int] = set()
+        for r in s.lanes[name].history:
+            views = r.trace.layer_slots if r.trace is not None else []
+            for v in {id(v): v for v in views}.values():
+                if not isinstance(v, (PackedSlots, SlotChanges)):
+                    continue  # the newest steps, kept as they are
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    changes += v.nbytes
+                whole += PackedSlots.pack(unpacked(v)).nbytes
+        print(f"{name:14s} {whole / MiB:16.1f} {changes / MiB:12.2f} {whole / max(changes, 1):13.0f}x "
+              f"{changes / args.steps:15.0f} B")
+    print(f"allocated by the records and tracers during the steps (tracemalloc, every lane): {grown / MiB:.1f} MiB "
+          f"({grown / args.steps / 1024:.1f} KiB per step)")
+
+
+if __name__ == "__main__":
+    main()
