@@ -272,7 +272,7 @@ def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, 
     np.testing.assert_allclose(new.trace("current")["y"], want.numpy(), atol=1e-6)
     # the cache map of a packed step is drawn from its packed slots
     from kvexplore.views import cache_map
-    assert isinstance(runs["paged"][2].trace.layer_slots[0], PackedSlots)
+    assert isinstance(runs["paged"][2].trace.layer_slots[0], (PackedSlots, SlotChanges))
     cache_map.from_snapshot(snapshot_at(runs, 2, "paged", layer=1, head=2))
 
 
