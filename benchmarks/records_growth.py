@@ -37,14 +37,17 @@ def main() -> None:
     lanes = tuple(args.lanes.split(","))
     s = Session(model, lanes, max_seq_len=args.steps + 200)
     s.prefill("Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse")
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
+    tracemalloc.start(6)
+    first = tracemalloc.take_snapshot()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         s.step()
     seconds = time.perf_counter() - t0
-    grown = tracemalloc.get_traced_memory()[0] - before
+    last = tracemalloc.take_snapshot()
     tracemalloc.stop()
+    grown = _total(last) - _total(first)
+    store = [tracemalloc.Filter(True, "*attention_store.py", all_frames=True)]
+    in_store = _total(last.filter_traces(store)) - _total(first.filter_traces(store))
     print(f"{args.model}, lanes {', '.join(lanes)}, {args.steps} steps ({seconds:.0f} s), capacity "
           f"{args.steps + 200} slots, a whole view every {KEYFRAME} packed steps")
     print(f"{'lane':14s} {'whole views MiB':>16s} {'changes MiB':>12s} {'whole/changes':>14s} {'per step (changes)':>19s}")
@@ -62,8 +65,14 @@ def main() -> None:
                 whole += PackedSlots.pack(unpacked(v)).nbytes
         print(f"{name:14s} {whole / MiB:16.1f} {changes / MiB:12.2f} {whole / max(changes, 1):13.0f}x "
               f"{changes / args.steps:15.0f} B")
-    print(f"allocated by the records and tracers during the steps (tracemalloc, every lane): {grown / MiB:.1f} MiB "
-          f"({grown / args.steps / 1024:.1f} KiB per step)")
+    rest = grown - in_store
+    print(f"allocated during the steps (tracemalloc, every lane): {grown / MiB:.1f} MiB, of which the attention "
+          f"stores {in_store / MiB:.1f} MiB (bounded by the context: trace/attention_store.py) and the records and "
+          f"the rest {rest / MiB:.1f} MiB ({rest / args.steps / 1024:.1f} KiB per step)")
+
+
+def _total(snapshot) -> int:
+    return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import pytest
 
 import kvexplore
 from kvexplore.caches.presses import PRESSES, Press, register_press, unregister_press
-from kvexplore.caches.registry import (LAYER_KINDS, STRATEGIES, register_layer_kind, register_strategy,
-                                       unregister_layer_kind, unregister_strategy)
+from kvexplore.caches.registry import (LAYER_KINDS, PREFIXES, STRATEGIES, register_layer_kind, register_prefix,
+                                       register_strategy, unregister_layer_kind, unregister_prefix,
+                                       unregister_strategy)
 from kvexplore.config.families import ARCHITECTURES, lookup
 from kvexplore.config.families import register as register_architecture, unregister as unregister_architecture
 from kvexplore.errors import SettingsError
@@ -87,6 +88,8 @@ CASES = {
                              model_type="toyarch"),
                      replace(lookup("LlamaForCausalLM"), name="toyarch", hf_class="ToyArchForCausalLM",
                              model_type="toyarch", family="toy")),
+    "name prefix": (PREFIXES, lambda n, e, r=False: register_prefix(n, e, replace=r), unregister_prefix, "hf:",
+                    lambda m, k, n: None, "toy:", lambda m, k, n: None, lambda m, k, n: None),
     "prefix policy": (POLICIES, lambda n, e, r=False: register_policy(n, e, replace=r), unregister_policy, "hash",
                       lambda size: HashIndex(size), "toy", HashIndex, lambda size: HashIndex(size)),
 }

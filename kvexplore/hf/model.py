@@ -15,7 +15,7 @@ from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
 from ..formats.tokenizer import Tokenizer
 from ..runtime.executor import ADAPTERS, Executor, register_adapter
-from ..caches.registry import register_prefix
+from ..caches.registry import PREFIXES, register_prefix
 from .cache import HFCache
 from .caches import BOUNDED, is_transformers, make_hf_cache
 
@@ -273,3 +273,4 @@ def _make_cache(model, kind: str, max_seq_len: int | None):
 
 
 register_prefix(PREFIX, _make_cache)  # imported by kvexplore.hf, which kvexplore imports: always registered
+PREFIXES.seal()  # "hf:" is built in
