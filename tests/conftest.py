@@ -19,9 +19,10 @@ download, or loads smollm2-135m or gemma3-270m from a populated ``$KVEXPLORE_HOM
 fixture ``_real_models_only_in_their_tiers``), and the fast tier's subprocesses run with ``PIP_NO_INDEX=1``. So the
 fast tier runs on a machine that has never fetched a model, as a stranger's does.
 
-Groups (``xdist_group``): the tests that share the JupyterLab server (``lab``), the compiled step of one model
-(``compile``) or Gemma 3's transformers reference (``gemma3``) run in the same worker, so nothing is started or compiled
-twice and no worker waits on a file lock for what the other computes.
+Groups (``xdist_group``): the tests that share a JupyterLab server (``lab``: the page truth and layout tests;
+``lab-course``: the course's notebooks, with a server of their own so that the two groups run side by side), the
+compiled step of one model (``compile``) or Gemma 3's transformers reference (``gemma3``) run in the same worker, so
+nothing is started or compiled twice and no worker waits on a file lock for what the other computes.
 """
 
 from __future__ import annotations

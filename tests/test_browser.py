@@ -24,7 +24,9 @@ from browser_support import (LAB_SCROLLER, NOTEBOOKS, PLOT_SIGNATURE, WIDGETS_S,
                              wait_run_finished)
 
 pytestmark = pytest.mark.browser
-LAB = pytest.mark.xdist_group("lab")  # the tests that share the run's JupyterLab server and page
+# the course's notebooks share one JupyterLab server and page, in a group of their own: the page-truth and layout
+# tests (group "lab") then run beside them on another worker, with their own server (each worker starts one)
+LAB = pytest.mark.xdist_group("lab-course")
 
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 TOUR = "01_tour.ipynb"
