@@ -261,7 +261,7 @@ class Generator:
         if not draft.tokens:
             return [self._plain_step(None, keep_undo)]
         self._undoable = False
-        records, self._spec_undo = self.speculation.verify(draft, list(self._tokens), len(self.history), target,
+        records, self._spec_undo = self.speculation.verify(draft, self._tokens, len(self.history), target,
                                                            stop_at_eos, keep_undo)
         self._tokens.extend(r.token_id for r in records)
         self._rng_states.extend([state] * len(records))

@@ -42,7 +42,7 @@ register_prefix_figure("prefix_pool", lambda frames, i: prefix_pool.spec(frames[
 register_prefix_figure("prefix_tree", lambda frames, i: prefix_tree.spec(frames[i]))
 register_prefix_figure("prefix_timeline", prefix_timeline.spec)
 PREFIX_FIGURES.seal()
-BUILT_IN = ("prefix_pool", "prefix_tree", "prefix_timeline")  # the widget and the page lay these three out
+BUILT_IN = tuple(PREFIX_FIGURES)  # the three the widget and the page lay out where they are, in this order
 
 
 def frames_of(source: Any) -> list[PoolFrame]:
