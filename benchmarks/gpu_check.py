@@ -1,4 +1,4 @@
-"""CUDA checks for kvexplore, meant to finish in under 5 minutes on one GPU.
+"""CUDA checks for kvexplore: about 6 minutes on one H200 (356 s on 2026-12-04), 2 minutes on the CPU.
 
     python benchmarks/gpu_check.py                  # on a CUDA machine
     python benchmarks/gpu_check.py --device cpu     # debug: the same code paths on the CPU, small and quick
@@ -372,8 +372,10 @@ def check_strategies(device: torch.device, gen_tokens: int) -> None:
                 rounded = sum(2 * gen.model.config.num_layers * 512 + r.memory.allocated_bytes for r in steps)
                 record(f"{name}: allocates and frees its storage every step", own <= alloc <= rounded and freed > 0,
                        detail)
-            exact = kind != "quantized"
-            record(name, gen.tokens == reference if exact else None, detail)
+            # lossy by design (quantized, or a cache that presses out positions): its tokens are shown, not judged
+            exact = kind != "quantized" and gen.cache.eviction is None
+            lossy = gen.cache.what_it_did()
+            record(name, gen.tokens == reference if exact else None, detail + (f"; {lossy}" if lossy else ""))
         except Exception as e:
             traceback.print_exc()
             record(name, False, f"raised {type(e).__name__}: {e}")

@@ -10,7 +10,10 @@ computed from them. :class:`PretendDevice` is the mode that marks them and
   ``allow`` can widen for a test), naming the call;
 - raises :class:`MixedDevices` when an operation mixes a device tensor with a host tensor of more than one
   element (CUDA refuses that: a missing ``.to(device)``);
-- counts the deliberate transfers of device tensors (``transfers``) made through :mod:`kvexplore.core.host`.
+- counts the deliberate transfers of device tensors (``transfers``) made through :mod:`kvexplore.core.host`;
+- counts the blocking copies from the host to the device (``uploads``, with where each was made in ``upload_sites``):
+  ``torch.tensor(data, device=...)``, ``.to(device)`` or ``copy_`` of a host tensor. CUDA copies pageable host
+  memory synchronously, and its sync debug mode counts each one as a sync.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ class PretendDevice(TorchFunctionMode):
                             else:
                                 store[name] = to_device(t)
         self._synced: set[int] = set()  # the kvexplore.core.host transfers a device tensor took part in
+        self.upload_sites: list[str] = []  # where each blocking host-to-device copy was made
+        self.allowed_sites: list[str] = []  # where each conversion ``allow`` let through was made
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -125,13 +130,21 @@ class PretendDevice(TorchFunctionMode):
         """Deliberate device-to-host transfers of device tensors since the mode began (each one sync on CUDA)."""
         return len(self._synced)
 
+    @property
+    def uploads(self) -> int:
+        """Blocking host-to-device copies since the mode began (each one a sync on CUDA)."""
+        return len(self.upload_sites)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inside = host.on_purpose.depth > 0
         device_in = [t for t in _tensors((args, kwargs)) if is_device(t)]
-        if func in CONVERSIONS and device_in and not inside and not self._allowed():
-            raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside kvexplore.core.host "
-                                 f"(a sync on CUDA): {self._where()}")
+        if func in CONVERSIONS and device_in and not inside:
+            if self._allowed():
+                self.allowed_sites.append(self._where())  # a sync on CUDA all the same: counted
+            else:
+                raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside kvexplore.core.host "
+                                     f"(a sync on CUDA): {self._where()}")
         if device_in and func not in INDEXING and not inside:
             host_in = [t for t in _tensors((args, kwargs)) if not is_device(t) and t.numel() > 1]
             if host_in:
@@ -144,7 +157,12 @@ class PretendDevice(TorchFunctionMode):
             return _wrap(out, to_host)
         if func in FACTORIES and kwargs.get("device") is not None and kwargs["device"] is not host.HOST and \
                 kwargs["device"] != "cpu":
+            if func in (torch.tensor, torch.as_tensor) and not device_in:  # data from the host
+                self.upload_sites.append(self._where())
             return _wrap(out, to_device)
+        if func is _T.copy_ and is_device(args[0]) and not is_device(args[1]) and not kwargs.get("non_blocking") \
+                and not inside:
+            self.upload_sites.append(self._where())
         if func is _T.to and device_in:
             target = _host_target(args, kwargs)
             if target:
@@ -152,6 +170,8 @@ class PretendDevice(TorchFunctionMode):
                     raise HostConversion(f"Tensor.to(host) of a device tensor outside kvexplore.core.host: {self._where()}")
                 return _wrap(out, to_host)
         elif func is _T.to and _host_target(args, kwargs) is False:
+            if not kwargs.get("non_blocking"):
+                self.upload_sites.append(self._where())
             return _wrap(out, to_device)
         return out
 

@@ -80,9 +80,10 @@ def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, 
             plain.prefill(PROMPT)
             assert any(is_device(t) for layer in range(model.config.num_layers) for t in cache.storage(layer)) or \
                 kind == "none"  # the cache's storage counts as device memory here
-            before = mode.transfers
+            before, uploads = mode.transfers, mode.uploads
             plain.step()
             assert mode.transfers - before == 1 + expert_syncs, kind
+            assert mode.upload_sites[uploads:] == [], kind  # token ids and tables go up without a blocking copy
             plain.run(3)
             plain.rewind(2)
             plain.fork().step()
@@ -97,6 +98,24 @@ def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, 
         trace = record.trace
         assert all(not is_device(t) for t in trace.qkv.values()) and trace.qkv  # captured q/k/v live on the host
         assert trace.attention_layers and not is_device(trace.attention_raw(trace.attention_layers[0]))
+
+
+@pytest.mark.parametrize("options", [{}, {"storage": "mask"}, {"decode_every": 4, "positions": "rerotate"}])
+def test_an_evict_cache_syncs_once_per_decode_step_between_presses(tiny, options):
+    """A press reads its scores and choices on the host (a sync each, at the press); a decode step between presses
+    syncs once, for the logits, and its memory report reads each head's count from the host."""
+    with PretendDevice(tiny, allow=("caches/layers/",)) as mode:
+        gen = kvexplore.Generator(tiny, kvexplore.make_cache("evict", tiny, max_seq_len=96, **options), seed=3)
+        gen.prefill(PROMPT)
+        assert gen.cache.press_events and mode.allowed_sites  # the prompt was pressed: its reads are the press's
+        for _ in range(3):
+            before, uploads, reads = mode.transfers, mode.uploads, len(mode.allowed_sites)
+            presses = len(gen.cache.press_events)
+            gen.step()
+            if len(gen.cache.press_events) == presses:
+                assert mode.transfers - before == 1 and mode.upload_sites[uploads:] == [] and \
+                    mode.allowed_sites[reads:] == [], options
+        assert gen.cache.memory_report().held_bytes > 0
 
 
 def test_perplexity_syncs_once_per_window(tiny):

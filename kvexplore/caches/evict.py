@@ -178,6 +178,17 @@ class EvictCache(KVCache):
 
 
     # -- what it kept -------------------------------------------------------------------------------------
+    def what_it_did(self) -> str:
+        events = self.pressplan.events
+        if not events:
+            return (f"evict cache ({self.press.name}): nothing pressed yet ({self.length} positions held; the prompt is "
+                    f"pressed when it is prefilled, and decoding presses only with decode_every=N)")
+        last = events[-1]
+        kept = f"{min(last.kept)}" if min(last.kept) == max(last.kept) else f"{min(last.kept)}-{max(last.kept)}"
+        return (f"evict cache ({self.press.name}): {len(events)} press{'es' if len(events) > 1 else ''}, the last "
+                f"({last.reason}) at {last.length} positions kept {kept} per head in {len(last.kept)} pressed "
+                f"layer{'s' if len(last.kept) > 1 else ''}")
+
     @property
     def eviction(self) -> "EvictCache":
         """This cache answers every question of :class:`~kvexplore.caches.protocol.Eviction`."""

@@ -1,4 +1,4 @@
-"""The few places that move data from the device to the host, on purpose.
+"""The few places that move data between the device and the host, on purpose.
 
 On CUDA every host-side conversion of a device tensor (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
 ``int(t)``, ``if t: ...``) waits for the device to finish what it was given: a *sync*. kvexplore converts only
@@ -6,6 +6,9 @@ here. :func:`fetch` brings any number of tensors (of any dtypes and shapes) over
 into one byte buffer on the device, copied into pinned host memory without blocking, and waited for once. A
 generation step calls it once for the logits (and once more when a tracer records the step, after the forward
 pass); :func:`values` is the same for the few Python numbers a layer needs mid-pass (which experts a token chose).
+
+The other way, :func:`upload` sends host data (token ids, page tables, per-head counts) to the device without
+blocking: from pinned memory on CUDA, where a copy from ordinary host memory waits for the device like a sync.
 
 Tests put a mode around a run that treats model and cache tensors as device tensors and fails on any conversion
 outside this module (``tests/devicemode.py``), and counts the transfers made here that a device tensor took part in (its syncs on CUDA).
@@ -101,3 +104,19 @@ def values(t: torch.Tensor) -> list:
     (host,) = fetch([t])
     with _transfer():
         return host.tolist()
+
+
+def upload(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``data`` (nested lists of numbers, or a tensor) as a tensor on ``device`` without a sync: on CUDA copied from
+    pinned host memory without blocking (the stream orders it before the kernels that read it; the pinned block is
+    not reused before the copy ran). A tensor already on ``device`` is returned as it is (cast to ``dtype``)."""
+    device = torch.device(device)
+    t = torch.as_tensor(data, dtype=dtype) if not isinstance(data, torch.Tensor) else data
+    if isinstance(data, torch.Tensor) and t.device.type == device.type and dtype is not None:
+        t = t.to(dtype)
+    if t.device.type == device.type:
+        return t.to(device, non_blocking=True)  # the same device: no copy (non_blocking: the test mode's marker)
+    if device.type == "cuda":
+        t = t.to(dtype) if dtype is not None else t
+        t = t.pin_memory()
+    return t.to(device, dtype=dtype, non_blocking=True)

@@ -19,6 +19,7 @@ from ..caches.layer import Step
 from ..models.rope import rotate
 from .compare import Departure
 from .passes import KVPasses, LayerPass, Pass, _Probe, land
+from ..core import host
 
 
 class _SlotProbe(_Probe):
@@ -123,7 +124,7 @@ def impose(cache: EvictCache, kept: dict[int, list[list[int]]], rotary) -> None:
             k, _, valid, pos, rot = layer.held_slots()
             mask = torch.zeros_like(valid)
             for h, positions in enumerate(heads):
-                mask[:, h] = torch.isin(pos[:, h], torch.tensor(positions, dtype=pos.dtype, device=pos.device))
+                mask[:, h] = torch.isin(pos[:, h], host.upload(positions, pos.device, pos.dtype))
             mask &= valid
             if rerotate:
                 rank = mask.long().cumsum(-1) - 1

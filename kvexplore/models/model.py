@@ -311,7 +311,7 @@ class Model(nn.Module):
         cache.begin_step(pos, T)
         cache.attach_model(self)
         try:
-            x = self.embed(ids.to(self.device))  # (B, T, D)
+            x = self.embed(host.upload(ids, self.device))  # (B, T, D)
             if tracer is not None:
                 x = hook(tracer, "embed", x)
             types = self.config.layer_types

@@ -126,6 +126,8 @@ class CompiledDecoder:
         self._token.fill_(token)
         keys = [cache.key(i) for i in cache.full_layers]
         values = [cache.value(i) for i in cache.full_layers]
+        if self.mode == "reduce-overhead":
+            _static(keys + values)
         first = self.compile_s is None
         t0 = time.perf_counter()
         import torch._inductor.config as inductor
@@ -214,3 +216,12 @@ class CompiledStep(CompiledExecutor):
 
     def replay(self, ids, cache) -> None:
         self.eager.replay(ids, cache)
+
+
+def _static(storages: list[torch.Tensor]) -> None:
+    """Mark the cache's storages as tensors at fixed addresses, as parameters are: CUDA graphs then replay writes into
+    them in place (an input the graph mutates is otherwise refused, and the step runs without a graph). Unguarded:
+    another cache of the same capacity re-records the graph rather than recompiling."""
+    for t in storages:
+        if getattr(t, "_dynamo_static_input_type", None) is None:
+            torch._dynamo.mark_static_address(t, guard=False)

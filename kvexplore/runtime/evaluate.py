@@ -35,5 +35,5 @@ def perplexity(model: Model, ids: Sequence[int], window: int = 256) -> float:
 def negative_log_likelihood(logits: torch.Tensor, ids: Sequence[int]) -> float:
     """Summed ``-log p(ids[t] | ids[:t])`` for t >= 1, from ``logits`` ``[len(ids), vocab]`` of any model."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    target = torch.tensor(list(ids[1:]), device=logits.device)[:, None]
+    target = host.upload(list(ids[1:]), logits.device)[:, None]
     return -float(host.fetch([logp.gather(1, target).sum()])[0])

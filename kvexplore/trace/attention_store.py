@@ -96,7 +96,7 @@ class AttentionStore:
         if positions is not None:  # scattered: to logical order first
             width = int(positions.max()) + 1 if positions.size else 0
             logical = probs.new_zeros(*probs.shape[:3], width)
-            logical[..., torch.as_tensor(positions, device=probs.device)] = probs
+            logical[..., host.upload(positions, probs.device)] = probs
             probs, c0 = logical, 0
         L, H, C, W = probs.shape
         rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), q0, c0, self.rs, self.cs)
@@ -382,8 +382,8 @@ def _by_head(probs: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
     out = probs.new_zeros(*probs.shape[:3], max(width, 0))
     for h in range(heads):
         cols = np.flatnonzero(positions[h] >= 0)
-        out[:, h, :, torch.as_tensor(positions[h][cols], device=probs.device)] = \
-            probs[:, h, :, torch.as_tensor(cols, device=probs.device)]
+        out[:, h, :, host.upload(positions[h][cols], probs.device)] = \
+            probs[:, h, :, host.upload(cols, probs.device)]
     return out
 
 

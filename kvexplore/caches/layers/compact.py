@@ -25,6 +25,7 @@ from ..layout import CompactLayout
 from ..memory import StepCounters
 from ..slots import FILLED, FREE, SlotView
 from .pressed import PressedLayer
+from ...core import host
 
 
 class CompactLayer(PressedLayer):
@@ -117,10 +118,11 @@ class CompactLayer(PressedLayer):
     def _make_mask(self, counts: list[list[int]], T: int, S: int, step: Step) -> torch.Tensor | None:
         """Slot ``j`` of head ``h`` is read by new token ``t`` when ``j < counts[h] + t + 1`` (held before the step,
         or written by the step at or before ``t``)."""
-        first = torch.tensor(counts, device=self.device)  # (B, H) slots held before the step
-        uniform = bool((first == first.flatten()[0]).all())
-        if uniform and (T == 1 or step.pos == 0 and int(first.flatten()[0]) == 0):
+        flat = [n for row in counts for n in row]  # the counts live on the host: no device read to decide
+        uniform = all(n == flat[0] for n in flat)
+        if uniform and (T == 1 or step.pos == 0 and flat[0] == 0):
             return None  # every slot read (one token), or a plain causal prompt
+        first = host.upload(counts, self.device)  # (B, H) slots held before the step
         j = torch.arange(S, device=self.device)
         t = torch.arange(T, device=self.device)
         allowed = j.view(1, 1, 1, S) < (first.view(*first.shape, 1, 1) + t.view(1, 1, T, 1) + 1)
@@ -129,10 +131,13 @@ class CompactLayer(PressedLayer):
     def mask(self, step: Step) -> torch.Tensor | None:
         return self._mask
 
+    def head_counts(self) -> torch.Tensor:
+        return torch.tensor(self.counts)  # kept on the host
+
     def held_slots(self):
         S = max(max(c) for c in self.counts)
         j = torch.arange(S, device=self.device)
-        valid = j.view(1, 1, S) < torch.tensor(self.counts, device=self.device).unsqueeze(-1)
+        valid = j.view(1, 1, S) < host.upload(self.counts, self.device).unsqueeze(-1)
         return (self.k.narrow(2, 0, S), self.v.narrow(2, 0, S), valid, self.pos.narrow(2, 0, S),
                 self.rot.narrow(2, 0, S))
 

@@ -18,6 +18,7 @@ from ..masks import causal_mask
 from ..memory import StepCounters
 from ..slots import EVICTED, FILLED, FREE, SlotView
 from .pressed import PressedLayer
+from ...core import host
 
 
 class MaskedLayer(PressedLayer):
@@ -30,14 +31,22 @@ class MaskedLayer(PressedLayer):
         self.rot = torch.arange(capacity, device=device).expand(self.k.shape[:3]).clone()
         self.end = 0  # positions written
         self.evicted = False  # whether a press hid anything (else plain causal attention is exact)
+        # on the host: what each head kept below the last press's length (every position written since is held)
+        self._kept: torch.Tensor | None = None
+        self._kept_upto = 0
         self._mask: torch.Tensor | None = None
 
     def begin(self, step: Step) -> None:
         super().begin(step)
-        step.journal.remember(self._set_state, (self.end, self.evicted, self._mask))
+        step.journal.remember(self._set_state, (self.end, self.evicted, self._mask, self._kept, self._kept_upto))
 
     def _set_state(self, saved: tuple) -> None:
-        self.end, self.evicted, self._mask = saved
+        self.end, self.evicted, self._mask, self._kept, self._kept_upto = saved
+
+    def head_counts(self) -> torch.Tensor:
+        if self._kept is None or self.end < self._kept_upto:
+            return super().head_counts()
+        return self._kept + (self.end - self._kept_upto)
 
     def write(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pos, T = step.pos, k.shape[2]
@@ -86,6 +95,8 @@ class MaskedLayer(PressedLayer):
             self.rot[:, :, :S] = torch.where(keep, rot, self.rot[:, :, :S])
         self.evicted = True
         self._mask = None
+        (self._kept,) = host.fetch([keep.sum(-1)])
+        self._kept_upto = S
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.end = min(self.end, n)

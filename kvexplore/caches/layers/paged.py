@@ -17,6 +17,7 @@ from ..layer import FullLayer, Step
 from ..layout import PagedLayout
 from ..memory import StepCounters
 from ..slots import FILLED, FREE, SHARED, STALE, SlotView
+from ...core import host
 
 
 class PagePool:
@@ -127,7 +128,7 @@ class PageTable:
                 page = table[p // bs]
                 pool.written[page] = max(pool.written[page], p % bs + 1)
         self.pages_written = sorted({t[p // bs] for t in self.tables for p in range(pos, pos + q_len)})
-        self.read_idx = torch.tensor(self.tables, dtype=torch.long, device=self.device)  # (B, blocks)
+        self.read_idx = host.upload(self.tables, self.device, torch.long)  # (B, blocks)
         p = torch.arange(pos, pos + q_len, device=self.device)
         self.write_page = self.read_idx[:, p // bs]  # (B, T)
         self.write_slot = (p % bs).expand(self.batch_size, q_len)  # (B, T)

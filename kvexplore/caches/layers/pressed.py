@@ -15,6 +15,7 @@ import torch
 from ..layer import FullLayer, Step
 from ..presses import Observation, attention, per_kv_head, select
 from .pressplan import PressPlan
+from ...core import host
 
 ROWS = 256  # query rows per chunk when the prompt's attention is accumulated (H2O)
 
@@ -111,7 +112,7 @@ class PressedLayer(FullLayer):
                           None if self.acc is None else self.acc[:, :, :k.shape[2]], self.scale, self.softcap,
                           step.end, n_kept, plan.sink_logits(self.spec.index))
         scores = plan.press.score(obs)
-        if int(valid.sum(-1).max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
+        if int(self.head_counts().max()) <= n_kept and plan.budget.heads != "adaptive":  # the layer keeps all it holds
             self._note_scores(scores, valid, pos, valid, step.end)
             return
         # chosen in position order (slots may not be: a press while decoding fills holes in place), so of equal
@@ -166,8 +167,10 @@ class PressedLayer(FullLayer):
         return out
 
     def head_counts(self) -> torch.Tensor:
-        """``(B, H)`` positions each head holds."""
-        return self.held_slots()[2].sum(-1)
+        """``(B, H)`` positions each head holds, on the host (a layer that knows them there reads nothing from the
+        device: the memory report asks every step)."""
+        (counts,) = host.fetch([self.held_slots()[2].sum(-1)])
+        return counts
 
     def held(self, length: int) -> int:
         return int(self.head_counts().max()) if length else 0

@@ -9,6 +9,7 @@ from ..layer import FullLayer, Step
 from ..layout import RingLayout
 from ..memory import StepCounters
 from ..slots import EVICTED, FILLED, FREE, STALE, SlotView
+from ...core import host
 
 
 class SinkSlots:
@@ -60,8 +61,8 @@ class SinkSlots:
         self.gather, self.mask_now = None, None
         if ws_after > self.sinks and end - pos > 1:  # several tokens that evict: read what the queries need first
             before = [*range(min(pos, self.sinks)), *range(max(ws_before, self.sinks), pos)]
-            self.gather = torch.tensor([self.slot(p) for p in before], dtype=torch.long, device=self.device)
-            k_pos = torch.tensor([*before, *range(pos, end)], device=self.device)
+            self.gather = host.upload([self.slot(p) for p in before], self.device, torch.long)
+            k_pos = host.upload([*before, *range(pos, end)], self.device)
             q_pos = torch.arange(pos, end, device=self.device)
             first = torch.clamp(q_pos - self.window + 1, min=ws_before)  # the first window position each query reads
             self.mask_now = (k_pos[None, :] <= q_pos[:, None]) & (
@@ -76,7 +77,7 @@ class SinkSlots:
         elif end - ws_after == self.window:
             read = self.sinks + self.window  # every slot held: the whole storage
         else:  # window not full after a rewind into it: only some ring slots are held
-            read = torch.tensor(self.held_slots(end, ws_after), device=self.device)
+            read = host.upload(self.held_slots(end, ws_after), self.device)
         self.pending = (pos, end, ws_before, ws_after, read)
 
     def runs(self, pos: int, end: int, ws_after: int) -> list[tuple[int, int, int]]:

@@ -31,6 +31,7 @@ from ..layer import Step
 from ..layout import RingLayout
 from ..masks import causal_mask, positions_mask
 from ..slots import EVICTED, FILLED, FREE, STALE, SlotView
+from ...core import host
 
 
 @dataclass
@@ -97,9 +98,9 @@ class SlidingLayers:
             positions = list(self.slot_pos)
             positions[pos % W] = pos
             return RingPlan(pos, end, None, None, positions)
-        slots = torch.tensor([p % W for p in before], dtype=torch.long, device=device)
+        slots = host.upload([p % W for p in before], device, torch.long)
         k_pos = [*before, *range(pos, end)]
-        mask = positions_mask(torch.arange(pos, end, device=device), torch.tensor(k_pos, device=device), W)
+        mask = positions_mask(torch.arange(pos, end, device=device), host.upload(k_pos, device), W)
         return RingPlan(pos, end, slots, mask, k_pos)
 
     def commit(self, step: Step) -> None:
