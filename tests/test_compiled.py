@@ -131,6 +131,8 @@ def test_generate_command_compiles(tiny, checkpoint, monkeypatch, capsys):
                  "--temperature", "0", "--no-stop", "--max-seq-len", str(CAP)]) == 0
     out = capsys.readouterr()
     assert "[decode step compiled in" in out.out, out.out + out.err
+    note = out.out.split("[decode step compiled in")[1].split("]")[0]
+    assert any(said in note for said in ("compiled and saved in", "reused the compiled step", "rebuilt and saved")), note
     eager = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, CAP))
     eager.prefill("Call me")
     eager.run(11, stop_at_eos=False)
@@ -143,8 +145,8 @@ def test_smollm2_compiled_decodes_the_same_128_tokens():
     """The real model's 30 layers as one graph (fullgraph: no break) give eager's 128 greedy tokens (their smallest
     top-two logit margin is 0.014, far above float32 rounding). Compiled in torch.compile's "default" mode: the CPU's
     own mode (compile=True: frozen weights, autotuned C++ matrix products) is checked on tiny above; on SmolLM2 it
-    takes about 120 s to build on a 2-core machine, 90 s with inductor's cache warm (a frozen graph is not cached),
-    where "default" takes about 55 s, 12 s warm."""
+    takes about 100-120 s to build on a 2-core machine (25 s in a later process, from inductor's cache), where
+    "default" takes about 55 s, 12 s warm."""
     pytest.importorskip("gguf")
     try:
         model = kvexplore.load("smollm2-135m")
@@ -173,3 +175,40 @@ def test_the_explorer_runs_a_compiled_lane_beside_the_eager_one(tiny):
     ex.rewind(2)
     ex.step()
     assert fast.generator.tokens == eager.generator.tokens
+
+
+REUSE = """
+import json, sys
+import torch
+torch.set_num_threads(int(sys.argv[4]))  # the C++ kernels are built for a number of threads: part of the key
+import kvexplore
+from torch._dynamo.utils import counters
+model = kvexplore.load(sys.argv[3])
+gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, int(sys.argv[1])), compile=True)
+gen.prefill(sys.argv[2])
+gen.run(8, stop_at_eos=False)
+c = counters["inductor"]
+print(json.dumps({"note": gen.compile_reuse, "s": gen.compile_s, "tokens": gen.tokens,
+                  "built": c["fxgraph_cache_miss"], "bypassed": c["fxgraph_cache_bypass"]}))
+"""
+
+
+@COMPILES
+def test_a_second_process_loads_the_compiled_step_and_builds_nothing(tiny):
+    """The CPU's frozen, autotuned step is kept in inductor's cache (its linear weights left unpacked, which the
+    cache can save): a later process on the same model, capacity, mode and number of threads loads it and builds
+    no graph, and decodes the same tokens."""
+    import json
+    import subprocess
+    import sys
+
+    here = generate(tiny, 8, True, CAP)  # this worker's compiled step (built by an earlier test, or now)
+    assert here.compile_reuse, "a compile says what it did with inductor's cache"
+    run = subprocess.run([sys.executable, "-c", REUSE, str(CAP), PROMPT, str(tiny.source),
+                          str(torch.get_num_threads())], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    later = json.loads(run.stdout.strip().splitlines()[-1])
+    assert later["built"] == 0 and later["bypassed"] == 0, later
+    assert later["note"].startswith("reused the compiled step an earlier process saved"), later
+    assert later["tokens"] == here.tokens

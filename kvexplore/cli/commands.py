@@ -6,11 +6,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from ..caches.factory import STRATEGIES
 from ..errors import KVExploreError, SettingsError
 from . import kv_events
+from .compile_progress import compile_progress
 
 
 
@@ -228,7 +230,9 @@ def _generate(args: argparse.Namespace) -> None:
     for i in range(args.max_new_tokens - 1):
         if not args.no_stop and gen.history[-1].is_eos:
             break
-        gen.step()
+        compiling = args.compile and gen.compile_s is None and gen.compiled_step(1)
+        with compile_progress() if compiling else nullcontext():
+            gen.step()
         show()
         if i == 0 and gen.compile_s is not None:  # the first compiled step compiles: the rate starts after it
             decode_start = time.perf_counter()
@@ -238,7 +242,7 @@ def _generate(args: argparse.Namespace) -> None:
     n_decode = len(gen.history) - 1 - (gen.compile_s is not None)
     rate = n_decode / (end - decode_start) if n_decode > 0 else float("nan")
     if args.compile:
-        out.write(f"\n\n[decode step compiled in {gen.compile_s:.1f} s]" if gen.compile_s is not None else
+        out.write(f"\n\n[decode step compiled in {gen.compile_s:.1f} s: {gen.compile_reuse}]" if gen.compile_s is not None else
                   f"\n\n[not compiled: {gen.compile_note or 'tracing runs eager'}]")
     mib = 1024 * 1024
     out.write(

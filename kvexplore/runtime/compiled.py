@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from ..caches.preallocated import PreallocatedCache
 from ..errors import SettingsError
+from .compile_cache import step_key, watched
 from .executor import CompiledExecutor
 
 
@@ -91,7 +93,8 @@ class CompiledDecoder:
 
     ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
     key and value in ``cache``. One decoder serves any pre-allocated cache of that capacity and dtype (the storages
-    are inputs of the graph, not constants). ``compile_s`` is the time the first step took to compile.
+    are inputs of the graph, not constants). ``compile_s`` is the time the first step took to compile, and
+    ``reuse_note`` whether it loaded a step an earlier process compiled (:mod:`.compile_cache`).
 
     On the CPU the weights are frozen into the graph and the matrix products autotuned (``freezing`` and
     ``max_autotune``): inductor's own C++ GEMM on prepacked weights streams one-row products about twice as fast as
@@ -116,6 +119,7 @@ class CompiledDecoder:
         self._step = torch.compile(self._module, fullgraph=True, dynamic=False,
                                    mode=None if self._config else mode)
         self.compile_s: float | None = None
+        self.reuse_note = ""  # after the first step: whether it was reused from an earlier process (compile_cache)
         self.steps = 0
 
     def __call__(self, token: int, cache: PreallocatedCache, pos: int) -> torch.Tensor:
@@ -132,10 +136,13 @@ class CompiledDecoder:
         t0 = time.perf_counter()
         import torch._inductor.config as inductor
 
-        with torch.no_grad(), inductor.patch(self._config):
+        compiling = watched(self.model, step_key(self.model, self.capacity, self.mode), frozen=bool(self._config)) \
+            if first else nullcontext({})
+        with torch.no_grad(), inductor.patch(self._config), compiling as saved:
             logits = self._step(self._token, self._pos, keys, values)
         if first:
             self.compile_s = time.perf_counter() - t0
+            self.reuse_note = saved.get("note", "")
         self.steps += 1
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a replayed graph reuses its output
 
@@ -210,6 +217,10 @@ class CompiledStep(CompiledExecutor):
     def compile_s(self, cache: Any) -> float | None:
         decoder = decoder_for(self.eager.model, cache.capacity, self.mode, build=False)
         return None if decoder is None else decoder.compile_s
+
+    def reuse_note(self, cache: Any) -> str:
+        decoder = decoder_for(self.eager.model, cache.capacity, self.mode, build=False)
+        return "" if decoder is None else decoder.reuse_note
 
     def compile_refusal(self, cache: Any) -> str | None:
         return refusal(self.eager.model, cache)

@@ -123,6 +123,11 @@ class CompiledExecutor(Executor):
     def compile_s(self, cache: Any) -> float | None:
         """Seconds the first compiled step for ``cache`` took to compile (None before it)."""
 
+    def reuse_note(self, cache: Any) -> str:
+        """After the first compiled step: whether it was loaded from a step an earlier process compiled, rebuilt or
+        saved for the next ("" where the executor keeps no such cache)."""
+        return ""
+
     def check_cache(self, cache: Any) -> None:
         why = self.compile_refusal(cache)
         if why:

@@ -11,7 +11,6 @@ eager model, its compiled one-token step, a transformers model): the generator n
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +23,8 @@ from ..trace.files import History
 from ..trace.records import StepRecord
 from ..trace.tracer import Tracer, checked_tracer
 from . import clock, eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
-from .compiled import MODES
-from .executor import CompiledExecutor, Executor, as_executor
+from .compiled_use import CompiledUse
+from .executor import Executor, as_executor
 from .prompt import prompt_ids
 from .recording import run_meta, step_record
 from .sampling import SamplingSettings, choose, sampling_setting
@@ -73,19 +72,8 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        if not isinstance(compile, bool) and compile not in MODES:
-            raise SettingsError(f"compile must be True, False or a torch.compile mode ({', '.join(MODES)}), got "
-                                f"{compile!r}")
+        self._compiled = CompiledUse(executor, cache, compile)
         self.compile = compile  # True: the best mode for the device (CPU: max-autotune, CUDA: reduce-overhead)
-        self.compile_note = ""  # why decode steps run eager although compile=True ("" when they compile)
-        self._fast: CompiledExecutor | None = None  # the compiled one-token step (compile=True, where it applies)
-        self._traced_note = False  # the message that traced steps run eager was given
-        if self.compile:
-            self.compile_note = executor.compile_refusal(cache) or ""
-            if self.compile_note:
-                warnings.warn(f"compile=True: {self.compile_note}; decoding runs eager", stacklevel=2)
-            else:
-                self._fast = executor.compiled(cache, None if compile is True else compile)
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
         self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
 
@@ -349,7 +337,7 @@ class Generator:
         return record
 
     def _compute(self, feed: list[int], pos: int, first: bool, context: list[int], force: int | None) -> StepRecord:
-        executor = self._fast if self.compiled_step(len(feed)) else self.executor
+        executor = self._compiled.fast if self.compiled_step(len(feed)) else self.executor
         ids = torch.tensor([feed], dtype=torch.long)  # checked on the CPU, moved by the executor
         mark = clock.now()  # wall time less the time other programs held the CPU (clock.py)
         logits = executor(ids, self.cache, pos, tracer=self.tracer, last_only=True, keep_undo=True)[0, -1]
@@ -365,20 +353,23 @@ class Generator:
     def compiled_step(self, q_len: int = 1) -> bool:
         """Whether a step feeding ``q_len`` tokens runs the compiled decode step (``compile=True``, one token, a
         pre-allocated cache, no tracer: tracing and hooks run eager, with a message once)."""
-        if self._fast is None or q_len != 1:
-            return False
-        if self._fast.sees_inside(self.tracer):
-            if not self._traced_note:
-                warnings.warn("compile=True: a step that records attention or q/k/v runs eager (its hooks see inside "
-                              "every layer); other steps run compiled", stacklevel=3)
-                self._traced_note = True
-            return False
-        return True
+        return self._compiled.runs(q_len, self.tracer)
+
+    @property
+    def compile_note(self) -> str:
+        """Why decode steps run eager although ``compile`` asked for a compiled step ("" when they compile)."""
+        return self._compiled.note
 
     @property
     def compile_s(self) -> float | None:
         """Seconds the compiled step took to compile (None before the first compiled step)."""
-        return None if self._fast is None else self._fast.compile_s(self.cache)
+        return self._compiled.compile_s(self.cache)
+
+    @property
+    def compile_reuse(self) -> str:
+        """After the first compiled step: whether it loaded the step an earlier process compiled (inductor's cache),
+        rebuilt a stale or missing one, or saved a new one for the next process ("" before)."""
+        return self._compiled.reuse_note(self.cache)
 
     def _check_force(self, force: int | None) -> None:
         if force is not None and not 0 <= integer(force, "force", hint=" (a token id)") < self.executor.config.vocab_size:

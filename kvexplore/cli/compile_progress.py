@@ -1,0 +1,66 @@
+"""The compile of a decode step as a progress line: its phase and the time so far (``kvexplore generate --compile``).
+
+The phase is read from torch's own record of the compile (``torch._dynamo.utils.compilation_time_metrics``: each
+phase is entered there when it ends), so the line names the phase after the last one that finished. Where torch
+keeps no such record, the line shows the time alone."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from typing import IO, Iterator
+
+#: the last phase finished -> what runs now
+PHASES = (
+    ("aot_collect_metadata", "functionalizing and freezing the graph"),
+    ("_recursive_post_grad_passes", "lowering the graph"),
+    ("GraphLowering.run", "autotuning the matrix products, generating the kernels"),
+    ("GraphLowering.codegen", "compiling the C++ kernels"),
+    ("async_compile.wait", "building the guards"),
+)
+FIRST = "tracing the step"
+
+
+def _metrics() -> dict:
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+        return compilation_time_metrics
+    except ImportError:
+        return {}
+
+
+def phase_now(metrics: dict, start: dict[str, int]) -> str:
+    """What the compile is doing, from the phases that ended since ``start`` (each phase's count then)."""
+    done = {k for k, v in list(metrics.items()) if len(v) > start.get(k, 0)}
+    label = FIRST
+    for key, name in PHASES:
+        if key in done:
+            label = name
+    return label
+
+
+@contextmanager
+def compile_progress(stream: IO[str] | None = None, every: float = 0.5) -> Iterator[None]:
+    """Inside: a progress line ("compiling the decode step: <phase> [<elapsed>]") on ``stream`` (stderr), refreshed
+    every ``every`` seconds and cleared at the end."""
+    from tqdm import tqdm
+
+    metrics = _metrics()
+    start = {k: len(v) for k, v in list(metrics.items())}
+    bar = tqdm(total=None, desc=FIRST, file=stream or sys.stderr, leave=False,
+               bar_format="compiling the decode step: {desc} [{elapsed}]")
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every):
+            bar.set_description_str(phase_now(metrics, start), refresh=True)
+
+    watcher = threading.Thread(target=poll, name="kvexplore-compile-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        bar.close()

@@ -1,0 +1,50 @@
+"""What a generator's ``compile=`` makes of its decode steps: the executor's compiled one-token step where it
+applies, and why not where it does not (:attr:`CompiledUse.note`)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..errors import SettingsError
+from .compiled import MODES
+from .executor import CompiledExecutor
+
+
+class CompiledUse:
+    """``compile``: False, True (the best mode for the device: CPU max-autotune, CUDA reduce-overhead) or a
+    torch.compile mode. ``fast`` is the compiled step (None where the executor or cache has none, or compile=False),
+    ``note`` why decode steps run eager although compile was asked for ("" when they compile)."""
+
+    def __init__(self, executor: Any, cache: Any, compile: bool | str) -> None:
+        if not isinstance(compile, bool) and compile not in MODES:
+            raise SettingsError(f"compile must be True, False or a torch.compile mode ({', '.join(MODES)}), got "
+                                f"{compile!r}")
+        self.note = ""
+        self.fast: CompiledExecutor | None = None
+        self._traced_note = False  # the message that traced steps run eager was given
+        if compile:
+            self.note = executor.compile_refusal(cache) or ""
+            if self.note:
+                warnings.warn(f"compile=True: {self.note}; decoding runs eager", stacklevel=3)
+            else:
+                self.fast = executor.compiled(cache, None if compile is True else compile)
+
+    def runs(self, q_len: int, tracer: Any) -> bool:
+        """Whether a step feeding ``q_len`` tokens under ``tracer`` runs the compiled step (one token, no tracer
+        that looks inside the layers: such steps run eager, with a message once)."""
+        if self.fast is None or q_len != 1:
+            return False
+        if self.fast.sees_inside(tracer):
+            if not self._traced_note:
+                warnings.warn("compile=True: a step that records attention or q/k/v runs eager (its hooks see inside "
+                              "every layer); other steps run compiled", stacklevel=4)
+                self._traced_note = True
+            return False
+        return True
+
+    def compile_s(self, cache: Any) -> float | None:
+        return None if self.fast is None else self.fast.compile_s(cache)
+
+    def reuse_note(self, cache: Any) -> str:
+        return "" if self.fast is None else self.fast.reuse_note(cache)
