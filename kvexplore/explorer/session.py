@@ -10,6 +10,7 @@ stepped, a rewind is checked on every lane before any moves.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Sequence
@@ -195,28 +196,36 @@ class Session:
 
     # -- operations ------------------------------------------------------------------------------------
     def prefill(self, prompt: str | Sequence[int], chat: bool = False) -> None:
-        """Start every lane on ``prompt`` (text, or ids; ``chat`` wraps text as a user message). Forks are dropped."""
+        """Start every lane on ``prompt`` (text, or ids; ``chat`` wraps text as a user message). Forks are dropped.
+        The prompt is checked first (a bad one changes nothing); then the old lanes are let go before the new ones
+        are built (the peak is one set of caches), so a failure after that leaves every lane empty."""
         if chat:
             tok = self.model.tokenizer
             if tok is None or not tok.chat_template:
                 raise SettingsError("this model has no chat template: untick chat and give plain text")
             prompt = tok.encode_chat([{"role": "user", "content": str(prompt)}])
         slots, grew = self._slots_for(prompt)
+        # forks end with the sequence they forked from; the old lanes go before the new ones are built, so that the
+        # peak holds one set of caches, not two
+        plan = [(name, lane.kind, lane.follows) for name, lane in self.lanes.items() if not lane.is_fork]
+        self.lanes, self._forks = {}, {}
+        gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
         fresh: dict[str, Lane] = {}
-        for name, lane in self.lanes.items():
-            if lane.is_fork:
-                continue  # forks end with the sequence they forked from
-            new = self._new_lane(lane.kind, lane.follows, slots)
-            ref = next(iter(fresh.values()), None)
-            force = ref.history[0].token_id if (ref is not None and new.follows) else None
-            new.generator.prefill(prompt, force=force)
-            if force is not None:
-                new.forced_at.add(0)
-            self._trace_options(new)
-            fresh[name] = new
+        try:
+            for name, kind, follows in plan:
+                new = self._new_lane(kind, follows, slots)
+                ref = next(iter(fresh.values()), None)
+                force = ref.history[0].token_id if (ref is not None and new.follows) else None
+                new.generator.prefill(prompt, force=force)
+                if force is not None:
+                    new.forced_at.add(0)
+                self._trace_options(new)
+                fresh[name] = new
+        except BaseException:  # past the prompt's checks (out of memory, say): every lane, empty, as after reset
+            self.lanes = {name: self._new_lane(kind, follows, slots) for name, kind, follows in plan}
+            raise
         self.lanes = fresh
         self.max_seq_len, self.grew = slots, grew
-        self._forks = {}
         self._compare_last()
         self.last_op = "prefill"
         self._active = time.perf_counter()
