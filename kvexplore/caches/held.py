@@ -30,7 +30,8 @@ THIS_STEP = "this step (undo journal, reads, masks)"
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size, range, type,
           enum.Enum, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-_PLAIN = frozenset({str, int, float, bool, type(None), torch.dtype, torch.device, types.MethodType})
+#: types that hold no tensor and are skipped without a look (a walk meets many of them)
+PLAIN = frozenset({str, int, float, bool, type(None), torch.dtype, torch.device, types.MethodType})
 
 
 class StorageWalk:
@@ -50,7 +51,7 @@ class StorageWalk:
         """Walk ``objects`` and add the bytes of the storages not counted before to ``part``; returns them."""
         got = 0
         stack = list(objects)
-        objects_seen, plain = self._objects, _PLAIN
+        objects_seen, plain = self._objects, PLAIN
         while stack:
             o = stack.pop()
             cls = type(o)
@@ -71,6 +72,14 @@ class StorageWalk:
                 stack.extend(k for k in o if type(k) not in plain)
             else:
                 stack.extend(_attributes(o))
+        if got:
+            self.parts[part] = self.parts.get(part, 0) + got
+        return got
+
+    def add_tensor(self, part: str, t: torch.Tensor) -> int:
+        """:meth:`add` for one tensor, without the walk (the memory report calls it for every layer's tensors at
+        every step)."""
+        got = self._tensor(t)
         if got:
             self.parts[part] = self.parts.get(part, 0) + got
         return got

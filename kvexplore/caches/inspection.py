@@ -12,7 +12,7 @@ import torch
 from ..config.layer_plan import LayerSpec, layers_by_kind
 from ..core import host
 from ..errors import SettingsError
-from .held import THIS_STEP, UNDO_SCRATCH, StorageWalk
+from .held import PLAIN, THIS_STEP, UNDO_SCRATCH, StorageWalk
 from .memory import LayerMemory, MemoryReport
 from .slots import SlotView
 
@@ -25,10 +25,10 @@ class CacheInspection:
         """One :class:`LayerMemory` per layer, each from that layer's own storage and positions; ``walk``: a
         :meth:`held_walk` whose per-layer figures fill ``held_bytes`` and ``parts``."""
         moved, n = self._layer_moved, self.length
-        out = [layer.memory(n, *moved.get(i, (0, 0))) for i, layer in enumerate(self.layers)]
-        if walk is not None:
-            out = [replace(m, held_bytes=sum(parts.values()), parts=parts) for m, parts in zip(out, walk.layer_parts)]
-        return out
+        if walk is None:
+            return [layer.memory(n, *moved.get(i, (0, 0))) for i, layer in enumerate(self.layers)]
+        return [layer.memory(n, *moved.get(i, (0, 0)), held_bytes=sum(parts.values()), parts=parts)
+                for i, (layer, parts) in enumerate(zip(self.layers, walk.layer_parts))]
 
     #: the container's attributes that are not held memory of their own (the layers are walked one by one; the
     #: step's journal, reads and masks are counted apart; the rest holds no tensor)
@@ -47,12 +47,14 @@ class CacheInspection:
             for parts, layer in zip(layer_parts, self.layers):
                 names = layer.held_names
                 for name, value in vars(layer).items():
-                    if (type(value) is torch.Tensor) is tensors:
-                        label = names.get(name.lstrip("_")) or name.lstrip("_")
-                        if got := walk.add(label, value):
-                            parts[label] = parts.get(label, 0) + got
+                    kind = type(value)
+                    if kind in PLAIN or (kind is torch.Tensor) is not tensors:
+                        continue  # nothing held, or not this round's
+                    label = names.get(name.lstrip("_")) or name.lstrip("_")
+                    if got := (walk.add_tensor(label, value) if tensors else walk.add(label, value)):
+                        parts[label] = parts.get(label, 0) + got
         for name, value in vars(self).items():
-            if name not in self._NOT_WALKED:
+            if name not in self._NOT_WALKED and type(value) not in PLAIN:
                 walk.add(name.lstrip("_"), value)
         journal = self._journal  # the step under way: what its journal keeps for the next step is held already
         if journal is not None:

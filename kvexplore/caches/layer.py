@@ -190,10 +190,13 @@ class LayerCache(ABC):
         """The formula ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
         return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
 
-    def memory(self, length: int, written: int = 0, copied: int = 0) -> LayerMemory:
-        """This layer's :class:`LayerMemory` after a step that wrote and copied those bytes."""
+    def memory(self, length: int, written: int = 0, copied: int = 0, held_bytes: int = 0,
+               parts: dict[str, int] | None = None) -> LayerMemory:
+        """This layer's :class:`LayerMemory` after a step that wrote and copied those bytes (``held_bytes`` and
+        ``parts``: what a walk of the storage reachable from it found)."""
         return LayerMemory(self.spec.index, self.spec.kind, self.held(length), self.used_bytes(length),
-                           self.reserved_bytes(), self.analytic_bytes(length), written, copied)
+                           self.reserved_bytes(), self.analytic_bytes(length), written, copied, held_bytes,
+                           {} if parts is None else parts)
 
     @abstractmethod
     def slot_view(self, length: int) -> SlotView:
