@@ -76,6 +76,11 @@ class StorageWalk:
             self.parts[part] = self.parts.get(part, 0) + got
         return got
 
+    def walked(self, *objects: Any) -> None:
+        """Take ``objects`` as walked already (their contents were added another way): a later walk that meets them
+        again (a list of the cache's own layers) does not enter them."""
+        self._objects.update(id(o) for o in objects)
+
     def add_tensor(self, part: str, t: torch.Tensor) -> int:
         """:meth:`add` for one tensor, without the walk (the memory report calls it for every layer's tensors at
         every step)."""

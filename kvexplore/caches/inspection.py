@@ -53,6 +53,7 @@ class CacheInspection:
                     label = names.get(name.lstrip("_")) or name.lstrip("_")
                     if got := (walk.add_tensor(label, value) if tensors else walk.add(label, value)):
                         parts[label] = parts.get(label, 0) + got
+        walk.walked(*self.layers)  # every layer's attributes were walked above, one by one
         for name, value in vars(self).items():
             if name not in self._NOT_WALKED and type(value) not in PLAIN:
                 walk.add(name.lstrip("_"), value)
