@@ -47,8 +47,8 @@ class CacheInspection:
             for parts, layer in zip(layer_parts, self.layers):
                 names = layer.held_names
                 for name, value in vars(layer).items():
-                    kind = type(value)
-                    if kind in PLAIN or (kind is torch.Tensor) is not tensors:
+                    cls = type(value)
+                    if cls in PLAIN or (cls is torch.Tensor) is not tensors:
                         continue  # nothing held, or not this round's
                     label = names.get(name.lstrip("_")) or name.lstrip("_")
                     if got := (walk.add_tensor(label, value) if tensors else walk.add(label, value)):
