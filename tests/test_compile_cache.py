@@ -49,6 +49,7 @@ def test_a_compile_says_whether_it_saved_reused_or_rebuilt_its_step(tmp_path, mo
         compile_as(model, saved, miss=1)
     assert saved.get("tiny | float32 | 64 slots | max-autotune")["torch"] == torch.__version__  # rewritten
     assert "not saved for a later process: inductor's cache refused the graph" in compile_as(model, saved, bypass=1)
+    assert "FX graph cache took no part (turned off?" in compile_as(model, saved)  # no hit, miss or refusal
 
 
 def test_a_frozen_graph_has_the_weights_in_its_cache_key(tmp_path):

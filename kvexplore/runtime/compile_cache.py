@@ -159,8 +159,9 @@ def step_key(model: Any, capacity: int, mode: str) -> str:
 @contextmanager
 def watched(model: Any, key: str, frozen: bool, saved: Saved | None = None) -> Iterator[dict]:
     """Around a step's first call (its compile): for a ``frozen`` graph the model's weights in inductor's cache key
-    (a graph that takes them as inputs is keyed by their shapes alone, rightly), linear weights left unpacked; yields a dict that, after the block, holds ``note``: whether the compiled step was reused from
-    inductor's cache, rebuilt (stale or missing) or built and saved."""
+    (a graph that takes them as inputs is keyed by their shapes alone, rightly), linear weights left unpacked.
+    Yields a dict that, after the block, holds ``note``: whether the compiled step was reused from inductor's
+    cache, rebuilt (stale or missing), built and saved, or not saved (refused, or the cache turned off)."""
     import torch._inductor.config as inductor
 
     out: dict = {}
@@ -175,9 +176,12 @@ def watched(model: Any, key: str, frozen: bool, saved: Saved | None = None) -> I
     now = torch.__version__
     if hit and not miss and not bypass:
         out["note"] = f"reused the compiled step an earlier process saved (inductor's cache, {where})"
-    elif bypass or not miss:
+    elif bypass:
         why = "" if installed else " (the process compiled a frozen graph before kvexplore did)"
         out["note"] = f"compiled; not saved for a later process: inductor's cache refused the graph{why}"
+    elif not miss:
+        out["note"] = ("compiled; not saved for a later process: inductor's FX graph cache took no part (turned off? "
+                       "TORCHINDUCTOR_FX_GRAPH_CACHE)")
     elif earlier and earlier.get("torch") != now:
         out["note"] = (f"the compiled step saved with torch {earlier.get('torch')} is stale (torch {now} now): "
                        f"rebuilt and saved in {where}")
