@@ -1,14 +1,14 @@
-"""Time to the first compiled token, in a first process and in a later one, before and after the compiled step is
-kept in inductor's cache (kvexplore.runtime.compile_cache).
+"""Time to the first compiled token, in a first process and in a later one, with the default compiled step (packed
+oneDNN products, not kept by inductor's cache) and with KVEXPLORE_COMPILE_REUSE=1 (kept; kvexplore.runtime.compile_cache).
 
     python benchmarks/compile_reuse.py                       # tiny and SmolLM2, float32, compile=True (CPU: max-autotune)
     python benchmarks/compile_reuse.py --models tiny --threads 2
 
 Each figure is a fresh process: load the model, build a generator with ``compile=True``, prefill, then time the
-first decode step (the compile) and 60 more (the step's speed). "before" is the graph as torch packs it (its
-freezing passes pack each linear weight into a oneDNN tensor, which inductor's cache refuses): the process makes the
-packing pass register before kvexplore's first compile, which is what every process did before. "after" is the
-step as kvexplore compiles it now. Both run against one empty inductor cache folder each, side by side in one run.
+first decode step (the compile) and 60 more (the step's speed). "default" is the step as ``compile=True`` builds it
+(each linear weight packed into a oneDNN tensor, which inductor's cache refuses: every process compiles again);
+"reuse" sets ``KVEXPLORE_COMPILE_REUSE=1`` (weights left unpacked, the step kept for a later process). Both run
+against one empty inductor cache folder each, side by side in one run.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ CHILD = """
 import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
-if sys.argv[2] == "before":  # the packing pass registered first, as it was before kvexplore left it out
-    from torch._inductor.fx_passes import mkldnn_fusion
-    mkldnn_fusion._mkldnn_weight_pack_init()
 import kvexplore
 from torch._dynamo.utils import counters
 t0 = time.perf_counter()
@@ -44,7 +41,7 @@ print(json.dumps({"first": first, "compile": gen.compile_s, "step_ms": step * 10
 
 
 def run(model: str, how: str, threads: int, cache: str) -> dict:
-    env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache, "KVEXPLORE_COMPILE_REUSE": "1" if how == "reuse" else "0"}
     import os
     out = subprocess.run([sys.executable, "-c", CHILD, model, how, str(threads)], capture_output=True, text=True,
                          env={**os.environ, **env}, timeout=1800)
@@ -62,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
           f"seconds from load to the first compiled token")
     print(f"{'model':14} {'':7} {'first process':>14} {'later process':>14} {'step ms (1st/later)':>20}  later says")
     for model in args.models.split(","):
-        for how in ("before", "after"):
+        for how in ("default", "reuse"):
             with tempfile.TemporaryDirectory(prefix="kvx-compile-reuse-") as cache:
                 a, b = run(model, how, args.threads, cache), run(model, how, args.threads, cache)
             assert a["tokens"] == b["tokens"]

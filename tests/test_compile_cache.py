@@ -32,8 +32,21 @@ def compile_as(model, saved, hit=0, miss=0, bypass=0, frozen=True):
     return out["note"]
 
 
+def test_by_default_the_fastest_step_is_compiled_and_the_note_says_why_it_is_not_kept(tmp_path, monkeypatch):
+    """Packed oneDNN products are the fastest step here and inductor's cache refuses them: the default."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.delenv(compile_cache.REUSE, raising=False)
+    with watched(Tiny(), "k", True, Saved(tmp_path / "c.json")):
+        assert inductor.post_grad_custom_post_pass is None  # no fingerprint: nothing will be kept
+    note = compile_as(Tiny(), Saved(tmp_path / "c.json"), bypass=1)
+    assert "its linear weights are packed for oneDNN" in note and "KVEXPLORE_COMPILE_REUSE=1 keeps the step" in note
+    assert Saved(tmp_path / "c.json").get("tiny | float32 | 64 slots | max-autotune") is None
+
+
 def test_a_compile_says_whether_it_saved_reused_or_rebuilt_its_step(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cache, "inductor_cache_dir", lambda: "/cache")
+    monkeypatch.setenv(compile_cache.REUSE, "1")
     saved, model = Saved(tmp_path / "compiled.json"), Tiny()
     assert compile_as(model, saved, miss=1) == "compiled and saved in /cache: a later process loads it"
     entry = saved.get("tiny | float32 | 64 slots | max-autotune")
@@ -52,10 +65,12 @@ def test_a_compile_says_whether_it_saved_reused_or_rebuilt_its_step(tmp_path, mo
     assert "FX graph cache took no part (turned off?" in compile_as(model, saved)  # no hit, miss or refusal
 
 
-def test_a_frozen_graph_has_the_weights_in_its_cache_key(tmp_path):
-    """A frozen graph holds the weights as constants and inductor's key does not cover their values: the
-    fingerprint of every parameter and buffer goes into it as a custom pass's uuid (one that changes nothing)."""
+def test_a_frozen_graph_has_the_weights_in_its_cache_key(tmp_path, monkeypatch):
+    """A frozen graph kept for reuse holds the weights as constants and inductor's key does not cover their values:
+    the fingerprint of every parameter and buffer goes into it as a custom pass's uuid (one that changes nothing)."""
     import torch._inductor.config as inductor
+
+    monkeypatch.setenv(compile_cache.REUSE, "1")
 
     model = Tiny()
     before = weights_fingerprint(model)

@@ -1,19 +1,23 @@
-"""Compiled steps that a later process reuses, and what each compile says about it.
+"""Compiled steps that a later process can reuse, and what each compile says about it.
 
 inductor keeps every graph it compiles in its FX graph cache (a folder: ``$TORCHINDUCTOR_CACHE_DIR``, by default
-``/tmp/torchinductor_<user>``), keyed by the graph, its constants, the shapes, the compile options and the torch
-version: a later process that compiles the same step loads the kernels instead of building them. The CPU's compiled
-step (frozen weights, autotuned C++ matrix products) was the one graph it refused: its freezing passes pack each
+``/tmp/torchinductor_<user>``), keyed by the graph, the shapes, the compile options, the number of threads and the
+torch version: a later process that compiles the same step loads the kernels instead of building them. The CPU's
+compiled step (frozen weights, autotuned matrix products) is the one graph it refuses: its freezing passes pack each
 linear layer's weight into a oneDNN (mkldnn) tensor, which the cache cannot save ("mkldnn tensors unpickleable").
-The C++ GEMM that max-autotune picks reads the frozen weights themselves, so the packing adds nothing to the step;
-:func:`unpacked_linears` leaves it out of kvexplore's own compiles (a check the packing pass consults, wrapped once:
-other compiles in the process pack as before). Measured on this project's 2-core machine: the tiny model's step
-compiles in about 18 s and loads in 8 s in a later process; SmolLM2's in about 110 s and 25 s, at the same speed.
+Those packed products are also the fastest here, so they stay the default: every process compiles again.
 
-:class:`Saved` remembers, in ``$KVEXPLORE_HOME/compiled.json``, which steps were compiled with which torch, so a
-compile can say whether it reused a saved step, found it stale (another torch version) or missing (the cache
-folder cleared), or saved a new one. The weights themselves are in the cache key (:func:`weights_fingerprint`):
-inductor's key covers a frozen graph's shapes, not its constants' values.
+``KVEXPLORE_COMPILE_REUSE=1`` trades the other way: :func:`unpacked_linears` leaves the packing out of kvexplore's
+own compiles (a check the packing pass consults, wrapped once: other compiles in the process pack as before), the
+products run on inductor's C++ GEMM over the frozen weights, and the graph is cached. Measured on this project's
+2-core machine (float32, 2 threads): a later process loads the tiny model's step in about 6 s instead of compiling
+it in 15-30 s, SmolLM2's in about 20 s instead of 80-100 s; each step then runs 25-40% slower (SmolLM2 7.96 ->
+10.90 ms, tiny 1.8 -> 2.2-3.2 ms; bfloat16 tiny 1.9 -> 3.1 ms). A frozen graph holds the weights as constants, and
+inductor's key covers their shapes, not their values: :func:`weights_fingerprint` goes into the key, so a model
+with other weights of the same shapes does not load the first one's step.
+
+:class:`Saved` remembers, in ``$KVEXPLORE_HOME/compiled.json``, which steps were saved with which torch and weights,
+so a compile can say whether it reused a saved step, found it stale or missing, or saved a new one.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import itertools
 import json
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -103,6 +107,15 @@ def unpacked_linears() -> Iterator[bool]:
         _SWITCH.active = False
 
 
+REUSE = "KVEXPLORE_COMPILE_REUSE"
+
+
+def reusable() -> bool:
+    """Whether kvexplore's frozen CPU graphs are compiled so that inductor's cache keeps them (``$KVEXPLORE_COMPILE_REUSE``
+    set to anything but "" or "0"): a later process loads the step, which runs slower (see the module docstring)."""
+    return os.environ.get(REUSE, "") not in ("", "0")
+
+
 def inductor_cache_dir() -> str:
     """The folder inductor caches compiled graphs in."""
     try:
@@ -167,8 +180,12 @@ def watched(model: Any, key: str, frozen: bool, saved: Saved | None = None) -> I
     out: dict = {}
     saved = saved or Saved()
     before = _cache_counts()
-    weights = weights_fingerprint(model) if frozen else "inputs"
-    with unpacked_linears() as installed, inductor.patch(_salted(weights) if frozen else {}):
+    unpack = frozen and reusable()
+    if frozen:
+        _install()  # at the first frozen compile, before the packing pass registers: a later one may unpack
+    weights = weights_fingerprint(model) if unpack else "inputs"
+    with unpacked_linears() if unpack else nullcontext(False) as installed, \
+            inductor.patch(_salted(weights) if unpack else {}):
         yield out
     hit, miss, bypass = (a - b for a, b in zip(_cache_counts(), before))
     where = inductor_cache_dir()
@@ -176,6 +193,10 @@ def watched(model: Any, key: str, frozen: bool, saved: Saved | None = None) -> I
     now = torch.__version__
     if hit and not miss and not bypass:
         out["note"] = f"reused the compiled step an earlier process saved (inductor's cache, {where})"
+    elif bypass and not unpack:
+        out["note"] = (f"compiled; not saved for a later process: its linear weights are packed for oneDNN (the fastest "
+                       f"step here), which inductor's cache cannot keep ({REUSE}=1 keeps the step for a later process, "
+                       f"which then loads it in seconds; each step runs slower)")
     elif bypass:
         why = "" if installed else " (the process compiled a frozen graph before kvexplore did)"
         out["note"] = f"compiled; not saved for a later process: inductor's cache refused the graph{why}"
