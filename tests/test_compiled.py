@@ -145,7 +145,8 @@ def test_smollm2_compiled_decodes_the_same_128_tokens():
     """The real model's 30 layers as one graph (fullgraph: no break) give eager's 128 greedy tokens (their smallest
     top-two logit margin is 0.014, far above float32 rounding). Compiled in torch.compile's "default" mode: the CPU's
     own mode (compile=True: frozen weights, autotuned C++ matrix products) is checked on tiny above; on SmolLM2 it
-    takes about 100-120 s to build on a 2-core machine (25 s in a later process, from inductor's cache), where
+    takes about 75-120 s to build on a 2-core machine in every process (about 20 s in a later one with
+    KVEXPLORE_COMPILE_REUSE=1, at slower steps), where
     "default" takes about 55 s, 12 s warm."""
     pytest.importorskip("gguf")
     try:

@@ -367,8 +367,9 @@ class Generator:
 
     @property
     def compile_reuse(self) -> str:
-        """After the first compiled step: whether it loaded the step an earlier process compiled (inductor's cache),
-        rebuilt a stale or missing one, or saved a new one for the next process ("" before)."""
+        """After the first compiled step: whether it was kept for a later process (only with
+        ``KVEXPLORE_COMPILE_REUSE=1`` on the CPU, and why not otherwise), loaded from an earlier one, or rebuilt
+        ("" before it; :mod:`~kvexplore.runtime.compile_cache`)."""
         return self._compiled.reuse_note(self.cache)
 
     def _check_force(self, force: int | None) -> None:
