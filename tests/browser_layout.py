@@ -127,8 +127,8 @@ def _lane(page, explorer, lane: str) -> None:
 
 
 def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
-                 plot_share: float = 0.25) -> list[str]:
-    """At 1280 x 800 and 1920 x 1080, without and with presentation, every tab of the explorer and, for each lane of
+                 plot_share: float = 0.25, sizes: tuple[dict, ...] = SIZES) -> list[str]:
+    """At each of ``sizes`` (1280 x 800 and 1920 x 1080), without and with presentation, every tab of the explorer and, for each lane of
     ``lanes`` (lane -> the tabs to look at with it on screen; default: the lane shown, every tab), the layout
     holds (:func:`problems`; presenting, every text at 18 px at least). A screenshot of each look goes to
     ``shots``; the first look with problems fails, naming them and its screenshot. Returns what was looked at."""
@@ -138,7 +138,7 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
     lanes = lanes or {first_lane: tuple(tabs_titles)}
     box = explorer.locator(".kvx-presentation input").first
     try:
-        for size in SIZES:
+        for size in sizes:
             page.set_viewport_size(size)
             for presenting in (False, True):
                 if box.is_checked() != presenting:
