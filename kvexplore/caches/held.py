@@ -24,14 +24,20 @@ from typing import Any, Iterable
 
 import torch
 
+from ..config.layer_plan import LayerSpec
+from ..core.allocator import Window
+from .memory import LayerMemory, MemoryReport, StepCounters
+
 KEYS_AND_VALUES = "keys and values"
 UNDO_SCRATCH = "undo scratch"
 THIS_STEP = "this step (undo journal, reads, masks)"
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size, range, type,
           enum.Enum, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-#: types that hold no tensor and are skipped without a look (a walk meets many of them)
-PLAIN = frozenset({str, int, float, bool, type(None), torch.dtype, torch.device, types.MethodType})
+#: types that hold no tensor and are skipped without a look (a walk meets many of them): Python's and torch's
+#: values, and the records a cache keeps of its shape and figures (a layer's spec, memory reports, counters)
+PLAIN = frozenset({str, int, float, bool, type(None), torch.dtype, torch.device, types.MethodType,
+                   LayerSpec, LayerMemory, MemoryReport, StepCounters, Window})
 
 
 class StorageWalk:

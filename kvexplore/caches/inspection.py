@@ -41,18 +41,22 @@ class CacheInspection:
         walk = StorageWalk()
         layer_parts: list[dict[str, int]] = [{} for _ in self.layers]
         for parts, layer in zip(layer_parts, self.layers):
-            if got := walk.add(layer.stored_name, *layer.storage()):
-                parts[layer.stored_name] = got
-        for tensors in (True, False):  # each layer's own tensors first, then what it shares (a plan, a page table)
-            for parts, layer in zip(layer_parts, self.layers):
-                names = layer.held_names
-                for name, value in vars(layer).items():
-                    cls = type(value)
-                    if cls in PLAIN or (cls is torch.Tensor) is not tensors:
-                        continue  # nothing held, or not this round's
-                    label = names.get(name.lstrip("_")) or name.lstrip("_")
-                    if got := (walk.add_tensor(label, value) if tensors else walk.add(label, value)):
-                        parts[label] = parts.get(label, 0) + got
+            name = layer.stored_name
+            if got := sum(walk.add_tensor(name, t) for t in layer.storage()):
+                parts[name] = got
+        shared = []  # each layer's own tensors first, then what it shares (a plan, a page table)
+        for parts, layer in zip(layer_parts, self.layers):
+            for name, value in vars(layer).items():
+                cls = type(value)
+                if cls in PLAIN:
+                    continue  # nothing held
+                if cls is not torch.Tensor:
+                    shared.append((parts, layer, name, value))
+                elif got := walk.add_tensor(label := _label(layer, name), value):
+                    parts[label] = parts.get(label, 0) + got
+        for parts, layer, name, value in shared:
+            if got := walk.add(label := _label(layer, name), value):
+                parts[label] = parts.get(label, 0) + got
         walk.walked(*self.layers)  # every layer's attributes were walked above, one by one
         for name, value in vars(self).items():
             if name not in self._NOT_WALKED and type(value) not in PLAIN:
@@ -213,3 +217,16 @@ class CacheInspection:
         """What the cache keeps for each kind of layer, in one line (each kind says it, by its first layer)."""
         return "; ".join(self.layers[members[0]].describe(len(members), self.kind, self.config)
                          for members in layers_by_kind(self.plan).values())
+
+
+_LABELS: dict[tuple[type, str], str] = {}
+
+
+def _label(layer, attribute: str) -> str:
+    """What the memory report calls ``layer``'s ``attribute`` (its class's :attr:`held_names`, else the name)."""
+    key = (type(layer), attribute)
+    label = _LABELS.get(key)
+    if label is None:
+        bare = attribute.lstrip("_")
+        label = _LABELS[key] = layer.held_names.get(bare) or bare
+    return label

@@ -134,6 +134,9 @@ class CompactLayer(PressedLayer):
     def head_counts(self) -> torch.Tensor:
         return torch.tensor(self.counts)  # kept on the host
 
+    def head_totals(self) -> tuple[int, int]:
+        return sum(map(sum, self.counts)), max(map(max, self.counts))
+
     def held_slots(self):
         S = max(max(c) for c in self.counts)
         j = torch.arange(S, device=self.device)

@@ -172,21 +172,26 @@ class PressedLayer(FullLayer):
         (counts,) = host.fetch([self.held_slots()[2].sum(-1)])
         return counts
 
+    def head_totals(self) -> tuple[int, int]:
+        """(positions held over every batch row and head, the most one head holds): the memory report's figures."""
+        counts = self.head_counts()
+        return int(counts.sum()), int(counts.max())
+
     def held(self, length: int) -> int:
-        return int(self.head_counts().max()) if length else 0
+        return self.head_totals()[1] if length else 0
 
     def overhead_slots(self) -> int:
         """Slots of storage (over every batch row and head) that hold no kept position: a compacting layer's
         headroom and the padding of heads that keep fewer than the most; a masked layer's evicted and free ones."""
         B, H, S = self.k.shape[:3]
-        return B * H * S - int(self.head_counts().sum())
+        return B * H * S - self.head_totals()[0]
 
     def held_positions(self, length: int) -> list[int]:
         return sorted({p for head in self.kept() for p in head})
 
     def used_bytes(self, length: int) -> int:
         """Bytes of the keys and values held: each head's own count (heads may hold different counts)."""
-        return int(self.head_counts().sum()) * sum(self.widths) * self._dtype.itemsize
+        return self.head_totals()[0] * sum(self.widths) * self._dtype.itemsize
 
     def analytic_bytes(self, length: int) -> int:
         """The formula ``Σ over heads of held positions × (key width + value width) × element size``."""
