@@ -26,6 +26,7 @@ STRATEGIES = {
     "none": {},
     "paged": {"block_size": 8},
     "quantized": {"bits": 4, "group_size": 16, "residual": 16},
+    "quantized@ggml": {"k_type": "q4_0", "v_type": "q8_0"},
     "sink": {"sinks": 4, "window": 40},
     "evict": {"press": "knorm", "compression_ratio": 0.5},
     "evict@mask": {"press": "snapkv", "compression_ratio": 0.5, "storage": "mask"},

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..core.devices import resolve_device
-from ..core.settings import choice, positive_int
+from ..core.settings import choice, positive_int, refused_options
 from ..errors import SettingsError
 from .base import KVCache
 from .concat import ConcatCache
@@ -60,7 +60,7 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     try:
         return cls(model.config, **common, **strategy_options)
     except TypeError as e:
-        raise SettingsError(f"cache kind {kind!r} does not take {sorted(strategy_options)}: {e}") from e
+        raise refused_options(cls, strategy_options, f"cache kind {kind!r}", e) from e
 
 
 def _check_fits(kind: str, model: Any, slots: int, batch_size: int, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""KIVI: keys quantized per channel, values per token, the newest tokens kept in full precision.
+"""KIVI: keys quantized per channel, values per token, the newest tokens kept in full precision; or, given
+``k_type`` / ``v_type``, llama.cpp's cache types (:mod:`kvexplore.caches.ggml`).
 
 The quantization is :mod:`kvexplore.caches.kivi` (re-exported here); one layer's storage is
 :class:`~kvexplore.caches.layers.quantized.QuantizedLayer`.
@@ -15,6 +16,7 @@ from ..config.model_config import ModelConfig
 from ..core.settings import integer, positive_int
 from ..errors import CacheFullError, SettingsError
 from .base import KVCache
+from .ggml import GGMLCache
 from .layers.quantized import QuantizedLayer
 from .memory import StepCounters
 from .kivi import F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
@@ -63,9 +65,28 @@ class QuantizedCache(KVCache):
 
     kind = "quantized"
 
-    def __init__(self, config: ModelConfig, max_seq_len: int, bits: int = 8, group_size: int = 32,
-                 residual: int = 32, batch_size: int = 1, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None) -> None:
+    def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
+                residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None):
+        """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
+        one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.ggml.GGMLCache`: every row stored
+        as ggml blocks; otherwise KIVI's cache (this class)."""
+        if k_type is None and v_type is None:
+            return super().__new__(cls)
+        given = [name for name, value in (("bits", bits), ("group_size", group_size), ("residual", residual))
+                 if value is not None]
+        if given:
+            raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
+                                f"values, scales inside) and keep no full-precision window: leave out {given}, or "
+                                f"leave out k_type and v_type for KIVI's cache")
+        return GGMLCache(config, max_seq_len, k_type or "f16", v_type or "f16", batch_size, dtype, device)
+
+    def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
+                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, k_type: None = None, v_type: None = None) -> None:
+        bits = 8 if bits is None else bits
+        group_size = 32 if group_size is None else group_size
+        residual = 32 if residual is None else residual
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         if integer(bits, "bits") not in (4, 8):
             raise SettingsError(f"bits must be 4 or 8, got {bits}")

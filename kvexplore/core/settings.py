@@ -55,3 +55,20 @@ def choice(value: Any, name: str, options: Any) -> Any:
     if not ok:
         raise SettingsError(f"unknown {name} {_shown(value)}; available: {', '.join(map(str, options))}")
     return value
+
+
+def refused_options(build: Any, options: dict[str, Any], what: str, error: TypeError) -> SettingsError:
+    """The error for ``build(**options)`` raising ``error`` (a TypeError): the options its signature does not take,
+    by name, and the ones it does (what ``make_cache`` and ``make_press`` say); ``error`` itself when every option is
+    a parameter (the TypeError came from inside)."""
+    import inspect
+
+    params = inspect.signature(build).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return SettingsError(f"{what}: {error}")
+    unnamed = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    named = [n for n, p in params.items() if p.kind not in unnamed and n not in ("self", "cls", "config")]
+    refused = sorted(set(options) - set(named))
+    if not refused:
+        return SettingsError(f"{what}: {error}")
+    return SettingsError(f"{what} does not take {refused}; it takes {', '.join(named)}")

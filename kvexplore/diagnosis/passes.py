@@ -21,6 +21,7 @@ class LayerPass:
     state: torch.Tensor | None = None  # a linear-attention layer's recurrent state after the pass
     window: int | None = None  # a sliding layer's window (what it should read)
     head_positions: list[list[int]] | None = None  # per KV head, each column's position (-1: none; a pressed layer)
+    written: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill's keys and values as the layer wrote them
 
 
 @dataclass
@@ -132,6 +133,8 @@ class KVPasses:
                 lp.keys = probe.read[i]
                 lp.positions = self.cache.read_positions(i) or list(range(pos + len(ids)))
                 lp.head_positions = probe.columns.get(i)
+            if pos == 0 and i in probe.new:  # every position read was written by this pass
+                lp.written = probe.new[i]
             layers.append(lp)
         return land(logits, layers)
 

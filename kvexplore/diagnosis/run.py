@@ -131,7 +131,9 @@ def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, positi
     """The first step at which a lossy-by-design cache (the quantized one) lost precision. Every step before was
     exact, so the keys it has just made lossy were the model's: what attention read may differ from the
     recomputation's by the scheme's bound at each element (half a quantization step), and by no more than the
-    tolerance beyond it (the pass's own position, computed after reading them, is left out). Past this step the
+    tolerance beyond it (the pass's own position, computed after reading them, is left out). A cache lossy from its
+    first write (llama.cpp's types) is judged in the prefill against the keys each layer wrote, with the bound of
+    those. Past this step the
     outputs part from the recomputation by design: the check stops here."""
     report.tokens, report.lossy, report.step = tokens, passes.cache.what_it_did(), step
     report.scheme_error = report.scheme_bound = 0.0
@@ -141,8 +143,14 @@ def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, positi
         gi, ri, pos = columns(LayerPass(positions=[p for p in g.positions if p < position]), r)
         if g.keys.shape[-1] != r.keys.shape[-1] or not pos:
             continue
-        diff = (g.keys[:, gi] - r.keys[:, ri]).abs()
-        allowed = bound[:, ri] if bound is not None else torch.zeros_like(diff)
+        if g.written is not None:  # a prefill that stored lossy at once: an earlier layer's loss has already moved
+            # these keys from the recomputation's, so they are judged against what this layer wrote (positions 0..)
+            own = passes.cache.error_bound(layer, *g.written)
+            target, bound = g.written[0][:, pos], None if own is None else own[0][:, pos]
+        else:
+            target, bound = r.keys[:, ri], None if bound is None else bound[:, ri]
+        diff = (g.keys[:, gi] - target).abs()
+        allowed = bound if bound is not None else torch.zeros_like(diff)
         excess = (diff - allowed).clamp_min(0).amax(dim=(0, 2))  # per column
         report.scheme_error = max(report.scheme_error, float(diff.max()))
         report.scheme_bound = max(report.scheme_bound, float(allowed.max()))

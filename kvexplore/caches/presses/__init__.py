@@ -20,6 +20,7 @@ from .press import Press
 from .snapkv import SnapKVPress
 from .streaming import StreamingPress
 from .tova import TOVAPress
+from ...core.settings import refused_options
 
 PRESSES: Registry = Registry("press", "unregister_press")  # the built-in six, sealed below
 
@@ -56,7 +57,7 @@ def make_press(press: Any, options: dict[str, Any] | None = None) -> Press:
     try:
         return PRESSES[press](**(options or {}))
     except TypeError as e:
-        raise SettingsError(f"press {press!r} does not take {sorted(options or {})}: {e}") from e
+        raise refused_options(PRESSES[press], options or {}, f"press {press!r}", e) from e
 
 
 __all__ = ["Budget", "H2OPress", "HEADS", "KNormPress", "KeyDiffPress", "Observation", "PRESSES", "Press",

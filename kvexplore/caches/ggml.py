@@ -1,0 +1,72 @@
+"""llama.cpp's quantized KV cache: keys and values stored as ggml blocks of the types ``--cache-type-k`` and
+``--cache-type-v`` take (``make_cache("quantized", model, k_type="q4_0", v_type="q8_0")``; the block formats are
+:mod:`kvexplore.caches.ggml_blocks`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.layer_plan import LayerSpec
+from ..config.model_config import ModelConfig
+from ..core.settings import choice, positive_int
+from ..errors import CacheFullError
+from .base import KVCache
+from .ggml_blocks import TYPES, bits_per_value, dequantize, quantize
+from .layers.ggml import GGMLLayer
+
+
+class GGMLCache(KVCache):
+    """Per full layer, every position's key row as ``k_type`` blocks and its value row as ``v_type`` blocks, in
+    storage allocated once (``[batch, kv_heads, max_seq_len, row bytes]`` of uint8 each; :class:`GGMLLayer`). As
+    llama.cpp does, a row is quantized when it is written (no full-precision window) and read back dequantized.
+
+    ``reserved_bytes`` = layers * batch * kv_heads * max_seq_len * (key row bytes + value row bytes), where a row of
+    ``D`` values takes ``D / 32 * block bytes`` (34 for q8_0, 24 q5_1, 22 q5_0, 20 q4_1, 18 q4_0, 64 f16 and bf16).
+    The stored blocks are byte for byte what ``gguf.quants.quantize`` makes of the same rows.
+    """
+
+    kind = "quantized"
+
+    def __init__(self, config: ModelConfig, max_seq_len: int, k_type: str = "f16", v_type: str = "f16",
+                 batch_size: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> None:
+        max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        self.k_type = choice(k_type, "k_type (llama.cpp's --cache-type-k)", TYPES)
+        self.v_type = choice(v_type, "v_type (llama.cpp's --cache-type-v)", TYPES)
+        super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
+        self._capacity = max_seq_len
+        self._build()
+
+    def refuses(self, spec: LayerSpec) -> str | None:
+        return GGMLLayer.refuses(spec)
+
+    def full_layer(self, spec: LayerSpec) -> GGMLLayer:
+        return GGMLLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.k_type, self.v_type)
+
+    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
+        super().check_write(pos, q_len, batch_size)
+        if pos + q_len > self.capacity:
+            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
+
+    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """What storing ``keys`` and ``values`` in these block types changes, element by element (quantizing and
+        reading back the model's own rows), with float32's rounding on top; None for a layer stored in float16 or
+        bfloat16 that holds them exactly (the cache's dtype)."""
+        if layer not in self.full_layers:
+            return None
+
+        def bound(x: torch.Tensor, ctype: str) -> torch.Tensor:
+            x = x.float()
+            return (dequantize(quantize(x, ctype), ctype) - x).abs() + 1e-6 * x.abs().amax().clamp_min(1)
+
+        return bound(keys, self.k_type), bound(values, self.v_type)
+
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s stored key and value blocks (uint8 ``[batch, kv_heads, max_seq_len, row bytes]``), live."""
+        target = self.layers[layer]
+        return target.k, target.v
+
+    def what_it_did(self) -> str:
+        return (f"llama.cpp cache types: keys {self.k_type} ({bits_per_value(self.k_type):g} bits a value), values "
+                f"{self.v_type} ({bits_per_value(self.v_type):g} bits a value); all {self.length} positions stored "
+                f"quantized as they were written")
