@@ -1,0 +1,77 @@
+"""llama.cpp's KV cache types against the full-precision cache: what each costs in bytes and in quality, keys and
+values apart (issue 41, item 4 in part).
+
+    python benchmarks/quant_types.py                        # SmolLM2-135M, 1,000 context tokens + 64 teacher-forced
+    python benchmarks/quant_types.py --model gemma3-270m --context 1000
+
+The first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) as context, the next
+``--continuation`` teacher-forced token by token (``kvexplore.runtime.compression.compression_quality``): mean
+KL(full || quantized) per token, top-1 agreement and perplexity, and the bytes the cache holds for its positions
+against the full float32 cache's. Each type quantizes keys only (values f16), values only (keys f16), and both;
+KIVI's cache (keys per channel, values per token, a full-precision window of 32) at 8 and 4 bits beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import kvexplore
+from kvexplore.caches.ggml_blocks import bits_per_value
+from kvexplore.runtime.compression import compression_quality, full_reference
+
+TEXT = Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt"
+TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def schemes() -> dict[str, dict]:
+    out = {}
+    for t in TYPES:
+        out[f"K {t}, V f16"] = dict(k_type=t, v_type="f16")
+        out[f"K f16, V {t}"] = dict(k_type="f16", v_type=t)
+        out[f"K {t}, V {t}"] = dict(k_type=t, v_type=t)
+    out["KIVI 8-bit (residual 32)"] = dict(bits=8)
+    out["KIVI 4-bit (residual 32)"] = dict(bits=4)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = kvexplore.load(args.model, accept_license=True) if args.model.startswith("gemma") else \
+        kvexplore.load(args.model)
+    tok = model.tokenizer
+    ids = [tok.bos_id, *tok.encode(TEXT.read_text())]
+    context, continuation = ids[:args.context], ids[args.context:args.context + args.continuation]
+    t0 = time.perf_counter()
+    reference = full_reference(model, context, continuation)
+    print(f"{args.model}, {len(context)} context + {len(continuation)} teacher-forced tokens, float32; full-cache "
+          f"perplexity {reference.perplexity:.3f}")
+    print("| cache | bits a value (K / V) | bytes held vs full | mean KL (nats) | top-1 | perplexity |")
+    print("|---|---|---|---|---|---|")
+    seen = set()
+    for name, options in schemes().items():
+        key = tuple(sorted(options.items()))
+        if key in seen:  # "K f16, V f16" three times
+            continue
+        seen.add(key)
+        q = compression_quality(model, context, continuation,
+                                lambda m, n, o=options: kvexplore.make_cache("quantized", m, max_seq_len=n, **o),
+                                reference, stepwise=True)
+        bits = (f"{bits_per_value(options['k_type']):g} / {bits_per_value(options['v_type']):g}"
+                if "k_type" in options else f"{options['bits']} + scales")
+        print(f"| {name} | {bits} | {q.used_fraction:.1%} | {q.kl_mean:.2e} | {q.top1:.1%} | {q.perplexity:.3f} |",
+              flush=True)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
