@@ -1,6 +1,8 @@
 """The KIVI quantized cache: bounded quantization error, exact while everything fits the residual, close to the
 full-precision cache over long runs, exact memory figures, atomic failures, consistent rewinds and copies."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,7 @@ def feed(model, cache, ids, chunks=(10,)):
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([4, 8]), blocks=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 8]),
+@given(bits=st.sampled_from([2, 3, 4, 8]), blocks=st.integers(1, 3), group=st.sampled_from([1, 2, 4, 8]),
        heads=st.integers(1, 3), dim=st.sampled_from([8, 16]), spread=st.floats(1e-3, 1e3),
        seed=st.integers(0, 2 ** 31 - 1), constant=st.booleans())
 def test_dequantize_of_quantize_is_within_half_a_scale(bits, blocks, group, heads, dim, spread, seed, constant):
@@ -302,10 +304,33 @@ def test_generator_rewinds_and_forks(trained):
 
 def test_bad_options(tiny):
     c = tiny.config  # head_dim 16
-    for kwargs, msg in [(dict(bits=3), "bits must be 4 or 8, got 3"), (dict(group_size=0), "group_size must be"),
+    for kwargs, msg in [(dict(bits=5), "bits must be one of 2, 3, 4, 8, got 5"),
+                        (dict(value_bits=6), "value_bits must be one of 2, 3, 4, 8, got 6"), (dict(group_size=0), "group_size must be"),
                         (dict(residual=-1), "residual must be at least 0, got -1"), (dict(group_size=6), "multiple of the value group 6")]:
         with pytest.raises(ValueError, match=msg):
             QuantizedCache(c, 32, **kwargs)
     with pytest.raises(ValueError, match="max_seq_len must be at least 1"):
         QuantizedCache(c, 0)
     assert QuantizedCache(c, 32, group_size=32).value_group(0) == 16
+    narrow = dataclasses.replace(c, head_dim=12)
+    with pytest.raises(ValueError, match="head_dim 12 does not pack into whole bytes at 3/8 bits"):
+        QuantizedCache(narrow, 32, key_bits=3, group_size=4)
+
+
+def test_keys_and_values_at_their_own_widths(trained):
+    """2-, 3-, 4- and 8-bit codes for keys and values apart: the integers are the packed codes' bytes, each half's
+    error is within half of its own step, and the narrower half loses more."""
+    c = trained.config
+    ids = [trained.tokenizer.bos_id, *trained.tokenizer.encode("Call me Ishmael. Some years ago, never mind how "
+                                                                "long precisely, having little or no money")]
+    errors = {}
+    for kb, vb in ((2, 8), (8, 2), (3, 4), (4, 3)):
+        cache = QuantizedCache(c, 64, key_bits=kb, value_bits=vb, group_size=8, residual=4)
+        nq = 64 // 8 * 8
+        assert cache.bytes_breakdown()["integers"] == c.num_layers * c.num_kv_heads * nq * c.head_dim * (kb + vb) // 8
+        trained(torch.tensor([ids]), cache, 0)
+        assert cache.quantized_upto > 0
+        errors[kb, vb] = (float(cache.quantization_error(2, "k").max()), float(cache.quantization_error(2, "v").max()))
+        assert f"{kb}-bit keys and {vb}-bit values" in cache.what_it_did()
+        assert cache.slot_view(0).layout.summary().startswith(f"K int{kb} / V int{vb}")
+    assert errors[2, 8][0] > errors[8, 2][0] and errors[8, 2][1] > errors[2, 8][1], errors

@@ -1,9 +1,9 @@
 """KIVI's quantization: asymmetric min/max codes for keys (per channel, over blocks of tokens) and values (per token,
-over groups of channels), packed two per byte at 4 bits.
+over groups of channels), keys and values each at 2, 3, 4 or 8 bits, bit-packed (:func:`pack`).
 
 ``code = round((x - zero) / scale)`` with ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``, so
-``|x - dequant(code)| <= scale / 2`` for every element. Codes are ``uint8``; 4-bit codes are packed two per byte
-along head_dim (channel ``2i`` in the low nibble, ``2i + 1`` in the high one). Scales and zeros are float32.
+``|x - dequant(code)| <= scale / 2`` for every element. Codes are packed into ``uint8`` along head_dim (two 4-bit codes a
+byte, four 2-bit codes, eight 3-bit codes in three bytes). Scales and zeros are float32, in tensors of their own.
 """
 
 from __future__ import annotations
@@ -21,14 +21,33 @@ def _minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.T
     return ((x - lo) / safe).round_().clamp_(0, 2 ** bits - 1).to(torch.uint8), scale, lo
 
 
+BITS = (2, 3, 4, 8)  # the code widths: packed 4, 8 per 3 bytes, 2, and 1 per byte
+
+
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """8-bit codes as they are; 4-bit codes two per byte along the last dim: ``(..., D) -> (..., D // 2)``."""
-    return q if bits == 8 else q[..., 0::2] | (q[..., 1::2] << 4)
+    """Codes packed along the last dim: ``(..., D) -> (..., D * bits // 8)`` uint8. 8 bits as they are; 4 bits two
+    per byte (code ``2i`` in the low nibble); 2 bits four per byte (code ``4i + j`` at bits ``2j``); 3 bits eight
+    codes in three bytes (code ``8i + j`` at bits ``3j`` of the little-endian 24-bit word)."""
+    if bits == 8:
+        return q
+    if bits == 3:
+        word = (q.view(*q.shape[:-1], -1, 8).to(torch.int32) << torch.arange(0, 24, 3, device=q.device)).sum(-1)
+        return torch.stack([(word >> s) & 255 for s in (0, 8, 16)], -1).flatten(-2).to(torch.uint8)
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
+    return (q.view(*q.shape[:-1], -1, per) << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``(..., D * bits // 8) -> (..., D)`` uint8 codes."""
-    return p if bits == 8 else torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
+    if bits == 8:
+        return p
+    if bits == 3:
+        b = p.view(*p.shape[:-1], -1, 3).to(torch.int32)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        return ((word[..., None] >> torch.arange(0, 24, 3, device=p.device)) & 7).flatten(-2).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=p.device)
+    return ((p[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2)
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -125,7 +125,8 @@ class RingLayout(Layout):
 
 @dataclass(frozen=True)
 class QuantizedLayout(Layout):
-    bits: int = 8
+    bits: int = 8  # the keys' (and, without value_bits, the values') code width
+    value_bits: int | None = None
     group_size: int = 32
     residual_window: int = 32
     quantized_upto: int = 0
@@ -135,7 +136,8 @@ class QuantizedLayout(Layout):
     order = "quantized slots, then full-precision residual"
 
     def summary(self) -> str:
-        return f"int{self.bits} blocks of {self.group_size} · positions < {self.quantized_upto} quantized"
+        width = f"int{self.bits}" if self.value_bits in (None, self.bits) else f"K int{self.bits} / V int{self.value_bits}"
+        return f"{width} blocks of {self.group_size} · positions < {self.quantized_upto} quantized"
 
     def marks(self, slots: int) -> list[Mark]:
         return [Mark(self.quantized_slots, "full-precision residual →")]

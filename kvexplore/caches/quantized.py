@@ -7,6 +7,7 @@ The quantization is :mod:`kvexplore.caches.kivi` (re-exported here); one layer's
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,9 +20,9 @@ from .base import KVCache
 from .ggml import GGMLCache
 from .layers.quantized import QuantizedLayer
 from .memory import StepCounters
-from .kivi import F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from .kivi import BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 
-__all__ = ["F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
+__all__ = ["BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]
 
 
@@ -67,14 +68,15 @@ class QuantizedCache(KVCache):
 
     def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None):
+                device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None,
+                key_bits: int | None = None, value_bits: int | None = None):
         """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
         one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.ggml.GGMLCache`: every row stored
         as ggml blocks; otherwise KIVI's cache (this class)."""
         if k_type is None and v_type is None:
             return super().__new__(cls)
-        given = [name for name, value in (("bits", bits), ("group_size", group_size), ("residual", residual))
-                 if value is not None]
+        given = [name for name, value in (("bits", bits), ("group_size", group_size), ("residual", residual),
+                                          ("key_bits", key_bits), ("value_bits", value_bits)) if value is not None]
         if given:
             raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
                                 f"values, scales inside) and keep no full-precision window: leave out {given}, or "
@@ -83,16 +85,20 @@ class QuantizedCache(KVCache):
 
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                  residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None, k_type: None = None, v_type: None = None) -> None:
+                 device: str | torch.device | None = None, k_type: None = None, v_type: None = None,
+                 key_bits: int | None = None, value_bits: int | None = None) -> None:
         bits = 8 if bits is None else bits
+        key_bits = bits if key_bits is None else key_bits
+        value_bits = bits if value_bits is None else value_bits
         group_size = 32 if group_size is None else group_size
         residual = 32 if residual is None else residual
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
-        if integer(bits, "bits") not in (4, 8):
-            raise SettingsError(f"bits must be 4 or 8, got {bits}")
+        for name, value in (("bits", bits), ("key_bits", key_bits), ("value_bits", value_bits)):
+            if integer(value, name) not in BITS:
+                raise SettingsError(f"{name} must be one of {', '.join(map(str, BITS))}, got {value}")
         group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self.bits, self.group_size, self.residual = bits, group_size, residual
+        self.key_bits, self.value_bits, self.group_size, self.residual = key_bits, value_bits, group_size, residual
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
@@ -107,14 +113,23 @@ class QuantizedCache(KVCache):
         if why := QuantizedLayer.refuses(spec):
             return why
         D = spec.head_dim
-        if D % min(self.group_size, D) or D % 2:
-            return (f"head_dim {D} must be even and a multiple of the value group {min(self.group_size, D)}; pick "
-                    f"a group_size that divides it")
+        if D % min(self.group_size, D):
+            return (f"head_dim {D} must be a multiple of the value group {min(self.group_size, D)}; pick a group_size "
+                    f"that divides it")
+        unit = max(8 // math.gcd(8, bits) for bits in (self.key_bits, self.value_bits))  # codes a whole byte holds
+        if D % unit:
+            return (f"head_dim {D} does not pack into whole bytes at {self.key_bits}/{self.value_bits} bits (it must "
+                    f"be a multiple of {unit}); pick 4 or 8 bits")
         return None
 
+    @property
+    def bits(self) -> int:
+        """The code width of keys (and of values, unless ``value_bits`` differs)."""
+        return self.key_bits
+
     def full_layer(self, spec: LayerSpec) -> QuantizedLayer:
-        return QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.bits,
-                              self.group_size, self.residual)
+        return QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity,
+                              (self.key_bits, self.value_bits), self.group_size, self.residual)
 
     def _full(self) -> list[QuantizedLayer]:
         return [self.layers[i] for i in self.full_layers]
@@ -131,12 +146,13 @@ class QuantizedCache(KVCache):
         if not q or layer not in self.full_layers:
             return None
         H, T, D = keys.shape
-        G, g, steps = self.group_size, self.value_group(layer), 2 * (2 ** self.bits - 1)
+        G, g = self.group_size, self.value_group(layer)
+        ksteps, vsteps = 2 * (2 ** self.key_bits - 1), 2 * (2 ** self.value_bits - 1)
         k = keys[:, :q].float().reshape(H, q // G, G, D)
         v = values[:, :q].float().reshape(H, q, D // g, g)
         kb, vb = torch.zeros(H, T, D), torch.zeros(H, T, D)
-        kb[:, :q] = ((k.amax(2, keepdim=True) - k.amin(2, keepdim=True)) / steps).expand_as(k).reshape(H, q, D)
-        vb[:, :q] = ((v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / steps).expand_as(v).reshape(H, q, D)
+        kb[:, :q] = ((k.amax(2, keepdim=True) - k.amin(2, keepdim=True)) / ksteps).expand_as(k).reshape(H, q, D)
+        vb[:, :q] = ((v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / vsteps).expand_as(v).reshape(H, q, D)
         return kb, vb
 
     def what_it_did(self) -> str:
@@ -146,7 +162,9 @@ class QuantizedCache(KVCache):
                     f"{self.group_size} is quantized once {self.residual} newer positions follow it, from "
                     f"{self.residual + self.group_size} positions on; a smaller residual or group_size quantizes "
                     f"sooner)")
-        return f"quantized cache: positions 0..{q - 1} quantized to {self.bits} bits, the last {n - q} kept in full precision"
+        width = (f"{self.key_bits} bits" if self.key_bits == self.value_bits else
+                 f"{self.key_bits}-bit keys and {self.value_bits}-bit values")
+        return f"quantized cache: positions 0..{q - 1} quantized to {width}, the last {n - q} kept in full precision"
 
     def value_group(self, layer: int) -> int:
         """Channels per value scale in ``layer``: ``min(group_size, head_dim)``."""

@@ -37,9 +37,10 @@ class QuantizedLayer(FullLayer):
         return None
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, max_seq_len: int,
-                 bits: int, group_size: int, residual: int) -> None:
+                 bits: int | tuple[int, int], group_size: int, residual: int) -> None:
         super().__init__(spec, batch_size, dtype, device)
-        self.bits, self.group_size, self.residual, self.capacity = bits, group_size, residual, max_seq_len
+        self.kbits, self.vbits = (bits, bits) if isinstance(bits, int) else bits  # keys', values' code widths
+        self.group_size, self.residual, self.capacity = group_size, residual, max_seq_len
         self.nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self.nr = min(max_seq_len, residual + group_size - 1)  # residual slots
         B, G, H, D, nq, nr = batch_size, group_size, spec.kv_heads, spec.head_dim, self.nq, self.nr
@@ -47,8 +48,8 @@ class QuantizedLayer(FullLayer):
         def zeros(*shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.kq, self.vq = zeros(B, H, nq, D * bits // 8, dtype=torch.uint8), zeros(B, H, nq, D * bits // 8,
-                                                                                   dtype=torch.uint8)
+        self.kq = zeros(B, H, nq, D * self.kbits // 8, dtype=torch.uint8)
+        self.vq = zeros(B, H, nq, D * self.vbits // 8, dtype=torch.uint8)
         self.ks, self.kz = zeros(B, H, nq // G, D), zeros(B, H, nq // G, D)
         self.vs, self.vz = zeros(B, H, nq, D // self.value_group), zeros(B, H, nq, D // self.value_group)
         self.rk, self.rv = zeros(B, H, nr, D, dtype=dtype), zeros(B, H, nr, D, dtype=dtype)
@@ -167,33 +168,34 @@ class QuantizedLayer(FullLayer):
         rk, rv = self.rk.narrow(2, 0, end - qf), self.rv.narrow(2, 0, end - qf)
         if qf == 0:
             return rk, rv
-        G, b = self.group_size, self.bits
-        kd = dequantize_keys(self.kq[:, :, :qf], self.ks[:, :, :qf // G], self.kz[:, :, :qf // G], b)
-        vd = dequantize_values(self.vq[:, :, :qf], self.vs[:, :, :qf], self.vz[:, :, :qf], b)
+        G, kb, vb = self.group_size, self.kbits, self.vbits
+        kd = dequantize_keys(self.kq[:, :, :qf], self.ks[:, :, :qf // G], self.kz[:, :, :qf // G], kb)
+        vd = dequantize_values(self.vq[:, :, :qf], self.vs[:, :, :qf], self.vz[:, :, :qf], vb)
         return torch.cat([kd.to(self._dtype), rk], 2), torch.cat([vd.to(self._dtype), rv], 2)
 
     def quantize(self, counters: StepCounters, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole blocks ``k``/``v`` ``(B, H, n * G, D)`` holding positions ``start..``; record errors."""
-        G, b, end = self.group_size, self.bits, start + k.shape[2]
-        kc, ks, kz = quantize_keys(k, b, G)
-        vc, vs, vz = quantize_values(v, b, self.value_group)
+        G, kb, vb, end = self.group_size, self.kbits, self.vbits, start + k.shape[2]
+        kc, ks, kz = quantize_keys(k, kb, G)
+        vc, vs, vz = quantize_values(v, vb, self.value_group)
         self.kq[:, :, start:end], self.vq[:, :, start:end] = kc, vc
         self.ks[:, :, start // G:end // G], self.kz[:, :, start // G:end // G] = ks, kz
         self.vs[:, :, start:end], self.vz[:, :, start:end] = vs, vz
-        self.kerr[:, :, start:end] += (dequantize_keys(kc, ks, kz, b) - k.to(F32)).abs().amax(-1)
-        self.verr[:, :, start:end] += (dequantize_values(vc, vs, vz, b) - v.to(F32)).abs().amax(-1)
+        self.kerr[:, :, start:end] += (dequantize_keys(kc, ks, kz, kb) - k.to(F32)).abs().amax(-1)
+        self.verr[:, :, start:end] += (dequantize_values(vc, vs, vz, vb) - v.to(F32)).abs().amax(-1)
         counters.written_bytes += sum(t.nbytes for t in (kc, ks, kz, vc, vs, vz))
 
     def unquantize_tail(self, n: int) -> int:
         """Drop positions ``>= n`` when the frontier is past ``n``: the straddling block's positions below ``n``
         move, dequantized, into the residual. Returns the bytes written there."""
-        G, b = self.group_size, self.bits
+        G = self.group_size
         start = n // G * G
         if n > start:
             block = slice(start // G, start // G + 1)
             kd = dequantize_keys(self.kq[:, :, start:start + G], self.ks[:, :, block], self.kz[:, :, block],
-                                 b)[:, :, :n - start]
-            vd = dequantize_values(self.vq[:, :, start:n], self.vs[:, :, start:n], self.vz[:, :, start:n], b)
+                                 self.kbits)[:, :, :n - start]
+            vd = dequantize_values(self.vq[:, :, start:n], self.vs[:, :, start:n], self.vz[:, :, start:n],
+                                   self.vbits)
             self.rk[:, :, :n - start] = kd
             self.rv[:, :, :n - start] = vd
         self.qf = start
@@ -238,7 +240,7 @@ class QuantizedLayer(FullLayer):
         """Codes and scales of ``0..Q-1``, residual of ``Q..length-1``."""
         q, G, spec = self.qf, self.group_size, self.spec
         bhd = self._batch * spec.kv_heads * spec.head_dim
-        codes = 2 * bhd * q * self.bits // 8
+        codes = bhd * q * (self.kbits + self.vbits) // 8
         scales = 2 * 4 * bhd * (q // G + q // self.value_group)
         residual = 2 * bhd * (length - q) * self._dtype.itemsize
         return codes + scales + residual
@@ -252,7 +254,8 @@ class QuantizedLayer(FullLayer):
                   + [FILLED] * r + [STALE] * (rh - r) + [FREE] * (nr - rh))
         positions = list(range(q)) + [-1] * (nq - q) + list(range(q, n)) + [-1] * (nr - r)
         sharers = [1] * q + [0] * (nq - q) + [1] * r + [0] * (nr - r)
-        layout = QuantizedLayout(bits=self.bits, group_size=self.group_size, residual_window=self.residual,
+        layout = QuantizedLayout(bits=self.kbits, value_bits=None if self.vbits == self.kbits else self.vbits,
+                                 group_size=self.group_size, residual_window=self.residual,
                                  quantized_upto=q, quantized_slots=nq, residual=list(range(nq, nq + r)))
         return SlotView(states, positions, sharers, layout)
 
