@@ -8,7 +8,8 @@ The first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) a
 ``--continuation`` teacher-forced token by token (``kvexplore.runtime.compression.compression_quality``): mean
 KL(full || quantized) per token, top-1 agreement and perplexity, and the bytes the cache holds for its positions
 against the full float32 cache's. Each type quantizes keys only (values f16), values only (keys f16), and both;
-KIVI's cache (keys per channel, values per token, a full-precision window of 32) at 8 and 4 bits beside them.
+KIVI's cache (keys per channel, values per token, groups of 32, a full-precision window of 32 tokens) beside them, at
+8, 4, 3 and 2 bits, keys and values at the same and at different widths.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def schemes() -> dict[str, dict]:
         out[f"K {t}, V f16"] = dict(k_type=t, v_type="f16")
         out[f"K f16, V {t}"] = dict(k_type="f16", v_type=t)
         out[f"K {t}, V {t}"] = dict(k_type=t, v_type=t)
-    out["KIVI 8-bit (residual 32)"] = dict(bits=8)
-    out["KIVI 4-bit (residual 32)"] = dict(bits=4)
+    for kb, vb in ((8, 8), (4, 4), (2, 2), (2, 4), (4, 2), (3, 3)):
+        out[f"KIVI K {kb}-bit, V {vb}-bit"] = dict(key_bits=kb, value_bits=vb)
     return out
 
 
@@ -67,7 +68,7 @@ def main() -> None:
                                 lambda m, n, o=options: kvexplore.make_cache("quantized", m, max_seq_len=n, **o),
                                 reference, stepwise=True)
         bits = (f"{bits_per_value(options['k_type']):g} / {bits_per_value(options['v_type']):g}"
-                if "k_type" in options else f"{options['bits']} + scales")
+                if "k_type" in options else f"{options['key_bits']} / {options['value_bits']} + scales")
         print(f"| {name} | {bits} | {q.used_fraction:.1%} | {q.kl_mean:.2e} | {q.top1:.1%} | {q.perplexity:.3f} |",
               flush=True)
     print(f"({time.perf_counter() - t0:.0f} s)")
