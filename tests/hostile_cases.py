@@ -271,7 +271,7 @@ MISUSES = {
     "sink window 0": ("preallocated", _cache("sink", window=0)),
     "sink sinks -2": ("preallocated", _cache("sink", sinks=-2, window=4)),
     "paged block_size 0": ("preallocated", _cache("paged", max_seq_len=16, block_size=0)),
-    "quantized bits 3": ("preallocated", _cache("quantized", max_seq_len=16, bits=3)),
+    "quantized bits 5": ("preallocated", _cache("quantized", max_seq_len=16, bits=5)),
     "quantized group_size 0": ("preallocated", _cache("quantized", max_seq_len=16, group_size=0)),
     "cache unknown option": ("preallocated", _cache("preallocated", max_seq_len=16, windw=3)),
     "cache batch_size 0": ("preallocated", _cache("preallocated", max_seq_len=16, batch_size=0)),

@@ -63,6 +63,13 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
     q = (n - 4) // 8 * 8  # whole blocks of 8 with at least 4 newer positions after them
     assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual",
                      "4") == f"[quantized cache: positions 0..{q - 1} quantized to 4 bits, the last {n - q} kept in full precision]"
+    assert _generate(source, capsys, "--cache", "quantized", "--key-bits", "2", "--value-bits", "8", "--group-size",
+                     "8", "--residual", "4") == (f"[quantized cache: positions 0..{q - 1} quantized to 2-bit keys and "
+                                                 f"8-bit values, the last {n - q} kept in full precision]")
+    # llama.cpp's types need rows of 32 values: the packaged tiny model's heads (this source's are 16 wide)
+    assert _generate("tiny", capsys, "--cache", "quantized", "--cache-type-k", "q4_0", "--cache-type-v", "q8_0",
+                     n=4).endswith("[llama.cpp cache types: keys q4_0 (4.5 bits a value), values q8_0 (8.5 bits a "
+                                   "value); all 9 positions stored quantized as they were written]")
     assert _generate(source, capsys, n=4).startswith("[4 tokens in")  # an exact cache says nothing more
 
 
@@ -91,7 +98,13 @@ def exit_code(argv):
                                                              "preallocated"),
     (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--residual", "8"], "--residual is an option of "
                                                                                    "--cache quantized, not of --cache sink"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--bits", "3"], "argument --bits: invalid choice: 3"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--bits", "5"], "argument --bits: invalid choice: 5"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--cache-type-k", "q4_0"], "--cache-type-k is an option "
+                                                                                          "of --cache quantized"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--cache-type-v", "q3_0"],
+     "argument --cache-type-v: invalid choice: 'q3_0'"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--cache-type-k", "q4_0", "--bits", "4"],
+     "leave out ['bits']"),
     (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"], "must be 0 or more, got -1"),
 ])
 def test_bad_arguments(source, capsys, argv, message):

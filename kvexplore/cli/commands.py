@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from ..caches.factory import STRATEGIES
+from ..caches.ggml_blocks import TYPES
 from ..errors import KVExploreError, SettingsError
 from . import kv_events
 from .compile_progress import compile_progress
@@ -42,7 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sinks", type=_count, default=None, help="--cache sink: positions kept from the start (default 4)")
     gen.add_argument("--window", type=_positive, default=None,
                      help="--cache sink: the most recent positions kept (default 28: it evicts past 32 positions)")
-    gen.add_argument("--bits", type=int, choices=(4, 8), default=None, help="--cache quantized: bits per value (default 8)")
+    gen.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=None,
+                     help="--cache quantized: bits per value, keys and values (default 8)")
+    gen.add_argument("--key-bits", type=int, choices=(2, 3, 4, 8), default=None,
+                     help="--cache quantized: the keys' bits (default: --bits)")
+    gen.add_argument("--value-bits", type=int, choices=(2, 3, 4, 8), default=None,
+                     help="--cache quantized: the values' bits (default: --bits)")
+    gen.add_argument("--cache-type-k", dest="k_type", choices=TYPES, default=None,
+                     help="--cache quantized: llama.cpp's key cache type (ggml blocks; the values default to f16)")
+    gen.add_argument("--cache-type-v", dest="v_type", choices=TYPES, default=None,
+                     help="--cache quantized: llama.cpp's value cache type (the keys default to f16)")
     gen.add_argument("--group-size", type=_positive, default=None,
                      help="--cache quantized: positions per quantized block (default 32)")
     gen.add_argument("--residual", type=_count, default=None,
@@ -134,7 +144,9 @@ def _count(text: str) -> int:
 
 
 #: generate's cache options (make_cache's keywords), by the cache kind that takes them
-CACHE_OPTIONS = {"sink": ("sinks", "window"), "quantized": ("bits", "group_size", "residual")}
+CACHE_OPTIONS = {"sink": ("sinks", "window"),
+                 "quantized": ("bits", "key_bits", "value_bits", "group_size", "residual", "k_type", "v_type")}
+FLAGS = {"k_type": "--cache-type-k", "v_type": "--cache-type-v"}  # options whose flag is not their name
 SINK_WINDOW = 28  # generate's sink window when none is given: with 4 sinks, it evicts past 32 positions
 
 
@@ -146,8 +158,8 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
     wrong = [name for name in given if name not in theirs]
     if wrong:
         owner = next(kind for kind in CACHE_OPTIONS if wrong[0] in CACHE_OPTIONS[kind])
-        raise SettingsError(f"--{wrong[0].replace('_', '-')} is an option of --cache {owner}, not of --cache "
-                            f"{args.cache}")
+        flag = FLAGS.get(wrong[0], f"--{wrong[0].replace('_', '-')}")
+        raise SettingsError(f"{flag} is an option of --cache {owner}, not of --cache {args.cache}")
     options = dict(given)
     if args.cache == "sink":
         options.setdefault("window", SINK_WINDOW)
