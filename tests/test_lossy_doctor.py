@@ -33,13 +33,15 @@ def test_a_quantized_cache_is_judged_against_its_scheme(tiny, bits):
 
 
 def test_a_code_off_by_one_step_is_still_a_bug(tiny, monkeypatch):
-    real = quantized_layer.quantize_keys
+    real = quantized_layer.QuantizedLayer.encode
 
-    def off_by_one(k, bits, group_size):
-        codes, scale, zero = real(k, bits, group_size)
-        return (codes.int() + 1).clamp(max=2 ** bits - 1).to(torch.uint8), scale, zero  # every key a step higher
+    def off_by_one(self, codec, x, positions):
+        stored = real(self, codec, x, positions)
+        if codec is self.kcodec:  # every key a step higher
+            stored["codes"] = (stored["codes"].int() + 1).clamp(max=2 ** codec.bits - 1).to(torch.uint8)
+        return stored
 
-    monkeypatch.setattr(quantized_layer, "quantize_keys", off_by_one)
+    monkeypatch.setattr(quantized_layer.QuantizedLayer, "encode", off_by_one)
     report = kvexplore.doctor(tiny, prompt=PROMPT, steps=30, cache=_cache(tiny))
     assert report.diverged and report.what == "keys" and report.step == 12 - len(PROMPT)
     assert report.position is not None and report.position < 8

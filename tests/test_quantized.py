@@ -306,7 +306,16 @@ def test_bad_options(tiny):
     c = tiny.config  # head_dim 16
     for kwargs, msg in [(dict(bits=5), "bits must be one of 2, 3, 4, 8, got 5"),
                         (dict(value_bits=6), "value_bits must be one of 2, 3, 4, 8, got 6"), (dict(group_size=0), "group_size must be"),
-                        (dict(residual=-1), "residual must be at least 0, got -1"), (dict(group_size=6), "multiple of the value group 6")]:
+                        (dict(residual=-1), "residual must be at least 0, got -1"),
+                        (dict(group_size=6), "head_dim 16 must be a multiple of the values' group of channels 6"),
+                        (dict(group_size=6, value_axis="channel", key_axis="token"),
+                         "head_dim 16 must be a multiple of the keys' group of channels 6"),
+                        (dict(key_axis="row"), "key_axis must be 'channel' .* or 'token' .*, got 'row'"),
+                        (dict(value_axis=1), "value_axis must be 'channel'"),
+                        (dict(rotate="fourier"), "rotate must be None or 'hadamard', got 'fourier'"),
+                        (dict(pre_rope_keys="yes"), "pre_rope_keys must be True or False, got 'yes'"),
+                        (dict(outliers=0.5), "outliers is the fraction .* got 0.5"),
+                        (dict(outliers=True), "outliers is the fraction .* got True")]:
         with pytest.raises(ValueError, match=msg):
             QuantizedCache(c, 32, **kwargs)
     with pytest.raises(ValueError, match="max_seq_len must be at least 1"):

@@ -50,31 +50,59 @@ def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
     return ((p[..., None] >> shifts) & (2 ** bits - 1)).flatten(-2)
 
 
-def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys ``(B, H, n * G, D)``, per channel over blocks of ``G`` tokens -> packed codes ``(B, H, n * G,
-    D * bits // 8)``, scale and zero ``(B, H, n, D)``."""
-    B, H, T, D = k.shape
-    q, s, z = _minmax(k.to(F32).reshape(B, H, T // group_size, group_size, D), 3, bits)
-    return pack(q.view(B, H, T, D), bits), s.squeeze(3), z.squeeze(3)
+AXES = ("channel", "token")  # what one scale covers: a channel over a block of tokens, or a group of one token's channels
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float32 keys ``(B, H, n * G, D)`` from :func:`quantize_keys` output."""
-    B, H, n, D = scale.shape
-    q = unpack(codes, bits).view(B, H, n, -1, D).to(F32)  # (B, H, n, G, D)
-    return (q * scale.unsqueeze(3) + zero.unsqueeze(3)).view(B, H, -1, D)
-
-
-def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Values ``(B, H, T, D)``, per token over groups of ``group`` channels -> packed codes ``(B, H, T,
-    D * bits // 8)``, scale and zero ``(B, H, T, D // group)``."""
-    B, H, T, D = v.shape
-    q, s, z = _minmax(v.to(F32).reshape(B, H, T, D // group, group), 4, bits)
+def quantize(x: torch.Tensor, bits: int, axis: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``(B, H, T, D)`` -> packed codes ``(B, H, T, D * bits // 8)``, scale and zero. ``axis="channel"``: one
+    scale per channel over each block of ``group`` tokens (``T`` a multiple of it), scale and zero ``(B, H, T // group,
+    D)`` (KIVI's keys); ``axis="token"``: one scale per token over each group of ``group`` channels, ``(B, H, T,
+    D // group)`` (KIVI's values)."""
+    B, H, T, D = x.shape
+    x = x.to(F32)
+    if axis == "channel":
+        q, s, z = _minmax(x.reshape(B, H, T // group, group, D), 3, bits)
+        return pack(q.view(B, H, T, D), bits), s.squeeze(3), z.squeeze(3)
+    q, s, z = _minmax(x.reshape(B, H, T, D // group, group), 4, bits)
     return pack(q.view(B, H, T, D), bits), s.squeeze(4), z.squeeze(4)
 
 
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: str) -> torch.Tensor:
+    """Float32 ``(B, H, T, D)`` from :func:`quantize`'s output (the group is read from the shapes)."""
+    q = unpack(codes, bits).to(F32)
+    B, H, T, D = q.shape
+    if axis == "channel":
+        n = scale.shape[2]
+        return (q.view(B, H, n, T // n, D) * scale.unsqueeze(3) + zero.unsqueeze(3)).view(B, H, T, D)
+    g = scale.shape[3]
+    return (q.view(B, H, T, g, D // g) * scale.unsqueeze(4) + zero.unsqueeze(4)).view(B, H, T, D)
+
+
+def steps(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
+    """The quantization step of each element's group, ``(B, H, T, D)`` like ``x``: an element is read back within
+    half of it."""
+    B, H, T, D = x.shape
+    x = x.to(F32)
+    dim, shape = (3, (B, H, T // group, group, D)) if axis == "channel" else (4, (B, H, T, D // group, group))
+    g = x.reshape(shape)
+    return ((g.amax(dim, keepdim=True) - g.amin(dim, keepdim=True)) / (2 ** bits - 1)).expand(shape).reshape(B, H, T, D)
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI's keys: :func:`quantize` per channel over blocks of ``group_size`` tokens."""
+    return quantize(k, bits, "channel", group_size)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 keys from :func:`quantize_keys` output."""
+    return dequantize(codes, scale, zero, bits, "channel")
+
+
+def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI's values: :func:`quantize` per token over groups of ``group`` channels."""
+    return quantize(v, bits, "token", group)
+
+
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float32 values ``(B, H, T, D)`` from :func:`quantize_values` output."""
-    B, H, T, g = scale.shape
-    q = unpack(codes, bits).view(B, H, T, g, -1).to(F32)  # (B, H, T, groups, group)
-    return (q * scale.unsqueeze(4) + zero.unsqueeze(4)).view(B, H, T, -1)
+    """Float32 values from :func:`quantize_values` output."""
+    return dequantize(codes, scale, zero, bits, "token")

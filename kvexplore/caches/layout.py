@@ -132,12 +132,14 @@ class QuantizedLayout(Layout):
     quantized_upto: int = 0
     quantized_slots: int = 0
     residual: list[int] = field(default_factory=list)
+    scheme: str = ""  # what the layer does beyond KIVI's axes (other axes, pre-RoPE keys, a rotation, outliers)
 
     order = "quantized slots, then full-precision residual"
 
     def summary(self) -> str:
         width = f"int{self.bits}" if self.value_bits in (None, self.bits) else f"K int{self.bits} / V int{self.value_bits}"
-        return f"{width} blocks of {self.group_size} · positions < {self.quantized_upto} quantized"
+        extra = f" · {self.scheme}" if self.scheme else ""
+        return f"{width} blocks of {self.group_size}{extra} · positions < {self.quantized_upto} quantized"
 
     def marks(self, slots: int) -> list[Mark]:
         return [Mark(self.quantized_slots, "full-precision residual →")]

@@ -20,9 +20,10 @@ from .base import KVCache
 from .ggml import GGMLCache
 from .layers.quantized import QuantizedLayer
 from .memory import StepCounters
-from .kivi import BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from .kivi import AXES, BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from .kv_codec import Codec, hadamard, hadamard_block
 
-__all__ = ["BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
+__all__ = ["AXES", "BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]
 
 
@@ -69,14 +70,18 @@ class QuantizedCache(KVCache):
     def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
                 device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None,
-                key_bits: int | None = None, value_bits: int | None = None):
+                key_bits: int | None = None, value_bits: int | None = None, key_axis: str | None = None,
+                value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
+                outliers: float | None = None):
         """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
         one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.ggml.GGMLCache`: every row stored
         as ggml blocks; otherwise KIVI's cache (this class)."""
         if k_type is None and v_type is None:
             return super().__new__(cls)
-        given = [name for name, value in (("bits", bits), ("group_size", group_size), ("residual", residual),
-                                          ("key_bits", key_bits), ("value_bits", value_bits)) if value is not None]
+        kivi_only = (("bits", bits), ("group_size", group_size), ("residual", residual), ("key_bits", key_bits),
+                     ("value_bits", value_bits), ("key_axis", key_axis), ("value_axis", value_axis), ("rotate", rotate),
+                     ("pre_rope_keys", pre_rope_keys), ("outliers", outliers))
+        given = [name for name, value in kivi_only if value is not None]
         if given:
             raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
                                 f"values, scales inside) and keep no full-precision window: leave out {given}, or "
@@ -86,7 +91,9 @@ class QuantizedCache(KVCache):
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                  residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, k_type: None = None, v_type: None = None,
-                 key_bits: int | None = None, value_bits: int | None = None) -> None:
+                 key_bits: int | None = None, value_bits: int | None = None, key_axis: str | None = None,
+                 value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
+                 outliers: float | None = None) -> None:
         bits = 8 if bits is None else bits
         key_bits = bits if key_bits is None else key_bits
         value_bits = bits if value_bits is None else value_bits
@@ -97,8 +104,23 @@ class QuantizedCache(KVCache):
             if integer(value, name) not in BITS:
                 raise SettingsError(f"{name} must be one of {', '.join(map(str, BITS))}, got {value}")
         group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
+        key_axis, value_axis = key_axis or "channel", value_axis or "token"
+        for name, value in (("key_axis", key_axis), ("value_axis", value_axis)):
+            if value not in AXES:
+                raise SettingsError(f"{name} must be 'channel' (a scale per channel over a block of group_size tokens) "
+                                    f"or 'token' (a scale per token over groups of channels), got {value!r}")
+        if rotate not in (None, "hadamard"):
+            raise SettingsError(f"rotate must be None or 'hadamard', got {rotate!r}")
+        if pre_rope_keys not in (None, True, False):
+            raise SettingsError(f"pre_rope_keys must be True or False, got {pre_rope_keys!r}")
+        outliers = 0.0 if outliers is None else outliers
+        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 0.5:
+            raise SettingsError(f"outliers is the fraction of each vector's entries kept exact, from 0 up to (not "
+                                f"including) 0.5 (KVQuant keeps 0.01), got {outliers!r}")
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.key_bits, self.value_bits, self.group_size, self.residual = key_bits, value_bits, group_size, residual
+        self.key_axis, self.value_axis, self.rotate = key_axis, value_axis, rotate
+        self.pre_rope_keys, self.outliers = bool(pre_rope_keys), float(outliers)
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
@@ -112,15 +134,28 @@ class QuantizedCache(KVCache):
     def refuses(self, spec: LayerSpec) -> str | None:
         if why := QuantizedLayer.refuses(spec):
             return why
-        D = spec.head_dim
-        if D % min(self.group_size, D):
-            return (f"head_dim {D} must be a multiple of the value group {min(self.group_size, D)}; pick a group_size "
-                    f"that divides it")
+        for part, D, axis in (("keys", spec.head_dim, self.key_axis), ("values", spec.value_width, self.value_axis)):
+            if axis == "token" and D % min(self.group_size, D):
+                return (f"head_dim {D} must be a multiple of the {part}' group of channels {min(self.group_size, D)}; "
+                        f"pick a group_size that divides it")
+            if self.rotate and hadamard_block(D) < 2:
+                return f"the {part}' width {D} is odd: a Hadamard rotation needs blocks of a power of two (use rotate=None)"
         unit = max(8 // math.gcd(8, bits) for bits in (self.key_bits, self.value_bits))  # codes a whole byte holds
-        if D % unit:
+        D = spec.head_dim
+        if D % unit or spec.value_width % unit:
             return (f"head_dim {D} does not pack into whole bytes at {self.key_bits}/{self.value_bits} bits (it must "
                     f"be a multiple of {unit}); pick 4 or 8 bits")
         return None
+
+    def codecs(self, spec: LayerSpec) -> tuple[Codec, Codec]:
+        """How ``spec``'s keys and values are encoded (see :mod:`kvexplore.caches.kv_codec`)."""
+        made = []
+        for bits, axis, D, pre_rope in ((self.key_bits, self.key_axis, spec.head_dim, self.pre_rope_keys),
+                                        (self.value_bits, self.value_axis, spec.value_width, False)):
+            group = self.group_size if axis == "channel" else min(self.group_size, D)
+            rotation = hadamard(D, hadamard_block(D)).to(self.device) if self.rotate else None
+            made.append(Codec(bits, axis, group, rotation, math.ceil(self.outliers * D), pre_rope))
+        return made[0], made[1]
 
     @property
     def bits(self) -> int:
@@ -128,8 +163,12 @@ class QuantizedCache(KVCache):
         return self.key_bits
 
     def full_layer(self, spec: LayerSpec) -> QuantizedLayer:
-        return QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity,
-                              (self.key_bits, self.value_bits), self.group_size, self.residual)
+        return QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.codecs(spec),
+                              self.group_size, self.residual, self.config.layer_types[spec.index])
+
+    def attach_model(self, model) -> None:
+        for layer in self._full():  # pre-RoPE keys turn back and forth with the model's rotary
+            layer.rotary = model.rotary
 
     def _full(self) -> list[QuantizedLayer]:
         return [self.layers[i] for i in self.full_layers]
@@ -140,20 +179,21 @@ class QuantizedCache(KVCache):
         return self.layers[self.full_layers[0]].qf if self.full_layers else 0
 
     def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """Half a quantization step of each element's group at positions ``0..Q-1`` (round to nearest), 0 in the
-        residual; None until something is quantized and for the layers it does not quantize."""
+        """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``: half a
+        quantization step of its group (through a rotation or pre-RoPE keys, the length of the vector of those), 0 in
+        the residual and for outliers kept exact; None until something is quantized and for the layers it does not
+        quantize."""
         q = self.quantized_upto
         if not q or layer not in self.full_layers:
             return None
-        H, T, D = keys.shape
-        G, g = self.group_size, self.value_group(layer)
-        ksteps, vsteps = 2 * (2 ** self.key_bits - 1), 2 * (2 ** self.value_bits - 1)
-        k = keys[:, :q].float().reshape(H, q // G, G, D)
-        v = values[:, :q].float().reshape(H, q, D // g, g)
-        kb, vb = torch.zeros(H, T, D), torch.zeros(H, T, D)
-        kb[:, :q] = ((k.amax(2, keepdim=True) - k.amin(2, keepdim=True)) / ksteps).expand_as(k).reshape(H, q, D)
-        vb[:, :q] = ((v.amax(3, keepdim=True) - v.amin(3, keepdim=True)) / vsteps).expand_as(v).reshape(H, q, D)
-        return kb, vb
+        target = self.layers[layer]
+        positions = torch.arange(q, device=keys.device)
+        out = []
+        for codec, x in ((target.kcodec, keys), (target.vcodec, values)):
+            b = torch.zeros(x.shape, dtype=F32)
+            b[:, :q] = codec.bound(x[None, :, :q], positions, target._turn)[0].cpu()
+            out.append(b)
+        return out[0], out[1]
 
     def what_it_did(self) -> str:
         q, n = self.quantized_upto, self.length
@@ -167,8 +207,8 @@ class QuantizedCache(KVCache):
         return f"quantized cache: positions 0..{q - 1} quantized to {width}, the last {n - q} kept in full precision"
 
     def value_group(self, layer: int) -> int:
-        """Channels per value scale in ``layer``: ``min(group_size, head_dim)``."""
-        return min(self.group_size, self.plan[layer].head_dim)
+        """Channels per value scale in ``layer``, on the token axis: ``min(group_size, head_dim)``."""
+        return min(self.group_size, self.plan[layer].value_width)
 
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
@@ -195,8 +235,9 @@ class QuantizedCache(KVCache):
         return self.layers[layer].error(self.length, part)
 
     def bytes_breakdown(self) -> dict[str, int]:
-        """Bytes of storage held, by part: integer codes, scales + zeros, full-precision residual."""
-        out = {"integers": 0, "scales": 0, "residual": 0}
+        """Bytes of storage held, by part: integer codes, scales + zeros, outliers kept exact, full-precision
+        residual."""
+        out = {"integers": 0, "scales": 0, "residual": 0, **({"outliers": 0} if self.outliers else {})}
         for layer in self._full():
             for name, n in layer.bytes_by_part().items():
                 out[name] += n

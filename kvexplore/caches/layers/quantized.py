@@ -14,19 +14,25 @@ from ...core import host
 from ..layer import FullLayer, Step
 from ..layout import QuantizedLayout
 from ..memory import StepCounters
-from ..kivi import F32, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from ..kivi import F32
+from ..kv_codec import Codec
 from ..slots import FILLED, FREE, STALE, SlotView
 
-TENSORS = ("kq", "vq", "ks", "kz", "vs", "vz", "rk", "rv", "kerr", "verr")  # kerr, verr: diagnostics, not storage
+# each part's stored tensors: codes, scale, zero, outliers' channels and values (when kept), by stored name
+STORED = ("codes", "scale", "zero", "out_idx", "out_val")
+NAMES = {"k": ("kq", "ks", "kz", "koi", "kov"), "v": ("vq", "vs", "vz", "voi", "vov")}
 
 
 class QuantizedLayer(FullLayer):
-    """One layer's codes (``kq``/``vq``), scales and zeros (``ks``/``kz`` per key block, ``vs``/``vz`` per value
-    token), full-precision residual (``rk``/``rv``), per-position max errors (``kerr``/``verr``) and frontier
-    ``qf``."""
+    """One layer's codes (``kq``/``vq``), scales and zeros (``ks``/``kz``, ``vs``/``vz``: per block of tokens on the
+    channel axis, per token on the token axis), outliers kept exact (channels ``koi``/``voi``, values
+    ``kov``/``vov``), full-precision residual (``rk``/``rv``), per-position max errors (``kerr``/``verr``) and frontier
+    ``qf``. How each part is encoded is its :class:`~kvexplore.caches.kv_codec.Codec` (``kcodec``, ``vcodec``)."""
 
     held_names = {"kq": "keys and values", "vq": "keys and values", "ks": "scales and zero points",
                   "kz": "scales and zero points", "vs": "scales and zero points", "vz": "scales and zero points",
+                  "koi": "outliers (kept exact)", "kov": "outliers (kept exact)", "voi": "outliers (kept exact)",
+                  "vov": "outliers (kept exact)", "kcodec": "rotation", "vcodec": "rotation",
                   "kerr": "stored error (for the views)", "verr": "stored error (for the views)"}
 
     @classmethod
@@ -37,32 +43,68 @@ class QuantizedLayer(FullLayer):
         return None
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, max_seq_len: int,
-                 bits: int | tuple[int, int], group_size: int, residual: int) -> None:
+                 codecs: tuple[Codec, Codec], group_size: int, residual: int, layer_type: str = "full_attention") -> None:
         super().__init__(spec, batch_size, dtype, device)
-        self.kbits, self.vbits = (bits, bits) if isinstance(bits, int) else bits  # keys', values' code widths
+        self.kcodec, self.vcodec = codecs
+        self.kbits, self.vbits = self.kcodec.bits, self.vcodec.bits  # keys', values' code widths
         self.group_size, self.residual, self.capacity = group_size, residual, max_seq_len
+        self.layer_type, self.rotary = layer_type, None  # the model's rotary: attached before a step (pre-RoPE keys)
         self.nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self.nr = min(max_seq_len, residual + group_size - 1)  # residual slots
-        B, G, H, D, nq, nr = batch_size, group_size, spec.kv_heads, spec.head_dim, self.nq, self.nr
+        B, H, nq, nr = batch_size, spec.kv_heads, self.nq, self.nr
+        Dk, Dv = spec.head_dim, spec.value_width
 
         def zeros(*shape: int, dtype: torch.dtype = F32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.kq = zeros(B, H, nq, D * self.kbits // 8, dtype=torch.uint8)
-        self.vq = zeros(B, H, nq, D * self.vbits // 8, dtype=torch.uint8)
-        self.ks, self.kz = zeros(B, H, nq // G, D), zeros(B, H, nq // G, D)
-        self.vs, self.vz = zeros(B, H, nq, D // self.value_group), zeros(B, H, nq, D // self.value_group)
-        self.rk, self.rv = zeros(B, H, nr, D, dtype=dtype), zeros(B, H, nr, D, dtype=dtype)
+        for part, codec, D in (("k", self.kcodec, Dk), ("v", self.vcodec, Dv)):
+            q, s, z, oi, ov = NAMES[part]
+            setattr(self, q, zeros(B, H, nq, D * codec.bits // 8, dtype=torch.uint8))
+            setattr(self, s, zeros(*codec.scale_shape(B, H, nq, D)))
+            setattr(self, z, zeros(*codec.scale_shape(B, H, nq, D)))
+            n = codec.outliers
+            setattr(self, oi, zeros(B, H, nq, n, dtype=torch.int16) if n else None)
+            setattr(self, ov, zeros(B, H, nq, n, dtype=dtype) if n else None)
+        self.rk, self.rv = zeros(B, H, nr, Dk, dtype=dtype), zeros(B, H, nr, Dv, dtype=dtype)
         self.kerr, self.verr = zeros(B, H, max_seq_len), zeros(B, H, max_seq_len)  # max abs error per position
         self.qf = 0  # the quantized frontier
         self.qf_start = 0  # the frontier before the step under way (what a cut of its drafts compares with)
         self.columns = None  # (mask, positions) of a chunk that read each position as one-token steps would
         self.q_high = self.r_high = 0  # slots below these were written at some point
 
-    @property
-    def value_group(self) -> int:
-        """Channels per value scale: ``min(group_size, head_dim)``."""
-        return min(self.group_size, self.spec.head_dim)
+    def _tensors(self) -> list[str]:
+        """The names of every tensor this layer holds (storage and diagnostics)."""
+        return [n for names in NAMES.values() for n in names if getattr(self, n) is not None] + \
+            ["rk", "rv", "kerr", "verr"]
+
+    def _turn(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        if self.rotary is None:
+            from ...errors import SettingsError
+
+            raise SettingsError("quantizing keys before RoPE (pre_rope_keys=True) needs the model's rotary embedding, "
+                                "attached when the model runs a step with this cache (model(ids, cache, pos))")
+        return self.rotary.turn(x, delta, self.layer_type)
+
+    def _rows(self, part: str, start: int, end: int) -> list[tuple[str, torch.Tensor, slice]]:
+        """``part``'s stored tensors, each with the rows (dim 2) positions ``start..end-1`` use (whole blocks on the
+        channel axis)."""
+        codec = self.kcodec if part == "k" else self.vcodec
+        out = []
+        for key, name in zip(STORED, NAMES[part]):
+            t = getattr(self, name)
+            if t is not None:
+                out.append((key, t, codec.scale_rows(start, end) if key in ("scale", "zero") else slice(start, end)))
+        return out
+
+    def _stored(self, part: str, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Views of ``part``'s stored tensors for positions ``start..end-1``."""
+        return {key: t[:, :, rows] for key, t, rows in self._rows(part, start, end)}
+
+    def decode(self, part: str, start: int, end: int) -> torch.Tensor:
+        """Float32 ``part`` (``"k"``, ``"v"``) of positions ``start..end-1``, read back from the codes."""
+        codec = self.kcodec if part == "k" else self.vcodec
+        positions = torch.arange(start, end, device=self.rk.device)
+        return codec.decode(self._stored(part, start, end), positions, self._turn)
 
     crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
                 "flush undone) and the accepted tokens are written again")
@@ -109,7 +151,7 @@ class QuantizedLayer(FullLayer):
         end = pos + k.shape[2]
         rewrites = pos < step.length  # a write before the end rewrites held codes and residual
         if rewrites:  # keep the whole layer
-            for name in TENSORS:
+            for name in self._tensors():
                 t = getattr(self, name)
                 journal.keep(t, 2, 0, t.shape[2])
         if pos < self.qf:
@@ -157,10 +199,11 @@ class QuantizedLayer(FullLayer):
             return
         for t in (self.rk, self.rv):
             journal.keep(t, 2, 0, t.shape[2])
-        for t in (self.kq, self.vq, self.vs, self.vz, self.kerr, self.verr):
+        for t in (self.kerr, self.verr):
             journal.keep(t, 2, qf, new_qf - qf)
-        for t in (self.ks, self.kz):
-            journal.keep(t, 2, qf // G, (new_qf - qf) // G)
+        for part in NAMES:
+            for _, t, rows in self._rows(part, qf, new_qf):
+                journal.keep(t, 2, rows.start, rows.stop - rows.start)
 
     def read_upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values ``(B, H, end, D)`` in the dtype: dequantized ``0..Q-1``, then the residual (views)."""
@@ -168,38 +211,35 @@ class QuantizedLayer(FullLayer):
         rk, rv = self.rk.narrow(2, 0, end - qf), self.rv.narrow(2, 0, end - qf)
         if qf == 0:
             return rk, rv
-        G, kb, vb = self.group_size, self.kbits, self.vbits
-        kd = dequantize_keys(self.kq[:, :, :qf], self.ks[:, :, :qf // G], self.kz[:, :, :qf // G], kb)
-        vd = dequantize_values(self.vq[:, :, :qf], self.vs[:, :, :qf], self.vz[:, :, :qf], vb)
+        kd, vd = self.decode("k", 0, qf), self.decode("v", 0, qf)
         return torch.cat([kd.to(self._dtype), rk], 2), torch.cat([vd.to(self._dtype), rv], 2)
 
     def quantize(self, counters: StepCounters, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole blocks ``k``/``v`` ``(B, H, n * G, D)`` holding positions ``start..``; record errors."""
-        G, kb, vb, end = self.group_size, self.kbits, self.vbits, start + k.shape[2]
-        kc, ks, kz = quantize_keys(k, kb, G)
-        vc, vs, vz = quantize_values(v, vb, self.value_group)
-        self.kq[:, :, start:end], self.vq[:, :, start:end] = kc, vc
-        self.ks[:, :, start // G:end // G], self.kz[:, :, start // G:end // G] = ks, kz
-        self.vs[:, :, start:end], self.vz[:, :, start:end] = vs, vz
-        self.kerr[:, :, start:end] += (dequantize_keys(kc, ks, kz, kb) - k.to(F32)).abs().amax(-1)
-        self.verr[:, :, start:end] += (dequantize_values(vc, vs, vz, vb) - v.to(F32)).abs().amax(-1)
-        counters.written_bytes += sum(t.nbytes for t in (kc, ks, kz, vc, vs, vz))
+        end = start + k.shape[2]
+        positions = torch.arange(start, end, device=k.device)
+        for part, x, err in (("k", k, self.kerr), ("v", v, self.verr)):
+            codec = self.kcodec if part == "k" else self.vcodec
+            stored = self.encode(codec, x, positions)
+            for key, t, rows in self._rows(part, start, end):
+                t[:, :, rows] = stored[key]
+            err[:, :, start:end] += (codec.decode(stored, positions, self._turn) - x.to(F32)).abs().amax(-1)
+            counters.written_bytes += sum(t.nbytes for t in stored.values())
+
+    def encode(self, codec: Codec, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored tensors of ``x`` (a method of its own: a test plants a wrong code here)."""
+        return codec.encode(x, positions, self._turn, self._dtype)
 
     def unquantize_tail(self, n: int) -> int:
         """Drop positions ``>= n`` when the frontier is past ``n``: the straddling block's positions below ``n``
-        move, dequantized, into the residual. Returns the bytes written there."""
+        move, read back, into the residual. Returns the bytes written there."""
         G = self.group_size
         start = n // G * G
         if n > start:
-            block = slice(start // G, start // G + 1)
-            kd = dequantize_keys(self.kq[:, :, start:start + G], self.ks[:, :, block], self.kz[:, :, block],
-                                 self.kbits)[:, :, :n - start]
-            vd = dequantize_values(self.vq[:, :, start:n], self.vs[:, :, start:n], self.vz[:, :, start:n],
-                                   self.vbits)
-            self.rk[:, :, :n - start] = kd
-            self.rv[:, :, :n - start] = vd
+            self.rk[:, :, :n - start] = self.decode("k", start, start + G)[:, :, :n - start]
+            self.rv[:, :, :n - start] = self.decode("v", start, start + G)[:, :, :n - start]
         self.qf = start
-        return 2 * self.rk[:, :, :n - start].nbytes
+        return self.rk[:, :, :n - start].nbytes + self.rv[:, :, :n - start].nbytes
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         if self.qf > n:
@@ -228,22 +268,25 @@ class QuantizedLayer(FullLayer):
         return [self.rk, self.rv]  # a read is a view of these only while nothing is quantized
 
     def bytes_by_part(self) -> dict[str, int]:
-        """Bytes of storage held, by part: integer codes, scales + zeros, full-precision residual."""
-        size = lambda *ts: sum(t.nbytes for t in ts)  # noqa: E731
-        return {"integers": size(self.kq, self.vq), "scales": size(self.ks, self.kz, self.vs, self.vz),
-                "residual": size(self.rk, self.rv)}
+        """Bytes of storage held, by part: integer codes, scales + zeros, outliers kept exact, full-precision
+        residual."""
+        size = lambda *names: sum(getattr(self, n).nbytes for n in names if getattr(self, n) is not None)  # noqa: E731
+        out = {"integers": size("kq", "vq"), "scales": size("ks", "kz", "vs", "vz"), "residual": size("rk", "rv")}
+        if self.koi is not None:
+            out["outliers"] = size("koi", "kov", "voi", "vov")
+        return out
 
     def reserved_bytes(self) -> int:
         return sum(self.bytes_by_part().values())
 
     def used_bytes(self, length: int) -> int:
-        """Codes and scales of ``0..Q-1``, residual of ``Q..length-1``."""
-        q, G, spec = self.qf, self.group_size, self.spec
-        bhd = self._batch * spec.kv_heads * spec.head_dim
-        codes = bhd * q * (self.kbits + self.vbits) // 8
-        scales = 2 * 4 * bhd * (q // G + q // self.value_group)
-        residual = 2 * bhd * (length - q) * self._dtype.itemsize
-        return codes + scales + residual
+        """Codes, scales and outliers of ``0..Q-1``, residual of ``Q..length-1``."""
+        q, B, H = self.qf, self._batch, self.spec.kv_heads
+        used = 0
+        for part, width in (("k", self.spec.head_dim), ("v", self.spec.value_width)):
+            used += sum(t[:, :, rows].nbytes for _, t, rows in self._rows(part, 0, q))
+            used += B * H * (length - q) * width * self._dtype.itemsize
+        return used
 
     def slot_view(self, length: int) -> SlotView:
         """The ``Nq`` quantized slots, then the ``Nr`` full-precision residual slots."""
@@ -256,12 +299,21 @@ class QuantizedLayer(FullLayer):
         sharers = [1] * q + [0] * (nq - q) + [1] * r + [0] * (nr - r)
         layout = QuantizedLayout(bits=self.kbits, value_bits=None if self.vbits == self.kbits else self.vbits,
                                  group_size=self.group_size, residual_window=self.residual,
-                                 quantized_upto=q, quantized_slots=nq, residual=list(range(nq, nq + r)))
+                                 quantized_upto=q, quantized_slots=nq, residual=list(range(nq, nq + r)),
+                                 scheme=self.scheme())
         return SlotView(states, positions, sharers, layout)
 
+    def scheme(self) -> str:
+        """What this layer does beyond KIVI's defaults, in words ("" for keys per channel and values per token)."""
+        k, v = self.kcodec, self.vcodec
+        said = [*(["keys per token"] if k.axis == "token" else []), *(["values per channel"] if v.axis == "channel" else []),
+                *(["pre-RoPE keys"] if k.pre_rope else []), *(["Hadamard-rotated"] if k.rotation is not None else []),
+                *([f"{k.outliers} outliers a vector kept exact"] if k.outliers else [])]
+        return ", ".join(said)
+
     def clone(self, memo: dict[int, Any]) -> "QuantizedLayer":
-        twin = object.__new__(QuantizedLayer)
+        twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
-        for name in TENSORS:
+        for name in self._tensors():
             setattr(twin, name, getattr(self, name).clone())
         return twin
