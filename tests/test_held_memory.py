@@ -27,6 +27,8 @@ STRATEGIES = {
     "paged": {"block_size": 8},
     "quantized": {"bits": 4, "group_size": 16, "residual": 16},
     "quantized@ggml": {"k_type": "q4_0", "v_type": "q8_0"},
+    "quantized@schemes": {"key_bits": 2, "value_bits": 3, "group_size": 16, "residual": 16, "key_axis": "token",
+                          "value_axis": "channel", "rotate": "hadamard", "pre_rope_keys": True, "outliers": 0.05},
     "sink": {"sinks": 4, "window": 40},
     "evict": {"press": "knorm", "compression_ratio": 0.5},
     "evict@mask": {"press": "snapkv", "compression_ratio": 0.5, "storage": "mask"},

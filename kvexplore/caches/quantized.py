@@ -191,7 +191,7 @@ class QuantizedCache(KVCache):
         out = []
         for codec, x in ((target.kcodec, keys), (target.vcodec, values)):
             b = torch.zeros(x.shape, dtype=F32)
-            b[:, :q] = codec.bound(x[None, :, :q], positions, target._turn)[0].cpu()
+            b[:, :q] = codec.bound(x[None, :, :q], positions, target.rope_turn)[0].cpu()
             out.append(b)
         return out[0], out[1]
 

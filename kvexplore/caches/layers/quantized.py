@@ -77,7 +77,7 @@ class QuantizedLayer(FullLayer):
         return [n for names in NAMES.values() for n in names if getattr(self, n) is not None] + \
             ["rk", "rv", "kerr", "verr"]
 
-    def _turn(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def rope_turn(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
             from ...errors import SettingsError
 
@@ -104,7 +104,7 @@ class QuantizedLayer(FullLayer):
         """Float32 ``part`` (``"k"``, ``"v"``) of positions ``start..end-1``, read back from the codes."""
         codec = self.kcodec if part == "k" else self.vcodec
         positions = torch.arange(start, end, device=self.rk.device)
-        return codec.decode(self._stored(part, start, end), positions, self._turn)
+        return codec.decode(self._stored(part, start, end), positions, self.rope_turn)
 
     crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
                 "flush undone) and the accepted tokens are written again")
@@ -190,7 +190,6 @@ class QuantizedLayer(FullLayer):
         """Keep every slot a write of ``pos..end-1`` at the end of the sequence touches, so a rollback restores
         the storage bit for bit: the error records and the residual slots written, or, when blocks leave the
         window (``new_qf > qf``), the whole residual (it shifts down) and the codes and scales of those blocks."""
-        G = self.group_size
         for t in (self.kerr, self.verr):
             journal.keep(t, 2, pos, end - pos)
         if new_qf == qf:
@@ -223,12 +222,12 @@ class QuantizedLayer(FullLayer):
             stored = self.encode(codec, x, positions)
             for key, t, rows in self._rows(part, start, end):
                 t[:, :, rows] = stored[key]
-            err[:, :, start:end] += (codec.decode(stored, positions, self._turn) - x.to(F32)).abs().amax(-1)
+            err[:, :, start:end] += (codec.decode(stored, positions, self.rope_turn) - x.to(F32)).abs().amax(-1)
             counters.written_bytes += sum(t.nbytes for t in stored.values())
 
     def encode(self, codec: Codec, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """The stored tensors of ``x`` (a method of its own: a test plants a wrong code here)."""
-        return codec.encode(x, positions, self._turn, self._dtype)
+        return codec.encode(x, positions, self.rope_turn, self._dtype)
 
     def unquantize_tail(self, n: int) -> int:
         """Drop positions ``>= n`` when the frontier is past ``n``: the straddling block's positions below ``n``
