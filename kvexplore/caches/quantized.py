@@ -204,7 +204,10 @@ class QuantizedCache(KVCache):
                     f"sooner)")
         width = (f"{self.key_bits} bits" if self.key_bits == self.value_bits else
                  f"{self.key_bits}-bit keys and {self.value_bits}-bit values")
-        return f"quantized cache: positions 0..{q - 1} quantized to {width}, the last {n - q} kept in full precision"
+        scheme = self.layers[self.full_layers[0]].scheme()
+        how = f" ({scheme})" if scheme else ""
+        return (f"quantized cache: positions 0..{q - 1} quantized to {width}{how}, the last {n - q} kept in full "
+                f"precision")
 
     def value_group(self, layer: int) -> int:
         """Channels per value scale in ``layer``, on the token axis: ``min(group_size, head_dim)``."""
