@@ -7,7 +7,7 @@
 
 Each part saves its results as JSON next to the figure (``docs/img/eviction_*.json``); ``report`` reads them and
 writes ``docs/img/eviction_frontier.html`` (plotly; an SVG/PNG when kaleido is installed) and prints the tables
-of docs/benchmarks.md. Model: SmolLM2-135M in float32 (``--model gemma3-270m`` for Gemma 3 270M's passkey grid).
+of docs/benchmarks.md. Frontier runs split across processes (``--kinds ... --tag _quant``) are drawn together. Model: SmolLM2-135M in float32 (``--model gemma3-270m`` for Gemma 3 270M's passkey grid).
 
 frontier: the first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) as context, the next
 ``--continuation`` tokens teacher-forced (kvexplore.runtime.compression): KL(full || compressed) per token and
@@ -27,6 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 IMG = ROOT / "docs" / "img"
 PRESSES = ("knorm", "snapkv", "tova", "h2o", "streaming", "keydiff")
 RATIOS = (0.25, 0.5, 0.75, 0.9)
+# (kind, name, make_cache options): llama.cpp's cache types (keys and values the same type, and q8_0 keys with q4_0
+# values), KIVI's cache at its widths, and KVQuant's recipe on KIVI's cache (pre-RoPE keys, 1% outliers kept exact)
+QUANT_SCHEMES = (
+    *(("llama.cpp", f"K {t}, V {t}", dict(k_type=t, v_type=t)) for t in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")),
+    ("llama.cpp", "K q8_0, V q4_0", dict(k_type="q8_0", v_type="q4_0")),
+    *(("KIVI", f"K {kb}-bit, V {vb}-bit", dict(key_bits=kb, value_bits=vb))
+      for kb, vb in ((8, 8), (4, 4), (4, 2), (3, 3), (2, 2))),
+    *(("KVQuant", f"{b}-bit, pre-RoPE K, 1% outliers", dict(key_bits=b, value_bits=b, pre_rope_keys=True,
+                                                             outliers=0.01)) for b in (4, 3, 2)),
+)
 
 
 def _load(name: str, threads: int):
@@ -59,6 +69,9 @@ def frontier(args) -> list[dict]:
     for bits in (8, 4):
         configs.append(("quantized", f"{bits}-bit", None, lambda m, n, b=bits: kvexplore.make_cache(
             "quantized", m, max_seq_len=n, bits=b)))
+    for kind, name, options in QUANT_SCHEMES:  # issue 41: every quantization scheme on the same frontier
+        configs.append((kind, name, None, lambda m, n, o=options: kvexplore.make_cache(
+            "quantized", m, max_seq_len=n, **o)))
     for r in RATIOS:
         slots = int(len(ctx) * (1 - r)) + len(cont) - 1
         configs.append(("sink", f"sinks 4 + window {slots - 4}", r, lambda m, n, s=slots: kvexplore.make_cache(
@@ -155,7 +168,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--decode", action="store_true", help="frontier: add knorm pressing every 32 tokens")
-    parser.add_argument("--kinds", default="", help="frontier: only these kinds (full,evict,quantized,sink,...)")
+    parser.add_argument("--kinds", default="", help="frontier: only these kinds (full,evict,quantized,sink,llama.cpp,"
+                                                    "KIVI,KVQuant,...)")
     parser.add_argument("--lengths", default="256,512,1024,2048")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--presses", default=None, help="default: all (passkey), knorm,keydiff,snapkv (questions)")

@@ -33,6 +33,7 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in rows[1:]:
         key = r["name"] if r["kind"] == "evict" else r["kind"] if r["kind"] != "evict decode" else r["name"]
+        key = "quantized (KIVI)" if key == "quantized" else key
         out.setdefault(key, []).append(r)
     return out
 
@@ -169,9 +170,25 @@ def _questions_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def merged_frontier(files: dict[str, list[dict]]) -> list[dict] | None:
+    """The SmolLM2 frontier's runs (``eviction_frontier`` and its tagged parts, ``eviction_frontier_quant`` ...) as
+    one: the first run's head, then every run's rows. A part must have measured the same context and continuation."""
+    parts = [rows for stem, rows in files.items() if stem.startswith("eviction_frontier") and rows
+             and rows[0].get("model", "smollm2-135m") == "smollm2-135m"]
+    if not parts:
+        return None
+    head = parts[0][0]
+    for rows in parts[1:]:
+        if (rows[0]["context"], rows[0]["continuation"]) != (head["context"], head["continuation"]):
+            raise ValueError(f"frontier parts measured different lengths: {rows[0]} and {head}")
+    full = [r for rows in parts for r in rows[1:] if r["kind"] == "full"][:1]
+    return [head, *full, *(r for rows in parts for r in rows[1:] if r["kind"] != "full")]
+
+
 def report(folder: Path) -> None:
     files = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("eviction_*.json"))}
-    if "eviction_frontier" in files:
+    if (frontier := merged_frontier(files)) is not None:
+        files["eviction_frontier"] = frontier
         print("### Frontier\n\n" + _frontier_table(files["eviction_frontier"]) + "\n")
         for p in frontier_figure(files["eviction_frontier"], folder):
             print(f"wrote {p}")

@@ -30,7 +30,7 @@ from ..config.layer_plan import LayerSpec, layer_plan
 from ..config.model_config import ModelConfig
 from ..core.allocator import Window, allocator_for
 from ..core.settings import positive_int
-from ..errors import SettingsError
+from ..errors import CacheFullError, SettingsError
 from .rewind import Rewind
 from .steps import StepCycle
 from .inspection import CacheInspection
@@ -140,6 +140,8 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
             )
         if pos < self.length and (msg := self._recompute_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
+        if self._capacity is not None and pos + q_len > self._capacity:  # the fixed capacity of a bounded cache
+            raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
     # -- the write protocol --------------------------------------------------------------------------------
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import choice, integer
-from ..errors import CacheFullError, SettingsError
+from ..errors import SettingsError
 from .base import KVCache
 from .layers.compact import CompactLayer
 from .layers.masked import MaskedLayer
@@ -130,8 +130,6 @@ class EvictCache(KVCache):
         if pos < self.length and self.full_layers:
             if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
                 raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
-        if self._capacity is not None and pos + q_len > self._capacity:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
     def commit(self, end: int) -> None:
         try:

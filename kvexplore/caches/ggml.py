@@ -9,7 +9,6 @@ import torch
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import choice, positive_int
-from ..errors import CacheFullError
 from .base import KVCache
 from .ggml_blocks import TYPES, bits_per_value, dequantize, quantize
 from .layers.ggml import GGMLLayer
@@ -43,15 +42,10 @@ class GGMLCache(KVCache):
     def full_layer(self, spec: LayerSpec) -> GGMLLayer:
         return GGMLLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.k_type, self.v_type)
 
-    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
-        super().check_write(pos, q_len, batch_size)
-        if pos + q_len > self.capacity:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
-
     def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """What storing ``keys`` and ``values`` in these block types changes, element by element (quantizing and
-        reading back the model's own rows), with float32's rounding on top; None for a layer stored in float16 or
-        bfloat16 that holds them exactly (the cache's dtype)."""
+        reading back the model's own rows), with float32's rounding on top (an f16 or bf16 type: the rounding to
+        that format); None for a layer the cache does not store in blocks."""
         if layer not in self.full_layers:
             return None
 

@@ -9,7 +9,6 @@ import torch
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import positive_int
-from ..errors import CacheFullError
 from .base import KVCache
 from .layers.preallocated import PreallocatedLayer
 
@@ -38,11 +37,6 @@ class PreallocatedCache(KVCache):
 
     def full_layer(self, spec: LayerSpec) -> PreallocatedLayer:
         return PreallocatedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity)
-
-    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
-        super().check_write(pos, q_len, batch_size)
-        if pos + q_len > self.capacity:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
 
     def note_inplace_write(self, pos: int, q_len: int) -> None:
         """Every layer's write of ``q_len`` slots at ``pos``, made by someone else (the compiled decode step writes

@@ -15,7 +15,7 @@ import torch
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import integer, positive_int
-from ..errors import CacheFullError, SettingsError
+from ..errors import SettingsError
 from .base import KVCache
 from .ggml import GGMLCache
 from .layers.quantized import QuantizedLayer
@@ -212,11 +212,6 @@ class QuantizedCache(KVCache):
     def value_group(self, layer: int) -> int:
         """Channels per value scale in ``layer``, on the token axis: ``min(group_size, head_dim)``."""
         return min(self.group_size, self.plan[layer].value_width)
-
-    def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
-        super().check_write(pos, q_len, batch_size)
-        if pos + q_len > self.capacity:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self.capacity)
 
     def truncate(self, n: int) -> None:
         """Keep positions ``0..n-1`` (see the class docstring for what happens inside a quantized block).

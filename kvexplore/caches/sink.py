@@ -41,7 +41,7 @@ import torch
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
 from ..core.settings import integer, positive_int
-from ..errors import CacheFullError, SettingsError
+from ..errors import SettingsError
 from .base import KVCache
 from .layers.sink import SinkLayer, SinkSlots
 
@@ -131,9 +131,6 @@ class SinkCache(KVCache):
         super().check_write(pos, q_len, batch_size)
         if pos < self.length and (msg := self.slots.rewind_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
-        end = pos + q_len
-        if self._capacity is not None and end > self._capacity:
-            raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
     def key(self, layer: int) -> torch.Tensor | None:
         """The live key storage of ``layer``: ``sinks + window`` slots in storage order."""

@@ -3,7 +3,6 @@ cache types (:mod:`kvexplore.caches.ggml_blocks`), written in place and read bac
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -59,8 +58,3 @@ class GGMLLayer(PreallocatedLayer):
     def stored_error(self, length: int) -> torch.Tensor | None:
         return None  # the originals are not kept; the doctor measures the error against the model's own keys
 
-    def clone(self, memo: dict[int, Any]) -> "GGMLLayer":
-        twin = object.__new__(GGMLLayer)
-        twin.__dict__.update(self.__dict__)
-        twin.k, twin.v = self.k.clone(), self.v.clone()
-        return twin

@@ -60,7 +60,7 @@ class PreallocatedLayer(FullLayer):
         return SlotView(states, list(range(n)) + [-1] * (cap - n), [1] * n + [0] * (cap - n))
 
     def clone(self, memo: dict[int, Any]) -> "PreallocatedLayer":
-        twin = object.__new__(PreallocatedLayer)
+        twin = object.__new__(type(self))
         twin.__dict__.update(self.__dict__)
         twin.k, twin.v = self.k.clone(), self.v.clone()
         return twin
