@@ -3,7 +3,6 @@ cache types (:mod:`kvexplore.caches.ggml_blocks`), written in place and read bac
 
 from __future__ import annotations
 
-
 import torch
 
 from ..ggml_blocks import dequantize, quantize, row_bytes
