@@ -47,12 +47,14 @@ def test_every_view_and_lane_kind_fits_both_screens_and_presentation(lab, lab_pa
     looked = _lab_layout(lab, lab_page, shots, "layout_tiny",
                          "import kvexplore\n"
                          f"ex = kvexplore.Explorer('tiny', strategies=('preallocated', 'paged', 'evict', "
-                         f"'preallocated@spec'), max_seq_len=128, strategy_options={{'paged': {{'block_size': 8}}, "
-                         f"'preallocated@spec': {SPEC!r}}}, prompt={REPEATED!r})\nex.run(6)\nex",
+                         f"'preallocated@spec', 'quantized'), max_seq_len=128, strategy_options={{'paged': "
+                         f"{{'block_size': 8}}, 'preallocated@spec': {SPEC!r}, 'quantized': {{'key_bits': 2, "
+                         f"'group_size': 8, 'residual': 4}}}}, prompt={REPEATED!r})\nex.run(6)\nex",
                          {"preallocated": every, "paged": ("Attention",),
                           "evict": ("Attention", "Press scores", "Held per head"),
-                          "preallocated@spec": ("Attention", "Speculation")})
-    assert len(looked) == 2 * 2 * (len(every) + 1 + 3 + 2), looked
+                          "preallocated@spec": ("Attention", "Speculation"),
+                          "quantized": ("Stored K/V",)})  # its error per position and per channel
+    assert len(looked) == 2 * 2 * (len(every) + 1 + 3 + 2 + 1), looked
 
 
 EXACT_TABS = ("Attention", "Memory", "Stored K/V", "Compare strategies")

@@ -132,3 +132,33 @@ def test_the_scheme_is_in_the_slot_view_and_the_doctor_finds_no_bug(tiny):
     report = kvexplore.doctor(tiny, prompt="Call me Ishmael.", steps=20, cache=cache)
     assert not report.diverged and report.lossy, report.summary()
     assert 0 < report.scheme_error <= report.scheme_bound * (1 + 1e-5) + 1e-6
+
+
+def test_the_error_per_channel_is_what_the_codes_lose_and_the_stored_kv_view_draws_it(tiny):
+    """Layer 0 reads nothing lossy before it writes, so its keys are the full cache's: its error per channel is the
+    largest |k - dequant(quant(k))| of each channel over the quantized positions (keys per channel, blocks of 8), and
+    the Stored K/V view draws it beside the error per position, each part scaled to its own largest error."""
+    from kvexplore.caches.kivi import dequantize, quantize
+    from kvexplore.views import tensors
+
+    ids = torch.tensor([_ids(tiny, 37)])
+    cache = kvexplore.make_cache("quantized", tiny, max_seq_len=64, key_bits=2, value_bits=4, group_size=8,
+                                 residual=4)
+    full = kvexplore.make_cache("preallocated", tiny, max_seq_len=64)
+    tiny(ids, cache, 0)
+    tiny(ids, full, 0)
+    q = cache.quantized_upto
+    assert q == 32
+    k, v = (t[:, :, :q].float() for t in full.storage(0))
+    want_k = (dequantize(*quantize(k, 2, "channel", 8), 2, "channel") - k).abs()[0].amax(1)
+    want_v = (dequantize(*quantize(v, 4, "token", 8), 4, "token") - v).abs()[0].amax(1)
+    got_k, got_v = cache.channel_error(0)
+    assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)
+    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).channel_error(0) is None
+    figure = tensors.spec(None, None, 0, cache.stored_error(0), cache.slot_view(0), channel_error=(got_k, got_v))
+    by_name = {t["name"]: t for t in figure.traces}
+    assert by_name["keys error per channel"]["z"].tolist() == got_k.reshape(-1).tolist()
+    assert by_name["values error per channel"]["zmax"] == pytest.approx(float(got_v.max()))
+    assert figure.layout["xaxis4"]["title"]["text"] == f"K ≤ {float(got_k.max()):.2g}"
+    exact = tensors.spec(None, None, 0, None, full.slot_view(0))
+    assert not any("per channel" in t["name"] for t in exact.traces) and "xaxis4" not in exact.layout

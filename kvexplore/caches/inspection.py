@@ -164,6 +164,12 @@ class CacheInspection:
         keys and values exactly (every cache but the quantized one)."""
         return self.layers[layer].stored_error(self.length)
 
+    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """How far what this cache stores for ``layer`` is from what the model wrote, channel by channel: the keys'
+        and the values' max absolute error per KV head and channel, ``(kv_heads, head_dim)`` each, on the CPU, for
+        the first sequence of the batch; None for a cache that stores keys and values exactly (or keeps no record)."""
+        return self.layers[layer].channel_error()
+
     def slot_view(self, layer: int | None = None) -> SlotView:
         """The state of every physical slot of ``layer`` (default: a full layer; what the cache map draws)."""
         return self.layers[self._layer(layer).index].slot_view(self.length)

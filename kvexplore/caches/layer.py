@@ -206,6 +206,11 @@ class LayerCache(ABC):
         """``(kv_heads, length)`` max abs error of what is stored vs what was written (None: stored exactly)."""
         return None
 
+    def channel_error(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys' and values' max abs error per channel, ``(kv_heads, head_dim)`` each, over every position stored
+        lossily (None: stored exactly, or the originals are not kept)."""
+        return None
+
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
         """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"

@@ -292,9 +292,10 @@ def _marks(groups, n: int, b) -> tuple[list[dict], list[dict]]:
                 shapes.append(dict(type="line", xref="x", yref="y", x0=mark.at - 0.5, x1=mark.at - 0.5,
                                    y0=first - 0.5, y1=last + 0.5, line=dict(color=mark.colour, width=1.5,
                                                                              dash=mark.dash)))
-                if mark.label and first == layers[0]:
+                if mark.label and first == layers[0]:  # beside the line, on the side with room (not past the edge)
+                    side = "right" if mark.at > (b.start + b.stop) / 2 else "left"
                     annotations.append(dict(text=mark.label, x=mark.at - 0.5, y=first - 0.5, xref="x", yref="y",
-                                            yanchor="bottom", xanchor="left", showarrow=False,
+                                            yanchor="bottom", xanchor=side, showarrow=False,
                                             font=dict(size=11, color=mark.colour)))
     return shapes, annotations
 

@@ -1,5 +1,6 @@
 """Tensors: the size of every stored key and value (L2 norm over head_dim) per physical slot and KV head, and for
-the quantized cache the error its integers introduce (max |x - dequant(quant(x))| per position and head).
+the quantized cache the error its integers introduce (max |x - dequant(quant(x))| per position and head, and per
+channel of the keys and of the values: where a scale had an outlier to cover).
 
 Norms come from the keys and values as the model produced them for each position (RoPE rotates pairs of
 channels, so a key's norm is the same before and after it); empty, stale and evicted slots are left blank.
@@ -39,8 +40,10 @@ def binned(rows: np.ndarray, b: bins.Bins, how: str) -> dict[str, np.ndarray]:
 
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
          quant_error: torch.Tensor | None = None, slots: SlotView | None = None,
-         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS, did: str = "") -> FigureSpec:
+         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS, did: str = "",
+         channel_error: tuple[torch.Tensor, torch.Tensor] | None = None) -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
+    ``channel_error``: the keys' and values' max error per KV head and channel (two panels beside it);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
     (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max).
     ``did``: what the cache did so far (said over an error panel that is all zero: nothing quantized yet)."""
@@ -54,7 +57,9 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     kvh = len(k_rows)
     qe = quant_error.numpy() if quant_error is not None else empty
     common = dict(colorscale="Viridis", xgap=0, ygap=1)
-    top = float(np.nanmax(qe)) if qe.size else 0.0
+    ce = [t.numpy().astype(np.float32) for t in channel_error] if channel_error is not None else []
+    top = max([float(np.nanmax(qe)) if qe.size else 0.0] + [float(c.max()) for c in ce if c.size])
+    ce = ce if top > 0 else []  # the panels per channel once something is stored lossily (before: the note says why)
     held = [i for i, p in enumerate(positions) if p >= 0]
     b, span = onscreen.axis_bins(zoom, "xaxis", len(positions), slot_range(len(positions), held[-1] if held else 0),
                                  max_bins)
@@ -72,10 +77,17 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖v‖ = %{{z:.3f}}<extra></extra>", **common),
         dict(type="heatmap", name="quantization error", **binned(qe.astype(np.float32), eb, "max"), colorscale="Reds",
              zmin=0, zmax=top or 1.0, xaxis="x3", yaxis="y3", ygap=1,
-             colorbar=dict(title=dict(text="max err"), len=0.22, y=0.22, yanchor="top", thickness=12, nticks=3),
+             colorbar=dict(title=dict(text="err"), len=0.22, y=0.22, yanchor="top", thickness=12,
+                           tickvals=[0, top or 1.0], ticktext=["0", f"{top or 1.0:.3g}"]),
              hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
                            "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
+    for i, (part, rows) in enumerate(zip(("keys", "values"), ce)):  # each to its own largest error (axis title)
+        traces.append(dict(type="heatmap", name=f"{part} error per channel", **columns(rows), colorscale="Reds",
+                           zmin=0, zmax=float(rows.max()) or 1.0, showscale=False, xaxis=f"x{4 + i}",
+                           yaxis=f"y{4 + i}", ygap=1,
+                           hovertemplate=f"{part} · KV head %{{y}} · channel %{{x}}<br>max |error| = %{{z:.4g}}"
+                                         f"<extra></extra>"))
     shown = onscreen.describe(b, len(positions))
     # an error of zero everywhere draws as the scale's white end (zmax 1), not its middle, and says why
     said = "" if quant_error is not None and top > 0 else \
@@ -91,11 +103,19 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
                                                               standoff=0), range=span),
         yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
                     range=[-0.5, kvh - 0.5]),
-        xaxis3=dict(domain=[0, 0.92], anchor="y3", title=dict(text="position (quantized cache only)", standoff=0)),
+        xaxis3=dict(domain=[0, 0.44 if ce else 0.92], anchor="y3",
+                    title=dict(text="position" if ce else "position (quantized cache only)", standoff=0)),
         yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1,
                     range=[-0.5, max(kvh, 1) - 0.5], showticklabels=top > 0),
         annotations=note,
     )
+    for i, (part, rows) in enumerate(zip(("keys", "values"), ce)):
+        left = 0.52 + 0.22 * i
+        layout[f"xaxis{4 + i}"] = dict(domain=[left, left + 0.18], anchor=f"y{4 + i}", nticks=3,
+                                       title=dict(text=f"{part[0].upper()} ≤ {float(rows.max()):.2g}", standoff=0),
+                                       range=[-0.5, rows.shape[1] - 0.5])
+        layout[f"yaxis{4 + i}"] = dict(domain=[0, 0.22], anchor=f"x{4 + i}", dtick=1, showticklabels=i == 0 and top > 0,
+                                       range=[-0.5, max(rows.shape[0], 1) - 0.5])
     return FigureSpec(traces, layout if positions else hide_axes(layout))
 
 
@@ -139,4 +159,4 @@ def from_snapshot(s) -> FigureSpec:
         return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
                 d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins,
-                did=ln.did)
+                did=ln.did, channel_error=d.channel_error if d else None)

@@ -33,7 +33,8 @@ class QuantizedLayer(FullLayer):
                   "kz": "scales and zero points", "vs": "scales and zero points", "vz": "scales and zero points",
                   "koi": "outliers (kept exact)", "kov": "outliers (kept exact)", "voi": "outliers (kept exact)",
                   "vov": "outliers (kept exact)", "kcodec": "rotation", "vcodec": "rotation",
-                  "kerr": "stored error (for the views)", "verr": "stored error (for the views)"}
+                  "kerr": "stored error (for the views)", "verr": "stored error (for the views)",
+                  "kcherr": "stored error (for the views)", "vcherr": "stored error (for the views)"}
 
     @classmethod
     def refuses(cls, spec) -> str | None:
@@ -67,6 +68,8 @@ class QuantizedLayer(FullLayer):
             setattr(self, ov, zeros(B, H, nq, n, dtype=dtype) if n else None)
         self.rk, self.rv = zeros(B, H, nr, Dk, dtype=dtype), zeros(B, H, nr, Dv, dtype=dtype)
         self.kerr, self.verr = zeros(B, H, max_seq_len), zeros(B, H, max_seq_len)  # max abs error per position
+        # max abs error per block of group_size positions and channel (the views' error per channel)
+        self.kcherr, self.vcherr = zeros(B, H, nq // group_size, Dk), zeros(B, H, nq // group_size, Dv)
         self.qf = 0  # the quantized frontier
         self.qf_start = 0  # the frontier before the step under way (what a cut of its drafts compares with)
         self.columns = None  # (mask, positions) of a chunk that read each position as one-token steps would
@@ -75,7 +78,7 @@ class QuantizedLayer(FullLayer):
     def _tensors(self) -> list[str]:
         """The names of every tensor this layer holds (storage and diagnostics)."""
         return [n for names in NAMES.values() for n in names if getattr(self, n) is not None] + \
-            ["rk", "rv", "kerr", "verr"]
+            ["rk", "rv", "kerr", "verr", "kcherr", "vcherr"]
 
     def rope_turn(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
@@ -200,6 +203,8 @@ class QuantizedLayer(FullLayer):
             journal.keep(t, 2, 0, t.shape[2])
         for t in (self.kerr, self.verr):
             journal.keep(t, 2, qf, new_qf - qf)
+        for t in (self.kcherr, self.vcherr):
+            journal.keep(t, 2, qf // self.group_size, (new_qf - qf) // self.group_size)
         for part in NAMES:
             for _, t, rows in self._rows(part, qf, new_qf):
                 journal.keep(t, 2, rows.start, rows.stop - rows.start)
@@ -217,12 +222,16 @@ class QuantizedLayer(FullLayer):
         """Quantize whole blocks ``k``/``v`` ``(B, H, n * G, D)`` holding positions ``start..``; record errors."""
         end = start + k.shape[2]
         positions = torch.arange(start, end, device=k.device)
-        for part, x, err in (("k", k, self.kerr), ("v", v, self.verr)):
+        G = self.group_size
+        for part, x, err, cherr in (("k", k, self.kerr, self.kcherr), ("v", v, self.verr, self.vcherr)):
             codec = self.kcodec if part == "k" else self.vcodec
             stored = self.encode(codec, x, positions)
             for key, t, rows in self._rows(part, start, end):
                 t[:, :, rows] = stored[key]
-            err[:, :, start:end] += (codec.decode(stored, positions, self.rope_turn) - x.to(F32)).abs().amax(-1)
+            off = (codec.decode(stored, positions, self.rope_turn) - x.to(F32)).abs()
+            err[:, :, start:end] += off.amax(-1)
+            B, H, n, D = off.shape
+            cherr[:, :, start // G:end // G] = off.view(B, H, n // G, G, D).amax(3)
             counters.written_bytes += sum(t.nbytes for t in stored.values())
 
     def encode(self, codec: Codec, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -262,6 +271,12 @@ class QuantizedLayer(FullLayer):
 
     def stored_error(self, length: int) -> torch.Tensor | None:
         return host.fetch([self.error(length, "kv")[0].float()])[0]
+
+    def channel_error(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Max abs error per KV head and channel over the quantized blocks (zeros before any)."""
+        n = self.qf // self.group_size
+        k, v = (t[0, :, :n].amax(1) if n else torch.zeros_like(t[0, :, 0]) for t in (self.kcherr, self.vcherr))
+        return tuple(host.fetch([k, v]))
 
     def storage(self) -> list[torch.Tensor]:
         return [self.rk, self.rv]  # a read is a view of these only while nothing is quantized
