@@ -21,8 +21,8 @@ def _frontier_table(rows: list[dict]) -> str:
         budget = f"ratio {r['ratio']}" if r["ratio"] is not None and r["kind"] != "full" else "—"
         if r["kind"] == "sink":
             budget = f"{r['name']} (as ratio {r['ratio']})"
-        name = r["name"] if r["kind"] in ("evict", "evict decode") else r["kind"] if r["kind"] != "quantized" \
-            else f"quantized {r['name']}"
+        name = r["name"] if r["kind"] in ("evict", "evict decode") else r["kind"] if r["kind"] in ("full", "sink") \
+            else f"{r['kind']} {r['name']}"
         out.append(f"| {name} | {budget} | {r['used_bytes'] / 2**20:.1f} MiB ({r['used_fraction']:.0%}) | "
                    f"{r['reserved_fraction']:.0%} | {r['kl_mean']:.3g} | {r['kl_max']:.2g} | {r['top1']:.3f} | "
                    f"{r['perplexity']:.2f} | {r['attention_mass']:.3f} |")
@@ -39,7 +39,7 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
+          "#17becf", "#393b79", "#637939", "#843c39")
 
 
 def frontier_svg(rows: list[dict], path: Path) -> Path:
@@ -60,8 +60,8 @@ def frontier_svg(rows: list[dict], path: Path) -> Path:
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
            f'font-size="12"><rect width="{W}" height="{H}" fill="white"/>',
-           f'<text x="{left}" y="22" font-size="14">KL(full || compressed), mean per continuation token, against '
-           f'bytes used: SmolLM2-135M (full cache: 0 at 100%)</text>']
+           f'<text x="{left}" y="22" font-size="14">Mean KL(full || compressed) per token against bytes used, '
+           f'SmolLM2-135M (full cache: KL 0 at 100%)</text>']
     for e in range(lo, hi + 1):
         out.append(f'<line x1="{left}" x2="{W - right}" y1="{y(10 ** e):.1f}" y2="{y(10 ** e):.1f}" stroke="#ddd"/>'
                    f'<text x="{left - 6}" y="{y(10 ** e) + 4:.1f}" text-anchor="end">1e{e}</text>')
@@ -182,7 +182,10 @@ def merged_frontier(files: dict[str, list[dict]]) -> list[dict] | None:
         if (rows[0]["context"], rows[0]["continuation"]) != (head["context"], head["continuation"]):
             raise ValueError(f"frontier parts measured different lengths: {rows[0]} and {head}")
     full = [r for rows in parts for r in rows[1:] if r["kind"] == "full"][:1]
-    return [head, *full, *(r for rows in parts for r in rows[1:] if r["kind"] != "full")]
+    rows = [r for part in parts for r in part[1:] if r["kind"] != "full"]
+    if any(r["kind"] == "KIVI" for r in rows):  # the same cache measured again with the other schemes: the newer run
+        rows = [r for r in rows if r["kind"] != "quantized"]
+    return [head, *full, *rows]
 
 
 def report(folder: Path) -> None:
