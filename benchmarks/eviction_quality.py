@@ -2,12 +2,14 @@
 
     python benchmarks/eviction_quality.py frontier     # presses x budgets, quantized and sink caches: quality vs bytes
     python benchmarks/eviction_quality.py passkey      # passkey grid (depth x length): uncompressed, then per press
+    python benchmarks/eviction_quality.py passkey --quant --tag _quant   # ... per quantized cache of the frontier
     python benchmarks/eviction_quality.py questions    # one context, two questions: compressed once vs per question
     python benchmarks/eviction_quality.py report       # the tables (markdown) and the figure from the saved results
 
 Each part saves its results as JSON next to the figure (``docs/img/eviction_*.json``); ``report`` reads them and
 writes ``docs/img/eviction_frontier.html`` (plotly; an SVG/PNG when kaleido is installed) and prints the tables
-of docs/benchmarks.md. Frontier runs split across processes (``--kinds ... --tag _quant``) are drawn together. Model: SmolLM2-135M in float32 (``--model gemma3-270m`` for Gemma 3 270M's passkey grid).
+of docs/benchmarks.md. Frontier runs split across processes (``--kinds ... --tag _quant``) are drawn together.
+Model: SmolLM2-135M in float32 (``--model gemma3-270m`` for Gemma 3 270M's frontier and passkey grid).
 
 frontier: the first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) as context, the next
 ``--continuation`` tokens teacher-forced (kvexplore.runtime.compression): KL(full || compressed) per token and
@@ -104,13 +106,19 @@ def passkey_grid(args) -> list[dict]:
     presses = [p for p in (args.presses if args.presses is not None else ",".join(PRESSES)).split(",") if p]
     runs = [("full", None, False)] * (not args.no_full) + [(p, args.ratio, inside) for p in presses
                                                            for inside in (False, True)]
+    schemes = {f"{kind} {name}": options for kind, name, options in QUANT_SCHEMES}
+    if args.quant:  # the quantized caches instead of the presses (a quantized cache compresses no question)
+        runs = [("full", None, False)] * (not args.no_full) + [(name, None, False) for name in schemes
+                                                               if not args.only or args.only in name]
     rows = []
     for press, ratio, inside in runs:
         for length in lengths:
             for depth in depths:
                 hay = haystack(model.tokenizer, length, depth, seed=length * 100 + int(depth * 100))
-                factory = None if press == "full" else (lambda m, n, p=press: kvexplore.make_cache(
-                    "evict", m, max_seq_len=n, press=p, compression_ratio=ratio))
+                factory = None if press == "full" else (lambda m, n, o=schemes[press]: kvexplore.make_cache(
+                    "quantized", m, max_seq_len=n, **o)) if press in schemes else (
+                    lambda m, n, p=press: kvexplore.make_cache("evict", m, max_seq_len=n, press=p,
+                                                               compression_ratio=ratio))
                 t = time.perf_counter()
                 a = passkey(model, hay, question_in_context=inside, **({} if factory is None else dict(
                     factory=factory)))
@@ -175,6 +183,9 @@ def main() -> None:
     parser.add_argument("--presses", default=None, help="default: all (passkey), knorm,keydiff,snapkv (questions)")
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--no-full", action="store_true", help="passkey: skip the uncompressed grid")
+    parser.add_argument("--quant", action="store_true", help="passkey: the quantized caches of the frontier instead "
+                                                              "of the presses")
+    parser.add_argument("--only", default="", help="passkey --quant: only the schemes whose name holds this")
     parser.add_argument("--tag", default="", help="suffix of the results file (runs split across processes)")
     args = parser.parse_args()
     if args.part == "report":

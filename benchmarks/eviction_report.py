@@ -12,7 +12,8 @@ MARK = {True: "✓", False: "✗"}
 
 def _frontier_table(rows: list[dict]) -> str:
     head, rows = rows[0], rows[1:]
-    out = [f"SmolLM2-135M float32, {head['context']} context tokens, {head['continuation']} continuation tokens "
+    model = {"smollm2-135m": "SmolLM2-135M"}.get(head.get("model", "smollm2-135m"), head.get("model"))
+    out = [f"{model} float32, {head['context']} context tokens, {head['continuation']} continuation tokens "
            f"(full cache: {head['full_used_bytes'] / 2**20:.1f} MiB used at the end, perplexity "
            f"{head['full_perplexity']:.2f}).", "",
            "| cache | budget | bytes used (of full) | reserved (of full) | KL mean (nats) | KL max | top-1 | "
@@ -190,11 +191,15 @@ def merged_frontier(files: dict[str, list[dict]]) -> list[dict] | None:
 
 def report(folder: Path) -> None:
     files = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("eviction_*.json"))}
+    others = {stem: rows for stem, rows in files.items() if stem.startswith("eviction_frontier") and rows
+              and rows[0].get("model", "smollm2-135m") != "smollm2-135m"}
     if (frontier := merged_frontier(files)) is not None:
         files["eviction_frontier"] = frontier
         print("### Frontier\n\n" + _frontier_table(files["eviction_frontier"]) + "\n")
         for p in frontier_figure(files["eviction_frontier"], folder):
             print(f"wrote {p}")
+    for rows in others.values():  # another model's frontier: its table (the figure is SmolLM2's)
+        print(f"### Frontier: {rows[0]['model']}\n\n" + _frontier_table(rows) + "\n")
     grids: dict[str, list[dict]] = {}
     for stem, rows in files.items():
         if stem.startswith("eviction_passkey"):
