@@ -192,3 +192,38 @@ def wait_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 0.5)
             break
         waited += window_s
     return waited
+
+
+def passage_arguments(ap, context: int = 1000, continuation: int = 64, threads: int = 2) -> None:
+    """The options of a script that scores a continuation of kvexplore's Moby-Dick chapter: ``--model``,
+    ``--context``, ``--continuation``, ``--threads``."""
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=context)
+    ap.add_argument("--continuation", type=int, default=continuation)
+    ap.add_argument("--threads", type=int, default=threads)
+
+
+def outside_env() -> dict[str, str]:
+    """This process's environment without what ties Python to the project's venv (for a venv of another tool)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["TRANSFORMERS_OFFLINE"] = env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def outside_venv(folder: Path, probe: str, installs: list[list[str]], env: dict[str, str] | None = None) -> Path:
+    """The python of a venv of its own in ``folder`` (a reference tool outside kvexplore's dependencies), built on
+    first use: ``pip install`` of each of ``installs`` in turn; reused while ``probe`` (Python code) runs in it."""
+    import subprocess
+    import sys
+
+    python = folder / "bin" / "python"
+    env = env or outside_env()
+    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True, env=env).returncode == 0:
+        return python
+    print(f"building the venv {folder} (once)", flush=True)
+    steps = [[sys.executable, "-m", "venv", str(folder)]] + [[str(python), "-m", "pip", "install", "-q", *i]
+                                                             for i in installs]
+    for cmd in steps:
+        print("  $ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env=env)
+    return python

@@ -35,11 +35,12 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import torch
+
+from _common import outside_env, outside_venv
 
 KVPRESS = "kvpress==0.5.5"
 TORCH = "torch==2.13.0"
@@ -131,30 +132,10 @@ torch.save(out, sys.argv[2])
 '''
 
 
-def sh(cmd: list[str], **kw) -> None:
-    print("  $ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, **kw)
-
-
 def kvpress_python(cache: Path) -> Path:
     """The kvpress venv's python, built on first use: torch first, then kvpress (its transformers comes along)."""
-    venv = cache / "kvpress-venv"
-    python = venv / "bin" / "python"
-    probe = "import importlib.metadata as m, kvpress; assert m.version('kvpress') == '0.5.5'"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True,
-                                          env=_clean_env()).returncode == 0:
-        return python
-    print(f"building the kvpress venv in {venv} (once)", flush=True)
-    sh([sys.executable, "-m", "venv", str(venv)])
-    sh([str(python), "-m", "pip", "install", "-q", TORCH], env=_clean_env())
-    sh([str(python), "-m", "pip", "install", "-q", KVPRESS, TORCH], env=_clean_env())
-    return python
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["TRANSFORMERS_OFFLINE"] = env["HF_HUB_OFFLINE"] = "1"
-    return env
+    return outside_venv(cache / "kvpress-venv", "import importlib.metadata as m, kvpress; "
+                        "assert m.version('kvpress') == '0.5.5'", [[TORCH], [KVPRESS, TORCH]])
 
 
 def passage(cache: Path) -> str:
@@ -245,7 +226,7 @@ def main() -> None:
     torch.save({"folder": str(model_path("smollm2-135m")), "ids": ids[0], "ratio": args.ratio,
                 "threads": args.threads, "runs": [(label, specs[label], ours[label]["forced"]) for label in ours]}, job)
     torch.save(ours, work / "kvexplore.pt")
-    subprocess.run([str(python), str(script), str(job), str(result)], check=True, env=_clean_env())
+    subprocess.run([str(python), str(script), str(job), str(result)], check=True, env=outside_env())
     theirs = torch.load(result)
 
     notes = {"full cache (no press)": "transformers' DynamicCache", **{p[0]: p[5] for p in PAIRS}}

@@ -28,6 +28,7 @@ import torch
 import kvexplore
 from kvexplore.caches.ggml_blocks import bits_per_value
 from kvexplore.runtime.compression import compression_quality, full_reference
+from _common import passage_arguments
 
 TEXT = Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt"
 TYPES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -64,10 +65,7 @@ def kivi_schemes() -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--context", type=int, default=1000)
-    ap.add_argument("--continuation", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    passage_arguments(ap)
     ap.add_argument("--which", choices=("types", "schemes"), default="types")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
