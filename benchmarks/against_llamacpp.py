@@ -108,11 +108,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     passage_arguments(ap)
     ap.add_argument("--types", default="f16,q8_0,q5_1,q5_0,q4_1,q4_0")
+    ap.add_argument("--llama-python", type=Path, default=None,
+                    help="a python that already imports llama_cpp (instead of the venv this script builds)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvexplore-bench")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     try:
-        python = llama_python(args.cache)
+        python = args.llama_python or llama_python(args.cache)
     except (subprocess.CalledProcessError, OSError) as e:
         print(f"llama-cpp-python could not be built here ({e}); kvexplore's side alone is checked byte for byte against "
               f"gguf's reference quantizer (tests/test_ggml_cache.py)")
