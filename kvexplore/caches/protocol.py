@@ -160,6 +160,10 @@ class ModelCache(ABC):
         """How far what is stored is from what was written (None: exact)."""
 
     @abstractmethod
+    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys' and values' largest error per KV head and channel (None: exact, or no record kept)."""
+
+    @abstractmethod
     def describe_layers(self) -> str:
         """What the cache keeps for each kind of layer, in one line."""
 
