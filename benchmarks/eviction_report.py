@@ -131,7 +131,21 @@ def _passkey_tables(rows: list[dict]) -> str:
     for n in lengths:
         cells = [next((MARK[r["passed"]] for r in full if r["length"] == n and r["depth"] == d), "") for d in depths]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    pressed = [r for r in rows if r["press"] != "full"]
+    pressed = [r for r in rows if r["press"] != "full" and r["ratio"] is not None]
+    quantized = [r for r in rows if r["press"] != "full" and r["ratio"] is None]  # passkey --quant: every position
+    if quantized:
+        q_lengths = sorted({r["length"] for r in quantized})
+        q_depths = sorted({r["depth"] for r in quantized})
+        out += ["", f"Quantized caches, passes out of {len(q_depths)} depths ({', '.join(f'{d:.0%}' for d in q_depths)}; "
+                    f"the failed depths in brackets):", "", "| cache | " + " | ".join(str(n) for n in q_lengths) + " |",
+                "|---|" + "---:|" * len(q_lengths)]
+        for name in dict.fromkeys(r["press"] for r in quantized):
+            cells = []
+            for n in q_lengths:
+                sel = [r for r in quantized if r["press"] == name and r["length"] == n]
+                failed = ", ".join(f"{r['depth']:.0%}" for r in sel if not r["passed"])
+                cells.append(f"{sum(r['passed'] for r in sel)}/{len(sel)}" + (f" ({failed})" if failed else ""))
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
     if pressed:
         out += ["", f"Compression ratio {pressed[0]['ratio']}, passes out of {len(depths)} depths (the needle's "
                     f"tokens held, mean over layers, KV heads and depths):", "",
