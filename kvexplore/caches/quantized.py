@@ -187,11 +187,11 @@ class QuantizedCache(KVCache):
         if not q or layer not in self.full_layers:
             return None
         target = self.layers[layer]
-        positions = torch.arange(q, device=keys.device)
+        positions = torch.arange(q, device=self.device)  # where the codec's rotation and the rotary's tables are
         out = []
         for codec, x in ((target.kcodec, keys), (target.vcodec, values)):
             b = torch.zeros(x.shape, dtype=F32)
-            b[:, :q] = codec.bound(x[None, :, :q], positions, target.rope_turn)[0].cpu()
+            b[:, :q] = codec.bound(x[None, :, :q].to(self.device), positions, target.rope_turn)[0].cpu()
             out.append(b)
         return out[0], out[1]
 
