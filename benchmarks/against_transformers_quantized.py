@@ -30,11 +30,12 @@ import torch
 
 from _common import passage_arguments
 
-# (label, nbits, transformers axis_key, axis_value) -> kvexplore's axes
-CONFIGS = [("K per token, V per token (transformers' default)", 4, 0, 0),
-           ("K per channel, V per token (KIVI)", 4, -1, 0),
-           ("K per token, V per token (transformers' default)", 2, 0, 0),
-           ("K per channel, V per token (KIVI)", 2, -1, 0)]
+# (label, nbits, transformers axis_key, axis_value, kvexplore's exact_prefill)
+CONFIGS = [("K per token, V per token (transformers' default)", 4, 0, 0, False),
+           ("K per channel, V per token (KIVI)", 4, -1, 0, False),
+           ("K per token, V per token (transformers' default)", 2, 0, 0, False),
+           ("K per channel, V per token (KIVI)", 2, -1, 0, False),
+           ("K per channel, V per token (KIVI); kvexplore exact_prefill=True", 2, -1, 0, True)]
 AXES = {0: "token", -1: "channel"}
 
 
@@ -88,13 +89,14 @@ def main() -> None:
           f"{__import__('importlib.metadata').metadata.version('optimum-quanto')}")
     print("| bits | axes | transformers KL | kvexplore KL | kvexplore / transformers |")
     print("|---:|---|---:|---:|---:|")
-    for label, bits, axis_key, axis_value in CONFIGS:
+    for label, bits, axis_key, axis_value, exact_prefill in CONFIGS:
         theirs = transformers_kl(hf, ids, len(context), lambda: transformers.QuantizedCache(
             "quanto", config=hf.config, nbits=bits, axis_key=axis_key, axis_value=axis_value, q_group_size=G,
             residual_length=R))
         ours = compression_quality(model, context, continuation, lambda m, n: kvexplore.make_cache(
             "quantized", m, max_seq_len=n, key_bits=bits, value_bits=bits, key_axis=AXES[axis_key],
-            value_axis=AXES[axis_value], group_size=G, residual=R), reference, stepwise=True).kl_mean
+            value_axis=AXES[axis_value], group_size=G, residual=R, exact_prefill=exact_prefill), reference,
+            stepwise=True).kl_mean
         print(f"| {bits} | {label} | {theirs:.3g} | {ours:.3g} | {ours / theirs:.2f} |", flush=True)
 
 

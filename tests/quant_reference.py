@@ -66,11 +66,11 @@ class FakeQuantCache(PreallocatedCache):
 
     def __init__(self, model, max_seq_len: int, key_bits: int = 8, value_bits: int = 8, group_size: int = 32,
                  residual: int = 32, key_axis: str = "channel", value_axis: str = "token", rotate=None,
-                 pre_rope_keys: bool = False, outliers: float = 0.0) -> None:
+                 pre_rope_keys: bool = False, outliers: float = 0.0, exact_prefill: bool = False) -> None:
         super().__init__(model.config, max_seq_len)
         self.model, self.G, self.R, self.nq = model, group_size, residual, max_seq_len // group_size * group_size
         self.parts = ((key_bits, key_axis, pre_rope_keys), (value_bits, value_axis, False))
-        self.rotate, self.outliers = rotate, outliers
+        self.rotate, self.outliers, self.exact_prefill = rotate, outliers, exact_prefill
         self.frontier = {i: 0 for i in self.full_layers}
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
@@ -80,9 +80,13 @@ class FakeQuantCache(PreallocatedCache):
             old = self.frontier[layer]
             new = min(self.nq, max(old, (end - self.R) // self.G * self.G))
             if new > old:
+                if pos == 0 and self.exact_prefill:  # the prompt reads what it computed; storage gets the codes
+                    read = keys.clone(), values.clone()
                 for x, (bits, axis, pre_rope) in zip((keys, values), self.parts):
                     x[:, :, old:new] = self._qdq(x[:, :, old:new], old, bits, axis, pre_rope, layer)
                 self.frontier[layer] = new
+                if pos == 0 and self.exact_prefill:
+                    return read
         return keys, values
 
     def _qdq(self, x: torch.Tensor, start: int, bits: int, axis: str, pre_rope: bool, layer: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ SCHEMES = {
     "outliers-3-2": dict(key_bits=3, value_bits=2, outliers=0.1),
     "everything-2": dict(key_bits=2, value_bits=2, key_axis="token", rotate="hadamard", pre_rope_keys=True,
                          outliers=0.05),
+    "exact-prefill-2": dict(key_bits=2, value_bits=2, exact_prefill=True),
 }
 MODELS = {"llama": None, "gemma3": ("gemma3", dict(layers=3, sliding_window=6)), "qwen3_next": ("qwen3_next", {})}
 GROUP, RESIDUAL, CAPACITY = 8, 4, 64
@@ -162,3 +163,21 @@ def test_the_error_per_channel_is_what_the_codes_lose_and_the_stored_kv_view_dra
     assert figure.layout["xaxis4"]["title"]["text"] == f"K ≤ {float(got_k.max()):.2g}"
     exact = tensors.spec(None, None, 0, None, full.slot_view(0))
     assert not any("per channel" in t["name"] for t in exact.traces) and "xaxis4" not in exact.layout
+
+
+def test_a_full_precision_prefill_reads_the_prompt_as_computed_and_the_doctor_agrees(tiny):
+    """``exact_prefill=True``: the prompt's own pass reads its keys as computed (KIVI's and transformers' prefill),
+    the storage holds the codes all the same; the prefill's logits are the full cache's, the next step's are not."""
+    ids = torch.tensor([_ids(tiny, 30)])
+    full = kvexplore.make_cache("preallocated", tiny, max_seq_len=64)
+    options = dict(key_bits=2, value_bits=2, group_size=8, residual=4)
+    exact, lossy = (kvexplore.make_cache("quantized", tiny, max_seq_len=64, exact_prefill=e, **options)
+                    for e in (True, False))
+    want = tiny(ids, full, 0)
+    assert torch.allclose(tiny(ids, exact, 0), want, atol=1e-5)
+    assert not torch.allclose(tiny(ids, lossy, 0), want, atol=1e-3)
+    assert exact.quantized_upto == lossy.quantized_upto == 24
+    assert exact.bytes_breakdown() == lossy.bytes_breakdown()
+    report = kvexplore.doctor(tiny, prompt=_ids(tiny, 30), steps=6, cache=kvexplore.make_cache(
+        "quantized", tiny, max_seq_len=64, exact_prefill=True, **options))
+    assert not report.diverged and "full-precision prefill" in report.lossy

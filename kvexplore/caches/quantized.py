@@ -72,7 +72,7 @@ class QuantizedCache(KVCache):
                 device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None,
                 key_bits: int | None = None, value_bits: int | None = None, key_axis: str | None = None,
                 value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
-                outliers: float | None = None):
+                outliers: float | None = None, exact_prefill: bool | None = None):
         """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
         one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.ggml.GGMLCache`: every row stored
         as ggml blocks; otherwise KIVI's cache (this class)."""
@@ -80,7 +80,7 @@ class QuantizedCache(KVCache):
             return super().__new__(cls)
         kivi_only = (("bits", bits), ("group_size", group_size), ("residual", residual), ("key_bits", key_bits),
                      ("value_bits", value_bits), ("key_axis", key_axis), ("value_axis", value_axis), ("rotate", rotate),
-                     ("pre_rope_keys", pre_rope_keys), ("outliers", outliers))
+                     ("pre_rope_keys", pre_rope_keys), ("outliers", outliers), ("exact_prefill", exact_prefill))
         given = [name for name, value in kivi_only if value is not None]
         if given:
             raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
@@ -93,7 +93,7 @@ class QuantizedCache(KVCache):
                  device: str | torch.device | None = None, k_type: None = None, v_type: None = None,
                  key_bits: int | None = None, value_bits: int | None = None, key_axis: str | None = None,
                  value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
-                 outliers: float | None = None) -> None:
+                 outliers: float | None = None, exact_prefill: bool | None = None) -> None:
         bits = 8 if bits is None else bits
         key_bits = bits if key_bits is None else key_bits
         value_bits = bits if value_bits is None else value_bits
@@ -111,8 +111,9 @@ class QuantizedCache(KVCache):
                                     f"or 'token' (a scale per token over groups of channels), got {value!r}")
         if rotate not in (None, "hadamard"):
             raise SettingsError(f"rotate must be None or 'hadamard', got {rotate!r}")
-        if pre_rope_keys not in (None, True, False):
-            raise SettingsError(f"pre_rope_keys must be True or False, got {pre_rope_keys!r}")
+        for name, value in (("pre_rope_keys", pre_rope_keys), ("exact_prefill", exact_prefill)):
+            if value not in (None, True, False):
+                raise SettingsError(f"{name} must be True or False, got {value!r}")
         outliers = 0.0 if outliers is None else outliers
         if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 0.5:
             raise SettingsError(f"outliers is the fraction of each vector's entries kept exact, from 0 up to (not "
@@ -121,6 +122,7 @@ class QuantizedCache(KVCache):
         self.key_bits, self.value_bits, self.group_size, self.residual = key_bits, value_bits, group_size, residual
         self.key_axis, self.value_axis, self.rotate = key_axis, value_axis, rotate
         self.pre_rope_keys, self.outliers = bool(pre_rope_keys), float(outliers)
+        self.exact_prefill = bool(exact_prefill)  # the prompt's own pass reads it as computed (KIVI's, transformers')
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
@@ -163,8 +165,10 @@ class QuantizedCache(KVCache):
         return self.key_bits
 
     def full_layer(self, spec: LayerSpec) -> QuantizedLayer:
-        return QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.codecs(spec),
-                              self.group_size, self.residual, self.config.layer_types[spec.index])
+        layer = QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.codecs(spec),
+                               self.group_size, self.residual, self.config.layer_types[spec.index])
+        layer.exact_prefill = self.exact_prefill
+        return layer
 
     def attach_model(self, model) -> None:
         for layer in self._full():  # pre-RoPE keys turn back and forth with the model's rotary

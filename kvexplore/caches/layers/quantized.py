@@ -50,6 +50,7 @@ class QuantizedLayer(FullLayer):
         self.kbits, self.vbits = self.kcodec.bits, self.vcodec.bits  # keys', values' code widths
         self.group_size, self.residual, self.capacity = group_size, residual, max_seq_len
         self.layer_type, self.rotary = layer_type, None  # the model's rotary: attached before a step (pre-RoPE keys)
+        self.exact_prefill = False  # a prompt at position 0 reads what it wrote, not the blocks it quantized
         self.nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self.nr = min(max_seq_len, residual + group_size - 1)  # residual slots
         B, H, nq, nr = batch_size, spec.kv_heads, self.nq, self.nr
@@ -185,6 +186,8 @@ class QuantizedLayer(FullLayer):
             self.qf = new_qf
             if 0 < pos and end - pos > 1:
                 as_steps = self._as_steps(pos, end, qf, fk, fv)
+            elif pos == 0 and self.exact_prefill:  # stored quantized, read as computed (KIVI's prefill)
+                as_steps = (fk, fv)
         self.q_high = max(self.q_high, new_qf)
         self.r_high = max(self.r_high, end - new_qf)
         return self.read_upto(end) if as_steps is None else as_steps
@@ -322,7 +325,8 @@ class QuantizedLayer(FullLayer):
         k, v = self.kcodec, self.vcodec
         said = [*(["keys per token"] if k.axis == "token" else []), *(["values per channel"] if v.axis == "channel" else []),
                 *(["pre-RoPE keys"] if k.pre_rope else []), *(["Hadamard-rotated"] if k.rotation is not None else []),
-                *([f"{k.outliers} outliers a vector kept exact"] if k.outliers else [])]
+                *([f"{k.outliers} outliers a vector kept exact"] if k.outliers else []),
+                *(["full-precision prefill"] if self.exact_prefill else [])]
         return ", ".join(said)
 
     def clone(self, memo: dict[int, Any]) -> "QuantizedLayer":
