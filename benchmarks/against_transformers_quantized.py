@@ -65,12 +65,12 @@ def main() -> None:
     ap.add_argument("--residual", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    try:
-        import optimum.quanto  # noqa: F401  (transformers' quanto backend imports it)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("optimum") is None or importlib.util.find_spec("optimum.quanto") is None:
         print("optimum-quanto is not installed: pip install optimum-quanto==0.2.7 (transformers' quanto backend)")
         return
-    import transformers
+    import transformers  # its quanto backend imports optimum.quanto
 
     import kvexplore
     from kvexplore.formats import store
