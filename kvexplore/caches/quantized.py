@@ -126,6 +126,7 @@ class QuantizedCache(KVCache):
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
+        self._rotations: dict[int, torch.Tensor] = {}  # one Hadamard matrix per head width, shared by the layers
         self._build()
 
     @classmethod
@@ -155,7 +156,9 @@ class QuantizedCache(KVCache):
         for bits, axis, D, pre_rope in ((self.key_bits, self.key_axis, spec.head_dim, self.pre_rope_keys),
                                         (self.value_bits, self.value_axis, spec.value_width, False)):
             group = self.group_size if axis == "channel" else min(self.group_size, D)
-            rotation = hadamard(D, hadamard_block(D)).to(self.device) if self.rotate else None
+            if self.rotate and D not in self._rotations:
+                self._rotations[D] = hadamard(D, hadamard_block(D)).to(self.device)
+            rotation = self._rotations[D] if self.rotate else None
             made.append(Codec(bits, axis, group, rotation, math.ceil(self.outliers * D), pre_rope))
         return made[0], made[1]
 

@@ -81,6 +81,9 @@ class QuantizedLayer(FullLayer):
         return [n for names in NAMES.values() for n in names if getattr(self, n) is not None] + \
             ["rk", "rv", "kerr", "verr", "kcherr", "vcherr"]
 
+    def _codec(self, part: str) -> Codec:
+        return self.kcodec if part == "k" else self.vcodec
+
     def rope_turn(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:
             from ...errors import SettingsError
@@ -92,7 +95,7 @@ class QuantizedLayer(FullLayer):
     def _rows(self, part: str, start: int, end: int) -> list[tuple[str, torch.Tensor, slice]]:
         """``part``'s stored tensors, each with the rows (dim 2) positions ``start..end-1`` use (whole blocks on the
         channel axis)."""
-        codec = self.kcodec if part == "k" else self.vcodec
+        codec = self._codec(part)
         out = []
         for key, name in zip(STORED, NAMES[part]):
             t = getattr(self, name)
@@ -106,7 +109,7 @@ class QuantizedLayer(FullLayer):
 
     def decode(self, part: str, start: int, end: int) -> torch.Tensor:
         """Float32 ``part`` (``"k"``, ``"v"``) of positions ``start..end-1``, read back from the codes."""
-        codec = self.kcodec if part == "k" else self.vcodec
+        codec = self._codec(part)
         positions = torch.arange(start, end, device=self.rk.device)
         return codec.decode(self._stored(part, start, end), positions, self.rope_turn)
 
@@ -227,7 +230,7 @@ class QuantizedLayer(FullLayer):
         positions = torch.arange(start, end, device=k.device)
         G = self.group_size
         for part, x, err, cherr in (("k", k, self.kerr, self.kcherr), ("v", v, self.verr, self.vcherr)):
-            codec = self.kcodec if part == "k" else self.vcodec
+            codec = self._codec(part)
             stored = self.encode(codec, x, positions)
             for key, t, rows in self._rows(part, start, end):
                 t[:, :, rows] = stored[key]
