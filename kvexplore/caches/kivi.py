@@ -58,13 +58,18 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int) -> tuple[torch.T
     scale per channel over each block of ``group`` tokens (``T`` a multiple of it), scale and zero ``(B, H, T // group,
     D)`` (KIVI's keys); ``axis="token"``: one scale per token over each group of ``group`` channels, ``(B, H, T,
     D // group)`` (KIVI's values)."""
+    g, dim = _groups(x, axis, group)
+    q, s, z = _minmax(g, dim, bits)
+    return pack(q.view(x.shape), bits), s.squeeze(dim), z.squeeze(dim)
+
+
+def _groups(x: torch.Tensor, axis: str, group: int) -> tuple[torch.Tensor, int]:
+    """Float32 ``x`` ``(B, H, T, D)`` viewed with each scale's group along one dim, and that dim."""
     B, H, T, D = x.shape
     x = x.to(F32)
     if axis == "channel":
-        q, s, z = _minmax(x.reshape(B, H, T // group, group, D), 3, bits)
-        return pack(q.view(B, H, T, D), bits), s.squeeze(3), z.squeeze(3)
-    q, s, z = _minmax(x.reshape(B, H, T, D // group, group), 4, bits)
-    return pack(q.view(B, H, T, D), bits), s.squeeze(4), z.squeeze(4)
+        return x.reshape(B, H, T // group, group, D), 3
+    return x.reshape(B, H, T, D // group, group), 4
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, axis: str) -> torch.Tensor:
@@ -81,11 +86,8 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 def steps(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
     """The quantization step of each element's group, ``(B, H, T, D)`` like ``x``: an element is read back within
     half of it."""
-    B, H, T, D = x.shape
-    x = x.to(F32)
-    dim, shape = (3, (B, H, T // group, group, D)) if axis == "channel" else (4, (B, H, T, D // group, group))
-    g = x.reshape(shape)
-    return ((g.amax(dim, keepdim=True) - g.amin(dim, keepdim=True)) / (2 ** bits - 1)).expand(shape).reshape(B, H, T, D)
+    g, dim = _groups(x, axis, group)
+    return ((g.amax(dim, keepdim=True) - g.amin(dim, keepdim=True)) / (2 ** bits - 1)).expand(g.shape).reshape(x.shape)
 
 
 def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
