@@ -17,7 +17,7 @@ import pytest
 
 import kvexplore
 from browser_support import screenshot
-from browser_truth import PAGE_FIGURES, kernel_truth, mismatches
+from browser_truth import kernel_truth, mismatches, page_figures
 from kvexplore.explorer.inspect import plain
 from kvexplore.views.prefix import BUILT_IN as NAMES, figures
 from test_browser_truth import LAB, SETTLE_S, _agree, _frames, _notebook
@@ -146,7 +146,7 @@ def test_prefix_replay_page_draws_each_frames_specs(tmp_path, browser, shots, ti
                 page.wait_for_function(f"(r) => r.dataset.kvxFrame === '{i}'", arg=root.element_handle())
                 specs = {n: {"traces": plain(s.traces), "layout": plain(s.layout)}
                          for n, s in figures(frames, i).items()}
-                diff = mismatches({"specs": specs}, {"figures": root.evaluate(PAGE_FIGURES)}, list(NAMES))
+                diff = mismatches({"specs": specs}, {"figures": page_figures(root)}, list(NAMES))
                 assert not diff, f"{policy} frame {i}:\n  " + "\n  ".join(diff[:20])
                 assert frames[i].title in root.locator(".kvx-label").inner_text()
                 if i == 3:
@@ -216,7 +216,7 @@ def test_side_by_side_replay_page_draws_each_pools_frame_under_one_slider(tmp_pa
                 assert column.evaluate("(r) => r.dataset.kvxFrame") == str(i)
                 specs = {n: {"traces": plain(s.traces), "layout": plain(s.layout)}
                          for n, s in figures(pool.frames(), i).items()}
-                diff = mismatches({"specs": specs}, {"figures": column.evaluate(PAGE_FIGURES)}, list(NAMES))
+                diff = mismatches({"specs": specs}, {"figures": page_figures(column)}, list(NAMES))
                 assert not diff, f"{pool.policy} frame {i}:\n  " + "\n  ".join(diff[:20])
             if i == 3:
                 screenshot(page, shots / "prefix_replay_side_by_side_frame3.png", full_page=True)

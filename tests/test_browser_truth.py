@@ -82,7 +82,13 @@ def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
         return state
 
     def click(name, label=None):
+        before = kernel_truth(explorer)["operations"]
         explorer.locator(f".kvx-{name}").first.click()
+        # the kernel may not have the click yet: until its operation has finished, the page trivially equals the
+        # kernel's state from before it (and the next click could be handled first)
+        page.wait_for_function(f"(root) => Number(root.querySelector('.kvx-truth pre').textContent"
+                               f".match(/\"operations\": (\\d+)/)[1]) > {before}", arg=explorer.element_handle(),
+                               polling=100, timeout=120_000)
         return check(label or name)
 
     return check, click

@@ -43,6 +43,7 @@ def state(explorer: Any) -> dict[str, Any]:
     return {"specs": {name: {"traces": plain(s.traces), "layout": plain(s.layout)}
                       for name, s in explorer.specs().items()},
             "compare": explorer.compare_rows(), "view": explorer.view, "error": explorer.error,
+            "operations": explorer.operations,
             "tokens": len(explorer.lane.generator.tokens), "lane": explorer.lane.name, "shown": explorer.shown(),
             "press": press(explorer), "speculation": speculation(explorer)}
 

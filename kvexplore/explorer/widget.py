@@ -83,6 +83,7 @@ class Explorer(Screen):
         self._device, self._dtype = device, dtype
         self.error = ""  # the last error shown in the widget ("" when the last operation succeeded)
         self._busy = False
+        self.operations = 0  # operations finished (a click's effect is in once this count grows past its value)
         self._zoom, self._reversed = {}, {}  # per figure, the axis ranges on screen and its reversed axes (.zoom)
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
         self.token_strip = TokenStrip()
@@ -318,6 +319,7 @@ class Explorer(Screen):
             raise
         finally:
             self._busy = False
+            self.operations += 1
             self._set_enabled(True)
             self.refresh()
 
