@@ -95,7 +95,8 @@ def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
 
 
 def _operations(page, explorer, lab: bool, shots: Path, prefix: str, every: bool = True) -> list[str]:
-    """Every kind of operation, each followed by the truth check, with screenshots of every view in between;
+    """Every kind of operation, each followed by the truth check, with screenshots of every view at three screen
+    sizes in between (in Voila: JupyterLab's are test_browser_layout's);
     returns the labels checked. ``every=False``: the operations that draw a model's own layers (the sequence, a
     strategy, a fork, layer and head picks, every tab) and one screenshot; the page-wide ones (sizes, side by side,
     presentation, sampling, reset, a model load) are the same for every model and checked on the others."""
@@ -127,8 +128,9 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str, every: bool
     if not every:
         _shot(page, explorer, shots / f"{prefix}_1280x800_attention.png")
         return done
-    _screenshots(page, explorer, shots, prefix)
-    check("after the screenshots")
+    if not lab:  # JupyterLab's looks at every screen size are test_browser_layout's; the app's are taken here
+        _screenshots(page, explorer, shots, prefix)
+        check("after the screenshots")
     explorer.locator(".kvx-side-by-side input").first.check()
     check("side by side")
     click("step", "step side by side")
