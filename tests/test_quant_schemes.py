@@ -181,3 +181,61 @@ def test_a_full_precision_prefill_reads_the_prompt_as_computed_and_the_doctor_ag
     report = kvexplore.doctor(tiny, prompt=_ids(tiny, 30), steps=6, cache=kvexplore.make_cache(
         "quantized", tiny, max_seq_len=64, exact_prefill=True, **options))
     assert not report.diverged and "full-precision prefill" in report.lossy
+
+
+def test_each_channels_worst_block_and_its_outlier_channels_before_and_after_a_rotation(tiny):
+    """``channel_detail``: per KV head and channel, the block of 8 positions where the channel lost the most, its
+    codes, scale and zero point there (the quantizer's own, read back from the storage), and the channel's largest
+    magnitude as written and where the codes are taken. A key channel 50x the others is an outlier as written; a
+    Hadamard rotation leaves no outlier where the codes are taken. The Stored K/V view puts the block on the
+    channel's hover and rings the outlier channels (crosses where quantized)."""
+    from kvexplore.caches.kivi import quantize, unpack
+    from kvexplore.views import tensors
+
+    H, D = tiny.config.num_kv_heads, tiny.config.head_dim
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, H, 24, D, generator=gen), torch.randn(1, H, 24, D, generator=gen)
+    k[..., 3] *= 50
+    cache = kvexplore.make_cache("quantized", tiny, max_seq_len=32, key_bits=4, value_bits=2, group_size=8,
+                                 residual=0)
+    assert cache.channel_detail(0) is None  # nothing quantized yet
+    cache.write(0, 0, k, v)
+    kd, vd = cache.channel_detail(0)
+    for part, x, d, bits, axis in (("keys", k, kd, 4, "channel"), ("values", v, vd, 2, "token")):
+        codes, scale, zero = quantize(x, bits, axis, 8)
+        codes = unpack(codes, bits)[0]
+        err = cache.channel_error(0)[part == "values"]
+        assert d.part == part and d.bits == bits and d.axis == axis and d.quantized is None
+        per_block = torch.stack([(cache.layers[0].decode(part[0], 8 * b, 8 * b + 8) - x[..., 8 * b:8 * b + 8, :])
+                                 .abs()[0].amax(1) for b in range(3)], 1)  # (H, blocks, D)
+        assert torch.equal(d.block, per_block.argmax(1)) and torch.allclose(per_block.amax(1), err)
+        for h in range(H):
+            for c in range(D):
+                b = int(d.block[h, c])
+                rows = slice(8 * b, 8 * b + 8)
+                assert d.codes[h, c].tolist() == codes[h, rows, c].tolist()
+                want_s = scale[0, h, b, c] if axis == "channel" else scale[0, h, rows, c // 8]
+                want_z = zero[0, h, b, c] if axis == "channel" else zero[0, h, rows, c // 8]
+                assert torch.equal(d.scale[h, c].flatten(), want_s.flatten())
+                assert torch.equal(d.zero[h, c].flatten(), want_z.flatten())
+        assert torch.allclose(d.written, cache.layers[0].decode(part[0], 0, 24)[0].abs().amax(1))
+    assert kd.outliers()[:, 3].all() and kd.outliers().sum() == H and not vd.outliers().any()
+    rotated = kvexplore.make_cache("quantized", tiny, max_seq_len=32, key_bits=4, value_bits=2, group_size=8,
+                                   residual=0, rotate="hadamard")
+    rotated.write(0, 0, k, v)
+    rk, _ = rotated.channel_detail(0)
+    assert rk.outliers()[:, 3].all() and rk.quantized is not None and not rk.outliers("quantized").any()
+    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).channel_detail(0) is None
+
+    for c, d in ((cache, kd), (rotated, rk)):
+        figure = tensors.spec(None, None, 0, c.stored_error(0), c.slot_view(0), channel_error=c.channel_error(0),
+                              channel_detail=c.channel_detail(0))
+        by_name = {t["name"]: t for t in figure.traces}
+        hover = by_name["keys error per channel"]["text"]
+        b = int(d.block[1, 3])
+        assert len(hover) == H * D and hover[D + 3].startswith(f"block {b} (positions {8 * b}..{8 * b + 7}), 4-bit")
+        assert " ".join(str(x) for x in d.codes[1, 3, :8].tolist()) in hover[D + 3]
+        ring = by_name["keys: outlier channels as written"]
+        assert ring["x"].tolist() == [3] * H and ring["y"].tolist() == list(range(H))
+        assert ("keys: outlier channels where quantized" in by_name) == (c is rotated)
+    assert len(by_name["keys: outlier channels where quantized"]["x"]) == 0

@@ -14,6 +14,7 @@ from ..core import host
 from ..errors import SettingsError
 from .held import PLAIN, THIS_STEP, UNDO_SCRATCH, StorageWalk
 from .memory import LayerMemory, MemoryReport
+from .channel_detail import PartDetail
 from .slots import SlotView
 
 
@@ -169,6 +170,13 @@ class CacheInspection:
         and the values' max absolute error per KV head and channel, ``(kv_heads, head_dim)`` each, on the CPU, for
         the first sequence of the batch; None for a cache that stores keys and values exactly (or keeps no record)."""
         return self.layers[layer].channel_error()
+
+    def channel_detail(self, layer: int) -> tuple[PartDetail, PartDetail] | None:
+        """The keys' and the values' channels in ``layer`` as this cache stores them lossily: each channel's largest
+        magnitude as written and where the codes are taken (after a rotation), and the codes, scales and zero points
+        of the block where it lost the most (:class:`~kvexplore.caches.channel_detail.PartDetail`, on the CPU, first
+        sequence); None for an exact cache or before anything is quantized."""
+        return self.layers[layer].channel_detail()
 
     def slot_view(self, layer: int | None = None) -> SlotView:
         """The state of every physical slot of ``layer`` (default: a full layer; what the cache map draws)."""

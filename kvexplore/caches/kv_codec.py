@@ -94,12 +94,22 @@ class Codec:
             out["out_idx"], out["out_val"] = idx.to(torch.int16), val.to(dtype)
         return out
 
-    def decode(self, stored: dict[str, torch.Tensor], positions: torch.Tensor, turn) -> torch.Tensor:
-        """Float32 ``(B, H, T, D)`` from :meth:`encode`'s tensors (or views of the cache's storage)."""
+    @property
+    def transforms(self) -> bool:
+        """Whether the codes are taken somewhere else than in the model's own channels (pre-RoPE, rotated)."""
+        return self.pre_rope or self.rotation is not None
+
+    def decoded(self, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Float32 ``(B, H, T, D)`` from :meth:`encode`'s tensors where the codes are taken (before
+        :meth:`untransform`): the codes scaled, the outliers put back."""
         y = dequantize(stored["codes"], stored["scale"], stored["zero"], self.bits, self.axis)
         if self.outliers:
             y = y.scatter(-1, stored["out_idx"].long(), stored["out_val"].to(F32))
-        return self.untransform(y, positions, turn)
+        return y
+
+    def decode(self, stored: dict[str, torch.Tensor], positions: torch.Tensor, turn) -> torch.Tensor:
+        """Float32 ``(B, H, T, D)`` from :meth:`encode`'s tensors (or views of the cache's storage)."""
+        return self.untransform(self.decoded(stored), positions, turn)
 
     def bound(self, x: torch.Tensor, positions: torch.Tensor, turn) -> torch.Tensor:
         """How far each element of ``x`` ``(B, H, T, D)`` (whole blocks) may be read back from itself: half a step of

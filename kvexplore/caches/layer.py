@@ -211,6 +211,10 @@ class LayerCache(ABC):
         lossily (None: stored exactly, or the originals are not kept)."""
         return None
 
+    def channel_detail(self) -> tuple[Any, Any] | None:
+        """The keys' and values' :class:`~kvexplore.caches.channel_detail.PartDetail` (None: stored exactly)."""
+        return None
+
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
         """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"

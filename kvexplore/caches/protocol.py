@@ -163,6 +163,11 @@ class ModelCache(ABC):
     def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys' and values' largest error per KV head and channel (None: exact, or no record kept)."""
 
+    def channel_detail(self, layer: int) -> tuple[Any, Any] | None:
+        """The keys' and values' channels as stored lossily: magnitudes, and the codes of each channel's worst block
+        (:class:`~kvexplore.caches.channel_detail.PartDetail`; None: exact, or nothing quantized yet)."""
+        return None
+
     @abstractmethod
     def describe_layers(self) -> str:
         """What the cache keeps for each kind of layer, in one line."""

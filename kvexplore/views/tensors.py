@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..caches.base import SlotView
+from ..caches.channel_detail import OUTLIER, PartDetail
 from ..trace.records import StepRecord
 from . import bins, onscreen
 from .snapshot import MAX_BINS
@@ -41,9 +42,12 @@ def binned(rows: np.ndarray, b: bins.Bins, how: str) -> dict[str, np.ndarray]:
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
          quant_error: torch.Tensor | None = None, slots: SlotView | None = None,
          zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS, did: str = "",
-         channel_error: tuple[torch.Tensor, torch.Tensor] | None = None) -> FigureSpec:
+         channel_error: tuple[torch.Tensor, torch.Tensor] | None = None,
+         channel_detail: tuple[PartDetail, PartDetail] | None = None) -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
     ``channel_error``: the keys' and values' max error per KV head and channel (two panels beside it);
+    ``channel_detail``: what those panels show on hover (the codes, scales and zeros of each channel's worst block)
+    and mark (outlier channels, as written and where the codes are taken);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
     (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max).
     ``did``: what the cache did so far (said over an error panel that is all zero: nothing quantized yet)."""
@@ -82,12 +86,16 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
              hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
                            "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
-    for i, (part, rows) in enumerate(zip(("keys", "values"), ce)):  # each to its own largest error (axis title)
+    details = list(channel_detail) if channel_detail is not None and ce else [None, None]
+    for i, (part, rows, detail) in enumerate(zip(("keys", "values"), ce, details)):  # each to its own largest error
+        text = {} if detail is None else dict(text=block_text(detail))
         traces.append(dict(type="heatmap", name=f"{part} error per channel", **columns(rows), colorscale="Reds",
                            zmin=0, zmax=float(rows.max()) or 1.0, showscale=False, xaxis=f"x{4 + i}",
-                           yaxis=f"y{4 + i}", ygap=1,
+                           yaxis=f"y{4 + i}", ygap=1, **text,
                            hovertemplate=f"{part} · KV head %{{y}} · channel %{{x}}<br>max |error| = %{{z:.4g}}"
-                                         f"<extra></extra>"))
+                                         + ("<br>%{text}" if text else "") + "<extra></extra>"))
+        if detail is not None:
+            traces += outlier_marks(detail, f"x{4 + i}", f"y{4 + i}")
     shown = onscreen.describe(b, len(positions))
     # an error of zero everywhere draws as the scale's white end (zmax 1), not its middle, and says why
     said = "" if quant_error is not None and top > 0 else \
@@ -117,6 +125,47 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
         layout[f"yaxis{4 + i}"] = dict(domain=[0, 0.22], anchor=f"x{4 + i}", dtick=1, showticklabels=i == 0 and top > 0,
                                        range=[-0.5, max(rows.shape[0], 1) - 0.5])
     return FigureSpec(traces, layout if positions else hide_axes(layout))
+
+
+def block_text(d: PartDetail) -> list[str]:
+    """Per KV head and channel (row by row, as :func:`~.spec.columns` lays the cells), the hover's lines: the block
+    where the channel lost the most, its codes there, its scale and zero point there (one, or a range over the
+    block's positions on the token axis), and the channel's largest magnitude as written and where quantized."""
+    H, D, G = d.codes.shape
+    out = []
+    for h in range(H):
+        for c in range(D):
+            b = int(d.block[h, c])
+            codes = [str(x) for x in d.codes[h, c].tolist()]
+            s, z = d.scale[h, c], d.zero[h, c]
+            scale = (f"scale {float(s[0]):.3g}, zero {float(z[0]):.3g}" if s.numel() == 1 else
+                     f"scales {float(s.min()):.3g}..{float(s.max()):.3g}, zeros {float(z.min()):.3g}..{float(z.max()):.3g}"
+                     f" (one a position)")
+            size = f"max |x| {float(d.written[h, c]):.3g} as written" + (
+                "" if d.quantized is None else f", {float(d.quantized[h, c]):.3g} where quantized")
+            out.append(f"block {b} (positions {b * G}..{b * G + G - 1}), {d.bits}-bit codes:<br>"
+                       f"{' '.join(codes[:16])}<br>{' '.join(codes[16:])}<br>{scale}<br>{size}")
+    return out
+
+
+def outlier_marks(d: PartDetail, xaxis: str, yaxis: str) -> list[dict]:
+    """Marks over the channels that are outliers (at least :data:`OUTLIER` times their head's median channel): a
+    ring as the model wrote them, a cross where the codes are taken when that is elsewhere (a rotation spreads
+    them)."""
+    out = []
+    for which, symbol, colour, where in (("written", "circle-open", "#222", "as written"),
+                                         ("quantized", "x-thin-open", "#1f77b4", "where quantized")):
+        if which == "quantized" and d.quantized is None:
+            continue
+        mags = d.written if which == "written" else d.quantized
+        heads, chans = torch.nonzero(d.outliers(which), as_tuple=True)
+        out.append(dict(type="scatter", mode="markers", name=f"{d.part}: outlier channels {where}",
+                        x=chans.numpy().astype(np.int32), y=heads.numpy().astype(np.int32),
+                        customdata=mags[heads, chans].numpy().astype(np.float32), xaxis=xaxis, yaxis=yaxis,
+                        marker=dict(symbol=symbol, size=9, color=colour, line=dict(width=1.5, color=colour)),
+                        hovertemplate=f"{d.part} · KV head %{{y}} · channel %{{x}}<br>max |x| %{{customdata:.3g}} "
+                                      f"{where}: {OUTLIER:g}x its head's median channel or more<extra></extra>"))
+    return out
 
 
 def _ends(rows: np.ndarray) -> dict:
@@ -159,4 +208,5 @@ def from_snapshot(s) -> FigureSpec:
         return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
                 d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins,
-                did=ln.did, channel_error=d.channel_error if d else None)
+                did=ln.did, channel_error=d.channel_error if d else None,
+                channel_detail=d.channel_detail if d else None)

@@ -14,7 +14,8 @@ from ...core import host
 from ..layer import FullLayer, Step
 from ..layout import QuantizedLayout
 from ..memory import StepCounters
-from ..kivi import F32
+from ..channel_detail import PartDetail, block_rows
+from ..kivi import F32, unpack
 from ..kv_codec import Codec
 from ..slots import FILLED, FREE, STALE, SlotView
 
@@ -283,6 +284,32 @@ class QuantizedLayer(FullLayer):
         n = self.qf // self.group_size
         k, v = (t[0, :, :n].amax(1) if n else torch.zeros_like(t[0, :, 0]) for t in (self.kcherr, self.vcherr))
         return tuple(host.fetch([k, v]))
+
+    def channel_detail(self) -> tuple[PartDetail, PartDetail] | None:
+        """The keys' and the values' :class:`~kvexplore.caches.channel_detail.PartDetail` over the quantized blocks,
+        for the first sequence (None before any block is quantized)."""
+        G, qf = self.group_size, self.qf
+        n = qf // G
+        if n == 0:
+            return None
+        positions = torch.arange(qf, device=self.rk.device)
+        out = []
+        for part, cherr in (("k", self.kcherr), ("v", self.vcherr)):
+            codec = self._codec(part)
+            stored = self._stored(part, 0, qf)
+            y = codec.decoded(stored)  # where the codes are taken
+            x = codec.untransform(y, positions, self.rope_turn)
+            block = cherr[0, :, :n].argmax(1)  # (H, D)
+            codes = unpack(stored["codes"], codec.bits)[0]
+            scale, zero = stored["scale"][0], stored["zero"][0]
+            if codec.axis == "channel":  # (H, blocks, D): the block's one scale of each channel
+                scale, zero = (t.gather(1, block[:, None, :]).permute(0, 2, 1) for t in (scale, zero))
+            else:  # (H, positions, D // channel group): each position's scale of the channel's group
+                scale, zero = (block_rows(t.repeat_interleave(codec.group, -1), block, G) for t in (scale, zero))
+            got = host.fetch([x[0].abs().amax(1), y[0].abs().amax(1), block, block_rows(codes, block, G), scale, zero])
+            out.append(PartDetail("keys" if part == "k" else "values", codec.bits, codec.axis, G, got[0],
+                                  got[1] if codec.transforms else None, *got[2:]))
+        return out[0], out[1]
 
     def storage(self) -> list[torch.Tensor]:
         return [self.rk, self.rv]  # a read is a view of these only while nothing is quantized
