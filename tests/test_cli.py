@@ -71,6 +71,9 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
                      "--outliers", "0.1") == (
         f"[quantized cache: positions 0..{q - 1} quantized to 4 bits (keys per token, values per channel, pre-RoPE "
         f"keys, Hadamard-rotated, 2 outliers a vector kept exact), the last {n - q} kept in full precision]")
+    assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual", "4",
+                     "--exact-prefill") == (f"[quantized cache: positions 0..{q - 1} quantized to 4 bits (full-precision "
+                                            f"prefill), the last {n - q} kept in full precision]")
     # llama.cpp's types need rows of 32 values: the packaged tiny model's heads (this source's are 16 wide)
     assert _generate("tiny", capsys, "--cache", "quantized", "--cache-type-k", "q4_0", "--cache-type-v", "q8_0",
                      n=4).endswith("[llama.cpp cache types: keys q4_0 (4.5 bits a value), values q8_0 (8.5 bits a "

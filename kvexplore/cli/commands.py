@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--cache quantized: quantize keys before RoPE, rotate them at read (KVQuant)")
     gen.add_argument("--outliers", type=float, default=None,
                      help="--cache quantized: the fraction of each vector kept exact (KVQuant: 0.01)")
+    gen.add_argument("--exact-prefill", action="store_const", const=True, default=None,
+                     help="--cache quantized: the prompt's own pass reads its keys and values as computed (KIVI's and "
+                          "transformers' prefill); the codes are stored all the same")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -156,7 +159,7 @@ def _count(text: str) -> int:
 #: generate's cache options (make_cache's keywords), by the cache kind that takes them
 CACHE_OPTIONS = {"sink": ("sinks", "window"),
                  "quantized": ("bits", "key_bits", "value_bits", "group_size", "residual", "k_type", "v_type",
-                               "key_axis", "value_axis", "rotate", "pre_rope_keys", "outliers")}
+                               "key_axis", "value_axis", "rotate", "pre_rope_keys", "outliers", "exact_prefill")}
 FLAGS = {"k_type": "--cache-type-k", "v_type": "--cache-type-v"}  # options whose flag is not their name
 SINK_WINDOW = 28  # generate's sink window when none is given: with 4 sinks, it evicts past 32 positions
 
