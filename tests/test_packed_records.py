@@ -40,3 +40,42 @@ def test_packed_changes_read_back_as_the_views_each_step_recorded(tiny, kind, op
     changes = sum(v.nbytes for t in traces for v in {id(v): v for v in t.layer_slots}.values())
     whole = sum(PackedSlots.pack(v).nbytes for views in expected for v in {id(v): v for v in views}.values())
     assert changes < whole / 4, (changes, whole)
+
+
+def test_older_records_keep_their_events_memory_and_attention_entries_packed_and_read_the_same(tiny, tmp_path):
+    """Past KEEP_STEPS records, a record's memory report keeps its layers as one row of figures each (PackedLayers),
+    its trace its cache events as one array (PackedEvents) and its attention entries as one (first, end) pair when
+    every layer's are one step's: each reads back equal to what the step recorded, and a saved run loads the same."""
+    from kvexplore.caches.memory import PackedLayers
+    from kvexplore.explorer.session import Session
+    from kvexplore.trace.packed import KEEP_STEPS, PackedEvents, SameRows
+
+    s = Session(tiny, ("preallocated", "paged"), max_seq_len=200)
+    s.prefill("Call me Ishmael. Some years ago, never mind how long precisely")
+    seen = {}
+    for _ in range(KEEP_STEPS + 20):
+        s.step()
+        for name, lane in s.lanes.items():
+            r = lane.history[-1]
+            seen[name, r.step] = (tuple(r.memory.layers), r.memory.by_kind(), list(r.trace.events),
+                                  r.trace.attention_layers)
+    for name, lane in s.lanes.items():
+        old = [r for r in lane.history[:-KEEP_STEPS] if r.step > 0]
+        assert len(old) >= 19
+        for r in old:
+            layers, kinds, events, attention = seen[name, r.step]
+            assert isinstance(r.memory.layers, PackedLayers) and r.memory.layers == layers
+            assert tuple(r.memory.layers) == layers and r.memory.by_kind() == kinds
+            assert isinstance(r.trace.events, PackedEvents) and list(r.trace.events) == events
+            assert isinstance(r.trace._attention, SameRows) and r.trace.attention_layers == attention
+        assert all(not isinstance(r.memory.layers, PackedLayers) for r in lane.history[-KEEP_STEPS:])
+        shared = {id(r.memory.layers.kinds) for r in old}
+        assert len(shared) == 1  # the layers' kinds kept once for the run
+
+    gen = kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, max_seq_len=128),
+                              tracer=kvexplore.Tracer({"cache", "memory"}))
+    gen.prefill("Call me Ishmael.")
+    gen.run(KEEP_STEPS + 5, stop_at_eos=False)
+    assert isinstance(gen.history[1].memory.layers, PackedLayers)
+    back = kvexplore.load_trace(gen.history.save(tmp_path / "run"))
+    assert [tuple(r.memory.layers) for r in back] == [tuple(r.memory.layers) for r in gen.history]

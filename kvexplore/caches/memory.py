@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..config.model_config import ModelConfig
@@ -48,6 +50,47 @@ class LayerMemory:
     # and values and what else it keeps (positions, masks, press scores, checkpoints, a shared page table), by part
     held_bytes: int = 0
     parts: dict[str, int] = field(default_factory=dict)
+
+
+_FIGURES = ("layer", "held", "logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes",
+            "held_bytes")
+
+
+class PackedLayers(Sequence):
+    """A report's :class:`LayerMemory` tuple as one int64 row of figures per layer, with the layers' kinds and parts
+    shared with the report packed before it where they are equal (a long run's older reports keep about 70 bytes a
+    layer, not 700); it reads as the tuple did, building each :class:`LayerMemory` when asked."""
+
+    __slots__ = ("rows", "kinds", "parts")
+
+    def __init__(self, layers: Sequence[LayerMemory], before: "PackedLayers | None" = None) -> None:
+        self.rows = np.array([[getattr(m, f) for f in _FIGURES] for m in layers], dtype=np.int64).reshape(-1, 8)
+        kinds = tuple(m.kind for m in layers)
+        parts = tuple(tuple(m.parts.items()) for m in layers)
+        self.kinds = before.kinds if before is not None and before.kinds == kinds else kinds
+        self.parts = before.parts if before is not None and before.parts == parts else parts
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        row = self.rows[i].tolist()
+        return LayerMemory(row[0], self.kinds[i], *row[1:7], row[7], dict(self.parts[i]))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+
+def packed_report(report: "MemoryReport", before: "MemoryReport | None" = None) -> "MemoryReport":
+    """``report`` with its layers packed (:class:`PackedLayers`, sharing with ``before``'s where equal)."""
+    if isinstance(report.layers, PackedLayers):
+        return report
+    base = before.layers if before is not None and isinstance(before.layers, PackedLayers) else None
+    return replace(report, layers=PackedLayers(report.layers, base))
 
 
 @dataclass

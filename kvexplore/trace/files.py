@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from ..caches.base import SlotView
 from ..caches.layout import LinearLayout, layout_from_dict
 from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
-from ..caches.memory import LayerMemory, MemoryReport
+from ..caches.memory import LayerMemory, MemoryReport, packed_report
 from .records import Candidate, StepRecord
-from .packed import unpacked
+from .packed import KEEP_STEPS, unpacked
 from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 
@@ -39,6 +39,15 @@ class History(list):
     def __init__(self, records=(), meta: dict | None = None) -> None:
         super().__init__(records)
         self.meta = dict(meta if meta is not None else getattr(records, "meta", {}))
+
+    def append(self, record) -> None:
+        """Add ``record``; the one :data:`~kvexplore.trace.packed.KEEP_STEPS` records back has its memory report's
+        layers packed (:class:`~kvexplore.caches.memory.PackedLayers`: a long run's records grow by tens of bytes a
+        layer and step, not hundreds)."""
+        super().append(record)
+        i = len(self) - 1 - KEEP_STEPS
+        if i >= 0 and self[i].memory is not None:
+            self[i].memory = packed_report(self[i].memory, self[i - 1].memory if i else None)
 
     def save(self, path: str | Path) -> Path:
         """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
@@ -78,7 +87,7 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
     for i, r in enumerate(records):
         row = {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("top", "memory", "trace")}
         row["top"] = [asdict(c) for c in r.top]
-        row["memory"] = None if r.memory is None else asdict(r.memory)
+        row["memory"] = None if r.memory is None else asdict(replace(r.memory, layers=tuple(r.memory.layers)))
         row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
         if r.trace is not None and r.trace.press is not None:
             row["trace"]["press"] = press_row(r.trace.press, tensors, outcomes)

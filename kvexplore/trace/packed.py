@@ -12,6 +12,7 @@ them often) and packs each older one once, against the one packed before it. A p
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +119,86 @@ def unpacked(view):
     return out
 
 
+class PackedEvents(Sequence):
+    """A trace's cache events as one int64 row each: layer, write (first, count), read (first, count), data_ptr,
+    storage offset, view, the number of dims, then the read shape and the stride padded to :data:`_DIMS`; it reads
+    as the list did (each :class:`~kvexplore.trace.tracer.CacheEvent` built when asked)."""
+
+    __slots__ = ("rows", "event")
+
+    def __init__(self, events) -> None:
+        self.event = type(events[0]) if len(events) else None  # CacheEvent (kvexplore.trace.tracer imports this module)
+        self.rows = np.array([[e.layer, *e.write, *e.read, e.data_ptr, e.storage_offset, e.view, len(e.read_shape),
+                               *_padded(e.read_shape), *_padded(e.stride)] for e in events],
+                             dtype=np.int64).reshape(-1, 9 + 2 * _DIMS)
+
+    @staticmethod
+    def fits(events) -> bool:
+        return all(len(e.read_shape) <= _DIMS and len(e.stride) <= _DIMS for e in events)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        r = self.rows[i].tolist()
+        n = r[8]
+        return self.event(layer=r[0], write=(r[1], r[2]), read=(r[3], r[4]), read_shape=tuple(r[9:9 + n]),
+                          data_ptr=r[5], storage_offset=r[6], stride=tuple(r[9 + _DIMS:9 + _DIMS + n]), view=bool(r[7]))
+
+
+_DIMS = 6  # the most dims a packed event's read keeps (a key read has 4: batch, heads, positions, head_dim)
+
+
+def _padded(t: tuple) -> list[int]:
+    return [*t, *[0] * (_DIMS - len(t))]
+
+
+class SameRows(Mapping):
+    """A trace's attention entries when every layer's is ``(layer, first, end)`` (one decode step's rows of each layer
+    in the store): the layers and the two numbers, not a dict of tuples."""
+
+    __slots__ = ("layers", "first", "end")
+
+    def __init__(self, layers: tuple[int, ...], first: int, end: int) -> None:
+        self.layers, self.first, self.end = layers, first, end
+
+    @staticmethod
+    def of(entries: dict, before: Any = None) -> Any:
+        """``entries`` as a :class:`SameRows` when they have that form, else as they are."""
+        values = list(entries.values())
+        if not values or not all(isinstance(v, tuple) and len(v) == 3 and v[0] == k for k, v in entries.items()) or \
+                len({v[1:] for v in values}) != 1:
+            return entries
+        layers = tuple(entries)
+        if isinstance(before, SameRows) and before.layers == layers:
+            layers = before.layers
+        return SameRows(layers, *values[0][1:])
+
+    def __getitem__(self, layer: int) -> tuple:
+        if layer not in self.layers:
+            raise KeyError(layer)
+        return layer, self.first, self.end
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
 def pack(trace, before=None) -> None:
     """Pack ``trace``'s slot views and read positions in place (objects shared by layers stay shared); each slot view
-    as its changes to the same layer's view in ``before`` (the trace packed one step earlier) where that is smaller."""
+    as its changes to the same layer's view in ``before`` (the trace packed one step earlier) where that is smaller.
+    Its cache events become one array (:class:`PackedEvents`), its attention entries a :class:`SameRows` where they
+    can, and its lists of heads the ones ``before`` holds when equal."""
+    if not isinstance(trace.events, PackedEvents) and PackedEvents.fits(trace.events):
+        trace.events = PackedEvents(trace.events)
+    trace.pack_attention(before)
+    if before is not None:
+        trace.gqa_groups = before.gqa_groups if before.gqa_groups == trace.gqa_groups else trace.gqa_groups
+        trace.heads = before.heads if before.heads == trace.heads else trace.heads
     memo: dict[int, object] = {}
     bases = before.layer_slots if before is not None and len(before.layer_slots) == len(trace.layer_slots) else None
 

@@ -29,7 +29,7 @@ from ..caches.base import KVCache, SlotView
 from ..caches.layout import SharedLayout
 from ..errors import SettingsError
 from ..core import host
-from .packed import unpacked
+from .packed import SameRows, unpacked
 from .press import PressOutcome, PressStep, record as press_record
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
@@ -117,7 +117,14 @@ class StepTrace:
 
     def keep_attention(self, layer: int, entry: Any) -> None:
         """Record that ``layer``'s rows of this step are ``entry`` in :attr:`history`."""
+        if not isinstance(self._attention, dict):  # packed (an older step)
+            self._attention = dict(self._attention)
         self._attention[layer] = entry
+
+    def pack_attention(self, before: "StepTrace | None" = None) -> None:
+        """Keep the entries as a :class:`~kvexplore.trace.packed.SameRows` when every layer's rows are one step's
+        (sharing ``before``'s tuple of layers when equal)."""
+        self._attention = SameRows.of(self._attention, before._attention if before is not None else None)
 
     def truncate(self, n: int) -> None:
         """Keep the attention rows of query positions below ``n`` only (a speculative take-back cut the rest)."""
