@@ -21,7 +21,7 @@ import numpy as np
 from ..caches.layout import Layout
 from ..caches.slots import FREE, STATES, PackedSlots, SlotView
 
-KEEP_STEPS = 32  # traces kept as they are
+KEEP_STEPS = 8  # traces kept as they are (a verification of up to 7 drafts gives 8 records; the views read the newest)
 KEYFRAME = 64  # a chain of changes is at most this long: then a view is packed whole
 _FREE = STATES.index(FREE)
 _UNPACKED: "OrderedDict[int, tuple[Any, SlotView]]" = OrderedDict()  # id -> (packed, view): the last few
@@ -226,6 +226,10 @@ class RecentTraces:
         self.keep = KEEP_STEPS if keep is None else keep
 
     def push(self, trace) -> None:
+        compact: dict[int, Any] = {}  # its read positions at once (a range where consecutive): they grow with the context
+        for r in trace.layer_reads:
+            compact.setdefault(id(r), compact_positions(r))
+        trace.layer_reads = [compact[id(r)] for r in trace.layer_reads]
         self._traces.append(trace)
         while len(self._traces) > self.keep:
             older = self._traces.popleft()
