@@ -34,7 +34,7 @@ def layer_bytes(spec: LayerSpec, positions: int, batch_size: int = 1, dtype: tor
     return spec.position_bytes(dtype.itemsize) * batch_size * positions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LayerMemory:
     """One layer's cache after a step: its ``kind`` (full, sliding, shared), bytes held and moved."""
 
@@ -57,14 +57,16 @@ _FIGURES = ("layer", "held", "logical_bytes", "reserved_bytes", "analytic_bytes"
 
 
 class PackedLayers(Sequence):
-    """A report's :class:`LayerMemory` tuple as one int64 row of figures per layer, with the layers' kinds and parts
+    """A report's :class:`LayerMemory` tuple as one row of figures per layer (int32 where they fit), with the layers' kinds and parts
     shared with the report packed before it where they are equal (a long run's older reports keep about 70 bytes a
     layer, not 700); it reads as the tuple did, building each :class:`LayerMemory` when asked."""
 
     __slots__ = ("rows", "kinds", "parts")
 
     def __init__(self, layers: Sequence[LayerMemory], before: "PackedLayers | None" = None) -> None:
-        self.rows = np.array([[getattr(m, f) for f in _FIGURES] for m in layers], dtype=np.int64).reshape(-1, 8)
+        rows = np.array([[getattr(m, f) for f in _FIGURES] for m in layers], dtype=np.int64).reshape(-1, 8)
+        small = not rows.size or rows.max() <= np.iinfo(np.int32).max  # (every figure is 0 or more)
+        self.rows = rows.astype(np.int32) if small else rows
         kinds = tuple(m.kind for m in layers)
         parts = tuple(tuple(m.parts.items()) for m in layers)
         self.kinds = before.kinds if before is not None and before.kinds == kinds else kinds
@@ -105,7 +107,7 @@ class StepCounters:
     frees: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemoryReport:
     """A cache's memory after a step. Every figure is exact and checkable against the formula."""
 

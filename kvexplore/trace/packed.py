@@ -120,21 +120,26 @@ def unpacked(view):
 
 
 class PackedEvents(Sequence):
-    """A trace's cache events as one int64 row each: layer, write (first, count), read (first, count), data_ptr,
-    storage offset, view, the number of dims, then the read shape and the stride padded to :data:`_DIMS`; it reads
-    as the list did (each :class:`~kvexplore.trace.tracer.CacheEvent` built when asked)."""
+    """A trace's cache events as one row of integers each (int32 where every figure fits): layer, write (first,
+    count), read (first, count), storage offset, view, the number of dims, then the read shape and the stride padded
+    to the most dims an event has; the keys' data pointers in an int64 array beside. It reads as the list did (each
+    :class:`~kvexplore.trace.tracer.CacheEvent` built when asked)."""
 
-    __slots__ = ("rows", "event")
+    __slots__ = ("rows", "ptrs", "dims", "event")
 
     def __init__(self, events) -> None:
         self.event = type(events[0]) if len(events) else None  # CacheEvent (kvexplore.trace.tracer imports this module)
-        self.rows = np.array([[e.layer, *e.write, *e.read, e.data_ptr, e.storage_offset, e.view, len(e.read_shape),
-                               *_padded(e.read_shape), *_padded(e.stride)] for e in events],
-                             dtype=np.int64).reshape(-1, 9 + 2 * _DIMS)
+        self.dims = max((len(e.read_shape) for e in events), default=0)
+        pad = lambda t: [*t, *[0] * (self.dims - len(t))]  # noqa: E731
+        rows = np.array([[e.layer, *e.write, *e.read, e.storage_offset, e.view, len(e.read_shape), *pad(e.read_shape),
+                          *pad(e.stride)] for e in events], dtype=np.int64).reshape(-1, 8 + 2 * self.dims)
+        small = not rows.size or (rows.min() >= np.iinfo(np.int32).min and rows.max() <= np.iinfo(np.int32).max)
+        self.rows = rows.astype(np.int32) if small else rows
+        self.ptrs = np.array([e.data_ptr for e in events], dtype=np.int64)
 
     @staticmethod
     def fits(events) -> bool:
-        return all(len(e.read_shape) <= _DIMS and len(e.stride) <= _DIMS for e in events)
+        return all(len(e.read_shape) == len(e.stride) for e in events)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -142,17 +147,11 @@ class PackedEvents(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        r = self.rows[i].tolist()
-        n = r[8]
-        return self.event(layer=r[0], write=(r[1], r[2]), read=(r[3], r[4]), read_shape=tuple(r[9:9 + n]),
-                          data_ptr=r[5], storage_offset=r[6], stride=tuple(r[9 + _DIMS:9 + _DIMS + n]), view=bool(r[7]))
-
-
-_DIMS = 6  # the most dims a packed event's read keeps (a key read has 4: batch, heads, positions, head_dim)
-
-
-def _padded(t: tuple) -> list[int]:
-    return [*t, *[0] * (_DIMS - len(t))]
+        r, d = self.rows[i].tolist(), self.dims
+        n = r[7]
+        return self.event(layer=r[0], write=(r[1], r[2]), read=(r[3], r[4]), read_shape=tuple(r[8:8 + n]),
+                          data_ptr=int(self.ptrs[i]), storage_offset=r[5], stride=tuple(r[8 + d:8 + d + n]),
+                          view=bool(r[6]))
 
 
 class SameRows(Mapping):

@@ -8,7 +8,7 @@ from ..caches.memory import MemoryReport
 from .tracer import StepTrace
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """One of the most likely next tokens, under the model's unfiltered distribution."""
 
@@ -21,7 +21,7 @@ class Candidate:
 _PREFILL = {"prefill": True, "decode": False}
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One new token.
 

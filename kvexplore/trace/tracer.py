@@ -35,7 +35,7 @@ from .press import PressOutcome, PressStep, record as press_record
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheEvent:
     """What one layer's attention did with the cache in one forward pass (plain values: copies by nature)."""
 
