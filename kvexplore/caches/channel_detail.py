@@ -47,6 +47,5 @@ class PartDetail:
 def block_rows(t: torch.Tensor, block: torch.Tensor, group: int) -> torch.Tensor:
     """``t`` ``(kv_heads, positions, head_dim)``: for each head and channel the ``group`` rows of its ``block``,
     ``(kv_heads, head_dim, group)``."""
-    H, _, D = t.shape
     rows = block[:, None, :] * group + torch.arange(group, device=t.device)[None, :, None]  # (H, group, D)
     return t.gather(1, rows).permute(0, 2, 1)

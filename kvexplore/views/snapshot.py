@@ -7,6 +7,7 @@ tracer, and never ask what kind of cache they look at beyond the ``kind`` label 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,9 @@ class LaneDetail:
     state: tuple[list[int], torch.Tensor] | None = None  # a linear-attention layer's state norms over the steps
     # the keys' and values' max error per KV head and channel, (kv_heads, head_dim) each (the quantized cache)
     channel_error: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the same channels' magnitudes and the codes of each one's worst block (PartDetail; the quantized cache)
-    channel_detail: tuple[Any, Any] | None = None
+    # the same channels' magnitudes and the codes of each one's worst block (PartDetail; the quantized cache), asked
+    # for by the view that draws them (it reads the layer's codes back: work a refresh of the other views need not do)
+    channel_detail: Callable[[], tuple[Any, Any] | None] | None = None
     # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.trace.recompute.LaneAttention)
     attention: Any = None
 
@@ -120,7 +122,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             stored_error=lane.cache.stored_error(layer) if has else None,
             state=lane.tracer.state_history(layer, lane.cache.length) if has else None,
             channel_error=lane.cache.channel_error(layer) if has else None,
-            channel_detail=lane.cache.channel_detail(layer) if has else None,
+            channel_detail=(lambda cache=lane.cache: cache.channel_detail(layer)) if has else None,
             attention=_attention(session, lane) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,

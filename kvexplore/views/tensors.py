@@ -209,4 +209,4 @@ def from_snapshot(s) -> FigureSpec:
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
                 d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins,
                 did=ln.did, channel_error=d.channel_error if d else None,
-                channel_detail=d.channel_detail if d else None)
+                channel_detail=d.channel_detail() if d and d.channel_detail else None)

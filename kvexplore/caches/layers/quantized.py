@@ -306,9 +306,11 @@ class QuantizedLayer(FullLayer):
                 scale, zero = (t.gather(1, block[:, None, :]).permute(0, 2, 1) for t in (scale, zero))
             else:  # (H, positions, D // channel group): each position's scale of the channel's group
                 scale, zero = (block_rows(t.repeat_interleave(codec.group, -1), block, G) for t in (scale, zero))
-            got = host.fetch([x[0].abs().amax(1), y[0].abs().amax(1), block, block_rows(codes, block, G), scale, zero])
-            out.append(PartDetail("keys" if part == "k" else "values", codec.bits, codec.axis, G, got[0],
-                                  got[1] if codec.transforms else None, *got[2:]))
+            sizes = [x[0].abs().amax(1)] + ([y[0].abs().amax(1)] if codec.transforms else [])
+            got = host.fetch([*sizes, block, block_rows(codes, block, G), scale, zero])
+            quantized = got.pop(1) if codec.transforms else None
+            out.append(PartDetail("keys" if part == "k" else "values", codec.bits, codec.axis, G, got[0], quantized,
+                                  *got[1:]))
         return out[0], out[1]
 
     def storage(self) -> list[torch.Tensor]:
