@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvexplore"
 #: __init__ (the public API), which sits on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("runtime",), ("hf", "prefix"),
-    ("diagnosis",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
+    ("diagnosis",), ("bugs",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..caches.factory import STRATEGIES
 from ..caches.ggml_blocks import TYPES
 from ..errors import KVExploreError, SettingsError
-from . import kv_events
+from . import bugs, kv_events
 from .compile_progress import compile_progress
 
 
@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     kv_events.add_parser(sub, _Parser)
+    bugs.add_parser(sub, _Parser)
     return parser
 
 
@@ -363,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
         elif args.command == "kv-events":
             return kv_events.run(args)
+        elif args.command == "bugs":
+            return bugs.run(args)
         elif args.command == "lab":
             from .launch import lab
 

@@ -108,8 +108,9 @@ class KeptPasses(KVPasses):
         return base
 
     def explain(self, first: Departure, got: Pass, ref: Pass, tol: float) -> str | None:
-        """A hint of its own for a pressed layer's keys (see :func:`rotation_hint`), else None."""
-        return rotation_hint(self, first, got, ref, tol)
+        """A hint of its own for a pressed layer's keys (see :func:`rotation_hint`) or output (see
+        :func:`reads_hint`), else None."""
+        return rotation_hint(self, first, got, ref, tol) or reads_hint(first, got)
 
 
 def impose(cache: EvictCache, kept: dict[int, list[list[int]]], rotary) -> None:
@@ -161,8 +162,9 @@ def rotation_hint(passes: KeptPasses, first: Departure, got: Pass, ref: Pass, to
             continue
         kept = passes.cache.kept_positions(L)[h]
         said = dict(zip(kept, passes.declared[L][h])).get(p) if L in passes.declared else None
+        span = range(-passes.cache.length, passes.cache.length + 1)  # a turn from any origin the sequence held
         d = rope_offset(passes, L, g.keys[h:h + 1, columns.index(p)], r.keys[h:h + 1, p], p, tol,
-                        () if said is None else (said - p,))
+                        (*span, *(() if said is None else (said - p,))))
         if d is None:
             return None
         mode = passes.cache.position_mode
@@ -171,3 +173,14 @@ def rotation_hint(passes: KeptPasses, first: Departure, got: Pass, ref: Pass, to
                 f"{'' if said is None else f'; the cache says it is rotated at {said}'}): a kept key was re-rotated "
                 f"{'when it should keep its position' if mode == 'keep' else 'by the wrong amount, twice, or not at all'}")
     return None
+
+
+def reads_hint(first: Departure, got: Pass) -> str | None:
+    """When a pressed layer's output departs though its keys and values matched the reference head by head (they are
+    compared first): its attention read other columns than each KV head holds."""
+    L = first.layer
+    if first.what != "output" or L is None or got.layers[L].head_positions is None:
+        return None
+    return (f"layer {L}'s keys and values match a recomputation with the same kept set head by head, yet its output "
+            f"departs: its attention read other slots than each KV head holds (a mask or a head mapping taken from "
+            f"another head, or a head's empty slots read)")

@@ -52,7 +52,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     if isinstance(model, hf.HFModel):
         if tokenizer is not None and model.tokenizer is None:
             model.tokenizer = hf.model.as_tokenizer(tokenizer, model.config)
-        ids = _ids(prompt, model.tokenizer, model.config.vocab_size)
+        ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
         slots = max_seq_len or len(ids) + steps
         if cache is None or isinstance(cache, str):
             name = (cache or "dynamic").removeprefix("hf:")
@@ -69,7 +69,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
             label = type(cache).__name__
         passes = HFPasses(model, cache)
     elif isinstance(model, Model):
-        ids = _ids(prompt, model.tokenizer, model.config.vocab_size)
+        ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
         slots = max_seq_len or len(ids) + steps
         if cache is None or isinstance(cache, str):
             label = cache or "preallocated"
@@ -165,7 +165,7 @@ def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, positi
     return report
 
 
-def _ids(prompt: str | list[int], tokenizer, vocab: int) -> list[int]:
+def token_ids(prompt: str | list[int], tokenizer, vocab: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise SettingsError("a text prompt needs a tokenizer: pass tokenizer=..., or give token ids")

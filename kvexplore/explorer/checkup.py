@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from ..diagnosis.compare import departures
-from ..diagnosis.hints import hint
 from ..diagnosis.passes import KVPasses
-from ..trace.diff import TOLERANCE
+from ..diagnosis.take_back import check_cache
 
 AUTO_TOKENS = 256  # up to this many tokens the session runs the check after each take-back; beyond, on demand
 
@@ -42,26 +41,17 @@ def check(model: Any, generator: Any, verification: int) -> Checkup:
     """Run one doctor step on a copy of ``generator``'s cache (see the module's docstring)."""
     t0 = time.perf_counter()
     tokens = list(generator.tokens)
-    twin = generator.cache.fork()
-    passes = KVPasses(model, twin)
-    start = twin.length
-    tol = TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"])
-    with torch.inference_mode():
-        got = passes.cached(tokens[start:], start)
-        ref = passes.reference(tokens)
-    position = len(tokens) - 1
-    found = departures(got, ref, position)
-    first = next((d for d in found if d.relative > tol), None)
+    found = check_cache(model, generator.cache, tokens, len(generator.prompt_tokens))
+    first, tol, got, start, position = found.first, found.tolerance, found.got, found.start, found.position
     if first is None:
-        worst = max(found, key=lambda d: d.relative)
+        worst = found.worst
         text = (f"doctor: clean — the cache after the take-back reads what a recomputation of the {len(tokens)} "
                 f"tokens gives (worst {worst.relative:.2g} relative, in the {worst.what}; tolerance {tol:g})")
         return Checkup(verification, len(tokens), True, text, f"doctor: clean (worst {worst.relative:.1g} relative)",
                        worst.relative, time.perf_counter() - t0)
     layer = "the logits" if first.layer is None else f"layer {first.layer}"
-    why = hint(first, got, ref, passes, len(generator.prompt_tokens), position, tol)
     text = (f"{layer}: {first.what} differ by {first.max_diff:.3g} at position {first.position} (tolerance {tol:g}) "
-            f"— {why}")
+            f"— {found.hint}")
     # a strategy that departs from recomputation by design (a sink window, quantization): is the cache at least
     # the one that never saw the drafts? The same strategy prefilled again with the kept tokens says
     again = generator.cache.fork()

@@ -117,7 +117,7 @@ class PrefixPool:
         ask = RequestInput.parse(self, request, chat_template, response, max_new_tokens)
         sampling = SamplingSettings(temperature, top_k, top_p)
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
-        hashes = block_hashes(ids, bs, (n - 1) // bs)
+        hashes = block_hashes(ids, bs, self.reusable_blocks(n))
         matched = self.index.match(ids, hashes)
         usable = self.states.usable(hashes, len(matched))
         pages, hit = matched[:usable], usable * bs
@@ -164,6 +164,11 @@ class PrefixPool:
         for listener in list(self.listeners):
             listener(frame)
         return result
+
+    def reusable_blocks(self, n: int) -> int:
+        """How many full blocks of an ``n``-token prompt a hit may cover: all but the block holding its last token,
+        which is always computed (its logits give the first new token)."""
+        return (n - 1) // self.block_size
 
     @staticmethod
     def serve_each(pools: Sequence["PrefixPool"], request, **options) -> list[ServeResult]:

@@ -169,7 +169,7 @@ class Speculation:
             logits = logits[0, -(k + 1):]
             (logits,) = host.fetch([logits])
             verify_s, t1 = clock.since(mark), time.perf_counter()
-            new, accepted = accept(logits, draft, target.sampling, rng)
+            new, accepted = self.accept(logits, draft, target.sampling, rng)
             if stop_at_eos:
                 ends = set(eos_ids(ex))
                 eos = next((i for i, t in enumerate(new) if t in ends), None)
@@ -215,6 +215,11 @@ class Speculation:
             why=why, draft_s=draft.seconds, verify_s=verify_s, take_back_s=take_back_s, notes=dict(draft.notes),
             pass_memory=pass_memory))
         return records, Undo(start, how, len(records)) if keep_undo else None
+
+    @staticmethod
+    def accept(logits: torch.Tensor, draft: Draft, settings, rng: torch.Generator) -> tuple[list[int], int]:
+        """The new tokens from the verification's ``k + 1`` rows of logits and the draft (:func:`accept`)."""
+        return accept(logits, draft, settings, rng)
 
     def undo(self, undo: Undo, target: Target, tokens: list[int]) -> int:
         """Take back the last verification (one :meth:`verify` gave ``undo`` for): the cache as it was before it,
