@@ -14,9 +14,10 @@ as flags in the real code paths. docs/bugs.md has one entry per bug.
 
 from __future__ import annotations
 
-from .catalog import AREAS, MODULES, Bug, catalog, get, load_all
+from .catalog import AREAS, MODULES, Bug, catalog, get, load_all, register, unregister
 from .reproduction import Reproduction, reproduce
 from .runs import Divergence, Run
 
-__all__ = ["AREAS", "MODULES", "Bug", "Divergence", "Reproduction", "Run", "catalog", "get", "load_all", "reproduce"]
+__all__ = ["AREAS", "MODULES", "Bug", "Divergence", "Reproduction", "Run", "catalog", "get", "load_all", "register",
+           "reproduce", "unregister"]
 

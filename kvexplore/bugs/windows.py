@@ -15,7 +15,7 @@ from .catalog import Bug, register
 from .runs import decode_scenario
 from .speculation import speculative_scenario
 
-TEXT = "Once upon a time, a little cache kept every key it was given, and"
+SHORT = "Once upon a time"  # shorter than the planted ring: exact until the sequence outgrows it
 STEPS = 16
 EARLY = 4  # how many positions too soon the planted ring evicts
 
@@ -40,7 +40,7 @@ def _early(model: Any, planted: bool) -> tuple[Any, Any]:
     return model, cache
 
 
-_early_run, _early_check = decode_scenario(TEXT, STEPS, _early)
+_early_run, _early_check = decode_scenario(SHORT, STEPS, _early)
 register(Bug(
     name="window-evicts-early", engine="SGLang (SWA chunk cache)", reference="sgl-project/sglang#8649",
     url="https://github.com/sgl-project/sglang/issues/8649", area="rings and windows",

@@ -36,10 +36,10 @@ def bad_positions(g: LayerPass, r: LayerPass, which: str, tol: float) -> list[tu
 def rope_offset(passes, layer: int, got: torch.Tensor, ref: torch.Tensor, position: int, tol: float,
                 extra: tuple[int, ...] = ()) -> int | None:
     """The number of positions by which ``got`` (heads, dim) is ``ref`` turned by RoPE (None: not a turn); tries
-    small offsets, ``-position`` (not rotated at all) and ``extra``."""
+    small offsets, ``-position`` (not rotated at all), ``position`` (rotated twice) and ``extra``."""
     if not hasattr(passes, "rotation"):
         return None
-    offsets = sorted({-position, *range(-4, 5), *extra} - {0})
+    offsets = sorted({-position, position, *range(-4, 5), *extra} - {0})
     turns = passes.rotation(layer, offsets)
     if turns is None:
         return None
@@ -100,6 +100,10 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
                                 f"(turning it by its position gives the recomputation's)")
                     return (f"a missing RoPE offset: layer {L}'s new key at position{span} was rotated as if at position "
                             f"0; a cached step's position ids must start at the cache length")
+                if all(d == p for p, d in offsets.items()) and len(positions) > 1:
+                    return (f"RoPE applied twice: layer {L}'s key at position{span} is the recomputation's turned again "
+                            f"by its own position (rotated for twice its position): the keys were rotated before the "
+                            f"write and again when stored or read")
                 ds = set(offsets.values())
                 if len(ds) == 1:
                     d = ds.pop()

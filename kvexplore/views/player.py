@@ -131,7 +131,7 @@ PLAYER = "async function (root) {" + UNPACK + r"""
     const config = {displaylogo: false, responsive: true};
     const strip = (lane, n) => {
       const spans = meta.spans[lane].slice(0, n);
-      if (spans.length) spans[spans.length - 1] = spans[spans.length - 1].replace('kvx-gen"', 'kvx-gen kvx-last"');
+      if (spans.length) spans[spans.length - 1] = spans[spans.length - 1].replace('kvx-tok kvx-gen', 'kvx-tok kvx-gen kvx-last');
       return '<div class="kvx-strip">' + meta.prompt[lane] + spans.join('') + '</div>';
     };
     const draw = async (i) => {
