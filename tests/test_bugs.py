@@ -186,3 +186,14 @@ def test_bugs_list_and_run_on_the_command_line(capsys):
     assert "first divergence: request 1" in out and "pool on the broken run: first divergence" in out
     assert main(["bugs", "run", "nope"]) == 1
     assert "no bug named 'nope'" in capsys.readouterr().err
+
+
+def test_docs_bugs_md_has_one_entry_per_bug_with_its_reference_symptom_and_invariant():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "bugs.md").read_text()
+    for b in bugs.catalog():
+        entry = text.split(f"#### `{b.name}`", 1)
+        assert len(entry) == 2, f"docs/bugs.md has no entry for {b.name}"
+        body = entry[1].split("####", 1)[0]
+        assert b.reference in body and b.symptom in body and b.invariant in body and b.summary in body, b.name

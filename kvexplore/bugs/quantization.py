@@ -100,11 +100,11 @@ register(Bug(
     name="scale-from-first-input", engine="vLLM (FP8 KV cache, --calculate-kv-scales)",
     reference="vllm-project/vllm#11906", url="https://github.com/vllm-project/vllm/pull/11906",
     area="quantization",
-    summary="Dynamic KV-cache scales were computed once, from the first real input to each attention layer, and "
-            "kept for every later token (a reviewer called computing them on the first inference only opinionated); keys and "
-            "values outside the first input's range no longer fit the scale and saturate. Planted in KIVI's "
-            "cache as a layer whose first quantized group fixes the scale and zero of every later group (values "
-            "outside that range clip), not as FP8's one scale per tensor.",
+    summary="vLLM's dynamic KV-cache scales (this pull request) are computed once, from the first real input to each "
+            "attention layer, and kept for every later token; keys and values that range wider than that first "
+            "input no longer fit the scale and saturate (the risk its review raised: one input standing for every "
+            "later one). Planted in KIVI's cache as a layer whose first quantized group fixes the scale and zero of "
+            "every later group (values outside that range clip), not as FP8's one scale per tensor.",
     invariant="every quantized element is read back within half a quantization step of its own group: the scale "
               "and zero are those of the values they code",
     symptom="the first block reads back as well as ever; later blocks with a wider range read back clipped, and "
