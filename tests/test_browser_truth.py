@@ -246,6 +246,17 @@ def test_lab_tiny_three_strategies_page_equals_kernel(lab, lab_page, browser, sh
     assert list(done) == [0]
 
 
+@LAB
+def test_lab_zoo_bug_lanes_page_equals_kernel(lab, lab_page, browser, shots):
+    """A zoo bug's lane beside its fixed twin (kvexplore.bugs): the planted lane follows the twin's tokens, and the
+    page (its cache map with the ring round the first divergence, the token strip) is what the kernel holds after
+    every kind of click; a speculation bug's lane drafts on the windowed twin of the model."""
+    done = _run_lab(lab, lab_page, shots, "truth_lab_bugs",
+                    'import kvexplore\nex = kvexplore.Explorer("tiny", strategies=("bug:length-counted-early:fixed", '
+                    '"bug:length-counted-early", "bug:ring-rollback-after-wrap"), max_seq_len=64)\nex')
+    assert list(done) == [0]
+
+
 PER_LAYER = {  # per-layer caches in the page: every layer kind, and learned sinks
     "gemma4": ('"gemma4", layers=6, sliding_window=16, layer_types=["sliding_attention"] * 2 + ["full_attention"] + '
                '["sliding_attention"] * 2 + ["full_attention"]', ("preallocated", "paged", "sink")),

@@ -35,6 +35,9 @@ class Bug:
     it), ``symptom`` (what a user saw). ``model``: the zoo model it runs on by default (``"tiny"`` or
     ``"tiny-windowed"``, :mod:`kvexplore.bugs.models`). ``checker``: one of :data:`CHECKERS`.
 
+    ``make(model, planted, slots)``: a decoding bug's ``(model, cache)`` of ``slots`` positions, a speculation bug's
+    generator (what an explorer lane of the bug runs); None for a pool's bug.
+
     ``run(model, planted) -> Run`` runs the bug's prompts, steps or requests once (``planted``: with the bug in the
     zoo's cache, pool or drafter; otherwise with kvexplore's own); ``check(model, planted)`` runs the checker on the
     same and returns its report (``diverged``, ``summary()``, ``hint``, ``layer``).
@@ -52,6 +55,7 @@ class Bug:
     run: Callable[[Any, bool], Any]
     check: Callable[[Any, bool], Any]
     model: str = "tiny"
+    make: Callable[..., Any] | None = None
 
     def as_dict(self) -> dict[str, str]:
         """The catalogue entry in plain fields (what ``kvexplore bugs list --json`` prints)."""

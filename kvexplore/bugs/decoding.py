@@ -28,10 +28,10 @@ class PositionZeroRotary(Rotary):
         return super().cos_sin(0 if length == 1 else pos, length, dtype, layer_type)
 
 
-def _rope_zero(model: Any, planted: bool) -> tuple[Any, Any]:
+def _rope_zero(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
     if planted:
         model = with_module(model, "rotary", PositionZeroRotary(model.config).to(model.device))
-    return model, make_cache("preallocated", model, max_seq_len=64)
+    return model, make_cache("preallocated", model, max_seq_len=slots)
 
 
 _zero_run, _zero_check = decode_scenario(TEXT, STEPS, _rope_zero)
@@ -44,7 +44,7 @@ register(Bug(
     invariant="a cached pass's queries and keys are rotated at cache.length + i, the positions a full recomputation "
               "gives them",
     symptom="the first token after the prompt is right, the rest drift into repetition or nonsense",
-    checker="doctor", run=_zero_run, check=_zero_check))
+    checker="doctor", run=_zero_run, check=_zero_check, make=_rope_zero))
 
 
 class UpperLayersLate(PreallocatedLayer):
@@ -67,8 +67,9 @@ class LateCache(PreallocatedCache):
         return UpperLayersLate(spec, self.batch_size, self.dtype, self.device, self.capacity)
 
 
-def _late(model: Any, planted: bool) -> tuple[Any, Any]:
-    return model, (LateCache(model.config, 64, dtype=model.dtype) if planted else make_cache("preallocated", model, max_seq_len=64))
+def _late(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
+    return model, (LateCache(model.config, slots, dtype=model.dtype) if planted else
+                   make_cache("preallocated", model, max_seq_len=slots))
 
 
 _late_run, _late_check = decode_scenario(TEXT, STEPS, _late)
@@ -81,4 +82,4 @@ register(Bug(
     invariant="every layer of one pass writes the same positions, pos .. pos + q_len - 1, and reads up to the same "
               "end; the length moves once, after the last layer",
     symptom="layer 0 is exact and the upper layers are not; output degrades from the first decoded token",
-    checker="doctor", run=_late_run, check=_late_check))
+    checker="doctor", run=_late_run, check=_late_check, make=_late))

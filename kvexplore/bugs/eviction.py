@@ -62,16 +62,17 @@ class SlotRotationCache(PlantedEvictCache):
 
 
 def _maker(planted_class: type, options: dict[str, Any]):
-    def make(model: Any, planted: bool) -> tuple[Any, Any]:
+    def make(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
         if planted:
-            return model, planted_class(model.config, dtype=model.dtype, max_seq_len=64, **options)
-        return model, make_cache("evict", model, max_seq_len=64, **options)
+            return model, planted_class(model.config, dtype=model.dtype, max_seq_len=slots, **options)
+        return model, make_cache("evict", model, max_seq_len=slots, **options)
     return make
 
 
 #: an adaptive budget (AdaKV) leaves the layer's KV heads holding different counts of positions
 ADAPTIVE = {"press": "knorm", "compression_ratio": 0.5, "heads": "adaptive"}
-_head_run, _head_check = decode_scenario(TEXT, STEPS, _maker(HeadZeroCache, ADAPTIVE))
+_make_head = _maker(HeadZeroCache, ADAPTIVE)
+_head_run, _head_check = decode_scenario(TEXT, STEPS, _make_head)
 register(Bug(
     name="heads-read-head-zero", engine="kvexplore (this project: the explorer's attention of pressed layers)",
     reference="commit c1f6fa9", url="", area="eviction",
@@ -83,12 +84,13 @@ register(Bug(
     invariant="each query head attends to exactly the positions its own KV head holds, and to nothing else",
     symptom="exact until the first press; from the first step after it, heads that hold other counts than head 0 "
             "read empty slots or lose their newest keys, and the output drifts",
-    checker="doctor", run=_head_run, check=_head_check))
+    checker="doctor", run=_head_run, check=_head_check, make=_make_head))
 
 
 #: re-rotated keys and presses while decoding: the second press turns keys the first already turned
 REROTATE = {"press": "knorm", "compression_ratio": 0.5, "positions": "rerotate", "decode_every": 4}
-_slot_run, _slot_check = decode_scenario(TEXT, STEPS, _maker(SlotRotationCache, REROTATE))
+_make_slot = _maker(SlotRotationCache, REROTATE)
+_slot_run, _slot_check = decode_scenario(TEXT, STEPS, _make_slot)
 register(Bug(
     name="rotation-from-slot", engine="VeloxQuant-MLX (H2O cache)", reference="rajveer43/VeloxQuant-MLX#137",
     url="https://github.com/rajveer43/VeloxQuant-MLX/issues/137", area="eviction",
@@ -101,4 +103,4 @@ register(Bug(
     invariant="a key is turned by exactly (new rotation - the rotation it holds); the rotation a layer records for "
               "each slot is the one its key carries",
     symptom="exact through the prompt's press; wrong from the step after the first press while decoding",
-    checker="doctor", run=_slot_run, check=_slot_check))
+    checker="doctor", run=_slot_run, check=_slot_check, make=_make_slot))

@@ -88,14 +88,15 @@ class UnitScaleCache(PlantedQuantizedCache):
 
 
 def _maker(planted_class: type):
-    def make(model: Any, planted: bool) -> tuple[Any, Any]:
+    def make(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
         if planted:
-            return model, planted_class(model.config, 64, dtype=model.dtype, **OPTIONS)
-        return model, make_cache("quantized", model, max_seq_len=64, **OPTIONS)
+            return model, planted_class(model.config, slots, dtype=model.dtype, **OPTIONS)
+        return model, make_cache("quantized", model, max_seq_len=slots, **OPTIONS)
     return make
 
 
-_first_run, _first_check = decode_scenario(TEXT, STEPS, _maker(FirstScaleCache))
+_make_first = _maker(FirstScaleCache)
+_first_run, _first_check = decode_scenario(TEXT, STEPS, _make_first)
 register(Bug(
     name="scale-from-first-input", engine="vLLM (FP8 KV cache, --calculate-kv-scales)",
     reference="vllm-project/vllm#11906", url="https://github.com/vllm-project/vllm/pull/11906",
@@ -109,10 +110,11 @@ register(Bug(
               "and zero are those of the values they code",
     symptom="the first block reads back as well as ever; later blocks with a wider range read back clipped, and "
             "the output parts from the fixed cache at the prompt",
-    checker="doctor", run=_first_run, check=_first_check))
+    checker="doctor", run=_first_run, check=_first_check, make=_make_first))
 
 
-_unit_run, _unit_check = decode_scenario(TEXT, STEPS, _maker(UnitScaleCache))
+_make_unit = _maker(UnitScaleCache)
+_unit_run, _unit_check = decode_scenario(TEXT, STEPS, _make_unit)
 register(Bug(
     name="scale-left-at-one", engine="SGLang (FP8 KV cache, --quantization-param-path)",
     reference="sgl-project/sglang#18818", url="https://github.com/sgl-project/sglang/issues/18818",
@@ -126,4 +128,4 @@ register(Bug(
               "within half a step of its group",
     symptom="nothing is wrong while every position is in the full-precision window; from the first quantized "
             "block on, keys and values read back far from what was written and the output parts at once",
-    checker="doctor", run=_unit_run, check=_unit_check))
+    checker="doctor", run=_unit_run, check=_unit_check, make=_make_unit))

@@ -35,6 +35,7 @@ class Run:
     subject: Any = None
     notes: list[str] = field(default_factory=list)
     replay: Any = None  # () -> the run's StepRecords (traced: cache map, memory), for the replay page; None: a pool
+    remake: Any = None  # a decoding run: () -> (model, a fresh cache) as the run used them
 
     def records(self) -> list:
         """The run as :class:`~kvexplore.StepRecord` objects (what the replay page draws)."""
@@ -135,7 +136,8 @@ def decode_scenario(text: str, steps: int, make: Any) -> tuple[Any, Any]:
     def run(model: Any, planted: bool) -> Run:
         m, cache = make(model, planted)
         out = decode_run(m, cache, text_ids(m, text), steps, planted)
-        out.replay = lambda: forced_records(*make(model, planted), out.prompt, out.chosen)
+        out.remake = lambda: make(model, planted)
+        out.replay = lambda: forced_records(*out.remake(), out.prompt, out.chosen)
         return out
 
     def check(model: Any, planted: bool) -> Any:

@@ -76,7 +76,7 @@ class UntrimmedCache(ConcatCache):
         return AppendOnlyLayer(spec, self.batch_size, self.dtype, self.device)
 
 
-def _untrimmed(model: Any, planted: bool) -> Generator:
+def _untrimmed(model: Any, planted: bool, slots: int = 128) -> Generator:
     cache = UntrimmedCache(model.config, dtype=model.dtype) if planted else make_cache("concat", model)
     return Generator(model, cache, draft="prompt-lookup", draft_tokens=4, tracer=Tracer())
 
@@ -92,7 +92,7 @@ register(Bug(
     invariant="after a verification the cache holds exactly the kept tokens: length, slots and every counter a "
               "layer keeps",
     symptom="output parts from plain decoding after the first rejected draft",
-    checker="speculation", run=_untrimmed_run, check=_untrimmed_check))
+    checker="speculation", run=_untrimmed_run, check=_untrimmed_check, make=_untrimmed))
 
 
 class WrongRowSpeculation(Speculation):
@@ -107,8 +107,8 @@ class WrongRowSpeculation(Speculation):
         return new, accepted
 
 
-def _wrong_row(model: Any, planted: bool) -> Generator:
-    cache = make_cache("preallocated", model, max_seq_len=128)
+def _wrong_row(model: Any, planted: bool, slots: int = 128) -> Generator:
+    cache = make_cache("preallocated", model, max_seq_len=slots)
     gen = Generator(model, cache, draft="prompt-lookup", draft_tokens=4, tracer=Tracer())
     if planted:
         gen.speculation = WrongRowSpeculation("prompt-lookup", 4, gen.executor, cache)
@@ -126,4 +126,4 @@ register(Bug(
     invariant="at the first rejected draft the token kept is the target's choice from the row of the last accepted "
               "position; greedy speculative output equals plain greedy output token for token",
     symptom="words go missing where a draft was rejected; the cache itself is consistent with the (wrong) tokens",
-    checker="speculation", run=_row_run, check=_row_check))
+    checker="speculation", run=_row_run, check=_row_check, make=_wrong_row))

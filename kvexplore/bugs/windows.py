@@ -34,9 +34,9 @@ class ShortRings(PreallocatedCache):
         self._index()
 
 
-def _early(model: Any, planted: bool) -> tuple[Any, Any]:
-    cache = ShortRings(model.config, 64, dtype=model.dtype) if planted else \
-        make_cache("preallocated", model, max_seq_len=64)
+def _early(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
+    cache = ShortRings(model.config, slots, dtype=model.dtype) if planted else \
+        make_cache("preallocated", model, max_seq_len=slots)
     return model, cache
 
 
@@ -50,7 +50,7 @@ register(Bug(
     invariant="a sliding layer holds (and attention reads) exactly the last `window` positions: every position "
               "p with end - window <= p < end",
     symptom="exact while the sequence is shorter than the ring, wrong from the first step the window reaches past it",
-    checker="doctor", run=_early_run, check=_early_check, model="tiny-windowed"))
+    checker="doctor", run=_early_run, check=_early_check, model="tiny-windowed", make=_early))
 
 
 class TrimmedRing(RingLayer):
@@ -75,9 +75,9 @@ SPEC_TEXT = "the cat sat on the mat and the cat sat on the mat and the dog sat o
 SPEC_STEPS = 24
 
 
-def _ring_generator(model: Any, planted: bool) -> Generator:
-    cache = TrimmedRings(model.config, 128, dtype=model.dtype) if planted else \
-        make_cache("preallocated", model, max_seq_len=128)
+def _ring_generator(model: Any, planted: bool, slots: int = 128) -> Generator:
+    cache = TrimmedRings(model.config, slots, dtype=model.dtype) if planted else \
+        make_cache("preallocated", model, max_seq_len=slots)
     return Generator(model, cache, draft="prompt-lookup", draft_tokens=4, tracer=Tracer())
 
 
@@ -91,4 +91,5 @@ register(Bug(
     invariant="after a take-back the cache reads what a cache that never saw the rejected drafts reads; a ring that "
               "wrapped over a position still in the window must restore it (or recompute), not trim",
     symptom="speculative output parts from plain greedy decoding once the sequence is longer than the window",
-    checker="speculation", run=_ring_run, check=_ring_check, model="tiny-windowed"))
+    checker="speculation", run=_ring_run, check=_ring_check, model="tiny-windowed",
+    make=_ring_generator))

@@ -7,6 +7,8 @@ strategy names itself.
   step records no attention).
 * :class:`TransformersLanes`: ``hf:dynamic``, ``hf:static``, ...: transformers' own caches on the transformers
   model (:mod:`kvexplore.hf`).
+* :class:`BugLanes`: ``bug:NAME`` and ``bug:NAME:fixed``: a zoo bug (:mod:`kvexplore.bugs`) planted, and its fixed
+  twin, on the bug's model (the session's, or its windowed twin for a rings bug).
 
 Each kind knows which strategy names are its own (:meth:`LaneKind.claims`), what it needs of the models given
 (:meth:`LaneKind.check`), how to build a lane's generator from a model and a strategy name (:meth:`LaneKind.build`),
@@ -192,10 +194,62 @@ class GivenLane(LaneKind):
         lane_kind(strategy, hf)  # refused, naming the strategies there are
 
 
+BUG_PREFIX, FIXED = "bug:", ":fixed"
+
+
+class BugLanes(LaneKind):
+    """A zoo bug as a lane: ``bug:NAME`` runs it with the bug planted, ``bug:NAME:fixed`` its fixed twin (kvexplore's
+    own class with the same options), each made by the bug's ``make`` with the lane's slots; a speculation bug's lane
+    drafts as the bug's generator does. Put the twin first (the reference): the planted lane follows its tokens, and
+    the page marks where the two first part."""
+
+    name, label = "bug", "a zoo bug planted, or its fixed twin (kvexplore.bugs)"
+
+    @staticmethod
+    def parse(strategy: str) -> tuple[str, bool]:
+        """``"bug:NAME:fixed"`` -> ``("NAME", True)``."""
+        name = strategy[len(BUG_PREFIX):]
+        return name.removesuffix(FIXED), name.endswith(FIXED)
+
+    def claims(self, strategy: str) -> bool:
+        return strategy.startswith(BUG_PREFIX)
+
+    def offered(self, hf: Any) -> list[str]:
+        from ..bugs import catalog
+
+        return [BUG_PREFIX + b.name + end for b in catalog() if b.make is not None for end in (FIXED, "")]
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        from ..bugs import get
+
+        bug = get(self.parse(strategy)[0])  # an unknown name is refused with the names there are
+        if bug.make is None:
+            raise SettingsError(f"{bug.name} is a prefix pool's bug: see it with kvexplore bugs run {bug.name} --html, "
+                                f"or PrefixCompare({{'planted': ..., 'fixed': ...}}) of the pools of "
+                                f"kvexplore.bugs.reproduce({bug.name!r})")
+        if not isinstance(model, Model):
+            raise SettingsError(f"{strategy} runs on kvexplore's own model: give a kvexplore model")
+
+    def build(self, strategy: str, spec: LaneSpec, tracer: Any) -> Generator:
+        from ..bugs import get
+        from ..bugs.reproduction import model_for
+
+        name, fixed = self.parse(strategy)
+        bug = get(name)
+        options, _ = split_options(spec.options)
+        made = bug.make(model_for(bug, spec.model), not fixed, options.get("max_seq_len", spec.max_seq_len))
+        s = spec.sampling
+        if isinstance(made, Generator):  # a speculation bug: its generator drafts (and may carry the planted rule)
+            made.sampling, made.seed, made.top_candidates, made.tracer = s, spec.seed, spec.top_candidates, tracer
+            return made
+        model, cache = made
+        return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer)
+
+
 GIVEN = GivenLane()
 
 #: the lane kinds, asked in this order which one a strategy name is
-LANE_KINDS: list[LaneKind] = [TransformersLanes(), CompiledLane(), EagerLanes()]
+LANE_KINDS: list[LaneKind] = [TransformersLanes(), BugLanes(), CompiledLane(), EagerLanes()]
 
 
 def find(strategy: Any) -> LaneKind | None:

@@ -24,6 +24,7 @@ from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
+from ..views.divergence import first_divergence
 from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind, split_options
 from . import aligned, checkup
 from .probe import LaneTracer
@@ -91,6 +92,11 @@ class Lane:
     def top1(self) -> list[bool | None]:
         """Per record: whether this lane's most likely token is the reference's."""
         return [self.top1_at.get(r.step) for r in self.history]
+
+    @property
+    def divergence(self) -> tuple[int, int] | None:
+        """(step, position of its pass) where this lane first parts from the reference (None: it has not)."""
+        return first_divergence(self.history, self.kl, self.top1)
 
     @property
     def last(self) -> StepRecord | None:
@@ -287,11 +293,12 @@ class Session:
                 continue
             v = spec.verifications[-1]
             if v.rolled_back and v.index not in lane.checkups and len(lane.generator.tokens) <= checkup.AUTO_TOKENS:
-                lane.checkups[v.index] = checkup.safely(self.model, lane.generator, v.index)
+                lane.checkups[v.index] = checkup.safely(lane.generator.model, lane.generator, v.index)
 
     def _checkable(self, lane: Lane) -> bool:
-        """The doctor checks kvexplore's own model and caches (not a transformers lane)."""
-        return isinstance(self.model, Model) and not lane.lane_kind.transformers
+        """The doctor checks kvexplore's own model and caches (not a transformers lane); a lane's own model (a zoo bug's
+        lane may run a twin of the session's)."""
+        return isinstance(lane.generator.model, Model) and not lane.lane_kind.transformers
 
     @property
     def pace(self) -> Lane | None:
@@ -307,7 +314,7 @@ class Session:
             raise StateError("nothing to check yet: prefill first")
         spec = lane.speculation
         index = spec.verifications[-1].index if spec is not None and spec.verifications else -1
-        result = lane.checkups[index] = checkup.check(self.model, lane.generator, index)
+        result = lane.checkups[index] = checkup.check(lane.generator.model, lane.generator, index)
         return result  # (on demand: an error is raised, not kept)
 
     def step_order(self) -> list[Lane]:

@@ -97,7 +97,7 @@ class StaticCopy:
         if not runs:
             return f'<div class="kvx-static">{intro}<p>no steps yet</p></div>'
         lane = ex.lane
-        strip = ex.token_strip.html(ex.model.tokenizer, lane.generator)
+        strip = ex.token_strip.html(ex.model.tokenizer, lane.generator, ex.divergence_mark(lane))
         snap = ex.snapshot()
         table = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
         if _plotly_owner is None:

@@ -32,19 +32,22 @@ class TokenStrip:
         self._prompt(tokenizer, gen.prompt_tokens)
         return self._texts + [r.text for r in gen.history]
 
-    def html(self, tokenizer: Any, gen: Generator) -> str:
+    def html(self, tokenizer: Any, gen: Generator, diverged: tuple[int, str] | None = None) -> str:
+        """The strip of ``gen``'s sequence; ``diverged``: (step, words) of the token where the lane first parts from
+        the reference, marked."""
         self._prompt(tokenizer, gen.prompt_tokens)
         history = gen.history
         old, self._spans = self._spans, {}
         out = []
+        mark = lambda r: diverged[1] if diverged is not None and r.step == diverged[0] else ""  # noqa: E731
         for r in history[:-1]:
             entry = old.get(id(r))
-            if entry is None or entry[0] is not r:
-                entry = (r, tokens.token_span(r))
+            if entry is None or entry[0] is not r or entry[1] != mark(r):
+                entry = (r, mark(r), tokens.token_span(r, diverged=mark(r)))
             self._spans[id(r)] = entry
-            out.append(entry[1])
+            out.append(entry[2])
         if history:
-            out.append(tokens.token_span(history[-1], last=True))
+            out.append(tokens.token_span(history[-1], last=True, diverged=mark(history[-1])))
         skip = max(0, len(self._prompt_html) + len(out) - SHOWN)
         prompt = "".join(self._prompt_html[skip:])
         return tokens.strip_html(prompt, out[max(0, skip - len(self._prompt_html)):], earlier=skip)

@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import SettingsError, StateError
 from ..models.model import Model
 from ..runtime.generator import Generator
-from ..views import compare, snapshot
+from ..views import compare, divergence, snapshot
 from ..views.page import save_html
 from ..views.plot import PlotWidget, loader
 from ..views.registry import TABS, VIEWS
@@ -260,6 +260,12 @@ class Explorer(Screen):
         """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view."""
         return ["cache_map", *(["cache_map_b"] if self.side_by_side else []), self.view]
 
+    def divergence_mark(self, lane) -> tuple[int, str] | None:
+        """(step, words) of where ``lane`` first parts from the reference lane, for the token strip (None: it has not,
+        or it is the reference)."""
+        d = lane.divergence
+        return None if d is None else (d[0], divergence.words(*d, self.session.reference.name))
+
     def compare_rows(self) -> list[list[str]]:
         """The comparison table: one row per strategy (see :data:`~kvexplore.views.compare.COLUMNS`)."""
         return compare.rows_from_snapshot(self.snapshot())
@@ -269,7 +275,7 @@ class Explorer(Screen):
         self._sync_lanes()
         lane = self.lane
         w = self.controls
-        w["tokens"].value = self.token_strip.html(self.model.tokenizer, lane.generator)
+        w["tokens"].value = self.token_strip.html(self.model.tokenizer, lane.generator, self.divergence_mark(lane))
         w["status"].value = html.escape(status_line(lane, self.session.grew))
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP

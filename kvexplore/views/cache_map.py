@@ -18,7 +18,7 @@ import numpy as np
 from ..caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ..caches.layout import EmptyLayout, SharedLayout
 from ..trace.records import StepRecord
-from . import bins, onscreen
+from . import bins, divergence, onscreen
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .snapshot import MAX_BINS
 from .lettering import place_title
@@ -144,14 +144,16 @@ def _runs(layers: list[int]) -> list[tuple[int, int]]:
 
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
          title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "",
-         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
+         zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS,
+         diverged: tuple[int, int, str] | None = None) -> FigureSpec:
     """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
 
     ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
     when the cache is no longer as the step left it (``after`` a rewind or a fork): the step's windows are then not
     drawn. ``zoom``: the axis ranges on screen (``{"xaxis": (first, last)}`` in slots; default: the used part);
     more than ``max_bins`` slots on screen are binned, each bin coloured by its most telling class
-    (:data:`PRIORITY`)."""
+    (:data:`PRIORITY`). ``diverged``: (step, position, reference) where this lane first parts from the reference
+    lane: each layer's slot holding that position is ringed, and the title says so."""
     views: list[SlotView] = []
     if record is not None and record.trace is not None:
         recorded = record.trace.layer_slots
@@ -206,6 +208,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     traces += [dict(type="scatter", name=cls, x=[None], y=[None], mode="markers", xaxis="x", yaxis="y",
                     marker=dict(symbol="square", size=12, color=colour, line=dict(color="#999", width=1)),
                     hoverinfo="skip", showlegend=True) for cls, colour in zip(SLOT_CLASSES, SLOT_COLOURS)]
+    if diverged is not None and rows_drawn:
+        traces.append(_divergence(rows_drawn, diverged, b, x))
     shapes, annotations = _marks(layouts, n, b)
     main = drawn[0][0].layout if drawn else None
     ticks = {}
@@ -222,6 +226,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     rows = max(1, len(rows_of))
     shown = onscreen.describe(b, n)
     title = title or _title(record, kind, layouts, fresh, after)
+    if diverged is not None:
+        title += f"<br><span style='color:#b30000'>{divergence.words(*diverged)}</span>"
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
@@ -351,16 +357,34 @@ def _span(layers: list[int]) -> str:
     return text + (", ..." if len(runs) > 4 else "")
 
 
+def _divergence(rows: list, diverged: tuple[int, int, str], b, x: np.ndarray) -> dict:
+    """Rings round the slot (the bin) of every layer that holds the position where the lane first parted."""
+    step, position, reference = diverged
+    xs, ys = [], []
+    for view, layers, _ in rows:
+        if position in view.positions:
+            slot = view.positions.index(position)
+            if b.start <= slot < b.stop:
+                xs += [float(x[(slot - b.start) // b.size])] * len(layers)
+                ys += list(layers)
+    return dict(type="scatter", name="first divergence", x=xs, y=ys, mode="markers", xaxis="x", yaxis="y",
+                marker=dict(symbol="circle-open", size=13, color="#b30000", line=dict(width=2)), showlegend=False,
+                hovertemplate=f"{divergence.words(step, position, reference)}<br>layer %{{y}}<extra></extra>")
+
+
 def _note(text: str) -> dict:
     return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=13))
 
 
 def from_snapshot(s, lane: str | None = None, figure: str = "cache_map") -> FigureSpec:
     """The cache map of lane ``lane`` (default: the lane shown) of a :class:`~..snapshot.Snapshot`."""
-    ln = s.lanes[lane or s.shown]
+    name = lane or s.shown
+    ln = s.lanes[name]
     d = ln.detail
+    parted = None if name == s.reference else divergence.first_divergence(ln.history, ln.kl, ln.top1)
     return spec(ln.last, ln.kind, s.config.num_layers, d.texts if d else (), slots=d.slots if d else None,
-                fresh=s.fresh, after=s.last_op, zoom=s.zoom.get(figure), max_bins=s.max_bins)
+                fresh=s.fresh, after=s.last_op, zoom=s.zoom.get(figure), max_bins=s.max_bins,
+                diverged=None if parted is None else (*parted, s.reference))
 
 
 def second_from_snapshot(s) -> FigureSpec:

@@ -16,6 +16,7 @@ STYLE = """<style>
 .kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
 .kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
 .kvx-tok.kvx-last {outline: 2px solid #f16913;}
+.kvx-tok.kvx-diverge {box-shadow: inset 0 -3px 0 #b30000; color: #b30000; font-weight: bold;}
 .kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
 .kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
 .kvx-presenting .kvx-strip {font-size: 18px;}
@@ -54,13 +55,15 @@ def _drafted(record: StepRecord) -> tuple[str, str]:
     return "", f"\nthe bonus token after every draft was accepted ({v})"
 
 
-def token_span(record: StepRecord, last: bool = False) -> str:
+def token_span(record: StepRecord, last: bool = False, diverged: str = "") -> str:
     """One generated token: its step's colour, the newest outlined, a speculative token underlined (green: an
-    accepted draft, red: a correction); the tooltip lists the candidates."""
+    accepted draft, red: a correction); the tooltip lists the candidates. ``diverged``: this token is where the lane
+    first parts from the reference (red, bold, the words in its tooltip)."""
     top = "\n".join(f"  {c.text!r}  {c.prob:.3f}" for c in record.top)
     cls, drafted = _drafted(record)
-    tip = html.escape(f"step {record.step} ({record.kind}) · position {record.position} · p = {record.prob:.3f}"
-                      f"{drafted}\ncandidates:\n{top}", quote=True)
+    tip = html.escape(f"{diverged + chr(10) if diverged else ''}step {record.step} ({record.kind}) · position "
+                      f"{record.position} · p = {record.prob:.3f}{drafted}\ncandidates:\n{top}", quote=True)
+    cls += " kvx-diverge" if diverged else ""
     return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}{cls}" '
             f'style="background:{step_colour(record.step)}" title="{tip}">{_show(record.text)}</span>')
 

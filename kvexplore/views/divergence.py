@@ -1,0 +1,31 @@
+"""Where a lane first parts from the reference lane: the first step at which its own choice is not the reference's,
+or its next-token distribution is further from the reference's than float32 rounding (KL above :data:`KL_PARTS`,
+infinite where it rules the reference's token out). The cache map marks the position whose pass gave that step (in
+every layer that holds it) and the token strip the token, so a zoo bug's lane beside its fixed twin shows where the
+bug first shows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..trace.records import StepRecord
+
+KL_PARTS = 1e-5  # nats: two exact caches of one model differ by about 1e-9 (float32 summation order)
+
+
+def first_divergence(history: Sequence[StepRecord], kl: Sequence[float | None],
+                     top1: Sequence[bool | None]) -> tuple[int, int] | None:
+    """``(step, position)`` of the first compared step where the lane parts from the reference (the position of the
+    pass that chose the step's token: the token before it); None while it has not (or is the reference, or ran free
+    of it)."""
+    for record, k, same in zip(history, kl, top1):
+        if same is None and k is None:
+            continue  # not compared: the reference itself, or a step the lane chose freely (a drafting lane)
+        if same is False or k is None or k > KL_PARTS:
+            return record.step, record.position - 1
+    return None
+
+
+def words(step: int, position: int, reference: str) -> str:
+    """The mark's text."""
+    return f"first divergence from {reference}: step {step} (the pass at position {position})"
