@@ -48,6 +48,7 @@ def test_older_records_keep_their_events_memory_and_attention_entries_packed_and
     every layer's are one step's: each reads back equal to what the step recorded, and a saved run loads the same."""
     from kvexplore.caches.memory import PackedLayers
     from kvexplore.explorer.session import Session
+    from kvexplore.trace.records import PackedCandidates
     from kvexplore.trace.packed import KEEP_STEPS, PackedEvents, SameRows
 
     s = Session(tiny, ("preallocated", "paged"), max_seq_len=200)
@@ -58,17 +59,31 @@ def test_older_records_keep_their_events_memory_and_attention_entries_packed_and
         for name, lane in s.lanes.items():
             r = lane.history[-1]
             seen[name, r.step] = (tuple(r.memory.layers), r.memory.by_kind(), list(r.trace.events),
-                                  r.trace.attention_layers)
+                                  r.trace.attention_layers, list(r.top), dict(r.memory.held),
+                                  [unpacked(v).layout for v in r.trace.layer_slots])
     for name, lane in s.lanes.items():
         old = [r for r in lane.history[:-KEEP_STEPS] if r.step > 0]
         assert len(old) >= 19
         for r in old:
-            layers, kinds, events, attention = seen[name, r.step]
+            layers, kinds, events, attention, top, held, layouts = seen[name, r.step]
             assert isinstance(r.memory.layers, PackedLayers) and r.memory.layers == layers
             assert tuple(r.memory.layers) == layers and r.memory.by_kind() == kinds
             assert isinstance(r.trace.events, PackedEvents) and list(r.trace.events) == events
             assert isinstance(r.trace._attention, SameRows) and r.trace.attention_layers == attention
+            assert isinstance(r.top, PackedCandidates) and r.top == top and list(r.top) == top
+            assert r.top[0] == top[0] and r.top[-1] == top[-1] and r.top[1:3] == top[1:3] and len(r.top) == len(top)
+            assert r.memory.held == held and [unpacked(v).layout for v in r.trace.layer_slots] == layouts
         assert all(not isinstance(r.memory.layers, PackedLayers) for r in lane.history[-KEEP_STEPS:])
+        assert all(isinstance(r.top, list) for r in lane.history[-KEEP_STEPS:])
+        # what did not change is held once: the report's dicts of figures, a page table between new blocks, and a
+        # token's text (interned: every record that chose or listed it holds the same string)
+        assert len({id(r.memory.held) for r in old}) < len(old) / 2
+        layouts = {id(unpacked(r.trace.layer_slots[0]).layout) for r in old} if name == "paged" else set()
+        assert name != "paged" or len(layouts) < len(old) / 2
+        texts = {}
+        for r in lane.history:
+            for c in r.top:
+                assert texts.setdefault(c.text, c.text) is c.text
         shared = {id(r.memory.layers.kinds) for r in old}
         assert len(shared) == 1  # the layers' kinds kept once for the run
 
@@ -79,3 +94,4 @@ def test_older_records_keep_their_events_memory_and_attention_entries_packed_and
     assert isinstance(gen.history[1].memory.layers, PackedLayers)
     back = kvexplore.load_trace(gen.history.save(tmp_path / "run"))
     assert [tuple(r.memory.layers) for r in back] == [tuple(r.memory.layers) for r in gen.history]
+    assert [list(r.top) for r in back] == [list(r.top) for r in gen.history]

@@ -92,7 +92,12 @@ def packed_report(report: "MemoryReport", before: "MemoryReport | None" = None) 
     if isinstance(report.layers, PackedLayers):
         return report
     base = before.layers if before is not None and isinstance(before.layers, PackedLayers) else None
-    return replace(report, layers=PackedLayers(report.layers, base))
+    shared = {}  # the dicts of figures the report before holds, when equal (a decode step changes few of them)
+    for name in ("held", "cuda", "cuda_now"):
+        mine, theirs = getattr(report, name), getattr(before, name, None)
+        if theirs is not None and theirs is not mine and theirs == mine:
+            shared[name] = theirs
+    return replace(report, layers=PackedLayers(report.layers, base), **shared)
 
 
 @dataclass

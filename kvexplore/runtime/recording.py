@@ -4,6 +4,7 @@ what the tracer recorded."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -23,7 +24,8 @@ def step_record(logits: torch.Tensor, token: int, *, step: int, first: bool, pos
     probs = logits.softmax(-1)
     top_p, top_i = probs.topk(min(top_candidates, probs.shape[-1]))
     tok = executor.tokenizer
-    text = (lambda i: tok.token_text(i, context)) if tok is not None else str
+    # interned: a token's text recurs in every record that chose or listed it (a long run holds one copy)
+    text = (lambda i: sys.intern(tok.token_text(i, context))) if tok is not None else (lambda i: sys.intern(str(i)))
     top = [Candidate(int(i), text(int(i)), float(p)) for p, i in zip(top_p.tolist(), top_i.tolist())]
     eos = eos_ids(executor)
     return StepRecord(step=0 if first else step, kind=PREFILL if first else DECODE, token_id=token,

@@ -20,7 +20,7 @@ from ..caches.base import SlotView
 from ..caches.layout import LinearLayout, layout_from_dict
 from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport, packed_report
-from .records import Candidate, StepRecord
+from .records import Candidate, PackedCandidates, StepRecord
 from .packed import KEEP_STEPS, unpacked
 from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
@@ -43,11 +43,13 @@ class History(list):
     def append(self, record) -> None:
         """Add ``record``; the one :data:`~kvexplore.trace.packed.KEEP_STEPS` records back has its memory report's
         layers packed (:class:`~kvexplore.caches.memory.PackedLayers`: a long run's records grow by tens of bytes a
-        layer and step, not hundreds)."""
+        layer and step, not hundreds) and its candidates (:class:`~kvexplore.trace.records.PackedCandidates`)."""
         super().append(record)
         i = len(self) - 1 - KEEP_STEPS
         if i >= 0 and self[i].memory is not None:
             self[i].memory = packed_report(self[i].memory, self[i - 1].memory if i else None)
+        if i >= 0 and isinstance(self[i].top, list):
+            self[i].top = PackedCandidates(self[i].top)
 
     def save(self, path: str | Path) -> Path:
         """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""

@@ -89,8 +89,9 @@ def pack_slots(view: SlotView, base: Any = None):
     if index.size * 11 >= whole.nbytes:
         return whole
     index = index.astype(np.int32)
+    layout = base.layout if base.layout == view.layout else view.layout  # a page table changes once a block
     return SlotChanges(base, size, index, whole.states[index], whole.positions[index], whole.sharers[index],
-                       view.layout, depth + 1)
+                       layout, depth + 1)
 
 
 def compact_positions(reads):
