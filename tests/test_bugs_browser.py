@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import html as html_lib
 
-import numpy as np
 import pytest
 
 import kvexplore.bugs as bugs
+from replay_support import ROOT, open_replay, same, shown, slide
 from kvexplore.cli.commands import main
 from kvexplore.replay import snapshot_at
 from kvexplore.replay.bug_page import BROKEN, FIXED
@@ -26,12 +26,6 @@ READ = """(lane) => {
 }"""
 
 
-def same(a, b) -> bool:
-    a = np.asarray([np.nan if v is None else v for v in np.asarray(a, dtype=object).ravel()], dtype=float)
-    b = np.asarray(b, dtype=float).ravel()
-    return a.shape == b.shape and np.allclose(a, b, equal_nan=True, atol=1e-6)
-
-
 @pytest.mark.parametrize("name", ["length-counted-early", "ring-rollback-after-wrap"])
 def test_bugs_run_writes_a_replay_whose_page_is_the_two_runs(name, tmp_path, browser, capsys):
     path = tmp_path / f"{name}.html"
@@ -46,27 +40,13 @@ def test_bugs_run_writes_a_replay_whose_page_is_the_two_runs(name, tmp_path, bro
     page = browser.new_page()
     try:
         page.set_viewport_size({"width": 1280, "height": 800})
-
-        def route(req):
-            if not req.request.url.startswith("file:"):
-                requests.append(req.request.url)
-                return req.abort()
-            return req.continue_()
-
-        page.route("**/*", route)
-        page.goto(path.as_uri())
-        root = "document.querySelector('.kvx-replay')"
-        page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
-        assert page.evaluate(f"{root}.dataset.kvxError") is None
-        assert page.evaluate(f"{root}.querySelector('.kvx-slider').max") == str(steps - 1)
+        open_replay(page, path, requests)
+        assert page.evaluate(f"{ROOT}.querySelector('.kvx-slider').max") == str(steps - 1)
         for step in sorted({0, d.index, steps - 1}):
-            page.evaluate("(i) => { const s = document.querySelector('.kvx-replay .kvx-slider'); "
-                          "s.value = String(i); s.dispatchEvent(new Event('input')); }", step)
-            page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
+            slide(page, step)
             for lane, records in runs.items():
                 got = page.evaluate(READ, lane)
-                shown = records[step].text.replace(" ", "·").replace("\t", "→").replace("\n", "↵\n") or "∅"
-                assert got["last"] == html_lib.unescape(shown), (lane, step)
+                assert got["last"] == html_lib.unescape(shown(records[step])), (lane, step)
                 spec = cache_map.from_snapshot(snapshot_at(runs, step, lane, layer, 0), lane)
                 drawn = {t["name"]: t for t in got["cache"]}
                 for t in spec.traces:

@@ -22,6 +22,7 @@ import kvexplore  # noqa: E402
 from kvexplore.replay import frames, save_html  # noqa: E402
 from kvexplore.views.registry import PER_LANE, TABS, VIEWS, View, register, unregister  # noqa: E402
 from kvexplore.views.spec import FigureSpec  # noqa: E402
+from replay_support import ROOT, open_replay  # noqa: E402
 
 PROMPT = "Call me Ishmael. Some years ago"
 NAME = "bytes_written"
@@ -138,14 +139,10 @@ def test_the_replay_page_draws_a_registered_view_in_a_browser(model, toy_view, t
     path = save_html(runs, tmp_path / "toy.html")
     page = browser.new_page()
     try:
-        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
-        page.goto(path.as_uri())
-        root = "document.querySelector('.kvx-replay')"
-        page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
-        assert page.evaluate(f"{root}.dataset.kvxError") is None
+        open_replay(page, path, [])
         for step in (0, 2):
             page.evaluate("(i) => document.querySelector('.kvx-replay').kvxShow(i)", step)
-            page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
+            page.wait_for_function(f"{ROOT}.dataset.kvxStep === '{step}'", timeout=30_000)
             for lane, records in runs.items():
                 y = page.evaluate("""(lane) => Array.from(document.querySelector(
                     `section[data-lane="${lane}"] .kvx-bytes-written`).data[0].y)""", lane)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import html as html_lib
 
-import numpy as np
 import pytest
 
 import kvexplore
 from browser_support import require_browser, screenshot
+from replay_support import ROOT, open_replay, same, shown, slide
 from kvexplore.views import cache_map
 from kvexplore.replay import save_html, snapshot_at
 
@@ -25,12 +25,6 @@ READ = """(lane) => {
           generated: sec.querySelectorAll('.kvx-strip .kvx-gen').length, last: last ? last.textContent : null,
           title: sec.querySelector('.kvx-cache-map').layout.title.text};
 }"""
-
-
-def same(a, b) -> bool:
-    a = np.asarray([np.nan if v is None else v for v in np.asarray(a, dtype=object).ravel()], dtype=float)
-    b = np.asarray(b, dtype=float).ravel()
-    return a.shape == b.shape and np.allclose(a, b, equal_nan=True, atol=1e-6)
 
 
 def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path, browser, trained):
@@ -49,29 +43,16 @@ def test_replay_from_disk_moves_through_every_step_and_draws_the_trace(tmp_path,
     try:
         page.set_viewport_size({"width": 1400, "height": 1000})
 
-        def route(r):
-            if not r.request.url.startswith("file:"):
-                requests.append(r.request.url)
-                return r.abort()
-            return r.continue_()
-
-        page.route("**/*", route)
-        page.goto(path.as_uri())
-        root = "document.querySelector('.kvx-replay')"
-        page.wait_for_function(f"{root}.dataset.kvxReady === '1' || !!{root}.dataset.kvxError", timeout=120_000)
-        assert page.evaluate(f"{root}.dataset.kvxError") is None
-        assert page.evaluate(f"{root}.querySelector('.kvx-slider').max") == str(STEPS - 1)
+        open_replay(page, path, requests)
+        assert page.evaluate(f"{ROOT}.querySelector('.kvx-slider').max") == str(STEPS - 1)
         for step in range(STEPS):
-            page.evaluate("(i) => { const s = document.querySelector('.kvx-replay .kvx-slider'); "
-                          "s.value = String(i); s.dispatchEvent(new Event('input')); }", step)
-            page.wait_for_function(f"{root}.dataset.kvxStep === '{step}'", timeout=30_000)
+            slide(page, step)
             for lane, run in runs.items():
                 got = page.evaluate(READ, lane)
                 record = run[step]
                 # the strip: the prompt, then one token per step so far, the newest outlined
                 assert got["generated"] == step + 1
-                shown = record.text.replace(" ", "·").replace("\t", "→").replace("\n", "↵\n") or "∅"
-                assert got["last"] == html_lib.unescape(shown)
+                assert got["last"] == html_lib.unescape(shown(record))
                 # the attention bar: the recorded probabilities of this step, in physical slot order
                 bar = next(t for t in got["attention"] if t["name"] == "current")
                 want = record.trace.physical_attention(LAYER)[-1, record.trace.heads.index(HEAD)]
