@@ -170,19 +170,21 @@ def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...]
             server.stop()
 
 
-def open_voila_app(page, server: Server, timeout_s: float = WIDGETS_S):
+def open_voila_app(page, server: Server, timeout_s: float = WIDGETS_S, first_s: float = 60):
     """Open the Voila app at ``server`` in ``page`` and wait for the explorer; returns its locator.
 
-    Voila starts a kernel per page load. On a busy machine a kernel start has been seen to never answer (CI, once:
-    the page waited 180 s, the other Voila servers of the run were fine). When the explorer has not appeared after
-    ``timeout_s``, the page is loaded once more with a fresh kernel, and what the first load showed (the page's
-    text, the server's log) is printed; a second failure raises with both."""
+    Voila starts a kernel per page load. On a busy machine a kernel start has been seen to never answer (CI, three
+    times in about a dozen runs: the page waited out the whole timeout, 150-180 s, then a second load took seconds;
+    the other Voila servers of the run were fine). A healthy first load shows the explorer in well under a minute
+    even in a full run, so the first load waits ``first_s``; when the explorer has not appeared by then, the page is
+    loaded once more with a fresh kernel and waits ``timeout_s``, and what the first load showed (the page's text,
+    the server's log) is printed; a second failure raises with both."""
     first = ""
     for attempt in (1, 2):
         page.goto(server.base_url + "/")
         explorer = page.locator(".kvx-explorer").first
         try:
-            explorer.wait_for(timeout=timeout_s * 1000)
+            explorer.wait_for(timeout=(min(first_s, timeout_s) if attempt == 1 else timeout_s) * 1000)
             if first:
                 print(f"Voila: the explorer appeared on the second load; the first showed:\n{first}")
             return explorer
