@@ -1,8 +1,10 @@
 """The compile of a decode step as a progress line: its phase and the time so far (``kvexplore generate --compile``).
 
-The phase is read from torch's own record of the compile (``torch._dynamo.utils.compilation_time_metrics``: each
-phase is entered there when it ends), so the line names the phase after the last one that finished. Where torch
-keeps no such record, the line shows the time alone."""
+The regional step (``compile=True`` on the CPU) says what it is doing itself (copying the weights into blocks,
+tracing a layer, loading or compiling its graph, the head: :data:`kvexplore.runtime.regional.PROGRESS`). A whole
+step compiled by torch.compile is read from torch's own record of the compile
+(``torch._dynamo.utils.compilation_time_metrics``: each phase is entered there when it ends), so the line names the
+phase after the last one that finished. Where neither says anything, the line shows the time alone."""
 
 from __future__ import annotations
 
@@ -31,7 +33,12 @@ def _metrics() -> dict:
 
 
 def phase_now(metrics: dict, start: dict[str, int]) -> str:
-    """What the compile is doing, from the phases that ended since ``start`` (each phase's count then)."""
+    """What the compile is doing: what the regional step says, else what torch's phases that ended since ``start``
+    (each phase's count then) tell."""
+    from ..runtime.regional import PROGRESS
+
+    if PROGRESS.phase:
+        return PROGRESS.phase
     done = {k for k, v in list(metrics.items()) if len(v) > start.get(k, 0)}
     label = FIRST
     for key, name in PHASES:

@@ -284,14 +284,21 @@ class Model(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
         return x
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight ``[vocab, hidden]``: the embeddings where they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the final norm's output ``x``."""
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head).float()
-        if self.config.final_logit_softcapping is not None:
-            cap = self.config.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.capped(F.linear(x, self.head_weight).float())
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the model gives it: soft-capped where the config says so (Gemma 2)."""
+        if self.config.final_logit_softcapping is None:
+            return logits
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None,

@@ -1,5 +1,6 @@
-"""Compiled decoding on the pre-allocated cache: the one-token step as one ``torch.compile`` graph, compiled once for
-the cache's capacity.
+"""Compiled decoding on the pre-allocated cache: the one-token step compiled once for the cache's capacity. On the
+CPU by default one decoder layer is compiled and run for every layer (:mod:`.regional`); an explicit torch.compile
+mode, and CUDA, compile the whole step as one ``torch.compile`` graph (:class:`CompiledDecoder`).
 
 What makes it possible is what the pre-allocated cache is: every layer's keys and values live at fixed addresses
 with a fixed shape, ``[1, kv_heads, capacity, head_dim]``. The step takes the position as a tensor, writes the new
@@ -23,7 +24,8 @@ import torch
 
 from ..caches.preallocated import PreallocatedCache
 from ..errors import SettingsError
-from .compile_cache import step_key, watched
+from . import regional
+from .compile_cache import watched
 from .executor import CompiledExecutor
 
 
@@ -89,18 +91,18 @@ class _Step(torch.nn.Module):
 
 
 class CompiledDecoder:
-    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots.
+    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, as one graph.
 
     ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
     key and value in ``cache``. One decoder serves any pre-allocated cache of that capacity and dtype (the storages
     are inputs of the graph, not constants). ``compile_s`` is the time the first step took to compile, and
     ``reuse_note`` whether it loaded a step an earlier process compiled (:mod:`.compile_cache`).
 
-    On the CPU the weights are frozen into the graph and the matrix products autotuned (``freezing`` and
-    ``max_autotune``): inductor's own C++ GEMM on prepacked weights streams one-row products about twice as fast as
-    MKL on this project's machines. The packed weights are a second copy (the model's own stay for eager steps), and
-    a change to the model's weights after the first compiled step is not seen by it. On CUDA the step is captured
-    as a CUDA graph (``mode="reduce-overhead"``).
+    On the CPU in ``mode="max-autotune"`` the weights are frozen into the graph and the matrix products autotuned
+    (``freezing`` and ``max_autotune``): inductor's own C++ GEMM on prepacked weights. The packed weights are a
+    second copy (the model's own stay for eager steps), and a change to the model's weights after the first
+    compiled step is not seen by it. On CUDA the step is captured as a CUDA graph (``mode="reduce-overhead"``, what
+    ``compile=True`` gives there).
     """
 
     def __init__(self, model: Any, capacity: int, mode: str | None = None) -> None:
@@ -138,8 +140,7 @@ class CompiledDecoder:
         t0 = time.perf_counter()
         import torch._inductor.config as inductor
 
-        compiling = watched(self.model, step_key(self.model, self.capacity, self.mode), frozen=bool(self._config)) \
-            if first else nullcontext({})
+        compiling = watched() if first else nullcontext({})
         with torch.no_grad(), inductor.patch(self._config) if first else nullcontext(), compiling as saved:
             logits = self._step(self._token, self._pos, keys, values)
         if first:
@@ -149,17 +150,34 @@ class CompiledDecoder:
         return logits.clone() if self.mode == "reduce-overhead" else logits  # a replayed graph reuses its output
 
 
-_DECODERS: "weakref.WeakKeyDictionary[Any, dict[tuple, CompiledDecoder]]" = weakref.WeakKeyDictionary()
-MODES = ("default", "max-autotune", "reduce-overhead")  # what Generator(compile=...) takes besides True
+_DECODERS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+#: what Generator(compile=...) takes besides True: kvexplore's regional step and torch.compile's modes
+MODES = ("regional", "default", "max-autotune", "reduce-overhead")
 
 
-def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool = True) -> CompiledDecoder | None:
+def best_mode(device: torch.device) -> str:
+    """What ``compile=True`` means on ``device``: the regional step on the CPU (where this torch can save a graph),
+    a CUDA graph of the whole step on CUDA, torch.compile's default elsewhere."""
+    if device.type == "cuda":
+        return "reduce-overhead"
+    if device.type == "cpu":
+        return "regional" if regional.available() else "max-autotune"
+    return "default"
+
+
+def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool = True) -> Any:
     """The model's compiled step for ``capacity`` slots (and ``mode``; None: the best for the device), built once
-    and shared by its generators (forks, resets)."""
+    and shared by its generators (forks, resets): a :class:`~.regional.RegionalDecoder` or a
+    :class:`CompiledDecoder`."""
+    mode = mode or best_mode(model.device)
     by_key = _DECODERS.setdefault(model, {})
     key = (capacity, mode)
     if key not in by_key and build:
-        by_key[key] = CompiledDecoder(model, capacity, mode)
+        if mode == "regional" and not regional.available():
+            raise SettingsError(f"compile='regional' needs torch._inductor.standalone_compile (torch "
+                                f"{torch.__version__} has none): use compile=True or a torch.compile mode")
+        by_key[key] = regional.RegionalDecoder(model, capacity) if mode == "regional" else \
+            CompiledDecoder(model, capacity, mode)
     return by_key.get(key)
 
 

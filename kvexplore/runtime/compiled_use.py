@@ -12,14 +12,14 @@ from .executor import CompiledExecutor
 
 
 class CompiledUse:
-    """``compile``: False, True (the best mode for the device: CPU max-autotune, CUDA reduce-overhead) or a
-    torch.compile mode. ``fast`` is the compiled step (None where the executor or cache has none, or compile=False),
+    """``compile``: False, True (the best mode for the device: the CPU's regional step, CUDA's reduce-overhead), or
+    a mode by name ("regional" or a torch.compile mode). ``fast`` is the compiled step (None where the executor or cache has none, or compile=False),
     ``note`` why decode steps run eager although compile was asked for ("" when they compile)."""
 
     def __init__(self, executor: Any, cache: Any, compile: bool | str) -> None:
         if not isinstance(compile, bool) and compile not in MODES:
-            raise SettingsError(f"compile must be True, False or a torch.compile mode ({', '.join(MODES)}), got "
-                                f"{compile!r}")
+            raise SettingsError(f"compile must be True, False or a mode ({', '.join(MODES)}: kvexplore's regional "
+                                f"step or a torch.compile mode), got {compile!r}")
         self.note = ""
         self.fast: CompiledExecutor | None = None
         self._traced_note = False  # the message that traced steps run eager was given

@@ -1,0 +1,266 @@
+"""Regional compilation: the CPU's compiled one-token step as one compiled decoder layer, run once per layer, and a
+compiled output head.
+
+A model's layers differ in their weights, not their code or shapes: a graph that takes a layer's weights as inputs
+serves all of them, so one layer is traced and compiled instead of thirty (SmolLM2: about 10 s instead of 60-130 s
+for the whole step with frozen weights). Weights as inputs also keep the graph free of constants, so it is saved
+as a file (:mod:`.artifacts`) that a later process loads instead of compiling. What makes the products fast without
+frozen weights is their layout: each layer runs on a :func:`~.blocked.blocked_twin` of itself, the model's own
+layer modules with every ``nn.Linear`` replaced by a product over a blocked copy of its weight (see
+:mod:`.blocked`).
+
+Each layer's graph runs the model's own layer code (its norms, RoPE, attention and MLP), over a cache view of that
+one layer: the key and value are written with ``index_copy_`` at the position tensor and attention reads every slot
+under the mask ``slot <= position``, as in the whole-step graph (:mod:`.compiled`). Layers are grouped by what the
+trace bakes in (their modules' types and plain attributes, and their tensors' shapes): one graph per group, which
+is one graph for every model this step accepts so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..caches.preallocated import PreallocatedCache
+from ..errors import SettingsError
+from . import artifacts
+from .blocked import BlockedLinear, blocked_twin, nbytes, tensors_of
+
+#: inductor options of the regional graphs: no size checks of the inputs on every call (the step builds them itself)
+OPTIONS = {"size_asserts": False}
+
+
+class Progress:
+    """What the compile under way is doing, for a progress line (``kvexplore generate --compile``)."""
+
+    phase = ""
+
+
+PROGRESS = Progress()
+
+
+def available() -> bool:
+    """Whether this torch can compile a graph on its own and save it (``torch._inductor.standalone_compile``)."""
+    try:
+        from torch._inductor import CompiledArtifact, standalone_compile  # noqa: F401
+    except ImportError:
+        return False
+    import inspect
+    return "aot" in inspect.signature(standalone_compile).parameters
+
+
+class _OneLayer:
+    """What one layer's graph sees as its cache: that layer's pre-allocated storages, written at the position
+    tensor and read whole under the mask."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> None:
+        self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
+
+    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.index_copy_(2, self.pos, k)
+        self.values.index_copy_(2, self.pos, v)
+        return self.keys, self.values
+
+    def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
+        return self._mask
+
+    def observes_queries(self, layer: int) -> bool:
+        return False  # no press reads the queries of a compiled step
+
+
+def _plain(value: Any) -> Any:
+    """A module attribute as the trace may bake it in: numbers, strings and flags as they are, functions by name,
+    dataclasses by their fields; tensors and modules are the graph's inputs, not part of this."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return tuple((f.name, _plain(getattr(value, f.name))) for f in dataclasses.fields(value))
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__qualname__)
+    return type(value).__qualname__
+
+
+def signature(twin: nn.Module) -> str:
+    """What a layer's trace depends on besides its tensors' values: two layers with the same signature share a graph."""
+    parts = []
+    for name, module in twin.named_modules():
+        attrs = sorted((k, _plain(v)) for k, v in vars(module).items()
+                       if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module)))
+        parts.append((name, type(module).__qualname__, tuple(attrs)))
+    shapes = [(name, tuple(t.shape), t.stride(), str(t.dtype)) for name, t in tensors_of(twin)]
+    return repr((parts, shapes))
+
+
+def _unnumbered(twin: nn.Module) -> nn.Module:
+    """The twin with its layer index set to 0 wherever a module keeps it (it only names hook points and cache
+    calls, which the graph's cache view ignores; a layer's spec names it as its own cache's source too): one trace
+    serves every layer."""
+    for module in twin.modules():
+        if isinstance(getattr(module, "layer", None), int):
+            module.layer = 0
+        spec = getattr(module, "spec", None)
+        if dataclasses.is_dataclass(spec) and hasattr(spec, "index"):  # a layer's own cache: its source is itself
+            own = getattr(spec, "source", None) == spec.index
+            module.spec = dataclasses.replace(spec, index=0, **({"source": 0} if own else {}))
+    return twin
+
+
+class _Graph:
+    """One compiled graph and the order it takes its inputs in (the trace's order, not the call's)."""
+
+    def __init__(self, compiled: Callable, order: list[int]) -> None:
+        self.order = order
+        self.run = _innermost(compiled)
+
+    def __call__(self, args: tuple) -> torch.Tensor:
+        return self.run([args[i] for i in self.order])[0]
+
+
+def _innermost(compiled: Any) -> Callable[[list], Any]:
+    """The compiled code's own entry point where the artifact exposes it (inference only: it skips the autograd
+    wrappers, about 15 us a call, 3% of a SmolLM2 step over 31 calls), else the artifact itself."""
+    inner = getattr(getattr(getattr(compiled, "inner_fn", None), "compiled_fn", None), "compiled_fn", None)
+    run = getattr(inner, "current_callable", None)
+    if callable(run) and not getattr(inner, "constants", None):
+        return run
+    return lambda args: compiled(*args)
+
+
+def _trace(fn: Callable, args: tuple) -> tuple[torch.fx.GraphModule, list, list[int]]:
+    """``fn``'s graph for ``args`` as dynamo captures it, its example inputs and, for each, its place in ``args``."""
+    captured: list = []
+
+    def keep(gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        captured.append((gm, list(inputs)))
+        return gm.forward
+
+    torch.compile(fn, backend=keep, fullgraph=True, dynamic=False)(*args)
+    torch._dynamo.eval_frame.remove_from_cache(fn)  # a trace, not a compiled function to keep
+    gm, inputs = captured[0]
+    where = {id(a): i for i, a in enumerate(args)}
+    if any(id(t) not in where for t in inputs):  # a tensor the graph found elsewhere would be baked into it
+        raise SettingsError("the layer's graph reads a tensor that is not among its inputs: it cannot be shared")
+    return gm, inputs, [where[id(t)] for t in inputs]
+
+
+class RegionalDecoder:
+    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, built from one
+    compiled layer graph (per group of layers alike) and a compiled head.
+
+    ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
+    key and value in ``cache``; one decoder serves any pre-allocated cache of that capacity. Built on the first call:
+    ``compile_s`` is the time that took (blocked copies, traces, compiles or loads), ``reuse_note`` what it did with
+    the saved graphs, ``built`` how many graphs it compiled (0: all loaded), ``held_bytes`` the blocked weight copies.
+    """
+
+    mode = "regional"
+
+    def __init__(self, model: Any, capacity: int, saved: artifacts.Saved | None = None) -> None:
+        self.model, self.capacity = model, capacity
+        self._saved = saved
+        device = model.device
+        self._pos = torch.zeros(1, dtype=torch.long, device=device)
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self._slots = torch.arange(capacity, device=device)
+        self._cos, self._sin = model.rotary.cos_sin(0, capacity, model.dtype)
+        self._layers: list[tuple[_Graph, list[torch.Tensor]]] | None = None
+        self._head: tuple[_Graph, list[torch.Tensor]] | None = None
+        self.compile_s: float | None = None
+        self.reuse_note = ""
+        self.built = 0
+        self.held_bytes = 0
+        self.steps = 0
+
+    def __call__(self, token: int, cache: PreallocatedCache, pos: int) -> torch.Tensor:
+        if cache.capacity != self.capacity:
+            raise SettingsError(f"this compiled step was built for {self.capacity} slots, the cache has "
+                                f"{cache.capacity}: make a decoder for it")
+        if self._layers is None:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    self._build(cache)
+            finally:
+                PROGRESS.phase = ""
+            self.compile_s = time.perf_counter() - t0
+        with torch.no_grad():
+            logits = self._step(token, cache, pos)
+        self.steps += 1
+        return logits
+
+    def _inputs(self, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._pos.fill_(pos)
+        mask = (self._slots <= self._pos).view(1, -1)  # (T=1, capacity): the slots written so far, this one included
+        return mask, self._cos.index_select(0, self._pos), self._sin.index_select(0, self._pos)
+
+    def _step(self, token: int, cache: PreallocatedCache, pos: int) -> torch.Tensor:
+        mask, cos, sin = self._inputs(pos)
+        self._token.fill_(token)
+        x = self.model.embed(self._token)
+        for layer, (graph, tensors) in zip(cache.full_layers, self._layers):
+            x = graph((x, cache.key(layer), cache.value(layer), self._pos, mask, cos, sin, *tensors))
+        graph, tensors = self._head
+        return graph((x, *tensors))
+
+    def _build(self, cache: PreallocatedCache) -> None:
+        model = self.model
+        saved = self._saved or artifacts.Saved()
+        PROGRESS.phase = "copying the weights into blocks"
+        twins = [_unnumbered(blocked_twin(layer)) for layer in model.model.layers]
+        head = BlockedLinear(model.head_weight)
+        self.held_bytes = sum(nbytes(t) for t in twins) + head.blocks.nbytes
+        mask, cos, sin = self._inputs(0)
+        x = model.embed(self._token)
+        graphs: dict[str, _Graph] = {}
+        keys: list[str] = []
+        layers = []
+        for layer, twin in zip(cache.full_layers, twins):
+            sig = signature(twin)
+            tensors = [t for _, t in tensors_of(twin)]
+            if sig not in graphs:
+                names = [n for n, _ in tensors_of(twin)]
+
+                def body(x, keys_, values_, pos, mask, cos, sin, *weights, twin=twin, names=names):
+                    view = _OneLayer(keys_, values_, pos, mask)
+                    return torch.func.functional_call(twin, dict(zip(names, weights)),
+                                                      (x, view, pos, cos, sin, None), strict=True)
+
+                scratch = torch.empty_like(cache.key(layer)), torch.empty_like(cache.value(layer))
+                graphs[sig] = self._graph(body, (x, *scratch, self._pos, mask, cos, sin, *tensors), saved, keys,
+                                          f"layer {layer}")
+            layers.append((graphs[sig], tensors))
+        norm = model.model.norm
+        norm_names = [n for n, _ in tensors_of(norm)]
+
+        def tail(x, blocks, *norm_tensors):
+            h = torch.func.functional_call(norm, dict(zip(norm_names, norm_tensors)), (x,))
+            return model.capped(torch.func.functional_call(head, {"blocks": blocks}, (h,)).float())[:, -1]
+
+        head_tensors = [head.blocks, *(t for _, t in tensors_of(norm))]
+        self._head = (self._graph(tail, (x, *head_tensors), saved, keys, "the output head"), head_tensors)
+        self._layers = layers
+        self.reuse_note = artifacts.note(saved, artifacts.step_key(model, self.capacity, self.mode), keys, self.built,
+                                         stored=all(saved.file(k).exists() for k in keys))
+
+    def _graph(self, fn: Callable, args: tuple, saved: artifacts.Saved, keys: list[str], what: str) -> _Graph:
+        """``fn`` traced for ``args``, loaded from ``saved`` or compiled (and saved)."""
+        PROGRESS.phase = f"tracing {what}"
+        gm, inputs, order = _trace(fn, args)
+        key = artifacts.graph_key(gm, inputs, OPTIONS)
+        keys.append(key)
+        PROGRESS.phase = f"loading the compiled graph of {what}"
+        compiled = artifacts.load(saved, key)
+        if compiled is None:
+            PROGRESS.phase = f"compiling {what}" + (" (one graph for every layer)" if what.startswith("layer") else "")
+            compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs", aot=True,
+                                                          options={"config_patches": OPTIONS})
+            self.built += 1
+            artifacts.store(saved, key, compiled)
+        return _Graph(compiled, order)
+
