@@ -40,8 +40,8 @@ class Generator:
     sampling with a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so
     a rewound and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record
     lists; ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry. ``compile``: single-token
-    steps run the executor's compiled step where it has one (True: the best mode for the device; or a
-    torch.compile mode), with :attr:`compile_note` saying why not.
+    steps run the executor's compiled step where it has one (True: the best mode for the device; or a mode by
+    name: "regional" or a torch.compile mode), with :attr:`compile_note` saying why not.
 
     ``draft``: speculative decoding (:mod:`~kvexplore.runtime.speculative`) with ``"prompt-lookup"``, ``"self:L"``
     (the model's first L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification. Each
@@ -73,7 +73,7 @@ class Generator:
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
         self._compiled = CompiledUse(executor, cache, compile)
-        self.compile = compile  # True: the best mode for the device (CPU: max-autotune, CUDA: reduce-overhead)
+        self.compile = compile  # True: the best mode for the device (CPU: regional, CUDA: reduce-overhead)
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
         self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
 
@@ -367,9 +367,9 @@ class Generator:
 
     @property
     def compile_reuse(self) -> str:
-        """After the first compiled step: whether it was kept for a later process (only with
-        ``KVEXPLORE_COMPILE_REUSE=1`` on the CPU, and why not otherwise), loaded from an earlier one, or rebuilt
-        ("" before it; :mod:`~kvexplore.runtime.compile_cache`)."""
+        """After the first compiled step: whether its graphs were loaded from an earlier process, compiled and saved
+        for a later one, rebuilt (the saved ones stale or missing), or not saved and why ("" before it;
+        :mod:`~kvexplore.runtime.artifacts`, :mod:`~kvexplore.runtime.compile_cache`)."""
         return self._compiled.reuse_note(self.cache)
 
     def _check_force(self, force: int | None) -> None:
