@@ -112,6 +112,17 @@ def test_compile_takes_a_mode_and_refuses_anything_else(tiny):
         kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 64, dtype=torch.bfloat16), compile=True)
 
 
+def test_a_torch_that_cannot_save_a_graph_refuses_regional_and_compiles_the_whole_step(tiny, monkeypatch):
+    from kvexplore.runtime import compiled, regional
+
+    assert compiled.best_mode(torch.device("cpu")) == "regional" and compiled.best_mode(torch.device("cuda")) == \
+        "reduce-overhead"
+    monkeypatch.setattr(regional, "available", lambda: False)
+    with pytest.raises(kvexplore.SettingsError, match="compile='regional' needs torch._inductor.standalone_compile"):
+        kvexplore.Generator(tiny, kvexplore.make_cache("preallocated", tiny, 64), compile="regional")
+    assert compiled.best_mode(torch.device("cpu")) == "max-autotune"  # what compile=True then compiles
+
+
 def test_where_compiling_does_not_apply_it_says_so_and_runs_eager(tiny):
     with pytest.warns(UserWarning, match="needs the pre-allocated cache"):
         gen = kvexplore.Generator(tiny, kvexplore.make_cache("concat", tiny), compile=True)

@@ -157,12 +157,10 @@ MODES = ("regional", "default", "max-autotune", "reduce-overhead")
 
 def best_mode(device: torch.device) -> str:
     """What ``compile=True`` means on ``device``: the regional step on the CPU (where this torch can save a graph),
-    a CUDA graph of the whole step on CUDA, torch.compile's default elsewhere."""
+    a CUDA graph of the whole step on CUDA, torch.compile's max-autotune elsewhere."""
     if device.type == "cuda":
         return "reduce-overhead"
-    if device.type == "cpu":
-        return "regional" if regional.available() else "max-autotune"
-    return "default"
+    return "regional" if device.type == "cpu" and regional.available() else "max-autotune"
 
 
 def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool = True) -> Any:
@@ -173,12 +171,16 @@ def decoder_for(model: Any, capacity: int, mode: str | None = None, build: bool 
     by_key = _DECODERS.setdefault(model, {})
     key = (capacity, mode)
     if key not in by_key and build:
-        if mode == "regional" and not regional.available():
-            raise SettingsError(f"compile='regional' needs torch._inductor.standalone_compile (torch "
-                                f"{torch.__version__} has none): use compile=True or a torch.compile mode")
+        _check_mode(mode)
         by_key[key] = regional.RegionalDecoder(model, capacity) if mode == "regional" else \
             CompiledDecoder(model, capacity, mode)
     return by_key.get(key)
+
+
+def _check_mode(mode: str | None) -> None:
+    if mode == "regional" and not regional.available():
+        raise SettingsError(f"compile='regional' needs torch._inductor.standalone_compile with aot=True (torch "
+                            f"{torch.__version__} has none): use compile=True or a torch.compile mode")
 
 
 class CompiledStep(CompiledExecutor):
@@ -189,6 +191,7 @@ class CompiledStep(CompiledExecutor):
     fork work as in eager mode. A tracer gets what a trace without attention holds, read from the cache after."""
 
     def __init__(self, eager: Any, mode: str | None = None) -> None:
+        _check_mode(mode)  # at the generator's construction, not its first step
         self.eager, self.mode = eager, mode
 
     config = property(lambda self: self.eager.config)
