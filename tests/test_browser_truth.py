@@ -65,7 +65,14 @@ def _set(explorer, name: str, value: str) -> None:
 
 
 def _select(explorer, name: str, label: str) -> None:
+    """Pick ``label`` in the ``name`` picker. A lane pick is not an operation (no count to wait for): wait until the
+    kernel's truth names the picked lane, or a check right after could read the kernel from before the pick (as
+    the page trivially equals it) on a loaded machine."""
     explorer.locator(f".kvx-{name} select").first.select_option(label=label)
+    if name == "lane":
+        explorer.page.wait_for_function(
+            "([root, lane]) => (root.querySelector('.kvx-truth pre').textContent.match(/\"lane\": \"([^\"]*)\"/)"
+            " || [])[1] === lane", arg=[explorer.element_handle(), label], polling=100, timeout=120_000)
 
 
 def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
