@@ -9,7 +9,7 @@ key and value with ``index_copy_`` at that position, and attends over all ``capa
 grows. On CUDA the graph is captured once (``mode="reduce-overhead"``: CUDA graphs) and replayed every step.
 
 The graph runs the model's own layers (the same modules, the same numerics as the eager path); only the cache
-under them is replaced by :class:`_InPlace`. The cache's bookkeeping (length, undo, bytes written) is done outside
+under them is replaced by :class:`~.inplace.InPlace`. The cache's bookkeeping (length, undo, bytes written) is done outside
 the graph by :meth:`PreallocatedCache.note_inplace_write`, so records, rewind and fork work as in eager mode.
 """
 
@@ -27,6 +27,7 @@ from ..errors import SettingsError
 from . import regional
 from .compile_cache import watched
 from .executor import CompiledExecutor
+from .inplace import InPlace
 
 
 def refusal(model: Any, cache: Any) -> str | None:
@@ -47,26 +48,6 @@ def refusal(model: Any, cache: Any) -> str | None:
     return None
 
 
-class _InPlace:
-    """What the compiled step's layers see as their cache: the pre-allocated storages, written at a position tensor
-    and read whole under a mask over the capacity."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
-                 mask: torch.Tensor) -> None:
-        self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
-
-    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys[layer].index_copy_(2, self.pos, k)
-        self.values[layer].index_copy_(2, self.pos, v)
-        return self.keys[layer], self.values[layer]
-
-    def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
-        return self._mask
-
-    def observes_queries(self, layer: int) -> bool:
-        return False  # no press reads the queries of a compiled step
-
-
 class _Step(torch.nn.Module):
     """The one-token step as a module (so that compiling it freezes the model's weights into the graph)."""
 
@@ -82,7 +63,7 @@ class _Step(torch.nn.Module):
                 values: list[torch.Tensor]) -> torch.Tensor:
         model = self.model
         mask = (self.slots <= pos).view(1, -1)  # (T=1, capacity): the slots written so far, this one included
-        cache = _InPlace(keys, values, pos, mask)
+        cache = InPlace(keys, values, pos, mask)
         cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
         x = model.embed(token)
         for layer in model.model.layers:

@@ -28,6 +28,7 @@ from torch import nn
 from ..caches.preallocated import PreallocatedCache
 from ..errors import SettingsError
 from . import artifacts
+from .inplace import InPlace
 from .blocked import BlockedLinear, blocked_twin, nbytes, tensors_of
 
 #: inductor options of the regional graphs: no size checks of the inputs on every call (the step builds them itself)
@@ -51,25 +52,6 @@ def available() -> bool:
         return False
     import inspect
     return "aot" in inspect.signature(standalone_compile).parameters
-
-
-class _OneLayer:
-    """What one layer's graph sees as its cache: that layer's pre-allocated storages, written at the position
-    tensor and read whole under the mask."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> None:
-        self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
-
-    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys.index_copy_(2, self.pos, k)
-        self.values.index_copy_(2, self.pos, v)
-        return self.keys, self.values
-
-    def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
-        return self._mask
-
-    def observes_queries(self, layer: int) -> bool:
-        return False  # no press reads the queries of a compiled step
 
 
 def _plain(value: Any) -> Any:
@@ -227,7 +209,7 @@ class RegionalDecoder:
                 names = [n for n, _ in tensors_of(twin)]
 
                 def body(x, keys_, values_, pos, mask, cos, sin, *weights, twin=twin, names=names):
-                    view = _OneLayer(keys_, values_, pos, mask)
+                    view = InPlace([keys_], [values_], pos, mask)  # the twin's layer index is 0
                     return torch.func.functional_call(twin, dict(zip(names, weights)),
                                                       (x, view, pos, cos, sin, None), strict=True)
 
