@@ -16,6 +16,7 @@ from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreErr
                      MissingFileError, NonFiniteWeightsError, SettingsError, StateError, StepError,
                      UnsupportedModelError)
 from .runtime.evaluate import perplexity
+from .runtime import products as _products  # installs the one-row product kernel (kvexplore.models.linear)
 from . import explorer as _explorer  # the session and view registry; its widgets load on first use (__getattr__)
 from .runtime.generator import Generator
 from .formats.loading import load

@@ -113,16 +113,22 @@ def test_sliding_window_matches_transformers(tmp_path):
     assert (full[8:] - want[8:]).abs().max().item() > 100 * TOL
 
 
-def test_cpu_weights_are_stored_column_major_with_unchanged_values(checkpoint):
-    """The layout that makes one-token decoding fast on CPU (see benchmarks/decode_speed.py)."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["one-row kernel", "F.linear"])
+def test_cpu_weights_keep_the_layout_their_one_token_products_read_fastest(checkpoint, monkeypatch, kernel):
+    """Row-major (the file's own) where one-row products take the compiled kernel (kvexplore.runtime.products),
+    column-major where they are F.linear (MKL's fast layout; see benchmarks/decode_speed.py); values unchanged."""
     from safetensors.torch import load_file
+    from kvexplore.models import linear
 
+    if not kernel:
+        monkeypatch.setattr(linear, "_SOURCE", None)
+    assert linear.enabled() == kernel
     folder, _ = checkpoint("qwen2-gqa8")
     model = kvexplore.load(folder)
     q = model.model.layers[0].self_attn.q_proj.weight
-    assert q.stride() == (1, q.shape[0])
     emb = model.model.embed_tokens.weight  # tied: it is also the output head
-    assert emb.stride() == (1, emb.shape[0])
+    for w in (q, emb):
+        assert w.stride() == ((w.shape[1], 1) if kernel else (1, w.shape[0]))
     saved = load_file(folder / "model.safetensors")
     assert torch.equal(q, saved["model.layers.0.self_attn.q_proj.weight"])
     assert model.model.norm.weight.is_contiguous()

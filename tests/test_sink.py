@@ -47,8 +47,9 @@ def decode(model, cache, tokens, start):
 
 def tolerance(model):
     """Float32 rounding of recomputation vs cached decoding: the trained model's logits (|x| ~ 10) differ by up to
-    1.2e-5 with the PreallocatedCache too on these sequences; the random test model stays within 1e-5."""
-    return 2e-5 if model.config.num_layers > 2 else 1e-5
+    1.2e-5 with the PreallocatedCache too on these sequences; the random test model's stay within 1e-5 where both
+    take F.linear, 1.1e-5 where decoding's one-row products take the compiled kernel (kvexplore.runtime.products)."""
+    return 2e-5
 
 
 def test_while_it_fits_logits_equal_recomputation(model):
@@ -144,7 +145,7 @@ def test_batched_overflow_with_few_or_no_sinks(tiny, sinks, window):
     got = [tiny(torch.tensor([[s[p]] for s in seqs]), cache, p)[:, -1] for p in range(n, 24)]
     for b in range(2):
         ref = streaming_reference(tiny, seqs[b], sinks, [max(sinks, q - window + 1) for q in range(24)])
-        assert all((g[b] - ref[q]).abs().max() < 1e-5 for q, g in zip(range(n, 24), got))
+        assert all((g[b] - ref[q]).abs().max() < tolerance(tiny) for q, g in zip(range(n, 24), got))
     assert cache.evicted_count == 24 - window - sinks and cache.held == sinks + window
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
+from .linear import Linear, linear
 from ..config.families import Architecture, lookup
 from ..config.layer_plan import LayerSpec, layer_plan
 from .architectures import llama as _llama  # importing the package registers every architecture
@@ -56,10 +57,10 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = config.num_heads, spec.kv_heads, spec.head_dim
         d = config.hidden_size
         self.gated = config.gated_attention  # Qwen3-Next: each head's queries come with an output gate
-        self.q_proj = nn.Linear(d, self.nh * self.hd * (2 if self.gated else 1), bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, d, bias=config.o_bias)
+        self.q_proj = Linear(d, self.nh * self.hd * (2 if self.gated else 1), bias=config.qkv_bias)
+        self.k_proj = Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
+        self.v_proj = Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, d, bias=config.o_bias)
         shared = spec.shares
         if shared:  # a shared layer computes queries only (transformers' checkpoints hold no k/v weights for it)
             del self.k_proj, self.v_proj
@@ -239,7 +240,7 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
                                                                           bias=False)
         self.rotary = Rotary(config)
         self.tokenizer = None  # set by the loader
@@ -291,7 +292,7 @@ class Model(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the final norm's output ``x``."""
-        return self.capped(F.linear(x, self.head_weight).float())
+        return self.capped(linear(x, self.head_weight).float())
 
     def capped(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as the model gives it: soft-capped where the config says so (Gemma 2)."""

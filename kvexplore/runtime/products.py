@@ -1,0 +1,151 @@
+"""The kernel behind a decoding step's one-row products on the CPU (:mod:`kvexplore.models.linear`): one compiled
+loop that streams the model's own weights on every thread, instead of the BLAS library's matrix-vector product.
+
+torch's ``F.linear`` hands a one-row product to MKL, which reads the weights on one core here: SmolLM2's 30 layers
+and head take about 45 ms a token on the project's 2-core CPU, whatever ``torch.get_num_threads()`` says. The
+product written as a multiply and a sum over each weight row, compiled by inductor once with every size symbolic,
+is a loop over the rows split across the threads, reading each row front to back: about 19 ms for the same
+weights, with no copy of them (``benchmarks/decode_speed.py`` has the step's figures).
+
+The kernel is built the first time a one-row float32 CPU product wants it in a process (``prepare()`` does it
+ahead): loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s,
+mostly inductor's import and its check of the CPU's vector instructions), else compiled and saved (about 3 s more,
+once per machine, torch version and thread count). From then on every one-row product of the process takes it, so
+results never change path in the middle of a run. Where it cannot be built (no C++ compiler, a torch without
+``standalone_compile``) or ``KVEXPLORE_PRODUCTS=torch`` is set, every product is ``F.linear``; :func:`status` says
+which and why. Its sums run in another order than MKL's: logits agree within float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..models import linear as linear_module
+from . import artifacts
+
+#: inductor options: no size checks of the inputs on every call (the caller passes the sizes it checked)
+OPTIONS = {"size_asserts": False}
+
+
+def _row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x * weight).sum(-1)  # x (1, in), weight (out, in) -> (out,)
+
+
+class _Kernel:
+    """The compiled graph and what goes in each of its inputs: the row, the weight, or one of their sizes."""
+
+    def __init__(self, compiled: Any, gm: torch.fx.GraphModule) -> None:
+        from .regional import _innermost
+        fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        x, weight = (f for f in fakes if isinstance(f, torch.Tensor))
+        sizes = {str(x.shape[1]): "in", str(weight.shape[0]): "out"}
+        self.roles = ["x" if f is x else "weight" if f is weight else sizes[str(f)] for f in fakes]
+        self.run = _innermost(compiled)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        given = {"x": x, "weight": weight, "in": weight.shape[1], "out": weight.shape[0]}
+        return self.run([given[r] for r in self.roles])[0]
+
+
+class _Kernels:
+    """The compiled kernel per thread count (inductor generates its C++ for the threads it is compiled under), or why
+    there is none: the :class:`~kvexplore.models.linear.KernelSource` the package installs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: dict[int, _Kernel | None] = {}
+        self.why = ""
+        self.note = ""
+        self.built = 0
+
+    def enabled(self) -> bool:
+        return not _refusal()
+
+    def get(self) -> _Kernel | None:
+        threads = torch.get_num_threads()
+        run = self.runs.get(threads, False)
+        if run is not False:
+            return run
+        with self.lock:
+            if threads not in self.runs:
+                self.runs[threads] = self._make()
+            return self.runs[threads]
+
+    def _make(self) -> _Kernel | None:
+        from .regional import available
+        self.why = _refusal() or ("" if available() else
+                                  f"torch {torch.__version__}'s standalone_compile cannot save: every product is F.linear")
+        if self.why:
+            return None
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                kernel = self._built()
+                x, weight = torch.randn(1, 37), torch.randn(21, 37)
+                if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=1e-5):
+                    raise RuntimeError("its products differ from F.linear's")
+                return kernel
+        except Exception as e:  # no C++ compiler, a torch that traces it otherwise: products stay F.linear
+            self.why = f"the one-row product kernel could not be built ({type(e).__name__}: {e}): F.linear instead"
+            return None
+
+    def _built(self) -> _Kernel:
+        captured: list = []
+
+        def keep(gm: torch.fx.GraphModule, inputs: list) -> Callable:
+            captured.append((gm, list(inputs)))
+            return gm.forward
+
+        x, weight = torch.zeros(1, 24), torch.zeros(40, 24)
+        for t, dims in ((x, (1,)), (weight, (0, 1))):
+            for d in dims:
+                torch._dynamo.mark_dynamic(t, d)
+        torch.compile(_row_products, backend=keep, fullgraph=True)(x, weight)
+        torch._dynamo.eval_frame.remove_from_cache(_row_products)
+        gm, inputs = captured[0]
+        saved = artifacts.Saved()
+        key = artifacts.graph_key(gm, inputs, OPTIONS)
+        compiled = artifacts.load(saved, key)
+        if compiled is not None:
+            self.note = f"loaded the one-row product kernel an earlier process saved ({saved.folder})"
+            return _Kernel(compiled, gm)
+        compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_graph", aot=True,
+                                                      options={"config_patches": OPTIONS})
+        self.built += 1
+        stored = artifacts.store(saved, key, compiled)
+        self.note = ("compiled the one-row product kernel and saved it in " if stored else
+                     "compiled the one-row product kernel; not saved (cannot write ") + str(saved.folder) + (
+                         "" if stored else ")")
+        return _Kernel(compiled, gm)
+
+
+KERNELS = _Kernels()
+
+
+def _refusal() -> str:
+    if os.environ.get("KVEXPLORE_PRODUCTS", "").strip().lower() == "torch":
+        return "KVEXPLORE_PRODUCTS=torch: every product is F.linear"
+    if not (Path(torch.__file__).parent / "_inductor" / "standalone_compile.py").exists():  # without importing it
+        return f"torch {torch.__version__} has no standalone_compile: every product is F.linear"
+    return ""
+
+
+
+
+def status() -> str:
+    """Which products this process runs, and why: the kernel's note, or why it is ``F.linear``."""
+    return KERNELS.why or KERNELS.note or "not used yet in this process (built at the first one-row product)"
+
+
+def prepare() -> bool:
+    """Build the kernel now (what the first one-row product would do), e.g. before timing steps or opening a view;
+    True where products will take it."""
+    return KERNELS.get() is not None
+
+
+linear_module.install(KERNELS)
