@@ -2,6 +2,8 @@
 page) in headless Chromium, timed from the click to the moment the cache map's plotly div has drawn the new state.
 
     python benchmarks/explorer_click.py [--model tiny] [--strategies preallocated,concat,quantized] [--steps 20]
+    python benchmarks/explorer_click.py --model smollm2-135m --strategies preallocated,concat --prompt-tokens 512 \
+        --pause 2 --before ../kvexplore-old        # issue 40's click, another checkout measured first
 
 Prints, per step, the click-to-repaint time, and the medians of where it goes: the kernel's work (one Step of the
 same explorer run in this process: the model steps of every lane plus the refresh of the figures on screen),
@@ -9,13 +11,20 @@ plotly.js drawing the figures on screen (measured in the page), and the rest (co
 the page's widget manager). With ``--compare`` the compare tab is shown and each lane's step time is read from the page after every click: their
 medians from the third click on (the exact lanes should agree within 1.5x, tests/test_browser_timing.py). Targets:
 under 250 ms for the tiny model with three lanes, under 400 ms for SmolLM2 with two, on a quiet machine.
-Needs Debian's chromium and the notebook and dev extras (as the browser tests do).
+``--prompt-tokens N`` opens the app on the first N tokens of a chapter of Moby-Dick (tests/data) instead of its
+short prompt, with room for the clicks. ``--before PATH`` first runs this same script with ``PATH`` (another
+checkout of kvexplore) first on ``PYTHONPATH``, so that its process, Voila server and kernel import that kvexplore,
+then measures this checkout, and prints the two side by side. Needs Debian's chromium and the notebook and dev
+extras (as the browser tests do).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,14 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from browser_support import chromium, figure, new_page, voila_server  # noqa: E402
+from browser_support import chromium, figure, new_page, open_voila_app, voila_server  # noqa: E402
 
 DRAWS = "(el) => Number((el.closest('.kvx-fig-cache_map') || el).dataset.kvxDraws || 0)"
 STEP_TIMES = """(el) => { const gd = el.closest('.js-plotly-plot') || el.querySelector('.js-plotly-plot');
   const out = {}; for (const t of gd.data) if (t.name && t.name.startsWith('ms/step · ')) out[t.name.slice(10)] = t.y;
   return out; }"""
-DRAW_MS = """(root) => [...root.querySelectorAll('[data-kvx-draw-ms]')]
-  .filter(e => e.offsetParent !== null).map(e => Number(e.dataset.kvxDrawMs))"""
+DRAW_MS = """(root) => [...root.querySelectorAll('[data-kvx-draw-ms]')].filter(e => e.offsetParent !== null)
+  .map(e => [([...(e.closest('[class*=kvx-fig-]') || e).classList].find(c => c.startsWith('kvx-fig-')) || '?').slice(8),
+             Number(e.dataset.kvxDrawMs)])"""
 
 
 def main() -> None:
@@ -40,23 +50,66 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--pause", type=float, default=0.3, help="seconds between clicks (a person reads the figure)")
     ap.add_argument("--compare", action="store_true", help="show the compare tab; print each lane's step times")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="open on a prompt of this many tokens (0: the app's)")
+    ap.add_argument("--before", metavar="PATH", help="another checkout of kvexplore, measured first")
+    ap.add_argument("--json", metavar="FILE", help=argparse.SUPPRESS)  # where a --before run leaves its medians
     args = ap.parse_args()
     strategies = tuple(args.strategies.split(","))
-    kernel = _kernel_ms(args.model, strategies, args.steps, args.pause)
+    before = _before(args) if args.before else None
+    app = _app_settings(args.model, args.prompt_tokens, args.steps)
+    after = _measure(args, strategies, app)
+    if args.json:
+        Path(args.json).write_text(json.dumps(after))
+    if before is not None:
+        print(f"\n{args.model}, lanes {','.join(strategies)}, prompt {args.prompt_tokens or 'the app'}'s tokens, "
+              f"pause {args.pause} s, medians, before ({args.before}) -> after (this checkout):")
+        for key in after:
+            print(f"  {key:<62} {before.get(key, float('nan')):7.1f} -> {after[key]:7.1f} ms")
+
+
+def _before(args: argparse.Namespace) -> dict[str, float]:
+    """This script's medians with the checkout ``args.before`` first on ``PYTHONPATH`` (run as a child process)."""
+    argv = [a for a in sys.argv[1:]]
+    i = argv.index("--before") if "--before" in argv else None
+    argv = argv[:i] + argv[i + 2:] if i is not None else [a for a in argv if not a.startswith("--before=")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(args.before).resolve()),
+                                                       *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        print(f"== before: {args.before}", flush=True)
+        subprocess.run([sys.executable, __file__, *argv, "--json", str(out)], env=env, check=True)
+        print("== after: this checkout", flush=True)
+        return json.loads(out.read_text())
+
+
+def _app_settings(model: str, prompt_tokens: int, steps: int) -> dict:
+    """The app's prompt and caches' size: its own, or the first ``prompt_tokens`` tokens of a chapter."""
+    if not prompt_tokens:
+        return {}
+    import kvexplore
+    text = (Path(__file__).resolve().parent.parent / "tests" / "data" / "moby_dick_chapter_135.txt").read_text()
+    tok = kvexplore.load(model).tokenizer
+    ids = tok.encode(text)[:prompt_tokens]
+    if len(ids) < prompt_tokens:
+        raise SystemExit(f"the chapter has {len(ids)} tokens for this model, fewer than --prompt-tokens")
+    return {"prompt": tok.decode(ids), "max_seq_len": prompt_tokens + steps + 64, "prompt_tokens": prompt_tokens}
+
+
+def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -> dict[str, float]:
+    kernel = _kernel_ms(args.model, strategies, args.steps, args.pause, app)
+    server_app = {k: v for k, v in app.items() if k != "prompt_tokens"}
     with tempfile.TemporaryDirectory(prefix="kvx-click-") as tmp, \
-            voila_server(Path(tmp), model=args.model, strategies=strategies, inspect=False) as server, \
+            voila_server(Path(tmp), model=args.model, strategies=strategies, inspect=False, **server_app) as server, \
             chromium({"width": 1280, "height": 800}) as ctx:
         page = new_page(ctx)
-        page.goto(server.base_url + "/")
-        explorer = page.locator(".kvx-explorer").first
-        explorer.wait_for(timeout=300_000)
+        explorer = open_voila_app(page, server, timeout_s=300)
         plot = figure(explorer, "cache_map")
         plot.wait_for(timeout=300_000)
         if args.compare:
             explorer.locator(".kvx-view button", has_text="Compare strategies").click()
             figure(explorer, "compare").wait_for(timeout=60_000)
         step = explorer.locator(".kvx-step").first
-        total, drawing = [], []
+        total, drawing, each = [], [], {}
         for i in range(args.steps + 2):  # the first two warm the page up, untimed
             before = plot.evaluate(DRAWS)
             t0 = time.perf_counter()
@@ -68,27 +121,36 @@ def main() -> None:
                                    arg=explorer.element_handle(), polling=50)
             if i >= 2:
                 total.append(ms)
-                drawing.append(sum(explorer.evaluate(DRAW_MS)))
+                draws = explorer.evaluate(DRAW_MS)
+                drawing.append(sum(ms for _, ms in draws))
+                for name, ms in draws:
+                    each.setdefault(name, []).append(ms)
                 print(f"step {i - 1:3d}: click -> cache map repainted {ms:7.1f} ms")
             page.wait_for_timeout(int(1000 * args.pause))
         med = statistics.median
+        out = {"click -> cache map repainted": med(total),
+               "kernel (model steps + refresh, same explorer in this process)": med(kernel),
+               "plotly.js drawing the figures on screen": med(drawing)}
+        out["the rest (messages, widget manager)"] = out["click -> cache map repainted"] - med(kernel) - med(drawing)
         print(f"\n{args.model}, lanes {','.join(strategies)}, {args.steps} steps, medians:")
-        print(f"  click -> cache map repainted: {med(total):7.1f} ms  (min {min(total):.1f}, max {max(total):.1f})")
-        print(f"  kernel (model steps + refresh, same explorer in this process): {med(kernel):7.1f} ms")
-        print(f"  plotly.js drawing the figures on screen: {med(drawing):7.1f} ms")
-        print(f"  the rest (messages, widget manager): {med(total) - med(kernel) - med(drawing):7.1f} ms")
+        for key, ms in out.items():
+            print(f"  {key}: {ms:7.1f} ms" + (f"  (min {min(total):.1f}, max {max(total):.1f})" if key.startswith(
+                "click") else ""))
+        print("  drawing, per figure: " + ", ".join(f"{name} {med(ms):.1f} ms" for name, ms in each.items()))
         if args.compare:
             lanes = figure(explorer, "compare").evaluate(STEP_TIMES)
             print("  forward ms per step read from the page, median from the third click on: " + ", ".join(
                 f"{name} {med(ms[2:]):.2f}" for name, ms in lanes.items()))
+        return out
 
 
-def _kernel_ms(model: str, strategies: tuple[str, ...], steps: int, pause: float) -> list[float]:
+def _kernel_ms(model: str, strategies: tuple[str, ...], steps: int, pause: float, app: dict) -> list[float]:
     """One Step of the app's explorer in this process (what the kernel does for a click), with the same pauses."""
     import kvexplore
     from kvexplore.cli import launch
 
-    ex = kvexplore.Explorer(model, strategies=strategies, max_seq_len=128, prompt=launch.APP_PROMPT)
+    ex = kvexplore.Explorer(model, strategies=strategies, max_seq_len=app.get("max_seq_len", launch.APP_MAX_SEQ_LEN),
+                            prompt=app.get("prompt", launch.APP_PROMPT))
     out = []
     for i in range(steps + 2):
         t0 = time.perf_counter()

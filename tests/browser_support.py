@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -152,12 +153,13 @@ def lab_server(notebooks: Path, workdir: Path) -> Iterator[Server]:
 
 @contextlib.contextmanager
 def voila_server(workdir: Path, model: str = "tiny", strategies: tuple[str, ...] | None = None,
-                 inspect: bool = True) -> Iterator[Server]:
-    """``kvexplore app``'s Voila command (the same argv and environment), on a free loopback port."""
+                 inspect: bool = True, **app: Any) -> Iterator[Server]:
+    """``kvexplore app``'s Voila command (the same argv and environment), on a free loopback port; ``app`` may give
+    :func:`~kvexplore.cli.launch.app_environment`'s ``prompt`` and ``max_seq_len`` (by default the app's)."""
     from kvexplore.cli import launch
 
     state = workdir / "state"
-    env = launch.app_environment(model, strategies, base=isolated_env(state, inspect))  # the default prompt, prefilled
+    env = launch.app_environment(model, strategies, base=isolated_env(state, inspect), **app)  # prefilled
     port = free_port()
     with importlib.resources.as_file(launch.app_notebook()) as notebook:
         argv = launch.app_command(notebook, port=port, no_browser=True)

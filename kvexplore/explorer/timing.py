@@ -12,8 +12,8 @@ handler queues messages at once (the buttons turning disabled). Whatever lane st
 - after the kernel has waited for the page (even the 0.1 s the page takes to draw) the processor needs some
   milliseconds of work to come back to speed: in the app the lane stepped first read 4.6 ms, the second 4.0 and the
   third 3.7 for the same work, and one untimed pass of the model (2-3 ms) did not change that.
-  :func:`warm_up` runs the model, untimed, on one token for at least :data:`WARM_S` (10 ms made the three
-  positions read 3.7, 3.7 and 3.6 ms; a larger model's single pass takes longer than that, and one is run).
+  :func:`warm_up` runs the model's one-row products, untimed, for :data:`WARM_S` (10 ms of whole passes made the
+  three positions read 3.7, 3.7 and 3.6 ms).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..caches.factory import make_cache
+from ..models.linear import linear
 from ..models.model import Model
 
 DRAIN_S = 0.25  # the longest quiet() waits for the kernel's IOPub thread to send what is queued
@@ -68,17 +68,23 @@ def quiet() -> Iterator[None]:
             gc.enable()
 
 
-def warm_up(model, token: int, seconds: float = WARM_S) -> int:
-    """Untimed forward passes of ``model`` on ``token`` through a throwaway cache, at least one and for at least
-    ``seconds``: every weight read, torch's threads awake, the processor back to speed. Nothing for a model kvexplore
-    does not run itself (a transformers model). Returns the number of passes."""
+def warm_up(model, seconds: float = WARM_S) -> int:
+    """Untimed one-row products through ``model``'s weight matrices (the path a decode step takes: the compiled
+    kernel or ``F.linear``, :mod:`kvexplore.models.linear`), in layer order and round again, for at least
+    ``seconds``: torch's threads awake, the processor back to speed, and as many weights read as that time allows
+    (all of a small model's, many times; a large model's would not stay in the processor's caches anyway). A whole
+    forward pass did this before, but one pass of SmolLM2 takes 30-40 ms of every click, three times what is needed.
+    Nothing for a model kvexplore does not run itself (a transformers model). Returns the number of products."""
     if not isinstance(model, Model):
         return 0
-    cache = make_cache("none", model, max_seq_len=1)
-    ids = torch.tensor([[token]], dtype=torch.long)
-    end, passes = time.perf_counter() + seconds, 0
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.head_weight]
+    rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    end, done = time.perf_counter() + seconds, 0
     with torch.inference_mode():
-        while passes == 0 or time.perf_counter() < end:
-            model(ids, cache, 0, last_only=True)
-            passes += 1
-    return passes
+        while time.perf_counter() < end or not done:
+            for w in weights:
+                linear(rows[w.shape[1]], w)
+                done += 1
+                if time.perf_counter() >= end:
+                    break
+    return done

@@ -148,4 +148,13 @@ def prepare() -> bool:
     return KERNELS.get() is not None
 
 
+def prepare_for(model: Any) -> bool:
+    """:func:`prepare` where ``model``'s decoding products would take the kernel (kvexplore's own model, float32 weights
+    on the CPU; e.g. when an explorer opens, so that its first Step does not wait for the build); False otherwise."""
+    weight = getattr(model, "head_weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    return prepare()
+
+
 linear_module.install(KERNELS)
