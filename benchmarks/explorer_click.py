@@ -122,9 +122,9 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             if i >= 2:
                 total.append(ms)
                 draws = explorer.evaluate(DRAW_MS)
-                drawing.append(sum(ms for _, ms in draws))
-                for name, ms in draws:
-                    each.setdefault(name, []).append(ms)
+                drawing.append(sum(d for _, d in draws))
+                for name, d in draws:
+                    each.setdefault(name, []).append(d)
                 print(f"step {i - 1:3d}: click -> cache map repainted {ms:7.1f} ms")
             page.wait_for_timeout(int(1000 * args.pause))
         med = statistics.median
