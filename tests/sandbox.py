@@ -34,16 +34,20 @@ def context() -> mp.context.BaseContext:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
         # the server imports PRELOAD with its own sys.path (not the caller's): let it find these test modules
-        saved = os.environ.get("PYTHONPATH")
+        # and: every case's one-row products on F.linear (building the compiled kernel, kvexplore.runtime.products,
+        # would cost each forked case about 2 s; these cases are about errors, not speed)
+        saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "KVEXPLORE_PRODUCTS")}
         here = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = here + (os.pathsep + saved if saved else "")
+        os.environ["PYTHONPATH"] = here + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
+        os.environ["KVEXPLORE_PRODUCTS"] = "torch"
         try:
             forkserver.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
     return _context
 
 

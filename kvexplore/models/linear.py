@@ -43,12 +43,12 @@ def enabled() -> bool:
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` is one float32 row of plain CPU tensors (no subclass, no torch function or
     dispatch mode watching), outside a trace and without gradients."""
-    return (type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.device.type == "cpu"
+    return (not torch.compiler.is_compiling()  # first: a trace reads nothing below (dynamo cannot trace the stacks)
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
             and x.numel() == weight.shape[1] and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch._C._len_torch_function_stack() and not torch._C._len_torch_dispatch_stack()
-            and not torch.compiler.is_compiling())
+            and not torch._C._len_torch_function_stack() and not torch._C._len_torch_dispatch_stack())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..errors import SettingsError, StateError
 from ..trace.files import History
 from ..trace.records import StepRecord
 from ..trace.tracer import Tracer, checked_tracer
-from . import clock, eager  # noqa: F401  (registers the adapter that runs a kvexplore Model)
+from . import clock, eager, products  # noqa: F401  (eager registers the adapter that runs a kvexplore Model)
 from .compiled_use import CompiledUse
 from .executor import Executor, as_executor
 from .prompt import prompt_ids
@@ -76,6 +76,7 @@ class Generator:
         self.compile = compile  # True: the best mode for the device (CPU: regional, CUDA: reduce-overhead)
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
         self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
+        products.prepare_for(executor.model)  # the one-row product kernel built or loaded now, not in a timed step
 
     @property
     def model(self) -> Any:
