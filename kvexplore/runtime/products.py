@@ -7,8 +7,8 @@ product written as a multiply and a sum over each weight row, compiled by induct
 is a loop over the rows split across the threads, reading each row front to back: 1.7x faster for the same
 weights (``benchmarks/products.py``: 26 instead of 44 ms), with no copy of them.
 
-The kernel is built the first time a one-row float32 CPU product wants it in a process (``prepare()`` does it
-ahead): loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s,
+The kernel is built once per process: when a Generator (or an explorer) is made for a float32 model on the CPU,
+so that no timed step pays for it (:func:`prepare_for`), else at the first one-row product that wants it: loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s,
 mostly inductor's import and its check of the CPU's vector instructions), else compiled and saved (about 3 s more,
 once per machine, torch version and thread count). From then on every one-row product of the process takes it, so
 results never change path in the middle of a run. Where it cannot be built (no C++ compiler, a torch without
@@ -86,7 +86,8 @@ class _Kernels:
         try:
             with torch.inference_mode(False), torch.no_grad():
                 kernel = self._built()
-                x, weight = torch.randn(1, 37), torch.randn(21, 37)
+                g = torch.Generator().manual_seed(0)  # not the global generator: a user's random draws stay theirs
+                x, weight = torch.randn(1, 37, generator=g), torch.randn(21, 37, generator=g)
                 if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=1e-5):
                     raise RuntimeError("its products differ from F.linear's")
                 return kernel
@@ -133,8 +134,6 @@ def _refusal() -> str:
     if not (Path(torch.__file__).parent / "_inductor" / "standalone_compile.py").exists():  # without importing it
         return f"torch {torch.__version__} has no standalone_compile: every product is F.linear"
     return ""
-
-
 
 
 def status() -> str:
