@@ -8,9 +8,10 @@ is a loop over the rows split across the threads, reading each row front to back
 weights (``benchmarks/products.py``: 26 instead of 44 ms), with no copy of them.
 
 The kernel is built once per process: when a Generator (or an explorer) is made for a float32 model on the CPU,
-so that no timed step pays for it (:func:`prepare_for`), else at the first one-row product that wants it: loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s,
-mostly inductor's import and its check of the CPU's vector instructions), else compiled and saved (about 3 s more,
-once per machine, torch version and thread count). From then on every one-row product of the process takes it, so
+so that no timed step pays for it (:func:`prepare_for`), else at the first one-row product that wants it. It is
+loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s, mostly
+inductor's import and its check of the CPU's vector instructions), else compiled and saved (about 3 s more, once
+per machine, torch version and thread count). From then on every one-row product of the process takes it, so
 results never change path in the middle of a run. Where it cannot be built (no C++ compiler, a torch without
 ``standalone_compile``) or ``KVEXPLORE_PRODUCTS=torch`` is set, every product is ``F.linear``; :func:`status` says
 which and why. Its sums run in another order than MKL's: logits agree within float32 rounding, not bit for bit.
