@@ -38,6 +38,22 @@ DRAWS = "(el) => Number((el.closest('.kvx-fig-cache_map') || el).dataset.kvxDraw
 STEP_TIMES = """(el) => { const gd = el.closest('.js-plotly-plot') || el.querySelector('.js-plotly-plot');
   const out = {}; for (const t of gd.data) if (t.name && t.name.startsWith('ms/step · ')) out[t.name.slice(10)] = t.y;
   return out; }"""
+# before a click: note the time, and when the status line's text and the right-hand view's figure next change
+ARM = """(root) => { const t = window.__kvxClick = {t0: performance.now()};
+  const status = root.querySelector('.kvx-status');
+  const mo = new MutationObserver(() => { if (!t.status) t.status = performance.now() - t.t0; mo.disconnect(); });
+  if (status) mo.observe(status, {childList: true, subtree: true, characterData: true});
+  const right = [...root.querySelectorAll('.kvx-right [data-kvx-draws]')].filter(e => e.offsetParent !== null);
+  t.right0 = right.map(e => Number(e.dataset.kvxDraws)); t.rightEls = right; }"""
+RIGHT_DRAWN = """() => { const t = window.__kvxClick;
+  if (t.rightEls.some((e, i) => Number(e.dataset.kvxDraws) > t.right0[i])) {
+    if (!t.right) t.right = performance.now() - t.t0; return true; }
+  return t.rightEls.length === 0; }"""
+TAB_DRAWN = """([root, name, before]) => { const el = root.querySelector('.kvx-fig-' + name + ' [data-kvx-draws]')
+  || root.querySelector('.kvx-fig-' + name);
+  return !!el && el.offsetParent !== null && Number(el.dataset.kvxDraws || 0) > before; }"""
+TAB_DRAWS = """([root, name]) => { const el = root.querySelector('.kvx-fig-' + name + ' [data-kvx-draws]')
+  || root.querySelector('.kvx-fig-' + name); return el ? Number(el.dataset.kvxDraws || 0) : 0; }"""
 DRAW_MS = """(root) => [...root.querySelectorAll('[data-kvx-draw-ms]')].filter(e => e.offsetParent !== null)
   .map(e => [([...(e.closest('[class*=kvx-fig-]') || e).classList].find(c => c.startsWith('kvx-fig-')) || '?').slice(8),
              Number(e.dataset.kvxDrawMs)])"""
@@ -51,6 +67,9 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.3, help="seconds between clicks (a person reads the figure)")
     ap.add_argument("--compare", action="store_true", help="show the compare tab; print each lane's step times")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="open on a prompt of this many tokens (0: the app's)")
+    ap.add_argument("--tabs", default="Memory,Attention",
+                    help="after the clicks, switch between these tabs (with the same pauses) and time each switch")
+    ap.add_argument("--switches", type=int, default=8, help="tab switches timed (0: none)")
     ap.add_argument("--before", metavar="PATH", help="another checkout of kvexplore, measured first")
     ap.add_argument("--json", metavar="FILE", help=argparse.SUPPRESS)  # where a --before run leaves its medians
     args = ap.parse_args()
@@ -82,6 +101,29 @@ def _before(args: argparse.Namespace) -> dict[str, float]:
         return json.loads(out.read_text())
 
 
+def _switch_tabs(page, explorer, tabs: list[str], n: int, pause: float) -> list[float]:
+    """Click the tabs ``tabs`` in turn ``n`` times, each timed from the click until its view has drawn."""
+    from kvexplore.views.registry import VIEWS
+
+    names = {view.title: name for name, view in VIEWS.items()}
+    out = []
+    for i in range(n + 1):  # the first switch is untimed (a view drawn for the first time)
+        title = tabs[i % len(tabs)]
+        button = explorer.locator(f".kvx-view button:text-is('{title}')").first
+        name = names[title]
+        before = page.evaluate(TAB_DRAWS, [explorer.element_handle(), name])
+        t0 = time.perf_counter()
+        button.click()
+        page.wait_for_function(TAB_DRAWN, arg=[explorer.element_handle(), name, before], polling="raf",
+                               timeout=120_000)
+        ms = 1000 * (time.perf_counter() - t0)
+        if i:
+            out.append(ms)
+            print(f"tab {i:3d} ({title}): click -> drawn {ms:7.1f} ms")
+        page.wait_for_timeout(int(1000 * pause))
+    return out
+
+
 def _app_settings(model: str, prompt_tokens: int, steps: int) -> dict:
     """The app's prompt and caches' size: its own, or the first ``prompt_tokens`` tokens of a chapter."""
     if not prompt_tokens:
@@ -109,9 +151,10 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             explorer.locator(".kvx-view button", has_text="Compare strategies").click()
             figure(explorer, "compare").wait_for(timeout=60_000)
         step = explorer.locator(".kvx-step").first
-        total, drawing, each = [], [], {}
+        total, drawing, each, status, right = [], [], {}, [], []
         for i in range(args.steps + 2):  # the first two warm the page up, untimed
             before = plot.evaluate(DRAWS)
+            explorer.evaluate(ARM)
             t0 = time.perf_counter()
             step.click()
             page.wait_for_function(f"([el, n]) => ({DRAWS})(el) > n", arg=[plot.element_handle(), before],
@@ -119,14 +162,20 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             ms = 1000 * (time.perf_counter() - t0)
             page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled",
                                    arg=explorer.element_handle(), polling=50)
+            page.wait_for_function(RIGHT_DRAWN, polling="raf", timeout=120_000)
+            seen = page.evaluate("() => [window.__kvxClick.status || null, window.__kvxClick.right || null]")
             if i >= 2:
                 total.append(ms)
+                status += [seen[0]] if seen[0] is not None else []
+                right += [seen[1]] if seen[1] is not None else []
                 draws = explorer.evaluate(DRAW_MS)
                 drawing.append(sum(d for _, d in draws))
                 for name, d in draws:
                     each.setdefault(name, []).append(d)
-                print(f"step {i - 1:3d}: click -> cache map repainted {ms:7.1f} ms")
+                print(f"step {i - 1:3d}: click -> cache map repainted {ms:7.1f} ms, status {seen[0] or 0:7.1f} ms, "
+                      f"right-hand view {seen[1] or 0:7.1f} ms")
             page.wait_for_timeout(int(1000 * args.pause))
+        switches = _switch_tabs(page, explorer, args.tabs.split(","), args.switches, args.pause)
         med = statistics.median
         # the figures draw one after another, the cache map first (kvexplore.views.plot): the click waits for its draw
         mine = med(each.get("cache_map", drawing))
@@ -135,6 +184,12 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
                "plotly.js drawing the cache map": mine,
                "the rest (messages, widget manager)": med(total) - med(kernel) - mine,
                "plotly.js drawing every figure on screen, the cache map first": med(drawing)}
+        if status:
+            out["click -> status line repainted (in the page)"] = med(status)
+        if right:
+            out["click -> right-hand view repainted (in the page)"] = med(right)
+        if switches:
+            out["tab switch -> its view drawn"] = med(switches)
         print(f"\n{args.model}, lanes {','.join(strategies)}, {args.steps} steps, medians:")
         for key, ms in out.items():
             print(f"  {key}: {ms:7.1f} ms" + (f"  (min {min(total):.1f}, max {max(total):.1f})" if key.startswith(
