@@ -77,6 +77,7 @@ def test_a_step_runs_its_products_on_the_kernel_and_keeps_its_tokens(tiny, monke
     assert len(calls) == 11 * (7 * layers + 1) + 1
 
 
+@pytest.mark.compile  # compiles the kernel afresh in an empty folder (seconds of C++)
 def test_a_later_process_loads_the_saved_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXPLORE_COMPILED", str(tmp_path))
     first, later = products._Kernels(), products._Kernels()

@@ -19,6 +19,8 @@ which and why. Its sums run in another order than MKL's: logits agree within flo
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 import threading
 from pathlib import Path
@@ -38,16 +40,25 @@ def _row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x * weight).sum(-1)  # x (1, in), weight (out, in) -> (out,)
 
 
-class _Kernel:
-    """The compiled graph and what goes in each of its inputs: the row, the weight, or one of their sizes."""
+#: what the saved kernel was built from: a change to it (or to the options) makes the saved one stale
+_SOURCE = hashlib.blake2b((inspect.getsource(_row_products) + repr(sorted(OPTIONS.items()))).encode(),
+                          digest_size=8).hexdigest()
 
-    def __init__(self, compiled: Any, gm: torch.fx.GraphModule) -> None:
+
+class _Kernel:
+    """The compiled graph and what goes in each of its inputs (``roles``): the row, the weight, or one of their sizes."""
+
+    def __init__(self, compiled: Any, roles: list[str]) -> None:
         from .regional import _innermost
+        self.roles = roles
+        self.run = _innermost(compiled)
+
+    @staticmethod
+    def roles_of(gm: torch.fx.GraphModule) -> list[str]:
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
         x, weight = (f for f in fakes if isinstance(f, torch.Tensor))
         sizes = {str(x.shape[1]): "in", str(weight.shape[0]): "out"}
-        self.roles = ["x" if f is x else "weight" if f is weight else sizes[str(f)] for f in fakes]
-        self.run = _innermost(compiled)
+        return ["x" if f is x else "weight" if f is weight else sizes[str(f)] for f in fakes]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         given = {"x": x, "weight": weight, "in": weight.shape[1], "out": weight.shape[0]}
@@ -97,6 +108,19 @@ class _Kernels:
             return None
 
     def _built(self) -> _Kernel:
+        saved = artifacts.Saved()
+        step = f"one-row products | float32 | {artifacts.machine()}"
+        entry = saved.get(step) or {}
+        if entry.get("torch") == torch.__version__ and entry.get("source") == _SOURCE and entry.get("roles"):
+            # this machine compiled and saved it: loaded without a trace, and without inductor's check of the CPU's
+            # vector instructions (it builds and loads a probe per instruction set, in a child process each: a
+            # second of every process; the kernel was compiled here, so the check would pass)
+            from torch._inductor import config
+            with config.patch({"cpp.vec_isa_ok": True}):
+                compiled = artifacts.load(saved, entry["file"])
+            if compiled is not None:
+                self.note = f"loaded the one-row product kernel an earlier process saved ({saved.folder})"
+                return _Kernel(compiled, entry["roles"])
         captured: list = []
 
         def keep(gm: torch.fx.GraphModule, inputs: list) -> Callable:
@@ -110,20 +134,19 @@ class _Kernels:
         torch.compile(_row_products, backend=keep, fullgraph=True)(x, weight)
         torch._dynamo.eval_frame.remove_from_cache(_row_products)
         gm, inputs = captured[0]
-        saved = artifacts.Saved()
-        key = artifacts.graph_key(gm, inputs, OPTIONS)
-        compiled = artifacts.load(saved, key)
-        if compiled is not None:
-            self.note = f"loaded the one-row product kernel an earlier process saved ({saved.folder})"
-            return _Kernel(compiled, gm)
-        compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_graph", aot=True,
-                                                      options={"config_patches": OPTIONS})
-        self.built += 1
-        stored = artifacts.store(saved, key, compiled)
-        self.note = ("compiled the one-row product kernel and saved it in " if stored else
-                     "compiled the one-row product kernel; not saved (cannot write ") + str(saved.folder) + (
-                         "" if stored else ")")
-        return _Kernel(compiled, gm)
+        key, roles = artifacts.graph_key(gm, inputs, OPTIONS), _Kernel.roles_of(gm)
+        compiled, stored = artifacts.load(saved, key), True
+        if compiled is None:
+            compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_graph", aot=True,
+                                                          options={"config_patches": OPTIONS})
+            self.built += 1
+            stored = artifacts.store(saved, key, compiled)
+        remembered = stored and saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles,
+                                                 "file": key})
+        self.note = (f"loaded the one-row product kernel an earlier process saved ({saved.folder})" if not self.built
+                     else f"compiled the one-row product kernel and saved it in {saved.folder}" if remembered
+                     else f"compiled the one-row product kernel; not saved ({saved.folder} cannot be written)")
+        return _Kernel(compiled, roles)
 
 
 KERNELS = _Kernels()
