@@ -192,8 +192,8 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             out["tab switch -> its view drawn"] = med(switches)
         print(f"\n{args.model}, lanes {','.join(strategies)}, {args.steps} steps, medians:")
         for key, ms in out.items():
-            print(f"  {key}: {ms:7.1f} ms" + (f"  (min {min(total):.1f}, max {max(total):.1f})" if key.startswith(
-                "click") else ""))
+            print(f"  {key}: {ms:7.1f} ms" + (f"  (min {min(total):.1f}, max {max(total):.1f})"
+                                               if key == "click -> cache map repainted" else ""))
         print("  drawing, per figure: " + ", ".join(f"{name} {med(ms):.1f} ms" for name, ms in each.items()))
         if args.compare:
             lanes = figure(explorer, "compare").evaluate(STEP_TIMES)
