@@ -21,7 +21,6 @@ import torch
 
 
 from ..runtime.generator import Generator
-from ..runtime import products
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
@@ -124,7 +123,6 @@ class Session:
         if bad:
             raise SettingsError(f"strategy_options for {bad[0]!r}, which is not among the strategies {strategies}")
         self.model = model  # a kvexplore Model, or (transformers lanes only) the HFModel
-        products.prepare_for(model)  # the one-row product kernel built or loaded now, not in the first Step
         self.hf = hf  # the transformers model the hf:... lanes run (kvexplore.hf.HFModel), if any
         self.max_seq_len = max_seq_len  # the caches' size now (grown for a long prompt, see .fit)
         self.asked_seq_len = max_seq_len  # the size asked for: a prefill that fits in it uses it

@@ -12,7 +12,7 @@ from ..core.devices import resolve_device
 from ..core.settings import choice
 from ..models.model import Model
 from ..models.rope import Rotary
-from ..models import linear as products
+from ..models import linear
 from .store import MODELS, fetch
 from .tokenizer import Tokenizer
 from .weights import check_finite, load_weights
@@ -89,7 +89,7 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
 def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
              device: torch.device, source: str) -> Model:
     """A ready model from checked tensors (no random initialisation: modules are built on the meta device)."""
-    if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32 and not products.enabled():
+    if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32 and not linear.enabled():
         tensors = {n: _column_major(t) if _is_matmul_weight(n, config) else t for n, t in tensors.items()}
     with torch.device("meta"):
         model = Model(config)
