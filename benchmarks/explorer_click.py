@@ -1,5 +1,6 @@
 """From a click on Step to the repainted cache map, in a real browser: the explorer in Voila (``kvexplore app``'s
-page) in headless Chromium, timed from the click to the moment the cache map's plotly div has drawn the new state.
+page) or, with ``--lab``, in a notebook in JupyterLab, in headless Chromium, timed from the click to the moment the
+cache map's plotly div has drawn the new state.
 
     python benchmarks/explorer_click.py [--model tiny] [--strategies preallocated,concat,quantized] [--steps 20]
     python benchmarks/explorer_click.py --model smollm2-135m --strategies preallocated,concat --prompt-tokens 512 \
@@ -15,12 +16,15 @@ under 250 ms for the tiny model with three lanes, under 400 ms for SmolLM2 with 
 short prompt, with room for the clicks. ``--before PATH`` first runs this same script with ``PATH`` (another
 checkout of kvexplore) first on ``PYTHONPATH``, so that its process, Voila server and kernel import that kvexplore,
 then measures this checkout, and prints the two side by side. Needs Debian's chromium and the notebook and dev
-extras (as the browser tests do).
+extras (as the browser tests do). ``--lab`` opens a notebook in JupyterLab (a fresh server and profile, the page at
+1280 x 800) whose one cell builds the same explorer as the app page (``app_explorer`` with the same settings) and
+shows it as a cell's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from browser_support import chromium, figure, new_page, open_voila_app, voila_server  # noqa: E402
+from browser_support import (LabPage, chromium, figure, lab_server, new_page, open_voila_app,  # noqa: E402
+                             start_run_all, voila_server, wait_run_finished)
 
 DRAWS = "(el) => Number((el.closest('.kvx-fig-cache_map') || el).dataset.kvxDraws || 0)"
 STEP_TIMES = """(el) => { const gd = el.closest('.js-plotly-plot') || el.querySelector('.js-plotly-plot');
@@ -70,6 +76,7 @@ def main() -> None:
     ap.add_argument("--tabs", default="Memory,Attention",
                     help="after the clicks, switch between these tabs (with the same pauses) and time each switch")
     ap.add_argument("--switches", type=int, default=8, help="tab switches timed (0: none)")
+    ap.add_argument("--lab", action="store_true", help="the explorer in a JupyterLab notebook instead of Voila")
     ap.add_argument("--before", metavar="PATH", help="another checkout of kvexplore, measured first")
     ap.add_argument("--json", metavar="FILE", help=argparse.SUPPRESS)  # where a --before run leaves its medians
     args = ap.parse_args()
@@ -80,7 +87,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(after))
     if before is not None:
-        print(f"\n{args.model}, lanes {','.join(strategies)}, prompt {args.prompt_tokens or 'the app'}'s tokens, "
+        print(f"\n{'JupyterLab' if args.lab else 'Voila'}, {args.model}, lanes {','.join(strategies)}, "
+              f"prompt {args.prompt_tokens or 'the app'}'s tokens, "
               f"pause {args.pause} s, medians, before ({args.before}) -> after (this checkout):")
         for key in after:
             print(f"  {key:<62} {before.get(key, float('nan')):7.1f} -> {after[key]:7.1f} ms")
@@ -137,14 +145,44 @@ def _app_settings(model: str, prompt_tokens: int, steps: int) -> dict:
     return {"prompt": tok.decode(ids), "max_seq_len": prompt_tokens + steps + 64, "prompt_tokens": prompt_tokens}
 
 
+@contextlib.contextmanager
+def _explorer_page(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -> Iterator[tuple]:
+    """The page and the explorer's locator: the Voila app, or (``--lab``) a JupyterLab notebook showing the same
+    explorer as its cell's output."""
+    from kvexplore.cli import launch
+
+    server_app = {k: v for k, v in app.items() if k != "prompt_tokens"}
+    viewport = {"width": 1280, "height": 800}
+    with tempfile.TemporaryDirectory(prefix="kvx-click-") as tmp, chromium(viewport) as ctx:
+        if not args.lab:
+            with voila_server(Path(tmp), model=args.model, strategies=strategies, inspect=False,
+                              **server_app) as server:
+                page = new_page(ctx)
+                yield page, open_voila_app(page, server, timeout_s=300)
+            return
+        import nbformat
+
+        settings = {k: v for k, v in launch.app_environment(args.model, strategies, base={}, **server_app).items()
+                    if k.startswith("KVEXPLORE_APP_")}
+        folder = Path(tmp) / "notebooks"
+        folder.mkdir()
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell("from kvexplore.explorer.app_page import app_explorer\n\n"
+                                              f"explorer = app_explorer({settings!r})\nexplorer")]
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, str(folder / "click.ipynb"))
+        with lab_server(folder, Path(tmp), inspect=False) as server, \
+                LabPage(server, ctx).notebook("click.ipynb", viewport) as page:
+            start_run_all(page)
+            errors = wait_run_finished(page)
+            if errors:
+                raise SystemExit(f"the notebook failed: {errors}")
+            yield page, page.locator(".kvx-explorer").first
+
+
 def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -> dict[str, float]:
     kernel = _kernel_ms(args.model, strategies, args.steps, args.pause, app)
-    server_app = {k: v for k, v in app.items() if k != "prompt_tokens"}
-    with tempfile.TemporaryDirectory(prefix="kvx-click-") as tmp, \
-            voila_server(Path(tmp), model=args.model, strategies=strategies, inspect=False, **server_app) as server, \
-            chromium({"width": 1280, "height": 800}) as ctx:
-        page = new_page(ctx)
-        explorer = open_voila_app(page, server, timeout_s=300)
+    with _explorer_page(args, strategies, app) as (page, explorer):
         plot = figure(explorer, "cache_map")
         plot.wait_for(timeout=300_000)
         if args.compare:
@@ -190,7 +228,8 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             out["click -> right-hand view repainted (in the page)"] = med(right)
         if switches:
             out["tab switch -> its view drawn"] = med(switches)
-        print(f"\n{args.model}, lanes {','.join(strategies)}, {args.steps} steps, medians:")
+        print(f"\n{'JupyterLab' if args.lab else 'Voila'}, {args.model}, lanes {','.join(strategies)}, "
+              f"{args.steps} steps, medians:")
         for key, ms in out.items():
             print(f"  {key}: {ms:7.1f} ms" + (f"  (min {min(total):.1f}, max {max(total):.1f})"
                                                if key == "click -> cache map repainted" else ""))

@@ -130,12 +130,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def lab_server(notebooks: Path, workdir: Path) -> Iterator[Server]:
-    """JupyterLab serving a temporary copy of ``notebooks``; yields the running server (``.root`` is the copy)."""
+def lab_server(notebooks: Path, workdir: Path, inspect: bool = True) -> Iterator[Server]:
+    """JupyterLab serving a temporary copy of ``notebooks``; yields the running server (``.root`` is the copy).
+    ``inspect`` as in :func:`isolated_env`."""
     root = workdir / "root"
     shutil.copytree(notebooks, root, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "*.pyc", "__pycache__"))
     state = workdir / "state"
-    env = isolated_env(state)
+    env = isolated_env(state, inspect)
     port, token = free_port(), secrets.token_hex(16)
     argv = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
             f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={root}",
