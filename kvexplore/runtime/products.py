@@ -24,13 +24,14 @@ import inspect
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..models import linear as linear_module
 from . import artifacts
+from .capture import dynamo_graph
 
 #: inductor options: no size checks of the inputs on every call (the caller passes the sizes it checked)
 OPTIONS = {"size_asserts": False}
@@ -121,19 +122,11 @@ class _Kernels:
             if compiled is not None:
                 self.note = f"loaded the one-row product kernel an earlier process saved ({saved.folder})"
                 return _Kernel(compiled, entry["roles"])
-        captured: list = []
-
-        def keep(gm: torch.fx.GraphModule, inputs: list) -> Callable:
-            captured.append((gm, list(inputs)))
-            return gm.forward
-
         x, weight = torch.zeros(1, 24), torch.zeros(40, 24)
         for t, dims in ((x, (1,)), (weight, (0, 1))):
             for d in dims:
                 torch._dynamo.mark_dynamic(t, d)
-        torch.compile(_row_products, backend=keep, fullgraph=True)(x, weight)
-        torch._dynamo.eval_frame.remove_from_cache(_row_products)
-        gm, inputs = captured[0]
+        gm, inputs = dynamo_graph(_row_products, (x, weight), dynamic=None)
         key, roles = artifacts.graph_key(gm, inputs, OPTIONS), _Kernel.roles_of(gm)
         compiled, stored = artifacts.load(saved, key), True
         if compiled is None:

@@ -30,6 +30,7 @@ from ..errors import SettingsError
 from . import artifacts
 from .inplace import InPlace
 from .blocked import BlockedLinear, blocked_twin, nbytes, tensors_of
+from .capture import dynamo_graph
 
 #: inductor options of the regional graphs: no size checks of the inputs on every call (the step builds them itself)
 OPTIONS = {"size_asserts": False}
@@ -116,15 +117,7 @@ def _innermost(compiled: Any) -> Callable[[list], Any]:
 
 def _trace(fn: Callable, args: tuple) -> tuple[torch.fx.GraphModule, list, list[int]]:
     """``fn``'s graph for ``args`` as dynamo captures it, its example inputs and, for each, its place in ``args``."""
-    captured: list = []
-
-    def keep(gm: torch.fx.GraphModule, inputs: list) -> Callable:
-        captured.append((gm, list(inputs)))
-        return gm.forward
-
-    torch.compile(fn, backend=keep, fullgraph=True, dynamic=False)(*args)
-    torch._dynamo.eval_frame.remove_from_cache(fn)  # a trace, not a compiled function to keep
-    gm, inputs = captured[0]
+    gm, inputs = dynamo_graph(fn, args)
     where = {id(a): i for i, a in enumerate(args)}
     if any(id(t) not in where for t in inputs):  # a tensor the graph found elsewhere would be baked into it
         raise SettingsError("the layer's graph reads a tensor that is not among its inputs: it cannot be shared")

@@ -32,10 +32,10 @@ class SamplingSettings:
 
 def sampling_setting(name: str) -> property:
     """A generator attribute that reads ``sampling.<name>`` and sets it through a new, checked SamplingSettings."""
-    def get(self: "Any"):
+    def get(self: object):
         return getattr(self._sampling, name)
 
-    def set_(self: "Any", value) -> None:
+    def set_(self: object, value) -> None:
         self._sampling = replace(self._sampling, **{name: value})  # __post_init__ checks the new value
 
     return property(get, set_, doc=f"``sampling.{name}``; setting it checks the value first (SettingsError)")
