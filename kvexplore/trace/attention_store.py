@@ -328,8 +328,7 @@ class AttentionStore:
 
     def _merge_rows(self) -> None:
         self.rs *= 2
-        self._max, self._mean = _merged(self._max, self._mean, self._count, 2)
-        self._max = self._max.astype(self._max_dtype, copy=False)
+        self._max, self._mean = _merged(self._max, self._mean, self._count, 2, self._max_dtype)
         s = _even(self._sink, 2)
         self._sink = np.stack([np.maximum(s[:, :, 0::2, 0], s[:, :, 1::2, 0]), s[:, :, 0::2, 1] + s[:, :, 1::2, 1]], -1)
         c = _even(self._count, 0)
@@ -339,8 +338,7 @@ class AttentionStore:
 
     def _merge_cols(self) -> None:
         self.cs *= 2
-        self._max, self._mean = _merged(self._max, self._mean, self._count, 3)
-        self._max = self._max.astype(self._max_dtype, copy=False)
+        self._max, self._mean = _merged(self._max, self._mean, self._count, 3, self._max_dtype)
         c = _even(self._count, 1)
         self._count = c[:, 0::2] + c[:, 1::2]
 

@@ -88,17 +88,23 @@ def even(a: np.ndarray, axis: int, fill=0) -> np.ndarray:
     return padded(a, tuple(shape), fill)
 
 
-def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int,
+           max_dtype=None) -> tuple[np.ndarray, np.ndarray]:
     """Neighbouring bins along ``axis`` (2: rows, 3: keys) of max and mean merged (``count``: the cells per bin
-    before merging)."""
-    mx, mean = even(mx, axis), even(mean, axis)
-    c = even(count, axis - 2).astype(np.float32)[None, None]
+    before merging); the max as ``max_dtype`` (default: as it was), the mean float16. In torch, on every thread:
+    the store merges when the context passes a power of two, every layer's and head's bins at once (SmolLM2 at 512
+    tokens: 280 MB of float32 maxima, 0.75 s in numpy, whose float16 conversions run on one core)."""
+    mx, mean = torch.from_numpy(even(mx, axis)), torch.from_numpy(even(mean, axis))
+    c = torch.from_numpy(even(count, axis - 2).astype(np.float32))[None, None]
 
     def take(a, i):
         return a[:, :, i::2] if axis == 2 else a[:, :, :, i::2]
 
     c0, c1 = take(c, 0), take(c, 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s = take(mean, 0).astype(np.float32) * c0 + take(mean, 1).astype(np.float32) * c1
-        mean = np.where(c0 + c1 > 0, s / (c0 + c1), 0.0)
-    return np.maximum(take(mx, 0), take(mx, 1)), mean.astype(np.float16)
+    total = c0 + c1
+    mean = (take(mean, 0).float() * c0).add_(take(mean, 1).float() * c1).div_(total.clamp(min=1))
+    mean = mean.masked_fill_(total == 0, 0.0).half()
+    mx = torch.maximum(take(mx, 0), take(mx, 1))
+    if max_dtype is not None:
+        mx = mx.to(torch.from_numpy(np.zeros(0, dtype=max_dtype)).dtype)
+    return mx.numpy(), mean.numpy()
