@@ -204,7 +204,8 @@ def _measure(args: argparse.Namespace, strategies: tuple[str, ...], app: dict) -
             seen = page.evaluate("() => [window.__kvxClick.status || null, window.__kvxClick.right || null]")
             if i < 2:  # untimed, but a person sees them: the page's first clicks
                 print(f"warm-up click {i + 1}: click -> cache map repainted {ms:7.1f} ms, "
-                      f"right-hand view {seen[1] or 0:7.1f} ms")
+                      f"right-hand view {seen[1] or 0:7.1f} ms; drawing " + ", ".join(
+                          f"{name} {d:.1f} ms" for name, d in explorer.evaluate(DRAW_MS)))
             else:
                 total.append(ms)
                 status += [seen[0]] if seen[0] is not None else []

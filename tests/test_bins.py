@@ -45,29 +45,38 @@ def test_dominant_picks_the_highest_priority_code_and_counts_it():
 
 
 @pytest.mark.parametrize("axis", [2, 3])
-def test_stored_bins_merge_pairwise_weighted_by_their_cells(axis):
+@pytest.mark.parametrize("odd", [False, True])
+def test_stored_bins_merge_pairwise_weighted_by_their_cells_in_place(axis, odd):
     """kvexplore.trace.rowbins.merged (the attention store's halving of its resolution): the max of each pair, the
-    mean weighted by each bin's cells (empty bins count for nothing, a pair of empty ones is 0), an odd length
-    padded with an empty bin, the max in the dtype asked for."""
+    mean weighted by each bin's cells (empty bins count for nothing, a pair of empty ones is 0), a last bin without
+    a neighbour kept as it is; the merged bins first in the same arrays, empty ones (0) after them; the max in a new
+    array of the dtype asked for, else in place."""
     from kvexplore.trace.rowbins import merged
 
     rng = np.random.default_rng(1)
-    count = rng.integers(0, 5, size=(5, 7))
+    shape = (5, 7) if odd else (6, 8)
+    count = rng.integers(0, 5, size=shape)
     count[0, :2] = 0  # a pair of empty bins on either axis
-    mx = rng.random((2, 3, 5, 7), dtype=np.float32) * (count > 0)
-    mean = (rng.random((2, 3, 5, 7), dtype=np.float32) * (count > 0)).astype(np.float16)
-    got_max, got_mean = merged(mx, mean, count, axis, np.float16)
-    assert got_max.dtype == np.float16 and got_mean.dtype == np.float16
+    mx = rng.random((2, 3, *shape), dtype=np.float32) * (count > 0)
+    mean = (rng.random((2, 3, *shape), dtype=np.float32) * (count > 0)).astype(np.float16)
     n = mx.shape[axis]
+    take = (lambda a, j: a[:, :, j]) if axis == 2 else (lambda a, j: a[:, :, :, j])
+    want = []
     for i in range(-(-n // 2)):
         pair = [j for j in (2 * i, 2 * i + 1) if j < n]
-        take = (lambda a, j: a[:, :, j]) if axis == 2 else (lambda a, j: a[:, :, :, j])
         cells = [count[j] if axis == 2 else count[:, j] for j in pair]
-        want_max = np.max([take(mx, j) for j in pair], axis=0)
         total = np.sum(cells, axis=0)
         weighted = np.sum([take(mean, j).astype(np.float64) * c for j, c in zip(pair, cells)], axis=0)
-        want_mean = np.divide(weighted, total, out=np.zeros_like(weighted), where=total > 0)
+        want.append((np.max([take(mx, j) for j in pair], axis=0),
+                     np.divide(weighted, total, out=np.zeros_like(weighted), where=total > 0)))
+    mean_in, mx_in = mean, mx.copy()
+    got_max, got_mean = merged(mx, mean, count, axis, np.float16)
+    assert got_max.dtype == np.float16 and got_mean.dtype == np.float16 and got_mean is mean_in
+    assert got_max.shape == got_mean.shape == mx.shape
+    for i, (want_max, want_mean) in enumerate(want):
         np.testing.assert_array_equal(take(got_max, i), want_max.astype(np.float16))
         np.testing.assert_allclose(take(got_mean, i).astype(np.float64), want_mean, rtol=1e-3, atol=1e-6)
-    same_max, _ = merged(mx, mean, count, axis)
-    assert same_max.dtype == np.float32
+    for i in range(len(want), n):
+        assert not take(got_max, i).any() and not take(got_mean, i).any()
+    same_max, _ = merged(mx_in, mean.copy(), count, axis)
+    assert same_max is mx_in and same_max.dtype == np.float32

@@ -327,20 +327,22 @@ class AttentionStore:
         self._sink = _padded(self._sink, (n, H, R2, 2), 0.0)
 
     def _merge_rows(self) -> None:
+        """Row bins twice as tall, in the same arrays (:func:`~.rowbins.merged`), the rest empty room."""
         self.rs *= 2
         self._max, self._mean = _merged(self._max, self._mean, self._count, 2, self._max_dtype)
         s = _even(self._sink, 2)
-        self._sink = np.stack([np.maximum(s[:, :, 0::2, 0], s[:, :, 1::2, 0]), s[:, :, 0::2, 1] + s[:, :, 1::2, 1]], -1)
+        s = np.stack([np.maximum(s[:, :, 0::2, 0], s[:, :, 1::2, 0]), s[:, :, 0::2, 1] + s[:, :, 1::2, 1]], -1)
+        self._sink = _padded(s, self._sink.shape, 0.0)
         c = _even(self._count, 0)
-        self._count = c[0::2] + c[1::2]
+        self._count = _padded(c[0::2] + c[1::2], self._count.shape, 0)
         r = _even(self._rowcount, 0)
-        self._rowcount = r[0::2] + r[1::2]
+        self._rowcount = _padded(r[0::2] + r[1::2], self._rowcount.shape, 0)
 
     def _merge_cols(self) -> None:
         self.cs *= 2
         self._max, self._mean = _merged(self._max, self._mean, self._count, 3, self._max_dtype)
         c = _even(self._count, 1)
-        self._count = c[:, 0::2] + c[:, 1::2]
+        self._count = _padded(c[:, 0::2] + c[:, 1::2], self._count.shape, 0)
 
     def truncate(self, n: int) -> None:
         """Keep rows ``0 .. n - 1`` only."""
