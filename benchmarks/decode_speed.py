@@ -45,7 +45,8 @@ The bandwidth bound: decoding one token reads every weight once (plus the cache,
 exceed read bandwidth / bytes read per token. The read bandwidth is measured here (``torch.sum`` over a 512 MiB
 tensor with the same threads, median of 5) and every engine is printed as a fraction of that bound. Beside it, the
 matmul floor: the model's own matrix-vector products alone, in layer order, with torch's kernels (what any engine
-built on them pays per token, whatever it fuses around them).
+built on them pays per token, whatever it fuses around them), and the same products as kvexplore's eager step runs
+them (``kvexplore.models.linear.linear``: its compiled one-row kernel on the CPU, :mod:`kvexplore.runtime.products`).
 
 Targets: eager >= 1.5x transformers on 24M and >= 1.2x on 135M (issue 1); compiled >= 2.5x transformers on 24M,
 >= 1.5x on 135M, >= 1.2x transformers' static+compile on both, >= 70% of the bandwidth bound on SmolLM2 in float32,
@@ -145,12 +146,13 @@ def read_bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float
     return x.nbytes / median(times)
 
 
-def matmul_floor(model, reps: int = 5) -> float:
+def matmul_floor(model, reps: int = 5, product=None) -> float:
     """Seconds one token's matrix-vector products alone take: every projection and the output head of ``model``
-    applied in layer order to one row (the weights stream from memory as in a real step, with torch's own
-    kernels and layouts). No engine that calls these kernels can decode faster than this."""
+    applied in layer order to one row (the weights stream from memory as in a real step) with ``product`` (default
+    torch's ``F.linear``: its own kernels and layouts). No engine that calls these kernels can decode faster."""
     import torch.nn.functional as F
 
+    product = product or F.linear
     weights = [mod.weight for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
     head = model.model.embed_tokens.weight if model.lm_head is None else None
     rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
@@ -159,9 +161,9 @@ def matmul_floor(model, reps: int = 5) -> float:
 
     def once():
         for w in weights:
-            F.linear(rows[w.shape[1]], w)
+            product(rows[w.shape[1]], w)
         if head is not None:
-            F.linear(rows[head.shape[1]], head)
+            product(rows[head.shape[1]], head)
 
     with torch.no_grad():
         once()
@@ -256,12 +258,14 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
     per_token = bytes_per_token(kv, args.prompt_len + n // 2)
     bound = bandwidth / per_token
     tps = {e: (n - 1) / median(decode[e]) for e in engines}
+    from kvexplore.models.linear import linear
     floor = matmul_floor(kv)
     print(f"  bandwidth bound: {per_token / 2 ** 20:.1f} MiB read per token at {bandwidth / 1e9:.1f} GB/s "
           f"-> at most {bound:.1f} tok/s")
-    print(f"  the matrix-vector products alone (torch's kernels, the model's weights, one token): "
-          f"{floor * 1e3:.2f} ms -> at most {1 / floor:.1f} tok/s ({1 / floor / bound:.0%} of the bandwidth bound; "
-          f"they stream {per_token / floor / 1e9:.1f} GB/s)")
+    for what, t in (("torch's kernels", floor), ("kvexplore's eager products", matmul_floor(kv, product=linear))):
+        print(f"  the matrix-vector products alone ({what}, the model's weights, one token): "
+              f"{t * 1e3:.2f} ms -> at most {1 / t:.1f} tok/s ({1 / t / bound:.0%} of the bandwidth bound; "
+              f"they stream {per_token / t / 1e9:.1f} GB/s)")
     for e in engines:
         same = tokens[e] == tokens[engines[0]]
         print(f"  {NAMES[e]:28} decode {n - 1} steps: median {median(decode[e]) * 1e3:8.1f} ms ({spread(decode[e])})"
