@@ -77,16 +77,46 @@ def test_a_step_runs_its_products_on_the_kernel_and_keeps_its_tokens(tiny, monke
     assert len(calls) == 11 * (7 * layers + 1) + 1
 
 
-@pytest.mark.compile  # compiles the kernel afresh in an empty folder (seconds of C++)
-def test_a_later_process_loads_the_saved_kernel(tmp_path, monkeypatch):
+def test_a_models_widest_weights_get_a_kernel_of_their_width(trained):
+    """The packaged tiny model's 256-wide weights (q, k, v, gate, up and the head: 3.6M values) get a kernel of that width,
+    its 512-wide ones (down: 0.8M) keep the kernel of any sizes; both give F.linear's products within rounding."""
+    assert products.prepare_for(trained), products.status()
+    threads = torch.get_num_threads()
+    assert (threads, 256) in products.KERNELS.widths and (threads, 512) not in products.KERNELS.widths
+    fixed, general = products.KERNELS.get(256), products.KERNELS.get()
+    assert fixed is not general and products.KERNELS.get(512) is general
+    assert "kernel of width 256" in products.status()
+    calls, runs = [], {kernel: kernel.run for kernel in (fixed, general)}
+    for kernel, run in runs.items():
+        kernel.run = lambda args, _run=run, _kernel=kernel: calls.append(_kernel) or _run(args)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for width in (256, 512):
+            x, w = torch.randn(1, width, generator=g), torch.randn(700, width, generator=g)
+            got, want = linear.linear(x, w), F.linear(x, w)
+            assert (got - want).abs().max().item() <= 1e-5 * width ** 0.5
+    finally:
+        for kernel, run in runs.items():
+            kernel.run = run
+    assert calls == [fixed, general]
+
+
+@pytest.mark.compile  # compiles the kernels afresh in an empty folder (seconds of C++)
+def test_a_later_process_loads_the_saved_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXPLORE_COMPILED", str(tmp_path))
     first, later = products._Kernels(), products._Kernels()
     assert first.get() is not None and first.built == 1
     assert "compiled the one-row product kernel and saved it in" in first.note and str(tmp_path) in first.note
-    assert later.get() is not None and later.built == 0
+    assert first.prepare_widths([48]) == [48] and first.built == 2
+    assert "compiled the one-row product kernel of width 48 and saved it in" in first.width_notes[48]
+    assert later.get() is not None and later.prepare_widths([48]) == [48] and later.built == 0
     assert later.note.startswith("loaded the one-row product kernel an earlier process saved")
+    assert later.width_notes[48].startswith("loaded the one-row product kernel of width 48 an earlier process")
     x, w = torch.randn(1, 50), torch.randn(30, 50)
     assert torch.equal(first.get()(x, w), later.get()(x, w))
+    x, w = torch.randn(1, 48), torch.randn(30, 48)
+    assert torch.equal(first.get(48)(x, w), later.get(48)(x, w))
+    assert (first.get(48)(x, w) - F.linear(x, w)[0]).abs().max().item() <= 1e-5 * 48 ** 0.5
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -21,9 +21,9 @@ class KernelSource(Protocol):
     def enabled(self) -> bool:
         """Whether one-row products will try the kernel (cheap: nothing built)."""
 
-    def get(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """The kernel ``(x (1, in), weight (out, in)) -> (out,)`` for this thread count, built on first use; None
-        where it cannot be built."""
+    def get(self, width: int | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The kernel ``(x (1, in), weight (out, in)) -> (out,)`` for products of ``width`` input features (None:
+        any) under this thread count, built on first use; None where it cannot be built."""
 
 
 _SOURCE: KernelSource | None = None
@@ -54,7 +54,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on the installed kernel where :func:`takes_kernel` says so."""
     if _SOURCE is not None and takes_kernel(x, weight):
-        kernel = _SOURCE.get()
+        kernel = _SOURCE.get(weight.shape[1])
         if kernel is not None:
             y = kernel(x.reshape(1, weight.shape[1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias

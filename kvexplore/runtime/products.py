@@ -67,12 +67,19 @@ class _Kernel:
 
 
 class _Kernels:
-    """The compiled kernel per thread count (inductor generates its C++ for the threads it is compiled under), or why
-    there is none: the :class:`~kvexplore.models.linear.KernelSource` the package installs."""
+    """The compiled kernels per thread count (inductor generates its C++ for the threads it is compiled under), or
+    why there are none: the :class:`~kvexplore.models.linear.KernelSource` the package installs.
+
+    One kernel takes any sizes (built at the first product that wants it); for the widths (input features) that
+    carry most of a model's weights, :meth:`prepare_widths` adds one whose width is fixed (the rows, any number):
+    the compiler then knows the inner loop's length, whole vectors and no tail, and reads the weights 1.3-1.7x
+    faster on a large matrix (an output head: 32,000 x 288 in 0.73 instead of 0.99-1.30 ms here)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.runs: dict[int, _Kernel | None] = {}
+        self.widths: dict[tuple[int, int], _Kernel] = {}  # (threads, width): a kernel of that width only
+        self.width_notes: dict[int, str] = {}
         self.why = ""
         self.note = ""
         self.built = 0
@@ -80,17 +87,33 @@ class _Kernels:
     def enabled(self) -> bool:
         return not _refusal()
 
-    def get(self) -> _Kernel | None:
+    def get(self, width: int | None = None) -> _Kernel | None:
+        """The kernel for products of ``width`` input features under this thread count: the one of that width
+        where it was prepared, else the one of any sizes (built now if it has not been)."""
         threads = torch.get_num_threads()
+        fixed = self.widths.get((threads, width)) if width is not None else None
+        if fixed is not None:
+            return fixed
         run = self.runs.get(threads, False)
         if run is not False:
             return run
         with self.lock:
             if threads not in self.runs:
-                self.runs[threads] = self._make()
+                self.runs[threads] = self._make(None)
             return self.runs[threads]
 
-    def _make(self) -> _Kernel | None:
+    def prepare_widths(self, widths: list[int]) -> list[int]:
+        """Build (or load) the kernels of these widths, beside the kernel of any sizes; the widths that have one."""
+        threads = torch.get_num_threads()
+        if self.get() is None:  # no kernel at all here (refused, or no compiler): nothing of a fixed width either
+            return []
+        with self.lock:
+            for width in widths:
+                if (threads, width) not in self.widths and (kernel := self._make(width)) is not None:
+                    self.widths[(threads, width)] = kernel
+        return [w for w in widths if (threads, w) in self.widths]
+
+    def _make(self, width: int | None) -> _Kernel | None:
         from .regional import available
         self.why = _refusal() or ("" if available() else
                                   f"torch {torch.__version__}'s standalone_compile cannot save: every product is F.linear")
@@ -98,19 +121,22 @@ class _Kernels:
             return None
         try:
             with torch.inference_mode(False), torch.no_grad():
-                kernel = self._built()
+                kernel = self._built(width)
                 g = torch.Generator().manual_seed(0)  # not the global generator: a user's random draws stay theirs
-                x, weight = torch.randn(1, 37, generator=g), torch.randn(21, 37, generator=g)
-                if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=1e-5):
+                x, weight = torch.randn(1, width or 37, generator=g), torch.randn(21, width or 37, generator=g)
+                if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=1e-5 * max(1, (width or 1)) ** 0.5):
                     raise RuntimeError("its products differ from F.linear's")
                 return kernel
         except Exception as e:  # no C++ compiler, a torch that traces it otherwise: products stay F.linear
-            self.why = f"the one-row product kernel could not be built ({type(e).__name__}: {e}): F.linear instead"
-            return None
+            what = f"the one-row product kernel{f' of width {width}' if width else ''}"
+            self.why = f"{what} could not be built ({type(e).__name__}: {e}): " + (
+                "F.linear instead" if width is None else "the kernel of any sizes instead")
+        return None
 
-    def _built(self) -> _Kernel:
+    def _built(self, width: int | None) -> _Kernel:
         saved = artifacts.Saved()
-        step = f"one-row products | float32 | {artifacts.machine()}"
+        what = "the one-row product kernel" + (f" of width {width}" if width else "")
+        step = f"one-row products | float32 | {f'width {width} | ' if width else ''}{artifacts.machine()}"
         entry = saved.get(step) or {}
         if entry.get("torch") == torch.__version__ and entry.get("source") == _SOURCE and entry.get("roles"):
             # this machine compiled and saved it: loaded without a trace, and without inductor's check of the CPU's
@@ -120,13 +146,15 @@ class _Kernels:
             with config.patch({"cpp.vec_isa_ok": True}):
                 compiled = artifacts.load(saved, entry["file"])
             if compiled is not None:
-                self.note = f"loaded the one-row product kernel an earlier process saved ({saved.folder})"
+                self._noted(f"loaded {what} an earlier process saved ({saved.folder})", width)
                 return _Kernel(compiled, entry["roles"])
-        x, weight = torch.zeros(1, 24), torch.zeros(40, 24)
-        for t, dims in ((x, (1,)), (weight, (0, 1))):
+        x, weight = torch.zeros(1, width or 24), torch.zeros(40, width or 24)
+        for t, dims in ((x, () if width else (1,)), (weight, (0,) if width else (0, 1))):
             for d in dims:
                 torch._dynamo.mark_dynamic(t, d)
-        gm, inputs = dynamo_graph(_row_products, (x, weight), dynamic=None)
+        # a fixed width: only the rows' count is symbolic (dynamic=False: dynamo must not make the width symbolic
+        # because the kernel of any sizes traced this function with others)
+        gm, inputs = dynamo_graph(_row_products, (x, weight), dynamic=False if width else None)
         key, roles = artifacts.graph_key(gm, inputs, OPTIONS), _Kernel.roles_of(gm)
         compiled, stored = artifacts.load(saved, key), True
         if compiled is None:
@@ -134,12 +162,20 @@ class _Kernels:
                                                           options={"config_patches": OPTIONS})
             self.built += 1
             stored = artifacts.store(saved, key, compiled)
-        remembered = stored and saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles,
-                                                 "file": key})
-        self.note = (f"loaded the one-row product kernel an earlier process saved ({saved.folder})" if not self.built
-                     else f"compiled the one-row product kernel and saved it in {saved.folder}" if remembered
-                     else f"compiled the one-row product kernel; not saved ({saved.folder} cannot be written)")
+            remembered = stored and saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles,
+                                                     "file": key})
+            self._noted(f"compiled {what} and saved it in {saved.folder}" if remembered
+                        else f"compiled {what}; not saved ({saved.folder} cannot be written)", width)
+        else:
+            saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles, "file": key})
+            self._noted(f"loaded {what} an earlier process saved ({saved.folder})", width)
         return _Kernel(compiled, roles)
+
+    def _noted(self, note: str, width: int | None) -> None:
+        if width is None:
+            self.note = note
+        else:
+            self.width_notes[width] = note
 
 
 KERNELS = _Kernels()
@@ -155,22 +191,37 @@ def _refusal() -> str:
 
 def status() -> str:
     """Which products this process runs, and why: the kernel's note, or why it is ``F.linear``."""
-    return KERNELS.why or KERNELS.note or "not used yet in this process (built at the first one-row product)"
+    if KERNELS.why or not KERNELS.note:
+        return KERNELS.why or "not used yet in this process (built at the first one-row product)"
+    return "; ".join([KERNELS.note, *KERNELS.width_notes.values()])
 
 
 def prepare() -> bool:
-    """Build the kernel now (what the first one-row product would do), e.g. before timing steps or opening a view;
-    True where products will take it."""
+    """Build the kernel of any sizes now (what the first one-row product would do), e.g. before timing steps or
+    opening a view; True where products will take it."""
     return KERNELS.get() is not None
+
+
+#: a width gets a kernel of its own where a model's weights of that width hold at least this many values
+FIXED_WIDTH_FROM = 1 << 20
 
 
 def prepare_for(model: Any) -> bool:
     """:func:`prepare` where ``model``'s decoding products would take the kernel (kvexplore's own model, float32 weights
-    on the CPU; e.g. when an explorer opens, so that its first Step does not wait for the build); False otherwise."""
-    weight = getattr(model, "head_weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    on the CPU; e.g. when an explorer opens, so that its first Step does not wait for the build), with kernels of
+    fixed width for the widths that carry most of its weights (at least :data:`FIXED_WIDTH_FROM` values: a small
+    test model's do not, a real model's output head does); False where the products will not take it."""
+    head = getattr(model, "head_weight", None)
+    if not isinstance(head, torch.Tensor) or head.device.type != "cpu" or head.dtype != torch.float32:
         return False
-    return prepare()
+    if not prepare():
+        return False
+    held: dict[int, int] = {}
+    for w in [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [head]:
+        if w.dim() == 2 and w.dtype == torch.float32:
+            held[w.shape[1]] = held.get(w.shape[1], 0) + w.numel()
+    KERNELS.prepare_widths(sorted(w for w, n in held.items() if n >= FIXED_WIDTH_FROM))
+    return True
 
 
 linear_module.install(KERNELS)
