@@ -1,20 +1,28 @@
-"""The kernel behind a decoding step's one-row products on the CPU (:mod:`kvexplore.models.linear`): one compiled
-loop that streams the model's own weights on every thread, instead of the BLAS library's matrix-vector product.
+"""The kernels behind a decoding step's one-row products on the CPU (:mod:`kvexplore.models.linear`): compiled loops
+that stream the model's own weights, instead of the BLAS library's matrix-vector product.
 
-torch's ``F.linear`` hands a one-row product to MKL, which reads the weights on one core here: SmolLM2's 30 layers
-and head take about 45 ms a token on the project's 2-core CPU, whatever ``torch.get_num_threads()`` says. The
-product written as a multiply and a sum over each weight row, compiled by inductor once with every size symbolic,
-is a loop over the rows split across the threads, reading each row front to back: 1.7x faster for the same
-weights (``benchmarks/products.py``: 26 instead of 44 ms), with no copy of them.
+torch's ``F.linear`` hands a one-row product to MKL, whose speed on the project's 2-core CPUs depends on the weight's
+layout and the machine (SmolLM2's 30 layers and head: 30-45 ms a token). The product written as a multiply and a sum
+over each weight row, compiled by inductor, reads the model's own row-major weights with no copy. Two kinds:
 
-The kernel is built once per process: when a Generator (or an explorer) is made for a float32 model on the CPU,
-so that no timed step pays for it (:func:`prepare_for`), else at the first one-row product that wants it. It is
-loaded from the graph an earlier process saved (:mod:`.artifacts`, ``$KVEXPLORE_HOME/compiled``; about 2 s, mostly
-inductor's import and its check of the CPU's vector instructions), else compiled and saved (about 3 s more, once
-per machine, torch version and thread count). From then on every one-row product of the process takes it, so
-results never change path in the middle of a run. Where it cannot be built (no C++ compiler, a torch without
-``standalone_compile``) or ``KVEXPLORE_PRODUCTS=torch`` is set, every product is ``F.linear``; :func:`status` says
-which and why. Its sums run in another order than MKL's: logits agree within float32 rounding, not bit for bit.
+- **any sizes**: every size symbolic, built at the first one-row product; inductor emits a vectorized loop over the
+  rows on one thread (it cannot tell how big the loop is, and leaves it serial);
+- **one width**: the input features fixed, the rows symbolic, for the widths that carry most of a model's weights
+  (:func:`prepare_for`: at least :data:`FIXED_WIDTH_FROM` values: a real model's hidden and feed-forward widths,
+  the packaged tiny model's hidden one, none of the tests' small random models); inductor splits the rows across the threads and the inner loop has whole vectors only.
+  On the session-15 machine: the 24M shape's products 1.27 ms a token against 2.17 on the kernel of any sizes and
+  2.40 on MKL; SmolLM2's 10.4 ms against 30.9 for ``F.linear`` (``benchmarks/decode_speed.py`` prints both).
+
+The kernels are built once per process: when a Generator (or an explorer) is made for a float32 model on the CPU,
+so that no timed step pays for them (:func:`prepare_for`), else the kernel of any sizes at the first one-row product
+that wants it. Each is loaded from the graph an earlier process saved (:mod:`.artifacts`,
+``$KVEXPLORE_HOME/compiled``; about 2 s for the first, mostly inductor's import and its check of the CPU's vector
+instructions), else compiled and saved (a second or three more, once per machine, torch version, thread count and
+width). Where it cannot be built (no C++ compiler, a torch without ``standalone_compile``) or
+``KVEXPLORE_PRODUCTS=torch`` is set, every product is ``F.linear``; :func:`status` says which and why. Their sums
+run in another order than MKL's: logits agree within float32 rounding, not bit for bit. A width's kernel is used
+from the moment a model that needs it is prepared: a run whose products already took the kernel of any sizes at
+that width (another model of the same width made later, mid-run) moves within that rounding.
 """
 
 from __future__ import annotations
