@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..models.linear import linear
+from ..models.linear import linear, row_weights
 from ..models.model import Model
 
 DRAIN_S = 0.25  # the longest quiet() waits for the kernel's IOPub thread to send what is queued
@@ -77,7 +77,7 @@ def warm_up(model, seconds: float = WARM_S) -> int:
     Nothing for a model kvexplore does not run itself (a transformers model). Returns the number of products."""
     if not isinstance(model, Model):
         return 0
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.head_weight]
+    weights = row_weights(model)
     rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
     end, done = time.perf_counter() + seconds, 0
     with torch.inference_mode():

@@ -61,6 +61,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def row_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weight matrices a decoding step multiplies one row by: every ``nn.Linear``'s in module order, then the
+    output head (``model.head_weight``)."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.head_weight]
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose one-row products go through :func:`linear`."""
 

@@ -9,7 +9,8 @@ over each weight row, compiled by inductor, reads the model's own row-major weig
   rows on one thread (it cannot tell how big the loop is, and leaves it serial);
 - **one width**: the input features fixed, the rows symbolic, for the widths that carry most of a model's weights
   (:func:`prepare_for`: at least :data:`FIXED_WIDTH_FROM` values: a real model's hidden and feed-forward widths,
-  the packaged tiny model's hidden one, none of the tests' small random models); inductor splits the rows across the threads and the inner loop has whole vectors only.
+  the packaged tiny model's hidden one, none of the tests' small random models); inductor splits the rows across
+  the threads and the inner loop has whole vectors only.
   On the session-15 machine: the 24M shape's products 1.27 ms a token against 2.17 on the kernel of any sizes and
   2.40 on MKL; SmolLM2's 10.4 ms against 30.9 for ``F.linear`` (``benchmarks/decode_speed.py`` prints both).
 
@@ -55,7 +56,8 @@ _SOURCE = hashlib.blake2b((inspect.getsource(_row_products) + repr(sorted(OPTION
 
 
 class _Kernel:
-    """The compiled graph and what goes in each of its inputs (``roles``): the row, the weight, or one of their sizes."""
+    """The compiled graph and what goes in each of its inputs (``roles``): the row, the weight, or one of their
+    sizes."""
 
     def __init__(self, compiled: Any, roles: list[str]) -> None:
         from .regional import _innermost
@@ -124,7 +126,8 @@ class _Kernels:
     def _make(self, width: int | None) -> _Kernel | None:
         from .regional import available
         self.why = _refusal() or ("" if available() else
-                                  f"torch {torch.__version__}'s standalone_compile cannot save: every product is F.linear")
+                                  f"torch {torch.__version__}'s standalone_compile cannot save: every product is "
+                                  f"F.linear")
         if self.why:
             return None
         try:
@@ -132,7 +135,8 @@ class _Kernels:
                 kernel = self._built(width)
                 g = torch.Generator().manual_seed(0)  # not the global generator: a user's random draws stay theirs
                 x, weight = torch.randn(1, width or 37, generator=g), torch.randn(21, width or 37, generator=g)
-                if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=1e-5 * max(1, (width or 1)) ** 0.5):
+                tolerance = 1e-5 * max(1, width or 1) ** 0.5
+                if not torch.allclose(kernel(x, weight), F.linear(x, weight)[0], atol=tolerance):
                     raise RuntimeError("its products differ from F.linear's")
                 return kernel
         except Exception as e:  # no C++ compiler, a torch that traces it otherwise: products stay F.linear
@@ -164,19 +168,18 @@ class _Kernels:
         # because the kernel of any sizes traced this function with others)
         gm, inputs = dynamo_graph(_row_products, (x, weight), dynamic=False if width else None)
         key, roles = artifacts.graph_key(gm, inputs, OPTIONS), _Kernel.roles_of(gm)
-        compiled, stored = artifacts.load(saved, key), True
-        if compiled is None:
+        compiled = loaded = artifacts.load(saved, key)
+        stored = True
+        if loaded is None:
             compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_graph", aot=True,
                                                           options={"config_patches": OPTIONS})
             self.built += 1
             stored = artifacts.store(saved, key, compiled)
-            remembered = stored and saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles,
-                                                     "file": key})
-            self._noted(f"compiled {what} and saved it in {saved.folder}" if remembered
-                        else f"compiled {what}; not saved ({saved.folder} cannot be written)", width)
-        else:
-            saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles, "file": key})
-            self._noted(f"loaded {what} an earlier process saved ({saved.folder})", width)
+        remembered = stored and saved.put(step, {"torch": torch.__version__, "source": _SOURCE, "roles": roles,
+                                                 "file": key})
+        self._noted(f"loaded {what} an earlier process saved ({saved.folder})" if loaded is not None
+                    else f"compiled {what} and saved it in {saved.folder}" if remembered
+                    else f"compiled {what}; not saved ({saved.folder} cannot be written)", width)
         return _Kernel(compiled, roles)
 
     def _noted(self, note: str, width: int | None) -> None:
@@ -225,7 +228,7 @@ def prepare_for(model: Any) -> bool:
     if not prepare():
         return False
     held: dict[int, int] = {}
-    for w in [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [head]:
+    for w in linear_module.row_weights(model):
         if w.dim() == 2 and w.dtype == torch.float32:
             held[w.shape[1]] = held.get(w.shape[1], 0) + w.numel()
     KERNELS.prepare_widths(sorted(w for w, n in held.items() if n >= FIXED_WIDTH_FROM))

@@ -104,21 +104,19 @@ def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int,
     out = mx if max_dtype is None or np.dtype(max_dtype) == mx.dtype else np.zeros(mx.shape, dtype=max_dtype)
     M, A, O = torch.from_numpy(mx), torch.from_numpy(mean), torch.from_numpy(out)
     dim = axis - 1  # in one layer's (heads, rows, keys)
-    c = torch.from_numpy(count.astype(np.float32))[None].narrow(dim, 0, 2 * pairs).unflatten(dim, (pairs, 2))
-    c0, c1 = c.select(dim + 1, 0), c.select(dim + 1, 1)
-    total = c0 + c1
-    empty = total == 0
-    tail_empty = torch.from_numpy(count[None] == 0).select(dim, n - 1) if n % 2 else None
 
     def pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = t.narrow(dim, 0, 2 * pairs).unflatten(dim, (pairs, 2))
         return t.select(dim + 1, 0), t.select(dim + 1, 1)
 
+    c0, c1 = pair(torch.from_numpy(count.astype(np.float32))[None])
+    total = c0 + c1
+    empty, divisor = total == 0, total.clamp(min=1)
+    tail_empty = torch.from_numpy(count[None] == 0).select(dim, n - 1) if n % 2 else None
     for layer in range(mx.shape[0]):
         (m0, m1), (a0, a1) = pair(M[layer]), pair(A[layer])
         new_max = torch.maximum(m0, m1).to(O.dtype)
-        new_mean = (a0.float() * c0 + a1.float() * c1) / total.clamp(min=1)
-        new_mean = new_mean.masked_fill_(empty, 0.0).half()
+        new_mean = ((a0.float() * c0 + a1.float() * c1) / divisor).masked_fill_(empty, 0.0).half()
         if n % 2:  # the last bin has no neighbour: it stays as it is, moved to its merged place
             O[layer].select(dim, pairs).copy_(M[layer].select(dim, n - 1))
             A[layer].select(dim, pairs).copy_(A[layer].select(dim, n - 1)).masked_fill_(tail_empty, 0.0)
