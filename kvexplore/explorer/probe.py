@@ -77,7 +77,9 @@ class LaneTracer(Tracer):
             return
         q0 = self._pos + r0
         self._step.keep_attention(layer, (layer, self._first, self._pos + self._q_len))
-        if keys == self._pos + self._q_len and layer not in self._per_head:
+        # a pass from an empty cache reads positions 0..end-1 on every head, a pressed layer's too (its press runs
+        # after the pass): its rows are reduced now, not held to the step's end (a long prefill's whole matrix)
+        if keys == self._pos + self._q_len and (layer not in self._per_head or self._pos == 0):
             self._direct.add(layer)
             if probs.shape[1] <= SMALL:  # a decode step's row: lands with the step, every layer's together
                 self.later(probs, lambda h: self._small.append((layer, q0, h, c0)))
@@ -139,8 +141,8 @@ class LaneTracer(Tracer):
             for (q0, c0, _), items in groups.items():
                 self.history.add([n for n, _ in items], q0, torch.stack([r for _, r in items]), c0=c0)
             checked: set[int] = set()
-            for layer in self._direct:  # reduced as position order: the step must have read positions 0..end-1
-                reads = step.reads_of(layer)  # (the cache after the step: a speculative take-back cut the drafts)
+            for layer in self._direct - set(self._per_head):  # reduced as position order: the step must have read
+                reads = step.reads_of(layer)  # 0..end-1 (the cache after it: a speculative take-back cut the drafts)
                 if id(reads) not in checked and not np.array_equal(np.asarray(reads), np.arange(min(len(reads), end))):
                     raise AssertionError(f"layer {layer} read positions {list(reads[:8])}... not 0..{end - 1}")
                 checked.add(id(reads))
