@@ -172,6 +172,12 @@ class LaneTracer(Tracer):
             self.norms = grown
         self.norms[layer, which, : norms.shape[0], start:end] = norms
 
+    def adopt(self, source: "LaneTracer", source_step: StepTrace, step: StepTrace) -> None:
+        """``step`` replayed the pass ``source`` recorded as ``source_step`` (the same keys, values and masks, checked:
+        :mod:`~kvexplore.explorer.shared_pass`): its attention is that pass's, a copy of ``source``'s store."""
+        self.history = copy.deepcopy(source.history)
+        step.adopt_attention(source_step, self.history)
+
     def clone(self) -> "LaneTracer":
         """A tracer for a forked lane: the norms and the attention store so far (copies), its own from now on."""
         twin = LaneTracer(self.norms.shape[0], self.norms.shape[2], "attention" in self.capture)

@@ -26,7 +26,7 @@ from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
 from ..views.divergence import first_divergence
 from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind, split_options
-from . import aligned, checkup
+from . import aligned, checkup, shared_pass
 from .probe import LaneTracer
 from .fit import growth_note, slots_for
 from . import timing
@@ -51,6 +51,7 @@ class Lane:
     forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
     fork_of: str | None = None
     checkups: dict[int, Any] = field(default_factory=dict)  # verification -> the doctor's check after it (.checkup)
+    shared_pass: str | None = None  # the lane whose prefill pass this lane's replayed (.shared_pass), if any
 
     @property
     def lane_kind(self) -> LaneKind:
@@ -217,12 +218,14 @@ class Session:
         self.lanes, self._forks = {}, {}
         gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
         fresh: dict[str, Lane] = {}
+        shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may replay (.shared_pass)
         try:
             for name, kind, follows in plan:
                 new = self._new_lane(kind, follows, slots)
                 ref = next(iter(fresh.values()), None)
                 force = ref.history[0].token_id if (ref is not None and new.follows) else None
-                new.generator.prefill(prompt, force=force)
+                new = shared_pass.prefill_lane(new, prompt, force, shared,
+                                               lambda lane: self._new_lane(lane.kind, lane.follows, slots))
                 if force is not None:
                     new.forced_at.add(0)
                 self._trace_options(new)

@@ -121,6 +121,12 @@ class StepTrace:
             self._attention = dict(self._attention)
         self._attention[layer] = entry
 
+    def adopt_attention(self, source: "StepTrace", history: Any) -> None:
+        """This step's attention is ``source``'s (a pass that computed the same), its rows kept in ``history`` (a copy
+        of where ``source``'s are)."""
+        self._history = history
+        self._attention = dict(source._attention)
+
     def pack_attention(self, before: "StepTrace | None" = None) -> None:
         """Keep the entries as a :class:`~kvexplore.trace.packed.SameRows` when every layer's rows are one step's
         (sharing ``before``'s tuple of layers when equal)."""

@@ -1,0 +1,278 @@
+"""One prefill pass for the lanes whose pass computes the same thing.
+
+A prefill from an empty cache computes the same thing on every lane whose cache gives attention back exactly the keys
+and values it was handed, under the same mask: a pre-allocated, a concatenating and a paged cache all do, so do an
+evicting cache (its press runs after the pass) and a sink cache whose ring holds the prompt. Running the model once
+per lane would compute the same hidden states, attention and logits again. Here the first such lane runs the model
+as usual, through :class:`Recording`, which notes what each layer gave its cache (queries, keys, values), whether the
+cache read back exactly what it was given, and the mask it gave attention. Every later lane is prefilled by
+:class:`Replay`, an :class:`~kvexplore.runtime.executor.Executor` that makes the same calls on that lane's cache in the
+same order, checks that it reads back exactly what it was given under an equal mask, feeds the lane's tracer the same
+hook points, and returns the recorded logits. The lane's tracer takes a copy of the recorded pass's attention.
+
+Nothing is taken on trust: a cache that reads back anything else (a quantized cache gives its dequantized keys), a
+different mask, or a layer that asks its cache for something else (a recurrent state, a latent cache) makes the
+replay roll that cache back and the lane computes its own pass. The lane's record reports the recorded pass's time
+plus its own cache's work (what computing it again would have taken), and :attr:`Replay.source` names the lane
+whose pass it shares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.hooks import hook
+from ..errors import KVExploreError
+from ..models.model import Model
+from ..runtime.executor import Executor
+
+SHARED_PASSES = 2  # recorded prefill passes kept for the lanes after them (each holds the prompt's q, k, v and masks)
+# what Model.forward and Attention.forward ask of a cache; a pass that asks anything else is not replayed
+_PASS_CALLS = frozenset({"check_write", "begin_step", "attach_model", "commit", "settle", "rollback", "dtype",
+                         "device", "write", "read_shared", "mask", "observes_queries", "note_queries"})
+
+
+class NotTheSamePass(KVExploreError):
+    """A lane's cache did not read back what the recorded pass's did: the lane computes its own pass."""
+
+
+@dataclass
+class LayerPass:
+    """What one layer of the recorded pass gave its cache and read back."""
+
+    q: torch.Tensor | None = None  # (B, nh, T, hd) after RoPE, for a press that observes queries
+    k: torch.Tensor | None = None  # (B, nkv, T, hd) written (None: a layer that reads an earlier layer's cache)
+    v: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # what the cache gave attention (None: causal)
+    exact: bool = False  # the cache read back exactly what it was given
+
+
+@dataclass
+class Pass:
+    """A recorded prefill pass: per layer what :class:`LayerPass` holds, the logits returned, its time."""
+
+    layers: dict[int, LayerPass] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    other_calls: set[str] = field(default_factory=set)  # cache methods outside :data:`_PASS_CALLS` the pass used
+    seconds: float = 0.0
+    source: str = ""  # the lane that computed it
+    model: Any = None  # the model that computed it: only a lane of the same model replays it
+
+    @property
+    def shareable(self) -> bool:
+        """Every layer read back exactly what it wrote and nothing else was asked of the cache."""
+        return (self.logits is not None and not self.other_calls and bool(self.layers)
+                and all(layer.exact for layer in self.layers.values()))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+class _RecordingCache:
+    """The cache as the model sees it during a recorded pass: every call goes to ``cache``; writes and masks are noted
+    in ``into``."""
+
+    def __init__(self, cache: Any, into: Pass) -> None:
+        self._inner, self._into = cache, into
+        self._q: dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the cache's own
+        if name not in _PASS_CALLS:
+            self._into.other_calls.add(name)
+        return getattr(self._inner, name)
+
+    def observes_queries(self, layer: int) -> bool:
+        return True  # every layer's queries are noted: a lane replaying the pass may press with them
+
+    def note_queries(self, layer: int, q: torch.Tensor) -> None:
+        self._q[layer] = q
+        if self._inner.observes_queries(layer):
+            self._inner.note_queries(layer, q)
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
+        k_all, v_all = self._inner.write(layer, pos, k, v)
+        # compared now: a pressing cache may compact what it gave back when the pass commits
+        self._into.layers[layer] = LayerPass(self._q.pop(layer, None), k, v, exact=_same(k_all, k) and _same(v_all, v))
+        return k_all, v_all
+
+    def read_shared(self, layer: int):
+        out = self._inner.read_shared(layer)
+        self._into.layers[layer] = LayerPass(exact=True)
+        return out
+
+    def mask(self, layer: int, pos: int, q_len: int):
+        m = self._inner.mask(layer, pos, q_len)
+        if layer in self._into.layers:
+            self._into.layers[layer].mask = None if m is None else m.clone()
+        return m
+
+
+class Recording(Executor):
+    """``executor``'s pass, run as usual, with what each layer gave its cache noted in :attr:`recorded`."""
+
+    def __init__(self, executor: Executor, source: str) -> None:
+        self._executor = executor
+        self.recorded = Pass(source=source, model=executor.model)
+        self.config, self.tokenizer, self.source = executor.config, executor.tokenizer, executor.source
+
+    @property
+    def device(self) -> torch.device:
+        return self._executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._executor.dtype
+
+    @property
+    def model(self) -> Any:
+        return self._executor.model
+
+    def __call__(self, ids, cache, pos, tracer=None, last_only=False, keep_undo=False):
+        if pos != 0 or cache.length != 0:
+            self.recorded.other_calls.add("a pass after position 0")
+        t = time.perf_counter()
+        logits = self._executor(ids, _RecordingCache(cache, self.recorded), pos, tracer, last_only, keep_undo)
+        self.recorded.seconds = time.perf_counter() - t
+        self.recorded.logits = logits
+        return logits
+
+    def check_cache(self, cache: Any) -> None:
+        self._executor.check_cache(cache)
+
+    def default_cache(self) -> Any:
+        return self._executor.default_cache()
+
+
+class Replay(Executor):
+    """Prefill a cache with a recorded :class:`Pass`: the same calls on the cache in the same order, each checked to
+    read back exactly what it was given under the recorded mask (else :class:`NotTheSamePass`, the cache rolled back),
+    the lane's tracer fed the same hook points; returns the recorded logits."""
+
+    def __init__(self, executor: Executor, recorded: Pass) -> None:
+        self._executor, self.recorded = executor, recorded
+        self.config, self.tokenizer, self.source = executor.config, executor.tokenizer, executor.source
+        self.seconds = 0.0  # this cache's own work
+
+    @property
+    def device(self) -> torch.device:
+        return self._executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._executor.dtype
+
+    @property
+    def model(self) -> Any:
+        return self._executor.model
+
+    def __call__(self, ids, cache, pos, tracer=None, last_only=False, keep_undo=False):
+        rec = self.recorded
+        if rec.model is not self._executor.model:
+            raise NotTheSamePass("the pass was computed by another model")
+        B, T = ids.shape
+        t = time.perf_counter()
+        cache.check_write(pos, T, B)
+        cache.begin_step(pos, T)
+        cache.attach_model(self._executor.model)
+        try:
+            for layer in range(self.config.num_layers):
+                lp = rec.layers.get(layer)
+                name = f"layers.{layer}.attn"
+                if lp is None:
+                    raise NotTheSamePass(f"layer {layer} was not in the recorded pass")
+                if lp.k is None:  # reads an earlier layer's cache
+                    k_all, v_all = cache.read_shared(layer)
+                else:
+                    k, v = lp.k, lp.v
+                    if tracer is not None:
+                        if lp.q is not None:
+                            hook(tracer, f"{name}.q", lp.q)
+                        k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
+                        k = hook(tracer, f"{name}.cache_write", k)
+                    if cache.observes_queries(layer):
+                        if lp.q is None:
+                            raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
+                        cache.note_queries(layer, lp.q)
+                    k_all, v_all = cache.write(layer, pos, k, v)
+                    if not (_same(k_all, lp.k) and _same(v_all, lp.v)):
+                        raise NotTheSamePass(f"layer {layer}'s cache read back other keys or values")
+                if tracer is not None:
+                    hook(tracer, f"{name}.cache_read", k_all)
+                if not _same(cache.mask(layer, pos, T), lp.mask):
+                    raise NotTheSamePass(f"layer {layer}'s cache gave another mask")
+            logits = rec.logits if last_only else None
+            if logits is None:
+                raise NotTheSamePass("the recorded pass kept the last position's logits only")
+            if tracer is not None:
+                hook(tracer, "logits", logits)
+        except BaseException:
+            cache.rollback()
+            raise
+        cache.commit(pos + T)
+        if not keep_undo:
+            cache.settle()
+        self.seconds = time.perf_counter() - t
+        return logits
+
+    def check_cache(self, cache: Any) -> None:
+        self._executor.check_cache(cache)
+
+    def default_cache(self) -> Any:
+        return self._executor.default_cache()
+
+
+def record(generator: Any, prompt: str | Sequence[int], force: int | None, source: str) -> Pass:
+    """``generator.prefill(prompt, force=force)`` as usual, its pass recorded."""
+    recording = Recording(generator.executor, source)
+    generator.executor = recording
+    try:
+        generator.prefill(prompt, force=force)
+    finally:
+        generator.executor = recording._executor
+    return recording.recorded
+
+
+def replay(generator: Any, recorded: Pass, prompt: str | Sequence[int], force: int | None) -> bool:
+    """Prefill ``generator`` with ``recorded`` where its cache reads back the same (True); False, and nothing changed,
+    where it does not (the caller prefills it as usual). Its record's time is the recorded pass's plus its own."""
+    replaying = Replay(generator.executor, recorded)
+    generator.executor = replaying
+    try:
+        record_ = generator.prefill(prompt, force=force)
+    except NotTheSamePass:
+        return False
+    finally:
+        generator.executor = replaying._executor
+    record_.forward_s += recorded.seconds
+    return True
+
+
+def prefill_lane(lane: Any, prompt: str | Sequence[int], force: int | None, shared: list[tuple[Pass, Any]],
+                 fresh: Callable[[Any], Any]) -> Any:
+    """Prefill an explorer lane (:class:`~kvexplore.explorer.session.Lane`): by replaying one of the ``shared`` passes
+    where its cache reads back the same under the same masks (checked), else by its own pass, recorded into ``shared``
+    for the lanes after it when it can be shared (the newest :data:`SHARED_PASSES` are kept). Only lanes of
+    kvexplore's own model stepped eagerly take part. Returns the lane: ``fresh(lane)``, a new one, where a replay was
+    refused (its tracer saw a step begin)."""
+    if not (lane.lane_kind.name == "eager" and isinstance(lane.generator.model, Model)):
+        lane.generator.prefill(prompt, force=force)
+        return lane
+    for recorded, source in shared:
+        if replay(lane.generator, recorded, prompt, force):
+            lane.tracer.adopt(source.tracer, source.history[0].trace, lane.history[0].trace)
+            lane.shared_pass = source.name
+            return lane
+        lane = fresh(lane)
+    recorded = record(lane.generator, prompt, force, lane.name)
+    if recorded.shareable:
+        shared.append((recorded, lane))
+        del shared[:-SHARED_PASSES]
+    return lane
