@@ -8,6 +8,7 @@ map needs beyond the slot states: how to read the x axis (``order``), a line of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -74,6 +75,25 @@ class EmptyLayout(Layout):
     order = "nothing is stored"
 
 
+TABLE_RUNS = 6  # runs of pages a paged cache's one-line summary names before it counts the rest
+
+
+def page_runs(pages: Sequence[int], most: int = TABLE_RUNS) -> str:
+    """``[0, 1, 2, 3, 7, 8, 5]`` as ``"[0–3, 7–8, 5] (7 pages)"``: runs of consecutive pages, the first ``most`` of
+    them, then how many pages the rest hold."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs[:most])
+    rest = sum(b - a + 1 for a, b in runs[most:])
+    if rest:
+        text += f", … {rest} more"
+    return f"[{text}] ({len(pages)} page{'s' * (len(pages) != 1)})"
+
+
 @dataclass(frozen=True)
 class PagedLayout(Layout):
     block_size: int = 16
@@ -84,7 +104,10 @@ class PagedLayout(Layout):
     order = "pool pages in order"
 
     def summary(self) -> str:
-        return f"block table {self.block_table} · {self.free_blocks} free pages"
+        """The block table as runs of consecutive pages, at most :data:`TABLE_RUNS` of them (a long prompt's table
+        has hundreds of pages: ``block_table`` holds it whole, and the cache map's x axis names the pages)."""
+        return f"block table {page_runs(self.block_table)} · {self.free_blocks} free pages"
+
 
     def marks(self, slots: int) -> list[Mark]:
         return [Mark(p * self.block_size, colour="#888") for p in range(1, slots // self.block_size)]

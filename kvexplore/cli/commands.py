@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from ..caches.factory import STRATEGIES
@@ -143,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--max-seq-len", type=_positive, default=128, metavar="N",
                      help="slots of each cache (default: 128); a longer prompt grows them to fit, up to the model's "
                           "context")
+    app.add_argument("--strategy-option", action="append", default=[], metavar="LANE.OPTION=VALUE",
+                     help="an option of one lane's cache, repeatable: sink.window=256, quantized.bits=2, "
+                          "evict.press=snapkv, evict.decode_every=16 (the app's own: paged.block_size=8, sink.sinks=4, "
+                          "sink.window=252)")
     app.add_argument("--port", type=_port, default=None, help="default: voila's (8866)")
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     kv_events.add_parser(sub, _Parser)
@@ -179,6 +185,26 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.cache == "sink":
         options.setdefault("window", SINK_WINDOW)
     return options
+
+
+def _app_checks(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """What ``kvexplore app`` checks before the server starts: the model (a named model, or a folder or file that
+    exists) and each ``--strategy-option``; returns the options given, by lane."""
+    from ..explorer import app_page
+    from ..formats.store import MODELS
+
+    source = args.model
+    if source not in MODELS and not Path(source).expanduser().exists():
+        close = difflib.get_close_matches(source, list(MODELS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SettingsError(f"--model {source!r} is neither a named model nor a folder or file here; {hint}named "
+                            f"models: {', '.join(MODELS)} (kvexplore models list)")
+    given: dict[str, dict[str, Any]] = {}
+    for text in args.strategy_option:
+        lane, key, value = app_page.strategy_option(text)
+        given.setdefault(lane, {})[key] = value
+    app_page.lane_options(args.strategies or app_page.STRATEGIES, given)  # refused here, before the page opens
+    return given
 
 
 def _port(text: str) -> int:
@@ -374,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .launch import app
 
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
-                       extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len)
+                       extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len,
+                       options=_app_checks(args))
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ leaves 127.0.0.1 (Voila's own static bundle already carries Font Awesome).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -206,7 +207,8 @@ def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_br
 
 
 def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = APP_PROMPT,
-                    base: dict[str, str] | None = None, max_seq_len: int = APP_MAX_SEQ_LEN) -> dict[str, str]:
+                    base: dict[str, str] | None = None, max_seq_len: int = APP_MAX_SEQ_LEN,
+                    options: dict[str, dict] | None = None) -> dict[str, str]:
     """The environment for Voila and its kernel: the model, strategies, caches' size and prompt the app notebook
     reads, and
     ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after it), where Voila
@@ -218,6 +220,10 @@ def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = 
     env[APP_MODEL_ENV] = model
     env[APP_PROMPT_ENV] = prompt
     env[APP_MAX_SEQ_LEN_ENV] = str(max_seq_len)
+    if options:
+        env[app_page.OPTIONS_ENV] = json.dumps(options)
+    else:
+        env.pop(app_page.OPTIONS_ENV, None)
     if strategies:
         env[APP_STRATEGIES_ENV] = ",".join(strategies)
     else:
@@ -245,9 +251,11 @@ def lab(folder: str | os.PathLike[str] | None = None, port: int | None = None, n
 
 def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int | None = None,
         no_browser: bool = True, extra: Sequence[str] = (), prompt: str = APP_PROMPT,
-        max_seq_len: int = APP_MAX_SEQ_LEN) -> int:
-    """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden)."""
+        max_seq_len: int = APP_MAX_SEQ_LEN, options: dict[str, dict] | None = None) -> int:
+    """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden); ``options``: lane ->
+    its cache's options (``--strategy-option``)."""
     _require("app", ("voila", "Voila"), *WIDGET_LIBRARIES)
     with resources.as_file(app_notebook()) as nb:
         return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
-                                env=app_environment(model, strategies, prompt, max_seq_len=max_seq_len))
+                                env=app_environment(model, strategies, prompt, max_seq_len=max_seq_len,
+                                                    options=options))

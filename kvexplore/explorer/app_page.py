@@ -10,8 +10,10 @@ cell [1]" (whose reason only the server log had).
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import KVExploreError, SettingsError
@@ -20,10 +22,59 @@ MODEL_ENV = "KVEXPLORE_APP_MODEL"
 STRATEGIES_ENV = "KVEXPLORE_APP_STRATEGIES"
 PROMPT_ENV = "KVEXPLORE_APP_PROMPT"
 MAX_SEQ_LEN_ENV = "KVEXPLORE_APP_MAX_SEQ_LEN"
-ENV = (MODEL_ENV, STRATEGIES_ENV, PROMPT_ENV, MAX_SEQ_LEN_ENV)
+OPTIONS_ENV = "KVEXPLORE_APP_OPTIONS"  # JSON: {lane: {option: value}} (kvexplore app --strategy-option LANE.KEY=VALUE)
+ENV = (MODEL_ENV, STRATEGIES_ENV, PROMPT_ENV, MAX_SEQ_LEN_ENV, OPTIONS_ENV)
 PROMPT = "Call me Ishmael."
 STRATEGIES = ("preallocated", "concat", "paged")
 MAX_SEQ_LEN = 128  # the caches' size for a short prompt; a longer one grows them (see .fit)
+#: the app's options for a lane of each strategy, at the sizes a class uses (a pasted chapter of thousands of tokens):
+#: pages of 8 slots, and a sink ring of 4 + 252 slots, so a long paste evicts (the cache's own default ring holds
+#: the whole context). ``--strategy-option`` replaces any of them.
+APP_OPTIONS: dict[str, dict[str, Any]] = {"paged": {"block_size": 8}, "sink": {"sinks": 4, "window": 252}}
+
+
+def strategy_option(text: str) -> tuple[str, str, Any]:
+    """``"sink.window=256"`` as ``("sink", "window", 256)``: the lane, the option, its value (a number, true, false or
+    null as JSON reads them, else the text as it is)."""
+    left, eq, value = text.partition("=")
+    lane, dot, key = left.rpartition(".")
+    if not (eq and dot and lane and key):
+        raise SettingsError(f"--strategy-option {text!r}: give LANE.OPTION=VALUE, e.g. sink.window=256, "
+                            f"quantized.bits=2 or evict.press=snapkv")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return lane, key, parsed
+
+
+def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any]] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """Each lane's options: the app's (:data:`APP_OPTIONS`, by the strategy a lane runs) under ``given``'s. An option
+    for a lane not among ``strategies``, or one its cache does not take, is refused naming what it takes."""
+    from ..caches.factory import STRATEGIES as CACHES
+    from .lanes import base_strategy
+
+    given = {lane: dict(options) for lane, options in (given or {}).items()}
+    stray = [lane for lane in given if lane not in strategies]
+    if stray:
+        raise SettingsError(f"--strategy-option for {stray[0]!r}, which is not a lane: the lanes are "
+                            f"{', '.join(strategies)} (--strategies A,B)")
+    out: dict[str, dict[str, Any]] = {}
+    for lane in strategies:
+        options = {**APP_OPTIONS.get(base_strategy(lane), {}), **given.get(lane, {})}
+        cls = CACHES.get(base_strategy(lane))
+        if cls is not None and given.get(lane):
+            takes = [n for n, p in inspect.signature(cls).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
+            takes = [n for n in takes if n not in ("self", "config", "batch_size", "dtype", "device")]
+            refused = sorted(set(given[lane]) - set(takes) - {"draft", "draft_tokens"})
+            if refused:
+                raise SettingsError(f"--strategy-option {lane}.{refused[0]}: a {base_strategy(lane)} cache does not "
+                                    f"take {refused[0]!r}; it takes {', '.join(takes)}")
+        if options:
+            out[lane] = options
+    return out
 
 
 def settings(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -33,8 +84,13 @@ def settings(environ: Mapping[str, str]) -> dict[str, Any]:
     if not text.isdigit() or int(text) < 1:
         raise SettingsError(f"{MAX_SEQ_LEN_ENV}={text!r}: the caches' size must be a positive whole number of "
                             f"slots (kvexplore app --max-seq-len N)")
+    try:
+        given = json.loads(environ.get(OPTIONS_ENV, "") or "{}")
+    except ValueError as e:
+        raise SettingsError(f"{OPTIONS_ENV} is not JSON ({e}): pass options as kvexplore app --strategy-option "
+                            f"LANE.OPTION=VALUE") from e
     return {"source": environ.get(MODEL_ENV, "tiny"), "strategies": strategies, "max_seq_len": int(text),
-            "strategy_options": {"paged": {"block_size": 8}} if "paged" in strategies else None}
+            "strategy_options": lane_options(strategies, given) or None}
 
 
 def app_explorer(environ: Mapping[str, str] | None = None) -> Any:

@@ -194,10 +194,13 @@ def error_html(e: Exception) -> str:
 
 @contextmanager
 def progress(bar: Any, total: int, text: str):
-    """Show ``bar`` (from 0 of ``total``, labelled ``text``) while the block runs; hidden again afterwards."""
+    """Show ``bar`` (from 0 of ``total``, labelled ``text``) while the block runs; afterwards as it was before (hidden,
+    or the outer run's bar: a Run whose first step prefills shows the prefill's progress, then its own again)."""
+    before = (bar.max, bar.value, bar.description, bar.layout.visibility)
     bar.max, bar.value, bar.description = total, 0, text
     bar.layout.visibility = "visible"
     try:
         yield bar
     finally:
-        bar.layout.visibility = "hidden"
+        bar.max, bar.value, bar.description = before[:3]
+        bar.layout.visibility = before[3] if before[3] == "visible" else "hidden"

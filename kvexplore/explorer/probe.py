@@ -11,6 +11,7 @@ holds them (the newest rows), and their slot views and read positions packed onc
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ class LaneTracer(Tracer):
         self._direct: set[int] = set()  # layers whose rows were reduced as they came (read positions 0..end-1)
         self._per_head: dict[int, int] = {}  # layers whose KV heads read different positions -> whose reads
         self._small: list[tuple[int, int, torch.Tensor, int]] = []  # rows of a decode step, landed together
+        self.on_layer: Any = None  # called with each layer's number as a pass reaches it (a long prefill's progress)
 
     @property
     def store(self) -> AttentionStore:
@@ -101,6 +103,8 @@ class LaneTracer(Tracer):
                            lambda h: self.state_norms.setdefault(layer, {}).__setitem__(end, h))
             elif name.endswith((".attn.k_new", ".attn.v_new")):
                 layer, which, start = int(name.split(".")[1]), 0 if name.endswith("k_new") else 1, self._pos
+                if which == 0 and self.on_layer is not None:
+                    self.on_layer(layer)
                 self.later(t[0].detach().float().norm(dim=-1), lambda h: self._record_norms(layer, which, start, h))
             elif name.endswith(".attn.probs"):  # attention given whole: into the store once the reads are known
                 layer = int(name.split(".")[1])

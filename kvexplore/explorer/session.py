@@ -202,10 +202,12 @@ class Session:
             lane.generator.sampling = settings
 
     # -- operations ------------------------------------------------------------------------------------
-    def prefill(self, prompt: str | Sequence[int], chat: bool = False) -> None:
+    def prefill(self, prompt: str | Sequence[int], chat: bool = False, progress: Any = None) -> None:
         """Start every lane on ``prompt`` (text, or ids; ``chat`` wraps text as a user message). Forks are dropped.
         The prompt is checked first (a bad one changes nothing); then the old lanes are let go before the new ones
-        are built (the peak is one set of caches), so a failure after that leaves every lane empty."""
+        are built (the peak is one set of caches), so a failure after that leaves every lane empty. ``progress``, if
+        given, is called as ``progress(lane index, lanes, lane name, layer or None, tokens)`` as each lane starts and
+        as its pass reaches each layer."""
         if chat:
             tok = self.model.tokenizer
             if tok is None or not tok.chat_template:
@@ -215,17 +217,22 @@ class Session:
         # forks end with the sequence they forked from; the old lanes go before the new ones are built, so that the
         # peak holds one set of caches, not two
         plan = [(name, lane.kind, lane.follows) for name, lane in self.lanes.items() if not lane.is_fork]
+        tokens = len(self.reference.generator.prompt_ids(prompt)) if progress is not None else 0
         self.lanes, self._forks = {}, {}
         gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
         fresh: dict[str, Lane] = {}
         shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may replay (.shared_pass)
         try:
-            for name, kind, follows in plan:
+            for i, (name, kind, follows) in enumerate(plan):
                 new = self._new_lane(kind, follows, slots)
+                if progress is not None:
+                    progress(i, len(plan), name, None, tokens)
+                    new.tracer.on_layer = lambda layer, i=i, name=name: progress(i, len(plan), name, layer, tokens)
                 ref = next(iter(fresh.values()), None)
                 force = ref.history[0].token_id if (ref is not None and new.follows) else None
                 new = shared_pass.prefill_lane(new, prompt, force, shared,
                                                lambda lane: self._new_lane(lane.kind, lane.follows, slots))
+                new.tracer.on_layer = None
                 if force is not None:
                     new.forced_at.add(0)
                 self._trace_options(new)

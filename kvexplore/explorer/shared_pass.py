@@ -270,7 +270,8 @@ def prefill_lane(lane: Any, prompt: str | Sequence[int], force: int | None, shar
             lane.tracer.adopt(source.tracer, source.history[0].trace, lane.history[0].trace)
             lane.shared_pass = source.name
             return lane
-        lane = fresh(lane)
+        lane, old = fresh(lane), lane
+        lane.tracer.on_layer = old.tracer.on_layer
     recorded = record(lane.generator, prompt, force, lane.name)
     if recorded.shareable:
         shared.append((recorded, lane))

@@ -293,7 +293,22 @@ class Explorer(Screen):
         chat = w["chat"].value if chat is None else chat
         if isinstance(prompt, str) and not prompt.strip():
             raise SettingsError("the prompt is empty: type some text in the prompt box, then press Prefill")
-        self.session.prefill(prompt, chat=chat)
+        layers, tips = self.model.config.num_layers, {b: b.tooltip for b in self._buttons}
+        with layout.progress(w["progress"], 1, "prefilling") as bar:
+            def show(i: int, lanes: int, name: str, layer: int | None, tokens: int) -> None:
+                # the new prompt in the status at once, then which lane and layer its pass has reached
+                bar.max, bar.value = lanes * layers, i * layers + (0 if layer is None else layer + 1)
+                text = (f"prefilling the new prompt ({tokens:,} tokens): {name}, lane {i + 1} of {lanes}"
+                        + ("" if layer is None else f", layer {layer + 1} of {layers}"))
+                w["status"].value = html.escape(text)
+                for b in tips:
+                    b.tooltip = f"wait: {text}"
+
+            try:
+                self.session.prefill(prompt, chat=chat, progress=show)
+            finally:
+                for b, tip in tips.items():
+                    b.tooltip = tip
         w["prompt"].value = self._box_text(prompt)  # token ids: the text they decode to
 
     def _box_text(self, prompt: str | Sequence[int]) -> str:
