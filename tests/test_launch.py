@@ -196,12 +196,17 @@ def test_app_notebook_is_committed_clean_and_reads_the_environment():
     # what the page reads is what the command line writes
     from kvexplore.explorer import app_page
 
-    env = launch.app_environment("smollm2-135m", ("paged", "sink"), "Hello", base={}, max_seq_len=512)
+    env = launch.app_environment("smollm2-135m", ("paged", "sink"), "Hello", base={}, max_seq_len=512,
+                                 options={"sink": {"window": 64}})
     assert {k: env[k] for k in app_page.ENV} == {"KVEXPLORE_APP_MODEL": "smollm2-135m",
                                                   "KVEXPLORE_APP_STRATEGIES": "paged,sink",
-                                                  "KVEXPLORE_APP_PROMPT": "Hello", "KVEXPLORE_APP_MAX_SEQ_LEN": "512"}
+                                                  "KVEXPLORE_APP_PROMPT": "Hello", "KVEXPLORE_APP_MAX_SEQ_LEN": "512",
+                                                  "KVEXPLORE_APP_OPTIONS": '{"sink": {"window": 64}}'}
+    # the app's own options at a class's sizes, under the ones given
     assert app_page.settings(env) == {"source": "smollm2-135m", "strategies": ("paged", "sink"), "max_seq_len": 512,
-                                      "strategy_options": {"paged": {"block_size": 8}}}
+                                      "strategy_options": {"paged": {"block_size": 8},
+                                                           "sink": {"sinks": 4, "window": 64}}}
+    assert "KVEXPLORE_APP_OPTIONS" not in launch.app_environment("tiny", None, base=env)
     assert app_page.settings({})["strategies"] == ("preallocated", "concat", "paged")
 
 
@@ -272,3 +277,21 @@ def test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out()
     assert len(remote) == 2 and all("cdn.jsdelivr.net/npm/@fortawesome/fontawesome-free" in line for line in remote), (
         f"{lab} (voila {voila.__version__}) changed its remote links: {remote}; update "
         "kvexplore/explorer/voila/voila/templates/kvexplore/index.html.j2")
+
+
+def test_app_takes_each_lanes_options_and_refuses_a_wrong_one_or_an_unknown_model_before_the_server_starts(capsys):
+    from kvexplore.cli.commands import _app_checks
+
+    args = cli.parse_args(["app", "--model", "smollm2-135m", "--strategies", "preallocated,quantized,sink,evict",
+                           "--strategy-option", "sink.window=256", "--strategy-option", "quantized.bits=2",
+                           "--strategy-option", "evict.press=snapkv", "--strategy-option", "evict.decode_every=16"])
+    assert _app_checks(args) == {"sink": {"window": 256}, "quantized": {"bits": 2},
+                                 "evict": {"press": "snapkv", "decode_every": 16}}
+    for argv, said in [
+        (["app", "--model", "smolm2-135m"], "did you mean 'smollm2-135m'?"),
+        (["app", "--strategy-option", "sink.window=8"], "'sink', which is not a lane: the lanes are preallocated"),
+        (["app", "--strategies", "sink", "--strategy-option", "sink.bits=2"], "a sink cache does not take 'bits'"),
+        (["app", "--strategy-option", "window=8"], "give LANE.OPTION=VALUE"),
+    ]:
+        assert cli.main(argv) == 1  # refused: voila never started
+        assert said in capsys.readouterr().err
