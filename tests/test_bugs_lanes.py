@@ -34,20 +34,24 @@ def test_the_planted_lane_parts_from_its_twin_where_the_zoo_says(explorer):
 def test_the_strip_marks_the_token_and_the_cache_map_rings_the_position(explorer):
     planted = explorer.session.lanes[f"bug:{BUG}"]
     step, position = planted.divergence
+    # a changed token is a divergence (red); the same token from a distribution apart a drift (amber), named so
+    drift = planted.top1_at[step] is True
+    cls, said = ("kvx-drift", "first drift from") if drift else ("kvx-diverge", "first divergence from")
     strip = explorer.token_strip.html(explorer.model.tokenizer, planted.generator, explorer.divergence_mark(planted))
-    assert strip.count('kvx-diverge"') == 1  # one token's class (the style sheet names it too)
-    marked = strip.split('kvx-diverge"', 1)[1]
+    assert strip.count(f'{cls}"') == 1  # one token's class (the style sheet names it too)
+    marked = strip.split(f'{cls}"', 1)[1]
     assert f"step {step} (decode) · position {position + 1}" in marked.split("</span>", 1)[0]
-    assert "first divergence from" in marked.split("</span>", 1)[0]
+    assert said in marked.split("</span>", 1)[0]
+    assert ("chose the same token" in marked.split("</span>", 1)[0]) == drift
     fixed = explorer.session.lanes[f"bug:{BUG}:fixed"]
-    assert 'kvx-diverge"' not in explorer.token_strip.html(explorer.model.tokenizer, fixed.generator,
-                                                          explorer.divergence_mark(fixed))
+    fixed_strip = explorer.token_strip.html(explorer.model.tokenizer, fixed.generator, explorer.divergence_mark(fixed))
+    assert 'kvx-diverge"' not in fixed_strip and 'kvx-drift"' not in fixed_strip
     snap = explorer.snapshot()
     spec = cache_map.from_snapshot(snap, f"bug:{BUG}")
     rings = next(t for t in spec.traces if t["name"] == "first divergence")
     assert rings["y"] == list(range(explorer.model.config.num_layers))  # every layer holds position `position`
     assert set(rings["x"]) == {float(position)}  # a pre-allocated cache: slot p holds position p
-    assert f"first divergence from bug:{BUG}:fixed: step {step}" in spec.layout["title"]["text"]
+    assert f"{said} bug:{BUG}:fixed: step {step}" in spec.layout["title"]["text"]
     twin = cache_map.from_snapshot(snap, f"bug:{BUG}:fixed")
     assert not [t for t in twin.traces if t["name"] == "first divergence"]
 

@@ -264,7 +264,9 @@ class Explorer(Screen):
         """(step, words) of where ``lane`` first parts from the reference lane, for the token strip (None: it has not,
         or it is the reference)."""
         d = lane.divergence
-        return None if d is None else (d[0], divergence.words(*d, self.session.reference.name))
+        if d is None:
+            return None
+        return d[0], divergence.words(*d, self.session.reference.name, lane.top1_at.get(d[0]) is True)
 
     def compare_rows(self) -> list[list[str]]:
         """The comparison table: one row per strategy (see :data:`~kvexplore.views.compare.COLUMNS`)."""

@@ -145,7 +145,7 @@ def _runs(layers: list[int]) -> list[tuple[int, int]]:
 def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
          title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "",
          zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS,
-         diverged: tuple[int, int, str] | None = None) -> FigureSpec:
+         diverged: tuple[int, int, str, bool] | None = None) -> FigureSpec:
     """The cache map after ``record``'s step (``None``: before any step). ``token_texts[p]`` names position p.
 
     ``slots``: the cache's slot view of every layer now (default: those recorded with the step); ``fresh=False``
@@ -227,7 +227,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     shown = onscreen.describe(b, n)
     title = title or _title(record, kind, layouts, fresh, after)
     if diverged is not None:
-        title += f"<br><span style='color:#b30000'>{divergence.words(*diverged)}</span>"
+        colour = divergence.DRIFT_COLOUR if diverged[3] else divergence.CHANGE_COLOUR
+        title += f"<br><span style='color:{colour}'>{divergence.words(*diverged)}</span>"
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
@@ -357,9 +358,9 @@ def _span(layers: list[int]) -> str:
     return text + (", ..." if len(runs) > 4 else "")
 
 
-def _divergence(rows: list, diverged: tuple[int, int, str], b, x: np.ndarray) -> dict:
+def _divergence(rows: list, diverged: tuple[int, int, str, bool], b, x: np.ndarray) -> dict:
     """Rings round the slot (the bin) of every layer that holds the position where the lane first parted."""
-    step, position, reference = diverged
+    step, position, reference, drift = diverged
     xs, ys = [], []
     for view, layers, _ in rows:
         if position in view.positions:
@@ -368,8 +369,9 @@ def _divergence(rows: list, diverged: tuple[int, int, str], b, x: np.ndarray) ->
                 xs += [float(x[(slot - b.start) // b.size])] * len(layers)
                 ys += list(layers)
     return dict(type="scatter", name="first divergence", x=xs, y=ys, mode="markers", xaxis="x", yaxis="y",
-                marker=dict(symbol="circle-open", size=13, color="#b30000", line=dict(width=2)), showlegend=False,
-                hovertemplate=f"{divergence.words(step, position, reference)}<br>layer %{{y}}<extra></extra>")
+                marker=dict(symbol="circle-open", size=13, color=divergence.DRIFT_COLOUR if drift else
+                            divergence.CHANGE_COLOUR, line=dict(width=2)), showlegend=False,
+                hovertemplate=f"{divergence.words(step, position, reference, drift)}<br>layer %{{y}}<extra></extra>")
 
 
 def _note(text: str) -> dict:
@@ -384,7 +386,8 @@ def from_snapshot(s, lane: str | None = None, figure: str = "cache_map") -> Figu
     parted = None if name == s.reference else divergence.first_divergence(ln.history, ln.kl, ln.top1)
     return spec(ln.last, ln.kind, s.config.num_layers, d.texts if d else (), slots=d.slots if d else None,
                 fresh=s.fresh, after=s.last_op, zoom=s.zoom.get(figure), max_bins=s.max_bins,
-                diverged=None if parted is None else (*parted, s.reference))
+                diverged=None if parted is None else (*parted, s.reference,
+                                                      divergence.drift_only(ln.top1, ln.history, parted[0])))
 
 
 def second_from_snapshot(s) -> FigureSpec:

@@ -26,6 +26,19 @@ def first_divergence(history: Sequence[StepRecord], kl: Sequence[float | None],
     return None
 
 
-def words(step: int, position: int, reference: str) -> str:
-    """The mark's text."""
-    return f"first divergence from {reference}: step {step} (the pass at position {position})"
+DRIFT = "first drift"  # how a drift's mark begins (the token strip colours it apart)
+DRIFT_COLOUR, CHANGE_COLOUR = "#b36b00", "#b30000"  # amber: the same token, a distribution apart; red: another token
+
+
+def drift_only(top1: Sequence[bool | None], history: Sequence[StepRecord], step: int) -> bool:
+    """Whether the lane's own choice at ``step`` was still the reference's (it parted by its distribution only)."""
+    return next((same is True for record, same in zip(history, top1) if record.step == step), False)
+
+
+def words(step: int, position: int, reference: str, drift: bool = False) -> str:
+    """The mark's text: a changed token, or (``drift``) the same token from a distribution further from the
+    reference's than float32 rounding."""
+    if drift:
+        return (f"{DRIFT} from {reference}: step {step} (the pass at position {position}) chose the same token, "
+                f"from a distribution further than float rounding from it (KL above {KL_PARTS:g} nats)")
+    return f"first divergence from {reference}: step {step} (the pass at position {position}): another token"

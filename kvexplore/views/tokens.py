@@ -7,6 +7,7 @@ import html
 from collections.abc import Sequence
 
 from ..trace.records import StepRecord
+from .divergence import DRIFT
 from .palette import step_colour
 
 STYLE = """<style>
@@ -17,6 +18,7 @@ STYLE = """<style>
 .kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
 .kvx-tok.kvx-last {outline: 2px solid #f16913;}
 .kvx-tok.kvx-diverge {box-shadow: inset 0 -3px 0 #b30000; color: #b30000; font-weight: bold;}
+.kvx-tok.kvx-drift {box-shadow: inset 0 -3px 0 #b36b00; color: #b36b00; font-weight: bold;}
 .kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
 .kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
 .kvx-presenting .kvx-strip {font-size: 18px;}
@@ -63,7 +65,7 @@ def token_span(record: StepRecord, last: bool = False, diverged: str = "") -> st
     cls, drafted = _drafted(record)
     tip = html.escape(f"{diverged + chr(10) if diverged else ''}step {record.step} ({record.kind}) · position "
                       f"{record.position} · p = {record.prob:.3f}{drafted}\ncandidates:\n{top}", quote=True)
-    cls += " kvx-diverge" if diverged else ""
+    cls += (" kvx-drift" if diverged.startswith(DRIFT) else " kvx-diverge") if diverged else ""
     return (f'<span class="kvx-tok kvx-gen{" kvx-last" if last else ""}{cls}" '
             f'style="background:{step_colour(record.step)}" title="{tip}">{_show(record.text)}</span>')
 
