@@ -100,3 +100,12 @@ def test_the_app_page_shows_why_it_cannot_open_the_explorer(env, message):
     assert not isinstance(box, kvexplore.Explorer)
     assert 'class="kvx-app-error"' in box.value and message in box.value
     assert "kvexplore app --model M --strategies A,B --max-seq-len N --prompt TEXT" in box.value
+
+
+def test_a_full_cache_in_the_page_says_what_to_do_in_the_explorer():
+    ex = kvexplore.Explorer("tiny", strategies=("preallocated",), max_seq_len=8, grow=False, prompt=[5, 6, 7, 8, 9, 10])
+    with pytest.raises(kvexplore.CacheFullError):
+        for _ in range(4):
+            ex.step()
+    shown = ex.controls["error"].value
+    assert "CacheFullError" in shown and "press Reset" in shown and "kvexplore app --max-seq-len N" in shown

@@ -187,9 +187,16 @@ def name_model(picker: Any, running: tuple[str, str]) -> None:
     picker.value = running[1]
 
 
+#: what a full cache means in the explorer, where no cache is made by hand (the error names make_cache's argument)
+IN_THE_EXPLORER = {"CacheFullError": "In the explorer: press Reset (or Rewind), or start it with more slots: "
+                                     "kvexplore app --max-seq-len N, or Explorer(..., max_seq_len=N) in a notebook."}
+
+
 def error_html(e: Exception) -> str:
+    hint = IN_THE_EXPLORER.get(type(e).__name__, "")
     return (f'<div style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;padding:4px 8px;'
-            f'border-radius:4px"><b>{type(e).__name__}</b>: {html.escape(str(e))}</div>')
+            f'border-radius:4px"><b>{type(e).__name__}</b>: {html.escape(str(e))}'
+            + (f'<br>{html.escape(hint)}' if hint else "") + '</div>')
 
 
 @contextmanager
