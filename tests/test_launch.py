@@ -280,12 +280,12 @@ def test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out()
 
 
 def test_app_takes_each_lanes_options_and_refuses_a_wrong_one_or_an_unknown_model_before_the_server_starts(capsys):
-    from kvexplore.cli.commands import _app_checks
+    from kvexplore.explorer.app_page import app_options
 
     args = cli.parse_args(["app", "--model", "smollm2-135m", "--strategies", "preallocated,quantized,sink,evict",
                            "--strategy-option", "sink.window=256", "--strategy-option", "quantized.bits=2",
                            "--strategy-option", "evict.press=snapkv", "--strategy-option", "evict.decode_every=16"])
-    assert _app_checks(args) == {"sink": {"window": 256}, "quantized": {"bits": 2},
+    assert app_options(args.model, args.strategies, args.strategy_option) == {"sink": {"window": 256}, "quantized": {"bits": 2},
                                  "evict": {"press": "snapkv", "decode_every": 16}}
     for argv, said in [
         (["app", "--model", "smolm2-135m"], "did you mean 'smollm2-135m'?"),

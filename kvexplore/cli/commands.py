@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 from ..caches.factory import STRATEGIES
@@ -185,26 +183,6 @@ def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.cache == "sink":
         options.setdefault("window", SINK_WINDOW)
     return options
-
-
-def _app_checks(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """What ``kvexplore app`` checks before the server starts: the model (a named model, or a folder or file that
-    exists) and each ``--strategy-option``; returns the options given, by lane."""
-    from ..explorer import app_page
-    from ..formats.store import MODELS
-
-    source = args.model
-    if source not in MODELS and not Path(source).expanduser().exists():
-        close = difflib.get_close_matches(source, list(MODELS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise SettingsError(f"--model {source!r} is neither a named model nor a folder or file here; {hint}named "
-                            f"models: {', '.join(MODELS)} (kvexplore models list)")
-    given: dict[str, dict[str, Any]] = {}
-    for text in args.strategy_option:
-        lane, key, value = app_page.strategy_option(text)
-        given.setdefault(lane, {})[key] = value
-    app_page.lane_options(args.strategies or app_page.STRATEGIES, given)  # refused here, before the page opens
-    return given
 
 
 def _port(text: str) -> int:
@@ -397,11 +375,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return lab(args.dir, port=args.port, no_browser=args.no_browser, extra=args.extra)
         elif args.command == "app":
+            from ..explorer.app_page import app_options
             from .launch import app
 
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
                        extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len,
-                       options=_app_checks(args))
+                       options=app_options(args.model, args.strategies, args.strategy_option))
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -10,10 +10,12 @@ cell [1]" (whose reason only the server log had).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import KVExploreError, SettingsError
@@ -75,6 +77,25 @@ def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any
         if options:
             out[lane] = options
     return out
+
+
+def app_options(model: str, strategies: Sequence[str] | None, option_texts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What ``kvexplore app`` checks before the server starts: ``model`` (a named model, or a folder or file that
+    exists) and each ``--strategy-option`` text against the lanes (``strategies``, default :data:`STRATEGIES`);
+    returns the options given, by lane."""
+    from ..formats.store import MODELS
+
+    if model not in MODELS and not Path(model).expanduser().exists():
+        close = difflib.get_close_matches(model, list(MODELS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SettingsError(f"--model {model!r} is neither a named model nor a folder or file here; {hint}named "
+                            f"models: {', '.join(MODELS)} (kvexplore models list)")
+    given: dict[str, dict[str, Any]] = {}
+    for text in option_texts:
+        lane, key, value = strategy_option(text)
+        given.setdefault(lane, {})[key] = value
+    lane_options(strategies or STRATEGIES, given)  # refused here, before the page opens
+    return given
 
 
 def settings(environ: Mapping[str, str]) -> dict[str, Any]:
