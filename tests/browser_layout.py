@@ -89,6 +89,18 @@ CHECK = r"""
         out.push(`overlap: ${name(a.el)} and ${name(b.el)} share ${w.toFixed(0)}x${h.toFixed(0)} px`);
     }
   }
+  // one screen (presenting on a projector): Step and the views under it within the window, scrolled to the explorer
+  if (opts.fitScreen) {
+    const vh = window.innerHeight, step = root.querySelector('.kvx-step').getBoundingClientRect();
+    if (step.top < -1 || step.bottom > vh + 1)
+      out.push(`not one screen: Step at y ${step.top.toFixed(0)}..${step.bottom.toFixed(0)} of ${vh}`);
+    for (const part of root.querySelectorAll('.kvx-left, .kvx-right')) {
+      const r = part.getBoundingClientRect();
+      if (shown(part) && r.bottom > vh + 1)
+        out.push(`not one screen: ${name(part)} ends at y ${r.bottom.toFixed(0)} of ${vh} (Step at y ` +
+                 `${step.top.toFixed(0)})`);
+    }
+  }
   if (opts.minFont) {
     for (const t of texts) {
       const size = parseFloat(getComputedStyle(t.el).fontSize);
@@ -100,9 +112,10 @@ CHECK = r"""
 """
 
 
-def problems(explorer, min_font: float | None = None, plot_share: float = 0.25) -> list[str]:
-    """Every layout problem of ``explorer`` (a locator of its ``.kvx-explorer`` root) as it is on screen now."""
-    return explorer.evaluate(CHECK, {"minFont": min_font, "plotShare": plot_share})
+def problems(explorer, min_font: float | None = None, plot_share: float = 0.25, fit_screen: bool = False) -> list[str]:
+    """Every layout problem of ``explorer`` (a locator of its ``.kvx-explorer`` root) as it is on screen now;
+    ``fit_screen``: Step and both columns of views within the window too."""
+    return explorer.evaluate(CHECK, {"minFont": min_font, "plotShare": plot_share, "fitScreen": fit_screen})
 
 
 SIZES = ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080})
@@ -127,10 +140,11 @@ def _lane(page, explorer, lane: str) -> None:
 
 
 def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
-                 plot_share: float = 0.25, sizes: tuple[dict, ...] = SIZES) -> list[str]:
+                 plot_share: float = 0.25, sizes: tuple[dict, ...] = SIZES, one_screen: bool = False) -> list[str]:
     """At each of ``sizes`` (1280 x 800 and 1920 x 1080), without and with presentation, every tab of the explorer and, for each lane of
     ``lanes`` (lane -> the tabs to look at with it on screen; default: the lane shown, every tab), the layout
-    holds (:func:`problems`; presenting, every text at 18 px at least). A screenshot of each look goes to
+    holds (:func:`problems`; presenting, every text at 18 px at least, and with ``one_screen`` Step and the views
+    within the window at 1280 x 800: the app on a projector). A screenshot of each look goes to
     ``shots``; the first look with problems fails, naming them and its screenshot. Returns what was looked at."""
     looked = []
     first_lane = explorer.locator(".kvx-lane select").first.input_value()
@@ -154,7 +168,8 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
                                f"{lane.replace('@', '-').replace(' ', '_')}_{title.replace(' ', '_').replace('/', '')}")
                         path = shots / f"layout_{tag}.png"
                         screenshot(page, path)
-                        found = problems(explorer, PRESENTING_PX if presenting else None, plot_share)
+                        fit = one_screen and presenting and size == SIZES[0]
+                        found = problems(explorer, PRESENTING_PX if presenting else None, plot_share, fit)
                         assert not found, f"{tag} ({path}):\n  " + "\n  ".join(found[:30])
                         looked.append(tag)
     finally:

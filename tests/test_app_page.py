@@ -109,3 +109,12 @@ def test_a_full_cache_in_the_page_says_what_to_do_in_the_explorer():
             ex.step()
     shown = ex.controls["error"].value
     assert "CacheFullError" in shown and "press Reset" in shown and "kvexplore app --max-seq-len N" in shown
+
+
+def test_fork_says_what_it_does_to_the_lane_shown_and_the_status_explains_slots_and_positions():
+    ex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged"), prompt="Call me Ishmael.",
+                            strategy_options={"paged": {"block_size": 8}})
+    assert "own copy of the cache" in ex.controls["fork"].tooltip
+    ex.controls["lane"].value = "paged"
+    assert "shares its pages" in ex.controls["fork"].tooltip and "from paged" in ex.controls["fork"].tooltip
+    assert 'title="slots: the places in the cache' in ex.controls["status"].value

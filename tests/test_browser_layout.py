@@ -97,3 +97,53 @@ def test_gemma3_at_two_thousand_tokens_fits(lab, lab_page, browser, shots):
                          "ex.run(2)\nex",
                          {"preallocated": EXACT_TABS}, PROJECTOR)
     assert len(looked) == 2 * 4, looked
+
+
+def _chapter(chars: int = 10807) -> str:
+    """A passage a teacher pastes: the first ``chars`` characters of the GPL-3 text Debian ships (2,343 SmolLM2
+    tokens), else the packaged Moby Dick chapter repeated."""
+    from pathlib import Path
+
+    import kvexplore
+
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    text = gpl.read_text() if gpl.exists() else (
+        Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text() * 3
+    return text[:chars]
+
+
+@pytest.mark.smollm2
+def test_the_app_with_a_pasted_chapter_fits_and_presenting_is_one_screen(browser, shots, tmp_path):
+    """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a 2,343-token
+    paste; every tab and the paged lane's map at both screens, plain and presenting, and presenting on the
+    projector's screen holds Step and both views on one screen."""
+    from test_browser_truth import _smollm2
+    from browser_support import new_page, open_voila_app, require_browser, voila_server
+
+    require_browser("voila", "ipywidgets", "plotly", "anywidget")
+    _smollm2()
+    with voila_server(tmp_path, model="smollm2-135m") as server:
+        page = new_page(browser)
+        try:
+            page.set_viewport_size(SIZES[0])
+            explorer = open_voila_app(page, server, timeout_s=300)
+            explorer.locator(".js-plotly-plot").first.wait_for(timeout=300_000)
+            explorer.locator(".kvx-prompt textarea").first.fill(_chapter())  # pasted, then Prefill
+            explorer.locator(".kvx-prefill").first.click()
+            # while it runs the page says what is happening: the new prompt, the lane and layer, a bar
+            status = explorer.locator(".kvx-status").first
+            status.locator("text=prefilling the new prompt (2,343 tokens)").wait_for(timeout=120_000)
+            assert explorer.locator(".kvx-progress").first.is_visible()
+            page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled",
+                                   arg=explorer.element_handle(), polling=200, timeout=300_000)
+            assert "2,344 tokens (2,343 prompt)" in status.inner_text(), status.inner_text()
+            for _ in range(2):  # then Steps, as a class does
+                explorer.locator(".kvx-step").first.click()
+                page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled",
+                                       arg=explorer.element_handle(), polling=200, timeout=120_000)
+            status.locator("text=step 2 · 2,346 tokens").wait_for(timeout=60_000)
+            looked = check_layout(page, explorer, shots, "app_chapter",
+                                  {"preallocated": EXACT_TABS, "paged": ("Attention",)}, one_screen=True)
+        finally:
+            page.close()
+    assert len(looked) == 2 * 2 * (len(EXACT_TABS) + 1), looked

@@ -19,21 +19,27 @@ from ..formats.store import MODELS
 
 HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
 BUTTONS = ("prefill", "step", "run", "rewind", "reset", "fork", "load")  # disabled while an operation runs
-HIDDEN_WHEN_PRESENTING = ("settings", "fork", "rewind_n")
+HIDDEN_WHEN_PRESENTING = ("settings", "fork")
 COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 x 800 in JupyterLab, files open
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
 STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
 CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
-PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
+PRESENTING_HEIGHT = 440  # pixels: a figure's height when presenting: the controls, the strip and both figures on one
+# 1280 x 800 screen (Step and the view it changes seen together)
+PRESENTING_COLUMN_PX = 560  # what titles wrap to when presenting: a figure's width beside the other in the app
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)
 STYLE = f"""<style>
+.kvx-view, .kvx-view > div {{flex-wrap: nowrap !important; overflow-x: auto;}}
+.kvx-view .widget-toggle-button {{flex: 0 0 auto; padding: 0 7px; margin-right: 1px;}}
 .kvx-presenting {{--jp-widgets-font-size: {PRESENTING_PX}px; --jp-widgets-inline-height: 36px;
   --jp-widgets-inline-label-width: auto; font-size: {PRESENTING_PX}px;}}
 .kvx-presenting .widget-label, .kvx-presenting .widget-html-content, .kvx-presenting button,
 .kvx-presenting input, .kvx-presenting select, .kvx-presenting textarea, .kvx-presenting table,
 .kvx-presenting label, .kvx-presenting li {{font-size: {PRESENTING_PX}px !important;}}
 .kvx-presenting .widget-toggle-button, .kvx-presenting .widget-button {{height: auto; min-height: 36px;}}
+body:has(.kvx-presenting) .jp-RenderedMarkdown, body:has(.kvx-presenting) .jp-RenderedMarkdown p
+  {{font-size: {PRESENTING_PX}px;}}
 </style>"""
 
 
@@ -94,7 +100,7 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
                                 tooltips=[f"show {t} beside the cache map" for t, _ in tabs])
     w["status"] = W.HTML()
     w["error"] = W.HTML()
-    w["tokens"] = W.HTML(layout=W.Layout(width="100%"))
+    w["tokens"] = W.HTML(layout=W.Layout(width="auto"))  # the row's width less its margins (100% ran past the edge)
     w["compare"] = W.HTML()
     w["style"] = W.HTML(STYLE, layout=W.Layout(display="none"))
     for name, widget in w.items():
@@ -135,10 +141,10 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
 
 
 def columns(w: dict[str, Any], presenting: bool) -> None:
-    """The cache map and the tab's view side by side, or, presenting, one above the other at the full width (type
-    of 18 px needs a figure's whole width)."""
+    """The cache map and the tab's view side by side, presenting too (one above the other, a projector's screen
+    showed the map and had to scroll to the view the Step changed); on a screen too narrow for two they wrap."""
     for name in ("left", "right"):
-        w[name].layout.flex = "1 1 100%" if presenting else "1 1 360px"
+        w[name].layout.flex = "1 1 360px"
 
 
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
@@ -153,7 +159,7 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     if name == "cache_map_b":
         spec.layout["showlegend"] = False  # the first cache map's legend says it
     floor = PRESENTING_PX if presenting else None
-    fit_title(spec.layout, 2 * COLUMN_PX if presenting else COLUMN_PX, floor + 2 if floor else None)
+    fit_title(spec.layout, PRESENTING_COLUMN_PX if presenting else COLUMN_PX, floor + 2 if floor else None)
     if presenting:  # read from the back of a lecture hall
         spec.layout["font"] = dict(size=PRESENTING_PX)
         at_least(spec.layout, PRESENTING_PX)
@@ -165,7 +171,7 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
                 t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}
-    fit_notes(spec.layout, (2 if presenting else 1) * COLUMN_PX * 0.9)
+    fit_notes(spec.layout, (PRESENTING_COLUMN_PX if presenting else COLUMN_PX) * 0.9)
     return spec
 
 

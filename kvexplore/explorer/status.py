@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from ..caches.layout import PagedLayout
 from ..caches.slots import SlotView
 from .session import Lane
 
+#: the status line's hover: its two figures, and why they differ
+SLOTS_TIP = ("slots: the places in the cache's storage, the cache map's columns; positions: the tokens of the "
+             "sequence. The sequence limit is how many positions the cache can hold: it differs from the slots where "
+             "a cache reserves whole pages or blocks, keeps slots beside them, or evicts (a ring, a press).")
 STEP = "Step"
 CONTINUE = "Continue"  # the Step button's name at the end of sequence: one more token past it
 
@@ -20,14 +25,14 @@ def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> st
     if last is None:
         n = len(lane.generator.tokens)
         return (f"{lane.name} · no sequence yet: press Step (or Prefill) to run the prompt" if not n else
-                f"{lane.name} · {n} prompt tokens, nothing generated yet (Step continues){after}")
+                f"{lane.name} · {n:,} prompt tokens, nothing generated yet (Step continues){after}")
     cache = lane.cache
     view = slots if slots is not None else cache.slot_view()
     total = len(view.states)
-    held = f"cache holds {view.held} of {total} slots" if total else "cache keeps no slots"
-    limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity} positions"
-    return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens)} tokens "
-            f"({len(lane.generator.prompt_tokens)} prompt) · {held}{limit}{_end(lane)}{after}")
+    held = f"cache holds {view.held:,} of {total:,} slots" if total else "cache keeps no slots"
+    limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity:,} positions"
+    return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens):,} tokens "
+            f"({len(lane.generator.prompt_tokens):,} prompt) · {held}{limit}{_end(lane)}{after}")
 
 
 def at_end(lane: Lane) -> bool:
@@ -42,3 +47,12 @@ def _end(lane: Lane) -> str:
         return f" · end of sequence: the model has finished (press {CONTINUE} to go on past it)"
     ended = next((r.step for r in reversed(history) if r.is_eos), None)
     return "" if ended is None else f" · past the end of sequence (step {ended} ended it)"
+
+
+def fork_tip(lane: Lane) -> str:
+    """What Fork does to ``lane`` (the strategy shown): a paged cache shares its pages with the fork until the two
+    sequences part; any other gets a copy of its cache."""
+    shares = isinstance(lane.cache.slot_view().layout, PagedLayout) if lane.history else False
+    return (f"a second sequence from here, forked from {lane.name}: "
+            + ("the fork shares its pages until the two sequences part (copy on write)" if shares else
+               "the fork gets its own copy of the cache (only a paged cache shares pages)"))

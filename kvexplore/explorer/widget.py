@@ -32,7 +32,7 @@ from . import inspect, models
 from .screen import Screen
 from .session import Lane, Session
 from .static import StaticCopy
-from .status import CONTINUE, STEP, at_end, status_line
+from .status import CONTINUE, SLOTS_TIP, STEP, at_end, fork_tip, status_line
 from .strip import TokenStrip
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
@@ -278,7 +278,9 @@ class Explorer(Screen):
         lane = self.lane
         w = self.controls
         w["tokens"].value = self.token_strip.html(self.model.tokenizer, lane.generator, self.divergence_mark(lane))
-        w["status"].value = html.escape(status_line(lane, self.session.grew))
+        w["status"].value = (f'<span title="{html.escape(SLOTS_TIP)}">'
+                             f'{html.escape(status_line(lane, self.session.grew))}</span>')
+        w["fork"].tooltip = fork_tip(lane)
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP
         w["step"].tooltip = layout.CONTINUE_TIP if ended else layout.STEP_TIP

@@ -13,7 +13,7 @@ from .palette import step_colour
 STYLE = """<style>
 .kvx-strip {font-family: 'Liberation Mono', Menlo, Consolas, monospace; font-size: 13px; line-height: 1.9;
             white-space: pre-wrap; word-break: break-all; max-height: 5.8em; overflow-y: auto; padding: 4px;
-            border: 1px solid #ddd; border-radius: 4px; background: #fff;}
+            border: 1px solid #ddd; border-radius: 4px; background: #fff; box-sizing: border-box;}
 .kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
 .kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
 .kvx-tok.kvx-last {outline: 2px solid #f16913;}
