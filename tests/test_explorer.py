@@ -139,8 +139,8 @@ def test_memory_follows_the_formula(model):
 
 def test_equal_memory_lines_stay_distinguishable(model):
     """Lanes with the same bytes at every step (two strategies of one size, forks) lie on one line: each is drawn
-    narrower than the one under it so every colour shows, its hover names the others, and the held panel's title
-    says which lanes hold the same bytes; lanes that differ keep the plain width."""
+    narrower than the one under it so every colour shows, its hover names the others, and the later lane's legend
+    entry names the figures it shares with the earlier one; lanes that differ keep the plain width."""
     ex = explorer(model, strategies=("preallocated", "paged", "concat"), max_seq_len=48,
                   strategy_options={"paged": {"block_size": 48}}, prompt=PROMPT)
     ex.run(3)
@@ -152,9 +152,11 @@ def test_equal_memory_lines_stay_distinguishable(model):
     assert "(same as paged)" in pre.hovertemplate and "(same as preallocated)" in paged.hovertemplate
     assert by_name["reserved · concat"].line.width == 2 and "same as" not in by_name["reserved · concat"].hovertemplate
     held = [by_name[f"held · {n}"].y for n in ("preallocated", "paged")]
-    title = fig.plot_layout.annotations[0].text
-    assert ("same held bytes: preallocated = paged" in title) == (list(held[0]) == list(held[1]))
-    assert "concat" not in title
+    legend = [t.name for t in fig.data if t.showlegend]
+    paged = next(n for n in legend if n.startswith("paged"))
+    assert paged.startswith("paged (= preallocated: ") and "reserved" in paged
+    assert ("held, reserved" in paged) == (list(held[0]) == list(held[1]))
+    assert not any("= paged" in n or "= concat" in n for n in legend)  # a lane names only an earlier one
 
 
 def test_attention_rows_sum_to_one_and_layer_picker(model):

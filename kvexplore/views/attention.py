@@ -5,7 +5,10 @@ Top: the current token's attention probabilities over the cache's physical slots
 binned (each bar the bin's max). Bottom left: query position x key position for that layer/head, every row since the
 prompt's first token, binned to the screen (each cell the max of its bin: a few strong cells stay visible), at full
 resolution once the range on screen (``Snapshot.zoom["attention"]``) is narrow enough; positions a strategy evicted
-read 0. Bottom right: which query heads read which KV head (grouped-query attention), the chosen head highlighted.
+read 0. Its colours follow the cells drawn (0 to their 99th percentile, the colour bar says so): at 2,000 tokens
+most cells hold a few thousandths, which a scale to 1 would leave white. Bottom right: which query heads read which
+KV head (grouped-query attention), the chosen head highlighted. The title names the newest row: the token fed at
+position p and the token it produced (the one the token strip rings).
 
 An explorer lane's attention comes from its bounded store (:class:`~kvexplore.trace.attention_store.
 AttentionStore`): the binned overview, the newest rows at full resolution, and rows recomputed when a zoom asks for
@@ -193,17 +196,22 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
              f"{(cb.size - 1) / 2:g} ({cb.size})<br>max p = %{{z:.4f}}")
     kvh = len(gqa_groups)
     group_z = [[(2 if h == head else 1) if h in g else 0 for h in range(num_heads)] for g in gqa_groups]
-    current = "" if last is None else f" · token {last.position - 1} {_tok(last.position - 1, token_texts)}"
+    current = "" if last is None else f" · {_fed_and_produced(last, token_texts)}"
+    zmax = colour_top(matrix[keep])
     traces = [
         dict(type="bar", name="current", x=bar_x, y=bar_y, customdata=bar_text, marker=dict(color="#3182bd"),
              hovertemplate="%{customdata}<br>" + ("p" if width is None else "max p") + " = %{y:.4f}<extra></extra>",
              xaxis="x", yaxis="y", **({} if width is None else {"width": width})),
         dict(type="heatmap", name="history", x=hx, y=hy, z=matrix[keep].astype(np.float32),
-             colorscale=PROBABILITY_SCALE, zmin=0, zmax=1, xaxis="x2", yaxis="y2",
-             colorbar=dict(title=dict(text="p" if exact else "max p"), len=0.5, y=0, yanchor="bottom", x=0.57,
-                           xanchor="left", thickness=10, ticklabelposition="outside bottom"),  # clear of the title
+             colorscale=PROBABILITY_SCALE, zmin=0, zmax=zmax, xaxis="x2", yaxis="y2",
+             colorbar=dict(title=dict(text=("p" if exact else "max p") + f"<br>{TOP_WORDS}", font=dict(size=11)),
+                           len=0.5, y=0, yanchor="bottom", x=0.57, xanchor="left", thickness=10,
+                           ticklabelposition="outside bottom"),  # clear of the title
              hovertemplate=where + "<extra></extra>"),
-        dict(type="heatmap", name="gqa", z=group_z, x=list(range(num_heads)), y=list(range(kvh)), zmin=0, zmax=2,
+        # nothing captured (before the first step, after a Reset): its axes are hidden with the others, so the
+        # grouping is not drawn either (a grid without its axis titles says nothing)
+        dict(type="heatmap", name="gqa", z=group_z if have else [], x=list(range(num_heads)) if have else [],
+             y=list(range(kvh)) if have else [], zmin=0, zmax=2,
              colorscale=[[0, "#f7f7f7"], [0.5, "#9ecae1"], [1, "#e6550d"]], showscale=False, xgap=2, ygap=2,
              xaxis="x3", yaxis="y3", hovertemplate="query head %{x} reads KV head %{y}<extra></extra>"),
     ]
@@ -263,6 +271,28 @@ def _physical_slots(t, layer: int):
 
 def _tok(pos: int, token_texts: Sequence[str]) -> str:
     return repr(token_texts[pos]) if 0 <= pos < len(token_texts) else ""
+
+
+def _fed_and_produced(last: StepRecord, token_texts: Sequence[str]) -> str:
+    """What the newest row is: the token fed at position p (the query) and the token it produced (the one the
+    token strip rings), e.g. ``fed 2343 ' the' → produced ' GNU'``."""
+    fed = last.position - 1
+    made = _tok(last.position, token_texts) or repr(last.text)
+    return " ".join(w for w in ("fed", str(fed), _tok(fed, token_texts), "→ produced", made) if w)
+
+
+# the history's colours run from 0 to this quantile of the cells drawn (the cells above it take the darkest colour):
+# a long history is mostly small probabilities under a few of nearly 1 (the first rows, a sink), which a scale to 1
+# draws white
+TOP_QUANTILE = 0.99
+TOP_WORDS = f"(0 to {100 * TOP_QUANTILE:.0f}th<br>percentile)"  # narrow: the GQA grid's axis title is near
+
+
+def colour_top(z: np.ndarray) -> float:
+    """The top of the history's colour scale: :data:`TOP_QUANTILE` of the probabilities ``z`` drawn (1 when there
+    are none, or all are 0)."""
+    top = float(np.quantile(z, TOP_QUANTILE)) if z.size else 0.0
+    return top if top > 0 else 1.0
 
 
 def from_snapshot(s) -> FigureSpec:

@@ -3,7 +3,10 @@
 The table (HTML): does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
 the reference (lossy caches: quantized, a sink that has evicted), the model's forward time per step (median and the
 middle half of the steps: the lanes step in a rotating order after an untimed warm-up, so their times compare), the
-bytes it holds and copies. Below, forward time per step and KL per step for every strategy.
+bytes it holds and copies. Its heads take one line (their tooltips give the full names, and what KL means); a line
+under it says what KL is (float32 rounding alone gives about 1e-9 nats), and the lossy lanes' notes fold under one
+line, so four lanes' table and the figure fit the tab beside the cache map at 1280 x 800. Below, forward time per
+step and KL per step for every strategy.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ..trace.records import StepRecord
 from ..caches.memory import format_bytes as size
+from .divergence import KL_PARTS
 from .palette import strategy_colour
 from .spec import FigureSpec
 
@@ -65,27 +69,46 @@ def _timing(seconds: Sequence[float]) -> str:
     return text
 
 
-# what the table's head shows of each column (the full name of COLUMNS is its tooltip): short words, so a column
-# beside the cache map holds the table at 1280 x 800, presenting too
-HEADS = ("strategy", "own token = ref.", "top-1 agree", "mean KL (nats)", "ms / step (median, mid half)",
-         "reserved", "copied / step")
+# what the table's head shows of each column, on one line (the full name of COLUMNS, and for KL what it means, is
+# its tooltip): four lanes' table, a line under it and the figure fit beside the cache map at 1280 x 800
+HEADS = ("strategy", "same token", "top-1", "mean KL", "ms / step", "reserved", "copied / step")
+KL_MEANS = ("how far this lane's next-token distribution is from the reference lane's at the same step: the "
+            "Kullback-Leibler divergence KL(reference || lane) in nats, averaged over the steps; 0 for the same "
+            "distribution, about 1e-9 from float32 rounding alone (two exact caches summing in another order), "
+            f"above {KL_PARTS:g} the token strip marks a drift")
+KL_LINE = "KL: next-token distribution vs the reference's, in nats (float32 rounding alone: ~1e-9)"  # its title: more
+TIPS = dict(zip(COLUMNS, ("", "the steps at which this lane chose the reference's token",
+                          "the share of steps whose most likely token is the reference's", KL_MEANS,
+                          "the median forward pass in ms, and the 25th to 75th percentile of the steps",
+                          "the bytes its storage for keys and values reserves after the last step",
+                          "the bytes the last step copied")))
+EXPLAINED = ' class="kvx-explained"'  # a head whose tooltip says what it means: dotted underline, a help cursor
 
 
 def table_html(table: Sequence[Sequence[str]], notes: Mapping[str, str] | None = None) -> str:
-    """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages), and
-    below it ``notes``: lane -> what its lossy cache did so far (a lane that has lost nothing yet says why)."""
-    head = "".join(f'<th title="{html.escape(c)}">{html.escape(h)}</th>' for c, h in zip(COLUMNS, HEADS))
+    """:func:`rows` as an HTML table (plain HTML: it renders the same in JupyterLab, Voila and exported pages), a
+    line saying what KL is, and ``notes``: lane -> what its lossy cache did so far (a lane that has lost nothing yet
+    says why), folded under one line that names the lanes."""
+    head = "".join(f'<th title="{html.escape(c + (": " + TIPS[c] if TIPS[c] else ""))}"'
+                   f'{EXPLAINED if TIPS[c] == KL_MEANS else ""}>{html.escape(h)}</th>' for c, h in zip(COLUMNS, HEADS))
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table)
-    said = "".join(f"<li><b>{html.escape(lane)}</b>: {html.escape(text)}</li>" for lane, text in (notes or {}).items()
-                   if text)
+    said = {lane: text for lane, text in (notes or {}).items() if text}
+    items = "".join(f"<li><b>{html.escape(lane)}</b>: {html.escape(text)}</li>" for lane, text in said.items())
     return (f'<div class="kvx-compare-scroll" style="overflow-x:auto;max-width:100%">'  # narrower than the table:
-            f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:4px 0;'  # it
-            f'width:100%">'
-            f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
-            + (f'<ul class="kvx-compare-notes" style="margin:2px 0;padding-left:18px">{said}</ul>' if said else "")
-            + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:3px 6px;text-align:left;"
-            "border-bottom:1px solid #ddd;white-space:normal}"
+            f'<table class="kvx-compare-table" style="border-collapse:collapse;font-size:13px;margin:2px 0">'  # it
+            f'<thead style="background:#e8eef6"><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'  # scrolls
+            f'<div class="kvx-compare-kl kvx-compare-small" title="{html.escape(KL_MEANS)}" style="color:#555">'
+            f'{html.escape(KL_LINE)}</div>'
+            + (f'<details class="kvx-compare-notes kvx-compare-small"><summary style="cursor:pointer">what the lossy '
+               f'caches did: {html.escape(", ".join(said))}</summary><ul style="margin:2px 0;padding-left:18px">'
+               f'{items}</ul></details>' if said else "")
+            + "<style>.kvx-compare-table th,.kvx-compare-table td{padding:1px 6px;text-align:left;"
+            "border-bottom:1px solid #ddd;white-space:nowrap;line-height:1.25}"
+            # the lines under the table in smaller type, but never under the presenting floor
+            ".kvx-compare-small{font-size:12px;line-height:1.3}.kvx-presenting .kvx-compare-small{font-size:inherit}"
+            ".kvx-compare-notes:not([open])>ul{display:none}"  # folded: not laid out (nor measured) at all
             ".kvx-compare-table th{vertical-align:bottom;font-weight:600}"
+            ".kvx-compare-table th.kvx-explained{text-decoration:underline dotted;cursor:help}"
             ".kvx-compare-table td:first-child{position:sticky;left:0;background:#fff}"
             "</style>")
 
@@ -106,15 +129,17 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                            x=[r.step for r in records][:len(ks)], y=ks, marker=dict(size=4),
                            line=dict(color=strategy_colour(i), dash="dot"), xaxis="x2", yaxis="y2",
                            hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
-    layout = dict(height=330, margin=dict(l=70, r=20, t=50, b=90),
-                  title=dict(text=f"per step, strategies in lockstep · reference: {reference}", font=dict(size=13)),
+    # short: the explorer gives this figure the tab's height less the table's (about 280 px), so the title takes
+    # one line, the legend a row under the step ticks, and the panels the rest
+    layout = dict(height=280, margin=dict(l=60, r=10, t=34, b=44),
+                  title=dict(text=f"per step · reference: {reference}", font=dict(size=13)),
                   xaxis=dict(domain=[0, 0.44], anchor="y"),
                   yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms / step (solid)"),
                               rangemode="tozero"),
-                  xaxis2=dict(domain=[0.56, 1], anchor="y2"),
-                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL (dotted)"),
+                  xaxis2=dict(domain=[0.58, 1], anchor="y2"),
+                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL from ref. (dotted)"),
                               rangemode="tozero", exponentformat="e"),
-                  legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.25, yanchor="top"))
+                  legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.14, yanchor="top"))
     return FigureSpec(traces, layout)
 
 

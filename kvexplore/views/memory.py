@@ -3,8 +3,13 @@
 Top: held (every tensor storage the cache object keeps: its keys and values, undo scratch, page tables, positions,
 masks, press scores, checkpoints; see :mod:`kvexplore.caches.held`), reserved (the storage meant for keys and values),
 logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
-the step. On CUDA a third panel shows the caching allocator's reserved and allocated bytes and its inactive split
+the step, on a log scale (a decode step writes kilobytes where the prefill wrote hundreds of megabytes; 0 B is off
+the scale). On CUDA a third panel shows the caching allocator's reserved and allocated bytes and its inactive split
 bytes (fragmentation) after each step, for the whole process.
+
+Lines that coincide stay apart: where lanes have the same figure at some step, each is drawn narrower than the lines
+under it (every colour shows as a stripe), and each lane's legend entry names the figures it shares at every step,
+with an earlier lane (``= preallocated: analytic``) or among its own lines (``logical = analytic``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated
         ("fragmentation", "inactive_split_bytes", "dot"))
 
 
+# the bytes a step moves, on a log scale: a decode step's kilobytes beside a prefill's hundreds of megabytes (0 B,
+# nothing moved, has no place on it: its line drops off the bottom)
+LOG = dict(type="log", title=dict(text="0 B: off scale", font=dict(size=11), standoff=2))
 KIND_COLOURS = {"full": "#08519c", "sliding": "#31a354", "shared": "#756bb1", "state": "#d94801"}
 
 
@@ -31,7 +39,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     layers keep different caches (full, sliding, shared), one more panel splits lane ``shown``'s bytes by layer
     kind, each from its layers' own reports."""
     panels = [("after the step: held ━ reserved ▬ ▬ logical ╌ analytic ┈", HELD, "y"),
-              ("moved by the step: written ━ copied ╌ allocated ┈", MOVED, "y2")]
+              ("moved by the step (log): written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
         panels.append(("CUDA caching allocator (whole process): reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))
     shown = shown if shown in lanes else next(iter(lanes), None)
@@ -45,7 +53,10 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     stripes = _stripes(series)
     traces = []
     for i, (lane, records) in enumerate(lanes.items()):
-        traces.append(dict(type="scatter", name=lane, legendgroup=lane, x=[None], y=[None], mode="lines",
+        shared = _shared(lane, list(lanes), series,
+                         [(axis, label, attr) for _, metrics, axis in panels for label, attr, _ in metrics])
+        traces.append(dict(type="scatter", name=lane + (f" ({shared})" if shared else ""), legendgroup=lane,
+                           x=[None], y=[None], mode="lines",
                            line=dict(color=strategy_colour(i), width=3), showlegend=True, hoverinfo="skip"))
         for p, (_, metrics, axis) in enumerate(panels):
             if not metrics:  # the layer-kind panel: drawn once, below, for the lane shown
@@ -59,9 +70,6 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
                     legendgroup=lane, showlegend=False, x=steps, y=ys, xaxis="x" if p == 0 else f"x{p + 1}", yaxis=axis,
                     line=dict(color=strategy_colour(i), dash=dash, width=width), marker=dict(size=2 + width),
                     hovertemplate=f"{lane} · {label}{also}<br>step %{{x}}: %{{y:,}} B<extra></extra>"))
-    same_held = _same_held(lanes, stripes)
-    if same_held:
-        panels[0] = (panels[0][0] + f" · same held bytes: {same_held}", *panels[0][1:])
     if len(kinds) > 1:
         records = lanes[shown]
         steps = [r.step for r in records]
@@ -82,11 +90,12 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     height = (1 - gap * (n - 1)) / n
     layout = dict(height=260 * n + 60, margin=dict(l=60, r=10, t=60, b=60),
                   title=dict(text="memory per step (colour: strategy · line style: which figure)", font=dict(size=13)),
-                  legend=dict(groupclick="togglegroup", font=dict(size=12), title=dict(text="strategy"),
+                  legend=dict(groupclick="togglegroup", font=dict(size=11), tracegroupgap=0,
                               orientation="h", x=0, xanchor="left", y=-0.1, yanchor="top"),  # under: the panels
-                  # keep the figure's width (a legend beside them took a third of a column)
+                  # keep the figure's width (a legend beside them took a third of a column); the title says its
+                  # colours are the strategies, and entries naming what they share take the room of one
                   hovermode="closest", annotations=[])
-    for p, (title, _, _) in enumerate(panels):
+    for p, (title, metrics, _) in enumerate(panels):
         top = 1 - p * (height + gap)
         suffix = "" if p == 0 else str(p + 1)
         layout[f"xaxis{suffix}"] = dict(domain=[0, 1], anchor=f"y{suffix}",
@@ -94,7 +103,8 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
                                         showticklabels=p == n - 1,  # one step axis, labelled under the last panel
                                         **({} if p == 0 else {"matches": "x"}))
         layout[f"yaxis{suffix}"] = dict(domain=[round(max(0.0, top - height), 6), round(top, 6)], anchor=f"x{suffix}",
-                                        tickformat="~s", ticksuffix="B", rangemode="tozero")
+                                        tickformat="~s", ticksuffix="B",
+                                        **(LOG if metrics is MOVED else dict(rangemode="tozero")))
         # each panel's name and its line styles, above the panel (a y-axis title that long would not fit)
         layout["annotations"].append(dict(text=title, xref="paper", yref="paper", x=0, y=round(top, 6),
                                           xanchor="left", yanchor="bottom", showarrow=False, font=dict(size=12)))
@@ -109,30 +119,47 @@ def _series(records: Sequence[StepRecord], attr: str, cuda: bool) -> tuple[list[
 
 
 def _stripes(series: Mapping[tuple[str, str, str], tuple[list, list]]) -> dict[tuple[str, str, str], tuple]:
-    """Each line's width and the lanes whose line it lies on: lanes with the same figure at every step draw one
-    line, so each is drawn narrower than the one below it (the first 2 px wider per lane on it) and every colour
-    shows as a stripe; the hover names the others."""
+    """Each line's width and the lanes with the same figure at every step: a lane's line that meets later lanes' (the
+    same figure, above 0, at some step) is drawn 3 px wider than the widest of them, so where lines coincide (at
+    every step, or from some step on) every colour shows as a stripe; the hover names the lanes it equals
+    throughout."""
     out: dict[tuple[str, str, str], tuple[int, list[str]]] = {}
-    groups: dict[tuple, list[str]] = {}
+    lines: dict[tuple[str, str], list[tuple[str, list, list]]] = {}
     for (lane, axis, attr), (steps, ys) in series.items():
-        groups.setdefault((axis, attr, tuple(steps), tuple(ys)), []).append(lane)
-    for (axis, attr, _, _), same in groups.items():
-        for k, lane in enumerate(same):
-            out[lane, axis, attr] = (2 + 3 * (len(same) - 1 - k), [o for o in same if o != lane])
+        lines.setdefault((axis, attr), []).append((lane, steps, ys))
+    for (axis, attr), drawn in lines.items():
+        points = [{(s, y) for s, y in zip(steps, ys) if y} for _, steps, ys in drawn]
+        widths = [2] * len(drawn)
+        for i in reversed(range(len(drawn))):  # the last drawn is the narrowest
+            under = [widths[j] for j in range(i + 1, len(drawn)) if points[i] & points[j]]
+            widths[i] = 3 + max(under) if under else 2
+        for i, (lane, steps, ys) in enumerate(drawn):
+            same = [other for other, s, y in drawn if other != lane and (s, y) == (steps, ys)]
+            out[lane, axis, attr] = (widths[i], same)
     return out
 
 
-def _same_held(lanes: Mapping[str, Sequence[StepRecord]], stripes) -> str:
-    """The lanes whose held bytes are equal at every step, as "a = b; c = d" (empty when every lane differs)."""
-    sets = dict.fromkeys(tuple([lane, *stripes[lane, "y", "held_bytes"][1]]) for lane in lanes
-                         if stripes[lane, "y", "held_bytes"][1])
-    seen, groups = set(), []
-    for group in sets:
-        key = frozenset(group)
-        if key not in seen:
-            seen.add(key)
-            groups.append(" = ".join(sorted(group, key=list(lanes).index)))
-    return "; ".join(groups)
+def _shared(lane: str, order: list[str], series, lines: list[tuple[str, str, str]]) -> str:
+    """What ``lane``'s legend entry says of its ``lines`` (axis, label, attribute) that lie on others at every step:
+    the figures it shares with an earlier lane (``= preallocated: held, reserved``: the first such lane, the others
+    say theirs) and those of its own that coincide (``logical = analytic``); empty when none do."""
+    mine = [(label, series[lane, axis, attr], (axis, attr)) for axis, label, attr in lines]
+    mine = [(label, line, key) for label, line, key in mine if _drawn(line)]
+    parts = []
+    for other in order[: order.index(lane)]:
+        same = [label for label, line, key in mine if series[(other, *key)] == line]
+        if same:
+            parts.append(f"= {other}: {', '.join(same)}")
+            break
+    own: dict[tuple, list[str]] = {}
+    for label, line, (axis, _) in mine:
+        own.setdefault((axis, tuple(line[1])), []).append(label)
+    return "; ".join(parts + [" = ".join(labels) for labels in own.values() if len(labels) > 1])
+
+
+def _drawn(line: tuple[list, list]) -> bool:
+    """A line with a figure above 0 somewhere (all zeros or unknown: nothing worth naming)."""
+    return any(line[1])
 
 
 def _figure(m, attr: str) -> int | None:
