@@ -24,9 +24,8 @@ COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
 STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
 CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
-PRESENTING_HEIGHT = 440  # pixels: a figure's height when presenting: the controls, the strip and both figures on one
-# 1280 x 800 screen (Step and the view it changes seen together)
-PRESENTING_COLUMN_PX = 560  # what titles wrap to when presenting: a figure's width beside the other in the app
+PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
+PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)
 STYLE = f"""<style>
@@ -141,10 +140,11 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
 
 
 def columns(w: dict[str, Any], presenting: bool) -> None:
-    """The cache map and the tab's view side by side, presenting too (one above the other, a projector's screen
-    showed the map and had to scroll to the view the Step changed); on a screen too narrow for two they wrap."""
+    """The cache map and the tab's view side by side, or, presenting, one above the other at the full width (type
+    of 18 px needs a figure's whole width: side by side at 18 px, the memory view's legend and the stored keys'
+    panels ran out of room)."""
     for name in ("left", "right"):
-        w[name].layout.flex = "1 1 360px"
+        w[name].layout.flex = "1 1 100%" if presenting else "1 1 360px"
 
 
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
@@ -168,6 +168,11 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
                 axis["automargin"] = True
         for t in spec.traces:
             at_least(t, PRESENTING_PX)
+            bar = t.get("colorbar")
+            if isinstance(bar, dict):  # a colour bar beside a small panel: three ticks and its title's first line
+                title = bar.get("title") if isinstance(bar.get("title"), dict) else {}
+                first = str(title.get("text", "")).split("<br>")[0]
+                t["colorbar"] = {**bar, "nticks": 3, "title": {**title, "text": first}}
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
                 t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}

@@ -30,7 +30,7 @@ CUDA = (("allocator reserved", "reserved_bytes", "solid"), ("allocator allocated
 
 # the bytes a step moves, on a log scale: a decode step's kilobytes beside a prefill's hundreds of megabytes (0 B,
 # nothing moved, has no place on it: its line drops off the bottom)
-LOG = dict(type="log", title=dict(text="0 B: off scale", font=dict(size=11), standoff=2))
+LOG = dict(type="log", dtick=1, title=dict(text="0 B: off scale", font=dict(size=11), standoff=2))  # a tick a decade
 KIND_COLOURS = {"full": "#08519c", "sliding": "#31a354", "shared": "#756bb1", "state": "#d94801"}
 
 
@@ -55,6 +55,8 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     for i, (lane, records) in enumerate(lanes.items()):
         shared = _shared(lane, list(lanes), series,
                          [(axis, label, attr) for _, metrics, axis in panels for label, attr, _ in metrics])
+        if len(shared) > LEGEND_NOTE:  # the legend's line stays short; the lines' hovers say the rest
+            shared = shared[: shared.rfind(",", 0, LEGEND_NOTE) if "," in shared[:LEGEND_NOTE] else LEGEND_NOTE] + ", …"
         traces.append(dict(type="scatter", name=lane + (f" ({shared})" if shared else ""), legendgroup=lane,
                            x=[None], y=[None], mode="lines",
                            line=dict(color=strategy_colour(i), width=3), showlegend=True, hoverinfo="skip"))
@@ -91,7 +93,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     layout = dict(height=260 * n + 60, margin=dict(l=60, r=10, t=60, b=60),
                   title=dict(text="memory per step (colour: strategy · line style: which figure)", font=dict(size=13)),
                   legend=dict(groupclick="togglegroup", font=dict(size=11), tracegroupgap=0,
-                              orientation="h", x=0, xanchor="left", y=-0.1, yanchor="top"),  # under: the panels
+                              orientation="h", x=0, xanchor="left", y=-0.16, yanchor="top"),  # under the step axis
                   # keep the figure's width (a legend beside them took a third of a column); the title says its
                   # colours are the strategies, and entries naming what they share take the room of one
                   hovermode="closest", annotations=[])
@@ -137,6 +139,9 @@ def _stripes(series: Mapping[tuple[str, str, str], tuple[list, list]]) -> dict[t
             same = [other for other, s, y in drawn if other != lane and (s, y) == (steps, ys)]
             out[lane, axis, attr] = (widths[i], same)
     return out
+
+
+LEGEND_NOTE = 40  # characters of a lane's legend note (what it shares with the lanes before it)
 
 
 def _shared(lane: str, order: list[str], series, lines: list[tuple[str, str, str]]) -> str:

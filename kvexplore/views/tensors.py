@@ -8,6 +8,7 @@ channels, so a key's norm is the same before and after it); empty, stale and evi
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Sequence
 
@@ -17,9 +18,60 @@ import torch
 from ..caches.base import SlotView
 from ..caches.channel_detail import OUTLIER, PartDetail
 from ..trace.records import StepRecord
-from . import bins, onscreen
+from . import bins, lettering, onscreen
 from .snapshot import MAX_BINS
 from .spec import FigureSpec, columns, hide_axes, slot_range
+
+
+# Where the panels go, as shares of the plot area (plotly's paper). The explorer draws the view 410 px tall beside the
+# cache map, type at 12 px, and presenting 440 px tall, type at 18 px; about 620 px wide at 1280 x 800, down to 424 px
+# in JupyterLab with its file browser open (wider on a wider screen). That leaves about 330 px of plot area in height
+# each time, where a line of 18 px type takes about 24 px, and, at 424 px and 18 px, about 270 px in width. The shares
+# below hold the type the rows need at 18 px in that space (at 12 px, with room).
+POSITIONS = 0.24  # the position axis beside the two panels per channel (alone, it takes the whole width)
+CHANNELS, GUTTER = 0.29, 0.08  # each panel per channel, and between the two the room their titles need ("V ≤ 0.0013")
+ERROR_ROW = 0.24  # the bottom row: the error per position (and per channel); its axes' labels in the margin below
+NOTE_ROW, NOTE_MARGIN = 0.34, 0.1  # at most, the error row as a note; the margin under it that the note runs on into
+BETWEEN = 0.03  # between the keys and the values (the slot axis is labelled under the values only)
+LINE = 0.085  # one line of tick labels or of an axis title (27 px at 18 px: the lines' spacing)
+PAD = 0.03  # between the slot axis' title and the error row
+HEAD_LABELS = 14  # KV head labels a row as tall as the plot area holds without touching
+PLOT_PX = 270  # the plot area's width in the narrowest case: a 424 px figure less its margins and colour bars
+DIGIT_PX = 10  # a digit of a tick label at 18 px, the larger type (at 12 px the same count has room)
+TITLE_PX = 400  # what the slot axis' title wraps to at 18 px: the narrowest figure less 12 px each side (centred
+# under the plot, a line may run on under the colour bars)
+NOTE_CHARS = 40  # what the note wraps to: a line of it at 18 px in the narrowest figure
+
+
+def panel_rows(title_lines: int = 1, note_lines: int = 0) -> dict[str, list[float]]:
+    """The vertical domains of the three rows: ``keys`` on top, ``values`` under them with room below for the slot
+    axis' tick labels and its title of ``title_lines`` lines, and ``error`` at the bottom; where the error row is a
+    note of ``note_lines`` lines instead (it runs on into the margin below), as tall as the lines need (at most
+    :data:`NOTE_ROW`)."""
+    error = min(NOTE_ROW, max(LINE, LINE * note_lines - NOTE_MARGIN)) if note_lines else ERROR_ROW
+    under = LINE * (1 + title_lines) + PAD
+    h = (1 - error - under - BETWEEN) / 2
+    low = error + under
+    return {"keys": [low + h + BETWEEN, 1.0], "values": [low, low + h], "error": [0.0, error]}
+
+
+def head_step(n: int, domain: Sequence[float]) -> int:
+    """The step between labelled KV heads (``n`` of them) in a row spanning ``domain``: every head while they fit."""
+    return max(1, math.ceil(n / max(1, int(HEAD_LABELS * (domain[1] - domain[0])))))
+
+
+def nticks(share: float, digits: int) -> int:
+    """The most tick labels of ``digits`` digits, each with two digits' room beside it, that an axis ``share`` of the
+    plot area wide holds in the narrowest case (plotly picks round steps for up to that many)."""
+    return max(2, int(share * PLOT_PX / ((digits + 2) * DIGIT_PX)))
+
+
+def bar(title: str, domain: Sequence[float], **ticks) -> dict:
+    """A colour bar beside the row spanning ``domain``: centred on it and a fifth shorter, so that its end labels
+    stay beside the row, with its title along its right side (above it, the title met the top label)."""
+    lo, hi = domain
+    return dict(title=dict(text=title, side="right"), len=0.8 * (hi - lo), y=(lo + hi) / 2, yanchor="middle",
+                thickness=12, xpad=4, **ticks)
 
 
 def physical(norms: torch.Tensor, positions: Sequence[int]) -> np.ndarray:
@@ -50,7 +102,7 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     and mark (outlier channels, as written and where the codes are taken);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
     (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max).
-    ``did``: what the cache did so far (said over an error panel that is all zero: nothing quantized yet)."""
+    ``did``: what the cache did so far (said in place of an error row that is all zero: nothing quantized yet)."""
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots_of(layer)
     positions = list(slots.positions) if slots is not None and slots.positions else (
@@ -70,19 +122,26 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     eb = bins.plan(0, qe.shape[-1] if qe.size else 0, max_bins)
     where = "slot %{x}" if b.exact else f"the {b.size} slots around %{{x}}"
     mean = "" if b.exact else "mean "
+    # a row that would be all zero or empty (an exact cache, nothing quantized yet) is a note instead, saying why
+    said = "" if quant_error is not None and top > 0 else \
+        "exact cache: stored as computed, no error" if quant_error is None else did or "no error yet"
+    shown = onscreen.describe(b, len(positions))
+    slot_title = lettering.wrap("physical slot" + (f" · {shown}" if shown else ""), 18, TITLE_PX)
+    note = _wrap(said)
+    row = panel_rows(slot_title.count("<br>") + 1, note.count("<br>") + 1 if said else 0)
     # flat float32 columns travel as binary buffers, where NaN (an empty slot, drawn as a gap) is allowed; a 2-D
     # array would travel as JSON, which has no NaN
+    k_cells, v_cells = binned(k_rows, b, "mean"), binned(v_rows, b, "mean")  # the bars' ends: what is drawn
     traces = [
-        dict(type="heatmap", name="key norms", **binned(k_rows, b, "mean"), xaxis="x", hoverongaps=False,
-             yaxis="y", colorbar=dict(title=dict(text="‖k‖"), len=0.26, y=1, yanchor="top", thickness=12, **_ends(k_rows)),
+        dict(type="heatmap", name="key norms", **k_cells, xaxis="x", hoverongaps=False,
+             yaxis="y", colorbar=bar("‖k‖", row["keys"], **_ends(k_cells["z"])),
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖k‖ = %{{z:.3f}}<extra></extra>", **common),
-        dict(type="heatmap", name="value norms", **binned(v_rows, b, "mean"), xaxis="x2", hoverongaps=False,
-             yaxis="y2", colorbar=dict(title=dict(text="‖v‖"), len=0.26, y=0.7, yanchor="top", thickness=12, **_ends(v_rows)),
+        dict(type="heatmap", name="value norms", **v_cells, xaxis="x2", hoverongaps=False,
+             yaxis="y2", colorbar=bar("‖v‖", row["values"], **_ends(v_cells["z"])),
              hovertemplate=f"KV head %{{y}} · {where}<br>{mean}‖v‖ = %{{z:.3f}}<extra></extra>", **common),
         dict(type="heatmap", name="quantization error", **binned(qe.astype(np.float32), eb, "max"), colorscale="Reds",
-             zmin=0, zmax=top or 1.0, xaxis="x3", yaxis="y3", ygap=1,
-             colorbar=dict(title=dict(text="err"), len=0.22, y=0.22, yanchor="top", thickness=12,
-                           tickvals=[0, top or 1.0], ticktext=["0", f"{top or 1.0:.3g}"]),
+             zmin=0, zmax=top or 1.0, xaxis="x3", yaxis="y3", ygap=1, visible=not said,
+             colorbar=bar("err", row["error"], tickvals=[0, top or 1.0], ticktext=["0", f"{top or 1.0:.2g}"]),
              hovertemplate="KV head %{y} · position %{x}" + ("" if eb.exact else f" (bins of {eb.size})") +
                            "<br>max |error| = %{z:.4g}<extra></extra>"),
     ]
@@ -96,35 +155,44 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
                                          + ("<br>%{text}" if text else "") + "<extra></extra>"))
         if detail is not None:
             traces += outlier_marks(detail, f"x{4 + i}", f"y{4 + i}")
-    shown = onscreen.describe(b, len(positions))
-    # an error of zero everywhere draws as the scale's white end (zmax 1), not its middle, and says why
-    said = "" if quant_error is not None and top > 0 else \
-        "exact cache: stored as computed, no error" if quant_error is None else did or "no error yet"
-    note = [dict(text=_wrap(said), xref="paper", yref="paper", x=0.46, y=0.11, showarrow=False,
-                 font=dict(size=11, color="#666"))] if said else []
+    layout = layout_for(layer, row, kvh, span, slot_title, len(positions), qe.shape[-1] if qe.size else 0, ce, note)
+    return FigureSpec(traces, layout if positions else hide_axes(layout))
+
+
+def layout_for(layer: int, row: dict[str, list[float]], kvh: int, span: list[float], slot_title: str, slots: int,
+          length: int, ce: list[np.ndarray], note: str) -> dict:
+    """The figure's layout: the keys' and the values' rows over ``slots`` physical slots (``span`` on screen,
+    labelled under the values), and the error row: ``length`` positions beside the panels per channel (``ce``), or
+    the ``note`` alone where it would be empty or all zero."""
+    heads = dict(range=[-0.5, max(kvh, 1) - 0.5], zeroline=False)  # (a zero line would run through head 0)
     layout = dict(
-        height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
-        title=dict(text=f"stored keys and values · layer {layer}", font=dict(size=13)),
-        xaxis=dict(domain=[0, 0.92], anchor="y", range=span, matches="x2"),
-        yaxis=dict(domain=[0.74, 1], anchor="x", title=dict(text="keys<br>KV head"), dtick=1, range=[-0.5, kvh - 0.5]),
-        xaxis2=dict(domain=[0, 0.92], anchor="y2", title=dict(text="physical slot" + (f" · {shown}" if shown else ""),
-                                                              standoff=0), range=span),
-        yaxis2=dict(domain=[0.44, 0.7], anchor="x2", title=dict(text="values<br>KV head"), dtick=1,
-                    range=[-0.5, kvh - 0.5]),
-        xaxis3=dict(domain=[0, 0.44 if ce else 0.92], anchor="y3",
-                    title=dict(text="position" if ce else "position (quantized cache only)", standoff=0)),
-        yaxis3=dict(domain=[0, 0.22], anchor="x3", title=dict(text="error<br>KV head"), dtick=1,
-                    range=[-0.5, max(kvh, 1) - 0.5], showticklabels=top > 0),
-        annotations=note,
+        height=560, margin=dict(l=50, r=20, t=44, b=40), showlegend=False,
+        title=dict(text=f"stored keys and values per KV head · layer {layer}", font=dict(size=13)),
+        # the keys and the values share the slot axis: its tick labels and title under the values only
+        xaxis=dict(anchor="y", range=span, matches="x2", showticklabels=False),
+        yaxis=dict(domain=row["keys"], anchor="x", title=dict(text="keys"), dtick=head_step(kvh, row["keys"]),
+                   **heads),
+        xaxis2=dict(anchor="y2", title=dict(text=slot_title, standoff=0), range=span,
+                    nticks=nticks(1, len(str(slots)))),
+        yaxis2=dict(domain=row["values"], anchor="x2", title=dict(text="values"),
+                    dtick=head_step(kvh, row["values"]), **heads),
+        xaxis3=dict(domain=[0, POSITIONS if ce else 1], anchor="y3", title=dict(text="position", standoff=0),
+                    nticks=nticks(POSITIONS if ce else 1, len(str(length))), visible=not note),
+        yaxis3=dict(domain=row["error"], anchor="x3", title=dict(text="error"),
+                    dtick=head_step(kvh, row["error"]), visible=not note, **heads),
+        # the note from the error row's top down (into the margin its axis labels would take)
+        annotations=[dict(text=note, xref="paper", yref="paper", x=0.5, y=row["error"][1], yanchor="top",
+                          showarrow=False, font=dict(size=11, color="#666"))] if note else [],
     )
     for i, (part, rows) in enumerate(zip(("keys", "values"), ce)):
-        left = 0.52 + 0.22 * i
-        layout[f"xaxis{4 + i}"] = dict(domain=[left, left + 0.18], anchor=f"y{4 + i}", nticks=3,
+        left = 1 - CHANNELS - (CHANNELS + GUTTER) * (1 - i)
+        layout[f"xaxis{4 + i}"] = dict(domain=[left, left + CHANNELS], anchor=f"y{4 + i}",
+                                       nticks=nticks(CHANNELS, len(str(rows.shape[1]))),
                                        title=dict(text=f"{part[0].upper()} ≤ {float(rows.max()):.2g}", standoff=0),
                                        range=[-0.5, rows.shape[1] - 0.5])
-        layout[f"yaxis{4 + i}"] = dict(domain=[0, 0.22], anchor=f"x{4 + i}", dtick=1, showticklabels=i == 0 and top > 0,
-                                       range=[-0.5, max(rows.shape[0], 1) - 0.5])
-    return FigureSpec(traces, layout if positions else hide_axes(layout))
+        layout[f"yaxis{4 + i}"] = dict(domain=row["error"], anchor=f"x{4 + i}", showticklabels=i == 0,
+                                       dtick=head_step(rows.shape[0], row["error"]), range=[-0.5, rows.shape[0] - 0.5])
+    return layout
 
 
 def block_text(d: PartDetail) -> list[str]:
@@ -169,15 +237,17 @@ def outlier_marks(d: PartDetail, xaxis: str, yaxis: str) -> list[dict]:
 
 
 def _ends(rows: np.ndarray) -> dict:
-    """A colour bar a quarter of a figure high labelled at its two ends only (more labels overprint there)."""
+    """A colour bar's labels, at its two ends only (more overprint on a bar this short) and to two digits (the
+    hover has more): the least and the largest of ``rows``, the cells drawn (a label past the bar's end, such as a
+    raw norm that no bin's mean reaches, is not drawn)."""
     held = rows[np.isfinite(rows)] if rows.size else rows
     if not held.size:
         return {}
     lo, hi = float(held.min()), float(held.max())
-    return dict(tickvals=[lo, hi], ticktext=[f"{lo:.3g}", f"{hi:.3g}"])
+    return dict(tickvals=[lo, hi], ticktext=[f"{lo:.2g}", f"{hi:.2g}"])
 
 
-def _wrap(text: str, width: int = 90) -> str:
+def _wrap(text: str, width: int = NOTE_CHARS) -> str:
     """``text`` broken into lines of about ``width`` characters (an annotation does not wrap by itself)."""
     return "<br>".join(textwrap.wrap(text, width))
 
