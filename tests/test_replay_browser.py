@@ -89,7 +89,7 @@ def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path, br
     size = len(nbformat.writes(nb).encode())
     assert size < 4 * 2**20, f"the executed notebook is {size / 2**20:.1f} MiB"  # small enough to commit
     copies = [o for c in nb.cells for o in c.get("outputs", []) if "kvx-static" in o.get("data", {}).get("text/html", "")]
-    assert len(copies) == 2  # one per explorer shown (the tiny one and SmolLM2)
+    assert len(copies) == 3  # one per explorer shown (the tiny one, the tiny one that forks, SmolLM2)
     body, _ = HTMLExporter().from_notebook_node(nb)
     page_path = tmp_path / "tour.html"
     page_path.write_text(body, encoding="utf-8")
@@ -106,7 +106,7 @@ def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path, br
             cells: [...r.querySelectorAll('.kvx-cache-map')].map((d) => d.data.length)}))""")
     finally:
         page.close()
-    assert len(replays) == 2 and all(r["error"] is None for r in replays), json.dumps(replays)
+    assert len(replays) == 3 and all(r["error"] is None for r in replays), json.dumps(replays)
     tour = replays[0]
     assert tour["lanes"][:3] == ["preallocated", "concat", "paged"] and tour["steps"] >= 7
     assert all(n > 0 for n in tour["cells"])  # every lane's cache map is drawn

@@ -141,7 +141,7 @@ def test_the_history_colours_follow_the_cells_drawn(ex):
     z = np.asarray(heat["z"], dtype=np.float64)
     assert heat["zmin"] == 0 and heat["zmax"] == pytest.approx(np.quantile(z, 0.99))
     assert z.max() == pytest.approx(1.0) and heat["zmax"] < 0.5  # row 0 reads one key; most read many
-    assert "0 to 99th<br>percentile" in heat["colorbar"]["title"]["text"]
+    assert "0 to p99" in heat["colorbar"]["title"]["text"]
     assert attention.colour_top(np.zeros(0, np.float32)) == 1.0 and attention.colour_top(np.zeros(4)) == 1.0
     figure(spec)
 

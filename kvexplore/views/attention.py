@@ -285,7 +285,7 @@ def _fed_and_produced(last: StepRecord, token_texts: Sequence[str]) -> str:
 # a long history is mostly small probabilities under a few of nearly 1 (the first rows, a sink), which a scale to 1
 # draws white
 TOP_QUANTILE = 0.99
-TOP_WORDS = f"(0 to {100 * TOP_QUANTILE:.0f}th<br>percentile)"  # narrow: the GQA grid's axis title is near
+TOP_WORDS = f"0 to p{100 * TOP_QUANTILE:.0f}"  # narrow: the GQA grid's axis title is near; p99 is the 99th percentile drawn
 
 
 def colour_top(z: np.ndarray) -> float:
