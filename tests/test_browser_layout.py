@@ -113,7 +113,7 @@ def _chapter(chars: int = 10807) -> str:
 
 
 @pytest.mark.smollm2
-def test_the_app_with_a_pasted_chapter_fits_and_presenting_is_one_screen(browser, shots, tmp_path):
+def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_presenting(browser, shots, tmp_path):
     """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a 2,343-token
     paste (its progress shown while it runs), then two Steps; every tab and the paged lane's map at both screens,
     plain and presenting. (Presenting on one 1280 x 800 screen, ``check_layout(one_screen=True)``, does not hold
