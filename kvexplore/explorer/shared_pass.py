@@ -20,7 +20,8 @@ whose pass it shares.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,12 +116,11 @@ class _RecordingCache:
         return m
 
 
-class Recording(Executor):
-    """``executor``'s pass, run as usual, with what each layer gave its cache noted in :attr:`recorded`."""
+class _Wrapping(Executor):
+    """An executor standing in for ``executor`` during one prefill: its model, config, tokenizer, device and caches."""
 
-    def __init__(self, executor: Executor, source: str) -> None:
+    def __init__(self, executor: Executor) -> None:
         self._executor = executor
-        self.recorded = Pass(source=source, model=executor.model)
         self.config, self.tokenizer, self.source = executor.config, executor.tokenizer, executor.source
 
     @property
@@ -134,6 +134,20 @@ class Recording(Executor):
     @property
     def model(self) -> Any:
         return self._executor.model
+
+    def check_cache(self, cache: Any) -> None:
+        self._executor.check_cache(cache)
+
+    def default_cache(self) -> Any:
+        return self._executor.default_cache()
+
+
+class Recording(_Wrapping):
+    """``executor``'s pass, run as usual, with what each layer gave its cache noted in :attr:`recorded`."""
+
+    def __init__(self, executor: Executor, source: str) -> None:
+        super().__init__(executor)
+        self.recorded = Pass(source=source, model=executor.model)
 
     def __call__(self, ids, cache, pos, tracer=None, last_only=False, keep_undo=False):
         if pos != 0 or cache.length != 0:
@@ -144,41 +158,21 @@ class Recording(Executor):
         self.recorded.logits = logits
         return logits
 
-    def check_cache(self, cache: Any) -> None:
-        self._executor.check_cache(cache)
 
-    def default_cache(self) -> Any:
-        return self._executor.default_cache()
-
-
-class Replay(Executor):
+class Replay(_Wrapping):
     """Prefill a cache with a recorded :class:`Pass`: the same calls on the cache in the same order, each checked to
     read back exactly what it was given under the recorded mask (else :class:`NotTheSamePass`, the cache rolled back),
     the lane's tracer fed the same hook points; returns the recorded logits."""
 
     def __init__(self, executor: Executor, recorded: Pass) -> None:
-        self._executor, self.recorded = executor, recorded
-        self.config, self.tokenizer, self.source = executor.config, executor.tokenizer, executor.source
-        self.seconds = 0.0  # this cache's own work
-
-    @property
-    def device(self) -> torch.device:
-        return self._executor.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._executor.dtype
-
-    @property
-    def model(self) -> Any:
-        return self._executor.model
+        super().__init__(executor)
+        self.recorded = recorded
 
     def __call__(self, ids, cache, pos, tracer=None, last_only=False, keep_undo=False):
         rec = self.recorded
         if rec.model is not self._executor.model:
             raise NotTheSamePass("the pass was computed by another model")
         B, T = ids.shape
-        t = time.perf_counter()
         cache.check_write(pos, T, B)
         cache.begin_step(pos, T)
         cache.attach_model(self._executor.model)
@@ -219,39 +213,36 @@ class Replay(Executor):
         cache.commit(pos + T)
         if not keep_undo:
             cache.settle()
-        self.seconds = time.perf_counter() - t
         return logits
 
-    def check_cache(self, cache: Any) -> None:
-        self._executor.check_cache(cache)
 
-    def default_cache(self) -> Any:
-        return self._executor.default_cache()
+@contextmanager
+def _running(generator: Any, executor: _Wrapping) -> Iterator[None]:
+    """``generator`` runs ``executor`` in place of its own while the block runs."""
+    generator.executor = executor
+    try:
+        yield
+    finally:
+        generator.executor = executor._executor
 
 
 def record(generator: Any, prompt: str | Sequence[int], force: int | None, source: str) -> Pass:
     """``generator.prefill(prompt, force=force)`` as usual, its pass recorded."""
     recording = Recording(generator.executor, source)
-    generator.executor = recording
-    try:
+    with _running(generator, recording):
         generator.prefill(prompt, force=force)
-    finally:
-        generator.executor = recording._executor
     return recording.recorded
 
 
 def replay(generator: Any, recorded: Pass, prompt: str | Sequence[int], force: int | None) -> bool:
     """Prefill ``generator`` with ``recorded`` where its cache reads back the same (True); False, and nothing changed,
     where it does not (the caller prefills it as usual). Its record's time is the recorded pass's plus its own."""
-    replaying = Replay(generator.executor, recorded)
-    generator.executor = replaying
     try:
-        record_ = generator.prefill(prompt, force=force)
+        with _running(generator, Replay(generator.executor, recorded)):
+            record_ = generator.prefill(prompt, force=force)
     except NotTheSamePass:
         return False
-    finally:
-        generator.executor = replaying._executor
-    record_.forward_s += recorded.seconds
+    record_.forward_s += recorded.seconds  # (its own forward_s timed the replay: its cache's work)
     return True
 
 
