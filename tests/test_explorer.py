@@ -106,7 +106,7 @@ def test_run_rewind_marks_stale_and_token_strip_follows(model):
     strip = ex.controls["tokens"].value
     assert strip.count('class="kvx-tok') == len(ex.lane.generator.tokens)
     assert "candidates:" in strip and "position" in strip
-    assert ex.controls["progress"].layout.visibility == "hidden"
+    assert ex.controls["progress"].layout.display == "none"
     ex.controls["rewind_n"].value = 2
     click(ex, "rewind")
     row = slot_row(ex)
@@ -211,13 +211,14 @@ def test_strategy_picker_and_fork_show_shared_pages(model):
 
 
 def test_errors_are_shown_and_change_nothing(model):
-    ex = explorer(model, max_seq_len=16, prompt="Call me Ishmael.")
+    ex = explorer(model, strategies=("preallocated", "paged"), max_seq_len=16, prompt="Call me Ishmael.")
     before = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
     ex.controls["run_n"].value = 50
-    click(ex, "run")  # stops when the cache is full
+    click(ex, "run")  # stops when every cache is full
     assert "cache full" in ex.error and "cache full" in ex.controls["error"].value
     after = {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()}
-    assert len({tuple(t) for t, _ in after.values()}) == 1  # every lane stopped at the same token
+    assert len({tuple(t) for t, _ in after.values()}) == 1  # both filled at the same token
+    assert all(lane.full is None for lane in ex.lanes.values())  # the refused step marked nothing
     full = after["preallocated"]
     click(ex, "step")
     assert {n: (list(l.generator.tokens), l.cache.length) for n, l in ex.lanes.items()} == after
@@ -231,6 +232,34 @@ def test_errors_are_shown_and_change_nothing(model):
     click(ex, "reset")
     assert ex.error == "" and ex.controls["error"].value == ""
     assert before  # the explorer started from a prefilled state
+
+
+def test_a_full_lane_sits_out_the_steps_and_the_others_go_on(model):
+    """A cache that fills stops its own lane, not the class: the others step on (after the reference stopped, each
+    on its own tokens, compared with nothing), the page says which lane sits out and what to do, and a Rewind
+    gives it room again."""
+    opts = {"paged": {"block_size": 8}, "sink": {"sinks": 1, "window": 6}}
+    ex = explorer(model, strategies=("preallocated", "sink", "paged"), max_seq_len=16, grow=False,
+                  strategy_options=opts, prompt=list(range(10, 20)))
+    ex.run(12)
+    ref, sink, paged = (ex.lanes[n] for n in ("preallocated", "sink", "paged"))
+    assert ex.error == "" and ref.full is not None and paged.full is not None and sink.full is None
+    assert len(ref.generator.tokens) == len(paged.generator.tokens) == 17  # the 16 slots and the newest token
+    assert all(r.token_id == r.top[0].token_id for r in sink.history[7:])  # greedy: its own choices after
+    assert len(sink.history) == 13 and sink.cache.evicted_count > 0
+    # fed the reference's tokens and compared with it while it stepped, then neither
+    assert sink.forced_at == set(range(7)) and sorted(sink.kl_at) == list(range(7))
+    notice = ex.controls["error"].value
+    assert "kvx-notice" in notice and "preallocated (all 16 slots, at step 6)" in notice
+    assert "paged (all 16 slots, at step 6)" in notice and "Rewind gives it room again" in notice
+    assert "kvexplore app --max-seq-len N" in notice
+    ex.controls["lane"].value = "preallocated"
+    assert "full: sits out the steps since step 6" in ex.controls["status"].value
+    ex.rewind(2)
+    assert ref.full is None and paged.full is None and ex.controls["error"].value == ""
+    ex.step()  # the reference and paged step again, paged fed the reference's token; the sink on its own
+    assert (len(ref.history), len(sink.history), len(paged.history)) == (6, 12, 6)
+    assert 5 in paged.forced_at and 11 not in sink.forced_at and 11 not in sink.kl_at
 
 
 def test_a_lane_failing_mid_step_rewinds_the_others(model, monkeypatch):
@@ -572,19 +601,19 @@ def test_review_findings_stay_fixed(model):
     """Each case below was a defect found in review."""
     from kvexplore.explorer import Session
 
-    # a step refused by one lane (cache full) must not touch the others: the sink ring would already have moved
-    s = Session(model, ("sink", "preallocated"), max_seq_len=16)
+    # a step refused (every cache full) must not touch any lane: the paged pool would already have moved
+    s = Session(model, ("paged", "preallocated"), max_seq_len=16, grow=False)
     s.prefill(list(range(10, 20)))
     while True:
         try:
             s.step()
         except kvexplore.CacheFullError:
             break
-    sink = s.lanes["sink"].cache
-    before = (sink.length, sink.held, sink.evicted_count, sink.slot_view().states)
+    paged = s.lanes["paged"].cache
+    before = (paged.length, paged.slot_view().states, [lane.full for lane in s.lanes.values()])
     with pytest.raises(kvexplore.CacheFullError):
         s.step()
-    assert (sink.length, sink.held, sink.evicted_count, sink.slot_view().states) == before
+    assert (paged.length, paged.slot_view().states, [lane.full for lane in s.lanes.values()]) == before
 
     # a fork's comparison figures from an abandoned path are dropped by a rewind
     s = Session(model, ("preallocated", "sink"), max_seq_len=64, strategy_options={"sink": {"sinks": 1, "window": 6}})

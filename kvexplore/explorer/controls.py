@@ -4,7 +4,9 @@ wires them to its operations (:mod:`.widget`).
 One screen (1280 x 800): a row of operations beside the prompt, a row of pickers, the token strip, then the cache map
 on the left and the view picked on the tabs on the right (attention first). Sampling and the model picker fold into
 a "settings" row. Side by side puts a second strategy's cache map under the first. Presentation hides what a class
-does not need (the model and sampling settings, Fork) and draws bigger.
+does not need (the model and sampling settings, Fork), draws bigger and shows one figure at a time at the full width,
+the cache map as the first tab (:data:`MAP_TAB`; side by side, the two maps next to each other): Step and the figure
+fit one 1280 x 800 screen, the app's header included.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config.model_config import ModelConfig
-from ..views.lettering import at_least, fit_notes, fit_title
+from ..views import map_rows
+from ..views.cache_map import LEGEND_PX
+from ..views.lettering import CHAR, at_least, fit_notes, fit_title
 from ..formats.store import MODELS
 
 HEIGHT = 410  # pixels: the cache map and the tab's view side by side fit a 1280 x 800 screen under the controls
@@ -24,8 +28,13 @@ COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
 STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
 CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
-PRESENTING_HEIGHT = 560  # pixels: a figure's height when presenting (the figures one above the other)
+# pixels: a figure's height when presenting, one figure at a time under the controls at 18 px (on a 1280 x 800 screen
+# the app's header's first line, the two rows of controls, the status, three lines of tokens and the tabs take about
+# 340 px; the header's second sentence, ``kvx-header-more``, is hidden)
+PRESENTING_HEIGHT = 420
 PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
+UNDER_AXIS_PX, LEGEND_ROW_PX = 64, 28  # presenting: an axis' tick labels and title; a row of a legend
+MAP_TAB = ("Cache map", "cache_map")  # presenting, the cache map is a tab, the first
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
 # (ipywidgets size their controls from these variables)
 STYLE = f"""<style>
@@ -37,8 +46,10 @@ STYLE = f"""<style>
 .kvx-presenting input, .kvx-presenting select, .kvx-presenting textarea, .kvx-presenting table,
 .kvx-presenting label, .kvx-presenting li {{font-size: {PRESENTING_PX}px !important;}}
 .kvx-presenting .widget-toggle-button, .kvx-presenting .widget-button {{height: auto; min-height: 36px;}}
+.kvx-presenting .kvx-status .widget-html-content {{line-height: 1.35; padding: 4px 0;}}
 body:has(.kvx-presenting) .jp-RenderedMarkdown, body:has(.kvx-presenting) .jp-RenderedMarkdown p
   {{font-size: {PRESENTING_PX}px;}}
+body:has(.kvx-presenting) .kvx-header-more {{display: none;}}
 </style>"""
 
 
@@ -93,8 +104,8 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     w["top_p"] = W.BoundedFloatText(value=sampling.top_p or 1.0, min=0.01, max=1, step=0.05, description="top-p",
                                     style=wide, layout=W.Layout(width="7.5em"))
     w["seed"] = W.IntText(value=seed, description="seed", style=wide, layout=W.Layout(width="7.5em"))
-    w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(visibility="hidden",
-                                                                                    width="12em"))
+    w["progress"] = W.IntProgress(value=0, min=0, max=1, description="", layout=W.Layout(display="none",
+                                                                                    width="12em", flex="0 0 auto"))
     w["view"] = W.ToggleButtons(options=tabs, value=view, style={"button_width": "auto"},
                                 tooltips=[f"show {t} beside the cache map" for t, _ in tabs])
     w["status"] = W.HTML()
@@ -113,7 +124,7 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     import ipywidgets as W
 
     def row(*items, **kw):
-        return W.HBox(list(items), layout=W.Layout(flex_flow="row wrap", align_items="center", **kw))
+        return W.HBox(list(items), layout=W.Layout(**{"flex_flow": "row wrap", "align_items": "center", **kw}))
 
     settings = row(w["model"], w["load"], w["temperature"], w["top_k"], w["top_p"], w["seed"])
     settings.add_class("kvx-settings")
@@ -122,6 +133,9 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
                   layout=W.Layout(flex="1 1 360px", min_width="330px"))
     left.add_class("kvx-left")
     w["left"] = left
+    maps = W.HBox([], layout=W.Layout(width="100%"))  # presenting: the cache maps as a tab, next to each other
+    maps.add_class("kvx-maps")
+    w["maps"] = maps
     panel = W.VBox([], layout=W.Layout(width="100%"))
     right = W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 360px", min_width="330px"))
     right.add_class("kvx-right")
@@ -131,20 +145,27 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     root = W.VBox([
         row(w["prompt"], w["chat"], w["prefill"], w["step"], w["run"], w["run_n"], w["rewind"], w["rewind_n"],
             w["reset"], w["fork"]),
-        row(w["lane"], w["layer"], w["head"], w["side_by_side"], w["lane_b"], w["presentation"], w["progress"]),
+        row(w["lane"], w["layer"], w["head"], w["side_by_side"], w["lane_b"], w["presentation"]),
         settings,
-        w["status"], w["error"], w["tokens"], main, loader, w["style"],
+        row(w["progress"], w["status"], flex_flow="row nowrap", width="100%"),  # the bar, while an operation runs, before its words
+        w["error"], w["tokens"], main, loader, w["style"],
     ], layout=W.Layout(width="100%"))
     root.add_class("kvx-explorer")
     return root, panel
 
 
-def columns(w: dict[str, Any], presenting: bool) -> None:
-    """The cache map and the tab's view side by side, or, presenting, one above the other at the full width (type
-    of 18 px needs a figure's whole width: side by side at 18 px, the memory view's legend and the stored keys'
-    panels ran out of room)."""
-    for name in ("left", "right"):
-        w[name].layout.flex = "1 1 100%" if presenting else "1 1 360px"
+def columns(w: dict[str, Any], figures: dict[str, Any], presenting: bool) -> None:
+    """The cache map on the left and the tab's view beside it, or, presenting, the tab's view alone at the full width
+    (type of 18 px needs a figure's whole width: beside another at 18 px, the memory view's legend and the stored
+    keys' panels ran out of room; one above the other, the view started under the screen), the cache maps moved to
+    the row shown by the cache map's tab."""
+    maps = [figures["cache_map"], figures["cache_map_b"]]
+    w["left"].layout.display = "none" if presenting else ""
+    w["right"].layout.flex = "1 1 100%" if presenting else "1 1 360px"
+    w["left"].children, w["maps"].children = ([], maps) if presenting else (maps, [])
+    for fig in maps:
+        fig.layout.flex = "1 1 0" if presenting else ""
+        fig.layout.min_width = "0" if presenting else ""
 
 
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
@@ -153,15 +174,27 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     lines), and every text at :data:`PRESENTING_PX` at least when presenting."""
     full = PRESENTING_HEIGHT if presenting else HEIGHT
     height = full if name != "compare" else full - 130  # the compare table sits above its figure
-    if name == "cache_map_b" or (name == "cache_map" and side_by_side):
-        height = full // 2 + 60  # two cache maps, one above the other
+    two_maps = name == "cache_map_b" or (name == "cache_map" and side_by_side)
+    if name == "cache_map_b":  # the first map's legend says it for both (never shown here: plotly keeps the room
+        spec.layout["showlegend"] = False  # of a legend once drawn and then hidden)
+    if two_maps and not presenting:  # one above the other, 500 px in all: the column's room under the controls
+        height = full // 2 + (0 if name == "cache_map_b" else 90)
+        if name == "cache_map_b":  # without the legend's room (presenting, next to the first, the plots align)
+            spec.layout["margin"] = {**spec.layout["margin"], "b": spec.layout["margin"]["b"] - LEGEND_PX}
     spec.layout["height"] = height
-    if name == "cache_map_b":
-        spec.layout["showlegend"] = False  # the first cache map's legend says it
     floor = PRESENTING_PX if presenting else None
-    fit_title(spec.layout, PRESENTING_COLUMN_PX if presenting else COLUMN_PX, floor + 2 if floor else None)
+    column = (COLUMN_PX * 1.3 if two_maps else PRESENTING_COLUMN_PX) if presenting else COLUMN_PX
+    fit_title(spec.layout, column, floor + 2 if floor else None)
     if presenting:  # read from the back of a lecture hall
         spec.layout["font"] = dict(size=PRESENTING_PX)
+        legend = spec.layout.get("legend")
+        if isinstance(legend, dict) and legend.get("yanchor") == "top" and legend.get("y", 0) < 0:
+            # a legend under the plot: at the figure's foot, the margin its rows and the axis' bigger ticks and title
+            # (a share of the plot under the axis met the axis title once the legend's rows took the plot's room)
+            rows = legend_rows([t["name"] for t in spec.traces if t.get("showlegend", True) and t.get("name")],
+                               PRESENTING_PX, PRESENTING_COLUMN_PX * 1.35)
+            spec.layout["legend"] = {**legend, "yref": "container", "y": 0, "yanchor": "bottom"}
+            spec.layout["margin"] = {**spec.layout.get("margin", {}), "b": UNDER_AXIS_PX + rows * LEGEND_ROW_PX}
         at_least(spec.layout, PRESENTING_PX)
         for key, axis in spec.layout.items():  # bigger tick labels and axis titles push the plot in, not out
             if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict):
@@ -176,8 +209,22 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
             marker = t.get("marker")
             if t.get("type") == "scatter" and isinstance(marker, dict) and "size" in marker:
                 t["marker"] = {**marker, "size": round(marker["size"] * 1.6)}
-    fit_notes(spec.layout, (PRESENTING_COLUMN_PX if presenting else COLUMN_PX) * 0.9)
+    fit_notes(spec.layout, column * 0.9)
+    if name.startswith("cache_map") and "tickvals" in spec.layout.get("yaxis2", {}):
+        map_rows.at_height(spec.layout, height)  # its rows apart by pixels, once the title's margin is known
     return spec
+
+
+def legend_rows(names: list[str], size: float, width: float) -> int:
+    """How many rows a horizontal legend of ``names`` takes at font ``size`` in ``width`` pixels (plotly places
+    entries one after another, each its text and a 40 px symbol, and starts a row where the next does not fit)."""
+    rows, used = 1, 0.0
+    for name in names:
+        need = len(name) * CHAR * size + 40
+        if used and used + need > width:
+            rows, used = rows + 1, 0.0
+        used += need
+    return rows
 
 
 def set_options(dropdown: Any, options: list, fallback: Any) -> None:
@@ -210,15 +257,21 @@ def error_html(e: Exception) -> str:
             + (f'<br>{html.escape(hint)}' if hint else "") + '</div>')
 
 
+def notice_html(text: str) -> str:
+    """A notice on the error line: something the person should know that is not an error (amber, not red)."""
+    return (f'<div class="kvx-notice" style="color:#7a4a00;border:1px solid #e6c98f;background:#fff8e6;'
+            f'padding:4px 8px;border-radius:4px">{html.escape(text)}</div>') if text else ""
+
+
 @contextmanager
 def progress(bar: Any, total: int, text: str):
     """Show ``bar`` (from 0 of ``total``, labelled ``text``) while the block runs; afterwards as it was before (hidden,
     or the outer run's bar: a Run whose first step prefills shows the prefill's progress, then its own again)."""
-    before = (bar.max, bar.value, bar.description, bar.layout.visibility)
+    before = (bar.max, bar.value, bar.description, bar.layout.display)
     bar.max, bar.value, bar.description = total, 0, text
-    bar.layout.visibility = "visible"
+    bar.layout.display = ""
     try:
         yield bar
     finally:
         bar.max, bar.value, bar.description = before[:3]
-        bar.layout.visibility = before[3] if before[3] == "visible" else "hidden"
+        bar.layout.display = before[3] if before[3] == "" else "none"

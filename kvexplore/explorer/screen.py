@@ -22,6 +22,7 @@ class Screen:
     """Mixed into :class:`~kvexplore.explorer.widget.Explorer`: what the page's controls do to the screen."""
 
     error: str
+    _tab: str  # the tab's view beside the cache map (presenting, the last view picked other than the cache map)
     _busy: bool
     _syncing: bool
     _zoom: dict[str, zoom.Ranges]  # per figure, the axis ranges the person zoomed to
@@ -111,10 +112,18 @@ class Screen:
             fig.on_msg(self._zoom_message)
 
     def _show_view(self) -> None:
+        w = self.controls
+        if w["view"].value in TABS:
+            self._tab = w["view"].value  # the view a plain screen shows beside the cache map
         name = self.view
-        self._panel.children = [self.controls["compare"], self.figures[name]] if name == "compare" else [
-            self.figures[name]]
+        self._panel.children = ([w["maps"]] if self.map_tab else [w["compare"], self.figures[name]]
+                                if name == "compare" else [self.figures[name]])
         self._redraw()
+
+    @property
+    def map_tab(self) -> bool:
+        """Presenting, the cache map's tab is picked (the cache maps fill the panel)."""
+        return self.presentation and self.controls["view"].value == layout.MAP_TAB[1]
 
     def _side_by_side_changed(self) -> None:
         on = self.controls["side_by_side"].value
@@ -124,14 +133,19 @@ class Screen:
 
     def _presentation_changed(self) -> None:
         self._apply_presentation()
-        self._redraw()
 
     def _apply_presentation(self) -> None:
         on = self.presentation
         for name in layout.HIDDEN_WHEN_PRESENTING:
             self.controls[name].layout.display = "none" if on else ""
         self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
-        layout.columns(self.controls, on)
+        layout.columns(self.controls, self.figures, on)
+        self._syncing = True  # the cache map's tab comes (picked: what a class looks at first) and goes with it
+        try:
+            self._sync_tabs(picked=layout.MAP_TAB[1] if on else self._tab)
+        finally:
+            self._syncing = False
+        self._show_view()
         self.widget.remove_class("kvx-presenting")
         if on:
             self.widget.add_class("kvx-presenting")
@@ -154,21 +168,23 @@ class Screen:
         finally:
             self._syncing = False
 
-    def _sync_tabs(self) -> None:
+    def _sync_tabs(self, picked: str | None = None) -> None:
         """Tabs for the views that apply to a lane (:attr:`~..views.registry.View.applies` on its records, or
         ``View.live`` on the lane: the press views once a lane has pressed, the speculation view for a lane that
-        drafts), and the one on screen."""
+        drafts), and the one on screen (or ``picked``); presenting, the cache map's tab first."""
         picker = self.controls["view"]
-        current = picker.value
+        current = picked or picker.value
         lanes = list(self.session.lanes.values())
 
         def applies(view) -> bool:
             return any(view.drawn_for(lane.history) or (view.live is not None and view.live(lane)) for lane in lanes)
 
-        tabs = [(VIEWS[n].title, n) for n in TABS if n == current or applies(VIEWS[n])]
+        tabs = [(VIEWS[n].title, n) for n in TABS if n in (current, self._tab) or applies(VIEWS[n])]
+        if self.presentation:
+            tabs.insert(0, layout.MAP_TAB)
         if list(picker.options) != tabs:
             picker.options = tabs
-            picker.value = current
+        picker.value = current
 
     def _sync_pickers(self) -> None:
         c = self.model.config

@@ -5,7 +5,9 @@ lane is the reference: by default every other lane is fed the reference's tokens
 caches see the same sequence and their next-token distributions can be compared step by step (KL divergence,
 top-1 agreement). Forked lanes run freely. Every operation either succeeds on all lanes or changes none: a
 prefill builds new generators and swaps them in only when all succeeded, a failed step rewinds the lanes that had
-stepped, a rewind is checked on every lane before any moves.
+stepped, a rewind is checked on every lane before any moves. One exception keeps a class going: a lane whose cache is
+full sits out the steps (:attr:`Lane.full` says why) while the others go on, each on its own tokens once the
+reference has stopped; a step that no lane can take is refused as a whole.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import gc
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,85 +25,15 @@ from ..runtime.generator import Generator
 from ..models.model import Model
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
-from ..views.divergence import first_divergence
-from .lanes import COMPILED, GIVEN, LaneKind, LaneSpec, check_strategies, find, lane_kind, split_options
+from .lane import Lane
+from .lanes import COMPILED, LaneSpec, check_strategies, lane_kind, split_options
 from . import aligned, checkup, shared_pass
 from .probe import LaneTracer
 from .fit import growth_note, slots_for
 from . import timing
-from ..errors import SettingsError, StateError
+from ..errors import CacheFullError, SettingsError, StateError
 
 __all__ = ["COMPILED", "Lane", "Session", "check_strategies"]
-
-
-@dataclass
-class Lane:
-    """One strategy's generator in a session. ``kind`` is its strategy's name (what the views label it with);
-    ``fork_of`` the name of the lane it was forked from (None for a lane the session started itself: forks end with
-    the sequence they forked from)."""
-
-    name: str
-    kind: str
-    generator: Generator
-    tracer: LaneTracer
-    follows: bool  # fed the reference lane's tokens
-    kl_at: dict[int, float | None] = field(default_factory=dict)  # step -> KL(reference || this lane)
-    top1_at: dict[int, bool] = field(default_factory=dict)  # step -> own top-1 == the reference's top-1
-    forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
-    fork_of: str | None = None
-    checkups: dict[int, Any] = field(default_factory=dict)  # verification -> the doctor's check after it (.checkup)
-    shared_pass: str | None = None  # the lane whose prefill pass this lane's replayed (.shared_pass), if any
-
-    @property
-    def lane_kind(self) -> LaneKind:
-        """The kind of lane its strategy is (:mod:`.lanes`; a given generator's unknown strategy: :data:`GIVEN`)."""
-        return find(self.kind) or GIVEN
-
-    @property
-    def is_fork(self) -> bool:
-        return self.fork_of is not None
-
-    def forget_after(self, steps: int) -> None:
-        """Drop the comparison figures of steps ``steps`` and later (after a rewind)."""
-        for d in (self.kl_at, self.top1_at):
-            for k in [k for k in d if k >= steps]:
-                del d[k]
-        self.forced_at = {k for k in self.forced_at if k < steps}
-        kept = len(self.speculation.verifications) if self.speculation is not None else 0
-        self.checkups = {i: c for i, c in self.checkups.items() if i < kept}
-
-    @property
-    def cache(self):
-        return self.generator.cache
-
-    @property
-    def speculation(self):
-        """The generator's drafting counts (None: the lane does not draft)."""
-        return self.generator.speculation
-
-    @property
-    def history(self) -> list[StepRecord]:
-        return self.generator.history
-
-    @property
-    def kl(self) -> list[float | None]:
-        """Per record: KL divergence of this lane's next-token distribution from the reference's (None: reference)."""
-        return [self.kl_at.get(r.step) for r in self.history]
-
-    @property
-    def top1(self) -> list[bool | None]:
-        """Per record: whether this lane's most likely token is the reference's."""
-        return [self.top1_at.get(r.step) for r in self.history]
-
-    @property
-    def divergence(self) -> tuple[int, int] | None:
-        """(step, position of its pass) where this lane first parts from the reference (None: it has not)."""
-        return first_divergence(self.history, self.kl, self.top1)
-
-    @property
-    def last(self) -> StepRecord | None:
-        return self.generator.history[-1] if self.generator.history else None
-
 
 IDLE_S = 0.05  # a step that does not follow the last one at once first runs the model once, untimed (Session.step)
 
@@ -262,9 +193,10 @@ class Session:
         ref = self.reference
         if not ref.generator.tokens:
             raise StateError("nothing to continue: enter a prompt and prefill first")
-        for lane in self.lanes.values():  # the checks a step makes before writing, on every lane first
-            lane.generator.check_step()
+        full = self._full_lanes()  # the checks a step makes before writing, on every lane first
         pace = self.pace
+        if len(full) == len(self.lanes) or (full and pace is not None):  # (a lane that drafts: all in step)
+            raise next(iter(full.values()))
         done: list[tuple[Lane, int]] = []
         out = {}
         try:
@@ -274,8 +206,13 @@ class Session:
                 if pace is not None:
                     out = aligned.step(self, pace, [lane for lane in self.step_order() if lane is not pace], done)
                 else:
+                    context = list(ref.generator.tokens)  # what a follower must hold to be fed the reference's token
                     for lane in self.step_order():
-                        force = ref.history[-1].token_id if (lane.follows and lane is not ref) else None
+                        if lane.name in full:
+                            continue
+                        forced = (lane.follows and lane is not ref and ref.name not in full
+                                  and lane.generator.tokens == context)
+                        force = ref.history[-1].token_id if forced else None
                         done.append((lane, len(lane.history)))
                         out[lane.name] = lane.generator.step(force=force, keep_undo=True)
                         if force is not None:
@@ -286,13 +223,26 @@ class Session:
             raise
         for lane, _ in done:
             lane.generator.settle()
+        for name, error in full.items():
+            self.lanes[name].full = error
         aligned.settle_rows(self.lanes.values())
-        self._compare_last()
+        self._compare_last({lane.name for lane, _ in done})
         self._checkups()
         self.last_op = "step"
         self._steps += 1
         self._active = time.perf_counter()
-        return {name: out[name] for name in self.lanes}
+        return {name: out[name] for name in self.lanes if name in out}
+
+    def _full_lanes(self) -> dict[str, CacheFullError]:
+        """Each lane whose cache cannot take the next step, and why (any other refusal is raised: it is the
+        caller's to fix)."""
+        full = {}
+        for lane in self.lanes.values():
+            try:
+                lane.generator.check_step()
+            except CacheFullError as e:
+                full[lane.name] = e
+        return full
 
     def _checkups(self) -> None:
         """The doctor's check on each lane that drafts, after a verification that took positions back (up to
@@ -335,12 +285,15 @@ class Session:
         return [ref, *others[k:], *others[:k]]
 
     def rewind(self, n: int = 1) -> None:
-        """Forget the last ``n`` tokens on every lane (checked on all lanes before any moves)."""
+        """Forget the last ``n`` tokens on every lane (checked on all lanes before any moves; a lane whose cache was
+        full takes steps again)."""
         for lane in self.lanes.values():
             lane.generator.check_rewind(n)
         for lane in self.lanes.values():
             lane.generator.rewind(n)
             lane.forget_after(len(lane.history))
+            if n:
+                lane.full = None
         if n:
             self.last_op = "rewind"
 
@@ -355,6 +308,7 @@ class Session:
         for lane in self.lanes.values():
             lane.generator.reset()
             lane.forget_after(0)
+            lane.full = None
         self.last_op = "reset"
 
     def fork(self, name: str | None = None) -> Lane:
@@ -372,16 +326,21 @@ class Session:
         return lane
 
     # -- comparison ------------------------------------------------------------------------------------
-    def _compare_last(self) -> None:
+    def _compare_last(self, stepped: set[str] | None = None) -> None:
+        """Each lane's last step against the reference's, where both took it (``stepped``: the lanes that did; by
+        default all) on the same context."""
         ref = self.reference
         p_log = ref.tracer.last_logprobs
         for lane in self.lanes.values():
             q_log = lane.tracer.last_logprobs
             if lane is ref or p_log is None or q_log is None or not lane.history:
                 continue
+            if stepped is not None and not {lane.name, ref.name} <= stepped:
+                continue
             step = lane.last.step
-            if not lane.follows and lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
-                lane.forget_after(step)  # a fork that took another path answers a different context
+            if lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
+                if not lane.follows:
+                    lane.forget_after(step)  # a fork that took another path answers a different context
                 continue
             p = p_log.exp()
             terms = torch.where(p > 0, p * (p_log - q_log), torch.zeros(()))  # 0 log 0 = 0

@@ -31,8 +31,21 @@ def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> st
     total = len(view.states)
     held = f"cache holds {view.held:,} of {total:,} slots" if total else "cache keeps no slots"
     limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity:,} positions"
+    full = f" · full: sits out the steps since step {last.step}" if lane.full is not None else ""
     return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens):,} tokens "
-            f"({len(lane.generator.prompt_tokens):,} prompt) · {held}{limit}{_end(lane)}{after}")
+            f"({len(lane.generator.prompt_tokens):,} prompt) · {held}{limit}{full}{_end(lane)}{after}")
+
+
+def full_note(lanes: list[Lane]) -> str:
+    """What the page says while some lanes' caches are full and the others go on ("" when none is full)."""
+    full = [lane for lane in lanes if lane.full is not None]
+    if not full:
+        return ""
+    names = "; ".join(f"{lane.name} (all {lane.full.capacity:,} slots, at step {lane.last.step if lane.last else 0})"
+                      for lane in full)
+    return (f"Cache full, sitting out the steps while the other strategies go on: {names}. Rewind gives it room "
+            f"again (Reset starts over); for more slots start the app with kvexplore app --max-seq-len N, or "
+            f"Explorer(..., max_seq_len=N) in a notebook.")
 
 
 def at_end(lane: Lane) -> bool:

@@ -32,7 +32,7 @@ from . import inspect, models
 from .screen import Screen
 from .session import Lane, Session
 from .static import StaticCopy
-from .status import CONTINUE, SLOTS_TIP, STEP, at_end, fork_tip, status_line
+from .status import CONTINUE, SLOTS_TIP, STEP, at_end, fork_tip, full_note, status_line
 from .strip import TokenStrip
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
@@ -86,6 +86,7 @@ class Explorer(Screen):
         self.operations = 0  # operations finished (a click's effect is in once this count grows past its value)
         self._zoom, self._reversed = {}, {}  # per figure, the axis ranges on screen and its reversed axes (.zoom)
         self._syncing = False  # True while the pickers are given new options (their observers stand still)
+        self._tab = view
         self.token_strip = TokenStrip()
         self.model = opened.model
         self._check_picks(layer, head)
@@ -108,8 +109,7 @@ class Explorer(Screen):
         self._displays = 0  # how many times IPython displayed this explorer
         self.figures["cache_map"].on_msg(self._static.on_message)
         self._wire()
-        self._apply_presentation()
-        self._show_view()  # draws what there is
+        self._apply_presentation()  # and draws what there is
         if prompt:
             self.prefill(prompt, chat=chat)
 
@@ -125,14 +125,15 @@ class Explorer(Screen):
 
     @property
     def view(self) -> str:
-        """The view beside the cache map (the tabs)."""
-        return self.controls["view"].value
+        """The view beside the cache map (the tabs; presenting, the last one picked other than the cache map's)."""
+        return self._tab
 
     @view.setter
     def view(self, name: str) -> None:
         if name not in TABS:
             raise SettingsError(f"unknown view {name!r}; choose from {', '.join(TABS)}")
         picker = self.controls["view"]
+        self._tab = name
         if name not in [value for _, value in picker.options]:  # a tab hidden as applying to no lane: asked for
             self._syncing = True
             try:
@@ -257,8 +258,12 @@ class Explorer(Screen):
         return {name: self._fit(name, VIEWS[name].build(snap)) for name in (names or VIEWS)}
 
     def shown(self) -> list[str]:
-        """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view."""
-        return ["cache_map", *(["cache_map_b"] if self.side_by_side else []), self.view]
+        """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view (presenting,
+        the cache maps or the tab's view: one tab at a time)."""
+        maps = ["cache_map", *(["cache_map_b"] if self.side_by_side else [])]
+        if self.presentation:
+            return maps if self.map_tab else [self.view]
+        return [*maps, self.view]
 
     def divergence_mark(self, lane) -> tuple[int, str] | None:
         """(step, words) of where ``lane`` first parts from the reference lane, for the token strip (None: it has not,
@@ -281,6 +286,8 @@ class Explorer(Screen):
         w["status"].value = (f'<span title="{html.escape(SLOTS_TIP)}">'
                              f'{html.escape(status_line(lane, self.session.grew))}</span>')
         w["fork"].tooltip = fork_tip(lane)
+        if not self.error:  # a lane that sits out the steps, said until a rewind or reset
+            w["error"].value = layout.notice_html(full_note(list(self.session.lanes.values())))
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP
         w["step"].tooltip = layout.CONTINUE_TIP if ended else layout.STEP_TIP

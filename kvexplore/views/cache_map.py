@@ -18,7 +18,7 @@ import numpy as np
 from ..caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ..caches.layout import EmptyLayout, SharedLayout
 from ..trace.records import StepRecord
-from . import bins, divergence, onscreen
+from . import bins, divergence, map_rows, onscreen
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
 from .snapshot import MAX_BINS
 from .lettering import place_title
@@ -232,9 +232,9 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
-                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5,
-                             domain=[0, 0.84 - 0.04 * (rows - 1)]),
-                  yaxis2=dict(domain=[0.88 - 0.04 * (rows - 1), 1], anchor="x", tickvals=list(range(rows)),
+                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5),
+                  meta=dict(layers=num_layers),  # what at_height spaces the layer labels by
+                  yaxis2=dict(anchor="x", tickvals=list(range(rows)),
                               ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),
                   shapes=shapes, annotations=annotations, height=max(340, 190 + 9 * min(num_layers, 32)),
                   legend=dict(font=dict(size=12), itemclick=False, itemdoubleclick=False, tracegroupgap=2,
@@ -242,7 +242,9 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
                               y=0.005, yanchor="bottom"),  # at the foot of the figure: the map keeps its width
                   margin=dict(l=60 if rows == 1 else 90, r=20, t=0, b=50 + (18 if shown else 0) + LEGEND_PX))
     place_title(layout, below=8)
+    map_rows.at_height(layout, layout["height"])
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
+
 
 
 def _codes(classes: Sequence[str]) -> np.ndarray:
