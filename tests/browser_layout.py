@@ -89,7 +89,7 @@ CHECK = r"""
         out.push(`overlap: ${name(a.el)} and ${name(b.el)} share ${w.toFixed(0)}x${h.toFixed(0)} px`);
     }
   }
-  // one screen (presenting on a projector): Step and the views under it within the window, scrolled to the explorer
+  // one screen (presenting on a projector): Step and the views under it within the window, the page as it opens
   if (opts.fitScreen) {
     const vh = window.innerHeight, step = root.querySelector('.kvx-step').getBoundingClientRect();
     if (step.top < -1 || step.bottom > vh + 1)
@@ -119,6 +119,8 @@ def problems(explorer, min_font: float | None = None, plot_share: float = 0.25, 
 
 
 SIZES = ({"width": 1280, "height": 800}, {"width": 1920, "height": 1080})
+MAP_TAB = "Cache map"  # presenting, the cache map's tab (kvexplore.explorer.controls.MAP_TAB)
+TO_TOP = "() => document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; })"
 PRESENTING_PX = 18
 
 
@@ -160,15 +162,18 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
                     _settle(page, explorer)
                 for lane, tabs in lanes.items():
                     _lane(page, explorer, lane)
-                    for title in tabs:
+                    fit = one_screen and presenting and size == SIZES[0]
+                    for title in (MAP_TAB, *tabs) if presenting else tabs:  # presenting, the cache map is a tab
                         explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
                         _settle(page, explorer)
-                        explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
+                        if fit:  # the page as it opens: the app's header too
+                            page.evaluate(TO_TOP)
+                        else:
+                            explorer.evaluate("(e) => e.scrollIntoView({block: 'start'})")
                         tag = (f"{name}_{size['width']}x{size['height']}{'_presenting' if presenting else ''}_"
                                f"{lane.replace('@', '-').replace(' ', '_')}_{title.replace(' ', '_').replace('/', '')}")
                         path = shots / f"layout_{tag}.png"
                         screenshot(page, path)
-                        fit = one_screen and presenting and size == SIZES[0]
                         found = problems(explorer, PRESENTING_PX if presenting else None, plot_share, fit)
                         assert not found, f"{tag} ({path}):\n  " + "\n  ".join(found[:30])
                         looked.append(tag)

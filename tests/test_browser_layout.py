@@ -54,7 +54,7 @@ def test_every_view_and_lane_kind_fits_both_screens_and_presentation(lab, lab_pa
                           "evict": ("Attention", "Press scores", "Held per head"),
                           "preallocated@spec": ("Attention", "Speculation"),
                           "quantized": ("Stored K/V",)})  # its error per position and per channel
-    assert len(looked) == 2 * 2 * (len(every) + 1 + 3 + 2 + 1), looked
+    assert len(looked) == 2 * (2 * (len(every) + 1 + 3 + 2 + 1) + 5), looked  # presenting, each lane's map too
 
 
 EXACT_TABS = ("Attention", "Memory", "Stored K/V", "Compare strategies")
@@ -77,7 +77,7 @@ def test_smollm2_with_an_evicting_lane_fits(lab, lab_page, browser, shots):
                          "prompt='Why is the sky blue? Answer in two sentences.', chat=True)\nex.run(6)\nex",
                          {"preallocated": EXACT_TABS + ("Eviction",),
                           "evict": ("Attention", "Press scores", "Held per head")}, PROJECTOR)
-    assert len(looked) == 2 * 8, looked
+    assert len(looked) == 2 * 8 + 2, looked
 
 
 @LAB
@@ -96,7 +96,7 @@ def test_gemma3_at_two_thousand_tokens_fits(lab, lab_page, browser, shots):
                          "ex = kvexplore.Explorer(gemma, strategies=('preallocated',), max_seq_len=2048, prompt=ids)\n"
                          "ex.run(2)\nex",
                          {"preallocated": EXACT_TABS}, PROJECTOR)
-    assert len(looked) == 2 * 4, looked
+    assert len(looked) == 2 * 4 + 1, looked
 
 
 def _chapter(chars: int = 10807) -> str:
@@ -116,8 +116,8 @@ def _chapter(chars: int = 10807) -> str:
 def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_presenting(browser, shots, tmp_path):
     """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a 2,343-token
     paste (its progress shown while it runs), then two Steps; every tab and the paged lane's map at both screens,
-    plain and presenting. (Presenting on one 1280 x 800 screen, ``check_layout(one_screen=True)``, does not hold
-    yet: the figures are one above the other at 18 px.)"""
+    plain and presenting, presenting on one 1280 x 800 screen (Step and the tab's figure under the app's header, the
+    page as it opens); then the two cache maps side by side, plain and presenting."""
     from test_browser_truth import _smollm2
     from browser_support import new_page, open_voila_app, require_browser, voila_server
 
@@ -144,7 +144,10 @@ def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_present
                                        arg=explorer.element_handle(), polling=200, timeout=120_000)
             status.locator("text=step 2 · 2,346 tokens").wait_for(timeout=60_000)
             looked = check_layout(page, explorer, shots, "app_chapter",
-                                  {"preallocated": EXACT_TABS, "paged": ("Attention",)})
+                                  {"preallocated": EXACT_TABS, "paged": ("Attention",)}, one_screen=True)
+            explorer.locator(".kvx-side-by-side input").first.check()  # preallocated above paged
+            looked += check_layout(page, explorer, shots, "app_chapter_side_by_side", {"preallocated": ("Attention",)},
+                                   one_screen=True)
         finally:
             page.close()
-    assert len(looked) == 2 * 2 * (len(EXACT_TABS) + 1), looked
+    assert len(looked) == 2 * (2 * (len(EXACT_TABS) + 1) + 2) + 2 * 3, looked

@@ -51,7 +51,7 @@ def test_the_strip_marks_the_token_and_the_cache_map_rings_the_position(explorer
     rings = next(t for t in spec.traces if t["name"] == "first divergence")
     assert rings["y"] == list(range(explorer.model.config.num_layers))  # every layer holds position `position`
     assert set(rings["x"]) == {float(position)}  # a pre-allocated cache: slot p holds position p
-    assert f"{said} bug:{BUG}:fixed: step {step}" in spec.layout["title"]["text"]
+    assert f"{said} bug:{BUG}:fixed at step {step}: " in spec.layout["title"]["text"]  # one short line
     twin = cache_map.from_snapshot(snap, f"bug:{BUG}:fixed")
     assert not [t for t in twin.traces if t["name"] == "first divergence"]
 

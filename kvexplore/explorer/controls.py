@@ -33,6 +33,10 @@ CONTINUE_TIP = "the model has finished (end of sequence): one more token past it
 # 340 px; the header's second sentence, ``kvx-header-more``, is hidden)
 PRESENTING_HEIGHT = 420
 PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
+TABLE_ROW_PX = 26  # presenting: a row of the compare table
+# side by side: the column's room for both maps under the controls at 1280 x 800, and a plot's height at least (long
+# titles, a quantized lane's with its drift, take the column a little past the screen rather than squeeze the maps)
+TWO_MAPS_PX, MAP_PLOT_PX = 500, 110
 UNDER_AXIS_PX, LEGEND_ROW_PX = 64, 28  # presenting: an axis' tick labels and title; a row of a legend
 MAP_TAB = ("Cache map", "cache_map")  # presenting, the cache map is a tab, the first
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
@@ -83,7 +87,7 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     w["prompt"].reads_on({name: w[name] for name in ("prefill", "step", "run")})  # clicks that read the prompt
     w["run_n"] = W.BoundedIntText(value=16, min=1, max=100000, layout=W.Layout(width="5em"))
     w["rewind_n"] = W.BoundedIntText(value=1, min=0, max=100000, layout=W.Layout(width="4.5em"))
-    w["model"] = W.Dropdown(description="model", style=wide, layout=W.Layout(width="12em"))
+    w["model"] = W.Dropdown(description="model", style=wide, layout=W.Layout(width="15em"))  # smollm2-135m whole
     name_model(w["model"], running)
     button("load", "Load", "load the chosen model and start over")
     w["lane"] = W.Dropdown(options=lanes, description="strategy", style=wide, layout=W.Layout(width="17em"))
@@ -173,14 +177,17 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     are then one above the other), its title wrapped to the width a figure has (the top margin following its
     lines), and every text at :data:`PRESENTING_PX` at least when presenting."""
     full = PRESENTING_HEIGHT if presenting else HEIGHT
-    height = full if name != "compare" else full - 130  # the compare table sits above its figure
+    height = full
+    if name == "compare":  # the compare table sits above its figure: a row per lane (18 px type: taller rows)
+        lanes = len({t.get("legendgroup") for t in spec.traces if t.get("legendgroup")})
+        height = full - (60 + TABLE_ROW_PX * (lanes + 1) if presenting else 130)
     two_maps = name == "cache_map_b" or (name == "cache_map" and side_by_side)
     if name == "cache_map_b":  # the first map's legend says it for both (never shown here: plotly keeps the room
         spec.layout["showlegend"] = False  # of a legend once drawn and then hidden)
-    if two_maps and not presenting:  # one above the other, 500 px in all: the column's room under the controls
+    if two_maps and not presenting:  # one above the other (balance gives each its height)
         height = full // 2 + (0 if name == "cache_map_b" else 90)
-        if name == "cache_map_b":  # without the legend's room (presenting, next to the first, the plots align)
-            spec.layout["margin"] = {**spec.layout["margin"], "b": spec.layout["margin"]["b"] - LEGEND_PX}
+    if name == "cache_map_b":  # without the legend's room
+        spec.layout["margin"] = {**spec.layout["margin"], "b": spec.layout["margin"]["b"] - LEGEND_PX}
     spec.layout["height"] = height
     floor = PRESENTING_PX if presenting else None
     column = (COLUMN_PX * 1.3 if two_maps else PRESENTING_COLUMN_PX) if presenting else COLUMN_PX
@@ -213,6 +220,15 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     if name.startswith("cache_map") and "tickvals" in spec.layout.get("yaxis2", {}):
         map_rows.at_height(spec.layout, height)  # its rows apart by pixels, once the title's margin is known
     return spec
+
+
+def balance(first: Any, second: Any) -> None:
+    """Two cache maps one above the other (side by side, not presenting): heights that give both plots the same
+    room within :data:`TWO_MAPS_PX`, whatever their titles and legend take."""
+    margins = [s.layout["margin"].get("t", 0) + s.layout["margin"].get("b", 0) for s in (first, second)]
+    plot = max(MAP_PLOT_PX, (TWO_MAPS_PX - sum(margins)) // 2)
+    for spec, m in zip((first, second), margins):
+        map_rows.at_height(spec.layout, plot + m)
 
 
 def legend_rows(names: list[str], size: float, width: float) -> int:

@@ -37,6 +37,14 @@ class Screen:
         zoom.into_layout(spec.layout, ranges, rev)
         return spec
 
+    def _drawn(self, names, snap) -> dict[str, FigureSpec]:
+        """The views ``names`` built from ``snap`` and fitted to the screen; the two cache maps, when both are
+        drawn one above the other, with plots of one height in the column's room (:func:`.controls.balance`)."""
+        specs = {name: self._fit(name, VIEWS[name].build(snap)) for name in names}
+        if {"cache_map", "cache_map_b"} <= specs.keys() and self.side_by_side and not self.presentation:
+            layout.balance(specs["cache_map"], specs["cache_map_b"])
+        return specs
+
     def zoom(self, figure: str, x: tuple[float, float] | None = None, y: tuple[float, float] | None = None,
              **axes: tuple[float, float] | None) -> None:
         """Show ``figure`` over the range ``x`` (and ``y``; other axes by name, e.g. ``xaxis2=(0, 99)``) at full
@@ -69,8 +77,11 @@ class Screen:
         """Redraw one figure (a zoom changes nothing else) when it is on screen."""
         if self._busy or name not in self.shown():
             return
-        try:
-            self.figures[name].show(self._fit(name, VIEWS[name].build(self.snapshot())))
+        names = [name, *(["cache_map", "cache_map_b"] if name.startswith("cache_map") else [])]
+        try:  # a cache map with the other: their heights go together
+            for n, spec in self._drawn(list(dict.fromkeys(n for n in names if n in self.shown())),
+                                       self.snapshot()).items():
+                self.figures[n].show(spec)
             inspect.publish(self._truth, self)
         except Exception as e:  # a message from the page has no caller to raise to: show it
             self._show_error(e)

@@ -255,7 +255,7 @@ class Explorer(Screen):
     def specs(self, names: Sequence[str] | None = None) -> dict[str, FigureSpec]:
         """What each view draws now (default: every view; :meth:`shown` are the ones on screen)."""
         snap = self.snapshot()
-        return {name: self._fit(name, VIEWS[name].build(snap)) for name in (names or VIEWS)}
+        return self._drawn(names or VIEWS, snap)
 
     def shown(self) -> list[str]:
         """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view (presenting,
@@ -293,8 +293,8 @@ class Explorer(Screen):
         w["step"].tooltip = layout.CONTINUE_TIP if ended else layout.STEP_TIP
         snap = self.snapshot()
         w["compare"].value = compare.table_html(compare.rows_from_snapshot(snap), compare.notes_from_snapshot(snap))
-        for name in self.shown():
-            self.figures[name].show(self._fit(name, VIEWS[name].build(snap)))
+        for name, spec in self._drawn(self.shown(), snap).items():
+            self.figures[name].show(spec)
         inspect.publish(self._truth, self)
 
     # -- internals ---------------------------------------------------------------------------------------

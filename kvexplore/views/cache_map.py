@@ -228,11 +228,13 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     title = title or _title(record, kind, layouts, fresh, after)
     if diverged is not None:
         colour = divergence.DRIFT_COLOUR if diverged[3] else divergence.CHANGE_COLOUR
-        title += f"<br><span style='color:{colour}'>{divergence.words(*diverged)}</span>"
+        title += f"<br><span style='color:{colour}'>{divergence.headline(*diverged)}</span>"
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
-                  yaxis=dict(title=dict(text="layer"), autorange="reversed", dtick=1 if num_layers <= 12 else 5),
+                  # layer 0 on top; a range, not autorange: the divergence rings' markers would pad it
+                  yaxis=dict(title=dict(text="layer"), range=[num_layers - 0.5, -0.5], autorange=False,
+                             dtick=1 if num_layers <= 12 else 5),
                   meta=dict(layers=num_layers),  # what at_height spaces the layer labels by
                   yaxis2=dict(anchor="x", tickvals=list(range(rows)),
                               ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),

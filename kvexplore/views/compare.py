@@ -137,7 +137,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                   yaxis=dict(domain=[0, 1], anchor="x", title=dict(text="ms / step (solid)"),
                               rangemode="tozero"),
                   xaxis2=dict(domain=[0.58, 1], anchor="y2"),
-                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL from ref. (dotted)"),
+                  yaxis2=dict(domain=[0, 1], anchor="x2", title=dict(text="KL (dotted)"),
                               rangemode="tozero", exponentformat="e"),
                   legend=dict(font=dict(size=11), orientation="h", x=0, xanchor="left", y=-0.14, yanchor="top"))
     return FigureSpec(traces, layout)

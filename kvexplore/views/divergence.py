@@ -42,3 +42,9 @@ def words(step: int, position: int, reference: str, drift: bool = False) -> str:
         return (f"{DRIFT} from {reference}: step {step} (the pass at position {position}) chose the same token, "
                 f"from a distribution further than float rounding from it (KL above {KL_PARTS:g} nats)")
     return f"first divergence from {reference}: step {step} (the pass at position {position}): another token"
+
+
+def headline(step: int, position: int, reference: str, drift: bool = False) -> str:
+    """:func:`words` in one short line, for a figure's title (the hover and the token strip say it in full)."""
+    return (f"{DRIFT} from {reference} at step {step}: same token, KL > {KL_PARTS:g}" if drift else
+            f"first divergence from {reference} at step {step}: another token")
