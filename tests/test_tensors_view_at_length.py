@@ -221,6 +221,10 @@ def test_the_explorer_draws_each_lane_within_the_rules(trained):
             spec = ex.specs(["tensors"])["tensors"]
             assert ("xaxis4" in spec.layout) == (lane in ("quantized", "quantized@2")), lane
             assert problems(spec, width, font, n) == [], (lane, size)
+            # what the error row's note says: exact only of an exact lane; llama.cpp's types keep no originals
+            notes = " ".join(a["text"].replace("<br>", " ") for a in spec.layout.get("annotations", []))
+            assert ("exact cache" in notes) == (lane == "preallocated"), (lane, notes)
+            assert ("the originals are not kept" in notes) == (lane == "quantized@ggml"), (lane, notes)
 
 
 # --- in Chromium ---------------------------------------------------------------------------------------------------

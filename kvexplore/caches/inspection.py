@@ -6,6 +6,7 @@ the layer's own :class:`~kvexplore.caches.layer.LayerCache` object."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -244,3 +245,9 @@ def _label(layer, attribute: str) -> str:
         bare = attribute.lstrip("_")
         label = _LABELS[key] = layer.held_names.get(bare) or bare
     return label
+
+
+def lossy_by_design(cache: Any) -> bool:
+    """Whether ``cache`` gives attention something other than what the model computed, by design (it says how far:
+    :meth:`CacheInspection.error_bound`), whether or not it keeps its error."""
+    return getattr(type(cache), "error_bound", CacheInspection.error_bound) is not CacheInspection.error_bound

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..caches.inspection import lossy_by_design
 from ..trace.records import Candidate, StepRecord
 
 PREFILL, DECODE = "prefill", "decode"  # a record's kind: the pass over the prompt, or a step after it
@@ -47,7 +48,7 @@ def run_meta(executor: Any, cache: Any, ids: list[int]) -> dict:
     c, tok = ex.config, ex.tokenizer
     return {"prompt_ids": list(ids),
             "prompt_texts": [tok.token_text(t, ids[:i]) if tok is not None else str(t) for i, t in enumerate(ids)],
-            "kind": cache.kind, "dtype": str(ex.dtype).removeprefix("torch."),
+            "kind": cache.kind, "lossy": lossy_by_design(cache), "dtype": str(ex.dtype).removeprefix("torch."),
             "device": str(ex.device),
             "model": {"name": ex.source or "", "num_layers": c.num_layers, "num_heads": c.num_heads,
                       "num_kv_heads": c.num_kv_heads, "gqa_groups": c.gqa_groups,

@@ -232,9 +232,8 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text=f"physical slot ({order})" + (f"<br>{shown}" if shown else ""),
                                         standoff=4), range=view_range, autorange=False, automargin=True, **ticks),
-                  # layer 0 on top; a range, not autorange: the divergence rings' markers would pad it
-                  yaxis=dict(title=dict(text="layer"), range=[num_layers - 0.5, -0.5], autorange=False,
-                             dtick=1 if num_layers <= 12 else 5),
+                  yaxis=dict(title=dict(text="layer"), range=[num_layers - 0.5, -0.5], autorange=False,  # (rings
+                             dtick=1 if num_layers <= 12 else 5),  # padded an autorange: layer 0 on top, set here)
                   meta=dict(layers=num_layers),  # what at_height spaces the layer labels by
                   yaxis2=dict(anchor="x", tickvals=list(range(rows)),
                               ticktext=labels or ["token"], range=[rows - 0.5, -0.5], fixedrange=True),

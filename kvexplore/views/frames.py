@@ -61,7 +61,9 @@ def snapshot_at(runs: Mapping[str, Sequence[StepRecord]], step: int, shown: str,
         slots = None
         if last is not None and last.trace is not None and last.trace.layer_slots:
             slots = [last.trace.slots_of(i) for i in range(config.num_layers)]
-        lane.detail = LaneDetail(texts=texts(run, step), slots=slots, norms=None, stored_error=None)
+        # a replay keeps no stored error: a quantized lane's note says so rather than call it exact
+        lane.detail = LaneDetail(texts=texts(run, step), slots=slots, norms=None, stored_error=None,
+                                 lossy=bool(getattr(run, "meta", {}).get("lossy")))
         lanes[name] = lane
     return Snapshot(config, lanes, next(iter(runs)), shown, None, layer, head, "step", False)
 

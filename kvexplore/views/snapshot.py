@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..caches.base import SlotView
+from ..caches.inspection import lossy_by_design
 from ..config.model_config import ModelConfig
 from ..models.model import Model
 from ..trace.recompute import LaneAttention
@@ -38,6 +39,7 @@ class LaneDetail:
     channel_detail: Callable[[], tuple[Any, Any] | None] | None = None
     # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.trace.recompute.LaneAttention)
     attention: Any = None
+    lossy: bool = False  # the cache stores lossily by design (it says how far off it may be: error_bound)
 
 
 @dataclass
@@ -120,6 +122,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             slots=lane.cache.slot_views() if has else None,
             norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
             stored_error=lane.cache.stored_error(layer) if has else None,
+            lossy=lossy_by_design(lane.cache),
             state=lane.tracer.state_history(layer, lane.cache.length) if has else None,
             channel_error=lane.cache.channel_error(layer) if has else None,
             channel_detail=(lambda cache=lane.cache: cache.channel_detail(layer)) if has else None,

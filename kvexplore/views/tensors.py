@@ -94,7 +94,7 @@ def binned(rows: np.ndarray, b: bins.Bins, how: str) -> dict[str, np.ndarray]:
 def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
          quant_error: torch.Tensor | None = None, slots: SlotView | None = None,
          zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS, did: str = "",
-         channel_error: tuple[torch.Tensor, torch.Tensor] | None = None,
+         lossy: bool = False, channel_error: tuple[torch.Tensor, torch.Tensor] | None = None,
          channel_detail: tuple[PartDetail, PartDetail] | None = None) -> FigureSpec:
     """``norms``: (2, kv_heads, positions) for ``layer`` (keys, values); ``quant_error``: (kv_heads, length);
     ``channel_error``: the keys' and values' max error per KV head and channel (two panels beside it);
@@ -102,7 +102,9 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     and mark (outlier channels, as written and where the codes are taken);
     ``slots``: the cache's slot view now (default: the one recorded with ``record``). ``zoom``: the slots on screen
     (``{"xaxis": (first, last)}``); beyond ``max_bins`` slots each cell is a bin's mean norm (the error: its max).
-    ``did``: what the cache did so far (said in place of an error row that is all zero: nothing quantized yet)."""
+    ``did``: what the cache did so far (said in place of an error row that is all zero: nothing quantized yet);
+    ``lossy``: the cache stores lossily by design, so no error row (``quant_error`` None) means none is kept, not
+    none made (llama.cpp's cache types keep no originals)."""
     if slots is None and record is not None and record.trace is not None:
         slots = record.trace.slots_of(layer)
     positions = list(slots.positions) if slots is not None and slots.positions else (
@@ -124,6 +126,8 @@ def spec(record: StepRecord | None, norms: torch.Tensor | None, layer: int,
     mean = "" if b.exact else "mean "
     # a row that would be all zero or empty (an exact cache, nothing quantized yet) is a note instead, saying why
     said = "" if quant_error is not None and top > 0 else \
+        f"{did or 'stored lossily'}; the originals are not kept, so no error per position (kvexplore doctor " \
+        "measures it)" if quant_error is None and lossy else \
         "exact cache: stored as computed, no error" if quant_error is None else did or "no error yet"
     shown = onscreen.describe(b, len(positions))
     slot_title = lettering.wrap("physical slot" + (f" · {shown}" if shown else ""), 18, TITLE_PX)
@@ -278,5 +282,5 @@ def from_snapshot(s) -> FigureSpec:
         return state_spec(d.state, s.layer)
     return spec(ln.last, d.norms if d else None, s.layer, d.stored_error if d else None,
                 d.slots[s.layer] if d and d.slots else None, zoom=s.zoom.get("tensors"), max_bins=s.max_bins,
-                did=ln.did, channel_error=d.channel_error if d else None,
+                did=ln.did, lossy=d.lossy if d else False, channel_error=d.channel_error if d else None,
                 channel_detail=d.channel_detail() if d and d.channel_detail else None)
