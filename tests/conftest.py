@@ -66,6 +66,22 @@ LONG = frozenset({
     "test_long_context.py::test_held_memory_is_bounded_whatever_the_number_of_steps",
     "test_sink.py::test_generator_runs_300_steps_with_flat_memory",
     "test_evict.py::test_properties_of_what_a_press_keeps",
+    # the fast tier's heaviest (1-3 s each, together about a sixth of its time; 2026-12-06), each beside a quicker
+    # neighbour on the same code: a long prompt's growth and refusal (test_grow_false_keeps_the_size), the status at
+    # the end of sequence, the Voila template's links, a 50-request replay page, drafting through rings and presses,
+    # the tiny model's perplexity, a 200-token window, a binned speculation view, the export command
+    "test_app_page.py::test_a_long_prompt_grows_the_caches_and_a_short_one_gives_back_the_size_asked",
+    "test_app_page.py::test_a_prompt_beyond_the_context_is_refused_and_changes_nothing",
+    "test_explorer.py::test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence",
+    "test_launch.py::test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out",
+    "test_prefix_views.py::test_replay_page_of_50_requests_on_512_blocks_stays_small",
+    "test_speculative.py::test_ring_wraps_inside_drafts_give_plain_greedy",
+    "test_speculative.py::test_evicting_and_flushing_caches_of_any_size_give_plain_greedy",
+    "test_speculative.py::test_recurrent_states_checkpoint_or_recompute_alike",
+    "test_tiny.py::test_held_out_perplexity_is_what_the_card_says",
+    "test_parity_2025.py::test_gemma3_window_16_holds_16_positions_in_local_layers_over_200_tokens",
+    "test_speculative_views.py::test_binned_steps_keep_every_count",
+    "test_replay.py::test_export_command_and_save_html",
 })
 # matrices of cases (architectures x caches, presses x layer kinds): the fast tier runs every third case of each, in
 # collection order, and the ``long`` tier the rest (the full suite runs all of them)
@@ -82,6 +98,7 @@ SAMPLED = frozenset({
     "test_evict.py::test_decoding_presses_score_what_is_held_as_the_reference",
     "test_evict.py::test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set",
     "test_held_memory.py::test_the_report_counts_every_byte_reachable",
+    "test_device.py::test_every_explorer_view_converts_only_through_host",
 })
 SAMPLE_EVERY = 3
 REAL_MODELS = {"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}  # named model -> the marker of its tier
