@@ -111,6 +111,22 @@ def test_a_full_cache_in_the_page_says_what_to_do_in_the_explorer():
     assert "CacheFullError" in shown and "press Reset" in shown and "kvexplore app --max-seq-len N" in shown
 
 
+def test_a_small_app_shrinks_the_sink_ring_so_it_evicts_while_a_full_lane_sits_out():
+    """kvexplore app --max-seq-len 24 with a sink lane: its ring (4 + 252 at the app's sizes) shrinks to the 24 slots
+    asked, so once the pre-allocated lane is full and sits out, the sink lane goes on evicting; a ring given on the
+    command line is kept."""
+    env = {"KVEXPLORE_APP_MAX_SEQ_LEN": "24", "KVEXPLORE_APP_STRATEGIES": "preallocated,sink"}
+    assert app_page.settings(env)["strategy_options"]["sink"] == {"sinks": 4, "window": 20}
+    given = {**env, "KVEXPLORE_APP_OPTIONS": '{"sink": {"window": 100}}'}
+    assert app_page.settings(given)["strategy_options"]["sink"] == {"sinks": 4, "window": 100}
+    ex = kvexplore.Explorer(**app_page.settings(env), prompt="Call me Ishmael.")
+    ex.run(30)
+    pre, sink = ex.lanes["preallocated"], ex.lanes["sink"]
+    assert pre.full is not None and len(pre.generator.tokens) == 25 and ex.error == ""
+    assert sink.full is None and len(sink.history) == 31 and sink.cache.evicted_count > 0
+    assert "sitting out the steps" in ex.controls["error"].value
+
+
 def test_fork_says_what_it_does_to_the_lane_shown_and_the_status_explains_slots_and_positions():
     ex = kvexplore.Explorer("tiny", strategies=("preallocated", "paged"), prompt="Call me Ishmael.",
                             strategy_options={"paged": {"block_size": 8}})

@@ -50,10 +50,12 @@ def strategy_option(text: str) -> tuple[str, str, Any]:
     return lane, key, parsed
 
 
-def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any]] | None = None
-                 ) -> dict[str, dict[str, Any]]:
+def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any]] | None = None,
+                 max_seq_len: int | None = None) -> dict[str, dict[str, Any]]:
     """Each lane's options: the app's (:data:`APP_OPTIONS`, by the strategy a lane runs) under ``given``'s. An option
-    for a lane not among ``strategies``, or one its cache does not take, is refused naming what it takes."""
+    for a lane not among ``strategies``, or one its cache does not take, is refused naming what it takes. With the
+    caches' size ``max_seq_len`` smaller than the app's sink ring, the ring (not given) shrinks to it: the sink lane
+    starts evicting when a pre-allocated lane of that size fills, and goes on while that one sits out."""
     from ..caches.factory import STRATEGIES as CACHES
     from .lanes import base_strategy
 
@@ -65,6 +67,9 @@ def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any
     out: dict[str, dict[str, Any]] = {}
     for lane in strategies:
         options = {**APP_OPTIONS.get(base_strategy(lane), {}), **given.get(lane, {})}
+        ring = options.get("sinks", 0) + options.get("window", 0)
+        if "window" in options and "window" not in given.get(lane, {}) and max_seq_len and ring > max_seq_len:
+            options["window"] = max(1, max_seq_len - options.get("sinks", 0))
         cls = CACHES.get(base_strategy(lane))
         if cls is not None and given.get(lane):
             takes = [n for n, p in inspect.signature(cls).parameters.items()
@@ -111,7 +116,7 @@ def settings(environ: Mapping[str, str]) -> dict[str, Any]:
         raise SettingsError(f"{OPTIONS_ENV} is not JSON ({e}): pass options as kvexplore app --strategy-option "
                             f"LANE.OPTION=VALUE") from e
     return {"source": environ.get(MODEL_ENV, "tiny"), "strategies": strategies, "max_seq_len": int(text),
-            "strategy_options": lane_options(strategies, given) or None}
+            "strategy_options": lane_options(strategies, given, int(text)) or None}
 
 
 def app_explorer(environ: Mapping[str, str] | None = None) -> Any:
