@@ -33,7 +33,8 @@ CONTINUE_TIP = "the model has finished (end of sequence): one more token past it
 # 340 px; the header's second sentence, ``kvx-header-more``, is hidden)
 PRESENTING_HEIGHT = 420
 PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
-TABLE_ROW_PX = 26  # presenting: a row of the compare table
+TABLE_ROW_PX, COMPARE_PX = 26, 240  # presenting: a row of the compare table; its figure's height at least
+PANEL_PX = 150  # presenting: what a memory panel past the second adds to the figure (past one screen: 18 px needs it)
 # side by side: the column's room for both maps under the controls at 1280 x 800, and a plot's height at least (long
 # titles, a quantized lane's with its drift, take the column a little past the screen rather than squeeze the maps)
 TWO_MAPS_PX, MAP_PLOT_PX = 500, 110
@@ -178,9 +179,12 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     lines), and every text at :data:`PRESENTING_PX` at least when presenting."""
     full = PRESENTING_HEIGHT if presenting else HEIGHT
     height = full
+    panels = sum(1 for k in spec.layout if k.startswith("yaxis") and "domain" in spec.layout[k])
+    if presenting and name == "memory" and panels > 2:  # a third panel (layer kinds) gets room of its own
+        height += PANEL_PX * (panels - 2)
     if name == "compare":  # the compare table sits above its figure: a row per lane (18 px type: taller rows)
         lanes = len({t.get("legendgroup") for t in spec.traces if t.get("legendgroup")})
-        height = full - (60 + TABLE_ROW_PX * (lanes + 1) if presenting else 130)
+        height = max(COMPARE_PX, full - 60 - TABLE_ROW_PX * (lanes + 1)) if presenting else full - 130
     two_maps = name == "cache_map_b" or (name == "cache_map" and side_by_side)
     if name == "cache_map_b":  # the first map's legend says it for both (never shown here: plotly keeps the room
         spec.layout["showlegend"] = False  # of a legend once drawn and then hidden)
@@ -203,9 +207,20 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
             spec.layout["legend"] = {**legend, "yref": "container", "y": 0, "yanchor": "bottom"}
             spec.layout["margin"] = {**spec.layout.get("margin", {}), "b": UNDER_AXIS_PX + rows * LEGEND_ROW_PX}
         at_least(spec.layout, PRESENTING_PX)
+        m = spec.layout.get("margin", {})
+        plot = max(100, height - m.get("t", 0) - m.get("b", 0))
         for key, axis in spec.layout.items():  # bigger tick labels and axis titles push the plot in, not out
             if key.startswith(("xaxis", "yaxis")) and isinstance(axis, dict):
                 axis["automargin"] = True
+            if not (key.startswith("yaxis") and isinstance(axis, dict)) or "tickvals" in axis:
+                continue
+            low, high = axis.get("domain", [0, 1])  # a short panel: as many labels as lines fit
+            lines = max(2, int((high - low) * plot / (1.6 * PRESENTING_PX)))
+            if axis.get("type") == "log":  # a tick every few decades
+                decades = _decades(spec.traces, "y" + key.removeprefix("yaxis"))
+                axis["dtick"] = max(1, -(-decades // lines))
+            elif "dtick" not in axis:
+                axis["nticks"] = lines
         for t in spec.traces:
             at_least(t, PRESENTING_PX)
             bar = t.get("colorbar")
@@ -220,6 +235,15 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
     if name.startswith("cache_map") and "tickvals" in spec.layout.get("yaxis2", {}):
         map_rows.at_height(spec.layout, height)  # its rows apart by pixels, once the title's margin is known
     return spec
+
+
+def _decades(traces: list, axis: str) -> int:
+    """How many powers of ten the positive values drawn on the y axis ``axis`` ("y", "y2", ...) span."""
+    import math
+
+    values = [v for t in traces if t.get("yaxis", "y") == axis for v in (t.get("y") or [])
+              if isinstance(v, (int, float)) and v > 0]
+    return math.ceil(math.log10(max(values) / min(values))) + 1 if values else 1
 
 
 def balance(first: Any, second: Any) -> None:

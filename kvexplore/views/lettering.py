@@ -116,6 +116,8 @@ def fit_title(layout: dict, width: float, floor: float | None = None) -> None:
     before = float(font.get("size", 13))
     old = str(title["text"])
     below = max(0.0, float(layout.get("margin", {}).get("t", 80)) - title_height(old, before))
+    if floor:  # what sits below the title (panel labels of about 12 px) grows with the text too
+        below += max(0.0, 1.3 * (floor - 2 - 12))
     font["size"] = max(before, floor or 0)
     title["text"] = wrap(old, font["size"], width)
     place_title(layout, below)

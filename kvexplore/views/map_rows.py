@@ -16,7 +16,9 @@ def at_height(layout: dict, height: int) -> None:
     m = layout.get("margin", {})
     plot = max(40, height - m.get("t", 0) - m.get("b", 0))
     rows = len(layout["yaxis2"]["tickvals"])
-    tokens = max(0.12 + 0.04 * (rows - 1), TOKEN_ROW_PX * rows / plot)
+    font = float(layout.get("font", {}).get("size", 12))  # presenting: 18 px labels need taller rows
+    row_px, label_px = max(TOKEN_ROW_PX, 1.25 * font * (rows > 1)), max(LABEL_PX, 1.25 * font)
+    tokens = max(0.12 + 0.04 * (rows - 1), row_px * rows / plot)
     gap = max(0.04, ROW_GAP_PX / plot)
     layout["yaxis2"]["domain"] = [round(1 - tokens, 4), 1]
     top = max(0.2, 1 - tokens - gap)
@@ -24,4 +26,4 @@ def at_height(layout: dict, height: int) -> None:
     layers = layout.get("meta", {}).get("layers")
     if layers:  # a layer label every dtick rows, the labels at least a line apart
         room = plot * top / layers
-        layout["yaxis"]["dtick"] = next((d for d in (1, 2, 5, 10, 20, 50) if room * d >= LABEL_PX), 100)
+        layout["yaxis"]["dtick"] = next((d for d in (1, 2, 5, 10, 20, 50) if room * d >= label_px), 100)
