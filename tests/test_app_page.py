@@ -124,7 +124,7 @@ def test_a_small_app_shrinks_the_sink_ring_so_it_evicts_while_a_full_lane_sits_o
     pre, sink = ex.lanes["preallocated"], ex.lanes["sink"]
     assert pre.full is not None and len(pre.generator.tokens) == 25 and ex.error == ""
     assert sink.full is None and len(sink.history) == 31 and sink.cache.evicted_count > 0
-    assert "sitting out the steps" in ex.controls["error"].value
+    assert "sitting out while the others go on" in ex.controls["error"].value
 
 
 def test_fork_says_what_it_does_to_the_lane_shown_and_the_status_explains_slots_and_positions():

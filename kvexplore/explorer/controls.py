@@ -51,7 +51,8 @@ STYLE = f"""<style>
 .kvx-presenting input, .kvx-presenting select, .kvx-presenting textarea, .kvx-presenting table,
 .kvx-presenting label, .kvx-presenting li {{font-size: {PRESENTING_PX}px !important;}}
 .kvx-presenting .widget-toggle-button, .kvx-presenting .widget-button {{height: auto; min-height: 36px;}}
-.kvx-presenting .kvx-status .widget-html-content {{line-height: 1.35; padding: 4px 0;}}
+.kvx-presenting .kvx-status .widget-html-content, .kvx-presenting .kvx-error .widget-html-content
+  {{line-height: 1.35; padding: 4px 0;}}
 body:has(.kvx-presenting) .jp-RenderedMarkdown, body:has(.kvx-presenting) .jp-RenderedMarkdown p
   {{font-size: {PRESENTING_PX}px;}}
 body:has(.kvx-presenting) .kvx-header-more {{display: none;}}

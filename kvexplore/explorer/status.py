@@ -43,9 +43,8 @@ def full_note(lanes: list[Lane]) -> str:
         return ""
     names = "; ".join(f"{lane.name} (all {lane.full.capacity:,} slots, at step {lane.last.step if lane.last else 0})"
                       for lane in full)
-    return (f"Cache full, sitting out the steps while the other strategies go on: {names}. Rewind gives it room "
-            f"again (Reset starts over); for more slots start the app with kvexplore app --max-seq-len N, or "
-            f"Explorer(..., max_seq_len=N) in a notebook.")
+    return (f"Cache full, sitting out while the others go on: {names}. Rewind gives it room again, Reset starts "
+            f"over; more slots: kvexplore app --max-seq-len N (Explorer(..., max_seq_len=N) in a notebook).")
 
 
 def at_end(lane: Lane) -> bool:
