@@ -30,8 +30,8 @@ STEP_TIP = "one token on every strategy (prefills the prompt first if nothing ha
 CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
 # pixels: a figure's height when presenting, one figure at a time under the controls at 18 px (on a 1280 x 800 screen
 # the app's header's first line, the two rows of controls, the status, three lines of tokens and the tabs take about
-# 340 px; the header's second sentence, ``kvx-header-more``, is hidden)
-PRESENTING_HEIGHT = 420
+# 340 px; the header's second sentence, ``kvx-header-more``, is hidden; the stored keys' rows need 440: views/tensors)
+PRESENTING_HEIGHT = 440
 PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
 TABLE_ROW_PX, COMPARE_PX = 26, 240  # presenting: a row of the compare table; its figure's height at least
 PANEL_PX = 150  # presenting: what a memory panel past the second adds to the figure (past one screen: 18 px needs it)
@@ -56,6 +56,8 @@ STYLE = f"""<style>
 body:has(.kvx-presenting) .jp-RenderedMarkdown, body:has(.kvx-presenting) .jp-RenderedMarkdown p
   {{font-size: {PRESENTING_PX}px;}}
 body:has(.kvx-presenting) .kvx-header-more {{display: none;}}
+body:has(.kvx-presenting) .jp-RenderedMarkdown p {{margin-top: 0; margin-bottom: 0.3em;}}
+.kvx-presenting .kvx-prompt, .kvx-presenting .kvx-prompt textarea {{height: 2.2em !important;}}
 </style>"""
 
 

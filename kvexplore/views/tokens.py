@@ -21,7 +21,7 @@ STYLE = """<style>
 .kvx-tok.kvx-drift {box-shadow: inset 0 -3px 0 #b36b00; color: #b36b00; font-weight: bold;}
 .kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
 .kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
-.kvx-presenting .kvx-strip {font-size: 18px;}
+.kvx-presenting .kvx-strip {font-size: 18px; line-height: 1.7; max-height: 5.4em;}
 .kvx-strip.kvx-follow {display: flex; flex-direction: column-reverse;}
 </style>"""
 
