@@ -12,6 +12,7 @@ fit one 1280 x 800 screen, the app's header included.
 from __future__ import annotations
 
 import html
+import math
 from contextlib import contextmanager
 from typing import Any
 
@@ -177,9 +178,9 @@ def columns(w: dict[str, Any], figures: dict[str, Any], presenting: bool) -> Non
 
 
 def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
-    """``spec`` as drawn on this screen: its height for the one-screen layout (taller when presenting: the figures
-    are then one above the other), its title wrapped to the width a figure has (the top margin following its
-    lines), and every text at :data:`PRESENTING_PX` at least when presenting."""
+    """``spec`` as drawn on this screen: its height for the one-screen layout (presenting, one figure at a time under
+    the controls), its title wrapped to the width a figure has (the top margin following its lines), and every text
+    at :data:`PRESENTING_PX` at least when presenting, its axes labelled as often as that type has room."""
     full = PRESENTING_HEIGHT if presenting else HEIGHT
     height = full
     panels = sum(1 for k in spec.layout if k.startswith("yaxis") and "domain" in spec.layout[k])
@@ -189,11 +190,10 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
         lanes = len({t.get("legendgroup") for t in spec.traces if t.get("legendgroup")})
         height = max(COMPARE_PX, full - 60 - TABLE_ROW_PX * (lanes + 1)) if presenting else full - 130
     two_maps = name == "cache_map_b" or (name == "cache_map" and side_by_side)
-    if name == "cache_map_b":  # the first map's legend says it for both (never shown here: plotly keeps the room
-        spec.layout["showlegend"] = False  # of a legend once drawn and then hidden)
     if two_maps and not presenting:  # one above the other (balance gives each its height)
         height = full // 2 + (0 if name == "cache_map_b" else 90)
-    if name == "cache_map_b":  # without the legend's room
+    if name == "cache_map_b":  # the first map's legend says it for both, so no legend and none of its room (never
+        spec.layout["showlegend"] = False  # shown here: plotly keeps the room of a legend once drawn, then hidden)
         spec.layout["margin"] = {**spec.layout["margin"], "b": spec.layout["margin"]["b"] - LEGEND_PX}
     spec.layout["height"] = height
     floor = PRESENTING_PX if presenting else None
@@ -242,8 +242,6 @@ def fit(name: str, spec: Any, side_by_side: bool, presenting: bool) -> Any:
 
 def _decades(traces: list, axis: str) -> int:
     """How many powers of ten the positive values drawn on the y axis ``axis`` ("y", "y2", ...) span."""
-    import math
-
     values = [v for t in traces if t.get("yaxis", "y") == axis for v in (t.get("y") or [])
               if isinstance(v, (int, float)) and v > 0]
     return math.ceil(math.log10(max(values) / min(values))) + 1 if values else 1

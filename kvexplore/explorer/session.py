@@ -331,6 +331,7 @@ class Session:
         default all) on the same context."""
         ref = self.reference
         p_log = ref.tracer.last_logprobs
+        context = ref.generator.tokens[:-1]  # what the reference's last step read
         for lane in self.lanes.values():
             q_log = lane.tracer.last_logprobs
             if lane is ref or p_log is None or q_log is None or not lane.history:
@@ -338,7 +339,7 @@ class Session:
             if stepped is not None and not {lane.name, ref.name} <= stepped:
                 continue
             step = lane.last.step
-            if lane.generator.tokens[:-1] != ref.generator.tokens[:-1]:
+            if lane.generator.tokens[:-1] != context:
                 if not lane.follows:
                     lane.forget_after(step)  # a fork that took another path answers a different context
                 continue
