@@ -36,7 +36,7 @@ gen.prefill("Call me Ishmael. Some years ago, never mind how long precisely")
 gen.step()
 first = time.perf_counter() - t0
 gen.run(16, stop_at_eos=False)
-from kvexplore.runtime.compiled import decoder_for
+from kvexplore.fast.compiled import decoder_for
 built = getattr(decoder_for(model, 256, None if mode is True else mode), "built", None)
 print(json.dumps({"first": first, "load": loaded, "compile": gen.compile_s, "note": gen.compile_reuse,
                   "built": built, "tokens": gen.tokens}))
@@ -47,7 +47,7 @@ import json, statistics, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 import kvexplore
-from kvexplore.runtime.compiled import decoder_for
+from kvexplore.fast.compiled import decoder_for
 model = kvexplore.load(sys.argv[1])
 steps = {}
 for name, mode in (("regional", "regional"), ("whole", "max-autotune")):

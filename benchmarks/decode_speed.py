@@ -46,7 +46,7 @@ exceed read bandwidth / bytes read per token. The read bandwidth is measured her
 tensor with the same threads, median of 5) and every engine is printed as a fraction of that bound. Beside it, the
 matmul floor: the model's own matrix-vector products alone, in layer order, with torch's kernels (what any engine
 built on them pays per token, whatever it fuses around them), and the same products as kvexplore's eager step runs
-them (``kvexplore.models.linear.linear``: its compiled one-row kernel on the CPU, :mod:`kvexplore.runtime.products`).
+them (``kvexplore.fast.kernels.linear``: its compiled one-row kernel on the CPU).
 
 Targets: eager >= 1.5x transformers on 24M and >= 1.2x on 135M (issue 1); compiled >= 2.5x transformers on 24M,
 >= 1.5x on 135M, >= 1.2x transformers' static+compile on both, >= 70% of the bandwidth bound on SmolLM2 in float32,
@@ -258,7 +258,7 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
     per_token = bytes_per_token(kv, args.prompt_len + n // 2)
     bound = bandwidth / per_token
     tps = {e: (n - 1) / median(decode[e]) for e in engines}
-    from kvexplore.models.linear import linear
+    from kvexplore.fast.kernels import linear
     floor = matmul_floor(kv)
     print(f"  bandwidth bound: {per_token / 2 ** 20:.1f} MiB read per token at {bandwidth / 1e9:.1f} GB/s "
           f"-> at most {bound:.1f} tok/s")

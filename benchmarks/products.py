@@ -1,5 +1,5 @@
 """A decoding step's matrix products alone: one row times every weight matrix of a model, with torch's own kernels
-and with kvexplore's compiled one-row kernel (kvexplore.runtime.products), interleaved in one run.
+and with kvexplore's compiled one-row kernel (kvexplore.fast.kernels), interleaved in one run.
 
     python benchmarks/products.py                       # SmolLM2-135M's shapes, random weights, 2 threads
     python benchmarks/products.py --model tiny --threads 1
@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from kvexplore.models import linear
-    from kvexplore.runtime import products
+
+    from kvexplore.fast import kernels as products
 
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, width, generator=g) * 0.02 for out, width in shapes(args.model)]
@@ -58,7 +58,7 @@ def main() -> None:
     engines = {"F.linear": lambda: [F.linear(rows[w.shape[1]], w) for w in weights],
                "F.linear, column-major": lambda: [F.linear(rows[w.shape[1]], w) for w in column]}
     if products.KERNELS.get() is not None:
-        engines["kernel"] = lambda: [linear.linear(rows[w.shape[1]], w) for w in weights]
+        engines["kernel"] = lambda: [products.linear(rows[w.shape[1]], w) for w in weights]
     with torch.inference_mode():
         want = engines["F.linear"]()
         for name, run in engines.items():

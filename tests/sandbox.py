@@ -34,7 +34,7 @@ def context() -> mp.context.BaseContext:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
         # the server imports PRELOAD with its own sys.path (not the caller's): let it find these test modules
-        # and: every case's one-row products on F.linear (building the compiled kernel, kvexplore.runtime.products,
+        # and: every case's one-row products on F.linear (building the compiled kernel, kvexplore.fast.kernels,
         # would cost each forked case about 2 s; these cases are about errors, not speed)
         saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "KVEXPLORE_PRODUCTS")}
         here = os.path.dirname(os.path.abspath(__file__))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kvexplore.cli.compile_progress import FIRST, compile_progress, phase_now
-from kvexplore.runtime import artifacts, compile_cache, regional
-from kvexplore.runtime.artifacts import Saved, graph_key, note, step_key
+from kvexplore.fast.progress import FIRST, compile_progress, phase_now
+from kvexplore.fast import artifacts, compile_cache, regional
+from kvexplore.fast.artifacts import Saved, graph_key, note, step_key
 
 STEP = "tiny | float32 | 64 slots | regional"
 
@@ -127,7 +127,7 @@ def test_the_progress_line_names_the_phase_after_the_last_one_finished(monkeypat
 def test_blocked_products_equal_linear(out):
     """The regional step's products: a blocked copy of the weight (the last block filled with zero rows where the
     output is not a multiple of 16) gives F.linear's output, for one row and several."""
-    from kvexplore.runtime.blocked import BLOCK, BlockedLinear
+    from kvexplore.fast.blocked import BLOCK, BlockedLinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, out)

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import kvexplore
-from kvexplore.runtime.compiled import decoder_for
+from kvexplore.fast.compiled import decoder_for
 
 PROMPT = "Call me Ishmael. Some years ago"
 CAP = 544  # one capacity for every test here: the compiled step is built once per model and capacity, and shared
@@ -112,7 +112,7 @@ def test_compile_takes_a_mode_and_refuses_anything_else(tiny):
 
 
 def test_a_torch_that_cannot_save_a_graph_refuses_regional_and_compiles_the_whole_step(tiny, monkeypatch):
-    from kvexplore.runtime import compiled, regional
+    from kvexplore.fast import compiled, regional
 
     assert compiled.best_mode(torch.device("cpu")) == "regional" and compiled.best_mode(torch.device("cuda")) == \
         "reduce-overhead"
@@ -210,7 +210,7 @@ import json, sys
 import torch
 torch.set_num_threads(int(sys.argv[4]))  # the C++ kernels are built for a number of threads: part of the key
 import kvexplore
-from kvexplore.runtime.compiled import decoder_for
+from kvexplore.fast.compiled import decoder_for
 model = kvexplore.load(sys.argv[3])
 gen = kvexplore.Generator(model, kvexplore.make_cache("preallocated", model, int(sys.argv[1])), compile=True)
 gen.prefill(sys.argv[2])
@@ -231,7 +231,7 @@ def test_a_second_process_loads_the_saved_step_and_compiles_nothing(tiny, tmp_pa
     import sys
     import weakref
 
-    from kvexplore.runtime import compiled
+    from kvexplore.fast import compiled
 
     monkeypatch.setenv("KVEXPLORE_COMPILED", str(tmp_path / "compiled"))
     monkeypatch.setattr(compiled, "_DECODERS", weakref.WeakKeyDictionary())  # a step of this test's own

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.runtime.executor import Executor, as_executor
+from kvexplore.models.executor import Executor, as_executor
 from helpers import no_cache_logits
 
 PROMPT = "Call me Ishmael. Some years ago"

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvexplore"
 #: and import neither each other. "errors" is the root module kvexplore/errors.py, "kvexplore" the package's
 #: __init__ (the public API), which sits on top.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("runtime",), ("hf", "prefix"),
+    ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("fast",), ("runtime",),
+    ("hf", "prefix"),
     ("diagnosis",), ("bugs",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -110,7 +111,7 @@ def test_no_file_over_400_lines():
 #: the only files that may decide by a layer kind's or a strategy's name: the registries (docs/extending.md)
 REGISTRIES = {"kvexplore/config/layer_plan.py", "kvexplore/caches/registry.py", "kvexplore/caches/factory.py",
               "kvexplore/config/families.py", "kvexplore/models/architectures/__init__.py",
-              "kvexplore/views/registry.py", "kvexplore/explorer/lanes.py", "kvexplore/runtime/executor.py",
+              "kvexplore/views/registry.py", "kvexplore/explorer/lanes.py", "kvexplore/models/executor.py",
               "kvexplore/hf/caches.py"}
 
 

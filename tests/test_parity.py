@@ -113,25 +113,26 @@ def test_sliding_window_matches_transformers(tmp_path):
     assert (full[8:] - want[8:]).abs().max().item() > 100 * TOL
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["one-row kernel", "F.linear"])
-def test_cpu_weights_keep_the_layout_their_one_token_products_read_fastest(checkpoint, monkeypatch, kernel):
-    """Row-major (the file's own) where one-row products take the compiled kernel (kvexplore.runtime.products),
-    column-major where they are F.linear (MKL's fast layout; see benchmarks/decode_speed.py); values unchanged."""
+def test_cpu_weights_keep_the_layout_their_one_token_products_read_fastest(checkpoint):
+    """Column-major as loaded (MKL's fast layout for F.linear; see benchmarks/decode_speed.py), row-major (the file's
+    own) once the one-row kernels are applied (kvexplore.fast.kernels); values unchanged, tied weights still tied."""
     from safetensors.torch import load_file
-    from kvexplore.models import linear
+    from kvexplore.fast import kernels
 
-    if not kernel:
-        monkeypatch.setattr(linear, "_SOURCE", None)
-    assert linear.enabled() == kernel
     folder, _ = checkpoint("qwen2-gqa8")
     model = kvexplore.load(folder)
-    q = model.model.layers[0].self_attn.q_proj.weight
-    emb = model.model.embed_tokens.weight  # tied: it is also the output head
-    for w in (q, emb):
-        assert w.stride() == ((w.shape[1], 1) if kernel else (1, w.shape[0]))
     saved = load_file(folder / "model.safetensors")
-    assert torch.equal(q, saved["model.layers.0.self_attn.q_proj.weight"])
-    assert model.model.norm.weight.is_contiguous()
+    for kernel in (False, True):
+        if kernel and not kernels.apply(model):
+            pytest.skip(kernels.status())
+        q = model.model.layers[0].self_attn.q_proj.weight
+        emb = model.model.embed_tokens.weight  # tied: it is also the output head
+        for w in (q, emb):
+            assert w.stride() == ((w.shape[1], 1) if kernel else (1, w.shape[0]))
+        assert torch.equal(q, saved["model.layers.0.self_attn.q_proj.weight"])
+        assert model.head_weight is emb and model.model.norm.weight.is_contiguous()
+    kernels.remove(model)  # F.linear's layout again
+    assert model.model.embed_tokens.weight.stride() == (1, model.model.embed_tokens.weight.shape[0])
 
 
 def test_last_only_logits(tiny):

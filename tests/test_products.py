@@ -1,8 +1,10 @@
-"""The one-row product kernel (kvexplore.runtime.products behind kvexplore.models.linear): the same products as
-F.linear within float32 rounding, taken only where it applies, saved for a later process, and a step's products
-really run on it."""
+"""The one-row product kernels (kvexplore.fast.kernels), applied to a model from outside: the same products as
+F.linear within float32 rounding, taken only where they apply, saved for a later process, a step's products really
+run on them once applied and never before, and a plain decode that imports nothing of the compiler."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import kvexplore
-from kvexplore.models import linear
-from kvexplore.runtime import products
+from kvexplore.fast import kernels as products
+from kvexplore.fast.kernels import KernelLinear
 
 pytestmark = pytest.mark.skipif(not products.KERNELS.enabled(), reason=products.status())
 
@@ -27,7 +29,7 @@ def test_one_row_equals_f_linear_within_rounding(kernel, out, width):
     g = torch.Generator().manual_seed(out * 7 + width)
     x, w, b = torch.randn(1, 1, width, generator=g), torch.randn(out, width, generator=g), torch.randn(out, generator=g)
     want = F.linear(x, w, b)
-    got = linear.linear(x, w, b)
+    got = products.linear(x, w, b)
     assert got.shape == want.shape == (1, 1, out)
     assert (got - want).abs().max().item() <= 1e-5 * max(1.0, width ** 0.5)
     assert not torch.equal(got, want) or out * width < 100  # another order of sums: it did not fall back
@@ -48,33 +50,82 @@ def test_everything_else_is_f_linear_itself(kernel, case):
         w.requires_grad_(True)
     if case == "column-major weight":
         w = w.t().contiguous().t()
-    assert not linear.takes_kernel(x, w) or case == "a function mode"
+    assert not products.takes_kernel(x, w) or case == "a function mode"
     if case == "a function mode":
         with _Watching():
-            assert not linear.takes_kernel(x, w)
-            got = linear.linear(x, w)
+            assert not products.takes_kernel(x, w)
+            got = products.linear(x, w)
     else:
-        got = linear.linear(x, w)
+        got = products.linear(x, w)
     assert torch.equal(got, F.linear(x, w))
 
 
-def test_a_step_runs_its_products_on_the_kernel_and_keeps_its_tokens(tiny, monkeypatch):
+def test_a_step_runs_its_products_on_the_kernels_once_applied_and_keeps_its_tokens(tiny, monkeypatch):
     calls = []
     run = products._Kernel.__call__
     monkeypatch.setattr(products._Kernel, "__call__", lambda self, x, w: calls.append(w.shape) or run(self, x, w))
-    gen = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40))
-    gen.prefill([1, 5, 9, 2])
-    gen.run(11, stop_at_eos=False)
-    with_kernel = gen.generated_tokens
-    layers = tiny.config.num_layers
-    # q, k, v, o, gate, up, down per layer and the head, per decode step; the prefill's head reads its last row only
-    assert len(calls) == 11 * (7 * layers + 1) + 1
-    monkeypatch.setattr(linear, "_SOURCE", None)
-    gen = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40))
-    gen.prefill([1, 5, 9, 2])
-    gen.run(11, stop_at_eos=False)
-    assert gen.generated_tokens == with_kernel and len(with_kernel) == 12
-    assert len(calls) == 11 * (7 * layers + 1) + 1
+
+    def generated(**kernels):
+        gen = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40), **kernels)
+        gen.prefill([1, 5, 9, 2])
+        gen.run(11, stop_at_eos=False)
+        return gen
+
+    plain = generated()
+    assert not plain.kernels and calls == [] and not products.applied(tiny)
+    assert not any(isinstance(m, KernelLinear) for m in tiny.modules())
+    state = {name: t.clone() for name, t in tiny.state_dict().items()}
+    try:
+        fast = generated(kernels=True)
+        assert fast.kernels and products.applied(tiny)
+        layers = tiny.config.num_layers
+        # q, k, v, o, gate, up, down per layer and the head, per decode step; the prefill's head reads its last row
+        assert len(calls) == 11 * (7 * layers + 1) + 1
+        assert fast.generated_tokens == plain.generated_tokens and len(plain.generated_tokens) == 12
+        assert tiny.state_dict().keys() == state.keys()  # the same names and values, laid out row-major
+        assert all(torch.equal(t, state[name]) and t.is_contiguous() for name, t in tiny.state_dict().items())
+    finally:
+        products.remove(tiny)
+    assert not products.applied(tiny) and not any(isinstance(m, KernelLinear) for m in tiny.modules())
+    again = generated()
+    assert again.generated_tokens == plain.generated_tokens and len(calls) == 11 * (7 * tiny.config.num_layers + 1) + 1
+
+
+def test_a_transformers_model_or_a_bfloat16_one_is_left_as_it_is(tiny):
+    half = kvexplore.load("tiny", dtype=torch.bfloat16)
+    assert not products.apply(half) and not products.applied(half)
+    assert not any(isinstance(m, KernelLinear) for m in half.modules())
+    assert not products.apply(object())
+    with pytest.raises(kvexplore.SettingsError, match="kernels must be True or False"):
+        kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 8), kernels="yes")
+
+
+PLAIN_DECODE = """
+import sys
+import kvexplore as kx
+g = kx.Generator(kx.load('tiny'), kx.make_cache('preallocated', kx.load('tiny'), max_seq_len=64))
+g.prefill('a b c')
+list(g.run(4))
+loaded = [m for name, m in sys.modules.items() if name.startswith('kvexplore') and getattr(m, '__file__', None)]
+print('torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules, any(n.startswith('kvexplore.fast') for n in sys.modules),
+      sum(sum(1 for _ in open(m.__file__)) for m in loaded))
+"""
+
+
+def test_a_plain_decode_imports_nothing_of_the_compiler_and_loads_a_small_core():
+    """Issue 59's measure: a plain decode loads neither inductor nor dynamo nor kvexplore.fast, and at most 12,000
+    lines of kvexplore's own modules (the labs and the screen load on first use); the models name no kernel."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", PLAIN_DECODE], capture_output=True, text=True, check=True).stdout
+    inductor, dynamo, fast, lines = out.split()
+    assert (inductor, dynamo, fast) == ("False", "False", "False")
+    assert int(lines) <= 12_000, f"a plain decode loads {lines} lines of kvexplore"
+    models = Path(kvexplore.__file__).parent / "models"
+    switch = re.compile(r"^\s*(from|import)\s+\S*(fast|products|linear)\b|KernelLinear|\binstall\(", re.M)
+    assert [p.name for p in models.rglob("*.py") if switch.search(p.read_text())] == []
 
 
 def test_a_models_widest_weights_get_a_kernel_of_their_width(trained):
@@ -93,7 +144,7 @@ def test_a_models_widest_weights_get_a_kernel_of_their_width(trained):
         g = torch.Generator().manual_seed(5)
         for width in (256, 512):
             x, w = torch.randn(1, width, generator=g), torch.randn(700, width, generator=g)
-            got, want = linear.linear(x, w), F.linear(x, w)
+            got, want = products.linear(x, w), F.linear(x, w)
             assert (got - want).abs().max().item() <= 1e-5 * width ** 0.5
     finally:
         for kernel, run in runs.items():

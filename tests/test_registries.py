@@ -20,7 +20,7 @@ from kvexplore.errors import SettingsError
 from kvexplore.prefix import POLICIES, register_policy, unregister_policy
 from kvexplore.prefix.hashing import HashIndex
 from kvexplore.runtime.drafters import DRAFTERS, Draft, Drafter, register_drafter, unregister_drafter
-from kvexplore.runtime.executor import ADAPTERS, as_executor, register_adapter, unregister_adapter
+from kvexplore.models.executor import ADAPTERS, as_executor, register_adapter, unregister_adapter
 from kvexplore.views import registry as views
 from kvexplore.views.prefix import PREFIX_FIGURES, register_prefix_figure, unregister_prefix_figure
 from kvexplore.views.spec import FigureSpec

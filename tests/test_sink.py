@@ -48,7 +48,7 @@ def decode(model, cache, tokens, start):
 def tolerance(model):
     """Float32 rounding of recomputation vs cached decoding: the trained model's logits (|x| ~ 10) differ by up to
     1.2e-5 with the PreallocatedCache too on these sequences; the random test model's stay within 1e-5 where both
-    take F.linear, 1.1e-5 where decoding's one-row products take the compiled kernel (kvexplore.runtime.products)."""
+    take F.linear, 1.1e-5 where decoding's one-row products take the compiled kernel (kvexplore.fast.kernels)."""
     return 2e-5
 
 

@@ -15,6 +15,7 @@ is looked up; no other cache code compares them.
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config.layer_plan import FULL, SHARED, SLIDING, STATE, LayerSpec
@@ -81,9 +82,16 @@ def unregister_prefix(prefix: str) -> Callable:
     return PREFIXES.remove(prefix)
 
 
+#: prefixes served by a package of kvexplore's that loads on first use: prefix -> the module that registers it
+BUILT_IN_PREFIXES = {"hf:": "kvexplore.hf"}
+
+
 def prefix_factory(kind: Any) -> Callable | None:
-    """The factory registered for ``kind``'s prefix, if any."""
+    """The factory registered for ``kind``'s prefix, if any (a built-in one's package imported first)."""
     if isinstance(kind, str):
+        for prefix, module in BUILT_IN_PREFIXES.items():
+            if kind.startswith(prefix) and prefix not in PREFIXES:
+                import_module(module)
         for prefix, make in PREFIXES.items():
             if kind.startswith(prefix):
                 return make

@@ -13,7 +13,6 @@ from ..caches.factory import STRATEGIES
 from ..caches.ggml_blocks import TYPES
 from ..errors import KVExploreError, SettingsError
 from . import bugs, kv_events
-from .compile_progress import compile_progress
 
 
 
@@ -79,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stop", action="store_true", help="keep going after an end-of-sequence token")
     gen.add_argument("--compile", action="store_true",
                      help="decode with the compiled one-token step (pre-allocated cache; compiled on the first step)")
+    gen.add_argument("--no-kernels", dest="kernels", action="store_false",
+                     help="plain F.linear products (by default one-row float32 products on the CPU take compiled "
+                          "kernels: kvexplore.fast.kernels)")
     gen.add_argument("--trace", action="store_true",
                      help="print each step's cache map (slots free, filled, written, stale, shared) and memory")
     gen.add_argument("--save-trace", default=None, metavar="PATH",
@@ -235,7 +237,7 @@ def _generate(args: argparse.Namespace) -> None:
     cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, **options)
     tracer = Tracer(capture={"cache", "attention", "qkv", "memory", "timing"}) if args.save_trace else None
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    seed=args.seed, tracer=tracer, compile=args.compile)
+                    seed=args.seed, tracer=tracer, compile=args.compile, kernels=args.kernels)
     out = sys.stdout
     shown = ""
     if args.trace:
@@ -262,6 +264,8 @@ def _generate(args: argparse.Namespace) -> None:
         if not args.no_stop and gen.history[-1].is_eos:
             break
         compiling = args.compile and gen.compile_s is None and gen.compiled_step(1)
+        if compiling:
+            from ..fast.progress import compile_progress
         with compile_progress() if compiling else nullcontext():
             gen.step()
         show()

@@ -103,7 +103,7 @@ class LaneKind(ABC):
         cache = make_cache(self.cache_strategy(strategy), model, max_seq_len=slots, **options)
         s = spec.sampling
         return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer,
-                         compile=self.compiled, **drafting)
+                         compile=self.compiled, kernels=True, **drafting)
 
     def trace_options(self, generator: Generator) -> dict[str, Any]:
         """The tracer's options for a lane after its prefill: a cache that kept nothing of the prefill (its length
@@ -243,7 +243,8 @@ class BugLanes(LaneKind):
             made.sampling, made.seed, made.top_candidates, made.tracer = s, spec.seed, spec.top_candidates, tracer
             return made
         model, cache = made
-        return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer)
+        return Generator(model, cache, s.temperature, s.top_k, s.top_p, spec.seed, spec.top_candidates, tracer,
+                         kernels=True)
 
 
 GIVEN = GivenLane()

@@ -6,7 +6,7 @@ evicting cache (its press runs after the pass) and a sink cache whose ring holds
 per lane would compute the same hidden states, attention and logits again. Here the first such lane runs the model
 as usual, through :class:`Recording`, which notes what each layer gave its cache (queries, keys, values), whether the
 cache read back exactly what it was given, and the mask it gave attention. Every later lane is prefilled by
-:class:`Replay`, an :class:`~kvexplore.runtime.executor.Executor` that makes the same calls on that lane's cache in the
+:class:`Replay`, an :class:`~kvexplore.models.executor.Executor` that makes the same calls on that lane's cache in the
 same order, checks that it reads back exactly what it was given under an equal mask, feeds the lane's tracer the same
 hook points, and returns the recorded logits. The lane's tracer takes a copy of the recorded pass's attention.
 
@@ -30,7 +30,7 @@ import torch
 from ..core.hooks import hook
 from ..errors import KVExploreError
 from ..models.model import Model
-from ..runtime.executor import Executor
+from ..models.executor import Executor
 
 SHARED_PASSES = 2  # recorded prefill passes kept for the lanes after them (each holds the prompt's q, k, v and masks)
 # what Model.forward and Attention.forward ask of a cache; a pass that asks anything else is not replayed

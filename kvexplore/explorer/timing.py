@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
-from ..models.linear import linear, row_weights
 from ..models.model import Model
 
 DRAIN_S = 0.25  # the longest quiet() waits for the kernel's IOPub thread to send what is queued
@@ -69,21 +69,24 @@ def quiet() -> Iterator[None]:
 
 
 def warm_up(model, seconds: float = WARM_S) -> int:
-    """Untimed one-row products through ``model``'s weight matrices (the path a decode step takes: the compiled
-    kernel or ``F.linear``, :mod:`kvexplore.models.linear`), in layer order and round again, for at least
+    """Untimed one-row products through ``model``'s weight matrices (the path a decode step takes: its
+    ``nn.Linear`` modules and output head, on the compiled kernels where :mod:`kvexplore.fast.kernels` applied them),
+    in layer order and round again, for at least
     ``seconds``: torch's threads awake, the processor back to speed, and as many weights read as that time allows
     (all of a small model's, many times; a large model's would not stay in the processor's caches anyway). A whole
     forward pass did this before, but one pass of SmolLM2 takes 30-40 ms of every click, three times what is needed.
     Nothing for a model kvexplore does not run itself (a transformers model). Returns the number of products."""
     if not isinstance(model, Model):
         return 0
-    weights = row_weights(model)
-    rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    head = model.head_weight
+    products = [(m, m.weight) for m in model.modules() if isinstance(m, nn.Linear)] + [
+        (lambda x: model.project(x, head), head)]
+    rows = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for _, w in products}
     end, done = time.perf_counter() + seconds, 0
     with torch.inference_mode():
         while time.perf_counter() < end or not done:
-            for w in weights:
-                linear(rows[w.shape[1]], w)
+            for product, w in products:
+                product(rows[w.shape[1]])
                 done += 1
                 if time.perf_counter() >= end:
                     break

@@ -12,7 +12,6 @@ from ..core.devices import resolve_device
 from ..core.settings import choice
 from ..models.model import Model
 from ..models.rope import Rotary
-from ..models import linear
 from .store import MODELS, fetch
 from .tokenizer import Tokenizer
 from .weights import check_finite, load_weights
@@ -89,10 +88,9 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
 def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None,
              device: torch.device, source: str) -> Model:
     """A ready model from checked tensors (no random initialisation: modules are built on the meta device)."""
-    if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32 and not linear.enabled():
+    if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32:
         tensors = {n: _column_major(t) if _is_matmul_weight(n, config) else t for n, t in tensors.items()}
-    with torch.device("meta"):
-        model = Model(config)
+    model = Model.skeleton(config)
     model.load_state_dict({n: t.to(device) for n, t in tensors.items()}, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
     model.tokenizer = tokenizer
@@ -110,7 +108,6 @@ def _column_major(w: torch.Tensor) -> torch.Tensor:
     """Same ``[out, in]`` tensor, stored transposed (stride ``(1, out)``). On CPU in float32, ``F.linear`` with
     one token (a matrix-vector product, all of decoding) runs up to 2x faster from this layout (49152x576: 4.1 vs
     7.0 ms); values, shape and name are unchanged. In bfloat16 and float16 it is slower (2x and 60x), so those keep
-    the row-major layout, and so do float32 weights where one-row products take the compiled kernel
-    (:mod:`kvexplore.runtime.products`: 2x faster again, from the file's own row-major layout). Measured in
-    benchmarks/decode_speed.py."""
+    the row-major layout. :func:`kvexplore.fast.kernels.apply` lays them out row-major again for its kernels, which
+    read that layout fastest. Measured in benchmarks/decode_speed.py (docs/benchmarks.md)."""
     return w.t().contiguous().t()

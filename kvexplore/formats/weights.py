@@ -53,8 +53,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config must hold, by Hugging Face name, with its shape: the state of the
     model built on the meta device (no memory, no initialisation), so the names and shapes are declared once, by
     the modules the architecture builds, and a checkpoint that passes loads with ``strict=True``."""
-    with torch.device("meta"):
-        model = Model(config)
+    model = Model.skeleton(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 

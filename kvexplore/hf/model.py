@@ -1,6 +1,6 @@
 """A transformers causal LM as kvexplore sees it: the module, a kvexplore config for the views, a tokenizer, and
 (where kvexplore implements the architecture) a kvexplore :class:`~kvexplore.Model` on the same weights. It is an
-:class:`~kvexplore.runtime.executor.Executor`: a :class:`~kvexplore.Generator` drives it as it drives kvexplore's
+:class:`~kvexplore.models.executor.Executor`: a :class:`~kvexplore.Generator` drives it as it drives kvexplore's
 own model, through its transformers caches (:class:`~.cache.HFCache`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from ..config.model_config import ModelConfig
 from ..errors import KVExploreError, LoadError, SettingsError
 from ..formats.tokenizer import Tokenizer
-from ..runtime.executor import ADAPTERS, Executor, register_adapter
+from ..models.executor import ADAPTERS, Executor, register_adapter
 from ..caches.registry import PREFIXES, register_prefix
 from .cache import HFCache
 from .caches import BOUNDED, is_transformers, make_hf_cache

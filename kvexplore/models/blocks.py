@@ -8,7 +8,6 @@ from torch import nn
 
 from ..config.norms import GEMMA_NORM, LLAMA_NORM
 from ..config.model_config import ModelConfig
-from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -43,9 +42,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, width: int) -> None:
         super().__init__()
         d, f, bias = config.hidden_size, width, config.mlp_bias
-        self.gate_proj = Linear(d, f, bias=bias)
-        self.up_proj = Linear(d, f, bias=bias)
-        self.down_proj = Linear(f, d, bias=bias)
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ from ..config.norms import FLOAT32_NORM
 from .blocks import RMSNorm
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
-from .linear import Linear
 from ..core.hooks import hook
 from .delta_rule import gated_delta_rule, recurrent
 
@@ -47,14 +46,14 @@ class GatedDeltaNet(nn.Module):
         self.layer = layer
         self.hk, self.hv, self.dk, self.dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         self.r, self.kernel = self.hv // self.hk, c.conv_kernel
-        self.in_proj_qkvz = Linear(d, self.hk * (2 * self.dk + 2 * self.r * self.dv), bias=False)
-        self.in_proj_ba = Linear(d, self.hk * 2 * self.r, bias=False)
+        self.in_proj_qkvz = nn.Linear(d, self.hk * (2 * self.dk + 2 * self.r * self.dv), bias=False)
+        self.in_proj_ba = nn.Linear(d, self.hk * 2 * self.r, bias=False)
         self.conv1d = nn.Conv1d(c.conv_channels, c.conv_channels, self.kernel, groups=c.conv_channels, bias=False,
                                 padding=0)
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = RMSNorm(self.dv, c.rms_norm_eps, FLOAT32_NORM)
-        self.out_proj = Linear(self.hv * self.dv, d, bias=False)
+        self.out_proj = nn.Linear(self.hv * self.dv, d, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 tracer: Any) -> torch.Tensor:

@@ -29,7 +29,6 @@ from torch import nn
 from ..core import host
 from .blocks import MLP
 from ..config.model_config import ModelConfig
-from .linear import Linear
 
 
 class Router(nn.Module):
@@ -129,10 +128,10 @@ class SharedExpertMoE(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.shared_expert = MLP(config, config.shared_expert_size)
-        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.k, self.normalise = config.experts_per_token, config.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

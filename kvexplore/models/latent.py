@@ -33,7 +33,6 @@ from .blocks import RMSNorm
 from ..caches.base import KVCache
 from ..caches.masks import positions_mask
 from ..config.model_config import ModelConfig
-from .linear import Linear
 from ..core.hooks import hook
 from ..config.layer_plan import LayerSpec
 from .rope import rotate
@@ -63,10 +62,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.heads, self.dim, self.rope, self.topk = (config.index_heads, config.index_head_dim,
                                                        config.qk_rope_head_dim, config.index_topk)
-        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
-        self.wk = Linear(config.hidden_size, self.dim, bias=False)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
-        self.weights_proj = Linear(config.hidden_size, self.heads, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
 
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The indexer key of each new position, ``(B, 1, T, dim)``, as the cache stores it."""
@@ -94,15 +93,15 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.vd, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         bias = c.o_bias
         if c.q_lora_rank:
-            self.q_a_proj = Linear(d, c.q_lora_rank, bias=bias)
+            self.q_a_proj = nn.Linear(d, c.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, c.norm_style)
-            self.q_b_proj = Linear(c.q_lora_rank, self.nh * c.qk_head_dim, bias=False)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, self.nh * c.qk_head_dim, bias=False)
         else:
-            self.q_proj = Linear(d, self.nh * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(d, self.rank + self.rope, bias=bias)
+            self.q_proj = nn.Linear(d, self.nh * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, c.norm_style)
-        self.kv_b_proj = Linear(self.rank, self.nh * (self.nope + self.vd), bias=False)
-        self.o_proj = Linear(self.nh * self.vd, d, bias=bias)
+        self.kv_b_proj = nn.Linear(self.rank, self.nh * (self.nope + self.vd), bias=False)
+        self.o_proj = nn.Linear(self.nh * self.vd, d, bias=bias)
         self.low_rank_q, self.interleave, self.absorbed = bool(c.q_lora_rank), c.rope_interleave, c.mla == "absorbed"
         self.scale = c.attention_scale(spec.index)
         self.sparse = bool(c.index_topk)

@@ -18,6 +18,8 @@ keys attention reads (values travel with them). With no tracer none of this runs
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +29,6 @@ from torch import nn
 
 from ..caches.base import KVCache
 from ..config.model_config import ModelConfig
-from .linear import Linear, linear
 from ..config.families import Architecture, lookup
 from ..config.layer_plan import LayerSpec, layer_plan
 from .architectures import llama as _llama  # importing the package registers every architecture
@@ -44,6 +45,26 @@ LAYER_HOOK_POINTS = ("attn.q", "attn.k_new", "attn.v_new", "attn.cache_write", "
                      "attn.probs", "attn.out", "mlp.out")
 
 
+#: what ``nn.Linear``, ``nn.Embedding`` and friends initialise their weights with
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """Modules built without random initialisation (as transformers' ``no_init_weights``): on the meta device a
+    tensor's ``normal_`` runs torch's Python reference, which imports the compiler (dynamo and inductor) into a
+    process that only loads and decodes."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def hook_point_names(num_layers: int) -> list[str]:
     """Every hook point of a model with ``num_layers`` layers, in firing order."""
     per_layer = [f"layers.{i}.{name}" for i in range(num_layers) for name in LAYER_HOOK_POINTS]
@@ -57,10 +78,10 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = config.num_heads, spec.kv_heads, spec.head_dim
         d = config.hidden_size
         self.gated = config.gated_attention  # Qwen3-Next: each head's queries come with an output gate
-        self.q_proj = Linear(d, self.nh * self.hd * (2 if self.gated else 1), bias=config.qkv_bias)
-        self.k_proj = Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
-        self.v_proj = Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
-        self.o_proj = Linear(self.nh * self.hd, d, bias=config.o_bias)
+        self.q_proj = nn.Linear(d, self.nh * self.hd * (2 if self.gated else 1), bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, d, bias=config.o_bias)
         shared = spec.shares
         if shared:  # a shared layer computes queries only (transformers' checkpoints hold no k/v weights for it)
             del self.k_proj, self.v_proj
@@ -240,11 +261,18 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size,
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                           bias=False)
         self.rotary = Rotary(config)
         self.tokenizer = None  # set by the loader
         self.source: str | None = None
+
+    @classmethod
+    def skeleton(cls, config: ModelConfig) -> "Model":
+        """A model of ``config`` whose tensors are on the meta device: no memory and no initialisation, the names and
+        shapes a checkpoint must have (its state dict loads with ``assign=True``)."""
+        with torch.device("meta"), _no_init():
+            return cls(config)
 
     def first_layers(self, n: int) -> "Model":
         """A model made of this one's first ``n`` layers, then its final norm and output head: the same weights
@@ -268,6 +296,8 @@ class Model(nn.Module):
         decoder.layers = nn.ModuleList(list(self.model.layers)[:n])
         twin.config, twin.model, twin.lm_head, twin.rotary = config, decoder, self.lm_head, self.rotary
         twin.tokenizer, twin.source = self.tokenizer, f"{self.source or c.architecture} (first {n} of {N} layers)"
+        if "project" in vars(self):  # the kernels applied to this model: its layers' already are the twin's
+            twin.project = self.project
         return twin
 
     @property
@@ -285,6 +315,9 @@ class Model(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
         return x
 
+    #: the output head's matrix product; :func:`kvexplore.fast.kernels.apply` gives a model a faster one of its own
+    project = staticmethod(F.linear)
+
     @property
     def head_weight(self) -> torch.Tensor:
         """The output head's weight ``[vocab, hidden]``: the embeddings where they are tied."""
@@ -292,7 +325,7 @@ class Model(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the final norm's output ``x``."""
-        return self.capped(linear(x, self.head_weight).float())
+        return self.capped(self.project(x, self.head_weight).float())
 
     def capped(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as the model gives it: soft-capped where the config says so (Gemma 2)."""

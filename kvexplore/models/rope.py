@@ -101,8 +101,9 @@ class Rotary(torch.nn.Module):
         self.own = tuple(t for t in dict.fromkeys(config.layer_types) if t != "full_attention")
         # float32 on the host, whatever .to() does to the model: a bfloat16 inv_freq turns position 1000 by a
         # visibly wrong angle. The buffers are these, moved to the model's device (see _apply).
-        self._exact = {"inv_freq": inverse_frequencies(config),
-                       **{f"inv_freq_{t}": inverse_frequencies(config, t) for t in self.own}}
+        with torch.device("cpu"):  # on the host even inside a model built on the meta device (Model.skeleton)
+            self._exact = {"inv_freq": inverse_frequencies(config),
+                           **{f"inv_freq_{t}": inverse_frequencies(config, t) for t in self.own}}
         for name, table in self._exact.items():
             self.register_buffer(name, table.clone(), persistent=False)
         self.scale = {t: attention_factor(config, t) for t in ("full_attention", *self.own)}

@@ -21,7 +21,7 @@ from ..caches.paged import PagedCache, PagePoolFullError
 from ..config.layer_plan import layer_plan
 from ..core.settings import positive_int
 from ..errors import SettingsError
-from ..runtime.executor import as_executor
+from ..models.executor import as_executor
 from ..runtime.recording import eos_ids
 from ..runtime.sampling import SamplingSettings, choose
 from .blocks import BlockPool

@@ -1,5 +1,7 @@
-"""What a generator's ``compile=`` makes of its decode steps: the executor's compiled one-token step where it
-applies, and why not where it does not (:attr:`CompiledUse.note`)."""
+"""What a generator's ``compile=`` and ``kernels=`` make of its steps: the executor's compiled one-token step where
+it applies, and why not where it does not (:attr:`CompiledUse.note`); the model's one-row products on the kernels
+(:func:`kvexplore.fast.kernels.apply`). The one seam between the generator and the speed stack
+(:mod:`kvexplore.fast`), which is imported only when one of them is asked for."""
 
 from __future__ import annotations
 
@@ -7,22 +9,30 @@ import warnings
 from typing import Any
 
 from ..errors import SettingsError
-from .compiled import MODES
-from .executor import CompiledExecutor
+from ..models.executor import CompiledExecutor
 
 
 class CompiledUse:
     """``compile``: False, True (the best mode for the device: the CPU's regional step, CUDA's reduce-overhead), or
-    a mode by name ("regional" or a torch.compile mode). ``fast`` is the compiled step (None where the executor or cache has none, or compile=False),
-    ``note`` why decode steps run eager although compile was asked for ("" when they compile)."""
+    a mode by name ("regional" or a torch.compile mode). ``fast`` is the compiled step (None where the executor or
+    cache has none, or compile=False), ``note`` why decode steps run eager although compile was asked for ("" when
+    they compile); ``kernels`` whether the model's one-row products run on the kernels (asked for, and they apply)."""
 
-    def __init__(self, executor: Any, cache: Any, compile: bool | str) -> None:
-        if not isinstance(compile, bool) and compile not in MODES:
-            raise SettingsError(f"compile must be True, False or a mode ({', '.join(MODES)}: kvexplore's regional "
-                                f"step or a torch.compile mode), got {compile!r}")
+    def __init__(self, executor: Any, cache: Any, compile: bool | str, kernels: bool = False) -> None:
+        if not isinstance(kernels, bool):
+            raise SettingsError(f"kernels must be True or False, got {kernels!r}")
+        if compile is not False:
+            from ..fast.compiled import MODES
+            if not isinstance(compile, bool) and compile not in MODES:
+                raise SettingsError(f"compile must be True, False or a mode ({', '.join(MODES)}: kvexplore's "
+                                    f"regional step or a torch.compile mode), got {compile!r}")
         self.note = ""
         self.fast: CompiledExecutor | None = None
         self._traced_note = False  # the message that traced steps run eager was given
+        self.kernels = False
+        if kernels:  # built or loaded now, not in a timed step
+            from ..fast import kernels as fast_kernels
+            self.kernels = fast_kernels.apply(executor.model)
         if compile:
             self.note = executor.compile_refusal(cache) or ""
             if self.note:

@@ -84,7 +84,7 @@ class PromptLookup(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """Drafts with ``executor`` (a kvexplore :class:`~kvexplore.runtime.executor.Executor`) through a pre-allocated
+    """Drafts with ``executor`` (a kvexplore :class:`~kvexplore.models.executor.Executor`) through a pre-allocated
     cache of its own, grown (by one prefill) when the sequence outgrows it."""
 
     def __init__(self, executor: Any, name: str) -> None:
@@ -165,7 +165,7 @@ def _prompt_lookup(argument: str | None, executor: Any) -> Drafter:
 
 
 def _first_layers(argument: str | None, executor: Any) -> Drafter:
-    from .executor import as_executor
+    from ..models.executor import as_executor
 
     draft = f"self:{argument or ''}"
     first = getattr(executor.model, "first_layers", None)
@@ -208,7 +208,7 @@ DRAFTERS.seal()
 def make_drafter(draft: Any, executor: Any) -> Drafter:
     """The drafter ``draft`` names for a target run by ``executor``: ``"prompt-lookup"``, ``"self:L"``, a name
     :func:`register_drafter` added, a model, or a :class:`Drafter`."""
-    from .executor import as_executor
+    from ..models.executor import as_executor
 
     if isinstance(draft, Drafter):
         return draft

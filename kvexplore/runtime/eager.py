@@ -11,7 +11,7 @@ from ..caches.base import KVCache
 from ..caches.factory import make_cache
 from ..errors import SettingsError
 from ..models.model import Model
-from .executor import ADAPTERS, CompiledExecutor, Executor, register_adapter
+from ..models.executor import ADAPTERS, CompiledExecutor, Executor, register_adapter
 
 
 class EagerExecutor(Executor):
@@ -57,12 +57,12 @@ class EagerExecutor(Executor):
         return make_cache("preallocated", self._model)
 
     def compile_refusal(self, cache: Any) -> str | None:
-        from .compiled import refusal
+        from ..fast.compiled import refusal
 
         return refusal(self._model, cache)
 
     def compiled(self, cache: Any, mode: str | None) -> CompiledExecutor:
-        from .compiled import CompiledStep
+        from ..fast.compiled import CompiledStep
 
         return CompiledStep(self, mode)
 

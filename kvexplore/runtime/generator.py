@@ -4,7 +4,7 @@ The generator alone owns the sequence and decides every position. The newest tok
 the next step feeds ``tokens[cache.length:]`` at position ``cache.length`` (one token with a cache, the whole
 sequence with :class:`~kvexplore.NoCache`, whose length stays 0), writes it, and picks the following token.
 A step that fails (cache full, bad input) raises before anything changes: tokens, history, RNG and cache
-stay as they were. Every forward pass goes through one :class:`~kvexplore.runtime.executor.Executor` (kvexplore's
+stay as they were. Every forward pass goes through one :class:`~kvexplore.models.executor.Executor` (kvexplore's
 eager model, its compiled one-token step, a transformers model): the generator never asks which one it has.
 """
 
@@ -22,9 +22,9 @@ from ..errors import SettingsError, StateError
 from ..trace.files import History
 from ..trace.records import StepRecord
 from ..trace.tracer import Tracer, checked_tracer
-from . import clock, eager, products  # noqa: F401  (eager registers the adapter that runs a kvexplore Model)
+from . import clock, eager  # noqa: F401  (eager registers the adapter that runs a kvexplore Model)
+from ..models.executor import Executor, as_executor
 from .compiled_use import CompiledUse
-from .executor import Executor, as_executor
 from .prompt import prompt_ids
 from .recording import run_meta, step_record
 from .sampling import SamplingSettings, choose, sampling_setting
@@ -35,13 +35,16 @@ class Generator:
     """Generate from ``model`` through ``cache`` one token at a time.
 
     ``model`` is a kvexplore :class:`~kvexplore.Model`, a transformers model (``kvexplore.hf``) or any
-    :class:`~kvexplore.runtime.executor.Executor`: the generator runs every forward pass through that contract
+    :class:`~kvexplore.models.executor.Executor`: the generator runs every forward pass through that contract
     (:attr:`executor`). ``temperature=0`` (the default) is greedy; otherwise temperature / ``top_k`` / ``top_p``
     sampling with a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so
     a rewound and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record
     lists; ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry. ``compile``: single-token
     steps run the executor's compiled step where it has one (True: the best mode for the device; or a mode by
-    name: "regional" or a torch.compile mode), with :attr:`compile_note` saying why not.
+    name: "regional" or a torch.compile mode), with :attr:`compile_note` saying why not. ``kernels``: the model's
+    one-row float32 products on the CPU run on compiled kernels (:func:`kvexplore.fast.kernels.apply`, which changes
+    the model for every generator that runs it; :attr:`kernels` says whether they apply). Both are speed only: the
+    tokens are the same, the logits within float32 rounding.
 
     ``draft``: speculative decoding (:mod:`~kvexplore.runtime.speculative`) with ``"prompt-lookup"``, ``"self:L"``
     (the model's first L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification. Each
@@ -52,7 +55,7 @@ class Generator:
     def __init__(self, model: Any, cache: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  top_candidates: int = 5, tracer: Tracer | None = None, compile: bool | str = False,
-                 draft: Any = None, draft_tokens: int = 4) -> None:
+                 draft: Any = None, draft_tokens: int = 4, *, kernels: bool = False) -> None:
         executor = as_executor(model)
         if cache is None:
             cache = executor.default_cache()
@@ -72,11 +75,11 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        self._compiled = CompiledUse(executor, cache, compile)
+        self._compiled = CompiledUse(executor, cache, compile, kernels)
+        self.kernels = self._compiled.kernels  # whether the model's products run on the kernels
         self.compile = compile  # True: the best mode for the device (CPU: regional, CUDA: reduce-overhead)
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
         self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
-        products.prepare_for(executor.model)  # the one-row product kernel built or loaded now, not in a timed step
 
     @property
     def model(self) -> Any:
@@ -307,7 +310,8 @@ class Generator:
         self.cache.settle()
         twin = Generator(self.executor, self.cache.fork(), self.sampling.temperature, self.sampling.top_k,
                          self.sampling.top_p, self.seed, self.top_candidates, self.tracer, self.compile,
-                         *((spec.drafter, spec.k) if (spec := self.speculation) is not None else ()))
+                         *((spec.drafter, spec.k) if (spec := self.speculation) is not None else ()),
+                         kernels=self.kernels)
         twin._rng.set_state(self._rng.get_state())
         twin._tokens, twin._prompt_len = list(self._tokens), self._prompt_len
         twin.history, twin._rng_states = History(self.history), list(self._rng_states)
@@ -370,7 +374,7 @@ class Generator:
     def compile_reuse(self) -> str:
         """After the first compiled step: whether its graphs were loaded from an earlier process, compiled and saved
         for a later one, rebuilt (the saved ones stale or missing), or not saved and why ("" before it;
-        :mod:`~kvexplore.runtime.artifacts`, :mod:`~kvexplore.runtime.compile_cache`)."""
+        :mod:`~kvexplore.fast.artifacts`, :mod:`~kvexplore.fast.compile_cache`)."""
         return self._compiled.reuse_note(self.cache)
 
     def _check_force(self, force: int | None) -> None:

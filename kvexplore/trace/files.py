@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, fields, replace
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ class History(list):
     def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None) -> Path:
         """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`)."""
         if _html_writer is None:
-            raise StateError("no HTML writer is registered: import kvexplore (or kvexplore.replay) first")
+            import_module("kvexplore.replay")  # the drawing layer registers its writer (loaded on first use)
+        if _html_writer is None:
+            raise StateError("no HTML writer is registered: import kvexplore.replay first")
         return _html_writer({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
 
 
@@ -71,8 +74,8 @@ def register_html_writer(write: HtmlWriter) -> None:
 
     Why a registration: a page of a run is drawn by the views (:mod:`kvexplore.views.page`), which sit above the
     trace layer and import it; the trace importing them back would run up the folder order. So the drawing layer
-    registers its writer when it is imported, and importing ``kvexplore`` imports it (through the explorer and the
-    replay), so ``kvexplore.load_trace(path).save_html(out)`` and ``Generator.run(...).save_html(out)`` always work.
+    registers its writer when it is imported, and :meth:`History.save_html` imports it by name on first use, so
+    ``kvexplore.load_trace(path).save_html(out)`` and ``Generator.run(...).save_html(out)`` always work.
     The method stays on :class:`History`, where users call it."""
     global _html_writer
     if not callable(write):

@@ -11,11 +11,10 @@ over each weight row, compiled by inductor, reads the model's own row-major weig
   (:func:`prepare_for`: at least :data:`FIXED_WIDTH_FROM` values: a real model's hidden and feed-forward widths,
   the packaged tiny model's hidden one, none of the tests' small random models); inductor splits the rows across
   the threads and the inner loop has whole vectors only.
-  On the session-15 machine: the 24M shape's products 1.27 ms a token against 2.17 on the kernel of any sizes and
-  2.40 on MKL; SmolLM2's 10.4 ms against 30.9 for ``F.linear`` (``benchmarks/decode_speed.py`` prints both).
+  ``benchmarks/products.py`` and ``benchmarks/decode_speed.py`` print both against ``F.linear`` (docs/benchmarks.md).
 
-The kernels are built once per process: when a Generator (or an explorer) is made for a float32 model on the CPU,
-so that no timed step pays for them (:func:`prepare_for`), else the kernel of any sizes at the first one-row product
+The kernels are built once per process: when they are applied to a float32 model on the CPU, so that no timed step
+pays for them (:func:`prepare_for`), else the kernel of any sizes at the first one-row product
 that wants it. Each is loaded from the graph an earlier process saved (:mod:`.artifacts`,
 ``$KVEXPLORE_HOME/compiled``; about 2 s for the first, mostly inductor's import and its check of the CPU's vector
 instructions), else compiled and saved (a second or three more, once per machine, torch version, thread count and
@@ -32,13 +31,14 @@ import hashlib
 import inspect
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ..models import linear as linear_module
 from . import artifacts
 from .capture import dynamo_graph
 
@@ -78,7 +78,7 @@ class _Kernel:
 
 class _Kernels:
     """The compiled kernels per thread count (inductor generates its C++ for the threads it is compiled under), or
-    why there are none: the :class:`~kvexplore.models.linear.KernelSource` the package installs.
+    why there are none.
 
     One kernel takes any sizes (built at the first product that wants it); for the widths (input features) that
     carry most of a model's weights, :meth:`prepare_widths` adds one whose width is fixed (the rows, any number):
@@ -228,11 +228,92 @@ def prepare_for(model: Any) -> bool:
     if not prepare():
         return False
     held: dict[int, int] = {}
-    for w in linear_module.row_weights(model):
+    for w in row_weights(model):
         if w.dim() == 2 and w.dtype == torch.float32:
             held[w.shape[1]] = held.get(w.shape[1], 0) + w.numel()
     KERNELS.prepare_widths(sorted(w for w, n in held.items() if n >= FIXED_WIDTH_FROM))
     return True
 
 
-linear_module.install(KERNELS)
+def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.linear(x, weight)`` is one float32 row of plain CPU tensors (no subclass, no torch function or
+    dispatch mode watching), outside a trace and without gradients."""
+    return (not torch.compiler.is_compiling()  # first: a trace reads nothing below (dynamo cannot trace the stacks)
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
+            and x.numel() == weight.shape[1] and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch._C._len_torch_function_stack() and not torch._C._len_torch_dispatch_stack())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on a kernel where :func:`takes_kernel` says so and one can be built."""
+    if takes_kernel(x, weight):
+        kernel = KERNELS.get(weight.shape[1])
+        if kernel is not None:
+            y = kernel(x.reshape(1, weight.shape[1]).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class KernelLinear(nn.Linear):
+    """``nn.Linear`` whose one-row products go through :func:`linear` (what :func:`apply` makes of each)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def row_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weight matrices a decoding step multiplies one row by: every ``nn.Linear``'s in module order, then the
+    output head (``model.head_weight``)."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.head_weight]
+
+
+#: the weights :func:`apply` laid out row-major, by model: :func:`remove` lays them out as they were
+_RELAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _relay(weight: torch.Tensor, row_major: bool) -> None:
+    """The same Parameter (tied weights stay tied), its values laid out row-major (what the kernels read fastest) or
+    column-major (what the loader gives float32 CPU weights: ``F.linear``'s fastest)."""
+    with torch.no_grad():
+        weight.data = weight.data.contiguous() if row_major else weight.data.t().contiguous().t()
+
+
+def applied(model: Any) -> bool:
+    """Whether :func:`apply` routed ``model``'s products through the kernels."""
+    return vars(model).get("project") is linear
+
+
+def apply(model: Any) -> bool:
+    """Route ``model``'s one-row float32 products through the kernels: each ``nn.Linear`` becomes a
+    :class:`KernelLinear`, the output head's product :func:`linear`, the weights row-major (their values unchanged),
+    and the kernels for its widths built or loaded now, so that no timed step waits for them. False, with the model
+    unchanged, where they do not apply (not kvexplore's own model, not float32 on the CPU, kernels refused or not
+    buildable here: :func:`status` says why). Logits then agree with ``F.linear``'s within float32 rounding."""
+    from ..models.model import Model
+    if not isinstance(model, Model):
+        return False
+    if applied(model):
+        return True
+    if not prepare_for(model):
+        return False
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = KernelLinear
+    relaid = {id(w): w for w in row_weights(model) if not w.is_contiguous()}  # tied: once
+    for weight in relaid.values():
+        _relay(weight, row_major=True)
+    _RELAID[model] = list(relaid.values())
+    model.project = linear
+    return True
+
+
+def remove(model: Any) -> None:
+    """Undo :func:`apply`: ``model``'s products are ``F.linear``'s again, on its weights laid out as they were."""
+    for module in model.modules():
+        if type(module) is KernelLinear:
+            module.__class__ = nn.Linear
+    for weight in _RELAID.pop(model, []):
+        _relay(weight, row_major=False)
+    vars(model).pop("project", None)

@@ -26,7 +26,7 @@ from ..caches.preallocated import PreallocatedCache
 from ..errors import SettingsError
 from . import regional
 from .compile_cache import watched
-from .executor import CompiledExecutor
+from ..models.executor import CompiledExecutor
 from .inplace import InPlace
 
 

@@ -1,7 +1,7 @@
 """The compile of a decode step as a progress line: its phase and the time so far (``kvexplore generate --compile``).
 
 The regional step (``compile=True`` on the CPU) says what it is doing itself (copying the weights into blocks,
-tracing a layer, loading or compiling its graph, the head: :data:`kvexplore.runtime.regional.PROGRESS`). A whole
+tracing a layer, loading or compiling its graph, the head: :data:`kvexplore.fast.regional.PROGRESS`). A whole
 step compiled by torch.compile is read from torch's own record of the compile
 (``torch._dynamo.utils.compilation_time_metrics``: each phase is entered there when it ends), so the line names the
 phase after the last one that finished. Where neither says anything, the line shows the time alone."""
@@ -35,7 +35,7 @@ def _metrics() -> dict:
 def phase_now(metrics: dict, start: dict[str, int]) -> str:
     """What the compile is doing: what the regional step says, else what torch's phases that ended since ``start``
     (each phase's count then) tell."""
-    from ..runtime.regional import PROGRESS
+    from .regional import PROGRESS
 
     if PROGRESS.phase:
         return PROGRESS.phase
