@@ -10,8 +10,7 @@ screen (the HTML replay, the notebook widgets) load on first use of one of their
 from importlib import import_module
 from importlib.util import find_spec
 
-from .caches import (ConcatCache, EvictCache, KVCache, NoCache, PagedCache, PreallocatedCache, QuantizedCache, SinkCache,
-                     SlotView, make_cache)
+from .caches import KVCache, SlotView, make_cache
 from .config.model_config import ModelConfig
 from .errors import (CacheFullError, ConfigError, CorruptFileError, KVExploreError, LoadError, MissingExtraError,
                      MissingFileError, NonFiniteWeightsError, SettingsError, StateError, StepError,
@@ -29,6 +28,8 @@ __version__ = "0.1.0"
 
 #: the names that load their module on first use: name -> (module, attribute)
 LAZY = {
+    **{name: (".caches", name) for name in ("ConcatCache", "EvictCache", "NoCache", "PagedCache", "PreallocatedCache",
+                                            "QuantizedCache", "SinkCache")},  # each strategy's module when first used
     "doctor": (".diagnosis", "doctor"), "DoctorReport": (".diagnosis", "DoctorReport"),
     "perplexity": (".runtime.evaluate", "perplexity"), "PrefixPool": (".prefix", "PrefixPool"),
     "TraceDiff": (".trace.diff", "TraceDiff"), "diff_traces": (".trace.diff", "diff_traces"),
@@ -51,8 +52,8 @@ def _widgets_available() -> bool:
 __all__ = [
     "CacheEvent", "CacheFullError", "ConfigError", "CorruptFileError", "MissingExtraError", "MissingFileError",
     "NonFiniteWeightsError", "SettingsError", "StateError", "StepError", "Candidate", "ConcatCache", "Generator",
-    "KVCache", "KVExploreError", "LoadError", "MemoryReport", "Model", "ModelConfig", "NoCache", "PagedCache",
-    "PreallocatedCache", "QuantizedCache", "SinkCache", "EvictCache", "SlotView", "StepRecord", "StepTrace",
+    "KVCache", "KVExploreError", "LoadError", "MemoryReport", "Model", "ModelConfig", "SlotView", "StepRecord",
+    "StepTrace",
     "Tokenizer", "Tracer", "UnsupportedModelError", "hook_point_names", "kv_bytes", "load", "load_trace",
     "make_cache", "save_trace", *LAZY,
 ] + (sorted(WIDGETS) if _widgets_available() else [])  # widgets: only where they import

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from kvexplore.caches.preallocated import PreallocatedCache
+from kvexplore.caches.strategies.preallocated import PreallocatedCache
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _fake_quant(y: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tens
 
 
 class FakeQuantCache(PreallocatedCache):
-    """What :class:`~kvexplore.caches.quantized.QuantizedCache` with the same options must read, held in float."""
+    """What :class:`~kvexplore.caches.strategies.quantized.QuantizedCache` with the same options must read, held in float."""
 
     def __init__(self, model, max_seq_len: int, key_bits: int = 8, value_bits: int = 8, group_size: int = 32,
                  residual: int = 32, key_axis: str = "channel", value_axis: str = "token", rotate=None,

@@ -9,7 +9,7 @@ import copy
 import torch
 
 import kvexplore
-from kvexplore.caches.layers.quantized import QuantizedLayer
+from kvexplore.caches.layers.quantized_layer import QuantizedLayer
 from kvexplore.caches.layers.ring import RingLayer
 from kvexplore.caches.layers.shared import SharedLayer
 from kvexplore.caches.layout import PagedLayout

@@ -12,10 +12,10 @@ import torch
 import kvexplore
 import kvexplore.bugs as bugs
 from kvexplore.bugs.runs import LOGIT_TOL
-from kvexplore.caches.layers.paged import PagePool, PageTable
-from kvexplore.caches.layers.preallocated import PreallocatedLayer
-from kvexplore.caches.paged import PagedCache
-from kvexplore.caches.preallocated import PreallocatedCache
+from kvexplore.caches.layers.paged_layer import PagePool, PageTable
+from kvexplore.caches.layers.preallocated_layer import PreallocatedLayer
+from kvexplore.caches.strategies.paged import PagedCache
+from kvexplore.caches.strategies.preallocated import PreallocatedCache
 from kvexplore.diagnosis.speculation import check_speculation
 from kvexplore.errors import SettingsError
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.caches.layers import quantized as quantized_layer
+from kvexplore.caches.layers import quantized_layer
 
 PROMPT = [1, 5, 9, 20, 33, 7]
 

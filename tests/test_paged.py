@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvexplore import CacheFullError, Generator, NoCache, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, SHARED, STALE, PagedLayout
-from kvexplore.caches.paged import PagedCache, PagePoolFullError
+from kvexplore.caches.strategies.paged import PagedCache, PagePoolFullError
 from helpers import no_cache_logits
 
 

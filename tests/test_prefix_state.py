@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.caches.paged import PagePoolFullError
+from kvexplore.caches.strategies.paged import PagePoolFullError
 from kvexplore.errors import SettingsError
 from kvexplore.prefix.frames import CACHED, FREE, HELD, HIT, WRITTEN
 from kvexplore.prefix.index import block_hashes, short

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.caches.quantized import QuantizedCache
+from kvexplore.caches.strategies.quantized import QuantizedCache
 from quant_reference import FakeQuantCache, teacher_forced_logits
 
 SCHEMES = {

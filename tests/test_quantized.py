@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvexplore import CacheFullError, Generator, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE, QuantizedLayout
-from kvexplore.caches.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack, quantize_keys,
+from kvexplore.caches.strategies.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack, quantize_keys,
                                         quantize_values, unpack)
 from helpers import no_cache_logits
 
@@ -117,6 +117,7 @@ def agreement(trained):
     return figures
 
 
+@pytest.mark.long  # 200 tokens against the full-precision cache
 def test_top1_agreement_with_the_full_precision_cache(agreement):
     # measured on the shipped tiny model: int8 200/200 (mean KL ~8e-7), int4 198/200 (mean KL ~2e-4)
     (top8, kl8), (top4, kl4) = agreement[8], agreement[4]

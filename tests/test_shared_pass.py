@@ -113,7 +113,7 @@ def test_sliding_layers_longer_than_their_window_share_the_pass(zoo, monkeypatch
 
 
 def test_a_lane_whose_cache_reads_back_other_keys_is_rolled_back_and_computes_its_own(trained, monkeypatch):
-    from kvexplore.caches.paged import PagedCache
+    from kvexplore.caches.strategies.paged import PagedCache
 
     write = PagedCache.write
 

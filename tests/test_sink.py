@@ -10,7 +10,7 @@ import kvexplore
 from helpers import FailingTracer, no_cache_logits
 from kvexplore import Generator, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE, RingLayout
-from kvexplore.caches.sink import SinkCache
+from kvexplore.caches.strategies.sink import SinkCache
 
 
 @pytest.fixture(params=["tiny", "trained"])
@@ -260,6 +260,7 @@ def test_clone_and_fork_are_independent(tiny):
         assert cache.length == 5 and cache.evicted_count == 0 and cache.slot_view().count(FREE) == 1
 
 
+@pytest.mark.long  # 320 steps
 def test_generator_runs_300_steps_with_flat_memory(trained):
     cache = SinkCache(trained.config, window=32, sinks=4)
     gen = Generator(trained, cache)

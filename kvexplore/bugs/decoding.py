@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..caches.factory import make_cache
-from ..caches.layers.preallocated import PreallocatedLayer
-from ..caches.preallocated import PreallocatedCache
+from ..caches.layers.preallocated_layer import PreallocatedLayer
+from ..caches.strategies.preallocated import PreallocatedCache
 from ..models.rope import Rotary
 from .catalog import Bug, register
 from .models import with_module

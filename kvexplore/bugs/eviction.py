@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..caches.evict import EvictCache
+from ..caches.strategies.evict import EvictCache
 from ..caches.factory import make_cache
 from ..caches.layers.compact import CompactLayer
 from ..caches.layer import Step

@@ -12,8 +12,8 @@ import torch
 from ..caches.factory import make_cache
 from ..caches.kivi import pack
 from ..caches.kv_codec import Codec
-from ..caches.layers.quantized import QuantizedLayer
-from ..caches.quantized import QuantizedCache
+from ..caches.layers.quantized_layer import QuantizedLayer
+from ..caches.strategies.quantized import QuantizedCache
 from .catalog import Bug, register
 from .runs import decode_scenario
 

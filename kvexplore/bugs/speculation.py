@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..caches.concat import ConcatCache
+from ..caches.strategies.concat import ConcatCache
 from ..caches.factory import make_cache
-from ..caches.layers.concat import ConcatLayer
+from ..caches.layers.concat_layer import ConcatLayer
 from ..diagnosis.speculation import check_speculation
 from ..runtime.generator import Generator
 from ..runtime.speculative import Speculation

@@ -8,7 +8,7 @@ from typing import Any
 from ..caches.factory import make_cache
 from ..caches.layers.ring import RingLayer
 from ..caches.layers.sliding import SlidingLayers
-from ..caches.preallocated import PreallocatedCache
+from ..caches.strategies.preallocated import PreallocatedCache
 from ..runtime.generator import Generator
 from ..trace.tracer import Tracer
 from .catalog import Bug, register

@@ -14,19 +14,8 @@ from ..core.devices import resolve_device
 from ..core.settings import choice, positive_int, refused_options
 from ..errors import SettingsError
 from .base import KVCache
-from .concat import ConcatCache
 from .memory import kv_bytes
-from .none import NoCache
-from .paged import PagedCache
-from .preallocated import PreallocatedCache
-from .quantized import QuantizedCache
-from .registry import STRATEGIES, prefix_factory, register_strategy
-from .sink import SinkCache
-from .evict import EvictCache
-
-for _cls in (PreallocatedCache, ConcatCache, NoCache, PagedCache, QuantizedCache, SinkCache, EvictCache):
-    register_strategy(_cls.kind, _cls)
-STRATEGIES.seal()
+from .registry import STRATEGIES, prefix_factory
 
 
 def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size: int = 1,

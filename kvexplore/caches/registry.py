@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 LayerFactory = Callable[["KVCache", LayerSpec, list, dict], "LayerCache"]
 
-STRATEGIES: Registry = Registry("strategy", "unregister_strategy")  # sealed by .factory (the built-in seven)
+STRATEGIES: Registry = Registry("strategy", "unregister_strategy")
+for _name, _cls in (("preallocated", "PreallocatedCache"), ("concat", "ConcatCache"), ("none", "NoCache"),
+                    ("paged", "PagedCache"), ("quantized", "QuantizedCache"), ("sink", "SinkCache"),
+                    ("evict", "EvictCache")):  # the built-in seven, each imported when first asked for
+    STRATEGIES.add_lazy(_name, f"kvexplore.caches.strategies.{_name}:{_cls}")
+STRATEGIES.seal()
 LAYER_KINDS: Registry = Registry("layer kind", "unregister_layer_kind")  # sealed below (the built-in four)
 PREFIXES: Registry = Registry("name prefix", "unregister_prefix")  # "hf:" is added by kvexplore.hf
 

@@ -3,12 +3,26 @@ views, prefix figures, model adapters): registering a name that is taken is refu
 built-in entry is neither replaced nor removed, and removing a name that is not there says what is.
 
 A :class:`Registry` is a ``dict`` (look-ups, ``in``, iteration and ``sorted`` work as on one); change it through
-:meth:`Registry.add` and :meth:`Registry.remove`, which each module's ``register_*`` / ``unregister_*`` call.
+:meth:`Registry.add` and :meth:`Registry.remove`, which each module's ``register_*`` / ``unregister_*`` call. A
+built-in entry may be named before it is loaded (:meth:`Registry.add_lazy`: ``"module:attribute"``): its module is
+imported at the first look-up of its entry, so a registry lists every name without importing what it does not use.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
+
+
+class _Unloaded:
+    """An entry named by where it lives, imported at its first look-up."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def load(self) -> Any:
+        module, _, attribute = self.where.partition(":")
+        return getattr(import_module(module), attribute)
 
 from ..errors import SettingsError
 
@@ -38,6 +52,34 @@ class Registry(dict):
                                 f"another name, pass replace=True, or call {self.unregister}({name!r}) first")
         self[name] = entry
         return entry
+
+    def add_lazy(self, name: str, where: str) -> None:
+        """Name a built-in entry that ``where`` (``"package.module:attribute"``) holds; loaded at its first look-up.
+        Seal the registry after these (they are built in)."""
+        dict.__setitem__(self, name, _Unloaded(where))
+
+    def __getitem__(self, name: str) -> Any:
+        entry = dict.__getitem__(self, name)
+        if isinstance(entry, _Unloaded):
+            entry = entry.load()
+            dict.__setitem__(self, name, entry)
+        return entry
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return [self[name] for name in self]
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return [(name, self[name]) for name in self]
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        if name in self:
+            entry = self[name]
+            dict.pop(self, name)
+            return entry
+        return dict.pop(self, name, *default)
 
     def remove(self, name: str) -> Any:
         """Remove ``name`` (an entry registered after the built-in ones); returns its entry."""

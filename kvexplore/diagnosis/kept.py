@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..caches.evict import EvictCache
+from ..caches.strategies.evict import EvictCache
 from ..caches.layer import Step
 from ..models.rope import rotate
 from .compare import Departure

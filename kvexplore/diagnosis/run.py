@@ -34,7 +34,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     """
     from .. import hf
     from ..caches.base import KVCache
-    from ..caches.evict import EvictCache
+    from ..caches.strategies.evict import EvictCache
     from ..caches.factory import STRATEGIES, make_cache
     from ..models.model import Model
 

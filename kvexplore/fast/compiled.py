@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..caches.preallocated import PreallocatedCache
+from ..caches.strategies.preallocated import PreallocatedCache
 from ..errors import SettingsError
 from . import regional
 from .compile_cache import watched

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..caches.preallocated import PreallocatedCache
+from ..caches.strategies.preallocated import PreallocatedCache
 from ..errors import SettingsError
 from . import artifacts
 from .inplace import InPlace

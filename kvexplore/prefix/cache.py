@@ -4,7 +4,7 @@ the last window of one sequence, which another request could not start from."""
 
 from __future__ import annotations
 
-from ..caches.paged import PagedCache
+from ..caches.strategies.paged import PagedCache
 
 
 class PoolCache(PagedCache):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..caches.paged import PagedCache, PagePoolFullError
+from ..caches.strategies.paged import PagedCache, PagePoolFullError
 from ..config.layer_plan import layer_plan
 from ..core.settings import positive_int
 from ..errors import SettingsError

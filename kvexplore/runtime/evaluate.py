@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..caches.none import NoCache
+from ..caches.strategies.none import NoCache
 from ..models.model import Model
 from ..errors import SettingsError
 from ..core import host

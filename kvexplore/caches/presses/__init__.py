@@ -2,7 +2,7 @@
 
 :data:`PRESSES` maps a name to a :class:`Press` class; :func:`register_press` adds one (:func:`unregister_press`
 removes it), :func:`make_press` builds one by name with its options. A press scores (:mod:`.press`); the budget and
-the per-head policy choose (:mod:`.budget`); the cache stores what is kept (:mod:`kvexplore.caches.evict`).
+the per-head policy choose (:mod:`.budget`); the cache stores what is kept (:mod:`kvexplore.caches.strategies.evict`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """KIVI: keys quantized per channel, values per token, the newest tokens kept in full precision; or, given
-``k_type`` / ``v_type``, llama.cpp's cache types (:mod:`kvexplore.caches.ggml`).
+``k_type`` / ``v_type``, llama.cpp's cache types (:mod:`kvexplore.caches.strategies.ggml`).
 
 The quantization is :mod:`kvexplore.caches.kivi` (re-exported here); one layer's storage is
-:class:`~kvexplore.caches.layers.quantized.QuantizedLayer`.
+:class:`~kvexplore.caches.layers.quantized_layer.QuantizedLayer`.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import integer, positive_int
-from ..errors import SettingsError
-from .base import KVCache
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import integer, positive_int
+from ...errors import SettingsError
+from ..base import KVCache
 from .ggml import GGMLCache
-from .layers.quantized import QuantizedLayer
-from .memory import StepCounters
-from .kivi import AXES, BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
-from .kv_codec import Codec, hadamard, hadamard_block
+from ..layers.quantized_layer import QuantizedLayer
+from ..memory import StepCounters
+from ..kivi import AXES, BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
+from ..kv_codec import Codec, hadamard, hadamard_block
 
 __all__ = ["AXES", "BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]
@@ -74,7 +74,7 @@ class QuantizedCache(KVCache):
                 value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
                 outliers: float | None = None, exact_prefill: bool | None = None):
         """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
-        one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.ggml.GGMLCache`: every row stored
+        one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.strategies.ggml.GGMLCache`: every row stored
         as ggml blocks; otherwise KIVI's cache (this class)."""
         if k_type is None and v_type is None:
             return super().__new__(cls)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import choice, positive_int
-from .base import KVCache
-from .ggml_blocks import TYPES, bits_per_value, dequantize, quantize
-from .layers.ggml import GGMLLayer
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import choice, positive_int
+from ..base import KVCache
+from ..ggml_blocks import TYPES, bits_per_value, dequantize, quantize
+from ..layers.ggml_layer import GGMLLayer
 
 
 class GGMLCache(KVCache):

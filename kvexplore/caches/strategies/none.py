@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from .base import KVCache
-from .layers.recompute import RecomputeLayer
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ..base import KVCache
+from ..layers.recompute import RecomputeLayer
 
 
 class NoCache(KVCache):

@@ -1,7 +1,7 @@
 """The vLLM-style cache: a pool of fixed-size pages per full layer and a block table per sequence.
 
 The pool and the block tables are shared by every full layer of one cache (and the pool by its forks): see
-:mod:`kvexplore.caches.layers.paged` for :class:`PagePool`, :class:`PageTable` and the layer class.
+:mod:`kvexplore.caches.layers.paged_layer` for :class:`PagePool`, :class:`PageTable` and the layer class.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import positive_int
-from ..errors import CacheFullError, SettingsError
-from .base import KVCache
-from .layers.paged import PagedLayer, PagePool, PageTable
-from .memory import layer_bytes
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import positive_int
+from ...errors import CacheFullError, SettingsError
+from ..base import KVCache
+from ..layers.paged_layer import PagedLayer, PagePool, PageTable
+from ..memory import layer_bytes
 
 __all__ = ["PagedCache", "PagePool", "PagePoolFullError"]
 

@@ -6,16 +6,16 @@ from typing import Any
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import positive_int
-from .base import KVCache
-from .layers.preallocated import PreallocatedLayer
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import positive_int
+from ..base import KVCache
+from ..layers.preallocated_layer import PreallocatedLayer
 
 
 class PreallocatedCache(KVCache):
     """Per full layer ``k``/``v`` of shape ``[batch, kv_heads, max_seq_len, head_dim]``, allocated up front
-    (:class:`~kvexplore.caches.layers.preallocated.PreallocatedLayer`).
+    (:class:`~kvexplore.caches.layers.preallocated_layer.PreallocatedLayer`).
 
     A write is ``k.narrow(2, pos, q_len).copy_(k_new)``; attention reads the view ``k.narrow(2, 0, pos + q_len)``.
     Nothing is ever reallocated or copied, so memory is fixed at ``reserved_bytes`` from the start.

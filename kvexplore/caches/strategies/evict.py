@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import choice, integer
-from ..errors import SettingsError
-from .base import KVCache
-from .layers.compact import CompactLayer
-from .layers.masked import MaskedLayer
-from .layers.pressed import PressedLayer
-from .layers.pressplan import PressEvent, PressPlan
-from .presses import Budget, make_press
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import choice, integer
+from ...errors import SettingsError
+from ..base import KVCache
+from ..layers.compact import CompactLayer
+from ..layers.masked import MaskedLayer
+from ..layers.pressed import PressedLayer
+from ..layers.pressplan import PressEvent, PressPlan
+from ..presses import Budget, make_press
 
 STORAGES = ("compact", "mask")
 POSITION_MODES = ("keep", "rerotate")

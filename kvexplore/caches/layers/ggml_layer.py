@@ -7,7 +7,7 @@ import torch
 
 from ..ggml_blocks import dequantize, quantize, row_bytes
 from ..layer import Step
-from .preallocated import PreallocatedLayer
+from .preallocated_layer import PreallocatedLayer
 
 
 class GGMLLayer(PreallocatedLayer):

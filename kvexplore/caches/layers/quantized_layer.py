@@ -1,6 +1,6 @@
 """A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision.
 
-See :class:`kvexplore.caches.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind does;
+See :class:`kvexplore.caches.strategies.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind does;
 the quantization itself is :mod:`kvexplore.caches.kivi`.
 """
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from .base import KVCache
-from .layers.concat import ConcatLayer
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ..base import KVCache
+from ..layers.concat_layer import ConcatLayer
 
 
 class ConcatCache(KVCache):
     """Per full layer ``k``/``v`` of shape ``[batch, kv_heads, length, head_dim]`` that grow by ``torch.cat``
-    (:class:`~kvexplore.caches.layers.concat.ConcatLayer`).
+    (:class:`~kvexplore.caches.layers.concat_layer.ConcatLayer`).
 
     Each write allocates new tensors one step longer and copies the whole cache into them (``copied_bytes`` of
     a step = the cache's size before it); the old storage is freed. A rewind slices a view, keeping the storage

@@ -38,17 +38,17 @@ from typing import Any
 
 import torch
 
-from ..config.layer_plan import LayerSpec
-from ..config.model_config import ModelConfig
-from ..core.settings import integer, positive_int
-from ..errors import SettingsError
-from .base import KVCache
-from .layers.sink import SinkLayer, SinkSlots
+from ...config.layer_plan import LayerSpec
+from ...config.model_config import ModelConfig
+from ...core.settings import integer, positive_int
+from ...errors import SettingsError
+from ..base import KVCache
+from ..layers.sink_layer import SinkLayer, SinkSlots
 
 
 class SinkCache(KVCache):
     """``sinks`` attention-sink positions plus a ring of the last ``window`` positions (see the module docs). The
-    eviction bookkeeping is one :class:`~kvexplore.caches.layers.sink.SinkSlots` shared by every full layer."""
+    eviction bookkeeping is one :class:`~kvexplore.caches.layers.sink_layer.SinkSlots` shared by every full layer."""
 
     evicts_on_write = True  # the window drops its oldest position as each new one is written
 
