@@ -10,9 +10,11 @@ Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not
 - ``compile``: torch.compile of a model (inductor's C++ code, tens of seconds the first time);
 - ``install``: a fresh virtual environment built with pip (the package without its notebook extra);
 - ``long``: a test on the tiny models that runs for seconds (hundreds of steps against a recomputation, a whole
-  matrix of architectures and caches, subprocesses that import the package, a sampled distribution): the tests named
-  in :data:`LONG`, and two cases of every three of the matrices in :data:`SAMPLED`. Each has quicker neighbours in the
-  fast tier that check the same code on fewer cases.
+  matrix of architectures and caches, subprocesses that import the package, a sampled distribution): the tests marked
+  ``@pytest.mark.long`` where they are written (a comment beside the mark says what makes each long), and two cases
+  of every three of each matrix marked ``@pytest.mark.sampled`` (the fast tier runs the first case of every three,
+  in collection order: :data:`SAMPLE_EVERY`). Each has quicker neighbours in the fast tier that check the same code
+  on fewer cases.
 
 Only the ``smollm2`` and ``gemma3`` tests may fetch or load a real named model: any other test that starts a model
 download, or loads smollm2-135m or gemma3-270m from a populated ``$KVEXPLORE_HOME``, fails saying so (the autouse
@@ -40,66 +42,8 @@ from zoo import VARIANTS, Zoo
 torch.set_num_threads(1)
 
 TIERS = ("browser", "notebooks", "smollm2", "gemma3", "compile", "install", "long")
-# the tests of the ``long`` tier (file::function, every parameter): each takes 2 to 17 s at a slow pace of the machine,
-# together about half of what the fast tier would otherwise take; a name that no longer exists fails the collection
-LONG = frozenset({
-    "test_hostile.py::test_every_damaged_file_gets_a_kvexplore_error",  # 150 damaged files, each in a subprocess
-    "test_hostile.py::test_every_misuse_is_refused_and_changes_nothing",
-    "test_hostile.py::test_the_pristine_files_load_and_generate",
-    "test_hostile.py::test_nonfinite_weights_load_when_allowed",
-    "test_hf.py::test_doctor_command_in_its_own_process",  # imports transformers in a subprocess
-    "test_install.py::test_the_engine_works_with_the_widget_libraries_unimportable",
-    "test_install.py::test_with_the_extra_the_widgets_load_on_first_use",
-    "test_cli.py::test_console_script",
-    "test_replay.py::test_a_saved_trace_writes_its_replay_after_a_plain_import",
-    "test_speculative.py::test_sampled_tokens_are_distributed_as_the_targets",  # thousands of samples
-    "test_speculative.py::test_greedy_drafting_gives_plain_greedy_tokens",  # 49 architectures x caches
-    "test_strategies.py::test_200_steps_with_rewinds_and_forks_match_recomputation",
-    "test_quantized.py::test_top1_agreement_with_the_full_precision_cache",
-    "test_parity_state.py::test_the_recurrent_layers_hold_the_same_bytes_after_8_and_400_tokens",
-    "test_parity_state.py::test_64_greedy_tokens_match_transformers",
-    "test_parity_2025.py::test_64_greedy_tokens_match_transformers",
-    "test_parity_latent.py::test_64_greedy_tokens_match_transformers",
-    "test_device.py::test_tracing_does_not_change_low_precision_logits",
-    "test_device.py::test_generator_every_cache_and_the_tracer_convert_only_through_host",
-    "test_explorer.py::test_every_view_is_json_safe_for_every_strategy",
-    "test_long_context.py::test_held_memory_is_bounded_whatever_the_number_of_steps",
-    "test_sink.py::test_generator_runs_300_steps_with_flat_memory",
-    "test_evict.py::test_properties_of_what_a_press_keeps",
-    # the fast tier's heaviest (1-3 s each, together about a sixth of its time; 2026-12-06), each beside a quicker
-    # neighbour on the same code: a long prompt's growth and refusal (test_grow_false_keeps_the_size), the status at
-    # the end of sequence, the Voila template's links, a 50-request replay page, drafting through rings and presses,
-    # the tiny model's perplexity, a 200-token window, a binned speculation view, the export command
-    "test_app_page.py::test_a_long_prompt_grows_the_caches_and_a_short_one_gives_back_the_size_asked",
-    "test_app_page.py::test_a_prompt_beyond_the_context_is_refused_and_changes_nothing",
-    "test_explorer.py::test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence",
-    "test_launch.py::test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out",
-    "test_prefix_views.py::test_replay_page_of_50_requests_on_512_blocks_stays_small",
-    "test_speculative.py::test_ring_wraps_inside_drafts_give_plain_greedy",
-    "test_speculative.py::test_evicting_and_flushing_caches_of_any_size_give_plain_greedy",
-    "test_speculative.py::test_recurrent_states_checkpoint_or_recompute_alike",
-    "test_tiny.py::test_held_out_perplexity_is_what_the_card_says",
-    "test_parity_2025.py::test_gemma3_window_16_holds_16_positions_in_local_layers_over_200_tokens",
-    "test_speculative_views.py::test_binned_steps_keep_every_count",
-    "test_replay.py::test_export_command_and_save_html",
-})
-# matrices of cases (architectures x caches, presses x layer kinds): the fast tier runs every third case of each, in
-# collection order, and the ``long`` tier the rest (the full suite runs all of them)
-SAMPLED = frozenset({
-    "test_speculative.py::test_after_every_take_back_the_cache_never_saw_the_rejected_drafts",
-    "test_speculative.py::test_undo_step_takes_a_verification_back_exactly",
-    "test_speculative.py::test_a_failed_verification_leaves_everything_as_it_was",
-    "test_speculative.py::test_rewinding_into_a_verification_then_running_again_gives_plain_greedy",
-    "test_evict_doctor.py::test_the_doctor_finds_nothing_on_a_press_lane",
-    "test_evict_doctor.py::test_the_doctor_checks_press_lanes_beside_rings_states_sinks_and_shared_layers",
-    "test_hf.py::test_greedy_tokens_match_generate_and_bytes_match_the_storage",
-    "test_hf.py::test_the_doctor_finds_nothing_on_unmodified_models",
-    "test_hf.py::test_speculative_decoding_on_transformers_caches_gives_plain_greedy_tokens",
-    "test_evict.py::test_decoding_presses_score_what_is_held_as_the_reference",
-    "test_evict.py::test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set",
-    "test_held_memory.py::test_the_report_counts_every_byte_reachable",
-    "test_device.py::test_every_explorer_view_converts_only_through_host",
-})
+# of a function marked ``sampled`` (a matrix of cases), the fast tier runs every SAMPLE_EVERY-th case, in collection
+# order, and the ``long`` tier the rest (the full suite runs all of them)
 SAMPLE_EVERY = 3
 REAL_MODELS = {"smollm2-135m": "smollm2", "gemma3-270m": "gemma3"}  # named model -> the marker of its tier
 
@@ -143,23 +87,14 @@ def _notebook_models(item) -> list[str]:
     return [tier for name, tier in (("smollm2", "smollm2"), ("gemma3-270m", "gemma3")) if name in text]
 
 
-def _long_name(item) -> str:
-    return f"{Path(str(item.path)).name}::{getattr(item, 'originalname', item.name)}"
-
-
 def pytest_collection_modifyitems(config, items):
-    modules = {Path(str(item.path)).name: item.module for item in items if getattr(item, "module", None)}
-    gone = [name for name in LONG | SAMPLED
-            if (m := modules.get(name.split("::")[0])) and not hasattr(m, name.split("::")[1])]
-    if gone:
-        raise pytest.UsageError(f"tests/conftest.py's LONG or SAMPLED names tests that do not exist: {sorted(gone)}")
-    cases: dict[str, int] = {}  # each SAMPLED function's cases seen so far
+    cases: dict[tuple[str, str], int] = {}  # each sampled function's cases seen so far
     for item in items:
-        name = _long_name(item)
-        if name in SAMPLED:
-            cases[name] = cases.get(name, -1) + 1
-        if name in LONG or (name in SAMPLED and cases[name] % SAMPLE_EVERY):
-            item.add_marker(pytest.mark.long)
+        if item.get_closest_marker("sampled"):
+            function = (str(item.path), getattr(item, "originalname", item.name))
+            cases[function] = cases.get(function, -1) + 1
+            if cases[function] % SAMPLE_EVERY:
+                item.add_marker(pytest.mark.long)
         for tier in _notebook_models(item):
             if not item.get_closest_marker(tier):
                 item.add_marker(getattr(pytest.mark, tier))

@@ -32,6 +32,7 @@ def test_slots_for_a_prompt():
         slots_for(1024, 128, 1024)
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): a 600-token prompt; test_grow_false_keeps_the_size stays fast
 def test_a_long_prompt_grows_the_caches_and_a_short_one_gives_back_the_size_asked(trained):
     ex = kvexplore.Explorer(trained, strategies=("preallocated", "paged", "sink"), max_seq_len=128,
                             strategy_options={"paged": {"block_size": 8}, "sink": {"sinks": 4, "window": 28}})
@@ -50,6 +51,7 @@ def test_a_long_prompt_grows_the_caches_and_a_short_one_gives_back_the_size_aske
     assert "grew" not in ex.controls["status"].value
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): a long prompt refused; test_grow_false_keeps_the_size stays fast
 def test_a_prompt_beyond_the_context_is_refused_and_changes_nothing(trained):
     ex = kvexplore.Explorer(trained, strategies=("preallocated", "concat"), max_seq_len=128, prompt="Call me Ishmael.")
     ex.run(2)

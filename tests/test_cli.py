@@ -5,6 +5,7 @@ import shutil
 import subprocess
 
 import pytest
+from pathlib import Path
 
 import kvexplore
 from kvexplore.cli import main
@@ -81,6 +82,35 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
     assert _generate(source, capsys, n=4).startswith("[4 tokens in")  # an exact cache says nothing more
 
 
+def test_the_docs_list_every_cache_option_as_the_strategies_declare_it():
+    from kvexplore.cli.cache_options import table
+
+    assert table() in (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(), (
+        "docs/cli.md's table of generate's cache options is not the strategies' declaration: paste "
+        "kvexplore.cli.cache_options.table() there")
+
+
+def test_every_strategys_declared_options_are_flags_of_generate(source, capsys):
+    """The flags come from the strategies' own Options (kvexplore.caches.options): the evict cache's press and budget
+    too, checked by the option's own check as they are parsed."""
+    from kvexplore.caches.registry import STRATEGIES
+    from kvexplore.cli.commands import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for kind in STRATEGIES:
+        for f, spec in STRATEGIES[kind].Options.specs():
+            if spec.flag is not None:
+                assert (spec.flag.name or f"--{f.name.replace('_', '-')}") in text, f.name
+    prompt = len(kvexplore.load(source).tokenizer.encode("Call me Ishmael.")) + 1
+    assert _generate(source, capsys, "--cache", "evict", "--press", "snapkv", "--compression-ratio", "0.5", n=4) == (
+        f"[evict cache (snapkv): 1 press, the last (prompt) at {prompt} positions kept {prompt // 2} per head in "
+        f"{kvexplore.load(source).config.num_layers} pressed layers]")
+    assert exit_code(["generate", source, "--prompt", "x", "--cache", "evict", "--compression-ratio", "1.5"]) == 1
+    assert "compression_ratio must be >= 0.0 and < 1" in capsys.readouterr().err
+    assert exit_code(["generate", source, "--prompt", "x", "--cache", "evict", "--decode-every", "0"]) == 2
+    assert "argument --decode-every: decode_every must be at least 1" in capsys.readouterr().err
+
+
 def test_cache_full_is_one_line(source, capsys):
     assert main(["generate", source, "--prompt", "Call me Ishmael.", "--max-new-tokens", "30", "--no-stop",
                  "--max-seq-len", "20"]) == 1
@@ -113,7 +143,7 @@ def exit_code(argv):
      "argument --cache-type-v: invalid choice: 'q3_0'"),
     (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--cache-type-k", "q4_0", "--bits", "4"],
      "leave out ['bits']"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"], "must be 0 or more, got -1"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"], "argument --sinks: sinks must be at least 0, got -1"),
 ])
 def test_bad_arguments(source, capsys, argv, message):
     code = exit_code([a.replace("{src}", source) for a in argv])
@@ -122,6 +152,7 @@ def test_bad_arguments(source, capsys, argv, message):
     assert err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.long  # the console script in a subprocess
 @pytest.mark.skipif(shutil.which("kvexplore") is None, reason="the console script is not installed")
 def test_console_script(source):
     run = subprocess.run(["kvexplore", "generate", source, "--prompt", "Call me", "--max-new-tokens", "3"],

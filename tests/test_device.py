@@ -66,6 +66,7 @@ def test_packing_for_one_transfer_keeps_every_dtype_and_shape():
     assert all(b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t) for b, t in zip(back, ts))
 
 
+@pytest.mark.long  # every cache, with and without a tracer
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_generator_every_cache_and_the_tracer_convert_only_through_host(models, arch):
     """Greedy and sampled runs, with and without a full tracer, rewind and fork: nothing converts a device tensor
@@ -140,6 +141,7 @@ def test_sampling_on_the_host_draws_the_same_tokens(tiny):
     assert inside == outside
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("arch", ["llama", "gemma4", "qwen3_next", "deepseek_v32"])
 def test_every_explorer_view_converts_only_through_host(models, arch):
     pytest.importorskip("plotly")
@@ -246,6 +248,7 @@ def teacher_forced_logits(model, kind, ids, tracer=None):
     return torch.stack(out[:-1] + out[-1:])
 
 
+@pytest.mark.long  # every cache, plain and traced, in two dtypes
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tracing_does_not_change_low_precision_logits(checkpoint, dtype):
     folder, _ = checkpoint("llama-gqa2")

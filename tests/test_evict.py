@@ -97,6 +97,7 @@ def test_a_long_prompts_attention_is_summed_in_chunks_of_rows_as_a_whole(models,
     assert_scores_match(simulate(model, r, press, opts))
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("model_name,positions,storage", [("gqa2", "keep", "compact"), ("mha", "rerotate", "mask"),
                                                           ("gqa8", "rerotate", "compact"), ("gptoss", "keep", "mask")])
 @pytest.mark.parametrize("press", PRESS_NAMES)
@@ -180,6 +181,7 @@ def assert_exact(model, cache, ids, prompt: int, chunks: list[int] | None = None
     return r
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("model_name,press,positions,storage,every,heads", EXACT)
 def test_decoding_after_eviction_equals_the_recomputation_with_the_same_kept_set(models, model_name, press, positions,
                                                                                  storage, every, heads):
@@ -609,6 +611,7 @@ def test_read_positions_name_the_key_in_every_column_attention_read(models, stor
 
 # -- 6. properties ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.long  # 25 examples of presses x storages
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.integers(2, 30), ratio=st.sampled_from([0.0, 0.3, 0.5, 0.75, 0.95]),
        heads=st.sampled_from(["per-head", "shared", "adaptive"]), every=st.sampled_from([None, 1, 2, 5]),

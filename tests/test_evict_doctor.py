@@ -11,6 +11,7 @@ from kvexplore.caches.layers.pressed import PressedLayer
 PROMPT = "Once upon a time there was a little girl named Lily who loved to play outside"
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("storage", ["compact", "mask"])
 @pytest.mark.parametrize("positions", ["keep", "rerotate"])
 @pytest.mark.parametrize("press, options", [("knorm", {}), ("snapkv", {"heads": "adaptive"}),
@@ -54,6 +55,7 @@ def test_keys_re_rotated_in_a_cache_that_says_it_keeps_positions_are_named(train
     assert "when it should keep its position" in report.hint
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "qwen3_next", "gemma4"])
 @pytest.mark.parametrize("positions", ["keep", "rerotate"])
 def test_the_doctor_checks_press_lanes_beside_rings_states_sinks_and_shared_layers(zoo, arch, positions):

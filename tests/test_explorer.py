@@ -398,6 +398,7 @@ def _plain(v):
     return walk(_to_json(v))
 
 
+@pytest.mark.long  # every view of six strategies
 def test_every_view_is_json_safe_for_every_strategy(model):
     """The widget protocol is JSON without NaN/Infinity: one such value in a figure stops the widget syncing."""
     import json
@@ -597,11 +598,10 @@ def test_forced_tokens_are_checked(model):
     assert gen.tokens[-1] == 7 and len(gen.history) == 1
 
 
-def test_review_findings_stay_fixed(model):
-    """Each case below was a defect found in review."""
+def test_a_step_refused_because_every_cache_is_full_touches_no_lane(model):
+    """Found in review: the paged pool had already moved when the step was refused."""
     from kvexplore.explorer import Session
 
-    # a step refused (every cache full) must not touch any lane: the paged pool would already have moved
     s = Session(model, ("paged", "preallocated"), max_seq_len=16, grow=False)
     s.prefill(list(range(10, 20)))
     while True:
@@ -615,7 +615,11 @@ def test_review_findings_stay_fixed(model):
         s.step()
     assert (paged.length, paged.slot_view().states, [lane.full for lane in s.lanes.values()]) == before
 
-    # a fork's comparison figures from an abandoned path are dropped by a rewind
+
+def test_a_rewind_drops_a_forks_comparison_figures_from_the_abandoned_path(model):
+    """Found in review: a fork kept the figures it had compared on a path that a rewind abandoned."""
+    from kvexplore.explorer import Session
+
     s = Session(model, ("preallocated", "sink"), max_seq_len=64, strategy_options={"sink": {"sinks": 1, "window": 6}})
     s.prefill(list(range(10, 16)))
     for _ in range(6):
@@ -630,7 +634,11 @@ def test_review_findings_stay_fixed(model):
         if kl is not None:
             assert fork.generator.tokens[: r.position] == ref[: r.position]  # compared only on the same context
 
-    # without a cache, only the newest attention row of a decode step is kept (not the whole T x S matrix)
+
+def test_without_a_cache_a_decode_step_keeps_only_its_newest_attention_row(model):
+    """Found in review: the lane without a cache kept each decode step's whole T x S attention matrix."""
+    from kvexplore.explorer import Session
+
     s = Session(model, ("preallocated", "none"), max_seq_len=64)
     s.prefill(PROMPT)
     for _ in range(20):
@@ -640,7 +648,9 @@ def test_review_findings_stay_fixed(model):
     last = s.lanes["none"].last.trace
     assert torch.allclose(last.attention(0)[-1], s.lanes["preallocated"].last.trace.attention(0)[-1], atol=1e-5)
 
-    # rewinding every generated token leaves the prompt, and Step continues from it
+
+def test_rewinding_every_generated_token_leaves_the_prompt_and_step_continues_from_it(model):
+    """Found in review: after the rewind the status says nothing is generated yet, and Step runs without an error."""
     ex = explorer(model, strategies=("preallocated",), prompt=PROMPT)
     ex.run(2)
     ex.rewind(3)
@@ -648,7 +658,9 @@ def test_review_findings_stay_fixed(model):
     ex.step()
     assert len(ex.lane.history) == 1 and ex.error == ""
 
-    # a strategy may have its own size
+
+def test_a_strategy_may_have_a_size_of_its_own(model):
+    """Found in review: the ``max_seq_len`` in a strategy's options sizes its cache, not the session's."""
     ex = explorer(model, strategies=("preallocated", "sink"), max_seq_len=48,
                   strategy_options={"sink": {"max_seq_len": 20}}, prompt=PROMPT)
     assert ex.lanes["sink"].cache.window == 16
@@ -764,6 +776,7 @@ def test_the_model_picker_names_the_running_model(trained, checkpoint):
     assert ex.session.tokens == tokens and ex.model is bare and "cannot be loaded again" in ex.error
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): every strategy to the end of sequence
 def test_status_and_map_title_give_one_slot_figure_and_the_end_of_sequence(model):
     """The status line and the cache map's title count the same slots (the first full layer's physical slots) for
     every strategy, the sequence's limit in positions named as positions where it differs; at the end-of-sequence

@@ -87,6 +87,7 @@ CASES = [(m, s) for m in ("tiny", "gemma3") for s in STRATEGIES] + [
     (m, s) for m in MODELS if m not in ("tiny", "gemma3") for s in ("preallocated", "paged", "evict@decode")]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("model_name, name", CASES)
 def test_the_report_counts_every_byte_reachable(zoo, model_name, name):
     model = model_for(zoo, model_name)

@@ -73,6 +73,7 @@ def storage_bytes(hf_cache) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kind", ["hf:dynamic", "hf:static"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_generate_and_bytes_match_the_storage(models, arch, kind):
@@ -230,6 +231,7 @@ def test_attention_is_recorded_from_eager_attention(models):
     assert module.config._attn_implementation != "eager"  # eager only for the traced pass
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_the_doctor_finds_nothing_on_unmodified_models(models, arch, cache):
@@ -320,6 +322,7 @@ def test_doctor_command_exit_status(folder, capsys):
     assert code == 2 and "unknown transformers cache" in err
 
 
+@pytest.mark.long  # imports transformers in a subprocess
 def test_doctor_command_in_its_own_process(folder):
     """The smoke test of the real command: a process of its own, its exit status and its report."""
     clean = subprocess.run([sys.executable, "-m", "kvexplore.cli", "doctor", str(folder), "--steps", "8"],
@@ -362,6 +365,7 @@ def test_the_explorer_shows_an_architecture_kvexplore_does_not_implement(models)
         kvexplore.Explorer(module, strategies=("hf:dynamic", "preallocated"))
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kind", ["hf:dynamic", "hf:static"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next"])
 def test_speculative_decoding_on_transformers_caches_gives_plain_greedy_tokens(models, arch, kind):

@@ -44,12 +44,14 @@ def report(results):
     return kinds
 
 
+@pytest.mark.long  # three files, each in a subprocess
 def test_the_pristine_files_load_and_generate(corpus):
     folder, gguf_path, bpe_gguf, _ = corpus
     results = sandbox.run([(str(p), hostile_cases.load_and_generate, (str(p),)) for p in (folder, gguf_path, bpe_gguf)])
     assert [r.kind for r in results] == ["ok"] * 3, [r.outcome for r in results]
 
 
+@pytest.mark.long  # 150 damaged files, each in a subprocess
 def test_every_damaged_file_gets_a_kvexplore_error(corpus):
     *_, cases = corpus
     assert len(cases) >= 150
@@ -65,6 +67,7 @@ def test_every_damaged_file_gets_a_kvexplore_error(corpus):
     assert kinds["kvx"] >= 150
 
 
+@pytest.mark.long  # 50 misuses, each in a subprocess
 def test_every_misuse_is_refused_and_changes_nothing(corpus):
     folder, *_ = corpus
     names = list(hostile_cases.MISUSES)
@@ -75,6 +78,7 @@ def test_every_misuse_is_refused_and_changes_nothing(corpus):
     assert not bad, "\n\n".join(bad)
 
 
+@pytest.mark.long  # two loads, each in a subprocess
 def test_nonfinite_weights_load_when_allowed(corpus):
     *_, cases = corpus
     nan = next(path for name, path, _ in cases if name == "safetensors tensor nan")

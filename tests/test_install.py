@@ -118,11 +118,13 @@ def test_the_readme_holds_the_two_lines_ci_runs():
     assert "kvexplore lab" in ci and "README.md" in ci and "pip install" not in ci
 
 
+@pytest.mark.long  # a subprocess that imports the package
 def test_the_engine_works_with_the_widget_libraries_unimportable(tmp_path):
     out, err = run_script(sys.executable, *BLOCKED, cwd=tmp_path)
     check_without_the_extra(out, err)
 
 
+@pytest.mark.long  # a subprocess that imports the package
 def test_with_the_extra_the_widgets_load_on_first_use():
     done = subprocess.run([sys.executable, "-c", "import sys, kvexplore; "
                            "print(sorted(m for m in ('anywidget', 'ipywidgets', 'plotly') if m in sys.modules))"],

@@ -263,6 +263,7 @@ def test_app_uses_the_packaged_voila_template_that_links_nothing_remote(monkeypa
     assert base["JUPYTER_PATH"].startswith("/a")  # the caller's dict is not changed
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): Voila's template
 def test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out():
     """If a Voila upgrade adds another remote link to the "lab" template's stylesheets, or changes the Font Awesome
     ones so that our filter no longer matches them, say so here rather than in an offline browser."""

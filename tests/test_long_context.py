@@ -147,6 +147,7 @@ def test_zoom_recomputes_rows_no_longer_held_as_the_full_prefill(trained, small_
     np.testing.assert_allclose(mx, np.where(np.tril(np.ones_like(ref, bool)), ref, np.nan), atol=1e-5)
 
 
+@pytest.mark.long  # two traced lanes to 236 tokens
 def test_held_memory_is_bounded_whatever_the_number_of_steps(trained, small_bins):
     s = Session(trained, ("preallocated", "paged"), max_seq_len=400)
     s.prefill(ids(140))  # 182 .. 236 tokens at the two checks: the same bins, the recent rows' room the same

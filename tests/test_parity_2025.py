@@ -77,6 +77,7 @@ def test_prefill_and_decode_match_transformers(built, name):
     assert (got - want).abs().max().item() < TOL
 
 
+@pytest.mark.long  # 64 tokens against transformers, per model
 @pytest.mark.parametrize("name", list(MODELS))
 def test_64_greedy_tokens_match_transformers(built, name):
     model, ref = built(name)
@@ -115,6 +116,7 @@ def test_sinks_experts_and_rope_are_not_vacuous(built, tmp_path):
     assert (wrong - want).abs().max().item() > 100 * TOL
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): a 200-token window
 def test_gemma3_window_16_holds_16_positions_in_local_layers_over_200_tokens(tmp_path):
     make_checkpoint(tmp_path, "gemma3", layers=6, sliding_window=16)
     model = kvexplore.load(tmp_path)

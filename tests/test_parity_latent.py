@@ -51,6 +51,7 @@ def test_latent_attention_matches_transformers(deepseek, name, mla):
         assert (got - want).abs().max().item() < TOL, kind
 
 
+@pytest.mark.long  # 64 tokens against transformers, per model
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_64_greedy_tokens_match_transformers(deepseek, name):
     folder, ref = deepseek(name)

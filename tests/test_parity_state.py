@@ -54,12 +54,14 @@ def test_prefill_and_decode_match_transformers(qwen3_next):
         assert (got - want).abs().max().item() < TOL, kind
 
 
+@pytest.mark.long  # 64 tokens against transformers
 def test_64_greedy_tokens_match_transformers(qwen3_next):
     folder, ref = qwen3_next
     model = kvexplore.load(folder)
     greedy_tokens_match(model, ref)
 
 
+@pytest.mark.long  # 400 tokens
 def test_the_recurrent_layers_hold_the_same_bytes_after_8_and_400_tokens(qwen3_next):
     model = kvexplore.load(qwen3_next[0])
     c = model.config

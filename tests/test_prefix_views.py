@@ -225,6 +225,7 @@ def test_replay_page_carries_every_frames_figures_once(tmp_path):
     assert "diverged at token 6" in data["frames"][2]["story"]
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): a 50-request replay page
 def test_replay_page_of_50_requests_on_512_blocks_stays_small(tmp_path):
     path = save_prefix_html(prefix_hand.synthetic(512, 50), tmp_path / "big.html")
     data = _unpacked(path)

@@ -71,6 +71,8 @@ def test_a_step_runs_its_products_on_the_kernels_once_applied_and_keeps_its_toke
         gen.run(11, stop_at_eos=False)
         return gen
 
+    was = products.applied(tiny)  # the shared model: an explorer's lanes may have applied them
+    products.remove(tiny)
     plain = generated()
     assert not plain.kernels and calls == [] and not products.applied(tiny)
     assert not any(isinstance(m, KernelLinear) for m in tiny.modules())
@@ -89,6 +91,8 @@ def test_a_step_runs_its_products_on_the_kernels_once_applied_and_keeps_its_toke
     assert not products.applied(tiny) and not any(isinstance(m, KernelLinear) for m in tiny.modules())
     again = generated()
     assert again.generated_tokens == plain.generated_tokens and len(calls) == 11 * (7 * tiny.config.num_layers + 1) + 1
+    if was:
+        products.apply(tiny)
 
 
 def test_a_transformers_model_or_a_bfloat16_one_is_left_as_it_is(tiny):

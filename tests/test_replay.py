@@ -124,6 +124,7 @@ def test_exported_file_loads_nothing_from_the_network(model, tmp_path):
     assert page.count("<script") == 3  # plotly.js and the data (both packed), and the player
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): the export command
 def test_export_command_and_save_html(model, tmp_path, capsys):
     h = run(model, steps=4)
     trace = h.save(tmp_path / "r.kvtrace")
@@ -153,6 +154,7 @@ def test_generate_save_trace_then_export_and_diff(tmp_path, capsys):
 
 
 
+@pytest.mark.long  # a subprocess that imports the package
 def test_a_saved_trace_writes_its_replay_after_a_plain_import(model, tmp_path):
     """``History.save_html`` finds its writer (registered by the replay) in a process that only ran
     ``import kvexplore``: trace/ cannot import the replay, so the registration is what makes it work."""

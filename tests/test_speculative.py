@@ -58,6 +58,7 @@ def expected_take_backs(name: str, kind: str) -> set[str]:
 
 # -- 1. greedy drafting gives plain greedy's tokens ------------------------------------------------------------------
 
+@pytest.mark.long  # 49 architectures x caches
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ARCHS)
 def test_greedy_drafting_gives_plain_greedy_tokens(zoo, name, kind):
@@ -157,6 +158,7 @@ def test_paged_drafts_across_page_boundaries_give_plain_greedy(zoo, prompt, k, b
         assert long
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): drafting through rings
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(3, 40), min_size=1, max_size=12), k=st.integers(1, 6),
        window=st.sampled_from([3, 5, 8]))
@@ -178,6 +180,7 @@ def test_ring_wraps_inside_drafts_give_plain_greedy(zoo, prompt, k, window):
         assert any(v.written > window and crosses(v, window) for v in spec.verifications)
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): drafting through sinks and quantized caches
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(3, 40), min_size=1, max_size=14), k=st.integers(1, 6),
        kind=st.sampled_from(["sink", "quantized"]), a=st.sampled_from([1, 2, 4, 8]), b=st.integers(0, 6))
@@ -222,6 +225,7 @@ def follow(model, gen, ref, steps: int, atol: float = 0.0, check=None):
     return gen.speculation
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "none"])
 @pytest.mark.parametrize("name", ARCHS)
 def test_after_every_take_back_the_cache_never_saw_the_rejected_drafts(zoo, name, kind):
@@ -314,6 +318,7 @@ def target_distributions(model, settings_, context: list[int], forced: int):
     return p1.double(), p2.double()
 
 
+@pytest.mark.long  # thousands of samples
 @pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
 def test_sampled_tokens_are_distributed_as_the_targets(zoo, tiny, drafter, monkeypatch):
     """Chi-square over 300 seeds of the first two tokens after a fixed context (temperature 1, top_k 6): equal to
@@ -378,6 +383,7 @@ def test_records_say_what_each_verification_drafted_and_kept(zoo):
                                                                    for v in spec.verifications)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kind", ["preallocated", "paged", "quantized"])  # sink: see the report (plain rewinds too)
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3next"])
 def test_rewinding_into_a_verification_then_running_again_gives_plain_greedy(zoo, name, kind):
@@ -395,6 +401,7 @@ def test_rewinding_into_a_verification_then_running_again_gives_plain_greedy(zoo
     assert gen.tokens == plain.tokens
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kind", ["preallocated", "paged", "sink", "quantized"])
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3next"])
 def test_undo_step_takes_a_verification_back_exactly(zoo, name, kind):
@@ -487,6 +494,7 @@ def assert_unchanged(gen, before):
     assert differences(after[3], before[3]) == [] and after[4] == before[4] and after[5] == before[5]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("fail", ["verification", "recompute", "hook"])
 @pytest.mark.parametrize("kind", ["preallocated", "paged", "sink", "quantized"])
 def test_a_failed_verification_leaves_everything_as_it_was(zoo, kind, fail, monkeypatch):
@@ -539,6 +547,7 @@ def test_a_failed_verification_leaves_everything_as_it_was(zoo, kind, fail, monk
     assert failures
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): drafting through recurrent states
 def test_recurrent_states_checkpoint_or_recompute_alike(zoo):
     """Qwen3-Next's linear-attention states give back rejected drafts from the checkpoint the verification kept
     after each position (no second pass), or by rolling back and recomputing: the same tokens as plain greedy, the

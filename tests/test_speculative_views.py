@@ -144,6 +144,7 @@ def test_the_view_draws_the_generators_counts(ex):
     assert "does not draft" in note
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): a binned speculation view
 def test_binned_steps_keep_every_count():
     """Wider than the screen, steps are binned: the bars and the tokens sum the same."""
     ex = kvexplore.Explorer("tiny", strategies=["preallocated@spec"], max_seq_len=128,

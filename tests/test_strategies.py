@@ -47,6 +47,7 @@ def recomputed(trained):
     return [(r.token_id, r.prob) for r in records], ref.tokens, [fork.tokens for fork in forks]
 
 
+@pytest.mark.long  # 200 steps against a recomputation
 @pytest.mark.xdist_group("recomputed")  # one worker computes the shared reference once, not each worker
 @pytest.mark.parametrize("kind", EXACT)
 def test_200_steps_with_rewinds_and_forks_match_recomputation(trained, recomputed, kind):

@@ -32,6 +32,7 @@ def test_config_is_a_small_gqa_llama(tiny_model):
     assert tiny_model.tokenizer.kind == "sentencepiece" and tiny_model.tokenizer.add_bos
 
 
+@pytest.mark.long  # the fast tier's heaviest (1-3 s): the tiny model's perplexity
 def test_held_out_perplexity_is_what_the_card_says(tiny_model):
     card = (store.model_path("tiny") / "MODEL_CARD.md").read_text()
     stated = float(re.search(r"held-out perplexity, chapter 135\*\* \| \*\*([\d.]+)\*\*", card)[1])

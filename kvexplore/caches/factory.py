@@ -25,7 +25,8 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
 
     ``max_seq_len`` sizes the storage (default: the model's context, at most 2048; for ``sink`` the ring of
     ``sinks + window`` slots unless ``window`` is given; ``concat`` and ``none`` grow or hold nothing); ``dtype`` and
-    ``device`` default to the model's. Other keyword arguments go to the strategy's constructor.
+    ``device`` default to the model's. Other keyword arguments are the strategy's options (its ``Options``: one it
+    does not take is refused, naming those it takes).
     """
     if (make := prefix_factory(kind)) is not None:  # another package's caches (kvexplore.hf: "hf:...")
         return make(model, kind, max_seq_len)
@@ -43,6 +44,8 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)
     slots = max_seq_len or min(model.config.max_position_embeddings, 2048)
     cls = STRATEGIES[kind]
+    if (declared := getattr(cls, "Options", None)) is not None:  # the strategy's options (kvexplore.caches.options)
+        declared.refuse_unknown(strategy_options, f"cache kind {kind!r}")
     positions = cls.sizing(slots, strategy_options)
     if positions is not None:
         _check_fits(kind, model, positions, batch_size, common["dtype"], common["device"])

@@ -7,12 +7,10 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
 
 from ..caches.factory import STRATEGIES
-from ..caches.ggml_blocks import TYPES
 from ..errors import KVExploreError, SettingsError
-from . import bugs, kv_events
+from . import bugs, cache_options, kv_events
 
 
 
@@ -39,36 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", choices=list(STRATEGIES), default="preallocated")
     gen.add_argument("--max-seq-len", type=_positive, default=None,
                      help="cache slots (default: prompt + max new tokens)")
-    gen.add_argument("--sinks", type=_count, default=None, help="--cache sink: positions kept from the start (default 4)")
-    gen.add_argument("--window", type=_positive, default=None,
-                     help="--cache sink: the most recent positions kept (default 28: it evicts past 32 positions)")
-    gen.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=None,
-                     help="--cache quantized: bits per value, keys and values (default 8)")
-    gen.add_argument("--key-bits", type=int, choices=(2, 3, 4, 8), default=None,
-                     help="--cache quantized: the keys' bits (default: --bits)")
-    gen.add_argument("--value-bits", type=int, choices=(2, 3, 4, 8), default=None,
-                     help="--cache quantized: the values' bits (default: --bits)")
-    gen.add_argument("--cache-type-k", dest="k_type", choices=TYPES, default=None,
-                     help="--cache quantized: llama.cpp's key cache type (ggml blocks; the values default to f16)")
-    gen.add_argument("--cache-type-v", dest="v_type", choices=TYPES, default=None,
-                     help="--cache quantized: llama.cpp's value cache type (the keys default to f16)")
-    gen.add_argument("--group-size", type=_positive, default=None,
-                     help="--cache quantized: positions per quantized block (default 32)")
-    gen.add_argument("--residual", type=_count, default=None,
-                     help="--cache quantized: the newest positions kept in full precision (default 32)")
-    gen.add_argument("--key-axis", choices=("channel", "token"), default=None,
-                     help="--cache quantized: a key scale per channel over a block (default) or per token")
-    gen.add_argument("--value-axis", choices=("channel", "token"), default=None,
-                     help="--cache quantized: a value scale per token (default) or per channel over a block")
-    gen.add_argument("--rotate", choices=("hadamard",), default=None,
-                     help="--cache quantized: rotate each head's vectors before quantizing (QuaRot's idea)")
-    gen.add_argument("--pre-rope-keys", action="store_const", const=True, default=None,
-                     help="--cache quantized: quantize keys before RoPE, rotate them at read (KVQuant)")
-    gen.add_argument("--outliers", type=float, default=None,
-                     help="--cache quantized: the fraction of each vector kept exact (KVQuant: 0.01)")
-    gen.add_argument("--exact-prefill", action="store_const", const=True, default=None,
-                     help="--cache quantized: the prompt's own pass reads its keys and values as computed (KIVI's and "
-                          "transformers' prefill); the codes are stored all the same")
+    cache_options.add_arguments(gen)  # each strategy's options (--window, --bits, --press ...)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -156,37 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-#: generate's cache options (make_cache's keywords), by the cache kind that takes them
-CACHE_OPTIONS = {"sink": ("sinks", "window"),
-                 "quantized": ("bits", "key_bits", "value_bits", "group_size", "residual", "k_type", "v_type",
-                               "key_axis", "value_axis", "rotate", "pre_rope_keys", "outliers", "exact_prefill")}
-FLAGS = {"k_type": "--cache-type-k", "v_type": "--cache-type-v"}  # options whose flag is not their name
-SINK_WINDOW = 28  # generate's sink window when none is given: with 4 sinks, it evicts past 32 positions
-
-
-def _cache_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``make_cache`` options of ``--cache`` from generate's arguments; an option of another kind is refused."""
-    given = {name: getattr(args, name) for kind in CACHE_OPTIONS for name in CACHE_OPTIONS[kind]
-             if getattr(args, name) is not None}
-    theirs = CACHE_OPTIONS.get(args.cache, {})
-    wrong = [name for name in given if name not in theirs]
-    if wrong:
-        owner = next(kind for kind in CACHE_OPTIONS if wrong[0] in CACHE_OPTIONS[kind])
-        flag = FLAGS.get(wrong[0], f"--{wrong[0].replace('_', '-')}")
-        raise SettingsError(f"{flag} is an option of --cache {owner}, not of --cache {args.cache}")
-    options = dict(given)
-    if args.cache == "sink":
-        options.setdefault("window", SINK_WINDOW)
-    return options
-
-
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -225,7 +163,7 @@ def _generate(args: argparse.Namespace) -> None:
     from ..trace.textview import LEGEND, step_view
     from ..caches.memory import kv_bytes
 
-    options = _cache_options(args)  # checked before the model loads
+    options = cache_options.given(args)  # checked before the model loads
     model = load(args.source, dtype=args.dtype, device=args.device)
     if model.tokenizer is None:
         raise KVExploreError(f"{args.source} has no tokenizer (tokenizer.model or tokenizer.json); "

@@ -11,7 +11,6 @@ cell [1]" (whose reason only the server log had).
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -29,10 +28,8 @@ ENV = (MODEL_ENV, STRATEGIES_ENV, PROMPT_ENV, MAX_SEQ_LEN_ENV, OPTIONS_ENV)
 PROMPT = "Call me Ishmael."
 STRATEGIES = ("preallocated", "concat", "paged")
 MAX_SEQ_LEN = 128  # the caches' size for a short prompt; a longer one grows them (see .fit)
-#: the app's options for a lane of each strategy, at the sizes a class uses (a pasted chapter of thousands of tokens):
-#: pages of 8 slots, and a sink ring of 4 + 252 slots, so a long paste evicts (the cache's own default ring holds
-#: the whole context). ``--strategy-option`` replaces any of them.
-APP_OPTIONS: dict[str, dict[str, Any]] = {"paged": {"block_size": 8}, "sink": {"sinks": 4, "window": 252}}
+# a lane starts with its strategy's ``Options.app`` (kvexplore.caches.options: the sizes a class uses, a pasted chapter
+# of thousands of tokens); ``--strategy-option`` replaces any of them
 
 
 def strategy_option(text: str) -> tuple[str, str, Any]:
@@ -52,12 +49,11 @@ def strategy_option(text: str) -> tuple[str, str, Any]:
 
 def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any]] | None = None,
                  max_seq_len: int | None = None) -> dict[str, dict[str, Any]]:
-    """Each lane's options: the app's (:data:`APP_OPTIONS`, by the strategy a lane runs) under ``given``'s. An option
-    for a lane not among ``strategies``, or one its cache does not take, is refused naming what it takes. With the
-    caches' size ``max_seq_len`` smaller than the app's sink ring, the ring (not given) shrinks to it: the sink lane
-    starts evicting when a pre-allocated lane of that size fills, and goes on while that one sits out."""
+    """Each lane's options: its strategy's for the app (``Options.app``, fitted to caches of ``max_seq_len`` slots by
+    ``Options.fitted``: the app's sink ring shrinks to them) under ``given``'s. An option for a lane not among
+    ``strategies``, or one its cache does not take, is refused naming what it takes."""
     from ..caches.factory import STRATEGIES as CACHES
-    from .lanes import base_strategy
+    from .lanes import GENERATOR_OPTIONS, base_strategy
 
     given = {lane: dict(options) for lane, options in (given or {}).items()}
     stray = [lane for lane in given if lane not in strategies]
@@ -66,19 +62,15 @@ def lane_options(strategies: Sequence[str], given: Mapping[str, Mapping[str, Any
                             f"{', '.join(strategies)} (--strategies A,B)")
     out: dict[str, dict[str, Any]] = {}
     for lane in strategies:
-        options = {**APP_OPTIONS.get(base_strategy(lane), {}), **given.get(lane, {})}
-        ring = options.get("sinks", 0) + options.get("window", 0)
-        if "window" in options and "window" not in given.get(lane, {}) and max_seq_len and ring > max_seq_len:
-            options["window"] = max(1, max_seq_len - options.get("sinks", 0))
-        cls = CACHES.get(base_strategy(lane))
-        if cls is not None and given.get(lane):
-            takes = [n for n, p in inspect.signature(cls).parameters.items()
-                     if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
-            takes = [n for n in takes if n not in ("self", "config", "batch_size", "dtype", "device")]
-            refused = sorted(set(given[lane]) - set(takes) - {"draft", "draft_tokens"})
+        declared = getattr(CACHES.get(base_strategy(lane)), "Options", None)
+        mine = given.get(lane, {})
+        options = {**(declared.app if declared is not None else {}), **mine}
+        if declared is not None:
+            options = declared.fitted(options, mine, max_seq_len)
+            refused = sorted(set(mine) - set(declared.names()) - set(GENERATOR_OPTIONS))
             if refused:
                 raise SettingsError(f"--strategy-option {lane}.{refused[0]}: a {base_strategy(lane)} cache does not "
-                                    f"take {refused[0]!r}; it takes {', '.join(takes)}")
+                                    f"take {refused[0]!r}; it takes {', '.join(declared.names())}")
         if options:
             out[lane] = options
     return out

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config.model_config import ModelConfig
-from ..views import map_rows
+from ..views import assets, map_rows
 from ..views.cache_map import LEGEND_PX
 from ..views.lettering import CHAR, at_least, fit_notes, fit_title
 from ..formats.store import MODELS
@@ -42,24 +42,9 @@ TWO_MAPS_PX, MAP_PLOT_PX = 500, 110
 UNDER_AXIS_PX, LEGEND_ROW_PX = 64, 28  # presenting: an axis' tick labels and title; a row of a legend
 MAP_TAB = ("Cache map", "cache_map")  # presenting, the cache map is a tab, the first
 # the page's type when presenting: every control, label, table and text of the explorer at PRESENTING_PX at least
-# (ipywidgets size their controls from these variables)
-STYLE = f"""<style>
-.kvx-view, .kvx-view > div {{flex-wrap: nowrap !important; overflow-x: auto;}}
-.kvx-view .widget-toggle-button {{flex: 0 0 auto; padding: 0 7px; margin-right: 1px;}}
-.kvx-presenting {{--jp-widgets-font-size: {PRESENTING_PX}px; --jp-widgets-inline-height: 36px;
-  --jp-widgets-inline-label-width: auto; font-size: {PRESENTING_PX}px;}}
-.kvx-presenting .widget-label, .kvx-presenting .widget-html-content, .kvx-presenting button,
-.kvx-presenting input, .kvx-presenting select, .kvx-presenting textarea, .kvx-presenting table,
-.kvx-presenting label, .kvx-presenting li {{font-size: {PRESENTING_PX}px !important;}}
-.kvx-presenting .widget-toggle-button, .kvx-presenting .widget-button {{height: auto; min-height: 36px;}}
-.kvx-presenting .kvx-status .widget-html-content, .kvx-presenting .kvx-error .widget-html-content
-  {{line-height: 1.35; padding: 4px 0;}}
-body:has(.kvx-presenting) .jp-RenderedMarkdown, body:has(.kvx-presenting) .jp-RenderedMarkdown p
-  {{font-size: {PRESENTING_PX}px;}}
-body:has(.kvx-presenting) .kvx-header-more {{display: none;}}
-body:has(.kvx-presenting) .jp-RenderedMarkdown p {{margin-top: 0; margin-bottom: 0.3em;}}
-.kvx-presenting .kvx-prompt, .kvx-presenting .kvx-prompt textarea {{height: 2.2em !important;}}
-</style>"""
+# (ipywidgets size their controls from these variables); controls.css, with __PRESENTING_PX__ for that size
+_CSS = assets.text(__file__, "controls.css").replace("__PRESENTING_PX__", f"{PRESENTING_PX}px")
+STYLE = f"<style>\n{_CSS}</style>"
 
 
 def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling: Any, seed: int, prompt: str,

@@ -12,7 +12,7 @@ sets the text and clicks the button itself (the explorer's handlers run as for a
 stamped; the kernel takes an edit only when it is newer than the newest it took, so a late one cannot bring back an
 old text. The kernel's answer (the value it set) comes back to the page as an echo, which the box ignores when it is
 a text it sent itself (the user may have typed on since); a value the kernel sets on its own (a prompt of token ids,
-the app's prompt) replaces the text.
+the app's prompt) replaces the text. The page's side is ``prompt_box.js``.
 """
 
 from __future__ import annotations
@@ -22,61 +22,14 @@ from typing import Any
 import anywidget
 import traitlets
 
-_ESM = """
-function render({ model, el }) {
-  const box = document.createElement("textarea");
-  box.className = "widget-input kvx-prompt-text";
-  box.placeholder = model.get("placeholder");
-  box.value = model.get("value");
-  box.rows = 2;
-  box.style.cssText = "width: 100%; height: 100%; box-sizing: border-box; resize: vertical;";
-  const sent = [];  // texts sent to the kernel whose echo has not come back
-  let last = 0;
-  const send = (extra) => {  // stamps increase across this page's views (microseconds since the epoch)
-    last = Math.max(last + 1, Math.floor((performance.timeOrigin + performance.now()) * 1000));
-    model.send({ value: box.value, n: last, ...extra });
-  };
-  box.addEventListener("input", () => {
-    if (sent[sent.length - 1] !== box.value) sent.push(box.value);
-    send({});
-  });
-  const clicked = (event) => {  // a click on a button that reads the prompt: sent with the text, in one message
-    const button = event.target instanceof Element ? event.target.closest("button") : null;
-    if (!button || button.disabled) return;
-    const name = model.get("clicks").find((b) => button.classList.contains("kvx-" + b));
-    const root = button.closest(".kvx-explorer");
-    if (!name || !root || !root.contains(el)) return;
-    event.stopPropagation();
-    event.preventDefault();
-    send({ click: name });
-  };
-  document.addEventListener("click", clicked, true);
-  const changed = () => {
-    const value = model.get("value");
-    const i = sent.indexOf(value);
-    if (i >= 0) {
-      sent.splice(0, i + 1);  // the kernel took this text from this box: what the user typed since stays
-      return;
-    }
-    if (box.value !== value) box.value = value;
-  };
-  model.on("change:value", changed);
-  el.classList.add("widget-textarea");
-  el.appendChild(box);
-  return () => {
-    model.off("change:value", changed);
-    document.removeEventListener("click", clicked, true);
-  };
-}
-export default { render };
-"""
+from ..views import assets
 
 
 class PromptBox(anywidget.AnyWidget):
     """A multi-line text box (``value``, ``placeholder``) whose text reaches the kernel with every click on the
     buttons given to :meth:`reads_on` (and with every edit, newest first)."""
 
-    _esm = _ESM
+    _esm = assets.path(__file__, "prompt_box.js")  # the box's view
     value = traitlets.Unicode("").tag(sync=True)
     placeholder = traitlets.Unicode("").tag(sync=True)
     clicks = traitlets.List(traitlets.Unicode()).tag(sync=True)  # the buttons' names (their class is kvx-<name>)

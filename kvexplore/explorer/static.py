@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ..views import compare
+from ..views import assets, compare
 from ..views.page import fragment
 
 _plotly_owner: int | None = None  # id() of the StaticCopy whose replay carries plotly.js
@@ -108,14 +108,5 @@ class StaticCopy:
                 f'<script>{_HIDE_WHEN_LIVE}</script></div>')
 
 
-# A page that draws the live widget (a figure of it has drawn: data-kvx-draws) needs no copy. The kernel empties the
-# copy when it hears of the draw, but a page that shows outputs as they were when it was made (Voila) never gets
-# that update: the copy hides itself there.
-_HIDE_WHEN_LIVE = """(function (copy) {
-  if (!copy) return;
-  const live = () => document.querySelector('[data-kvx-draws]');
-  const hide = () => { copy.style.display = 'none'; };
-  if (live()) return hide();
-  const watch = new MutationObserver(() => { if (live()) { hide(); watch.disconnect(); } });
-  watch.observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-kvx-draws']});
-})(document.currentScript && document.currentScript.parentElement);"""
+# the copy hides itself where a live figure has drawn (a page that never gets the kernel's update: Voila)
+_HIDE_WHEN_LIVE = assets.text(__file__, "static_hide.js")

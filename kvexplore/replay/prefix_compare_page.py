@@ -9,53 +9,15 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..views import assets
 from ..views.page import plotly_script
-from ..views.player import UNPACK
+from ..views.player import on_root
 from ..views.prefix import side_by_side
 from .prefix_page import prefix_fragment
 
-PAGE = """<div class="kvx-prefix-compare-page" id="__ID__">
-<style>
-.kvx-prefix-compare-page {font-family: 'Liberation Sans', Arial, sans-serif; color: #222;}
-.kvx-prefix-compare-page > h1 {font-size: 20px; margin: 4px 0 8px;}
-.kvx-prefix-compare-page > .kvx-controls {position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 20;
-  border-bottom: 1px solid #ddd; display: flex; gap: 12px; align-items: center; font-size: 16px;}
-.kvx-prefix-compare-page > .kvx-controls .kvx-slider {flex: 1;}
-.kvx-prefix-compare-page .kvx-columns {display: flex; gap: 16px; align-items: flex-start;}
-.kvx-prefix-compare-page .kvx-columns > .kvx-prefix-page {flex: 1 1 0; min-width: 0;}
-.kvx-prefix-compare-page .kvx-columns .kvx-controls {display: none;}
-.kvx-prefix-compare-page .kvx-columns .kvx-grid {grid-template-columns: 1fr;}
-</style>
-<h1>__TITLE__</h1>
-<div class="kvx-controls"><button class="kvx-play">▶ play</button>
-<input class="kvx-slider" type="range" min="0" value="0"><span class="kvx-label">loading…</span></div>
-__PLOTLY__
-<div class="kvx-columns">__COLUMNS__</div>
-<script>(__LINK__)((document.currentScript && document.currentScript.parentElement) || document.getElementById("__ID__"));</script>
-</div>"""
-
-# waits for every column's replay, then one slider (the first .kvx-slider in the page: the one on top) moves them all
-LINK = "async function (root) {" + UNPACK + r"""
-  try {
-    await loadPlotly(root);  // the columns wait for the page's one copy of plotly.js
-    const pages = [...root.querySelectorAll('.kvx-columns > .kvx-prefix-page')];
-    const settled = (p) => p.dataset.kvxReady === '1' || !!p.dataset.kvxError;
-    while (!pages.every(settled)) await new Promise((r) => setTimeout(r, 50));
-    const failed = pages.find((p) => p.dataset.kvxError);
-    if (failed) throw new Error(failed.dataset.kvxError);
-    const count = Math.min(...pages.map((p) => Number(p.querySelector('.kvx-slider').max) + 1));
-    const label = root.querySelector('.kvx-label');
-    const draw = async (i) => {
-      await Promise.all(pages.map((p) => p.kvxShow(i)));
-      label.textContent = pages[0].querySelector('.kvx-label').textContent;
-      root.dataset.kvxFrame = String(i);
-    };
-    await wire(root, count, draw, 1200);
-  } catch (e) {
-    root.dataset.kvxError = String(e);
-    console.error('kvexplore prefix comparison:', e);
-  }
-}"""
+# the page (its __NAMES__ filled in by compare_fragment) and its script: one slider moves every column
+PAGE = assets.text(__file__, "prefix_compare_page.html")
+LINK = on_root(assets.text(__file__, "prefix_compare_page.js"))
 
 
 def several(source: Any) -> bool:

@@ -14,52 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from ..views import assets
 from ..views.frames import ArrayStore
 from ..views.page import pack, plotly_script
-from ..views.player import UNPACK
+from ..views.player import on_root
 from ..views.prefix import extra_figures, figures, frame_label, frames_of, story
 
-PAGE = """<div class="kvx-prefix-page" id="__ID__">
-<style>
-.kvx-prefix-page {font-family: 'Liberation Sans', Arial, sans-serif; color: #222;}
-.kvx-prefix-page h1 {font-size: 20px; margin: 4px 0 8px;}
-.kvx-prefix-page .kvx-controls {position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 10;
-  border-bottom: 1px solid #ddd; display: flex; gap: 12px; align-items: center; font-size: 16px;}
-.kvx-prefix-page .kvx-slider {flex: 1;}
-.kvx-prefix-page .kvx-grid {display: grid; grid-template-columns: 1fr 1fr; gap: 8px; margin-top: 8px;}
-</style>
-<h1>__TITLE__</h1>
-<div class="kvx-controls"><button class="kvx-play">▶ play</button>
-<input class="kvx-slider" type="range" min="0" value="0"><span class="kvx-label">loading…</span></div>
-<div class="kvx-grid"><div class="kvx-fig-prefix_pool"></div><div class="kvx-fig-prefix_tree"></div>
-<div class="kvx-fig-prefix_timeline"></div><div class="kvx-story"></div>__EXTRA__</div>
-__PLOTLY__
-<script type="application/octet-stream" class="kvx-data">__DATA__</script>
-<script>(__PLAYER__)((document.currentScript && document.currentScript.parentElement) || document.getElementById("__ID__"));</script>
-</div>"""
-
-PLAYER = "async function (root) {" + UNPACK + r"""
-  try {
-    const {all, decode} = await unpack(root);
-    const frames = all.frames;
-    const label = root.querySelector('.kvx-label'), storyBox = root.querySelector('.kvx-story');
-    const config = {displaylogo: false, responsive: true};
-    const draw = async (i) => {
-      const f = frames[i];
-      for (const [name, fig] of Object.entries(f.figures)) {
-        const d = decode(fig);
-        await Plotly.react(root.querySelector('.kvx-fig-' + name), d.data, d.layout, config);
-      }
-      storyBox.innerHTML = f.story;
-      label.textContent = f.label;
-      root.dataset.kvxFrame = String(i);
-    };
-    await wire(root, frames.length, draw, 1200);  // the pool as it ended; the slider goes back to any request
-  } catch (e) {
-    root.dataset.kvxError = String(e);
-    console.error('kvexplore prefix replay:', e);
-  }
-}"""
+# the page (its __NAMES__ filled in by prefix_fragment) and its player, after the run replay's unpack and wire
+PAGE = assets.text(__file__, "prefix_page.html")
+PLAYER = on_root(assets.text(__file__, "prefix_page.js"))
 
 
 class Strings:

@@ -1,9 +1,9 @@
 """What changed in a figure, as a patch on an earlier one: the delta protocol between the kernel and the page.
 
 A figure is ``{"data": [trace, ...], "layout": {...}}``. :func:`diff` gives the patch that turns ``base`` into
-``new``; :func:`apply` applies it (the page runs the same logic in JavaScript, :data:`APPLY_JS`). A patch is
-``{"data": [changes of trace 0, ...], "layout": changes}`` where ``changes`` maps a property to its new value, to
-:data:`DELETE` (the property is gone), or for an array or list that kept most of its items to a splice
+``new``; :func:`apply` applies it (the page runs the same logic in JavaScript: ``delta.js``, :data:`APPLY_JS`). A
+patch is ``{"data": [changes of trace 0, ...], "layout": changes}`` where ``changes`` maps a property to its new
+value, to :data:`DELETE` (the property is gone), or for an array or list that kept most of its items to a splice
 ``{"$splice": [start, stop, items]}`` (``old[:start] + items + old[stop:]``) or, when one item of a list is itself
 what changed, ``{"$in": [index, change of that item]}``. Patches are always taken against the same base, so the
 page draws ``apply(base, patch)`` from the two synced values alone, however many patches it missed.
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from . import assets
 
 DELETE = {"$del": 1}
 MARKERS = ("$del", "$splice", "$in")
@@ -129,46 +131,4 @@ def weight(value: Any) -> int:
 
 
 # the page's copy of apply(): the same steps on decoded values (typed arrays for numeric buffers)
-APPLY_JS = r"""
-function applyValue(old, v) {
-  if (v && typeof v === 'object' && !Array.isArray(v) && !ArrayBuffer.isView(v)) {
-    if ('$splice' in v) {
-      const [start, stop, items] = v['$splice'];
-      if (ArrayBuffer.isView(old)) {
-        const out = new old.constructor(start + items.length + (old.length - stop));
-        out.set(old.subarray(0, start), 0);
-        out.set(items, start);
-        out.set(old.subarray(stop), start + items.length);
-        return out;
-      }
-      return old.slice(0, start).concat(Array.from(items), old.slice(stop));
-    }
-    if ('$in' in v) {
-      const [i, sub] = v['$in'];
-      const out = old.slice();
-      out[i] = applyValue(old[i], sub);
-      return out;
-    }
-  }
-  return v;
-}
-
-function applyChanges(base, changes) {
-  const out = {};
-  for (const [k, x] of Object.entries(base || {})) {
-    const c = changes[k];
-    if (!(c && typeof c === 'object' && c['$del'] === 1)) out[k] = x;
-  }
-  for (const [k, c] of Object.entries(changes || {})) {
-    if (c && typeof c === 'object' && c['$del'] === 1) continue;
-    out[k] = applyValue(base ? base[k] : undefined, c);
-  }
-  return out;
-}
-
-function applyPatch(base, patch) {
-  if (!patch || !patch.data) return base;
-  return {data: (base.data || []).map((t, i) => applyChanges(t, patch.data[i] || {})),
-          layout: applyChanges(base.layout || {}, patch.layout || {})};
-}
-"""
+APPLY_JS = assets.text(__file__, "delta.js")

@@ -7,23 +7,11 @@ import html
 from collections.abc import Sequence
 
 from ..trace.records import StepRecord
+from . import assets
 from .divergence import DRIFT
 from .palette import step_colour
 
-STYLE = """<style>
-.kvx-strip {font-family: 'Liberation Mono', Menlo, Consolas, monospace; font-size: 13px; line-height: 1.9;
-            white-space: pre-wrap; word-break: break-all; max-height: 5.8em; overflow-y: auto; padding: 4px;
-            border: 1px solid #ddd; border-radius: 4px; background: #fff; box-sizing: border-box;}
-.kvx-tok {padding: 1px 0; border-radius: 3px; margin-right: 1px; color: #111;}
-.kvx-tok.kvx-prompt-tok {background: #eeeeee; color: #555;}
-.kvx-tok.kvx-last {outline: 2px solid #f16913;}
-.kvx-tok.kvx-diverge {box-shadow: inset 0 -3px 0 #b30000; color: #b30000; font-weight: bold;}
-.kvx-tok.kvx-drift {box-shadow: inset 0 -3px 0 #b36b00; color: #b36b00; font-weight: bold;}
-.kvx-tok.kvx-accepted {border-bottom: 2px solid #2ca02c;}
-.kvx-tok.kvx-corrected {border-bottom: 2px solid #d62728;}
-.kvx-presenting .kvx-strip {font-size: 18px; line-height: 1.7; max-height: 5.4em;}
-.kvx-strip.kvx-follow {display: flex; flex-direction: column-reverse;}
-</style>"""
+STYLE = f"<style>\n{assets.text(__file__, 'tokens.css')}</style>"  # the strip's look, before every strip
 
 
 def _show(text: str) -> str:

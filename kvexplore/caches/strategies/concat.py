@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
 from ..base import KVCache
+from ..options import Options
 from ..layers.concat_layer import ConcatLayer
+
+
+@dataclass(frozen=True)
+class ConcatOptions(Options):
+    """None: the storage grows with the sequence."""
 
 
 class ConcatCache(KVCache):
@@ -20,6 +28,7 @@ class ConcatCache(KVCache):
     """
 
     kind = "concat"
+    Options = ConcatOptions
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None) -> None:

@@ -30,23 +30,79 @@ tokens once a press ran or would run (one prefill would press them as one prompt
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
-from ...core.settings import choice, integer
+from ...core.settings import integer
 from ...errors import SettingsError
 from ..base import KVCache
+from ..options import Flag, Options, maybe, one_of, option, positive
 from ..layers.compact import CompactLayer
 from ..layers.masked import MaskedLayer
 from ..layers.pressed import PressedLayer
 from ..layers.pressplan import PressEvent, PressPlan
-from ..presses import Budget, make_press
+from ..presses import PRESSES, Budget, make_press
+from ..presses.budget import HEADS, SCHEDULES
 
 STORAGES = ("compact", "mask")
 POSITION_MODES = ("keep", "rerotate")
+
+
+def _at_least_one(hint: str) -> Any:
+    return maybe(lambda value, name: integer(value, name, minimum=1, hint=hint))
+
+
+@dataclass(frozen=True)
+class EvictOptions(Options):
+    """The press and its budget (checked by :class:`~kvexplore.caches.presses.Press` and
+    :class:`~kvexplore.caches.presses.budget.Budget` as they are made), the storage and the presses while decoding."""
+
+    press: Any = option("knorm", help="the press that scores positions (default knorm), or a Press",
+                        flag=Flag(str, tuple(PRESSES)))
+    compression_ratio: float | None = option(0.5, help="the share of each head's positions dropped (default 0.5)",
+                                             flag=Flag(float))
+    kept_tokens: int | None = option(None, help="positions each head keeps (instead of compression_ratio)",
+                                     flag=Flag(int))
+    schedule: str = option("uniform", help="the budget by layer: the same everywhere (default) or a pyramid",
+                           flag=Flag(str, SCHEDULES))
+    heads: str = option("per-head", help="the budget by head: per head (default), shared, adaptive (AdaKV)",
+                        flag=Flag(str, HEADS))
+    positions: str = option("keep", help="kept keys keep their positions (default) or are re-rotated to contiguous "
+                                         "ones", check=one_of(POSITION_MODES, "positions"),
+                            flag=Flag(str, POSITION_MODES))
+    storage: str = option("compact", help="kept positions packed, memory freed (default), or masked in place",
+                          check=one_of(STORAGES, "storage"), flag=Flag(str, STORAGES))
+    decode_every: int | None = option(None, help="tokens between presses while decoding (default: the prompt only)",
+                                      check=_at_least_one(" (tokens between presses while decoding)"), flag=Flag(int))
+    decode_target: int | None = option(None, help="positions per head after a decoding press",
+                                       check=_at_least_one(" (positions per head after a decoding press)"),
+                                       flag=Flag(int))
+    press_options: dict | None = option(None, help="the press's own options", flag=None)
+    alpha: float = option(0.2, help="AdaKV's safeguard share (default 0.2)", flag=Flag(float))
+    beta: float = option(20.0, help="PyramidKV's top-to-mean ratio (default 20)", flag=Flag(float))
+    headroom: int | None = option(None, help="free slots a compacting layer keeps after a press (default "
+                                             "decode_every, else 64)", check=maybe(positive), flag=Flag(int))
+    max_seq_len: int | None = option(None, help="positions it accepts (storage mask: allocated once)",
+                                     check=maybe(positive), flag=None)
+
+    def validate(self) -> None:
+        if self.decode_target is not None and self.decode_every is None:
+            raise SettingsError("decode_target is the size a press during decoding goes down to; give "
+                                "decode_every=N as well (how many tokens between those presses)")
+        if self.decode_every is not None and self.decode_target is None and self.kept_tokens is None and \
+                not self.compression_ratio:
+            raise SettingsError("a press during decoding needs a target: give decode_target=N (positions per head), "
+                                "or a prompt budget (compression_ratio > 0 or kept_tokens) it defaults to")
+        if self.storage == "mask" and self.max_seq_len is None:
+            raise SettingsError("storage='mask' allocates every position once: give max_seq_len")
+        # the budget and the press check their own options, once, here
+        object.__setattr__(self, "budget", Budget(self.compression_ratio, self.kept_tokens, self.schedule,
+                                                  self.heads, self.alpha, self.beta))
+        object.__setattr__(self, "made_press", make_press(self.press, self.press_options))
 
 
 class EvictCache(KVCache):
@@ -58,6 +114,7 @@ class EvictCache(KVCache):
     ``decode_every``, else 64)."""
 
     kind = "evict"
+    Options = EvictOptions
 
     def __init__(self, config: ModelConfig, press: Any = "knorm", compression_ratio: float | None = 0.5,
                  kept_tokens: int | None = None, schedule: str = "uniform", heads: str = "per-head",
@@ -66,26 +123,13 @@ class EvictCache(KVCache):
                  beta: float = 20.0, headroom: int | None = None, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  max_seq_len: int | None = None) -> None:
-        choice(storage, "storage", STORAGES)
-        choice(positions, "positions", POSITION_MODES)
-        if decode_every is not None:
-            integer(decode_every, "decode_every", minimum=1, hint=" (tokens between presses while decoding)")
-        if decode_target is not None:
-            integer(decode_target, "decode_target", minimum=1, hint=" (positions per head after a decoding press)")
-            if decode_every is None:
-                raise SettingsError("decode_target is the size a press during decoding goes down to; give "
-                                    "decode_every=N as well (how many tokens between those presses)")
-        if decode_every is not None and decode_target is None and kept_tokens is None and not compression_ratio:
-            raise SettingsError("a press during decoding needs a target: give decode_target=N (positions per head), "
-                                "or a prompt budget (compression_ratio > 0 or kept_tokens) it defaults to")
-        if max_seq_len is not None:
-            max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1)
-        if storage == "mask" and max_seq_len is None:
-            raise SettingsError("storage='mask' allocates every position once: give max_seq_len")
-        self.budget = Budget(compression_ratio, kept_tokens, schedule, heads, alpha, beta)
-        self.press = make_press(press, press_options)
-        self.storage_kind, self.position_mode = storage, positions
-        self.headroom = integer(headroom if headroom is not None else decode_every or 64, "headroom", minimum=1)
+        self.options = o = self.Options(press, compression_ratio, kept_tokens, schedule, heads, positions, storage,
+                                        decode_every, decode_target, press_options, alpha, beta, headroom,
+                                        max_seq_len)
+        self.budget, self.press = o.budget, o.made_press
+        self.storage_kind, self.position_mode = o.storage, o.positions
+        self.headroom = o.headroom if o.headroom is not None else o.decode_every or 64
+        max_seq_len, decode_every, decode_target = o.max_seq_len, o.decode_every, o.decode_target
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self._capacity = max_seq_len
         full = [s.index for s in self.plan if s.full]

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
 from ..base import KVCache
+from ..options import Options
 from ..layers.recompute import RecomputeLayer
+
+
+@dataclass(frozen=True)
+class NoOptions(Options):
+    """None: the storage holds nothing."""
 
 
 class NoCache(KVCache):
@@ -15,6 +23,7 @@ class NoCache(KVCache):
     the cost of a step grows with the sequence (this is what "disabling the cache" means)."""
 
     kind = "none"
+    Options = NoOptions
     stores = False  # sliding layers recompute under their window mask like the others
 
     def __init__(self, config: ModelConfig, batch_size: int = 1, dtype: torch.dtype | None = None,

@@ -7,15 +7,16 @@ The pool and the block tables are shared by every full layer of one cache (and t
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
-from ...core.settings import positive_int
 from ...errors import CacheFullError, SettingsError
 from ..base import KVCache
+from ..options import Flag, Options, maybe, option, positive
 from ..layers.paged_layer import PagedLayer, PagePool, PageTable
 from ..memory import layer_bytes
 
@@ -34,6 +35,29 @@ class PagePoolFullError(CacheFullError):
                   f"or rewind this sequence, or free a fork (truncate(0) or drop it)")
 
 
+@dataclass(frozen=True)
+class PagedOptions(Options):
+    max_seq_len: int | None = option(None, help="positions of one sequence (sizes the pool unless num_blocks is given)",
+                                     check=maybe(positive), flag=None)
+    block_size: int = option(16, help="positions per page (default 16)", check=positive, flag=Flag(int))
+    num_blocks: int | None = option(None, help="pages in the pool (default: enough for max_seq_len per sequence)",
+                                    check=maybe(positive), flag=Flag(int))
+    pool: Any = option(None, help="a PagePool made elsewhere (its block size and pages win)", flag=None)
+
+    #: pages of 8 slots, so a short prompt already fills several
+    app: ClassVar[Mapping[str, Any]] = {"block_size": 8}
+
+    def __post_init__(self) -> None:
+        if self.pool is not None:  # a pool made elsewhere (one that chooses which free page to take): its size wins
+            object.__setattr__(self, "block_size", self.pool.block_size)
+            object.__setattr__(self, "num_blocks", self.pool.num_blocks)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        if self.max_seq_len is None and self.num_blocks is None:
+            raise SettingsError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
+
+
 class PagedCache(KVCache):
     """Pages of ``block_size`` positions from a shared :class:`PagePool`; block table ``b`` maps logical block
     ``i`` (positions ``i*block_size ..``) of sequence ``b`` to a physical page.
@@ -44,19 +68,13 @@ class PagedCache(KVCache):
     """
 
     kind = "paged"
+    Options = PagedOptions
 
     def __init__(self, config: ModelConfig, max_seq_len: int | None = None, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  block_size: int = 16, num_blocks: int | None = None, pool: PagePool | None = None) -> None:
-        if pool is not None:  # a pool made elsewhere (one that chooses which free page to take): its size wins
-            block_size, num_blocks = pool.block_size, pool.num_blocks
-        block_size = positive_int(block_size, "block_size")
-        if max_seq_len is None and num_blocks is None:
-            raise SettingsError("PagedCache needs max_seq_len or num_blocks to size its page pool; give one of them")
-        if max_seq_len is not None:
-            max_seq_len = positive_int(max_seq_len, "max_seq_len")
-        if num_blocks is not None:
-            num_blocks = positive_int(num_blocks, "num_blocks")
+        self.options = o = self.Options(max_seq_len, block_size, num_blocks, pool)
+        max_seq_len, block_size, num_blocks = o.max_seq_len, o.block_size, o.num_blocks
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         if num_blocks is None:
             num_blocks = math.ceil(max_seq_len / block_size) * batch_size

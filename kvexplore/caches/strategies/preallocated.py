@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
-from ...core.settings import positive_int
 from ..base import KVCache
+from ..options import Options, option, positive
 from ..layers.preallocated_layer import PreallocatedLayer
+
+
+@dataclass(frozen=True)
+class PreallocatedOptions(Options):
+    max_seq_len: int = option(help="positions each layer holds, allocated up front", check=positive, flag=None)
 
 
 class PreallocatedCache(KVCache):
@@ -22,12 +28,13 @@ class PreallocatedCache(KVCache):
     """
 
     kind = "preallocated"
+    Options = PreallocatedOptions
 
     def __init__(self, config: ModelConfig, max_seq_len: int, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> None:
-        max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        self.options = self.Options(max_seq_len)
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self._capacity = max_seq_len
+        self._capacity = self.options.max_seq_len
         self._build()
 
     @classmethod

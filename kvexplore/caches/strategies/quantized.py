@@ -8,15 +8,18 @@ The quantization is :mod:`kvexplore.caches.kivi` (re-exported here); one layer's
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
-from ...core.settings import integer, positive_int
+from ...core.settings import integer
 from ...errors import SettingsError
 from ..base import KVCache
+from ..ggml_blocks import TYPES
+from ..options import Flag, Options, count, maybe, one_of, option, positive, switch
 from .ggml import GGMLCache
 from ..layers.quantized_layer import QuantizedLayer
 from ..memory import StepCounters
@@ -25,6 +28,80 @@ from ..kv_codec import Codec, hadamard, hadamard_block
 
 __all__ = ["AXES", "BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]
+
+
+def _bits(value: Any, name: str) -> int | None:
+    if value is not None and integer(value, name) not in BITS:
+        raise SettingsError(f"{name} must be one of {', '.join(map(str, BITS))}, got {value}")
+    return value
+
+
+def _axis(value: Any, name: str) -> str | None:
+    if value is not None and value not in AXES:
+        raise SettingsError(f"{name} must be 'channel' (a scale per channel over a block of group_size tokens) "
+                            f"or 'token' (a scale per token over groups of channels), got {value!r}")
+    return value
+
+
+def _rotate(value: Any, name: str) -> str | None:
+    if value not in (None, "hadamard"):
+        raise SettingsError(f"rotate must be None or 'hadamard', got {value!r}")
+    return value
+
+
+def _outliers(value: Any, name: str) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 0.5):
+        raise SettingsError(f"outliers is the fraction of each vector's entries kept exact, from 0 up to (not "
+                            f"including) 0.5 (KVQuant keeps 0.01), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class QuantizedOptions(Options):
+    """KIVI's options (None: not given, the default), or llama.cpp's cache types (``k_type``, ``v_type``)."""
+
+    max_seq_len: int = option(help="positions each layer holds", check=positive, flag=None)
+    bits: int | None = option(None, help="bits per value, keys and values (default 8)", check=_bits,
+                              flag=Flag(int, BITS))
+    group_size: int | None = option(None, help="positions per quantized block (default 32)", check=maybe(positive),
+                                    flag=Flag(int))
+    residual: int | None = option(None, help="the newest positions kept in full precision (default 32)",
+                                  check=maybe(count), flag=Flag(int))
+    k_type: str | None = option(None, help="llama.cpp's key cache type (ggml blocks; the values default to f16)",
+                                check=maybe(one_of(TYPES, "k_type (llama.cpp's --cache-type-k)")),
+                                flag=Flag(str, TYPES, name="--cache-type-k"))
+    v_type: str | None = option(None, help="llama.cpp's value cache type (the keys default to f16)",
+                                check=maybe(one_of(TYPES, "v_type (llama.cpp's --cache-type-v)")),
+                                flag=Flag(str, TYPES, name="--cache-type-v"))
+    key_bits: int | None = option(None, help="the keys' bits (default: bits)", check=_bits, flag=Flag(int, BITS))
+    value_bits: int | None = option(None, help="the values' bits (default: bits)", check=_bits, flag=Flag(int, BITS))
+    key_axis: str | None = option(None, help="a key scale per channel over a block (default) or per token",
+                                  check=_axis, flag=Flag(str, AXES))
+    value_axis: str | None = option(None, help="a value scale per token (default) or per channel over a block",
+                                    check=_axis, flag=Flag(str, AXES))
+    rotate: str | None = option(None, help="rotate each head's vectors before quantizing (QuaRot's idea)",
+                                check=_rotate,
+                                flag=Flag(str, ("hadamard",)))
+    pre_rope_keys: bool | None = option(None, help="quantize keys before RoPE, rotate them at read (KVQuant)",
+                                        check=switch, flag=Flag(switch=True))
+    outliers: float | None = option(None, help="the fraction of each vector kept exact (KVQuant: 0.01)",
+                                    check=_outliers, flag=Flag(float))
+    exact_prefill: bool | None = option(None, help="the prompt's own pass reads its keys and values as computed "
+                                                   "(KIVI's and transformers' prefill); the codes are stored all the "
+                                                   "same", check=switch, flag=Flag(switch=True))
+
+    @property
+    def ggml(self) -> bool:
+        """llama.cpp's cache types (a :class:`~kvexplore.caches.strategies.ggml.GGMLCache`), not KIVI's."""
+        return self.k_type is not None or self.v_type is not None
+
+    def validate(self) -> None:
+        kivi_only = [name for name in self.names() if name not in ("max_seq_len", "k_type", "v_type")
+                     and getattr(self, name) is not None]
+        if self.ggml and kivi_only:
+            raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
+                                f"values, scales inside) and keep no full-precision window: leave out {kivi_only}, "
+                                f"or leave out k_type and v_type for KIVI's cache")
 
 
 class QuantizedCache(KVCache):
@@ -65,8 +142,6 @@ class QuantizedCache(KVCache):
     one-token steps would have read: the flushed positions both dequantized and in full precision, a mask choosing.
     """
 
-    kind = "quantized"
-
     def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
                 device: str | torch.device | None = None, k_type: str | None = None, v_type: str | None = None,
@@ -74,19 +149,18 @@ class QuantizedCache(KVCache):
                 value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
                 outliers: float | None = None, exact_prefill: bool | None = None):
         """With ``k_type`` or ``v_type`` (llama.cpp's cache types: q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16; the
-        one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.strategies.ggml.GGMLCache`: every row stored
-        as ggml blocks; otherwise KIVI's cache (this class)."""
+        one not given is f16, llama.cpp's default), a :class:`~kvexplore.caches.strategies.ggml.GGMLCache`: every
+        row stored as ggml blocks; otherwise KIVI's cache (this class)."""
         if k_type is None and v_type is None:
             return super().__new__(cls)
-        kivi_only = (("bits", bits), ("group_size", group_size), ("residual", residual), ("key_bits", key_bits),
-                     ("value_bits", value_bits), ("key_axis", key_axis), ("value_axis", value_axis), ("rotate", rotate),
-                     ("pre_rope_keys", pre_rope_keys), ("outliers", outliers), ("exact_prefill", exact_prefill))
-        given = [name for name, value in kivi_only if value is not None]
-        if given:
-            raise SettingsError(f"k_type / v_type choose llama.cpp's cache types, which fix their own blocks (32 "
-                                f"values, scales inside) and keep no full-precision window: leave out {given}, or "
-                                f"leave out k_type and v_type for KIVI's cache")
-        return GGMLCache(config, max_seq_len, k_type or "f16", v_type or "f16", batch_size, dtype, device)
+        options = QuantizedOptions(max_seq_len, bits, group_size, residual, k_type, v_type, key_bits, value_bits,
+                                   key_axis, value_axis, rotate, pre_rope_keys, outliers, exact_prefill)
+        cache = GGMLCache(config, max_seq_len, k_type or "f16", v_type or "f16", batch_size, dtype, device)
+        cache.options = options
+        return cache
+
+    kind = "quantized"
+    Options = QuantizedOptions
 
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                  residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -94,35 +168,22 @@ class QuantizedCache(KVCache):
                  key_bits: int | None = None, value_bits: int | None = None, key_axis: str | None = None,
                  value_axis: str | None = None, rotate: str | None = None, pre_rope_keys: bool | None = None,
                  outliers: float | None = None, exact_prefill: bool | None = None) -> None:
-        bits = 8 if bits is None else bits
-        key_bits = bits if key_bits is None else key_bits
-        value_bits = bits if value_bits is None else value_bits
-        group_size = 32 if group_size is None else group_size
-        residual = 32 if residual is None else residual
-        max_seq_len = positive_int(max_seq_len, "max_seq_len")
-        for name, value in (("bits", bits), ("key_bits", key_bits), ("value_bits", value_bits)):
-            if integer(value, name) not in BITS:
-                raise SettingsError(f"{name} must be one of {', '.join(map(str, BITS))}, got {value}")
-        group_size, residual = positive_int(group_size, "group_size"), integer(residual, "residual", minimum=0)
-        key_axis, value_axis = key_axis or "channel", value_axis or "token"
-        for name, value in (("key_axis", key_axis), ("value_axis", value_axis)):
-            if value not in AXES:
-                raise SettingsError(f"{name} must be 'channel' (a scale per channel over a block of group_size tokens) "
-                                    f"or 'token' (a scale per token over groups of channels), got {value!r}")
-        if rotate not in (None, "hadamard"):
-            raise SettingsError(f"rotate must be None or 'hadamard', got {rotate!r}")
-        for name, value in (("pre_rope_keys", pre_rope_keys), ("exact_prefill", exact_prefill)):
-            if value not in (None, True, False):
-                raise SettingsError(f"{name} must be True or False, got {value!r}")
-        outliers = 0.0 if outliers is None else outliers
-        if isinstance(outliers, bool) or not isinstance(outliers, (int, float)) or not 0 <= outliers < 0.5:
-            raise SettingsError(f"outliers is the fraction of each vector's entries kept exact, from 0 up to (not "
-                                f"including) 0.5 (KVQuant keeps 0.01), got {outliers!r}")
+        self.options = o = self.Options(max_seq_len, bits, group_size, residual, k_type, v_type, key_bits,
+                                        value_bits, key_axis, value_axis, rotate, pre_rope_keys, outliers,
+                                        exact_prefill)
+        bits = 8 if o.bits is None else o.bits
+        key_bits = bits if o.key_bits is None else o.key_bits
+        value_bits = bits if o.value_bits is None else o.value_bits
+        group_size = 32 if o.group_size is None else o.group_size
+        residual = 32 if o.residual is None else o.residual
+        max_seq_len = o.max_seq_len
+        key_axis, value_axis = o.key_axis or "channel", o.value_axis or "token"
+        outliers = 0.0 if o.outliers is None else o.outliers
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
         self.key_bits, self.value_bits, self.group_size, self.residual = key_bits, value_bits, group_size, residual
-        self.key_axis, self.value_axis, self.rotate = key_axis, value_axis, rotate
-        self.pre_rope_keys, self.outliers = bool(pre_rope_keys), float(outliers)
-        self.exact_prefill = bool(exact_prefill)  # the prompt's own pass reads it as computed (KIVI's, transformers')
+        self.key_axis, self.value_axis, self.rotate = key_axis, value_axis, o.rotate
+        self.pre_rope_keys, self.outliers = bool(o.pre_rope_keys), float(outliers)
+        self.exact_prefill = bool(o.exact_prefill)  # the prompt's own pass reads it as computed (KIVI's, transformers')
         self._capacity = max_seq_len
         self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots

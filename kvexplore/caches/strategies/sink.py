@@ -34,16 +34,40 @@ reads are gathered into new tensors, counted as copies). Rewinding into evicted 
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
-from ...core.settings import integer, positive_int
 from ...errors import SettingsError
 from ..base import KVCache
+from ..options import Flag, Options, count, maybe, option, positive
 from ..layers.sink_layer import SinkLayer, SinkSlots
+
+
+@dataclass(frozen=True)
+class SinkOptions(Options):
+    window: int = option(help="the most recent positions kept (make_cache: the slots left after the sinks)",
+                         check=positive, flag=Flag(int))
+    sinks: int = option(4, help="positions kept from the start (default 4)", check=count, flag=Flag(int))
+    max_seq_len: int | None = option(None, help="positions it accepts in all (default: unbounded)",
+                                     check=maybe(positive, "unbounded"), flag=None)
+
+    #: generate's window: with 4 sinks it evicts past 32 positions; the app's ring: 4 + 252 slots, so a pasted
+    #: chapter evicts (the cache's own default ring holds the whole context)
+    generate: ClassVar[Mapping[str, Any]] = {"window": 28}
+    app: ClassVar[Mapping[str, Any]] = {"sinks": 4, "window": 252}
+
+    @classmethod
+    def fitted(cls, options: dict[str, Any], given: Mapping[str, Any], max_seq_len: int | None) -> dict[str, Any]:
+        """The app's ring shrinks to caches of ``max_seq_len`` slots (unless its window was given): the sink lane
+        starts evicting when a pre-allocated lane of that size fills, and goes on while that one sits out."""
+        sinks = options.get("sinks", 0)
+        if "window" in options and "window" not in given and max_seq_len and sinks + options["window"] > max_seq_len:
+            options = {**options, "window": max(1, max_seq_len - sinks)}
+        return options
 
 
 class SinkCache(KVCache):
@@ -53,16 +77,14 @@ class SinkCache(KVCache):
     evicts_on_write = True  # the window drops its oldest position as each new one is written
 
     kind = "sink"
+    Options = SinkOptions
 
     def __init__(self, config: ModelConfig, window: int, sinks: int = 4, batch_size: int = 1,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  max_seq_len: int | None = None) -> None:
-        window = positive_int(window, "window")
-        sinks = integer(sinks, "sinks", minimum=0)
-        if max_seq_len is not None:
-            max_seq_len = integer(max_seq_len, "max_seq_len", minimum=1, hint=" (or None for unbounded)")
+        self.options = o = self.Options(window, sinks, max_seq_len)
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self.sinks, self.window, self._capacity = sinks, window, max_seq_len
+        self.sinks, self.window, self._capacity = o.sinks, o.window, o.max_seq_len
         self.slots = SinkSlots(sinks, window, self.device)
         self._build()
 

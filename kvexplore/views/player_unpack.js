@@ -1,0 +1,66 @@
+// What every replay player starts with, inside its function of the page's root (views/player.py: on_root):
+// unpack(root) runs the packed plotly.js once per page (or waits for another fragment's), then gives the packed data
+// (views/page.py: pack) and decode(v), which turns the array references ({"$a": i, "n": n}, views/frames.py:
+// ArrayStore) back into typed arrays and lists of strings stored once in a table ({"$t": indices into all.strings},
+// replay/prefix_page.py); wire(...) then drives its slider and play button.
+const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
+               uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
+async function gunzip(el) {
+  const bin = Uint8Array.from(atob(el.textContent), (c) => c.charCodeAt(0));
+  const stream = new Blob([bin]).stream().pipeThrough(new DecompressionStream('gzip'));
+  return await new Response(stream).text();
+}
+async function loadPlotly(root) {  // the page's copy of plotly.js, run once (whichever replay gets there first)
+  const packedJs = root.querySelector('.kvx-plotly');
+  if (!window.Plotly && packedJs && !window.__kvxPlotlyLoading) {
+    window.__kvxPlotlyLoading = true;
+    (0, eval)(await gunzip(packedJs));  // plotly.js defines window.Plotly
+  }
+}
+async function unpack(root) {
+  await loadPlotly(root);
+  for (let t = 0; !window.Plotly; t++) {  // another replay on the page brings it
+    if (t > 1200) throw new Error('plotly.js did not load');
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  const all = JSON.parse(await gunzip(root.querySelector('.kvx-data')));
+  const arrays = all.arrays.map((a) => new TYPED[a.dtype](Uint8Array.from(atob(a.b64), (c) => c.charCodeAt(0)).buffer));
+  const decode = (v) => {
+    if (Array.isArray(v)) return v.map(decode);
+    if (v && typeof v === 'object') {
+      if (v['$a'] !== undefined) return arrays[v['$a']].slice(0, v.n);
+      if (v['$t'] !== undefined) return Array.from(decode(v['$t']), (i) => all.strings[i]);  // a string table's
+      const o = {};
+      for (const [k, x] of Object.entries(v)) o[k] = decode(x);
+      return o;
+    }
+    return v;
+  };
+  return {all, decode};
+}
+// the slider and play/pause over frames 0..count-1, drawn by draw(i) (async; draws run one after another), every
+// ms when playing; the last frame first (play from the last starts over)
+async function wire(root, count, draw, ms) {
+  let queue = Promise.resolve();
+  const show = (i) => { queue = queue.then(() => draw(i)); return queue; };
+  const slider = root.querySelector('.kvx-slider'), play = root.querySelector('.kvx-play');
+  slider.max = String(count - 1);
+  root.kvxShow = (i) => { slider.value = String(i); return show(i); };
+  slider.addEventListener('input', () => show(Number(slider.value)));
+  let timer = null;
+  const stop = () => { clearInterval(timer); timer = null; play.textContent = '▶ play'; };
+  play.addEventListener('click', () => {
+    if (timer) return stop();
+    if (Number(slider.value) >= count - 1) { slider.value = '0'; show(0); }
+    play.textContent = '⏸ pause';
+    timer = setInterval(() => {
+      const next = Number(slider.value) + 1;
+      if (next >= count) return stop();
+      slider.value = String(next);
+      show(next);
+    }, ms);
+  });
+  await show(count - 1);
+  slider.value = String(count - 1);
+  root.dataset.kvxReady = '1';
+}
