@@ -153,10 +153,10 @@ def test_the_error_per_channel_is_what_the_codes_lose_and_the_stored_kv_view_dra
     k, v = (t[:, :, :q].float() for t in full.storage(0))
     want_k = (dequantize(*quantize(k, 2, "channel", 8), 2, "channel") - k).abs()[0].amax(1)
     want_v = (dequantize(*quantize(v, 4, "token", 8), 4, "token") - v).abs()[0].amax(1)
-    got_k, got_v = cache.channel_error(0)
+    got_k, got_v = cache.quantization.channel_error(0)
     assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)
-    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).channel_error(0) is None
-    figure = tensors.spec(None, None, 0, cache.stored_error(0), cache.slot_view(0), channel_error=(got_k, got_v))
+    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).quantization is None  # exact: no facet
+    figure = tensors.spec(None, None, 0, cache.quantization.stored_error(0), cache.slot_view(0), channel_error=(got_k, got_v))
     by_name = {t["name"]: t for t in figure.traces}
     assert by_name["keys error per channel"]["z"].tolist() == got_k.reshape(-1).tolist()
     assert by_name["values error per channel"]["zmax"] == pytest.approx(float(got_v.max()))
@@ -198,13 +198,13 @@ def test_each_channels_worst_block_and_its_outlier_channels_before_and_after_a_r
     k[..., 3] *= 50
     cache = kvexplore.make_cache("quantized", tiny, max_seq_len=32, key_bits=4, value_bits=2, group_size=8,
                                  residual=0)
-    assert cache.channel_detail(0) is None  # nothing quantized yet
+    assert cache.quantization.channel_detail(0) is None  # nothing quantized yet
     cache.write(0, 0, k, v)
-    kd, vd = cache.channel_detail(0)
+    kd, vd = cache.quantization.channel_detail(0)
     for part, x, d, bits, axis in (("keys", k, kd, 4, "channel"), ("values", v, vd, 2, "token")):
         codes, scale, zero = quantize(x, bits, axis, 8)
         codes = unpack(codes, bits)[0]
-        err = cache.channel_error(0)[part == "values"]
+        err = cache.quantization.channel_error(0)[part == "values"]
         assert d.part == part and d.bits == bits and d.axis == axis and d.quantized is None
         per_block = torch.stack([(cache.layers[0].decode(part[0], 8 * b, 8 * b + 8) - x[..., 8 * b:8 * b + 8, :])
                                  .abs()[0].amax(1) for b in range(3)], 1)  # (H, blocks, D)
@@ -223,13 +223,13 @@ def test_each_channels_worst_block_and_its_outlier_channels_before_and_after_a_r
     rotated = kvexplore.make_cache("quantized", tiny, max_seq_len=32, key_bits=4, value_bits=2, group_size=8,
                                    residual=0, rotate="hadamard")
     rotated.write(0, 0, k, v)
-    rk, _ = rotated.channel_detail(0)
+    rk, _ = rotated.quantization.channel_detail(0)
     assert rk.outliers()[:, 3].all() and rk.quantized is not None and not rk.outliers("quantized").any()
-    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).channel_detail(0) is None
+    assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).quantization is None
 
     for c, d in ((cache, kd), (rotated, rk)):
-        figure = tensors.spec(None, None, 0, c.stored_error(0), c.slot_view(0), channel_error=c.channel_error(0),
-                              channel_detail=c.channel_detail(0))
+        figure = tensors.spec(None, None, 0, c.quantization.stored_error(0), c.slot_view(0), channel_error=c.quantization.channel_error(0),
+                              channel_detail=c.quantization.channel_detail(0))
         by_name = {t["name"]: t for t in figure.traces}
         hover = by_name["keys error per channel"]["text"]
         b = int(d.block[1, 3])

@@ -15,7 +15,6 @@ from ..core import host
 from ..errors import SettingsError
 from .held import PLAIN, THIS_STEP, UNDO_SCRATCH, StorageWalk
 from .memory import LayerMemory, MemoryReport
-from .channel_detail import PartDetail
 from .slots import SlotView
 
 
@@ -70,14 +69,6 @@ class CacheInspection:
         walk.add(UNDO_SCRATCH, self._scratch)
         walk.layer_parts = layer_parts
         return walk
-
-    def error_bound(self, layer: int, keys, values):
-        """How far, element by element, a correct cache of this kind may give attention in ``layer`` something
-        other than the model's ``keys`` and ``values`` ``(kv_heads, positions, head_dim)`` of the sequence so far:
-        ``(key bound, value bound)`` of their shape for a cache lossy by design (the doctor judges it by them), None
-        for one that gives back what the model computed (every exact cache, and the evicting ones: what they keep,
-        they keep exactly)."""
-        return None
 
     def memory_report(self) -> MemoryReport:
         """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
@@ -160,25 +151,6 @@ class CacheInspection:
         a sliding layer's ring reads its window, every other layer from position 0."""
         return self.layers[layer].read_start(), count
 
-    def stored_error(self, layer: int) -> torch.Tensor | None:
-        """How far what this cache stores for ``layer`` is from what the model wrote: ``(kv_heads, length)`` max
-        absolute error per position, on the CPU, for the first sequence of the batch; None for a cache that stores
-        keys and values exactly (every cache but the quantized one)."""
-        return self.layers[layer].stored_error(self.length)
-
-    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """How far what this cache stores for ``layer`` is from what the model wrote, channel by channel: the keys'
-        and the values' max absolute error per KV head and channel, ``(kv_heads, head_dim)`` each, on the CPU, for
-        the first sequence of the batch; None for a cache that stores keys and values exactly (or keeps no record)."""
-        return self.layers[layer].channel_error()
-
-    def channel_detail(self, layer: int) -> tuple[PartDetail, PartDetail] | None:
-        """The keys' and the values' channels in ``layer`` as this cache stores them lossily: each channel's largest
-        magnitude as written and where the codes are taken (after a rotation), and the codes, scales and zero points
-        of the block where it lost the most (:class:`~kvexplore.caches.channel_detail.PartDetail`, on the CPU, first
-        sequence); None for an exact cache or before anything is quantized."""
-        return self.layers[layer].channel_detail()
-
     def slot_view(self, layer: int | None = None) -> SlotView:
         """The state of every physical slot of ``layer`` (default: a full layer; what the cache map draws)."""
         return self.layers[self._layer(layer).index].slot_view(self.length)
@@ -248,6 +220,6 @@ def _label(layer, attribute: str) -> str:
 
 
 def lossy_by_design(cache: Any) -> bool:
-    """Whether ``cache`` gives attention something other than what the model computed, by design (it says how far:
-    :meth:`CacheInspection.error_bound`), whether or not it keeps its error."""
-    return getattr(type(cache), "error_bound", CacheInspection.error_bound) is not CacheInspection.error_bound
+    """Whether ``cache`` gives attention something other than what the model computed, by design (its
+    :attr:`~kvexplore.caches.protocol.ModelCache.quantization` says how far), whether or not it keeps its error."""
+    return cache.quantization is not None

@@ -202,19 +202,6 @@ class LayerCache(ABC):
     def slot_view(self, length: int) -> SlotView:
         """The state of every physical slot (what the cache map draws)."""
 
-    def stored_error(self, length: int) -> torch.Tensor | None:
-        """``(kv_heads, length)`` max abs error of what is stored vs what was written (None: stored exactly)."""
-        return None
-
-    def channel_error(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys' and values' max abs error per channel, ``(kv_heads, head_dim)`` each, over every position stored
-        lossily (None: stored exactly, or the originals are not kept)."""
-        return None
-
-    def channel_detail(self) -> tuple[Any, Any] | None:
-        """The keys' and values' :class:`~kvexplore.caches.channel_detail.PartDetail` (None: stored exactly)."""
-        return None
-
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
         """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"

@@ -45,6 +45,28 @@ class Eviction(Protocol):
     def held_counts(self, layer: int, batch: int = 0) -> tuple[int, ...]: ...
 
 
+class Quantization(Protocol):
+    """What a cache that stores keys and values lossily by design answers (:attr:`ModelCache.quantization`;
+    kvexplore's ``quantized`` cache, KIVI's schemes or llama.cpp's types): how far what it stores for ``layer`` is
+    from what the model wrote, per position and per channel, the codes of each channel's worst block, and how far a
+    correct cache of its kind may be off (what the doctor judges it by). Every answer is None for a layer it keeps
+    exact, and where it keeps no record."""
+
+    def stored_error(self, layer: int) -> torch.Tensor | None:
+        """``(kv_heads, length)`` max absolute error per position, on the CPU, first sequence of the batch."""
+
+    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys' and the values' max absolute error per KV head and channel, ``(kv_heads, head_dim)`` each."""
+
+    def channel_detail(self, layer: int) -> tuple[Any, Any] | None:
+        """The keys' and values' channels as stored: each channel's largest magnitude as written and the codes,
+        scales and zero points of its worst block (:class:`~kvexplore.caches.channel_detail.PartDetail`)."""
+
+    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple | None:
+        """Element by element, how far a correct cache of this kind may give attention something other than the
+        model's ``keys`` and ``values`` ``(kv_heads, positions, head_dim)`` of the sequence so far."""
+
+
 class ModelCache(ABC):
     """A model's cache as the generator, the tracer and the views see it. Attributes every implementation has:
     ``kind`` (its name), ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
@@ -94,6 +116,12 @@ class ModelCache(ABC):
     @property
     def eviction(self) -> Eviction | None:
         """The cache's eviction by scores (see :class:`Eviction`); None for a cache that does not press."""
+        return None
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """The cache's lossy storage (see :class:`Quantization`); None for a cache that stores what the model wrote
+        (every cache but the quantized one: the evicting ones keep exactly what they keep)."""
         return None
 
     def checkpointing_states(self) -> AbstractContextManager:
@@ -154,19 +182,6 @@ class ModelCache(ABC):
     @abstractmethod
     def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
         """Replace pending reads by their host copies."""
-
-    @abstractmethod
-    def stored_error(self, layer: int) -> torch.Tensor | None:
-        """How far what is stored is from what was written (None: exact)."""
-
-    @abstractmethod
-    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The keys' and values' largest error per KV head and channel (None: exact, or no record kept)."""
-
-    def channel_detail(self, layer: int) -> tuple[Any, Any] | None:
-        """The keys' and values' channels as stored lossily: magnitudes, and the codes of each channel's worst block
-        (:class:`~kvexplore.caches.channel_detail.PartDetail`; None: exact, or nothing quantized yet)."""
-        return None
 
     @abstractmethod
     def describe_layers(self) -> str:

@@ -155,10 +155,12 @@ class KVPasses:
 
     def bounds(self, ref: Pass) -> list[torch.Tensor | None] | None:
         """Per layer, how far the keys a correct cache of this lossy-by-design kind gives attention may be from
-        ``ref``'s (:meth:`~kvexplore.caches.base.KVCache.error_bound`; None for a layer it keeps exact); None while
-        the whole cache is exact."""
-        out = [None if lp.keys is None else self.cache.error_bound(i, lp.keys, lp.values)
-               for i, lp in enumerate(ref.layers)]
+        ``ref``'s (its ``quantization.error_bound``; None for a layer it keeps exact); None while the whole cache is
+        exact."""
+        lossy = self.cache.quantization
+        if lossy is None:
+            return None
+        out = [None if lp.keys is None else lossy.error_bound(i, lp.keys, lp.values) for i, lp in enumerate(ref.layers)]
         return [b[0] if b is not None else None for b in out] if any(b is not None for b in out) else None
 
     def rotation(self, layer: int, offsets: list[int]):

@@ -10,7 +10,7 @@ import torch
 from ..errors import KVExploreError, SettingsError
 from ..core.settings import integer
 from ..trace.diff import TOLERANCE
-from .compare import columns, departures
+from .compare import columns, departures, first_departure
 from .passes import LayerPass
 from .hints import hint
 from .kept import KeptPasses
@@ -111,7 +111,7 @@ def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, 
             if bounds is not None:  # a lossy-by-design cache has just lost something: judged against its scheme
                 return _by_design(report, passes, got, ref, bounds, step, position, tol, tokens)
             found = departures(got, ref, position)
-            first = next((d for d in found if d.relative > tol), None)
+            first = first_departure(found, tol)
             if first is not None:
                 report.diverged, report.step, report.layer, report.position = True, step, first.layer, first.position
                 report.max_diff, report.what, report.departures = first.max_diff, first.what, found
@@ -145,7 +145,7 @@ def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, positi
             continue
         if g.written is not None:  # a prefill that stored lossy at once: an earlier layer's loss has already moved
             # these keys from the recomputation's, so they are judged against what this layer wrote (positions 0..)
-            own = passes.cache.error_bound(layer, *g.written)
+            own = None if (lossy := passes.cache.quantization) is None else lossy.error_bound(layer, *g.written)
             target, bound = g.written[0][:, pos], None if own is None else own[0][:, pos]
         else:
             target, bound = r.keys[:, ri], None if bound is None else bound[:, ri]

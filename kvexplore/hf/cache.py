@@ -221,12 +221,6 @@ class HFCache(ModelCache):
     def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
         pass
 
-    def stored_error(self, layer: int) -> torch.Tensor | None:
-        return None
-
-    def channel_error(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None  # transformers' quantized caches keep no record of what their codes lost
-
     def slot_view(self, layer: int | None = None) -> SlotView:
         layer = self.main_layer if layer is None else layer
         if layer >= len(self._states):

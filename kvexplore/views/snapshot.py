@@ -39,7 +39,7 @@ class LaneDetail:
     channel_detail: Callable[[], tuple[Any, Any] | None] | None = None
     # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.trace.recompute.LaneAttention)
     attention: Any = None
-    lossy: bool = False  # the cache stores lossily by design (it says how far off it may be: error_bound)
+    lossy: bool = False  # the cache stores lossily by design (its quantization says how far off it may be)
 
 
 @dataclass
@@ -117,15 +117,16 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
         lane = session.lanes[name]
         has = bool(lane.history)
+        lossy = lane.cache.quantization if has else None  # None: an exact cache, or nothing stepped yet
         lanes[name].detail = LaneDetail(
             texts=strip.texts(tokenizer, lane.generator),
             slots=lane.cache.slot_views() if has else None,
             norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
-            stored_error=lane.cache.stored_error(layer) if has else None,
+            stored_error=lossy.stored_error(layer) if lossy is not None else None,
             lossy=lossy_by_design(lane.cache),
             state=lane.tracer.state_history(layer, lane.cache.length) if has else None,
-            channel_error=lane.cache.channel_error(layer) if has else None,
-            channel_detail=(lambda cache=lane.cache: cache.channel_detail(layer)) if has else None,
+            channel_error=lossy.channel_error(layer) if lossy is not None else None,
+            channel_detail=(lambda lossy=lossy: lossy.channel_detail(layer)) if lossy is not None else None,
             attention=_attention(session, lane) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,

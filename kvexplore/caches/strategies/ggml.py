@@ -12,6 +12,7 @@ from ...core.settings import choice, positive_int
 from ..base import KVCache
 from ..ggml_blocks import TYPES, bits_per_value, dequantize, quantize
 from ..layers.ggml_layer import GGMLLayer
+from ..lossy import LossyStorage
 
 
 class GGMLCache(KVCache):
@@ -42,18 +43,10 @@ class GGMLCache(KVCache):
     def full_layer(self, spec: LayerSpec) -> GGMLLayer:
         return GGMLLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.k_type, self.v_type)
 
-    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """What storing ``keys`` and ``values`` in these block types changes, element by element (quantizing and
-        reading back the model's own rows), with float32's rounding on top (an f16 or bf16 type: the rounding to
-        that format); None for a layer the cache does not store in blocks."""
-        if layer not in self.full_layers:
-            return None
-
-        def bound(x: torch.Tensor, ctype: str) -> torch.Tensor:
-            x = x.float()
-            return (dequantize(quantize(x, ctype), ctype) - x).abs() + 1e-6 * x.abs().amax().clamp_min(1)
-
-        return bound(keys, self.k_type), bound(values, self.v_type)
+    @property
+    def quantization(self) -> "GGMLStorage":
+        """What the block types did and may do (:class:`~kvexplore.caches.protocol.Quantization`)."""
+        return GGMLStorage(self)
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s stored key and value blocks (uint8 ``[batch, kv_heads, max_seq_len, row bytes]``), live."""
@@ -64,3 +57,27 @@ class GGMLCache(KVCache):
         return (f"llama.cpp cache types: keys {self.k_type} ({bits_per_value(self.k_type):g} bits a value), values "
                 f"{self.v_type} ({bits_per_value(self.v_type):g} bits a value); all {self.length} positions stored "
                 f"quantized as they were written")
+
+
+class GGMLStorage(LossyStorage):
+    """llama.cpp's cache types as lossy storage: no record of the originals (the doctor measures the error against
+    the model's own keys), and the bound of the block types."""
+
+    def channel_error(self, layer: int) -> None:
+        return None
+
+    def channel_detail(self, layer: int) -> None:
+        return None
+
+    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """What storing ``keys`` and ``values`` in these block types changes, element by element (quantizing and
+        reading back the model's own rows), with float32's rounding on top (an f16 or bf16 type: the rounding to
+        that format); None for a layer the cache does not store in blocks."""
+        if layer not in self.cache.full_layers:
+            return None
+
+        def bound(x: torch.Tensor, ctype: str) -> torch.Tensor:
+            x = x.float()
+            return (dequantize(quantize(x, ctype), ctype) - x).abs() + 1e-6 * x.abs().amax().clamp_min(1)
+
+        return bound(keys, self.cache.k_type), bound(values, self.cache.v_type)

@@ -25,6 +25,7 @@ from ..layers.quantized_layer import QuantizedLayer
 from ..memory import StepCounters
 from ..kivi import AXES, BITS, F32, dequantize_keys, dequantize_values, pack, quantize_keys, quantize_values, unpack
 from ..kv_codec import Codec, hadamard, hadamard_block
+from ..lossy import LossyStorage
 
 __all__ = ["AXES", "BITS", "F32", "QuantizedCache", "dequantize_keys", "dequantize_values", "pack", "quantize_keys",
            "quantize_values", "unpack"]
@@ -246,22 +247,10 @@ class QuantizedCache(KVCache):
         """The frontier ``Q``: positions ``0..Q-1`` are quantized."""
         return self.layers[self.full_layers[0]].qf if self.full_layers else 0
 
-    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``: half a
-        quantization step of its group (through a rotation or pre-RoPE keys, the length of the vector of those), 0 in
-        the residual and for outliers kept exact; None until something is quantized and for the layers it does not
-        quantize."""
-        q = self.quantized_upto
-        if not q or layer not in self.full_layers:
-            return None
-        target = self.layers[layer]
-        positions = torch.arange(q, device=self.device)  # where the codec's rotation and the rotary's tables are
-        out = []
-        for codec, x in ((target.kcodec, keys), (target.vcodec, values)):
-            b = torch.zeros(x.shape, dtype=F32)
-            b[:, :q] = codec.bound(x[None, :, :q].to(self.device), positions, target.rope_turn)[0].cpu()
-            out.append(b)
-        return out[0], out[1]
+    @property
+    def quantization(self) -> "KiviStorage":
+        """What the quantization did and may do (:class:`~kvexplore.caches.protocol.Quantization`)."""
+        return KiviStorage(self)
 
     def what_it_did(self) -> str:
         q, n = self.quantized_upto, self.length
@@ -313,3 +302,24 @@ class QuantizedCache(KVCache):
     def diagnostic_bytes(self) -> int:
         """Bytes of the per-position error records (not part of ``reserved_bytes``)."""
         return sum(layer.kerr.nbytes + layer.verr.nbytes for layer in self._full())
+
+
+class KiviStorage(LossyStorage):
+    """The quantized cache's lossy storage: its layers' records, and the bound of KIVI's codes."""
+
+    def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``: half a
+        quantization step of its group (through a rotation or pre-RoPE keys, the length of the vector of those), 0 in
+        the residual and for outliers kept exact; None until something is quantized and for the layers it does not
+        quantize."""
+        q = self.cache.quantized_upto
+        if not q or layer not in self.cache.full_layers:
+            return None
+        target = self.cache.layers[layer]
+        positions = torch.arange(q, device=self.cache.device)  # where the codec's rotation and the rotary's tables are
+        out = []
+        for codec, x in ((target.kcodec, keys), (target.vcodec, values)):
+            b = torch.zeros(x.shape, dtype=F32)
+            b[:, :q] = codec.bound(x[None, :, :q].to(self.cache.device), positions, target.rope_turn)[0].cpu()
+            out.append(b)
+        return out[0], out[1]
