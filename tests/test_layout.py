@@ -22,6 +22,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("diagnosis",), ("bugs",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+#: the house by what it is for: the engine (what a decode needs), the labs (each standing on the engine), the screen
+#: (drawing, widgets, the command); docs/extending.md's table gives each folder's group
+GROUPS = {"engine": ("errors", "core", "config", "caches", "models", "formats", "trace", "fast", "runtime"),
+          "labs": ("hf", "prefix", "diagnosis", "bugs"),
+          "screen": ("views", "explorer", "replay", "cli")}
 
 
 def folder_of(module: str) -> str:
@@ -87,6 +92,41 @@ def upward_imports() -> list[str]:
 def test_imports_run_one_way_down_the_folders():
     bad = upward_imports()
     assert not bad, "imports that run up (or sideways) the folder order:\n" + "\n".join(bad)
+
+
+def test_the_house_reads_engine_then_labs_then_screen():
+    """Every folder is in one group, and every folder of a group lies below every folder of the next in the order."""
+    grouped = [name for names in GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(set(RANK) - {"kvexplore"}) and len(grouped) == len(set(grouped))
+    tops = [max(RANK[n] for n in names) for names in GROUPS.values()]
+    bottoms = [min(RANK[n] for n in names) for names in GROUPS.values()]
+    assert all(top < bottom for top, bottom in zip(tops, bottoms[1:])), (tops, bottoms)
+    extending = (PACKAGE.parent / "docs" / "extending.md").read_text()
+    for group, names in GROUPS.items():
+        for name in names:
+            folder = f"`{name}.py`" if name == "errors" else f"`{name}/`"
+            assert any(folder in line and f"| {group} |" in line for line in extending.splitlines()), (group, name)
+
+
+PLAIN_DECODE = """
+import sys
+import kvexplore as kx
+model = kx.load("tiny")
+g = kx.Generator(model, kx.make_cache("preallocated", model, max_seq_len=64))
+g.prefill("a b c")
+list(g.run(4))
+print(" ".join(sorted({name.split(".")[1] for name in sys.modules if name.startswith("kvexplore.")})))
+"""
+
+
+def test_a_plain_decode_loads_the_engine_only():
+    """The labs and the screen load on first use: a plain decode imports none of their folders, nor the speed stack."""
+    import subprocess
+    import sys
+
+    folders = subprocess.run([sys.executable, "-c", PLAIN_DECODE], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert folders and set(folders) <= set(GROUPS["engine"]) - {"fast"}, folders
 
 
 def test_the_checker_sees_a_lazy_import_that_runs_up(tmp_path, monkeypatch):
