@@ -2,7 +2,8 @@
 
 A forkserver process imports torch and kvexplore once; every case is a fork of it (milliseconds, not the seconds
 a fresh interpreter takes to import torch). A case is ``(name, function, args)`` with ``function`` a module-level
-callable of ``tests/hostile_cases.py``; it returns a short string (its outcome). What comes back per case:
+callable of ``tests/hostile_cases.py`` (defined in ``hostile_files.py`` or ``hostile_misuses.py``); it returns a short
+string (its outcome). What comes back per case:
 
 - ``ok:<outcome>``: it returned;
 - ``kvx:<ErrorType>:<message>``: it raised a kvexplore error (what bad input must give);
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PRELOAD = ["torch", "sandbox_warmup", "kvexplore", "kvexplore.explorer.session", "safetensors", "gguf", "sentencepiece",
-           "tokenizers", "hostile_cases"]
+           "tokenizers", "hostile_files", "hostile_misuses", "hostile_cases"]
 _context: mp.context.BaseContext | None = None
 
 

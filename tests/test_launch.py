@@ -244,7 +244,8 @@ def test_app_uses_the_packaged_voila_template_that_links_nothing_remote(monkeypa
 
     argv = launch.app_command("app.ipynb", port=8866)
     assert "--template=kvexplore" in argv and argv.index("--template=kvexplore") < argv.index("--port=8866")
-    template = resources.files("kvexplore").joinpath("explorer", "voila", "voila", "templates", "kvexplore")
+    template = resources.files("kvexplore").joinpath("explorer", "voila_template")
+    assert launch.app_template() == template
     assert json.loads(template.joinpath("conf.json").read_text()) == {"base_template": "lab"}
     page = template.joinpath("index.html.j2").read_text()
     assert "https://" not in page and "http://" not in page
@@ -254,7 +255,9 @@ def test_app_uses_the_packaged_voila_template_that_links_nothing_remote(monkeypa
     # Voila looks for <JUPYTER_PATH entry>/voila/templates/<name>: the package's data folder comes first, whether
     # JUPYTER_PATH was unset or already held entries (kept after it, in order, without a duplicate of ours)
     data = launch.app_jupyter_data()
-    assert (data / "voila" / "templates" / "kvexplore" / "index.html.j2").is_file()
+    for name in ("conf.json", "index.html.j2"):  # a copy of the package's template, laid out for Voila
+        assert (data / "voila" / "templates" / "kvexplore" / name).read_text() == template.joinpath(name).read_text()
+    assert launch.app_jupyter_data() == data  # one folder per process
     monkeypatch.delenv("JUPYTER_PATH", raising=False)
     assert launch.app_environment("tiny", None)["JUPYTER_PATH"] == str(data)
     assert launch.app_environment("tiny", None, base={})["JUPYTER_PATH"] == str(data)
@@ -277,7 +280,7 @@ def test_the_voila_lab_template_links_nothing_remote_but_what_ours_filters_out()
     remote = [line.strip() for line in block.splitlines() if "://" in line]
     assert len(remote) == 2 and all("cdn.jsdelivr.net/npm/@fortawesome/fontawesome-free" in line for line in remote), (
         f"{lab} (voila {voila.__version__}) changed its remote links: {remote}; update "
-        "kvexplore/explorer/voila/voila/templates/kvexplore/index.html.j2")
+        "kvexplore/explorer/voila_template/index.html.j2")
 
 
 def test_app_takes_each_lanes_options_and_refuses_a_wrong_one_or_an_unknown_model_before_the_server_starts(capsys):

@@ -128,18 +128,18 @@ def test_a_lane_whose_cache_reads_back_other_keys_is_rolled_back_and_computes_it
     assert session.lanes["paged"].history[0].step == 0 and len(session.lanes["paged"].history) == 3
 
 
-def test_a_failure_in_a_replaying_lane_is_raised_and_leaves_every_lane_empty(trained, monkeypatch):
+def test_a_failure_in_a_reusing_lane_is_raised_and_leaves_every_lane_empty(trained, monkeypatch):
     session = Session(trained, ("preallocated", "concat"), max_seq_len=96)
-    real = shared_pass.Replay.__call__
+    real = shared_pass.Reusing.__call__
 
     def failing(self, *args, **kw):
         raise MemoryError("no room for the second lane")
 
-    monkeypatch.setattr(shared_pass.Replay, "__call__", failing)
+    monkeypatch.setattr(shared_pass.Reusing, "__call__", failing)
     with pytest.raises(MemoryError):
         session.prefill(PROMPT)
     assert list(session.lanes) == ["preallocated", "concat"]
     assert all(not lane.generator.tokens and lane.cache.length == 0 for lane in session.lanes.values())
-    monkeypatch.setattr(shared_pass.Replay, "__call__", real)
+    monkeypatch.setattr(shared_pass.Reusing, "__call__", real)
     session.prefill(PROMPT)
     assert session.lanes["concat"].shared_pass == "preallocated"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import SettingsError
+from ..trace.parting import first_parting
 
 #: two runs part where a logit differs by more than this (absolute), or a chosen token differs
 LOGIT_TOL = 1e-2
@@ -80,8 +81,19 @@ class Divergence:
 
 def first_divergence(broken: Run, fixed: Run, report: Any = None) -> Divergence | None:
     """The first unit and token where ``broken`` chose another token than ``fixed`` or its logits differ by more than
-    :data:`LOGIT_TOL`; None when they agree throughout. ``report``: the checker's report on the broken run, whose
-    ``layer``, ``block`` and ``what`` are carried over."""
+    :data:`LOGIT_TOL` (the rule of :mod:`kvexplore.trace.parting`); None when they agree throughout. ``report``: the
+    checker's report on the broken run, whose ``layer``, ``block`` and ``what`` are carried over."""
+    at = first_parting(_compared(broken, fixed), LOGIT_TOL)
+    if at is None:
+        return None
+    i, j, a, b, diff = at
+    return Divergence(broken.unit, i, j, fixed.positions[i] + j, a, b, diff, layer=getattr(report, "layer", None),
+                      block=getattr(report, "block", None), what=getattr(report, "what", None))
+
+
+def _compared(broken: Run, fixed: Run):
+    """Each token of the two runs side by side, in order: ``((unit, offset, broken's token, fixed's token, largest
+    logit difference or None), same token, that difference)``; a token one run did not choose reads -1."""
     for i, (tb, tf) in enumerate(zip(broken.tokens, fixed.tokens)):
         lb = broken.logits[i] if i < len(broken.logits) else None
         lf = fixed.logits[i] if i < len(fixed.logits) else None
@@ -91,11 +103,7 @@ def first_divergence(broken: Run, fixed: Run, report: Any = None) -> Divergence 
                 diff = float((lb[j] - lf[j]).abs().max())
             a = tb[j] if j < len(tb) else -1
             b = tf[j] if j < len(tf) else -1
-            if a != b or (diff is not None and diff > LOGIT_TOL):
-                return Divergence(broken.unit, i, j, fixed.positions[i] + j, a, b, diff,
-                                  layer=getattr(report, "layer", None), block=getattr(report, "block", None),
-                                  what=getattr(report, "what", None))
-    return None
+            yield (i, j, a, b, diff), a == b, diff
 
 
 def decode_run(model: Any, cache: Any, prompt: list[int], steps: int, planted: bool) -> Run:

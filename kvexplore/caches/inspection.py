@@ -176,14 +176,6 @@ class CacheInspection:
         """Bytes of the strategy's storage for the full layers, used or not."""
         return sum(self.layers[i].reserved_bytes() for i in self.full_layers)
 
-    def full_layer_reserved(self, layer: int) -> int:
-        """Bytes of one full layer's storage."""
-        return self.layers[layer].reserved_bytes()
-
-    def full_layer_used(self, layer: int) -> int:
-        """Bytes of one full layer's slots that hold valid positions."""
-        return self.layers[layer].used_bytes(self.length)
-
     @property
     def held(self) -> int:
         """Positions a full layer holds (``length``, unless the strategy evicts)."""

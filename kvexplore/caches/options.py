@@ -146,8 +146,3 @@ class Options:
         """The app's ``options`` for a lane whose caches hold ``max_seq_len`` slots (``given``: those the user
         gave, kept as they are); a strategy adjusts its own defaults to that size here."""
         return options
-
-    @classmethod
-    def default_of(cls, name: str) -> Any:
-        """An option's default (MISSING where it is required)."""
-        return next(f.default for f, _ in cls.specs() if f.name == name)

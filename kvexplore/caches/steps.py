@@ -53,11 +53,6 @@ class StepCycle:
         """The slots the step to undo overwrote, as the journal keeps them."""
         return [] if self._journal is None else self._journal.entries
 
-    @property
-    def undo_length(self) -> int:
-        """The length before the current step began (what a rollback returns to)."""
-        return self._length if self._saved is None else self._saved[0]
-
     def settle(self) -> None:
         """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
         the journal kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""

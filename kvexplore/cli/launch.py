@@ -8,10 +8,13 @@ itself with ``python -m jupyterlab`` on that folder, run by this same interprete
 ``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
 strategies, the caches' size and the first prompt to the notebook in the environment variables
 ``KVEXPLORE_APP_MODEL``, ``KVEXPLORE_APP_STRATEGIES``, ``KVEXPLORE_APP_MAX_SEQ_LEN`` and ``KVEXPLORE_APP_PROMPT``
-(read by :mod:`kvexplore.explorer.app_page`, which shows every error on the page). It renders the page with kvexplore's own Voila template,
-``kvexplore`` (``kvexplore/explorer/voila/``, a Jupyter data folder put first on ``JUPYTER_PATH``): Voila's ``lab``
-template without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that
-leaves 127.0.0.1 (Voila's own static bundle already carries Font Awesome).
+(read by :mod:`kvexplore.explorer.app_page`, which shows every error on the page). It renders the page with
+kvexplore's own Voila template, ``kvexplore`` (``kvexplore/explorer/voila_template/``): Voila's ``lab`` template
+without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that leaves
+127.0.0.1 (Voila's own static bundle already carries Font Awesome). Voila finds a template only as
+``<a Jupyter data folder>/voila/templates/<name>/``, so the launcher copies the template's two files into a fresh
+temporary data folder laid out so, once per process, and puts that folder first on ``JUPYTER_PATH``
+(:func:`app_jupyter_data`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -41,7 +45,9 @@ WIDGET_LIBRARIES = (("ipywidgets", "ipywidgets"), ("plotly", "plotly"), ("anywid
 APP_MODEL_ENV, APP_STRATEGIES_ENV, APP_PROMPT_ENV, APP_MAX_SEQ_LEN_ENV = (
     app_page.MODEL_ENV, app_page.STRATEGIES_ENV, app_page.PROMPT_ENV, app_page.MAX_SEQ_LEN_ENV)
 APP_PROMPT, APP_MAX_SEQ_LEN = app_page.PROMPT, app_page.MAX_SEQ_LEN
-APP_TEMPLATE = "kvexplore"  # kvexplore/explorer/voila/voila/templates/kvexplore: conf.json + index.html.j2
+APP_TEMPLATE = "kvexplore"  # the template's name for Voila (--template=kvexplore)
+#: the template's files, in kvexplore/explorer/voila_template/ (Voila's template folder: its config, its page)
+APP_TEMPLATE_FILES = ("conf.json", "index.html.j2")
 
 
 class LaunchError(KVExploreError):
@@ -181,17 +187,34 @@ def app_notebook() -> Traversable:
     return nb
 
 
+def app_template() -> Traversable:
+    """kvexplore's Voila template inside the installed package: ``kvexplore/explorer/voila_template/``, holding
+    :data:`APP_TEMPLATE_FILES`."""
+    template = resources.files("kvexplore").joinpath("explorer", "voila_template")
+    missing = [name for name in APP_TEMPLATE_FILES if not template.joinpath(name).is_file()]
+    if missing:
+        raise LaunchError(f"kvexplore's Voila template (kvexplore/explorer/voila_template/) is missing "
+                          f"{', '.join(missing)} in this installation; reinstall kvexplore: pip install .")
+    return template
+
+
+_jupyter_data: Path | None = None  # this process's data folder (app_jupyter_data)
+
+
 def app_jupyter_data() -> Path:
-    """The Jupyter data folder inside the package that holds kvexplore's Voila template: ``kvexplore/explorer/voila``,
-    laid out as Voila looks for templates (``<data folder>/voila/templates/kvexplore/``)."""
-    folder = resources.files("kvexplore").joinpath("explorer", "voila")
-    template = folder.joinpath("voila", "templates", APP_TEMPLATE)
-    if not (isinstance(folder, Path) and template.joinpath("conf.json").is_file()
-            and template.joinpath("index.html.j2").is_file()):
-        raise LaunchError(f"kvexplore's Voila template (kvexplore/explorer/voila/voila/templates/{APP_TEMPLATE}) is "
-                          "missing from this installation, or kvexplore is not installed as plain files; "
-                          "reinstall kvexplore: pip install .")
-    return folder
+    """A Jupyter data folder where Voila finds kvexplore's template (``<it>/voila/templates/kvexplore/``, a copy of
+    :func:`app_template`'s files): made once per process in a new temporary folder, which is left for the system
+    to clear (Voila, which replaces this process, reads the template for as long as it serves)."""
+    global _jupyter_data
+    template = app_template()
+    if _jupyter_data is None or not (_jupyter_data / "voila" / "templates" / APP_TEMPLATE).is_dir():
+        data = Path(tempfile.mkdtemp(prefix="kvexplore-voila-"))
+        folder = data / "voila" / "templates" / APP_TEMPLATE
+        folder.mkdir(parents=True)
+        for name in APP_TEMPLATE_FILES:
+            (folder / name).write_bytes(template.joinpath(name).read_bytes())
+        _jupyter_data = data
+    return _jupyter_data
 
 
 def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_browser: bool = True,

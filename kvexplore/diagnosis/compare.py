@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..trace.parting import first_parting
 from .passes import LayerPass, Pass
 
 
@@ -82,3 +83,9 @@ def departures(got: Pass, ref: Pass, position: int) -> list[Departure]:
             out.append(Departure("output", i, position, *_rel((g.out - r.out).abs(), r.out)))
     out.append(Departure("logits", None, position, *_rel((got.logits - ref.logits).abs(), ref.logits)))
     return out
+
+
+def first_departure(found: list[Departure], tolerance: float) -> Departure | None:
+    """The first of ``found`` (one step's :func:`departures`, in the model's order) whose ``relative`` difference is
+    beyond ``tolerance`` (the rule of :mod:`kvexplore.trace.parting`); None when the step departs nowhere."""
+    return first_parting(((d, None, d.relative) for d in found), tolerance)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..trace.diff import TOLERANCE
-from .compare import Departure, departures
+from .compare import Departure, departures, first_departure
 from .hints import hint
 from .passes import KVPasses, Pass
 
@@ -42,7 +42,7 @@ def check_cache(model: Any, cache: Any, tokens: list[int], prompt_len: int) -> S
         ref = passes.reference(tokens)
     position = len(tokens) - 1
     found = departures(got, ref, position)
-    first = next((d for d in found if d.relative > tol), None)
+    first = first_departure(found, tol)
     worst = max(found, key=lambda d: d.relative)
     why = "" if first is None else hint(first, got, ref, passes, prompt_len, position, tol)
     return StepCheck(first, worst, why, tol, got, ref, start, position)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..diagnosis.compare import departures
+from ..diagnosis.compare import departures, first_departure
 from ..diagnosis.passes import KVPasses
 from ..diagnosis.take_back import check_cache
 
@@ -59,7 +59,7 @@ def check(model: Any, generator: Any, verification: int) -> Checkup:
     with torch.inference_mode():
         generator.executor.replay(tokens[:start], again)
         twin = KVPasses(model, again).cached(tokens[start:], start)
-    same = next((d for d in departures(got, twin, position) if d.relative > tol), None)
+    same = first_departure(departures(got, twin, position), tol)
     if same is None:
         text = (f"doctor: the take-back is exact — the cache reads what the same strategy prefilled again with the "
                 f"kept tokens reads; against a full recomputation it departs as the strategy does ({text})")

@@ -30,7 +30,7 @@ class Lane:
     forced_at: set[int] = field(default_factory=set)  # steps whose token was the reference's, not its own choice
     fork_of: str | None = None
     checkups: dict[int, Any] = field(default_factory=dict)  # verification -> the doctor's check after it (.checkup)
-    shared_pass: str | None = None  # the lane whose prefill pass this lane's replayed (.shared_pass), if any
+    shared_pass: str | None = None  # the lane whose prefill pass this lane reused (.shared_pass), if any
     full: CacheFullError | None = None  # why the steps go on without this lane (its cache is full), until a rewind
 
     @property

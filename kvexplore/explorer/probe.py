@@ -177,7 +177,7 @@ class LaneTracer(Tracer):
         self.norms[layer, which, : norms.shape[0], start:end] = norms
 
     def adopt(self, source: "LaneTracer", source_step: StepTrace, step: StepTrace) -> None:
-        """``step`` replayed the pass ``source`` recorded as ``source_step`` (the same keys, values and masks, checked:
+        """``step`` reused the pass ``source`` recorded as ``source_step`` (the same keys, values and masks, checked:
         :mod:`~kvexplore.explorer.shared_pass`): its attention is that pass's, a copy of ``source``'s store."""
         self.history = copy.deepcopy(source.history)
         step.adopt_attention(source_step, self.history)

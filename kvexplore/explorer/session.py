@@ -18,11 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-
 from ..runtime.generator import Generator
 from ..models.model import Model
+from ..trace.parting import kl_divergence
 from ..trace.records import StepRecord
 from ..runtime.sampling import SamplingSettings
 from .lane import Lane
@@ -79,7 +77,7 @@ class Session:
             generator.tracer = tracer
             lane = Lane(name, name, generator, tracer, follows=False)
             self.lanes = {name: lane, **{k: v for k, v in self.lanes.items() if k != name}}
-            if generator.history:  # the other strategies replay its sequence, token for token
+            if generator.history:  # the other strategies are fed its sequence, token for token
                 for other in list(self.lanes.values())[1:]:
                     other.generator.prefill(generator.prompt_tokens, force=generator.history[0].token_id)
                     for record in generator.history[1:]:
@@ -152,10 +150,10 @@ class Session:
         self.lanes, self._forks = {}, {}
         gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
         fresh: dict[str, Lane] = {}
-        shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may replay (.shared_pass)
+        shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may reuse (.shared_pass)
         try:
-            for i, (name, kind, follows) in enumerate(plan):
-                new = self._new_lane(kind, follows, slots)
+            for i, (name, strategy, follows) in enumerate(plan):
+                new = self._new_lane(strategy, follows, slots)
                 if progress is not None:
                     progress(i, len(plan), name, None, tokens)
                     new.tracer.on_layer = lambda layer, i=i, name=name: progress(i, len(plan), name, layer, tokens)
@@ -169,7 +167,7 @@ class Session:
                 self._trace_options(new)
                 fresh[name] = new
         except BaseException:  # past the prompt's checks (out of memory, say): every lane, empty, as after reset
-            self.lanes = {name: self._new_lane(kind, follows, slots) for name, kind, follows in plan}
+            self.lanes = {name: self._new_lane(strategy, follows, slots) for name, strategy, follows in plan}
             raise
         self.lanes = fresh
         self.max_seq_len, self.grew = slots, grew
@@ -298,7 +296,7 @@ class Session:
             self.last_op = "rewind"
 
     def runs(self) -> dict[str, list[StepRecord]]:
-        """Each lane's records, for the lanes that have any (what a replay shows)."""
+        """Each lane's records, for the lanes that have any (what the replay page shows)."""
         return {name: lane.history for name, lane in self.lanes.items() if lane.history}
 
     def reset(self) -> None:
@@ -343,9 +341,7 @@ class Session:
                 if not lane.follows:
                     lane.forget_after(step)  # a fork that took another path answers a different context
                 continue
-            p = p_log.exp()
-            terms = torch.where(p > 0, p * (p_log - q_log), torch.zeros(()))  # 0 log 0 = 0
-            kl = float(terms.sum().clamp_min(0))
+            kl = kl_divergence(p_log, q_log)  # the gap .parting's rule reads (views.divergence: KL_PARTS)
             lane.kl_at[step] = kl if math.isfinite(kl) else None  # (a token the lane rules out: KL is infinite)
             lane.top1_at[step] = lane.last.top[0].token_id == ref.last.top[0].token_id
 

@@ -6,14 +6,14 @@ evicting cache (its press runs after the pass) and a sink cache whose ring holds
 per lane would compute the same hidden states, attention and logits again. Here the first such lane runs the model
 as usual, through :class:`Recording`, which notes what each layer gave its cache (queries, keys, values), whether the
 cache read back exactly what it was given, and the mask it gave attention. Every later lane is prefilled by
-:class:`Replay`, an :class:`~kvexplore.models.executor.Executor` that makes the same calls on that lane's cache in the
+:class:`Reusing`, an :class:`~kvexplore.models.executor.Executor` that makes the same calls on that lane's cache in the
 same order, checks that it reads back exactly what it was given under an equal mask, feeds the lane's tracer the same
 hook points, and returns the recorded logits. The lane's tracer takes a copy of the recorded pass's attention.
 
 Nothing is taken on trust: a cache that reads back anything else (a quantized cache gives its dequantized keys), a
 different mask, or a layer that asks its cache for something else (a recurrent state, a latent cache) makes the
-replay roll that cache back and the lane computes its own pass. The lane's record reports the recorded pass's time
-plus its own cache's work (what computing it again would have taken), and :attr:`Replay.source` names the lane
+reuse roll that cache back and the lane computes its own pass. The lane's record reports the recorded pass's time
+plus its own cache's work (what computing it again would have taken), and :attr:`Reusing.source` names the lane
 whose pass it shares.
 """
 
@@ -33,7 +33,7 @@ from ..models.model import Model
 from ..models.executor import Executor
 
 SHARED_PASSES = 2  # recorded prefill passes kept for the lanes after them (each holds the prompt's q, k, v and masks)
-# what Model.forward and Attention.forward ask of a cache; a pass that asks anything else is not replayed
+# what Model.forward and Attention.forward ask of a cache; a pass that asks anything else is not reused
 _PASS_CALLS = frozenset({"check_write", "begin_step", "attach_model", "commit", "settle", "rollback", "dtype",
                          "device", "write", "read_shared", "mask", "observes_queries", "note_queries"})
 
@@ -62,7 +62,7 @@ class Pass:
     other_calls: set[str] = field(default_factory=set)  # cache methods outside :data:`_PASS_CALLS` the pass used
     seconds: float = 0.0
     source: str = ""  # the lane that computed it
-    model: Any = None  # the model that computed it: only a lane of the same model replays it
+    model: Any = None  # the model that computed it: only a lane of the same model reuses it
 
     @property
     def shareable(self) -> bool:
@@ -91,7 +91,7 @@ class _RecordingCache:
         return getattr(self._inner, name)
 
     def observes_queries(self, layer: int) -> bool:
-        return True  # every layer's queries are noted: a lane replaying the pass may press with them
+        return True  # every layer's queries are noted: a lane reusing the pass may press with them
 
     def note_queries(self, layer: int, q: torch.Tensor) -> None:
         self._q[layer] = q
@@ -159,7 +159,7 @@ class Recording(_Wrapping):
         return logits
 
 
-class Replay(_Wrapping):
+class Reusing(_Wrapping):
     """Prefill a cache with a recorded :class:`Pass`: the same calls on the cache in the same order, each checked to
     read back exactly what it was given under the recorded mask (else :class:`NotTheSamePass`, the cache rolled back),
     the lane's tracer fed the same hook points; returns the recorded logits."""
@@ -234,30 +234,30 @@ def record(generator: Any, prompt: str | Sequence[int], force: int | None, sourc
     return recording.recorded
 
 
-def replay(generator: Any, recorded: Pass, prompt: str | Sequence[int], force: int | None) -> bool:
+def reuse(generator: Any, recorded: Pass, prompt: str | Sequence[int], force: int | None) -> bool:
     """Prefill ``generator`` with ``recorded`` where its cache reads back the same (True); False, and nothing changed,
     where it does not (the caller prefills it as usual). Its record's time is the recorded pass's plus its own."""
     try:
-        with _running(generator, Replay(generator.executor, recorded)):
+        with _running(generator, Reusing(generator.executor, recorded)):
             record_ = generator.prefill(prompt, force=force)
     except NotTheSamePass:
         return False
-    record_.forward_s += recorded.seconds  # (its own forward_s timed the replay: its cache's work)
+    record_.forward_s += recorded.seconds  # (its own forward_s timed the reuse: its cache's work)
     return True
 
 
 def prefill_lane(lane: Any, prompt: str | Sequence[int], force: int | None, shared: list[tuple[Pass, Any]],
                  fresh: Callable[[Any], Any]) -> Any:
-    """Prefill an explorer lane (:class:`~kvexplore.explorer.session.Lane`): by replaying one of the ``shared`` passes
+    """Prefill an explorer lane (:class:`~kvexplore.explorer.session.Lane`): by reusing one of the ``shared`` passes
     where its cache reads back the same under the same masks (checked), else by its own pass, recorded into ``shared``
     for the lanes after it when it can be shared (the newest :data:`SHARED_PASSES` are kept). Only lanes of
-    kvexplore's own model stepped eagerly take part. Returns the lane: ``fresh(lane)``, a new one, where a replay was
+    kvexplore's own model stepped eagerly take part. Returns the lane: ``fresh(lane)``, a new one, where a reuse was
     refused (its tracer saw a step begin)."""
     if not (lane.lane_kind.name == "eager" and isinstance(lane.generator.model, Model)):
         lane.generator.prefill(prompt, force=force)
         return lane
     for recorded, source in shared:
-        if replay(lane.generator, recorded, prompt, force):
+        if reuse(lane.generator, recorded, prompt, force):
             lane.tracer.adopt(source.tracer, source.history[0].trace, lane.history[0].trace)
             lane.shared_pass = source.name
             return lane

@@ -108,7 +108,7 @@ class HFCache(ModelCache):
     def settle(self) -> None:
         had_step, self._undo = self._undo is not None, None
         if had_step and self._report is not None:  # what the step kept to undo itself is gone
-            self._report = replace(self._report, **self._held())
+            self._report = replace(self._report, **self._storage())
 
     def rollback(self) -> None:
         """Put the cache back as it was before the step under way (also after a forward pass that failed)."""
@@ -272,9 +272,9 @@ class HFCache(ModelCache):
             allocated_bytes=total("allocated_bytes"), freed_bytes=total("freed_bytes"),
             allocations=total("allocations"), frees=total("frees"), cuda=self.window.figures(),
             cuda_now=self.allocator.now() if self.allocator is not None else {}, layers=tuple(layers),
-            **self._held())
+            **self._storage())
 
-    def _held(self) -> dict:
+    def _storage(self) -> dict:
         """Every tensor storage reachable from the transformers cache and this wrapper (kvexplore.caches.held): each
         layer's keys and values first, then what else its layer objects keep, by attribute; the step's undo apart."""
         walk, layers = StorageWalk(), list(getattr(self.hf, "layers", ()))
@@ -288,9 +288,9 @@ class HFCache(ModelCache):
         walk.add(THIS_STEP, self._undo)
         for name, value in vars(self).items():  # the wrapper's own: the reads of the last step, what it watches
             walk.add(HELD_NAMES.get(name, name.lstrip("_")), value)
-        held = dict(walk.parts)
-        step = held.pop(THIS_STEP, 0)
-        return dict(held_bytes=sum(held.values()), held=held, step_bytes=step)
+        parts = dict(walk.parts)  # part -> bytes
+        step = parts.pop(THIS_STEP, 0)
+        return dict(held_bytes=sum(parts.values()), held=parts, step_bytes=step)
 
     @property
     def reserved_bytes(self) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SettingsError
+from .parting import first_parting
 from .records import StepRecord
 
 #: relative tolerance on keys and values (of the larger magnitude compared), absolute on probabilities, by the
@@ -149,10 +150,10 @@ def diff_traces(a, b, tolerance: float | None = None) -> TraceDiff:
     compared: set[str] = set()
     for ra, rb in zip(a, b):
         out.steps += 1
-        for d in _step_differences(ra, rb, compared):
-            seen.append(d)
-            if out.first is None and d.relative > tol:
-                out.first = d
+        found = list(_step_differences(ra, rb, compared))
+        seen += found
+        if out.first is None:  # the rule of .parting, on each difference's relative size
+            out.first = first_parting(((d, None, d.relative) for d in found), tol)
         if ra.token_id != rb.token_id:
             out.token_step = ra.step
             break  # from here on the runs read different sequences

@@ -142,7 +142,7 @@ def _runs(layers: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Sequence[str] = (),
+def spec(record: StepRecord | None, strategy: str, num_layers: int, token_texts: Sequence[str] = (),
          title: str = "", slots: Sequence[SlotView] | None = None, fresh: bool = True, after: str = "",
          zoom: dict[str, tuple[float, float]] | None = None, max_bins: int = MAX_BINS,
          diverged: tuple[int, int, str, bool] | None = None) -> FigureSpec:
@@ -225,7 +225,7 @@ def spec(record: StepRecord | None, kind: str, num_layers: int, token_texts: Seq
     order = main.order if main is not None and len(drawn) == 1 else "storage order of each layer"
     rows = max(1, len(rows_of))
     shown = onscreen.describe(b, n)
-    title = title or _title(record, kind, layouts, fresh, after)
+    title = title or _title(record, strategy, layouts, fresh, after)
     if diverged is not None:
         colour = divergence.DRIFT_COLOUR if diverged[3] else divergence.CHANGE_COLOUR
         title += f"<br><span style='color:{colour}'>{divergence.headline(*diverged)}</span>"
@@ -317,13 +317,13 @@ def _hover(slot: int, pos: int, cls: str, token_texts: Sequence[str]) -> str:
     return f"slot {slot} · position {pos} {tok}<br>{cls}: {SLOT_MEANING[cls]}"
 
 
-def _title(record: StepRecord | None, kind: str, groups, fresh: bool = True, after: str = "") -> str:
+def _title(record: StepRecord | None, strategy: str, groups, fresh: bool = True, after: str = "") -> str:
     if record is None:
-        return f"{kind}: empty"
+        return f"{strategy}: empty"
     main = next(((v, layers, c) for v, layers, c in groups if c), None)
     classes = main[2] if main else []
     held = main[0].held if main else 0  # the status line's figure (SlotView.held of the same view)
-    head = f"{kind} · step {record.step} · {held}/{len(classes)} slots held"
+    head = f"{strategy} · step {record.step} · {held}/{len(classes)} slots held"
     if not fresh and after == "rewind":
         head += f" · after a rewind ({classes.count('stale')} stale)"
     elif not fresh and after:

@@ -6,8 +6,10 @@ bug first shows."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+from ..trace.parting import first_parting
 from ..trace.records import StepRecord
 
 KL_PARTS = 1e-5  # nats: two exact caches of one model differ by about 1e-9 (float32 summation order)
@@ -18,12 +20,11 @@ def first_divergence(history: Sequence[StepRecord], kl: Sequence[float | None],
     """``(step, position)`` of the first compared step where the lane parts from the reference (the position of the
     pass that chose the step's token: the token before it); None while it has not (or is the reference, or ran free
     of it)."""
-    for record, k, same in zip(history, kl, top1):
-        if same is None and k is None:
-            continue  # not compared: the reference itself, or a step the lane chose freely (a drafting lane)
-        if same is False or k is None or k > KL_PARTS:
-            return record.step, record.position - 1
-    return None
+    compared = ((record, same, math.inf if k is None else k)  # KL None: infinite (a token the lane rules out)
+                for record, k, same in zip(history, kl, top1)
+                if not (same is None and k is None))  # not compared: the reference, or a step a drafting lane chose
+    record = first_parting(compared, KL_PARTS)
+    return None if record is None else (record.step, record.position - 1)
 
 
 DRIFT = "first drift"  # how a drift's mark begins (the token strip colours it apart)

@@ -20,7 +20,7 @@ from ..trace.records import StepRecord
 from .palette import strategy_colour
 from .spec import FigureSpec
 
-HELD = (("held", "held_bytes", "solid"), ("reserved", "reserved_bytes", "longdash"),
+AFTER_STEP = (("held", "held_bytes", "solid"), ("reserved", "reserved_bytes", "longdash"),
         ("logical", "logical_bytes", "dash"), ("analytic", "analytic_bytes", "dot"))
 MOVED = (("written", "written_bytes", "solid"), ("copied", "copied_bytes", "dash"),
          ("allocated", "allocated_bytes", "dot"))
@@ -38,7 +38,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
     """``lanes``: strategy name -> its records (one per generated token, step 0 being the prefill). When the
     layers keep different caches (full, sliding, shared), one more panel splits lane ``shown``'s bytes by layer
     kind, each from its layers' own reports."""
-    panels = [("after the step: held ━ reserved ▬ ▬ logical ╌ analytic ┈", HELD, "y"),
+    panels = [("after the step: held ━ reserved ▬ ▬ logical ╌ analytic ┈", AFTER_STEP, "y"),
               ("moved by the step (log): written ━ copied ╌ allocated ┈", MOVED, "y2")]
     if cuda:
         panels.append(("CUDA caching allocator (whole process): reserved ━ allocated ╌ fragmentation ┈", CUDA, "y3"))

@@ -41,12 +41,12 @@ def empty(note: str, title: str) -> FigureSpec:
     return FigureSpec([], hide_axes(layout))
 
 
-def _why_not(record: StepRecord | None, kind: str, layer: int) -> str | None:
+def _why_not(record: StepRecord | None, lane: str, layer: int) -> str | None:
     press = press_of(record)
     if record is None:
         return "no step yet: enter a prompt and press Prefill"
     if press is None:
-        return (f"{kind} does not press: run an evict lane beside it<br>(strategies=[..., 'evict'], "
+        return (f"{lane} does not press: run an evict lane beside it<br>(strategies=[..., 'evict'], "
                 f"strategy_options={{'evict': {{'press': 'snapkv'}}}})")
     if layer not in press.held:
         return f"layer {layer} is not pressed (it keeps its own cache); pressed layers: {press.layers}"
@@ -57,7 +57,7 @@ def _token(texts: Sequence[str], p: int) -> str:
     return repr(texts[p]) if p < len(texts) else ""
 
 
-def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequence[str] = (),
+def scores_spec(record: StepRecord | None, lane: str, layer: int, texts: Sequence[str] = (),
                 zoom: dict | None = None, max_bins: int = MAX_BINS) -> FigureSpec:
     """The last press's score of every position each KV head of ``layer`` held then, coloured by what it kept
     (blues: kept, reds: evicted; darker: higher score, scaled per head). One cell per position (or bin) and head;
@@ -65,14 +65,14 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
     hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: half its held positions kept or
     more), else the scaled score
     (NaN: nothing held)."""
-    why = _why_not(record, kind, layer)
+    why = _why_not(record, lane, layer)
     press = press_of(record)
     if why is None and press.last is None:
         why = "no press yet: the first press runs after the prompt"
     if why is None and layer not in press.last.scores:
         why = f"layer {layer} held everything at the last press (no scores)"
     if why is not None:
-        return empty(why, f"press scores · {kind}")
+        return empty(why, f"press scores · {lane}")
     last = press.last
     scores = last.scores[layer].numpy().astype(np.float32)
     kept = last.kept[layer].numpy()
@@ -116,7 +116,7 @@ def scores_spec(record: StepRecord | None, kind: str, layer: int, texts: Sequenc
                                    ("evicted (darker: higher score)", "#cb181d"))]
     per_head = ", ".join(str(int(c)) for c in kept.sum(1))
     shown = onscreen.describe(b, n, "positions")
-    title = (f"{last.press or 'press'} scores · {kind} · layer {layer} · {last.reason} press at {last.length}<br>"
+    title = (f"{last.press or 'press'} scores · {lane} · layer {layer} · {last.reason} press at {last.length}<br>"
              f"kept per KV head: {per_head} of {int(held[0].sum())} held then")
     layout = dict(title=dict(text=title, font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
@@ -146,14 +146,14 @@ def _count(mask: np.ndarray, b: bins.Bins) -> np.ndarray:
     return m.reshape(*mask.shape[:-1], b.count, b.size).sum(-1)
 
 
-def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), zoom: dict | None = None,
+def kept_spec(record: StepRecord | None, lane: str, texts: Sequence[str] = (), zoom: dict | None = None,
               max_bins: int = MAX_BINS) -> FigureSpec:
     """Per pressed layer and KV head (rows), the positions held now (blue) and evicted (red), in position order;
     ``z``: the share of a cell's positions held (1 or 0 at full resolution). The last press's length is marked."""
     press = press_of(record)
-    why = _why_not(record, kind, next(iter(press.held), 0) if press is not None else 0)
+    why = _why_not(record, lane, next(iter(press.held), 0) if press is not None else 0)
     if why is not None:
-        return empty(why, f"positions held per head · {kind}")
+        return empty(why, f"positions held per head · {lane}")
     rows = [(layer, h) for layer in press.layers for h in range(len(press.held[layer]))]
     mask = np.concatenate([press.kept_mask(layer) for layer in press.layers]).astype(np.float32)
     n = press.length
@@ -185,7 +185,7 @@ def kept_spec(record: StepRecord | None, kind: str, texts: Sequence[str] = (), z
     last = f"{press.last.press} {press.last.reason} press at {press.last.length} (dotted)".lstrip() \
         if press.last else "no press yet"
     shown = onscreen.describe(b, n, "positions")
-    layout = dict(title=dict(text=f"held per head · {kind} · step {record.step} · {last}<br>"
+    layout = dict(title=dict(text=f"held per head · {lane} · step {record.step} · {last}<br>"
                                   f"{held} of {n} positions · <span style='color:#2171b5'>■ held</span> "
                                   f"<span style='color:#d62728'>■ evicted</span>", font=dict(size=13), x=0.01, xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),

@@ -112,15 +112,15 @@ def _wrap(text: str, width: int = 70) -> str:
     return "<br>".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""])
 
 
-def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None, zoom: dict | None = None,
+def spec(records: Sequence[StepRecord], strategy: str, info: SpecInfo | None = None, zoom: dict | None = None,
          max_bins: int = MAX_BINS) -> FigureSpec:
     """The speculation figure of one lane's ``records`` (see the module's docstring)."""
     if not records:
-        return empty("no step yet: enter a prompt and press Prefill", f"speculation · {kind}")
+        return empty("no step yet: enter a prompt and press Prefill", f"speculation · {strategy}")
     if info is None and not drafts(records):
-        return empty(f"{kind} does not draft: run a speculative lane beside it<br>(strategies=[..., "
+        return empty(f"{strategy} does not draft: run a speculative lane beside it<br>(strategies=[..., "
                      f"'preallocated@spec'], strategy_options={{'preallocated@spec': {{'draft': "
-                     f"'prompt-lookup', 'draft_tokens': 4}}}})", f"speculation · {kind}")
+                     f"'prompt-lookup', 'draft_tokens': 4}}}})", f"speculation · {strategy}")
     found = passes(records)
     n = records[-1].step + 1
     at = np.array([p[0] for p in found], dtype=np.int64)
@@ -152,7 +152,7 @@ def spec(records: Sequence[StepRecord], kind: str, info: SpecInfo | None = None,
                        hovertemplate=f"{where}<br>%{{y:.2f}} tokens per pass so far<extra></extra>"))
     lines, detail = _lines(info, found)
     drafter = f" · {info.drafter}, {info.k} per verification" if info is not None else ""
-    title = "<br>".join([f"speculation · {kind}{drafter}", *_fit(lines)])
+    title = "<br>".join([f"speculation · {strategy}{drafter}", *_fit(lines)])
     shown = onscreen.describe(b, n, "steps")
     top = max(int(dr.max(initial=0)), 1)
     layout = dict(

@@ -110,10 +110,6 @@ class SinkCache(KVCache):
 
     # -- positions and slots -------------------------------------------------------------------------------
     @property
-    def _ws(self) -> int:
-        return self.slots.ws
-
-    @property
     def window_start(self) -> int:
         """First window position held (positions ``sinks .. window_start - 1`` were evicted)."""
         return self.slots.ws
