@@ -50,8 +50,8 @@ job = json.load(open(sys.argv[1]))
 ids, context = job["ids"], job["context"]
 out = {"version": llama_cpp.__version__, "runs": {}}
 for name, (k, v) in job["types"].items():
-    llm = Llama(model_path=job["gguf"], n_ctx=len(ids) + 16, n_batch=len(ids), n_ubatch=len(ids), n_threads=job["threads"],
-                logits_all=True, type_k=k, type_v=v, flash_attn=True, verbose=False, seed=0)
+    llm = Llama(model_path=job["gguf"], n_ctx=len(ids) + 16, n_batch=len(ids), n_ubatch=len(ids),
+                n_threads=job["threads"], logits_all=True, type_k=k, type_v=v, flash_attn=True, verbose=False, seed=0)
     llm.eval(ids)
     logits = np.asarray(llm.scores[context - 1:len(ids) - 1], dtype=np.float64)  # predicting ids[context:]
     logits -= logits.max(-1, keepdims=True)
@@ -116,8 +116,8 @@ def main() -> None:
     try:
         python = args.llama_python or llama_python(args.cache)
     except (subprocess.CalledProcessError, OSError) as e:
-        print(f"llama-cpp-python could not be built here ({e}); kvexplore's side alone is checked byte for byte against "
-              f"gguf's reference quantizer (tests/test_ggml_cache.py)")
+        print(f"llama-cpp-python could not be built here ({e}); kvexplore's side alone is checked byte for byte "
+              f"against gguf's reference quantizer (tests/test_ggml_cache.py)")
         return
     import kvexplore
 

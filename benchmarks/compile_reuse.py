@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models.split(","):
         print(f"\n{model}")
         print(f"  {'':44} {'first':>8} {'later':>8} {'later, inductor cache cleared':>30}")
-        for how, label in (("max-autotune", "whole step, frozen weights (before)"), ("regional", "regional (compile=True)")):
+        for how, label in (("max-autotune", "whole step, frozen weights (before)"),
+                           ("regional", "regional (compile=True)")):
             with tempfile.TemporaryDirectory(prefix="kvx-compile-") as tmp:
                 env = {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}
                 if how == "regional":

@@ -136,8 +136,9 @@ def _passkey_tables(rows: list[dict]) -> str:
     if quantized:
         q_lengths = sorted({r["length"] for r in quantized})
         q_depths = sorted({r["depth"] for r in quantized})
-        out += ["", f"Quantized caches, passes out of {len(q_depths)} depths ({', '.join(f'{d:.0%}' for d in q_depths)}; "
-                    f"the failed depths in brackets):", "", "| cache | " + " | ".join(str(n) for n in q_lengths) + " |",
+        out += ["", f"Quantized caches, passes out of {len(q_depths)} depths "
+                    f"({', '.join(f'{d:.0%}' for d in q_depths)}; the failed depths in brackets):", "",
+                "| cache | " + " | ".join(str(n) for n in q_lengths) + " |",
                 "|---|" + "---:|" * len(q_lengths)]
         for name in dict.fromkeys(r["press"] for r in quantized):
             cells = []

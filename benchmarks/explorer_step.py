@@ -86,7 +86,8 @@ def main() -> None:
     med = statistics.median
     print(f"{args.model}, {args.strategies}, context {length}, {args.threads} threads, {args.steps} steps, medians:")
     print(f"  model step (attention of every layer captured): {med(model_ms):7.1f} ms")
-    print(f"  refresh (token strip, status, compare table, {len(ex.shown())} figures on screen):  {med(views_ms):7.1f} ms")
+    print(f"  refresh (token strip, status, compare table, {len(ex.shown())} figures on screen):  "
+          f"{med(views_ms):7.1f} ms")
     print(f"  one Step, total:                                 {med(total_ms):7.1f} ms   (target < 100 ms)")
     print("  per view, spec (pure) + figure state serialized: "
           + ", ".join(f"{n} {med(spec_ms[n]):.1f} + {med(v):.1f} ms" for n, v in per_view.items()))

@@ -22,7 +22,8 @@ def teacher_forced(model, kind: str, ids: list[int], tracer=None) -> torch.Tenso
     for start, end in steps:
         if tracer is not None:
             tracer.begin_step(cache, start, end - start)
-        out.append(model(torch.tensor([ids[start:end]], device=dev), cache, start, tracer=tracer, last_only=True)[0, -1])
+        out.append(model(torch.tensor([ids[start:end]], device=dev), cache, start, tracer=tracer,
+                         last_only=True)[0, -1])
         if tracer is not None:
             tracer.end_step(cache)
     return torch.stack(out)

@@ -75,7 +75,7 @@ def main() -> None:
     base = best["pre-allocated float32"]
     print(f"{args.model}, float32, {args.context} tokens, {args.threads} thread(s); best of {args.rounds} interleaved "
           f"rounds of {args.steps} steps")
-    print(f"| cache | bytes held | ms a step | vs float32 |\n|---|---:|---:|---:|")
+    print("| cache | bytes held | ms a step | vs float32 |\n|---|---:|---:|---:|")
     for name, cache in caches.items():
         print(f"| {name} | {cache.reserved_bytes / 2 ** 20:.1f} MiB | {best[name] * 1e3:.1f} | "
               f"**{best[name] / base:.2f}x** |")

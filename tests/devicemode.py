@@ -143,8 +143,8 @@ class PretendDevice(TorchFunctionMode):
             if self._allowed():
                 self.allowed_sites.append(self._where())  # a sync on CUDA all the same: counted
             else:
-                raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside kvexplore.core.host "
-                                     f"(a sync on CUDA): {self._where()}")
+                raise HostConversion(f"{getattr(func, '__qualname__', func)} of a device tensor outside "
+                                     f"kvexplore.core.host (a sync on CUDA): {self._where()}")
         if device_in and func not in INDEXING and not inside:
             host_in = [t for t in _tensors((args, kwargs)) if not is_device(t) and t.numel() > 1]
             if host_in:
@@ -167,7 +167,8 @@ class PretendDevice(TorchFunctionMode):
             target = _host_target(args, kwargs)
             if target:
                 if not self._allowed():
-                    raise HostConversion(f"Tensor.to(host) of a device tensor outside kvexplore.core.host: {self._where()}")
+                    raise HostConversion(f"Tensor.to(host) of a device tensor outside kvexplore.core.host: "
+                                         f"{self._where()}")
                 return _wrap(out, to_host)
         elif func is _T.to and _host_target(args, kwargs) is False:
             if not kwargs.get("non_blocking"):

@@ -49,7 +49,8 @@ class ValuesAreKeys(transformers.DynamicCache):
         self.layer, self.start = layer, start
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx == self.layer and key_states.shape[-2] == 1 and self.layers[layer_idx].get_seq_length() >= self.start:
+        if (layer_idx == self.layer and key_states.shape[-2] == 1
+                and self.layers[layer_idx].get_seq_length() >= self.start):
             value_states = key_states
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -57,7 +57,8 @@ ARCHITECTURES = architectures()
 def make_checkpoint(folder: Path, arch: str = "llama", *, vocab_size: int | None = None, hidden: int = 64,
                     layers: int | None = None, heads: int = 4, kv_heads: int = 2, ffn: int = 128,
                     head_dim: int | None = None, tied: bool = False, rope: dict | None = None,
-                    shard_bytes: str | None = None, init_range: float = 0.2, seed: int = 0, tokenizer: bool = True, **extra) -> torch.nn.Module:
+                    shard_bytes: str | None = None, init_range: float = 0.2, seed: int = 0, tokenizer: bool = True,
+                    **extra) -> torch.nn.Module:
     """Save a random-weight transformers model (safetensors) + sentencepiece tokenizer to ``folder``.
 
     The config starts from the architecture's small example (its family module's ``example``); ``layers``

@@ -73,7 +73,8 @@ def build_corpus(root: Path, folder: Path, sharded: Path, gguf_path: Path, bpe_g
     num_layers = config["num_hidden_layers"]
     for label, text in {
         "top-level list": "[1, 2]", "top-level string": '"config"', "empty": "", "truncated": json.dumps(config)[:40],
-        "deeply nested": "[" * 100000 + "]" * 100000, "layers 10^9": json.dumps({**config, "num_hidden_layers": 10 ** 9}),
+        "deeply nested": "[" * 100000 + "]" * 100000,
+        "layers 10^9": json.dumps({**config, "num_hidden_layers": 10 ** 9}),
         "layers one more": json.dumps({**config, "num_hidden_layers": num_layers + 1}),
         "layers one fewer": json.dumps({**config, "num_hidden_layers": num_layers - 1}),
         "architecture unknown": json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}),

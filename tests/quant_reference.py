@@ -62,7 +62,8 @@ def _fake_quant(y: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tens
 
 
 class FakeQuantCache(PreallocatedCache):
-    """What :class:`~kvexplore.caches.strategies.quantized.QuantizedCache` with the same options must read, held in float."""
+    """What :class:`~kvexplore.caches.strategies.quantized.QuantizedCache` with the same options must read, held in
+    float."""
 
     def __init__(self, model, max_seq_len: int, key_bits: int = 8, value_bits: int = 8, group_size: int = 32,
                  residual: int = 32, key_axis: str = "channel", value_axis: str = "token", rotate=None,

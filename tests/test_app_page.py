@@ -95,7 +95,8 @@ def test_the_app_page_shows_a_prompt_it_cannot_prefill_in_the_explorer():
 @pytest.mark.parametrize("env, message", [
     ({"KVEXPLORE_APP_MODEL": "no-such-model"}, "no-such-model"),
     ({"KVEXPLORE_APP_STRATEGIES": "preallocated,bogus"}, "bogus"),
-    ({"KVEXPLORE_APP_MAX_SEQ_LEN": "lots"}, "KVEXPLORE_APP_MAX_SEQ_LEN=&#x27;lots&#x27;: the caches&#x27; size must be"),
+    ({"KVEXPLORE_APP_MAX_SEQ_LEN": "lots"},
+     "KVEXPLORE_APP_MAX_SEQ_LEN=&#x27;lots&#x27;: the caches&#x27; size must be"),
 ])
 def test_the_app_page_shows_why_it_cannot_open_the_explorer(env, message):
     box = app_page.app_explorer(env)

@@ -73,8 +73,9 @@ def test_smollm2_with_an_evicting_lane_fits(lab, lab_page, browser, shots):
     _smollm2()
     looked = _lab_layout(lab, lab_page, shots, "layout_smollm2",
                          "import kvexplore\n"
-                         "ex = kvexplore.Explorer('smollm2-135m', strategies=('preallocated', 'evict'), max_seq_len=160, "
-                         "prompt='Why is the sky blue? Answer in two sentences.', chat=True)\nex.run(6)\nex",
+                         "ex = kvexplore.Explorer('smollm2-135m', strategies=('preallocated', 'evict'), "
+                         "max_seq_len=160, prompt='Why is the sky blue? Answer in two sentences.', chat=True)\n"
+                         "ex.run(6)\nex",
                          {"preallocated": EXACT_TABS + ("Eviction",),
                           "evict": ("Attention", "Press scores", "Held per head")}, PROJECTOR)
     assert len(looked) == 2 * 8 + 2, looked
@@ -114,10 +115,10 @@ def _chapter(chars: int = 10807) -> str:
 
 @pytest.mark.smollm2
 def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_presenting(browser, shots, tmp_path):
-    """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a 2,343-token
-    paste (its progress shown while it runs), then two Steps; every tab and the paged lane's map at both screens,
-    plain and presenting, presenting on one 1280 x 800 screen (Step and the tab's figure under the app's header, the
-    page as it opens); then the two cache maps side by side, plain and presenting."""
+    """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a
+    2,343-token paste (its progress shown while it runs), then two Steps; every tab and the paged lane's map at both
+    screens, plain and presenting, presenting on one 1280 x 800 screen (Step and the tab's figure under the app's
+    header, the page as it opens); then the two cache maps side by side, plain and presenting."""
     from test_browser_truth import _smollm2
     from browser_support import new_page, open_voila_app, require_browser, voila_server
 

@@ -63,7 +63,8 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
         f"quantizes sooner)]")
     q = (n - 4) // 8 * 8  # whole blocks of 8 with at least 4 newer positions after them
     assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual",
-                     "4") == f"[quantized cache: positions 0..{q - 1} quantized to 4 bits, the last {n - q} kept in full precision]"
+                     "4") == (f"[quantized cache: positions 0..{q - 1} quantized to 4 bits, the last {n - q} kept in "
+                              f"full precision]")
     assert _generate(source, capsys, "--cache", "quantized", "--key-bits", "2", "--value-bits", "8", "--group-size",
                      "8", "--residual", "4") == (f"[quantized cache: positions 0..{q - 1} quantized to 2-bit keys and "
                                                  f"8-bit values, the last {n - q} kept in full precision]")
@@ -73,8 +74,8 @@ def test_lossy_caches_take_their_sizes_and_say_what_they_did(source, capsys):
         f"[quantized cache: positions 0..{q - 1} quantized to 4 bits (keys per token, values per channel, pre-RoPE "
         f"keys, Hadamard-rotated, 2 outliers a vector kept exact), the last {n - q} kept in full precision]")
     assert _generate(source, capsys, "--cache", "quantized", "--bits", "4", "--group-size", "8", "--residual", "4",
-                     "--exact-prefill") == (f"[quantized cache: positions 0..{q - 1} quantized to 4 bits (full-precision "
-                                            f"prefill), the last {n - q} kept in full precision]")
+                     "--exact-prefill") == (f"[quantized cache: positions 0..{q - 1} quantized to 4 bits "
+                                            f"(full-precision prefill), the last {n - q} kept in full precision]")
     # llama.cpp's types need rows of 32 values: the packaged tiny model's heads (this source's are 16 wide)
     assert _generate("tiny", capsys, "--cache", "quantized", "--cache-type-k", "q4_0", "--cache-type-v", "q8_0",
                      n=4).endswith("[llama.cpp cache types: keys q4_0 (4.5 bits a value), values q8_0 (8.5 bits a "
@@ -126,24 +127,28 @@ def exit_code(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["generate", "/no/such/model", "--prompt", "x"], "model source '/no/such/model' is not a named model, a folder or a .gguf file"),
+    (["generate", "/no/such/model", "--prompt", "x"],
+     "model source '/no/such/model' is not a named model, a folder or a .gguf file"),
     (["generate", "{src}", "--prompt", "x", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["generate", "{src}", "--prompt", "x", "--max-new-tokens", "0"], "must be a positive integer, got 0"),
     (["generate", "{src}", "--prompt", "x", "--cache", "ring"], "argument --cache: invalid choice: 'ring'"),
-    (["generate", "{src}", "--prompt", "x", "--top-p", "2"], "top_p must be > 0 and <= 1 (or None for no limit), got 2.0"),
+    (["generate", "{src}", "--prompt", "x", "--top-p", "2"],
+     "top_p must be > 0 and <= 1 (or None for no limit), got 2.0"),
     (["generate", "{src}"], "the following arguments are required: --prompt"),
     (["generate", "{src}", "--prompt", "x", "--window", "8"], "--window is an option of --cache sink, not of --cache "
                                                              "preallocated"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--residual", "8"], "--residual is an option of "
-                                                                                   "--cache quantized, not of --cache sink"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--bits", "5"], "argument --bits: invalid choice: 5"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--residual", "8"],
+     "--residual is an option of --cache quantized, not of --cache sink"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--bits", "5"],
+     "argument --bits: invalid choice: 5"),
     (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--cache-type-k", "q4_0"], "--cache-type-k is an option "
                                                                                           "of --cache quantized"),
     (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--cache-type-v", "q3_0"],
      "argument --cache-type-v: invalid choice: 'q3_0'"),
     (["generate", "{src}", "--prompt", "x", "--cache", "quantized", "--cache-type-k", "q4_0", "--bits", "4"],
      "leave out ['bits']"),
-    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"], "argument --sinks: sinks must be at least 0, got -1"),
+    (["generate", "{src}", "--prompt", "x", "--cache", "sink", "--sinks", "-1"],
+     "argument --sinks: sinks must be at least 0, got -1"),
 ])
 def test_bad_arguments(source, capsys, argv, message):
     code = exit_code([a.replace("{src}", source) for a in argv])

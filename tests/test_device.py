@@ -312,7 +312,8 @@ def test_quantized_lane_tensors_view_with_the_error_on_the_device(tiny):
 
 
 def test_physical_attention_of_a_no_cache_trace(tiny):
-    g = kvexplore.Generator(tiny, kvexplore.make_cache("none", tiny), tracer=kvexplore.Tracer(capture={"cache", "attention"}))
+    g = kvexplore.Generator(tiny, kvexplore.make_cache("none", tiny),
+                            tracer=kvexplore.Tracer(capture={"cache", "attention"}))
     g.prefill(PROMPT)
     record = g.step()
     t = record.trace

@@ -1,6 +1,6 @@
 """The docs cannot drift from the code: every file a page of ``docs/`` names in backticks (``caches/base.py``,
-``tests/test_evict.py::test_...``) exists, every dotted name under ``kvexplore.`` it gives imports, and every ``Class.member`` of a class the package exports
-(``Explorer.prefill``) is there."""
+``tests/test_evict.py::test_...``) exists, every dotted name under ``kvexplore.`` it gives imports, and every
+``Class.member`` of a class the package exports (``Explorer.prefill``) is there."""
 
 from __future__ import annotations
 

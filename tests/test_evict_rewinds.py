@@ -39,7 +39,7 @@ def test_bad_options_are_refused_naming_the_fix(models, options, message):
 
 
 def test_a_masking_storage_needs_max_seq_len_and_a_latent_model_is_refused(models):
-    from helpers import architectures, no_cache_logits
+    from helpers import architectures
     from kvexplore.config.model_config import ModelConfig
 
     with pytest.raises(SettingsError, match="storage='mask' allocates every position once: give max_seq_len"):

@@ -853,7 +853,8 @@ def test_a_lossy_lane_says_what_it_did_and_an_error_of_zero_reads_as_none(model)
     ex.step()  # the prompt only: 9 positions, inside 8 + one block
     n = ex.lane.cache.length
     table = ex.controls["compare"].value
-    assert f"<b>quantized</b>: quantized cache: nothing quantized yet: all {n} positions are inside the residual" in table
+    assert (f"<b>quantized</b>: quantized cache: nothing quantized yet: all {n} positions are inside the residual"
+            in table)
     assert f"<b>sink</b>: sink cache: nothing evicted yet: all {n} positions fit in 2 sinks + a window of 8" in table
     assert "<b>preallocated</b>" not in table.split("</table>")[1]  # an exact cache has nothing to say
     err = shown(ex, "tensors")

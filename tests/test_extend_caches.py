@@ -108,7 +108,8 @@ class EveryOtherLayer(StoredLayer):
     def write(self, step, k, v):
         out = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
         even = torch.tensor([i for i in range(k.shape[2]) if (step.pos + i) % 2 == 0], dtype=torch.long)
-        self.k, self.v = torch.cat([self.k, k.index_select(2, even)], 2), torch.cat([self.v, v.index_select(2, even)], 2)
+        self.k, self.v = (torch.cat([self.k, k.index_select(2, even)], 2),
+                          torch.cat([self.v, v.index_select(2, even)], 2))
         step.counters.written_bytes += k.nbytes + v.nbytes
         return out
 

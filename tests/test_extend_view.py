@@ -127,7 +127,8 @@ def test_a_bad_view_is_refused_and_changes_nothing():
         register(View("Bytes Written", "Mine", bytes_written))
     with pytest.raises(kvexplore.SettingsError, match="replay="):
         register(View("mine", "Mine", bytes_written, replay="sometimes"))
-    with pytest.raises(kvexplore.SettingsError, match="view .attention. is built in; only a view registered later can be removed"):
+    with pytest.raises(kvexplore.SettingsError,
+                       match="view .attention. is built in; only a view registered later can be removed"):
         unregister("attention")
     assert VIEWS == before
 

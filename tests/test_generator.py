@@ -51,7 +51,8 @@ def test_records(tiny):
     assert [c.prob for c in second.top] == sorted((c.prob for c in second.top), reverse=True)
     assert second.elapsed_s >= second.forward_s > 0
     assert gen.text == tiny.tokenizer.decode(gen.generated_tokens)
-    assert "".join(r.text for r in gen.history) == tiny.tokenizer.decode(gen.tokens)[len(tiny.tokenizer.decode(prompt)):]
+    assert ("".join(r.text for r in gen.history)
+            == tiny.tokenizer.decode(gen.tokens)[len(tiny.tokenizer.decode(prompt)):])
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 20, "seed": 7}])

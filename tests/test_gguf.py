@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 import kvexplore
 from gguf_writer import write_gguf
 from helpers import make_checkpoint
-from kvexplore import LoadError, UnsupportedModelError
+from kvexplore import UnsupportedModelError
 from kvexplore.config import families
 from kvexplore.errors import CorruptFileError
 from kvexplore.formats import gguf_file
@@ -113,7 +113,8 @@ def test_unsupported_quantization_names_the_type(llama, tmp_path):
 def test_unsupported_architecture(llama, tmp_path):
     folder, ref = llama
     path = write_gguf(tmp_path / "m.gguf", ref, arch="gpt2", spm_model=folder / "tokenizer.model")
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
+    with pytest.raises(UnsupportedModelError,
+                       match="GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
         kvexplore.load(path)
 
 

@@ -10,7 +10,6 @@ parts are known."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import kvexplore
 from kvexplore.caches.held import KEYS_AND_VALUES, UNDO_SCRATCH

@@ -104,7 +104,8 @@ def test_a_generator_given_the_transformers_module_runs_it_through_hfmodel(model
     gen.prefill(PROMPT)
     gen.run(11, stop_at_eos=False)
     assert gen.generated_tokens == reference_tokens(module, PROMPT, 12)
-    with pytest.raises(kvexplore.SettingsError, match=r"cache must be a transformers cache \(kvexplore.hf.make_cache\)"):
+    with pytest.raises(kvexplore.SettingsError,
+                       match=r"cache must be a transformers cache \(kvexplore.hf.make_cache\)"):
         kvexplore.Generator(module, kvexplore.PreallocatedCache(gen.executor.config, 16))
     with pytest.warns(UserWarning, match="HFModel has no compiled decode step"):
         kvexplore.Generator(module, compile=True)

@@ -91,7 +91,8 @@ def check_without_the_extra(out: dict, err: str) -> None:
                            f'kvexplore\'s notebook extra: pip install "kvexplore[notebook]"')
         assert module in BLOCKED and is_import_error
     assert out["from_import"] == out["widgets"]["Explorer"][0]
-    assert out["save_html"].startswith("an HTML replay needs plotly, which is not installed") and NOTEBOOK_INSTALL in out["save_html"]
+    assert (out["save_html"].startswith("an HTML replay needs plotly, which is not installed")
+            and NOTEBOOK_INSTALL in out["save_html"])
     assert out["generate"] == 0 and out["lab"] == 1 and out["app"] == 1 and out["widget_modules"] == []
     for command, what in (("lab", "JupyterLab"), ("app", "Voila")):
         assert (f"kvexplore {command}: error: {what} is not installed in this environment" in err
@@ -148,7 +149,8 @@ def test_only_a_missing_notebook_module_becomes_the_install_hint():
     assert isinstance(error, MissingExtraError) and isinstance(error, ImportError) and error.name == "plotly"
     assert str(error).endswith('pip install "kvexplore[notebook]"')
     assert missing_extra("kvexplore.Explorer", ModuleNotFoundError("No module named 'numpyy'", name="numpyy")) is None
-    assert missing_extra("kvexplore.Explorer", ImportError("cannot import name 'x' from 'plotly'", name="plotly")) is None
+    assert missing_extra("kvexplore.Explorer",
+                         ImportError("cannot import name 'x' from 'plotly'", name="plotly")) is None
 
 
 def _distributions(name: str, seen: dict | None = None) -> dict:

@@ -289,8 +289,8 @@ def test_app_takes_each_lanes_options_and_refuses_a_wrong_one_or_an_unknown_mode
     args = cli.parse_args(["app", "--model", "smollm2-135m", "--strategies", "preallocated,quantized,sink,evict",
                            "--strategy-option", "sink.window=256", "--strategy-option", "quantized.bits=2",
                            "--strategy-option", "evict.press=snapkv", "--strategy-option", "evict.decode_every=16"])
-    assert app_options(args.model, args.strategies, args.strategy_option) == {"sink": {"window": 256}, "quantized": {"bits": 2},
-                                 "evict": {"press": "snapkv", "decode_every": 16}}
+    assert app_options(args.model, args.strategies, args.strategy_option) == {
+        "sink": {"window": 256}, "quantized": {"bits": 2}, "evict": {"press": "snapkv", "decode_every": 16}}
     for argv, said in [
         (["app", "--model", "smolm2-135m"], "did you mean 'smollm2-135m'?"),
         (["app", "--strategy-option", "sink.window=8"], "'sink', which is not a lane: the lanes are preallocated"),

@@ -9,8 +9,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "kvexplore"
 
 #: lowest first: a folder imports only from folders before it (and from itself); folders on one line are siblings
@@ -137,7 +135,8 @@ def test_the_checker_sees_a_lazy_import_that_runs_up(tmp_path, monkeypatch):
     for p in (fake / "__init__.py", fake / "caches" / "__init__.py", fake / "runtime" / "__init__.py",
               fake / "runtime" / "generator.py", fake / "errors.py"):
         p.write_text("")
-    (fake / "caches" / "base.py").write_text("from ..errors import X\n\ndef f():\n    from ..runtime import generator\n")
+    (fake / "caches" / "base.py").write_text("from ..errors import X\n\n"
+                                             "def f():\n    from ..runtime import generator\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert upward_imports() == ["kvexplore/caches/base.py:4 (caches) imports kvexplore.runtime.generator (runtime)"]
 
@@ -202,7 +201,8 @@ def private_reaches(package: Path) -> list[str]:
             if isinstance(node, ast.Attribute):
                 owner, name = node.value, node.attr
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in \
-                    ("getattr", "hasattr", "setattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                    ("getattr", "hasattr", "setattr") and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant):
                 owner, name = node.args[0], node.args[1].value
             else:
                 continue

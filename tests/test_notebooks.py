@@ -44,7 +44,8 @@ def _real_models(path: Path) -> list:
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=_real_models(p)) for p in ALL])
 def test_notebook_runs(path, executed_notebook):
     """Executed once per run (``executed_notebook``); the copy is shared with the tests that render and export it."""
-    nbformat = pytest.importorskip("nbformat", reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")
+    nbformat = pytest.importorskip("nbformat",
+                                   reason="the notebook extra is not installed: pip install -e '.[notebook,dev]'")
     copy, run = executed_notebook(path)
     assert run["error"] is None, f"{path.name} failed: {run['error']}"
     nb = nbformat.read(copy, as_version=4)

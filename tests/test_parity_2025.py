@@ -132,7 +132,8 @@ def test_gemma3_window_16_holds_16_positions_in_local_layers_over_200_tokens(tmp
         for m, s in zip(layers, plan):
             assert m.kind == s.kind and m.analytic_bytes == m.logical_bytes
             if s.kind == "sliding":
-                assert m.held == min(n, 16) and m.logical_bytes == min(n, 16) * per_pos[s.index] <= 16 * per_pos[s.index]
+                assert (m.held == min(n, 16)
+                        and m.logical_bytes == min(n, 16) * per_pos[s.index] <= 16 * per_pos[s.index])
                 assert m.reserved_bytes == 16 * per_pos[s.index]  # the ring, allocated once
             else:
                 assert m.held == n and m.logical_bytes == n * per_pos[s.index]
@@ -180,7 +181,8 @@ def test_rewind_fork_undo_and_full_caches_hold_for_every_layer_type(built, name)
     # a pass that fails part-way (in a later layer) is rolled back exactly, rings included
     before = [t.clone() for layer in range(model.config.num_layers) for t in cache.storage(layer)]
     with pytest.raises(RuntimeError, match="boom"):
-        model(torch.tensor([[ids[20]]]), cache, 20, tracer=FailingTracer(f"layers.{model.config.num_layers - 1}.attn.q"))
+        model(torch.tensor([[ids[20]]]), cache, 20,
+              tracer=FailingTracer(f"layers.{model.config.num_layers - 1}.attn.q"))
     after = [t for layer in range(model.config.num_layers) for t in cache.storage(layer)]
     assert cache.length == 20 and all(torch.equal(a, b) for a, b in zip(before, after))
     assert (model(torch.tensor([[ids[20]]]), cache, 20)[0] - want[20]).abs().max() < TOL

@@ -80,7 +80,8 @@ def test_the_latent_cache_holds_a_latent_and_a_rope_key_per_position(deepseek):
     assert [t.shape for t in cache.storage(0)] == [(1, 1, 64, c.kv_lora_rank), (1, 1, 64, c.qk_rope_head_dim)]
     sizes = bytes_per_token(c, itemsize=4, gqa_heads=2)
     assert sizes["latent"] == per_token
-    assert sizes["per_head"] == c.num_layers * c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    assert sizes["per_head"] == (c.num_layers * c.num_heads
+                                 * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4)
     assert sizes["per_head"] / sizes["latent"] == c.num_heads * (12 + 8) / (16 + 4)  # 4 heads x (12 + 8) vs 16 + 4
     assert sizes["gqa"] == sizes["per_head"] // 2
     # what transformers 5.24's own cache holds per layer: the same latent and rope key
@@ -152,7 +153,8 @@ def test_sparse_reads_are_a_gather_and_the_trace_marks_them(sparse):
     classes = slot_classes(gen.history[-1], layer=1)  # the cache map: exactly the positions read are "read"
     newest = gen.cache.length - 1  # written this step (the indexer need not pick it)
     assert {i for i, cls in enumerate(classes) if cls == "read"} == set(t.reads_of(1)) - {newest}
-    assert classes[newest] == "written" and classes.count("not read") == gen.cache.length - len(set(t.reads_of(1)) | {newest})
+    assert (classes[newest] == "written"
+            and classes.count("not read") == gen.cache.length - len(set(t.reads_of(1)) | {newest}))
     per_token = c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * 4
     assert gen.cache.used_bytes == gen.cache.length * per_token == bytes_per_token(c, 4)["latent"] * gen.cache.length
 

@@ -74,7 +74,8 @@ def test_the_recurrent_layers_hold_the_same_bytes_after_8_and_400_tokens(qwen3_n
     assert state == c.state_bytes() == 3200
     for a, b in zip(first.per_layer(), last.per_layer()):
         if a.kind == "state":
-            assert a.logical_bytes == b.logical_bytes == a.reserved_bytes == b.reserved_bytes == a.analytic_bytes == state
+            assert (a.logical_bytes == b.logical_bytes == a.reserved_bytes == b.reserved_bytes == a.analytic_bytes
+                    == state)
         else:  # a full layer: one more position's keys and values a step
             per_pos = 2 * c.num_kv_heads * c.head_dim * 4
             assert (a.logical_bytes, b.logical_bytes) == (8 * per_pos, 400 * per_pos)
@@ -124,6 +125,7 @@ def test_the_explorer_draws_the_state_as_a_fixed_block(qwen3_next):
     assert np.isnan(z[rows == 0]).all() and np.isnan(z[rows == 2]).all() and not np.isnan(z[rows == 1]).any()
     ex.view = "tensors"
     tensors = ex.specs()["tensors"]
-    assert tensors.layout["title"]["text"].startswith("recurrent state · layer 0") and tensors.traces[0]["z"].size == 4 * 5
+    assert (tensors.layout["title"]["text"].startswith("recurrent state · layer 0")
+            and tensors.traces[0]["z"].size == 4 * 5)
     ex.rewind(2)  # recomputed; the state drawn is the one of the kept steps
     assert ex.error == "" and ex.specs()["tensors"].traces[0]["z"].size == 4 * 3

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 import kvexplore
-from kvexplore.caches.strategies.paged import PagePoolFullError
-from kvexplore.errors import SettingsError
-from kvexplore.prefix.frames import CACHED, EVICTED, FREE, HIT, WRITTEN
+from kvexplore.prefix.frames import WRITTEN
 
 POLICIES = ("hash", "radix")
 BS = 4

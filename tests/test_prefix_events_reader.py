@@ -59,7 +59,8 @@ def test_hashes_shown_as_short_hex_and_kept_whole():
                                                          r"positive integer"),
     (pack(batch({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1]})),
      r"event 0 \(BlockStored\): lacks block_size"),
-    (pack(batch(stored([1.5], None, range(4)))), r"block_hashes\[0\] is 1.5, expected a block hash \(bytes or an int\)"),
+    (pack(batch(stored([1.5], None, range(4)))),
+     r"block_hashes\[0\] is 1.5, expected a block hash \(bytes or an int\)"),
     (pack(batch(stored([1], None, ["a"]))), r"token_ids is \['a'\], expected a list of token ids"),
     (pack(batch(removed([1], medium=3))), r"medium is 3, expected a name"),
     (pack([1.0, [["BlockRemoved", [1], "GPU", 0, None, None, "x"]]]), r"BlockRemoved has 6 fields, .* has 5"),
@@ -130,7 +131,7 @@ def test_bad_files_say_what_is_wrong(tmp_path):
     assert [seq for seq, _, _ in read_recording(path, allow_truncated=True)] == [0, 0, 2]
 
 
-# vLLM's own streams (tests/data/vllm_kv_events, made by make.py with vLLM's KV cache manager) --------------------------
+# vLLM's own streams (tests/data/vllm_kv_events, made by make.py with vLLM's KV cache manager) -------------------------
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 
 

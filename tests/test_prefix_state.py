@@ -93,7 +93,8 @@ def test_the_pools_events_replay_to_its_cached_blocks(tiny):
                     stored[h] = (parent, tuple(e["token_ids"][i * BS:(i + 1) * BS]))
                     parent = h
     assert {short(h) for h in stored} == set(pool.hashes)
-    removed = [sum(len(e["block_hashes"]) for e in b["events"] if e["type"] == "BlockRemoved") for b in pool.kv_events()]
+    removed = [sum(len(e["block_hashes"]) for e in b["events"] if e["type"] == "BlockRemoved")
+               for b in pool.kv_events()]
     added = [sum(len(e["block_hashes"]) for e in b["events"] if e["type"] == "BlockStored") for b in pool.kv_events()]
     assert removed == [r.evicted for r in pool.results] == [0, 0, 1, 1]
     assert added == [len(r.cached_blocks) for r in pool.results] == [2, 2, 1, 1]

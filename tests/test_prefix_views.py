@@ -17,7 +17,6 @@ from kvexplore.errors import SettingsError
 from kvexplore.explorer.inspect import plain
 from kvexplore.prefix.frames import STATES
 from kvexplore.replay import save_prefix_html
-from kvexplore.replay.prefix_page import page_data
 from kvexplore.views import prefix, prefix_pool, prefix_timeline, prefix_tree
 from kvexplore.views.prefix_words import explain
 from kvexplore.views.spec import figure, grid

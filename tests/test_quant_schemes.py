@@ -85,9 +85,10 @@ def test_bytes_are_the_stored_tensors_and_follow_the_formula(tiny, scheme):
 
 def test_keys_are_the_sensitive_half_and_what_tames_an_outlier_channel(tiny):
     """One key channel 50x larger than the others: per-token codes lose the other channels to it (the scale is the
-    outlier's), a Hadamard rotation spreads it (error / 1.8 at 16 channels, more on wider heads) and outliers kept exact remove it (error / 10); per-channel
-    codes isolate it by themselves (KIVI's reason for keys per channel), and a rotation then spreads it back into
-    every channel. On the model: 2-bit keys with 8-bit values lose more than the reverse."""
+    outlier's), a Hadamard rotation spreads it (error / 1.8 at 16 channels, more on wider heads) and outliers kept exact
+    remove it (error / 10); per-channel codes isolate it by themselves (KIVI's reason for keys per channel), and a
+    rotation then spreads it back into every channel. On the model: 2-bit keys with 8-bit values lose more than the
+    reverse."""
     ids = tiny.tokenizer.encode("Call me Ishmael. Some years ago, never mind how long precisely, having little or "
                                 "no money in my purse, and nothing particular to interest me on shore")[:40]
     D = tiny.config.head_dim
@@ -156,7 +157,8 @@ def test_the_error_per_channel_is_what_the_codes_lose_and_the_stored_kv_view_dra
     got_k, got_v = cache.quantization.channel_error(0)
     assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)
     assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).quantization is None  # exact: no facet
-    figure = tensors.spec(None, None, 0, cache.quantization.stored_error(0), cache.slot_view(0), channel_error=(got_k, got_v))
+    figure = tensors.spec(None, None, 0, cache.quantization.stored_error(0), cache.slot_view(0),
+                          channel_error=(got_k, got_v))
     by_name = {t["name"]: t for t in figure.traces}
     assert by_name["keys error per channel"]["z"].tolist() == got_k.reshape(-1).tolist()
     assert by_name["values error per channel"]["zmax"] == pytest.approx(float(got_v.max()))
@@ -228,7 +230,8 @@ def test_each_channels_worst_block_and_its_outlier_channels_before_and_after_a_r
     assert kvexplore.make_cache("preallocated", tiny, max_seq_len=8).quantization is None
 
     for c, d in ((cache, kd), (rotated, rk)):
-        figure = tensors.spec(None, None, 0, c.quantization.stored_error(0), c.slot_view(0), channel_error=c.quantization.channel_error(0),
+        figure = tensors.spec(None, None, 0, c.quantization.stored_error(0), c.slot_view(0),
+                              channel_error=c.quantization.channel_error(0),
                               channel_detail=c.quantization.channel_detail(0))
         by_name = {t["name"]: t for t in figure.traces}
         hover = by_name["keys error per channel"]["text"]

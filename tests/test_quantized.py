@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvexplore import CacheFullError, Generator, PreallocatedCache, kv_bytes
 from kvexplore.caches import FILLED, FREE, STALE, QuantizedLayout
-from kvexplore.caches.strategies.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack, quantize_keys,
-                                        quantize_values, unpack)
+from kvexplore.caches.strategies.quantized import (QuantizedCache, dequantize_keys, dequantize_values, pack,
+                                                  quantize_keys, quantize_values, unpack)
 from helpers import no_cache_logits
 
 IDS = list(range(3, 83))  # 80 tokens
@@ -270,7 +270,8 @@ def test_a_failure_mid_forward_puts_the_cache_back_exactly(tiny):
 
     with pytest.raises(RuntimeError, match="boom"):
         tiny(torch.tensor([IDS[39:40]]), cache, 39, tracer=Boom())
-    assert cache.length == 39 and [layer.qf for layer in cache.layers] == [24] * tiny.config.num_layers  # layer 0's quantizing undone
+    # layer 0's quantizing undone
+    assert cache.length == 39 and [layer.qf for layer in cache.layers] == [24] * tiny.config.num_layers
     assert same(state(cache), state(twin)) and cache.slot_view() == twin.slot_view()
     assert torch.equal(tiny(torch.tensor([IDS[39:40]]), cache, 39), tiny(torch.tensor([IDS[39:40]]), twin, 39))
     assert same(state(cache), state(twin))
@@ -282,7 +283,8 @@ def test_clone_and_fork_are_independent(tiny):
     before = state(cache)
     twin, fork = cache.clone(), cache.fork()
     assert same(state(twin), before) and same(state(fork), before)
-    assert twin.layers[0].kq.data_ptr() != cache.layers[0].kq.data_ptr() and twin.layers[0].rk.data_ptr() != cache.layers[0].rk.data_ptr()
+    assert (twin.layers[0].kq.data_ptr() != cache.layers[0].kq.data_ptr()
+            and twin.layers[0].rk.data_ptr() != cache.layers[0].rk.data_ptr())
     feed(tiny, twin, IDS[:60])
     fork.truncate(10)
     assert same(state(cache), before) and twin.length == 60 and fork.length == 10
@@ -306,7 +308,8 @@ def test_generator_rewinds_and_forks(trained):
 def test_bad_options(tiny):
     c = tiny.config  # head_dim 16
     for kwargs, msg in [(dict(bits=5), "bits must be one of 2, 3, 4, 8, got 5"),
-                        (dict(value_bits=6), "value_bits must be one of 2, 3, 4, 8, got 6"), (dict(group_size=0), "group_size must be"),
+                        (dict(value_bits=6), "value_bits must be one of 2, 3, 4, 8, got 6"),
+                        (dict(group_size=0), "group_size must be"),
                         (dict(residual=-1), "residual must be at least 0, got -1"),
                         (dict(group_size=6), "head_dim 16 must be a multiple of the values' group of channels 6"),
                         (dict(group_size=6, value_axis="channel", key_axis="token"),

@@ -73,8 +73,8 @@ CASES = {
     "drafter": (DRAFTERS, lambda n, e, r=False: register_drafter(n, e, replace=r), unregister_drafter,
                 "prompt-lookup", lambda a, ex: None, "toy", lambda a, ex: None, lambda a, ex: None),
     "view": (views.VIEWS, lambda n, e, r=False: views.register(e, replace=r), views.unregister, "attention",
-             views.View("attention", "Mine", lambda snap: None), "toy_view", views.View("toy_view", "One", lambda s: None),
-             views.View("toy_view", "Two", lambda s: None)),
+             views.View("attention", "Mine", lambda snap: None), "toy_view",
+             views.View("toy_view", "One", lambda s: None), views.View("toy_view", "Two", lambda s: None)),
     "prefix figure": (PREFIX_FIGURES, lambda n, e, r=False: register_prefix_figure(n, e, replace=r),
                       unregister_prefix_figure, "prefix_pool", lambda f, i: None, "toy_figure", lambda f, i: None,
                       lambda f, i: None),
@@ -204,7 +204,8 @@ def test_a_prefix_figure_registered_from_outside_is_drawn_by_the_widget_and_the_
         counts = {}
         for block in frames[i].blocks:
             counts[block.state] = counts.get(block.state, 0) + 1
-        return FigureSpec([{"type": "bar", "x": list(counts), "y": list(counts.values())}], {"title": {"text": "blocks"}})
+        return FigureSpec([{"type": "bar", "x": list(counts), "y": list(counts.values())}],
+                          {"title": {"text": "blocks"}})
 
     register_prefix_figure("block_states", states)
     try:

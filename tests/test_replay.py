@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 import kvexplore
 from kvexplore.cli import commands as cli

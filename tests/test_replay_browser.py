@@ -88,7 +88,8 @@ def test_an_executed_tour_exported_with_nbconvert_shows_the_figures(tmp_path, br
     nb = nbformat.read(copy, as_version=4)
     size = len(nbformat.writes(nb).encode())
     assert size < 4 * 2**20, f"the executed notebook is {size / 2**20:.1f} MiB"  # small enough to commit
-    copies = [o for c in nb.cells for o in c.get("outputs", []) if "kvx-static" in o.get("data", {}).get("text/html", "")]
+    copies = [o for c in nb.cells for o in c.get("outputs", [])
+              if "kvx-static" in o.get("data", {}).get("text/html", "")]
     assert len(copies) == 3  # one per explorer shown (the tiny one, the tiny one that forks, SmolLM2)
     body, _ = HTMLExporter().from_notebook_node(nb)
     page_path = tmp_path / "tour.html"

@@ -32,7 +32,8 @@ def _alone(monkeypatch):
 def _same(a, b, path="") -> None:
     """``a`` and ``b`` equal in every tensor, array and value (NaN equal to NaN), named by ``path`` where not."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a.nan_to_num(-7), b.nan_to_num(-7)), path
+        assert (isinstance(b, torch.Tensor) and a.shape == b.shape
+                and torch.equal(a.nan_to_num(-7), b.nan_to_num(-7))), path
     elif isinstance(a, np.ndarray):
         assert a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), path
     elif isinstance(a, dict):
@@ -56,13 +57,16 @@ def _state(session: Session) -> dict:
         out[name] = {
             "tokens": lane.generator.tokens,
             "records": [(r.token_id, r.prob, [(c.token_id, c.prob) for c in r.top], r.cache_length, r.memory.held,
-                         r.memory.written_bytes, r.memory.reserved_bytes, r.memory.allocated_bytes) for r in lane.history],
-            "events": [[(e.layer, e.write, e.read, e.read_shape, e.view) for e in r.trace.events] for r in lane.history],
+                         r.memory.written_bytes, r.memory.reserved_bytes, r.memory.allocated_bytes)
+                        for r in lane.history],
+            "events": [[(e.layer, e.write, e.read, e.read_shape, e.view) for e in r.trace.events]
+                       for r in lane.history],
             "slots": [[(s.positions, s.states) for s in r.trace.layer_slots] for r in lane.history],
             "reads": [[list(r.trace.reads_of(i)) for i in range(cache.config.num_layers)] for r in lane.history],
             "storage": [[t.clone() for t in cache.storage(i)] for i in range(cache.config.num_layers)],
             "norms": lane.tracer.norms, "logprobs": lane.tracer.last_logprobs,
-            "store": {k: v for k, v in vars(store).items() if isinstance(v, (torch.Tensor, np.ndarray, dict, list, int))},
+            "store": {k: v for k, v in vars(store).items()
+                      if isinstance(v, (torch.Tensor, np.ndarray, dict, list, int))},
             "attention": [r.trace.attention_raw(0) for r in lane.history if r.trace.has_attention(0)],
             "kl": lane.kl_at, "top1": lane.top1_at,
         }
@@ -95,7 +99,8 @@ def test_lanes_that_share_the_prefill_pass_hold_record_and_draw_what_their_own_p
 
 
 def test_a_reference_that_reads_a_window_computes_alone_and_the_next_lane_records_the_pass(trained):
-    session, shared = _run(trained, ("sink", "preallocated", "paged"), {"paged": {"block_size": 8}, "sink": {"window": 16}})
+    session, shared = _run(trained, ("sink", "preallocated", "paged"),
+                           {"paged": {"block_size": 8}, "sink": {"window": 16}})
     assert shared == {"sink": None, "preallocated": None, "paged": "preallocated"}
 
 

@@ -203,7 +203,8 @@ def test_position_limit_and_sliding_window_models(tiny):
     assert cache.full_layers == [] and "sliding layers: a ring of 6 slots" in cache.describe_layers()
     tokens = [tok(p) for p in range(20)]
     got, want = decode(mistral, cache, tokens, 0), decode(mistral, ref, tokens, 0)
-    assert torch.equal(torch.stack(got), torch.stack(want)) and cache.reserved_bytes == ref.reserved_bytes == kv_bytes(mistral.config, 6)
+    assert (torch.equal(torch.stack(got), torch.stack(want))
+            and cache.reserved_bytes == ref.reserved_bytes == kv_bytes(mistral.config, 6))
 
 
 def test_rewind_into_the_window_then_to_the_sinks(tiny):

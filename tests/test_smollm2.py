@@ -65,7 +65,8 @@ def test_perplexity_matches_transformers(smollm2):
 
     ids = smollm2.tokenizer.encode(CHAPTER)[:512]
     ours = kvexplore.perplexity(smollm2, ids, window=512)
-    ref = LlamaForCausalLM.from_pretrained(kvexplore.formats.store.model_path("smollm2-135m"), dtype=torch.float32).eval()
+    ref = LlamaForCausalLM.from_pretrained(kvexplore.formats.store.model_path("smollm2-135m"),
+                                           dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = perplexity(ref(torch.tensor([ids])).logits[0], ids)
     assert abs(ours - theirs) / theirs < 0.01

@@ -139,8 +139,8 @@ def test_models_cli(fake_model, capsys):
 
 #: ``pip download --help`` around ``--progress-bar``: pip 22.0 to 24.0 offer on and off, 24.1 and later raw too
 PIP_HELP = {
-    "23.2.1": "  --progress-bar <progress_bar>\n                              Specify whether the progress bar should be "
-              "used\n                              [on, off] (default: on)\n  --no-build-isolation        Disable "
+    "23.2.1": "  --progress-bar <progress_bar>\n                              Specify whether the progress bar should "
+              "be used\n                              [on, off] (default: on)\n  --no-build-isolation        Disable "
               "isolation when building a modern source\n",
     "24.1": "  --progress-bar <progress_bar>\n                              Specify whether the progress bar should be "
             "used\n                              [on, off, raw] (default: on)\n",

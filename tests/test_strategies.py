@@ -152,7 +152,8 @@ def test_generator_records_carry_memory(trained):
 def test_make_cache_errors_and_defaults(trained):
     cache = make_cache("preallocated", trained)
     assert cache.capacity == min(trained.config.max_position_embeddings, 2048) and cache.dtype == trained.dtype
-    with pytest.raises(ValueError, match="unknown cache kind 'ring'; available: preallocated, concat, none, paged, quantized, sink"):
+    with pytest.raises(ValueError, match="unknown cache kind 'ring'; available: "
+                                         "preallocated, concat, none, paged, quantized, sink"):
         make_cache("ring", trained)
     with pytest.raises(ValueError, match=r"cache kind 'concat' does not take \['bits'\]"):
         make_cache("concat", trained, bits=4)

@@ -60,4 +60,5 @@ def test_one_line_per_kind_of_layer_cache(tmp_path):
     lines = step_view(gen.step(), gen.cache.slot_views(), model.config.num_layers).splitlines()
     assert lines[1].startswith("  layers 0,1,3  |==+=|  4/4 slots  reserved ")  # rings of the window, then memory
     assert lines[2].startswith("  layer 2  |======+.....|  7/12 slots") and "reserved" not in lines[2]  # full
-    assert lines[3] == "  layer 4    stores nothing, reads layer 3" and lines[4] == "  layer 5    stores nothing, reads layer 2"
+    assert (lines[3] == "  layer 4    stores nothing, reads layer 3"
+            and lines[4] == "  layer 5    stores nothing, reads layer 2")

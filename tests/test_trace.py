@@ -30,7 +30,8 @@ def test_no_tracer_means_no_hook_work(trained, monkeypatch):
     import kvexplore.models.deltanet
     import kvexplore.models.latent
 
-    for module in (model_module, kvexplore.models.latent, kvexplore.models.deltanet):  # every module calling the hook helper
+    # every module calling the hook helper
+    for module in (model_module, kvexplore.models.latent, kvexplore.models.deltanet):
         monkeypatch.setattr(module, "hook", forbidden)
     assert len(run(trained, "preallocated").history) == 13
 

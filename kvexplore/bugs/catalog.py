@@ -29,10 +29,10 @@ CHECKERS = ("doctor", "pool", "speculation")
 class Bug:
     """One catalogued bug.
 
-    ``name`` (how :func:`~kvexplore.bugs.reproduce` finds it), ``engine`` (where it was found), ``reference`` (the public
-    report: ``owner/repo#number`` or a write-up, with ``url``), ``area`` (one of :data:`AREAS`), ``summary`` (what went
-    wrong, and how the zoo plants it), ``invariant`` (what a correct cache keeps true, the test that would have caught
-    it), ``symptom`` (what a user saw). ``model``: the zoo model it runs on by default (``"tiny"`` or
+    ``name`` (how :func:`~kvexplore.bugs.reproduce` finds it), ``engine`` (where it was found), ``reference`` (the
+    public report: ``owner/repo#number`` or a write-up, with ``url``), ``area`` (one of :data:`AREAS`), ``summary``
+    (what went wrong, and how the zoo plants it), ``invariant`` (what a correct cache keeps true, the test that would
+    have caught it), ``symptom`` (what a user saw). ``model``: the zoo model it runs on by default (``"tiny"`` or
     ``"tiny-windowed"``, :mod:`kvexplore.bugs.models`). ``checker``: one of :data:`CHECKERS`.
 
     ``make(model, planted, slots)``: a decoding bug's ``(model, cache)`` of ``slots`` positions, a speculation bug's

@@ -25,7 +25,8 @@ class Run:
     """``unit`` is ``"step"`` or ``"request"``; per unit: ``tokens`` (the tokens it chose), ``logits`` (``(n, vocab)``
     float32, or None where the run does not keep them), ``positions`` (the position of the pass that chose the first of
     them). ``prompt``: the token ids the run started from (a list of them per request); ``subject``: the cache, pool
-    or generator after the run, as it is (for views and the checker's picture); ``notes``: what the run did, in words."""
+    or generator after the run, as it is (for views and the checker's picture); ``notes``: what the run did, in
+    words."""
 
     planted: bool
     unit: str

@@ -23,9 +23,9 @@ matches them bit for bit), computed in float32:
   ``d * code + m``.
 
 Nibbles: byte ``j`` of a block's 16 holds value ``j`` in its low four bits and value ``j + 16`` in its high four. The
-fifth bit of ``q5`` codes: bit ``j`` of the little-endian 32-bit word holds value ``j``'s. ``d`` and ``m`` are rounded to
-float16 when stored (the codes are computed with the float32 ``d``), so a value read back may differ from the input by
-a little more than half a step.
+fifth bit of ``q5`` codes: bit ``j`` of the little-endian 32-bit word holds value ``j``'s. ``d`` and ``m`` are rounded
+to float16 when stored (the codes are computed with the float32 ``d``), so a value read back may differ from the input
+by a little more than half a step.
 """
 
 from __future__ import annotations

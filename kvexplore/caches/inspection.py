@@ -1,7 +1,7 @@
 """What a cache can say about itself, layer by layer: its storage, the positions each layer read, the state of every
 physical slot, and its bytes: the memory report of each step (used, reserved, the formula, and held: every tensor
-storage reachable from the cache, by part, see :mod:`.held`). :class:`~.base.KVCache` inherits it; every answer comes from
-the layer's own :class:`~kvexplore.caches.layer.LayerCache` object."""
+storage reachable from the cache, by part, see :mod:`.held`). :class:`~.base.KVCache` inherits it; every answer comes
+from the layer's own :class:`~kvexplore.caches.layer.LayerCache` object."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 over groups of channels), keys and values each at 2, 3, 4 or 8 bits, bit-packed (:func:`pack`).
 
 ``code = round((x - zero) / scale)`` with ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``, so
-``|x - dequant(code)| <= scale / 2`` for every element. Codes are packed into ``uint8`` along head_dim (two 4-bit codes a
-byte, four 2-bit codes, eight 3-bit codes in three bytes). Scales and zeros are float32, in tensors of their own.
+``|x - dequant(code)| <= scale / 2`` for every element. Codes are packed into ``uint8`` along head_dim (two 4-bit codes
+a byte, four 2-bit codes, eight 3-bit codes in three bytes). Scales and zeros are float32, in tensors of their own.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
                        -1).flatten(-2)
 
 
-AXES = ("channel", "token")  # what one scale covers: a channel over a block of tokens, or a group of one token's channels
+# what one scale covers: a channel over a block of tokens, or a group of one token's channels
+AXES = ("channel", "token")
 
 
 def quantize(x: torch.Tensor, bits: int, axis: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

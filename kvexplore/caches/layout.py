@@ -160,7 +160,8 @@ class QuantizedLayout(Layout):
     order = "quantized slots, then full-precision residual"
 
     def summary(self) -> str:
-        width = f"int{self.bits}" if self.value_bits in (None, self.bits) else f"K int{self.bits} / V int{self.value_bits}"
+        width = (f"int{self.bits}" if self.value_bits in (None, self.bits) else
+                 f"K int{self.bits} / V int{self.value_bits}")
         extra = f" · {self.scheme}" if self.scheme else ""
         return f"{width} blocks of {self.group_size}{extra} · positions < {self.quantized_upto} quantized"
 

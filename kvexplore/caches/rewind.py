@@ -20,7 +20,8 @@ from .memory import StepCounters
 
 
 class Rewind:
-    """Rewinds and the take-back questions of a model-level cache (mixed into :class:`~kvexplore.caches.base.KVCache`)."""
+    """Rewinds and the take-back questions of a model-level cache (mixed into
+    :class:`~kvexplore.caches.base.KVCache`)."""
 
     #: True inside :meth:`checkpointing_states` (a verification pass): linear-attention layers then compute token by
     #: token and hand the state after each position to the cache (``write_state(..., checkpoints=)``), so a cut
@@ -67,7 +68,8 @@ class Rewind:
         """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
         checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
         if not 0 <= n <= self.length:
-            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions "
+                                f"(0 <= n <= {self.length})")
         if rings and (msg := self._recompute_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg}")
         for layer in self.layers:

@@ -1,4 +1,5 @@
-"""The ``kvexplore`` command: ``kvexplore generate SOURCE --prompt TEXT ...`` streams text, then speed and cache bytes."""
+"""The ``kvexplore`` command: ``kvexplore generate SOURCE --prompt TEXT ...`` streams text, then speed and cache
+bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from ..caches.factory import STRATEGIES
-from ..errors import KVExploreError, SettingsError
+from ..errors import KVExploreError
 from . import bugs, cache_options, kv_events
 
 
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvexplore", description="Explore the KV cache of Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text from a model, streaming tokens")
-    gen.add_argument("source", help="named model (kvexplore models list), model folder (config.json + model.safetensors) or .gguf file")
+    gen.add_argument("source", help="named model (kvexplore models list), model folder (config.json + "
+                                    "model.safetensors) or .gguf file")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--max-new-tokens", type=_positive, default=64)
@@ -108,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "passed to voila.")
     app.add_argument("--model", default="tiny", help="named model, model folder or .gguf file (default: tiny)")
     app.add_argument("--strategies", type=_strategies, default=None, metavar="A,B",
-                     help=f"cache strategies to compare, comma-separated (default: preallocated,concat,paged), from: {', '.join(STRATEGIES)}")
+                     help=f"cache strategies to compare, comma-separated (default: preallocated,concat,paged), "
+                          f"from: {', '.join(STRATEGIES)}")
     app.add_argument("--prompt", default="Call me Ishmael.", help="the prompt prefilled when the page opens "
                                                                   "(empty: none)")
     app.add_argument("--max-seq-len", type=_positive, default=128, metavar="N",
@@ -215,7 +218,8 @@ def _generate(args: argparse.Namespace) -> None:
     n_decode = len(gen.history) - 1 - (gen.compile_s is not None)
     rate = n_decode / (end - decode_start) if n_decode > 0 else float("nan")
     if args.compile:
-        out.write(f"\n\n[decode step compiled in {gen.compile_s:.1f} s: {gen.compile_reuse}]" if gen.compile_s is not None else
+        out.write(f"\n\n[decode step compiled in {gen.compile_s:.1f} s: {gen.compile_reuse}]"
+                  if gen.compile_s is not None else
                   f"\n\n[not compiled: {gen.compile_note or 'tracing runs eager'}]")
     mib = 1024 * 1024
     out.write(

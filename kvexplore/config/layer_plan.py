@@ -6,8 +6,8 @@ growing cache) with *full* layers (every position, like Llama). Gemma 4's last l
 cache of an earlier layer of the same type and store nothing of their own. Gemma 4's full layers also have their
 own head size and number of key/value heads.
 
-:func:`layer_plan` turns a :class:`~kvexplore.config.model_config.ModelConfig` into one :class:`LayerSpec` per layer; the
-cache strategies, the memory formula and the views read nothing else about the model's layout.
+:func:`layer_plan` turns a :class:`~kvexplore.config.model_config.ModelConfig` into one :class:`LayerSpec` per layer;
+the cache strategies, the memory formula and the views read nothing else about the model's layout.
 """
 
 from __future__ import annotations

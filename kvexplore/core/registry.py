@@ -13,6 +13,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from ..errors import SettingsError
+
 
 class _Unloaded:
     """An entry named by where it lives, imported at its first look-up."""
@@ -23,8 +25,6 @@ class _Unloaded:
     def load(self) -> Any:
         module, _, attribute = self.where.partition(":")
         return getattr(import_module(module), attribute)
-
-from ..errors import SettingsError
 
 
 class Registry(dict):

@@ -84,8 +84,8 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
         refcol = {p: j for j, p in enumerate(r.positions)}
         p0 = positions[0]
         if all(float(got_t[:, gcols[p]].abs().max()) == 0.0 for p in positions):
-            return (f"layer {L} read slots that hold nothing this sequence wrote (zeros) for position{span}: a stale or "
-                    f"skipped slot was read")
+            return (f"layer {L} read slots that hold nothing this sequence wrote (zeros) for position{span}: a stale "
+                    f"or skipped slot was read")
         for shift in (-1, 1):
             if all(p + shift in refcol and _close(got_t[:, gcols[p]], ref_t[:, refcol[p + shift]], near)
                    for p in positions):
@@ -98,12 +98,12 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
                     if min(positions) < prompt_len:
                         return (f"keys stored before RoPE: layer {L}'s key at position{span} is the unrotated key "
                                 f"(turning it by its position gives the recomputation's)")
-                    return (f"a missing RoPE offset: layer {L}'s new key at position{span} was rotated as if at position "
-                            f"0; a cached step's position ids must start at the cache length")
+                    return (f"a missing RoPE offset: layer {L}'s new key at position{span} was rotated as if at "
+                            f"position 0; a cached step's position ids must start at the cache length")
                 if all(d == p for p, d in offsets.items()) and len(positions) > 1:
-                    return (f"RoPE applied twice: layer {L}'s key at position{span} is the recomputation's turned again "
-                            f"by its own position (rotated for twice its position): the keys were rotated before the "
-                            f"write and again when stored or read")
+                    return (f"RoPE applied twice: layer {L}'s key at position{span} is the recomputation's turned "
+                            f"again by its own position (rotated for twice its position): the keys were rotated "
+                            f"before the write and again when stored or read")
                 ds = set(offsets.values())
                 if len(ds) == 1:
                     d = ds.pop()

@@ -171,7 +171,8 @@ def rotation_hint(passes: KeptPasses, first: Departure, got: Pass, ref: Pass, to
         return (f"positions and rotations disagree: layer {L} head {h} reads position {p}'s key turned {d:+d} "
                 f"positions from the recomputation's (positions={mode!r}"
                 f"{'' if said is None else f'; the cache says it is rotated at {said}'}): a kept key was re-rotated "
-                f"{'when it should keep its position' if mode == 'keep' else 'by the wrong amount, twice, or not at all'}")
+                + ('when it should keep its position' if mode == 'keep' else
+                   'by the wrong amount, twice, or not at all'))
     return None
 
 

@@ -126,10 +126,11 @@ def _hint(report: PoolReport, pool: Any, page: int, result: Any) -> str:
     b, L, p = report.block, report.layer, report.position
     if report.hit:
         by = pool.pool.stored_by[page]
-        return (f"block {b} (page {page}) was read from the cache, written by request {by}, and its layer-{L} {report.what} "
-                f"differ from what this prompt computes there (from position {p}): the hit reused keys computed for "
-                f"another prefix or position. A block's key must name everything its keys depend on: every token "
-                f"before it (a chain hash), its position, and anything else that changes them (an adapter, a salt)")
+        return (f"block {b} (page {page}) was read from the cache, written by request {by}, and its layer-{L} "
+                f"{report.what} differ from what this prompt computes there (from position {p}): the hit reused keys "
+                f"computed for another prefix or position. A block's key must name everything its keys depend on: "
+                f"every token before it (a chain hash), its position, and anything else that changes them (an adapter, "
+                f"a salt)")
     return (f"block {b} was written by this request and its layer-{L} {report.what} part from the empty pool's at "
             f"position {p} (the request's hit ended at {result.hit_tokens}): the request resumed after its hit at "
             f"the wrong position, or fed other tokens than its prompt's; a request's first computed position is the "

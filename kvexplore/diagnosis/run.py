@@ -63,8 +63,8 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
 
             label, cache = name, make_hf_cache(name, model.hf, slots)
         elif not hf.is_hf_cache(cache):
-            raise SettingsError(f"cache must be a transformers cache name ({', '.join(hf.HF_CACHES)}) or a transformers "
-                                f"Cache object, got {type(cache).__name__}")
+            raise SettingsError(f"cache must be a transformers cache name ({', '.join(hf.HF_CACHES)}) or a "
+                                f"transformers Cache object, got {type(cache).__name__}")
         else:
             label = type(cache).__name__
         passes = HFPasses(model, cache)

@@ -76,7 +76,8 @@ def check_speculation(generator: Any, prompt: Any, steps: int = 32) -> Speculati
     ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
     plain, logits = greedy(model, make_cache("concat", model), ids, steps)
     generator.prefill(ids)
-    report = SpeculationReport(False, 0, 0, TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"]))
+    report = SpeculationReport(False, 0, 0,
+                               TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"]))
     while len(generator.history) < steps:
         first = len(generator.history)
         generator.step()

@@ -141,7 +141,8 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
             w["reset"], w["fork"]),
         row(w["lane"], w["layer"], w["head"], w["side_by_side"], w["lane_b"], w["presentation"]),
         settings,
-        row(w["progress"], w["status"], flex_flow="row nowrap", width="100%"),  # the bar, while an operation runs, before its words
+        # the bar, while an operation runs, before its words
+        row(w["progress"], w["status"], flex_flow="row nowrap", width="100%"),
         w["error"], w["tokens"], main, loader, w["style"],
     ], layout=W.Layout(width="100%"))
     root.add_class("kvx-explorer")

@@ -36,7 +36,8 @@ class PrefixView:
         self.figures = {name: PlotWidget(spec, name) for name, spec in specs.items()}
         last = len(self.frames) - 1
         self.slider = W.IntSlider(value=shown, min=0, max=last, description="frame", continuous_update=False,
-                                  style={"description_width": "initial"}, layout=W.Layout(width="40%", min_width="260px"))
+                                  style={"description_width": "initial"},
+                                  layout=W.Layout(width="40%", min_width="260px"))
         self.slider.add_class("kvx-prefix-slider")
         self.play = W.Play(value=shown, min=0, max=last, interval=interval, description="play")
         self.play.add_class("kvx-prefix-play")

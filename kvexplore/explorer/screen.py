@@ -2,9 +2,9 @@
 kept in step with the session (:class:`Screen`, the part of :class:`~kvexplore.explorer.widget.Explorer` that only
 reacts to the page: a picker changed, a tab picked, side by side or presentation toggled).
 
-It expects of the explorer: ``controls`` (:mod:`.controls`), ``figures`` (view name -> :class:`~..views.plot.PlotWidget`),
-``widget``, ``_panel``, ``session``, ``model``, ``layer``/``head``, the operations (``prefill``, ``step``, ...), and
-``refresh()``.
+It expects of the explorer: ``controls`` (:mod:`.controls`), ``figures`` (view name ->
+:class:`~..views.plot.PlotWidget`), ``widget``, ``_panel``, ``session``, ``model``, ``layer``/``head``, the operations
+(``prefill``, ``step``, ...), and ``refresh()``.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ is no kernel to drive the widget.
 
 When an explorer is displayed in IPython, a second output follows the widget: plain HTML with the token strip and
 the comparison table (readable even where scripts are stripped), then the replay of the steps taken so far
-(:func:`kvexplore.views.page.fragment`, the HTML replay's own: slider, and every view the registry replays). It is brought up to date after every
-cell that changed the session (IPython's ``post_run_cell``), so an executed notebook ends with the run as it ended.
-Where the widget itself is drawn (JupyterLab, Voila), its first figure tells the kernel so, and the copy is emptied
-and no longer updated; on a page that never applies that update (Voila shows outputs as they were when it built the
-page) the copy hides itself once a live figure has drawn. A live page shows the widget alone.
+(:func:`kvexplore.views.page.fragment`, the HTML replay's own: slider, and every view the registry replays). It is
+brought up to date after every cell that changed the session (IPython's ``post_run_cell``), so an executed notebook ends
+with the run as it ended. Where the widget itself is drawn (JupyterLab, Voila), its first figure tells the kernel so,
+and the copy is emptied and no longer updated; on a page that never applies that update (Voila shows outputs as they
+were when it built the page) the copy hides itself once a live figure has drawn. A live page shows the widget alone.
 
 plotly.js travels once per notebook: in the first copy that holds a replay; the others wait for it.
 """

@@ -77,9 +77,10 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
         tokenizer = Tokenizer.from_folder(path, config)
         tensors = load_weights(path, config, dtype)
     else:
-        raise (MissingFileError if not path.exists() else LoadError)(f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
-                        f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
-                        f"or a GGUF file")
+        raise (MissingFileError if not path.exists() else LoadError)(
+            f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
+            f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
+            f"or a GGUF file")
     if not allow_nonfinite:
         check_finite(tensors, str(path))
     return assemble(config, tensors, tokenizer, device, str(path))

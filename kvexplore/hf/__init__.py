@@ -19,4 +19,5 @@ def wrap(module: Any, tokenizer: Any = None) -> HFModel:
     return module if isinstance(module, HFModel) else HFModel(module, tokenizer)
 
 
-__all__ = ["HFCache", "HFModel", "HF_CACHES", "available", "is_hf_cache", "is_hf_model", "load_hf", "make_cache", "wrap"]
+__all__ = ["HFCache", "HFModel", "HF_CACHES", "available", "is_hf_cache", "is_hf_model", "load_hf", "make_cache",
+           "wrap"]

@@ -143,7 +143,8 @@ class HFCache(ModelCache):
 
     def check_truncate(self, n: int, rings: bool = True) -> None:
         if not 0 <= n <= self.length:
-            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions (0 <= n <= {self.length})")
+            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions "
+                                f"(0 <= n <= {self.length})")
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions: the cache's own ``crop`` (a fresh cache for 0 or where it cannot)."""

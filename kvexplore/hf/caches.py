@@ -40,7 +40,8 @@ def available(name: str, device_type: str = "cpu") -> str | None:
         return "the offloaded cache moves layers between a CUDA device and the CPU: load the model on CUDA"
     module = NEEDS.get(name)
     if module is not None and importlib.util.find_spec(module.split(".")[0]) is None:
-        return f"{name} needs {module.split('.')[0].replace('optimum', 'optimum-quanto')}: pip install it, or use 'quantized' (fp8)"
+        return (f"{name} needs {module.split('.')[0].replace('optimum', 'optimum-quanto')}: pip install it, or use "
+                f"'quantized' (fp8)")
     return None
 
 
@@ -62,4 +63,5 @@ def make_hf_cache(name: str, hf_module, max_seq_len: int):
     try:
         return transformers.QuantizedCache(backend, config=config)
     except ValueError as e:
-        raise SettingsError(f"transformers' quantized cache refuses this model ({e}); use hf:dynamic or hf:static") from e
+        raise SettingsError(f"transformers' quantized cache refuses this model ({e}); use hf:dynamic or "
+                            f"hf:static") from e

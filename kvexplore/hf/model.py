@@ -50,7 +50,8 @@ class HFModel(Executor):
     def __init__(self, module: torch.nn.Module, tokenizer: Any = None, source: str = "") -> None:
         _transformers()
         if not is_hf_model(module) or not hasattr(module, "generate"):
-            raise SettingsError(f"expected a transformers causal LM (AutoModelForCausalLM), got {type(module).__name__}")
+            raise SettingsError(f"expected a transformers causal LM (AutoModelForCausalLM), "
+                                f"got {type(module).__name__}")
         self.hf = module.eval()
         self.source = source or getattr(module.config, "_name_or_path", "") or type(module).__name__
         text = module.config.get_text_config(decoder=True)
@@ -170,7 +171,8 @@ class HFModel(Executor):
         return self._twin
 
     def __repr__(self) -> str:
-        return f"HFModel({self.architecture}, {self.config.num_layers} layers, {str(self.dtype).removeprefix('torch.')})"
+        return (f"HFModel({self.architecture}, {self.config.num_layers} layers, "
+                f"{str(self.dtype).removeprefix('torch.')})")
 
 
 class _Eager:
@@ -246,7 +248,8 @@ def load_hf(source: str | Path, dtype: str | torch.dtype | None = None, device: 
     return model
 
 
-register_adapter(is_hf_model, HFModel, name="transformers")  # a Generator given a transformers module runs it through HFModel
+# a Generator given a transformers module runs it through HFModel
+register_adapter(is_hf_model, HFModel, name="transformers")
 ADAPTERS.seal()  # built in, like kvexplore's own
 
 

@@ -44,7 +44,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         c, d = config, config.hidden_size
         self.layer = layer
-        self.hk, self.hv, self.dk, self.dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        self.hk, self.hv, self.dk, self.dv = (c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                              c.linear_value_dim)
         self.r, self.kernel = self.hv // self.hk, c.conv_kernel
         self.in_proj_qkvz = nn.Linear(d, self.hk * (2 * self.dk + 2 * self.r * self.dv), bias=False)
         self.in_proj_ba = nn.Linear(d, self.hk * 2 * self.r, bias=False)

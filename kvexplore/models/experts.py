@@ -124,7 +124,8 @@ class DeepseekExperts(nn.Module):
 
 class SharedExpertMoE(nn.Module):
     """``mlp`` of a Qwen3-Next layer: a softmax router over every expert, the top k renormalised
-    (``norm_topk_prob``), each expert a SwiGLU MLP, plus one shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+    (``norm_topk_prob``), each expert a SwiGLU MLP, plus one shared expert scaled by
+    ``sigmoid(shared_expert_gate(x))``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

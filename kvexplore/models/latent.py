@@ -2,8 +2,8 @@
 
 Per position the cache holds one vector of ``kv_lora_rank`` (the normalised compressed keys and values, ``c``) and
 one rope key of ``qk_rope_head_dim`` shared by every head (``k_rope``), nothing per head: the layer's cache sits in
-the key and value slots of a layer cache (see :class:`kvexplore.config.layer_plan.LayerSpec`, ``latent``). With ``W`` the
-``kv_b_proj`` weight viewed ``(heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)``, split into ``W_k`` and
+the key and value slots of a layer cache (see :class:`kvexplore.config.layer_plan.LayerSpec`, ``latent``). With ``W``
+the ``kv_b_proj`` weight viewed ``(heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)``, split into ``W_k`` and
 ``W_v``, a head's key is ``[W_k c, k_rope]`` and its value ``W_v c``. Two exact ways to attend:
 
 - **decompressed**: expand every cached ``c`` into per-head keys and values each step (what transformers does);

@@ -378,7 +378,8 @@ class Model(nn.Module):
     def _check_inputs(self, ids: torch.Tensor, cache: KVCache, pos: int) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise SettingsError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one sequence")
+            raise SettingsError(f"ids must be an integer tensor [batch, seq], got {got}; use ids[None] for one "
+                                f"sequence")
         if ids.shape[1] == 0:
             raise SettingsError("ids has no tokens (seq length 0); pass at least one token")
         lo, hi = (int(v) for v in host.fetch(list(torch.aminmax(ids))))  # the generator's ids are on the host

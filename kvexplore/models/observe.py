@@ -4,9 +4,9 @@
 A tracer opts in with three members: ``row_chunks(layer, T)`` (the boundaries of the query-row chunks to compute,
 e.g. ``[0, 64, 128, ..., T]``; it may skip rows: ``[T - 1, T]`` computes the newest row only), ``column_align``
 (key columns are computed from a multiple of it) and ``observe_rows(layer, r0, probs, c0, S)`` (``probs``
-``(heads, rows, keys)`` float32 of rows ``r0..`` over key columns ``c0..`` of the ``S`` read, first sequence). The probabilities are
-computed exactly as :meth:`~kvexplore.models.model.Attention._explicit` computes them (float32 scores, soft cap,
-mask, learned sinks, softmax); columns a chunk's mask rules out entirely are skipped (they would read 0), so a
+``(heads, rows, keys)`` float32 of rows ``r0..`` over key columns ``c0..`` of the ``S`` read, first sequence). The
+probabilities are computed exactly as :meth:`~kvexplore.models.model.Attention._explicit` computes them (float32 scores,
+soft cap, mask, learned sinks, softmax); columns a chunk's mask rules out entirely are skipped (they would read 0), so a
 causal prefill computes half the scores. The layer's output does not come from here: it stays SDPA's (or the
 explicit path's for soft-capped or sink models), as untraced.
 """

@@ -130,8 +130,8 @@ class Rotary(torch.nn.Module):
 
 
     def turn(self, x: torch.Tensor, delta: torch.Tensor, layer_type: str = "full_attention") -> torch.Tensor:
-        """``x`` ``(..., hd)`` (keys already rotated) turned by ``delta`` ``(...)`` more positions each (negative: back):
-        RoPE composes, so a key at ``p`` turned by ``d`` is the key rotated at ``p + d``. A pure rotation (no
+        """``x`` ``(..., hd)`` (keys already rotated) turned by ``delta`` ``(...)`` more positions each (negative:
+        back): RoPE composes, so a key at ``p`` turned by ``d`` is the key rotated at ``p + d``. A pure rotation (no
         attention factor: the one applied at ``p`` stays)."""
         inv_freq = getattr(self, f"inv_freq_{layer_type}") if layer_type in self.own else self.inv_freq
         freqs = delta.to(inv_freq.device, torch.float32).unsqueeze(-1) * inv_freq  # (..., rot/2)

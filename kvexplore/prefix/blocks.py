@@ -1,5 +1,5 @@
-"""The page pool a prefix cache serves requests from: a :class:`~kvexplore.caches.layers.paged_layer.PagePool` whose free
-pages form a queue (in the order they came back) and whose policy (:class:`~kvexplore.prefix.index.PrefixIndex`)
+"""The page pool a prefix cache serves requests from: a :class:`~kvexplore.caches.layers.paged_layer.PagePool` whose
+free pages form a queue (in the order they came back) and whose policy (:class:`~kvexplore.prefix.index.PrefixIndex`)
 chooses which free page a write takes, evicting the block it cached if it cached one. It also remembers, per page,
 the tokens it holds, who wrote it, who used it last and how often it was hit, for the frames.
 """

@@ -54,7 +54,8 @@ class Eviction:
 
 @dataclass(frozen=True)
 class Node:
-    """One node of the tree of cached prefixes, as the frames show it (see :class:`~kvexplore.prefix.frames.TreeNode`)."""
+    """One node of the tree of cached prefixes, as the frames show it (see
+    :class:`~kvexplore.prefix.frames.TreeNode`)."""
 
     id: str
     parent: str | None

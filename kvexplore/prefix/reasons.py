@@ -74,8 +74,8 @@ class Ledger:
         if floor < n:
             why = (f"the last {count(n - floor, 'token')} fill no whole block of {bs}: only full blocks are shared"
                    if n - floor < bs else
-                   f"the block holding the prompt's last token is always computed: that token's logits start the "
-                   f"answer, so a hit stops one block short of a prompt that fills its blocks exactly")
+                   "the block holding the prompt's last token is always computed: that token's logits start the "
+                   "answer, so a hit stops one block short of a prompt that fills its blocks exactly")
             misses.append(Miss("partial-block", floor, n, why))
         return misses
 

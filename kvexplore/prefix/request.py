@@ -41,7 +41,8 @@ class RequestInput:
             raise SettingsError(f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")
         forced = None
         if response is not None:
-            forced = cls._text(tok, response, "the response") if isinstance(response, str) else [int(i) for i in response]
+            forced = (cls._text(tok, response, "the response") if isinstance(response, str) else
+                      [int(i) for i in response])
             if not forced or any(not 0 <= i < vocab for i in forced):
                 raise SettingsError("response must be non-empty text or token ids inside the vocabulary")
         if max_new_tokens is None:

@@ -378,8 +378,10 @@ class Generator:
         return self._compiled.reuse_note(self.cache)
 
     def _check_force(self, force: int | None) -> None:
-        if force is not None and not 0 <= integer(force, "force", hint=" (a token id)") < self.executor.config.vocab_size:
-            raise SettingsError(f"forced token id {force} is outside the vocabulary (0..{self.executor.config.vocab_size - 1})")
+        if (force is not None
+                and not 0 <= integer(force, "force", hint=" (a token id)") < self.executor.config.vocab_size):
+            raise SettingsError(f"forced token id {force} is outside the vocabulary "
+                                f"(0..{self.executor.config.vocab_size - 1})")
 
     def prompt_ids(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
         """The token ids ``prompt`` prefills as (text through the tokenizer, with its bos token), checked against

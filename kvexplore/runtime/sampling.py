@@ -23,7 +23,8 @@ class SamplingSettings:
         if self.top_k is not None:
             object.__setattr__(self, "top_k", integer(self.top_k, "top_k", minimum=1, hint=" (or None for no limit)"))
         if self.top_p is not None:
-            object.__setattr__(self, "top_p", real(self.top_p, "top_p", above=0, maximum=1, hint=" (or None for no limit)"))
+            object.__setattr__(self, "top_p", real(self.top_p, "top_p", above=0, maximum=1,
+                                                   hint=" (or None for no limit)"))
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,9 @@
 replayed views make of it (:func:`frames`), with each array stored once.
 
 This is the drawing the HTML replay, an explorer's ``save_html`` and a notebook's static copy share: they differ only
-in the page around it (:mod:`.page`). Which views a frame holds comes from the registry (:attr:`~.registry.View.replay`):
-a view drawn per lane (the cache map, attention) gives one figure per lane, a view of the whole run (memory) one
-figure; a view added to the registry is in every frame with no change here.
+in the page around it (:mod:`.page`). Which views a frame holds comes from the registry
+(:attr:`~.registry.View.replay`): a view drawn per lane (the cache map, attention) gives one figure per lane, a view of
+the whole run (memory) one figure; a view added to the registry is in every frame with no change here.
 
 Arrays that grow from one step to the next (attention rows, memory lines) are stored once: a step's array that is
 the start of a later step's refers to it (frames are encoded last first).

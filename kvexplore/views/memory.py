@@ -2,10 +2,10 @@
 
 Top: held (every tensor storage the cache object keeps: its keys and values, undo scratch, page tables, positions,
 masks, press scores, checkpoints; see :mod:`kvexplore.caches.held`), reserved (the storage meant for keys and values),
-logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom: bytes written, copied and allocated by
-the step, on a log scale (a decode step writes kilobytes where the prefill wrote hundreds of megabytes; 0 B is off
-the scale). On CUDA a third panel shows the caching allocator's reserved and allocated bytes and its inactive split
-bytes (fragmentation) after each step, for the whole process.
+logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom:
+bytes written, copied and allocated by the step, on a log scale (a decode step writes kilobytes where the prefill wrote
+hundreds of megabytes; 0 B is off the scale). On CUDA a third panel shows the caching allocator's reserved and allocated
+bytes and its inactive split bytes (fragmentation) after each step, for the whole process.
 
 Lines that coincide stay apart: where lanes have the same figure at some step, each is drawn narrower than the lines
 under it (every colour shows as a stripe), and each lane's legend entry names the figures it shares at every step,
@@ -116,7 +116,8 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], cuda: bool = False, shown: s
 def _series(records: Sequence[StepRecord], attr: str, cuda: bool) -> tuple[list[int], list[int | None]]:
     """A lane's steps and its figure ``attr`` at each (the allocator's when ``cuda``)."""
     mems = [r.memory for r in records]
-    ys = [m.cuda_now.get(attr, 0) if m is not None else None for m in mems] if cuda else [_figure(m, attr) for m in mems]
+    ys = ([m.cuda_now.get(attr, 0) if m is not None else None for m in mems] if cuda else
+          [_figure(m, attr) for m in mems])
     return [r.step for r in records], ys
 
 

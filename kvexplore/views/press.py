@@ -187,7 +187,8 @@ def kept_spec(record: StepRecord | None, lane: str, texts: Sequence[str] = (), z
     shown = onscreen.describe(b, n, "positions")
     layout = dict(title=dict(text=f"held per head · {lane} · step {record.step} · {last}<br>"
                                   f"{held} of {n} positions · <span style='color:#2171b5'>■ held</span> "
-                                  f"<span style='color:#d62728'>■ evicted</span>", font=dict(size=13), x=0.01, xanchor="left"),
+                                  f"<span style='color:#d62728'>■ evicted</span>", font=dict(size=13), x=0.01,
+                                  xanchor="left"),
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
                              range=view_range, autorange=False, automargin=True, zeroline=False),
                   yaxis=dict(title=dict(text="layer · KV head"), autorange="reversed", domain=[0, 0.88], zeroline=False,

@@ -95,7 +95,8 @@ def figure(spec: FigureSpec):
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-                and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=bool(np.issubdtype(a.dtype, np.floating)))))
+                and a.dtype == b.dtype
+                and bool(np.array_equal(a, b, equal_nan=bool(np.issubdtype(a.dtype, np.floating)))))
     return type(a) is type(b) and a == b
 
 

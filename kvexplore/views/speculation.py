@@ -86,7 +86,7 @@ def _lines(info: SpecInfo | None, found: list) -> tuple[list[str], str]:
         else:
             ways = list(dict.fromkeys(info.ways.values()))
             lines.append(f"{gone} cut (truncate)" + (f": {ways[0]}" if len(ways) == 1 else
-                                                        f": each layer its own way (details)"))
+                                                        ": each layer its own way (details)"))
         detail.append(lines[-1])
     detail += [f"{name}: {way}" for name, way in info.ways.items()]
     if info.checkup is not None:

@@ -211,8 +211,8 @@ def block_text(d: PartDetail) -> list[str]:
             codes = [str(x) for x in d.codes[h, c].tolist()]
             s, z = d.scale[h, c], d.zero[h, c]
             scale = (f"scale {float(s[0]):.3g}, zero {float(z[0]):.3g}" if s.numel() == 1 else
-                     f"scales {float(s.min()):.3g}..{float(s.max()):.3g}, zeros {float(z.min()):.3g}..{float(z.max()):.3g}"
-                     f" (one a position)")
+                     f"scales {float(s.min()):.3g}..{float(s.max()):.3g}, "
+                     f"zeros {float(z.min()):.3g}..{float(z.max()):.3g} (one a position)")
             size = f"max |x| {float(d.written[h, c]):.3g} as written" + (
                 "" if d.quantized is None else f", {float(d.quantized[h, c]):.3g} where quantized")
             out.append(f"block {b} (positions {b * G}..{b * G + G - 1}), {d.bits}-bit codes:<br>"
@@ -269,8 +269,8 @@ def state_spec(history: tuple[list[int], torch.Tensor], layer: int) -> FigureSpe
     layout = dict(height=560, margin=dict(l=70, r=20, t=50, b=40), showlegend=False,
                   title=dict(text=f"recurrent state · layer {layer}<br>(linear attention: a fixed block, no slots)",
                              font=dict(size=13)),
-                  xaxis=dict(title=dict(text="after the step that reached length"), tickvals=list(range(0, len(ends), every)),
-                             ticktext=[str(n) for n in ends[::every]]),
+                  xaxis=dict(title=dict(text="after the step that reached length"),
+                             tickvals=list(range(0, len(ends), every)), ticktext=[str(n) for n in ends[::every]]),
                   yaxis=dict(title=dict(text="value head"), dtick=1, range=[-0.5, heads - 0.5]))
     return FigureSpec([trace], layout)
 

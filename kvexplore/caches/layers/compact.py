@@ -190,7 +190,8 @@ class CompactLayer(PressedLayer):
             paired = first < holes.sum(-1, keepdim=True)
             spare = torch.full_like(paired, self.slots - 1, dtype=torch.long)  # never a hole: a no-op pair
             dst = torch.where(paired, torch.sort((~holes).to(torch.uint8), dim=-1, stable=True).indices[..., :m], spare)
-            src = torch.where(paired, torch.sort((~movers).to(torch.uint8), dim=-1, stable=True).indices[..., :m], spare)
+            src = torch.where(paired, torch.sort((~movers).to(torch.uint8), dim=-1, stable=True).indices[..., :m],
+                              spare)
             for t in (self.k, self.v, self.pos, self.rot):
                 d, s_ = (dst, src) if t.dim() == 3 else (dst.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]),
                                                         src.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))

@@ -1,7 +1,7 @@
 """A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision.
 
-See :class:`kvexplore.caches.strategies.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind does;
-the quantization itself is :mod:`kvexplore.caches.kivi`.
+See :class:`kvexplore.caches.strategies.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind
+does; the quantization itself is :mod:`kvexplore.caches.kivi`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class QuantizedLayer(FullLayer):
         return None
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, max_seq_len: int,
-                 codecs: tuple[Codec, Codec], group_size: int, residual: int, layer_type: str = "full_attention") -> None:
+                 codecs: tuple[Codec, Codec], group_size: int, residual: int,
+                 layer_type: str = "full_attention") -> None:
         super().__init__(spec, batch_size, dtype, device)
         self.kcodec, self.vcodec = codecs
         self.kbits, self.vbits = self.kcodec.bits, self.vcodec.bits  # keys', values' code widths
@@ -355,7 +356,8 @@ class QuantizedLayer(FullLayer):
     def scheme(self) -> str:
         """What this layer does beyond KIVI's defaults, in words ("" for keys per channel and values per token)."""
         k, v = self.kcodec, self.vcodec
-        said = [*(["keys per token"] if k.axis == "token" else []), *(["values per channel"] if v.axis == "channel" else []),
+        said = [*(["keys per token"] if k.axis == "token" else []),
+                *(["values per channel"] if v.axis == "channel" else []),
                 *(["pre-RoPE keys"] if k.pre_rope else []), *(["Hadamard-rotated"] if k.rotation is not None else []),
                 *([f"{k.outliers} outliers a vector kept exact"] if k.outliers else []),
                 *(["full-precision prefill"] if self.exact_prefill else [])]

@@ -78,7 +78,8 @@ class SlidingLayers:
     # -- a step --------------------------------------------------------------------------------------------
     def begin(self, step: Step) -> None:
         """Plan ``step`` (once, whichever layer asks first) and record how to undo its bookkeeping."""
-        if self._step == step.serial and self.plan is not None and (self.plan.pos, self.plan.end) == (step.pos, step.end):
+        if (self._step == step.serial and self.plan is not None
+                and (self.plan.pos, self.plan.end) == (step.pos, step.end)):
             return
         if self._step != step.serial:
             step.journal.remember(self._restore, (list(self.slot_pos), self.last_read))

@@ -1,7 +1,7 @@
 """What a layer whose slots are planned by a slot map shared with its cache's other layers has in common: its
 storage is one key and one value tensor of a fixed number of slots, its slot view is the map's, and copies of the
-cache's layers share one copy of the map (the rings' :class:`~kvexplore.caches.layers.sliding.SlidingLayers`, the sink cache's
-:class:`~kvexplore.caches.layers.sink_layer.SinkSlots`)."""
+cache's layers share one copy of the map (the rings' :class:`~kvexplore.caches.layers.sliding.SlidingLayers`, the sink
+cache's :class:`~kvexplore.caches.layers.sink_layer.SinkSlots`)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ class SnapKVPress(Press):
         self.queries = self.window = positive_int(window, "window")
         self.kernel = positive_int(kernel, "kernel")
         if self.kernel % 2 == 0:
-            raise SettingsError(f"kernel must be odd so the pooling is centred on each key, got {kernel}; use {kernel + 1}")
+            raise SettingsError(f"kernel must be odd so the pooling is centred on each key, got {kernel}; "
+                                f"use {kernel + 1}")
         self.pooling = choice(pooling, "pooling", POOLINGS)
 
     def options(self) -> dict[str, Any]:

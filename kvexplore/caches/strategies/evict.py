@@ -223,8 +223,8 @@ class EvictCache(KVCache):
     def what_it_did(self) -> str:
         events = self.pressplan.events
         if not events:
-            return (f"evict cache ({self.press.name}): nothing pressed yet ({self.length} positions held; the prompt is "
-                    f"pressed when it is prefilled, and decoding presses only with decode_every=N)")
+            return (f"evict cache ({self.press.name}): nothing pressed yet ({self.length} positions held; the prompt "
+                    f"is pressed when it is prefilled, and decoding presses only with decode_every=N)")
         last = events[-1]
         kept = f"{min(last.kept)}" if min(last.kept) == max(last.kept) else f"{min(last.kept)}-{max(last.kept)}"
         return (f"evict cache ({self.press.name}): {len(events)} press{'es' if len(events) > 1 else ''}, the last "

@@ -204,7 +204,8 @@ class QuantizedCache(KVCache):
                 return (f"head_dim {D} must be a multiple of the {part}' group of channels {min(self.group_size, D)}; "
                         f"pick a group_size that divides it")
             if self.rotate and hadamard_block(D) < 2:
-                return f"the {part}' width {D} is odd: a Hadamard rotation needs blocks of a power of two (use rotate=None)"
+                return (f"the {part}' width {D} is odd: a Hadamard rotation needs blocks of a power of two "
+                        f"(use rotate=None)")
         unit = max(8 // math.gcd(8, bits) for bits in (self.key_bits, self.value_bits))  # codes a whole byte holds
         D = spec.head_dim
         if D % unit or spec.value_width % unit:

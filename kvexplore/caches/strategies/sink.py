@@ -125,8 +125,8 @@ class SinkCache(KVCache):
 
     def what_it_did(self) -> str:
         if not self.evicted_count:
-            return (f"sink cache: nothing evicted yet: all {self.length} positions fit in {self.sinks} sinks + a window "
-                    f"of {self.window} (a smaller window evicts sooner)")
+            return (f"sink cache: nothing evicted yet: all {self.length} positions fit in {self.sinks} sinks + a "
+                    f"window of {self.window} (a smaller window evicts sooner)")
         return (f"sink cache: evicted {self.evicted_count} positions, keeps the first {self.sinks} and the last "
                 f"{self.window}")
 

@@ -14,8 +14,8 @@ Adding an architecture from outside the package (docs/extending.md)::
 
 from __future__ import annotations
 
-from ...config.families import (ARCHITECTURES, Architecture, GGUFNames, by_model_type, by_name, lookup, register, registered,
-                                unregister)
+from ...config.families import (ARCHITECTURES, Architecture, GGUFNames, by_model_type, by_name, lookup, register,
+                                registered, unregister)
 from . import deepseek, gemma, gpt_oss, llama, qwen3_next
 
 #: the family modules, in the order their architectures are registered (and listed in error messages)
