@@ -9,7 +9,7 @@ Every measurement runs in its own process (a clean peak resident set, read as ``
 
 1. **Prefill**, per length and thread count: ``Generator.prefill`` without a tracer (the model alone, pre-allocated
    cache) against ``Session.prefill`` with one lane: the explorer's tracer, its bounded attention store
-   (:mod:`kvexplore.trace.attention_store`) filled from the prefill's rows in chunks -- interleaved in one process,
+   (:mod:`kvexplore.explorer.attention_store`) filled from the prefill's rows in chunks -- interleaved in one process,
    the fastest of ``--reps`` each (a busy machine only slows runs down). Then one run each of the model alone, one
    lane and two lanes (``preallocated`` and ``paged``) in its own process for the peak RSS (and the peak added over
    the loaded model).

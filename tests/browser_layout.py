@@ -50,7 +50,9 @@ CHECK = r"""
     if (scroll && scroll.getBoundingClientRect().height > 1)
       out.push(`legend scrolls: ${name(fig)} (its entries do not fit its box)`);
     let plot = 0;
-    for (const d of fig.querySelectorAll('.nsewdrag')) { const r = d.getBoundingClientRect(); plot += r.width * r.height; }
+    for (const d of fig.querySelectorAll('.nsewdrag')) {
+      const r = d.getBoundingClientRect(); plot += r.width * r.height;
+    }
     const share = plot / (fr.width * fr.height);
     if (plot > 0 && share < opts.plotShare)
       out.push(`squeezed: ${name(fig)}: the plot areas take ${(100 * share).toFixed(0)}% of the figure ` +
@@ -104,7 +106,8 @@ CHECK = r"""
   if (opts.minFont) {
     for (const t of texts) {
       const size = parseFloat(getComputedStyle(t.el).fontSize);
-      if (size < opts.minFont - 0.01) out.push(`small: ${name(t.el)} at ${size}px (presentation wants ${opts.minFont})`);
+      if (size < opts.minFont - 0.01)
+        out.push(`small: ${name(t.el)} at ${size}px (presentation wants ${opts.minFont})`);
     }
   }
   return [...new Set(out)];
@@ -143,7 +146,8 @@ def _lane(page, explorer, lane: str) -> None:
 
 def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
                  plot_share: float = 0.25, sizes: tuple[dict, ...] = SIZES, one_screen: bool = False) -> list[str]:
-    """At each of ``sizes`` (1280 x 800 and 1920 x 1080), without and with presentation, every tab of the explorer and, for each lane of
+    """At each of ``sizes`` (1280 x 800 and 1920 x 1080), without and with presentation, every tab of the explorer and,
+    for each lane of
     ``lanes`` (lane -> the tabs to look at with it on screen; default: the lane shown, every tab), the layout
     holds (:func:`problems`; presenting, every text at 18 px at least, and with ``one_screen`` Step and the views
     within the window at 1280 x 800: the app on a projector). A screenshot of each look goes to

@@ -47,11 +47,11 @@ def test_dominant_picks_the_highest_priority_code_and_counts_it():
 @pytest.mark.parametrize("axis", [2, 3])
 @pytest.mark.parametrize("odd", [False, True])
 def test_stored_bins_merge_pairwise_weighted_by_their_cells_in_place(axis, odd):
-    """kvexplore.trace.rowbins.merged (the attention store's halving of its resolution): the max of each pair, the
+    """kvexplore.explorer.rowbins.merged (the attention store's halving of its resolution): the max of each pair, the
     mean weighted by each bin's cells (empty bins count for nothing, a pair of empty ones is 0), a last bin without
     a neighbour kept as it is; the merged bins first in the same arrays, empty ones (0) after them; the max in a new
     array of the dtype asked for, else in place."""
-    from kvexplore.trace.rowbins import merged
+    from kvexplore.explorer.rowbins import merged
 
     rng = np.random.default_rng(1)
     shape = (5, 7) if odd else (6, 8)

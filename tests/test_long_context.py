@@ -1,6 +1,7 @@
 """The explorer at long contexts: a bounded attention store per lane (binned overview of every row, the newest rows
-at full resolution, rows recomputed on a zoom), records that pack older steps, and the attention view drawn from
-them -- checked against the full attention matrix computed independently (a plain tracer, numpy binning)."""
+at full resolution, rows recomputed on a zoom), a history that keeps older steps compact, and the attention view
+drawn from them -- checked against the full attention matrix computed independently (a plain tracer, numpy
+binning)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import torch
 
 import kvexplore
 from kvexplore import Generator, Tracer, make_cache
-from kvexplore.caches.slots import PackedSlots
+from kvexplore.caches.slots import SlotView
+from kvexplore.explorer import attention_store
 from kvexplore.explorer.session import Session
 from kvexplore.explorer.strip import TokenStrip
-from kvexplore.trace import attention_store
-from kvexplore.trace.packed import KEEP_STEPS, SlotChanges
+from kvexplore.trace.kept import KEEP_STEPS
+from kvexplore.trace.kept_trace import keep_view
 from kvexplore.views import attention, snapshot
 from kvexplore.views.spec import grid
 
@@ -163,10 +165,10 @@ def test_held_memory_is_bounded_whatever_the_number_of_steps(trained, small_bins
     assert sizes[0] == sizes[1]  # bins saturated: beyond the recent rows, more steps hold nothing more
     history = s.reference.history
     old, new = history[1].trace, history[-1].trace
-    assert all(isinstance(v, (PackedSlots, SlotChanges)) for v in old.layer_slots)
-    assert isinstance(old.read_positions, range)
-    assert not any(isinstance(v, PackedSlots) for v in new.layer_slots)
-    # a packed trace reads as before; its attention rows are no longer held, the newest step's are
+    assert len(history._kept) == len(history) - KEEP_STEPS  # the older steps are kept compact, the newest as they are
+    assert all(type(v) is SlotView for v in old.layer_slots) and type(old.layer_slots) is list
+    assert isinstance(old.read_positions, range) and isinstance(new.read_positions, range)
+    # a kept trace reads as before; its attention rows are no longer held, the newest step's are
     assert old.slots.positions[: len(s.tokens) - 100] == list(range(len(s.tokens) - 100))
     assert not old.has_attention(0) and new.has_attention(0)
     np.testing.assert_allclose(new.attention(0)[-1].sum(-1).numpy(), 1.0, atol=1e-5)
@@ -182,7 +184,8 @@ def test_the_view_at_full_resolution_draws_the_old_full_matrix(trained):
         snap = snapshot.take(s, TokenStrip(), lane, None, 2, 5)
         spec = attention.from_snapshot(snap)
         # the old drawing: every record's rows from a tracer that keeps them all
-        gen = Generator(trained, make_cache(lane, trained, max_seq_len=64, **({"window": 12} if lane == "sink" else {})),
+        options = {"window": 12} if lane == "sink" else {}
+        gen = Generator(trained, make_cache(lane, trained, max_seq_len=64, **options),
                         tracer=Tracer({"cache", "attention"}))
         gen.prefill(s.reference.generator.prompt_tokens, force=s.reference.history[0].token_id)
         for r in s.reference.history[1:]:
@@ -235,13 +238,13 @@ def test_sinks_and_sliding_windows(zoo, small_bins):
         np.testing.assert_allclose(mx, binned(full, store.rs, store.cs, "max"), rtol=1e-3, atol=1e-6)
 
 
-def test_packed_slots_unpack_to_the_same_view(trained):
+def test_a_kept_slot_view_reads_back_as_the_view(trained):
     gen = Generator(trained, make_cache("paged", trained, max_seq_len=64, block_size=4))
     gen.prefill("Call me Ishmael.")
     gen.run(5)
     view = gen.cache.slot_view()
-    packed = PackedSlots.pack(view)
-    assert packed.unpack() == view and packed.nbytes < 8 * len(view.positions)
+    kept = keep_view(view)
+    assert kept.view() == view and kept.nbytes < 8 * len(view.positions)
 
 
 def test_the_explorer_widget_draws_from_the_store(trained):
@@ -256,9 +259,9 @@ def test_the_explorer_widget_draws_from_the_store(trained):
 
 def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, small_bins, monkeypatch):
     from kvexplore.replay import frames, snapshot_at
-    from kvexplore.trace import packed
+    from kvexplore.trace import kept
 
-    monkeypatch.setattr(packed, "KEEP_STEPS", 4)
+    monkeypatch.setattr(kept, "KEEP_STEPS", 4)
     s = Session(trained, ("preallocated", "paged"), max_seq_len=96, strategy_options={"paged": {"block_size": 8}})
     s.prefill(ids(40, 4))
     for _ in range(10):
@@ -271,9 +274,9 @@ def test_the_replay_of_a_long_explorer_run_draws_what_the_records_keep(trained, 
     new = attention.from_snapshot(snapshot_at(runs, 10, "paged", layer=1, head=2))
     want = runs["paged"][10].trace.physical_attention(1)[-1, 2]
     np.testing.assert_allclose(new.trace("current")["y"], want.numpy(), atol=1e-6)
-    # the cache map of a packed step is drawn from its packed slots
+    # the cache map of a kept step is drawn from its kept slots
     from kvexplore.views import cache_map
-    assert isinstance(runs["paged"][2].trace.layer_slots[0], (PackedSlots, SlotChanges))
+    assert len(runs["paged"]._kept) == 7 and type(runs["paged"][2].trace.layer_slots[0]) is SlotView
     cache_map.from_snapshot(snapshot_at(runs, 2, "paged", layer=1, head=2))
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvexplore
 from kvexplore.errors import SettingsError
 from kvexplore.runtime import speculative
-from kvexplore.runtime.sampling import SamplingSettings, filtered_probs
+from kvexplore.runtime.sampling import filtered_probs
 from speculative_reference import (ARCHS, KINDS, cache_state, differences, draft_model, greedy, load, lookup_prompt,
                                    make, perturbed)
 from helpers import no_cache_logits
@@ -450,7 +450,8 @@ def test_bad_settings_are_refused_naming_the_fix(zoo, tiny):
     model = tiny
     cache = make(model, "preallocated")
     for draft, k, message in [("lookup", 4, "not a drafter: give 'prompt-lookup'"), ("self:x", 4, "L must be a whole"),
-                              ("self:0", 4, "1..1"), ("self:2", 4, "the target has 2"), ("prompt-lookup", 0, "draft_tokens"),
+                              ("self:0", 4, "1..1"), ("self:2", 4, "the target has 2"),
+                              ("prompt-lookup", 0, "draft_tokens"),
                               ("prompt-lookup", 65, "draft_tokens"), ("prompt-lookup", 2.5, "draft_tokens"),
                               (42, 4, "draft must be 'prompt-lookup', 'self:L', a draft model or a Drafter")]:
         with pytest.raises(SettingsError, match=message):

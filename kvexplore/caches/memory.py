@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..config.model_config import ModelConfig
@@ -50,54 +48,6 @@ class LayerMemory:
     # and values and what else it keeps (positions, masks, press scores, checkpoints, a shared page table), by part
     held_bytes: int = 0
     parts: dict[str, int] = field(default_factory=dict)
-
-
-_FIGURES = ("layer", "held", "logical_bytes", "reserved_bytes", "analytic_bytes", "written_bytes", "copied_bytes",
-            "held_bytes")
-
-
-class PackedLayers(Sequence):
-    """A report's :class:`LayerMemory` tuple as one row of figures per layer (int32 where they fit), with the layers' kinds and parts
-    shared with the report packed before it where they are equal (a long run's older reports keep about 70 bytes a
-    layer, not 700); it reads as the tuple did, building each :class:`LayerMemory` when asked."""
-
-    __slots__ = ("rows", "kinds", "parts")
-
-    def __init__(self, layers: Sequence[LayerMemory], before: "PackedLayers | None" = None) -> None:
-        rows = np.array([[getattr(m, f) for f in _FIGURES] for m in layers], dtype=np.int64).reshape(-1, 8)
-        small = not rows.size or rows.max() <= np.iinfo(np.int32).max  # (every figure is 0 or more)
-        self.rows = rows.astype(np.int32) if small else rows
-        kinds = tuple(m.kind for m in layers)
-        parts = tuple(tuple(m.parts.items()) for m in layers)
-        self.kinds = before.kinds if before is not None and before.kinds == kinds else kinds
-        self.parts = before.parts if before is not None and before.parts == parts else parts
-
-    def __len__(self) -> int:
-        return len(self.kinds)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
-        row = self.rows[i].tolist()
-        return LayerMemory(row[0], self.kinds[i], *row[1:7], row[7], dict(self.parts[i]))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    __hash__ = None
-
-
-def packed_report(report: "MemoryReport", before: "MemoryReport | None" = None) -> "MemoryReport":
-    """``report`` with its layers packed (:class:`PackedLayers`, sharing with ``before``'s where equal)."""
-    if isinstance(report.layers, PackedLayers):
-        return report
-    base = before.layers if before is not None and isinstance(before.layers, PackedLayers) else None
-    shared = {}  # the dicts of figures the report before holds, when equal (a decode step changes few of them)
-    for name in ("held", "cuda", "cuda_now"):
-        mine, theirs = getattr(report, name), getattr(before, name, None)
-        if theirs is not None and theirs is not mine and theirs == mine:
-            shared[name] = theirs
-    return replace(report, layers=PackedLayers(report.layers, base), **shared)
 
 
 @dataclass

@@ -36,33 +36,3 @@ class SlotView:
     def held(self) -> int:
         """Slots that hold a position of the sequence (filled or shared): the map's and the status's figure."""
         return self.states.count(FILLED) + self.states.count(SHARED)
-
-
-STATES = (FREE, FILLED, STALE, EVICTED, SHARED)  # the codes of PackedSlots.states
-_CODE = {s: i for i, s in enumerate(STATES)}
-
-
-@dataclass(frozen=True, eq=False)
-class PackedSlots:
-    """A :class:`SlotView` packed into arrays (a state code per slot, positions as int32, sharers as int16): about
-    7 bytes a slot instead of three Python lists. :meth:`unpack` gives the view back, equal to the original."""
-
-    states: "np.ndarray"
-    positions: "np.ndarray"
-    sharers: "np.ndarray"
-    layout: Layout
-
-    @classmethod
-    def pack(cls, view: SlotView) -> "PackedSlots":
-        import numpy as np
-
-        return cls(np.fromiter((_CODE[s] for s in view.states), dtype=np.uint8, count=len(view.states)),
-                   np.asarray(view.positions, dtype=np.int32), np.asarray(view.sharers, dtype=np.int16), view.layout)
-
-    def unpack(self) -> SlotView:
-        return SlotView([STATES[c] for c in self.states.tolist()], self.positions.tolist(), self.sharers.tolist(),
-                        self.layout)
-
-    @property
-    def nbytes(self) -> int:
-        return self.states.nbytes + self.positions.nbytes + self.sharers.nbytes

@@ -1,11 +1,12 @@
 """The explorer's tracer: a :class:`~kvexplore.Tracer` that keeps, per lane, a bounded attention store (what the
-attention view draws, :class:`~kvexplore.trace.attention_store.AttentionStore`), the norm of every key and value
+attention view draws, :class:`~kvexplore.explorer.attention_store.AttentionStore`), the norm of every key and value
 written (by layer, KV head and position) and the log-probabilities of the newest token (to compare strategies).
 
 Attention is taken from kvexplore's model in chunks of query rows (:mod:`kvexplore.models.observe`) and reduced at
 once: a long prefill never holds a layer's full matrix. The records keep their steps' attention rows while the store
-holds them (the newest rows), and their slot views and read positions packed once they are
-:data:`~kvexplore.trace.packed.KEEP_STEPS` steps old (see :mod:`kvexplore.trace.packed`).
+holds them (the newest rows); a step's read positions are a ``range`` from the start (they grow with the context), and
+its run's history keeps its trace compact once it is :data:`~kvexplore.trace.kept.KEEP_STEPS` steps old
+(:mod:`kvexplore.trace.kept_trace`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import numpy as np
 import torch
 
 from ..caches.base import KVCache
-from ..trace.attention_store import AttentionStore
-from ..trace.packed import RecentTraces
+from ..trace.kept_trace import compact_positions
 from ..trace.tracer import StepTrace, Tracer
+from .attention_store import AttentionStore
 
 CHUNK = 64  # query rows per chunk of a prefill's attention (at least the store's bin sizes)
 SMALL = 4  # blocks of at most this many rows (a decode step's) land together when the step ends
@@ -45,7 +46,6 @@ class LaneTracer(Tracer):
         # without a cache every decode step recomputes all rows of attention; only the newest is new (and only it
         # is computed for the record). The session sets this after a prefill.
         self.last_row_only = False
-        self.recent_traces = RecentTraces()
         self._first = 0  # the first query position the step under way records
         # rows that wait for the step's read positions: (layer, first query position, rows, first key column)
         self._hooked: list[tuple[int, int, torch.Tensor, int]] = []
@@ -155,7 +155,11 @@ class LaneTracer(Tracer):
                 self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
                 step.truncate(cache.length)
         self._hooked, self._direct, self._small = [], set(), []
-        self.recent_traces.push(step)
+        compact: dict[int, Any] = {}  # the read positions as a range where consecutive (layers of one kind share one)
+        for r in step.layer_reads:
+            if id(r) not in compact:
+                compact[id(r)] = compact_positions(r)
+        step.layer_reads = [compact[id(r)] for r in step.layer_reads]
         return step
 
     # -- the rest the views draw -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from .lane import Lane
 from .lanes import COMPILED, LaneSpec, check_strategies, lane_kind, split_options
 from . import aligned, checkup, shared_pass
 from .probe import LaneTracer
+from .recompute import LaneAttention
 from .fit import growth_note, slots_for
 from . import timing
 from ..errors import CacheFullError, SettingsError, StateError
@@ -116,6 +117,14 @@ class Session:
     def cache_options(self, strategy: str) -> dict[str, Any]:
         """The options lane ``strategy``'s cache was made with (its drafting options left out)."""
         return split_options(self.options.get(strategy, {}))[0]
+
+    def lane_attention(self, lane: Lane) -> LaneAttention:
+        """``lane``'s attention as the views ask for it: its bounded store, and rows recomputed on a zoom when the lane
+        runs kvexplore's own model (the snapshot's ``LaneDetail.attention``)."""
+        model = self.model if isinstance(self.model, Model) and not lane.lane_kind.transformers else None
+        generator = lane.generator
+        return LaneAttention(lane.tracer.store, model, (lambda: generator.tokens) if model is not None else None,
+                             lane.cache.kind, self.cache_options(lane.kind))
 
     @staticmethod
     def _trace_options(lane: Lane) -> None:

@@ -18,7 +18,7 @@ class TokenStrip:
         self._ids: tuple[int, ...] | None = None
         self._texts: list[str] = []  # the prompt's token texts
         self._prompt_html: list[str] = []  # one span per prompt token
-        self._spans: dict[int, tuple] = {}  # id(record) -> (record, its span)
+        self._spans: dict[int, tuple] = {}  # step -> (what its span shows of the record, its span)
 
     def _prompt(self, tokenizer: Any, ids: list[int]) -> None:
         if tokenizer is not self._tokenizer or tuple(ids) != self._ids:
@@ -37,17 +37,20 @@ class TokenStrip:
         the reference, marked."""
         self._prompt(tokenizer, gen.prompt_tokens)
         history = gen.history
+        n = len(history)
+        shown = history[max(0, n - SHOWN):]  # the newest records: the strip shows no more (older ones are kept compact)
         old, self._spans = self._spans, {}
         out = []
         mark = lambda r: diverged[1] if diverged is not None and r.step == diverged[0] else ""  # noqa: E731
-        for r in history[:-1]:
-            entry = old.get(id(r))
-            if entry is None or entry[0] is not r or entry[1] != mark(r):
-                entry = (r, mark(r), tokens.token_span(r, diverged=mark(r)))
-            self._spans[id(r)] = entry
-            out.append(entry[2])
-        if history:
-            out.append(tokens.token_span(history[-1], last=True, diverged=mark(history[-1])))
-        skip = max(0, len(self._prompt_html) + len(out) - SHOWN)
+        for r in shown[:-1]:  # a span made once per token (a rewound step made again is another token or mark)
+            key = (r.token_id, r.text, r.prob, r.position, r.draft_token, r.verification, mark(r))
+            entry = old.get(r.step)
+            if entry is None or entry[0] != key:
+                entry = (key, tokens.token_span(r, diverged=mark(r)))
+            self._spans[r.step] = entry
+            out.append(entry[1])
+        if shown:
+            out.append(tokens.token_span(shown[-1], last=True, diverged=mark(shown[-1])))
+        skip = max(0, len(self._prompt_html) + n - SHOWN)
         prompt = "".join(self._prompt_html[skip:])
-        return tokens.strip_html(prompt, out[max(0, skip - len(self._prompt_html)):], earlier=skip)
+        return tokens.strip_html(prompt, out[max(0, skip - len(self._prompt_html)) - max(0, n - SHOWN):], earlier=skip)

@@ -130,10 +130,12 @@ def note(saved: Saved, step: str, keys: list[str], built: int, stored: bool) -> 
     if earlier is None:
         return f"compiled and saved in {where}: a later process loads it"
     if earlier.get("torch") != now["torch"]:
-        return f"the step saved with torch {earlier.get('torch')} is stale (torch {now['torch']} now): rebuilt and saved"
+        return (f"the step saved with torch {earlier.get('torch')} is stale (torch {now['torch']} now): rebuilt and "
+                f"saved")
     if earlier.get("machine") != now["machine"]:
         return (f"compiled for {now['machine']} and saved (the step saved before was built for "
                 f"{earlier.get('machine')}; each is kept)")
     if earlier.get("files") != keys:
-        return "the step saved before is stale (another version of the model's layer code, config or shapes): rebuilt and saved"
+        return ("the step saved before is stale (another version of the model's layer code, config or shapes): "
+                "rebuilt and saved")
     return f"the step saved before was not in {where} (cleared?): rebuilt and saved"

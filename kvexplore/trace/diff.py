@@ -11,6 +11,7 @@ the runs read different sequences, so nothing after that step is compared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def _records(run) -> list[StepRecord]:
         from .files import load_trace
 
         return load_trace(run)
-    if not isinstance(run, list) or not all(isinstance(r, StepRecord) for r in run):
+    if not isinstance(run, Sequence) or not all(isinstance(r, StepRecord) for r in run):  # a list or a History
         raise SettingsError(f"a run must be a trace path or a list of StepRecords, got {type(run).__name__}")
     return run
 

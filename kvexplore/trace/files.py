@@ -8,8 +8,8 @@ versioned; a file from a newer format is refused with a message that says so.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from collections.abc import Callable, Iterable, Iterator, MutableSequence
+from dataclasses import asdict, fields
 from importlib import import_module
 from pathlib import Path
 
@@ -20,9 +20,10 @@ from safetensors.torch import save_file
 from ..caches.base import SlotView
 from ..caches.layout import LinearLayout, layout_from_dict
 from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
-from ..caches.memory import LayerMemory, MemoryReport, packed_report
-from .records import Candidate, PackedCandidates, StepRecord
-from .packed import KEEP_STEPS, unpacked
+from ..caches.memory import LayerMemory, MemoryReport
+from . import kept
+from .kept import KeptRecords
+from .records import Candidate, StepRecord
 from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 
@@ -30,27 +31,100 @@ FORMAT = "kvexplore-trace"
 VERSION = 3  # 2: slot views and reads per layer, typed layouts; 3: the run's meta (prompt, strategy, model)
 
 
-class History(list):
+class History(MutableSequence):
     """A generator's records, one per generated token, with :meth:`save` and :meth:`save_html`.
+
+    It reads as the list of :class:`~kvexplore.trace.records.StepRecord` it was given (``history[i]``, slices,
+    iteration, ``len``, ``del history[n:]``) and holds a long run in bounded memory: the newest
+    :data:`~kvexplore.trace.kept.KEEP_STEPS` records as they were appended, each older one in a compact form of its
+    own (:mod:`kvexplore.trace.kept`), given back as the same record when asked for (equal to the one appended, a new
+    object unless it was asked for lately).
 
     ``meta`` describes the run (what a replay or a diff needs beyond the records): ``prompt_ids``,
     ``prompt_texts``, ``kind`` (the cache strategy) and ``model`` (its name and the few figures the views draw:
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``gqa_groups``, ``attention_sinks``)."""
 
     def __init__(self, records=(), meta: dict | None = None) -> None:
-        super().__init__(records)
         self.meta = dict(meta if meta is not None else getattr(records, "meta", {}))
+        if isinstance(records, History):  # a fork: the kept records are shared (never changed), the newest copied
+            self._kept, self._recent = records._kept.copy(), list(records._recent)
+            return
+        self._kept, self._recent = KeptRecords(), []
+        for r in records:
+            self.append(r)
 
-    def append(self, record) -> None:
-        """Add ``record``; the one :data:`~kvexplore.trace.packed.KEEP_STEPS` records back has its memory report's
-        layers packed (:class:`~kvexplore.caches.memory.PackedLayers`: a long run's records grow by tens of bytes a
-        layer and step, not hundreds) and its candidates (:class:`~kvexplore.trace.records.PackedCandidates`)."""
-        super().append(record)
-        i = len(self) - 1 - KEEP_STEPS
-        if i >= 0 and self[i].memory is not None:
-            self[i].memory = packed_report(self[i].memory, self[i - 1].memory if i else None)
-        if i >= 0 and isinstance(self[i].top, list):
-            self[i].top = PackedCandidates(self[i].top)
+    def __len__(self) -> int:
+        return len(self._kept) + len(self._recent)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n, k = len(self), len(self._kept)
+        if not -n <= i < n:
+            raise IndexError(f"record {i} of a history of {n}")
+        i %= n
+        return self._kept.record(i) if i < k else self._recent[i - k]
+
+    def __iter__(self):
+        for i in range(len(self._kept)):
+            yield self._kept.record(i)
+        yield from list(self._recent)
+
+    def append(self, record: StepRecord) -> None:
+        """Add ``record``; the one :data:`~kvexplore.trace.kept.KEEP_STEPS` records back is kept compact from now on."""
+        self._recent.append(record)
+        while len(self._recent) > kept.KEEP_STEPS:
+            self._kept.append(self._recent.pop(0))
+
+    def __delitem__(self, i) -> None:
+        n = len(self)
+        drop = range(*i.indices(n)) if isinstance(i, slice) else range(i % n, i % n + 1) if -n <= i < n else None
+        if drop is None:
+            raise IndexError(f"record {i} of a history of {n}")
+        if drop and (drop.step == 1 and drop.stop == n or len(drop) == 1 and drop[0] == n - 1):  # the newest: a rewind
+            first, k = drop[0], len(self._kept)
+            del self._recent[max(0, first - k):]
+            if first < k:
+                self._kept.truncate(first)
+        elif drop:
+            gone = set(drop)
+            self._keep_again(lambda old: (r for j, r in old if j not in gone))
+
+    def __setitem__(self, i, record) -> None:
+        if isinstance(i, slice):
+            records = list(self)
+            records[i] = record
+            self._keep_again(lambda old: iter(records))
+            return
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"record {i} of a history of {n}")
+        self._keep_again(lambda old: (record if j == i % n else r for j, r in old))
+
+    def insert(self, i: int, record: StepRecord) -> None:
+        n = len(self)
+        i = min(max(i + n if i < 0 else i, 0), n)
+        self._keep_again(lambda old: (x for j, r in old for x in ((record, r) if j == i else (r,))))
+        if i == n:
+            self.append(record)
+
+    def _keep_again(self, edit: Callable[[Iterator[tuple[int, StepRecord]]], Iterable[StepRecord]]) -> None:
+        """Keep ``edit(enumerate(the records))`` instead (a change in the middle of the run), from the start, one
+        record built at a time."""
+        old = History(self)  # the kept steps are shared, never changed
+        self._kept, self._recent = KeptRecords(), []
+        for r in edit(enumerate(old)):
+            self.append(r)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, History)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:  # as the list's (one record built at a time)
+        return "[" + ", ".join(repr(r) for r in self) + "]"
 
     def save(self, path: str | Path) -> Path:
         """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
@@ -92,7 +166,7 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
     for i, r in enumerate(records):
         row = {f.name: getattr(r, f.name) for f in fields(r) if f.name not in ("top", "memory", "trace")}
         row["top"] = [asdict(c) for c in r.top]
-        row["memory"] = None if r.memory is None else asdict(replace(r.memory, layers=tuple(r.memory.layers)))
+        row["memory"] = None if r.memory is None else asdict(r.memory)
         row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
         if r.trace is not None and r.trace.press is not None:
             row["trace"]["press"] = press_row(r.trace.press, tensors, outcomes)
@@ -109,7 +183,7 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
         tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
     for name, value in t.qkv.items():
         tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
-    views, view_of = _unique([unpacked(v) for v in t.layer_slots])
+    views, view_of = _unique(list(t.layer_slots))
     reads, read_of = _unique(t.layer_reads)
     reads = [[int(p) for p in r] for r in reads]
     return {"events": [asdict(e) for e in t.events],

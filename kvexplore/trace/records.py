@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 from ..caches.memory import MemoryReport
+from .later import built_later
 from .tracer import StepTrace
 
 
@@ -18,56 +18,22 @@ class Candidate:
     prob: float
 
 
-class PackedCandidates:
-    """A record's candidates packed: their ids and probabilities in one bytes object (int32 and float64: exact), their
-    texts shared; a sequence of :class:`Candidate` (built when read) equal to the list it was made from. The history
-    packs the records older than the newest few this way (a long run's records hold about half the bytes)."""
-
-    __slots__ = ("_raw", "_texts")
-    _ROW = struct.Struct("<id")
-
-    def __init__(self, top) -> None:
-        self._raw = b"".join(self._ROW.pack(c.token_id, c.prob) for c in top)
-        self._texts = tuple(c.text for c in top)
-
-    def __len__(self) -> int:
-        return len(self._texts)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self._texts)
-        if not -n <= i < n:
-            raise IndexError("candidate index out of range")
-        i %= n
-        token, prob = self._ROW.unpack_from(self._raw, i * self._ROW.size)
-        return Candidate(token, self._texts[i], prob)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, (list, tuple, PackedCandidates)):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-
 #: a record's ``kind`` (its phase) -> whether it is a prefill: the one place the phase names are read
 _PREFILL = {"prefill": True, "decode": False}
 
 
-@dataclass(slots=True)
+@built_later("top", "memory", "trace")
+@dataclass
 class StepRecord:
     """One new token.
 
     ``position`` is where the token sits in the sequence (it is written to the cache by the *next* forward
     pass); ``input_len`` is how many tokens this step's forward pass fed (the whole prompt at prefill, 1 per
     decode step with a cache, the whole sequence without one).
+
+    A run's :class:`~kvexplore.trace.files.History` keeps its older records compact and gives each back as a
+    :class:`StepRecord` (:mod:`.kept`) whose ``top``, ``memory`` and ``trace`` are built when first read
+    (:mod:`.later`).
     """
 
     step: int  # 0 for the token chosen after prefill, then 1, 2, ...
@@ -78,7 +44,7 @@ class StepRecord:
     input_len: int
     cache_length: int  # positions held by the cache after this step's forward pass
     prob: float  # probability of the chosen token under the unfiltered distribution
-    top: list[Candidate] | PackedCandidates = field(default_factory=list)
+    top: list[Candidate] = field(default_factory=list)
     forward_s: float = 0.0
     sample_s: float = 0.0
     is_eos: bool = False

@@ -53,7 +53,8 @@ def cache_map(view: SlotView, written: set[int], width: int = 96) -> str:
 
 def memory_line(m: MemoryReport) -> str:
     held = f"  held {format_bytes(m.held_bytes)}" if m.held_bytes and m.held_bytes != m.reserved_bytes else ""
-    return (f"reserved {format_bytes(m.reserved_bytes)}{held}  logical {format_bytes(m.logical_bytes)}  written {format_bytes(m.written_bytes)}"
+    return (f"reserved {format_bytes(m.reserved_bytes)}{held}  logical {format_bytes(m.logical_bytes)}  "
+            f"written {format_bytes(m.written_bytes)}"
             f"  copied {format_bytes(m.copied_bytes)}  allocated {format_bytes(m.allocated_bytes)} ({m.allocations})"
             f"  freed {format_bytes(m.freed_bytes)} ({m.frees})")
 

@@ -29,7 +29,7 @@ from ..caches.base import KVCache, SlotView
 from ..caches.layout import SharedLayout
 from ..errors import SettingsError
 from ..core import host
-from .packed import SameRows, unpacked
+from .later import built_later
 from .press import PressOutcome, PressStep, record as press_record
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
@@ -52,6 +52,8 @@ class CacheEvent:
 class AttentionHistory:
     """One growing float32 buffer for a run's captured attention rows; entries are (offset, shape, first query
     position)."""
+
+    bounded = False  # every row recorded is kept (an explorer lane's store keeps a binned overview and the newest rows)
 
     def __init__(self) -> None:
         self._buf = torch.empty(0)
@@ -90,13 +92,18 @@ class AttentionHistory:
         return self._buf.numel() * 4
 
 
+@built_later("events", "layer_slots", "layer_reads")
 @dataclass
 class StepTrace:
     """The trace of one step. Attention rows live in the run's :class:`AttentionHistory`.
 
     Layers may keep different caches (full, sliding, shared): ``layer_slots[i]`` is layer ``i``'s slot view after
     the step and ``layer_reads[i]`` the position of each key column its attention read (layers that look the same
-    share one object). ``slots`` and ``read_positions`` are those of ``main_layer``, the first full layer."""
+    share one object). ``slots`` and ``read_positions`` are those of ``main_layer``, the first full layer.
+
+    A run's :class:`~kvexplore.trace.files.History` keeps its older steps' traces compact and gives each back as a
+    :class:`StepTrace` when asked (:mod:`.kept_trace`); that one builds its events, slot views and read positions
+    when they are first read (:mod:`.later`)."""
 
     events: list[CacheEvent] = field(default_factory=list)
     layer_slots: list[SlotView] = field(default_factory=list)
@@ -112,13 +119,16 @@ class StepTrace:
     @property
     def history(self) -> Any:
         """Where this step's attention rows are kept: the run's :class:`AttentionHistory`, or the explorer lane's
-        :class:`~kvexplore.trace.attention_store.AttentionStore`."""
+        :class:`~kvexplore.explorer.attention_store.AttentionStore`."""
         return self._history
+
+    @property
+    def entries(self) -> dict[int, Any]:
+        """Layer -> where its rows of this step are in :attr:`history` (what :meth:`keep_attention` recorded)."""
+        return self._attention
 
     def keep_attention(self, layer: int, entry: Any) -> None:
         """Record that ``layer``'s rows of this step are ``entry`` in :attr:`history`."""
-        if not isinstance(self._attention, dict):  # packed (an older step)
-            self._attention = dict(self._attention)
         self._attention[layer] = entry
 
     def adopt_attention(self, source: "StepTrace", history: Any) -> None:
@@ -126,11 +136,6 @@ class StepTrace:
         of where ``source``'s are)."""
         self._history = history
         self._attention = dict(source._attention)
-
-    def pack_attention(self, before: "StepTrace | None" = None) -> None:
-        """Keep the entries as a :class:`~kvexplore.trace.packed.SameRows` when every layer's rows are one step's
-        (sharing ``before``'s tuple of layers when equal)."""
-        self._attention = SameRows.of(self._attention, before._attention if before is not None else None)
 
     def truncate(self, n: int) -> None:
         """Keep the attention rows of query positions below ``n`` only (a speculative take-back cut the rest)."""
@@ -150,7 +155,7 @@ class StepTrace:
         """Layer ``layer``'s slot view after the step (a trace of one view serves every layer)."""
         if not self.layer_slots:
             return None
-        return unpacked(self.layer_slots[layer if len(self.layer_slots) > 1 else 0])
+        return self.layer_slots[layer if len(self.layer_slots) > 1 else 0]
 
     def reads_of(self, layer: int) -> list[int]:
         """The position of each key column layer ``layer``'s attention read, in the order it read them."""
@@ -160,7 +165,7 @@ class StepTrace:
 
     def has_attention(self, layer: int) -> bool:
         """Whether the attention of ``layer`` was recorded (and is still held: the explorer keeps the rows of its
-        recent steps only, see :class:`~kvexplore.trace.attention_store.AttentionStore`)."""
+        recent steps only, see :class:`~kvexplore.explorer.attention_store.AttentionStore`)."""
         return layer in self._attention and self._history.holds(self._attention[layer])
 
     @property
@@ -238,7 +243,8 @@ class Tracer:
         elif point == "attn.probs":
             rows = t[0] if self.heads is None else t[0, self.heads]  # (heads, T, S), first sequence
             first = self._pos + self._q_len - rows.shape[1]  # the query position of the first row
-            self.later(rows.transpose(0, 1).float(), lambda h: step.keep_attention(layer, self.history.append(h, first)))
+            self.later(rows.transpose(0, 1).float(),
+                       lambda h: step.keep_attention(layer, self.history.append(h, first)))
         elif "qkv" in self.capture and point in ("attn.q", "attn.k_new", "attn.v_new"):
             self.later(t, lambda h: step.qkv.__setitem__(name, h))
         return None

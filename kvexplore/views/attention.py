@@ -10,9 +10,10 @@ most cells hold a few thousandths, which a scale to 1 would leave white. Bottom 
 KV head (grouped-query attention), the chosen head highlighted. The title names the newest row: the token fed at
 position p and the token it produced (the one the token strip rings).
 
-An explorer lane's attention comes from its bounded store (:class:`~kvexplore.trace.attention_store.
-AttentionStore`): the binned overview, the newest rows at full resolution, and rows recomputed when a zoom asks for
-more than it keeps (the title says so). A plain tracer's records hold every row; they are binned here the same way.
+An explorer lane's attention comes from its bounded store (the explorer's :class:`~kvexplore.explorer.
+attention_store.AttentionStore`, which a trace's ``history`` declares as ``bounded``): the binned overview, the newest
+rows at full resolution, and rows recomputed when a zoom asks for more than it keeps (the title says so). A plain
+tracer's records hold every row; they are binned here the same way, to at most :data:`ROW_BINS` rows.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from typing import Any
 import numpy as np
 
 from ..caches.layout import SharedLayout
-from ..trace import attention_store
-from ..trace.attention_store import AttentionStore
 from ..trace.records import StepRecord
 from . import bins
 from .palette import PROBABILITY_SCALE, SINK_SCALE
 from .snapshot import MAX_BINS
 from .spec import FigureSpec, hide_axes, slot_range
 
+ROW_BINS = 128  # query-row bins the history heatmap draws at most (the explorer's store keeps as many)
 
 
 def history_matrix(records: Sequence[StepRecord], layer: int, head: int) -> np.ndarray:
@@ -68,12 +68,14 @@ def _binned(full: np.ndarray, first_row: int, rb: bins.Bins, cb: bins.Bins) -> n
     return bins.reduce(shifted, rb, "max").T  # (nr, nc)
 
 
-def _store(records: Sequence[StepRecord], source: Any) -> AttentionStore | None:
+def _store(records: Sequence[StepRecord], source: Any) -> Any:
+    """The lane's bounded store: ``source``'s, or the history of the records' traces when it is one (a replay of an
+    explorer's run); None for a plain tracer's records (they hold every row)."""
     if source is not None:
         return source.store
     last = records[-1] if records else None
     h = last.trace.history if last is not None and last.trace is not None else None
-    return h if isinstance(h, AttentionStore) else None
+    return h if h is not None and h.bounded else None
 
 
 def _span(zoom: dict | None, axis: str, n: int) -> tuple[int, int]:
@@ -90,7 +92,7 @@ def _history(store, records, source, layer, head, rows_n, zoom, max_bins):
     """``(row bins, key bins, max per bin, sink share per row bin, note)`` of the history heatmap."""
     q_lo, q_hi = _span(zoom, "yaxis2", rows_n)
     k_lo, k_hi = _span(zoom, "xaxis2", rows_n)
-    rb, cb = bins.plan(q_lo, q_hi, store.row_bins if store is not None else attention_store.ROW_BINS), \
+    rb, cb = bins.plan(q_lo, q_hi, store.row_bins if store is not None else ROW_BINS), \
         bins.plan(k_lo, k_hi, min(max_bins, store.col_bins) if store is not None else max_bins)
     if store is None:
         full = history_matrix(records, layer, head)[:rows_n]
@@ -123,7 +125,7 @@ def _at_least(b: bins.Bins, size: int) -> bins.Bins:
     return b if b.size >= size else bins.Bins(b.start - b.start % size, b.stop, size)
 
 
-def _sinks(store: AttentionStore, layer: int, head: int, rb: bins.Bins) -> np.ndarray:
+def _sinks(store: Any, layer: int, head: int, rb: bins.Bins) -> np.ndarray:
     size = max(rb.size, store.rs)
     share, _ = store.sink_share(layer, head, size, rb.start // size, rb.count)
     return share
@@ -172,7 +174,7 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
     """``sinks``: the model has learned attention sinks (gpt-oss); their share of each row (what the keys do not
     get) is drawn as its own column, left of slot 0 and of key position 0. ``zoom``: the axis ranges on screen
     (``xaxis``: slots of the bar; ``xaxis2``/``yaxis2``: key x query positions of the history); ``source``: the
-    lane's :class:`~kvexplore.trace.recompute.LaneAttention` (its store, and rows recomputed on a zoom)."""
+    lane's :class:`~kvexplore.explorer.recompute.LaneAttention` (its store, and rows recomputed on a zoom)."""
     last = records[-1] if records else None
     store = _store(records, source)
     if last is None or last.trace is None:
@@ -189,7 +191,8 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         matrix, sink_rows, note = np.zeros((0, 0), np.float32), np.zeros(0, np.float32), ""
     keep = ~np.isnan(matrix)
     ys, xs = np.nonzero(keep)
-    hx, hy = _centres(cb)[xs] if xs.size else np.zeros(0, np.int32), _centres(rb)[ys] if ys.size else np.zeros(0, np.int32)
+    hx = _centres(cb)[xs] if xs.size else np.zeros(0, np.int32)
+    hy = _centres(rb)[ys] if ys.size else np.zeros(0, np.int32)
     exact = rb.exact and cb.exact
     where = ("query position %{y} → key position %{x}<br>p = %{z:.4f}" if exact else
              f"query positions %{{y}} ± {(rb.size - 1) / 2:g} ({rb.size}) → key positions %{{x}} ± "
@@ -285,7 +288,8 @@ def _fed_and_produced(last: StepRecord, token_texts: Sequence[str]) -> str:
 # a long history is mostly small probabilities under a few of nearly 1 (the first rows, a sink), which a scale to 1
 # draws white
 TOP_QUANTILE = 0.99
-TOP_WORDS = f"0 to p{100 * TOP_QUANTILE:.0f}"  # narrow: the GQA grid's axis title is near; p99 is the 99th percentile drawn
+# narrow: the GQA grid's axis title is near; p99 is the 99th percentile drawn
+TOP_WORDS = f"0 to p{100 * TOP_QUANTILE:.0f}"
 
 
 def colour_top(z: np.ndarray) -> float:

@@ -16,8 +16,6 @@ import torch
 from ..caches.base import SlotView
 from ..caches.inspection import lossy_by_design
 from ..config.model_config import ModelConfig
-from ..models.model import Model
-from ..trace.recompute import LaneAttention
 from ..trace.records import StepRecord
 
 MAX_BINS = 512  # columns a figure draws at most: wider slots and positions are binned (kvexplore.views.bins)
@@ -37,7 +35,8 @@ class LaneDetail:
     # the same channels' magnitudes and the codes of each one's worst block (PartDetail; the quantized cache), asked
     # for by the view that draws them (it reads the layer's codes back: work a refresh of the other views need not do)
     channel_detail: Callable[[], tuple[Any, Any] | None] | None = None
-    # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.trace.recompute.LaneAttention)
+    # the lane's attention: its bounded store and rows recomputed on a zoom (kvexplore.explorer.recompute.LaneAttention,
+    # which the session gives: session.lane_attention(lane))
     attention: Any = None
     lossy: bool = False  # the cache stores lossily by design (its quantization says how far off it may be)
 
@@ -127,7 +126,7 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
             state=lane.tracer.state_history(layer, lane.cache.length) if has else None,
             channel_error=lossy.channel_error(layer) if lossy is not None else None,
             channel_detail=(lambda lossy=lossy: lossy.channel_detail(layer)) if lossy is not None else None,
-            attention=_attention(session, lane) if has else None)
+            attention=session.lane_attention(lane) if has else None)
     return Snapshot(session.model.config, lanes, session.reference.name, shown,
                     second if second in session.lanes else None, layer, head, session.last_op,
                     session.model.device.type == "cuda", zoom=dict(zoom or {}), max_bins=max_bins)
@@ -142,16 +141,3 @@ def _speculation(lane: Any, pace: str | None) -> SpecInfo | None:
     return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(),
                     last.short if last else None, last.text if last else None,
                     pace if pace != lane.name else None)
-
-
-def _attention(session: Any, lane: Any) -> LaneAttention | None:
-    """The lane's attention store, with recomputation when the lane runs kvexplore's own model."""
-    store = getattr(lane.tracer, "store", None)
-    if store is None:
-        return None
-    model = session.model if isinstance(session.model, Model) and not lane.lane_kind.transformers else None
-    options = session.cache_options(lane.kind) if hasattr(session, "cache_options") else \
-        getattr(session, "options", {}).get(lane.kind, {})
-    generator = lane.generator
-    return LaneAttention(store, model, (lambda: generator.tokens) if model is not None else None, lane.cache.kind,
-                         options)

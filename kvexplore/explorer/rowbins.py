@@ -95,10 +95,10 @@ def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int,
     then empty ones (0), in the same arrays, so that nothing is allocated; the max in a new array only when
     ``max_dtype`` (default: as it was) differs. The mean is float16, each pair's weighted by its cells in float32.
 
-    The store merges when the context passes a power of two, every layer's and head's bins at once (SmolLM2 at 512
-    tokens: 280 MB of float32 maxima and 140 MB of means per lane): layer by layer in torch, on every thread, with
-    temporaries of one layer (numpy's float16 conversions run on one core, and fresh arrays cost a page fault per
-    4 KiB, which took 4-5 times as long in a notebook's kernel as in a plain process)."""
+    The store merges when the context passes a power of two, every layer's and head's bins at once: layer by layer
+    in torch, on every thread, with temporaries of one layer (numpy's float16 conversions run on one core, and fresh
+    arrays cost a page fault per 4 KiB, dearer in a notebook's kernel than in a plain process). What that takes:
+    docs/benchmarks.md ("The click that passes a power of two")."""
     n = mx.shape[axis]
     half, pairs = -(-n // 2), n // 2
     out = mx if max_dtype is None or np.dtype(max_dtype) == mx.dtype else np.zeros(mx.shape, dtype=max_dtype)

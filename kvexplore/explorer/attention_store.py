@@ -5,19 +5,17 @@ For every layer and query head :class:`AttentionStore` keeps
 - an **overview** of all query rows x key positions, binned with aligned power-of-two bins (the bins of
   :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32 while
   the bins are single cells, float16 once they are binned) and mean (float16, over the bin's causal cells: query
-  ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer
-  computes them (the prefill in chunks of query rows, see :mod:`kvexplore.models.observe`); when the rows or keys
-  outgrow the bins, neighbouring bins merge (the bin size doubles);
+  ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer computes them (the
+  prefill in chunks of query rows, :mod:`kvexplore.models.observe`); when the rows or keys outgrow the bins,
+  neighbouring bins merge (the bin size doubles);
 - the **recent rows**: the newest ``recent`` query rows at full resolution (float32, logical position order, 0 where
   a position was not read), which give the current bar (in the cache's physical slot order with the slot view) and
   the zoomed history near the end;
 - per row bin, the learned sinks' share of each row (``1 - the row's sum``; 0 for models without sinks).
 
 **Bound**: ``layers x heads x (row_bins x col_bins x 6 B + recent x context x 4 B)`` plus ``row_bins x col_bins x
-8 B`` of cell counts (:meth:`AttentionStore.bound`; 4 B a bin instead of 6 once binned) -- with the defaults
-(128 x 512 bins, 8 recent rows) SmolLM2-135M (30 x 9 heads) holds at most 68 MiB of binned overview and 34 MiB of
-recent rows at 4,096 tokens; Gemma 3 270M (18 x 4) 18 + 9 MiB. Nothing depends on how many steps ran. Rows elsewhere at full resolution are recomputed
-when asked (:mod:`.recompute`).
+8 B`` of cell counts (:meth:`AttentionStore.bound`; 4 B a bin instead of 6 once binned), whatever the number of steps
+(figures for SmolLM2 and Gemma 3: docs/benchmarks.md). Rows elsewhere are recomputed when asked (:mod:`.recompute`).
 
 A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped. A row bin that
 mixed kept and dropped rows is rebuilt from the kept rows still held at full resolution (the newest); kept rows
@@ -30,14 +28,17 @@ import numpy as np
 import torch
 
 from ..core import host
+from ..views import attention
 from .rowbins import causal_cells, even as _even, merged as _merged, padded as _padded, reduce_rows
 
-ROW_BINS, COL_BINS, RECENT = 128, 512, 8
+ROW_BINS, COL_BINS, RECENT = attention.ROW_BINS, 512, 8  # row bins: as many as the history heatmap draws
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
 class AttentionStore:
     """The bounded attention of one lane (see the module's docstring for what is kept and the bound)."""
+
+    bounded = True  # as a StepTrace's history: a binned overview and the newest rows, not every row (AttentionHistory)
 
     def __init__(self, row_bins: int | None = None, col_bins: int | None = None, recent: int | None = None,
                  layers: int = 4) -> None:
@@ -54,8 +55,8 @@ class AttentionStore:
         # learned sinks' share of each row
         self._count = np.zeros((0, 0), dtype=np.int64)  # cells per bin (the same for every layer and head)
         self._rowcount = np.zeros(0, dtype=np.int64)  # rows per row bin
-        self._recent = np.zeros((0, self.recent, 0, 0), dtype=np.float32)  # (layers, recent, heads, width): row q
-        # at q % recent
+        # (layers, recent, heads, width): row q at q % recent
+        self._recent = np.zeros((0, self.recent, 0, 0), dtype=np.float32)
         self._recent_q = np.zeros((0, self.recent), dtype=np.int64)  # the query position in each slot (-1: none)
         self._before: tuple[np.ndarray, np.ndarray] | None = None  # counts before the step under way
         self._step = (0, 0)  # the query positions of the step under way
@@ -68,8 +69,7 @@ class AttentionStore:
         bins so ``q1`` rows and keys fit."""
         if q0 < self.rows:
             self.truncate(q0)
-        rows = q0 if q0 > self.rows else self.rows
-        self.rows = rows
+        self.rows = max(q0, self.rows)
         while -(-q1 // self.rs) > self.row_bins:
             self._merge_rows()
         while -(-q1 // self.cs) > self.col_bins:
@@ -163,7 +163,7 @@ class AttentionStore:
             # (converted to float16 by torch: numpy's conversion is several times slower)
             self._mean[layers, :, rows, cols] = (torch.from_numpy(sm) * torch.from_numpy(inv)).half().numpy()
             self._max[layers, :, rows, cols] = torch.from_numpy(mx).to(_TORCH[self._max.dtype]).numpy()
-        else:  # in torch too: numpy's float16 arithmetic and conversions took 3 ms of a SmolLM2 step
+        else:  # in torch too: numpy's float16 arithmetic and conversions are slower (docs/benchmarks.md)
             old = torch.from_numpy(self._mean[layers, :, rows, cols]).float()
             weight = torch.from_numpy(before.astype(np.float32))
             mean = (old * weight + torch.from_numpy(sm)) * torch.from_numpy(inv)
@@ -185,9 +185,9 @@ class AttentionStore:
         if first >= C:
             return
         rows = host.fetch([probs[:, :, first:]])[0].numpy()  # (L, H, r, keys)
-        width = c0 + rows.shape[3]
-        if width > self._recent.shape[3]:
-            self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, self._recent.shape[3] * 5 // 4)), 0.0)
+        width, room = c0 + rows.shape[3], self._recent.shape[3]
+        if width > room:
+            self._recent = _padded(self._recent, (*self._recent.shape[:3], max(width, room * 5 // 4)), 0.0)
         layers = _as_slice(idx)
         for i in range(rows.shape[2]):
             q = q0 + first + i
