@@ -5,7 +5,8 @@
 
     python benchmarks/before_after.py --before A --what step                # per-step time on the tiny model
 
-Each round runs ``benchmarks/decode_speed.py`` (``--what decode``) once from each checkout, in a fresh process whose ``PYTHONPATH`` is
+Each round runs ``benchmarks/decode_speed.py`` (``--what decode``) once from each checkout, in a fresh process whose
+``PYTHONPATH`` is
 that checkout (so each side imports its own ``kvexplore`` and runs its own copy of the benchmark), alternating the
 order (before, after, after, before, ...) so a slow drift of the machine hits both sides alike. Every process builds
 the same random-weight models (same seeds) and decodes the same prompt; each reports its median tok/s per shape and
@@ -109,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in results["before"][0]:
         b = [r[key] for r in results["before"]]
         a = [r[key] for r in results["after"]]
-        spread = lambda xs: f"{min(xs):.1f}..{max(xs):.1f}"
-        print(f"{'/'.join(key):20}{statistics.median(b):>9.1f} ({spread(b):>11}){statistics.median(a):>9.1f} "
-              f"({spread(a):>11}){statistics.median(a) / statistics.median(b):>13.2f}x")
+        spread_b, spread_a = (f"{min(xs):.1f}..{max(xs):.1f}" for xs in (b, a))
+        print(f"{'/'.join(key):20}{statistics.median(b):>9.1f} ({spread_b:>11}){statistics.median(a):>9.1f} "
+              f"({spread_a:>11}){statistics.median(a) / statistics.median(b):>13.2f}x")
     return 0
 
 

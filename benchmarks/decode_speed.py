@@ -99,7 +99,8 @@ def run_kvexplore(model, prompt: list[int], n: int, allocator: bool = False,
     allocator counters around each cache write, as a cache does by default; ``compile``: the compiled decode step."""
     cache = kvexplore.PreallocatedCache(model.config, len(prompt) + n, dtype=model.dtype, device=model.device)
     if not allocator:
-        cache.allocator = None  # CUDA: the allocator's counters are not read around each write (kvexplore.core.allocator)
+        # CUDA: the allocator's counters are not read around each write (kvexplore.core.allocator)
+        cache.allocator = None
     g = kvexplore.Generator(model, cache, compile=compile)
     t0 = now(model.device)
     g.prefill(prompt)
@@ -252,7 +253,8 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
             hf_1.append(hf_total(hf, ids, 1))
         busy = load.stop()
         line = "   ".join(f"{e} {(n - 1) / decode[e][-1]:7.1f}" for e in engines)
-        print(f"  rep {rep + 1}/{args.reps} tok/s: {line}" + ("" if busy is None else f"   (other load {busy:.2f} cores)"),
+        print(f"  rep {rep + 1}/{args.reps} tok/s: {line}"
+              + ("" if busy is None else f"   (other load {busy:.2f} cores)"),
               flush=True)
 
     per_token = bytes_per_token(kv, args.prompt_len + n // 2)
@@ -282,7 +284,8 @@ def bench_shape(shape: str, args, device: torch.device, dtype: torch.dtype, fold
         if a in tps and b in tps:
             ratios[(a, b)] = tps[a] / tps[b]
             target = TARGETS.get((shape if dtype == torch.float32 else dtype_name(dtype), a, b))
-            verdict = "" if target is None else f"   target >= {target:.2f}x: {'MET' if ratios[(a, b)] >= target else 'MISSED'}"
+            met = "MET" if target is not None and ratios[(a, b)] >= target else "MISSED"
+            verdict = "" if target is None else f"   target >= {target:.2f}x: {met}"
             print(f"  ratio {NAMES[a]} / {NAMES[b]}: {ratios[(a, b)]:.2f}x{verdict}")
     print(f"  {load.summary()}" + (f"; waited {waited:.1f}s for quiet" if waited else "")
           + ("  -- WARNING: timings disturbed by other processes" if load.busy else ""))

@@ -111,7 +111,8 @@ g = kx.Generator(kx.load('tiny'), kx.make_cache('preallocated', kx.load('tiny'),
 g.prefill('a b c')
 list(g.run(4))
 loaded = [m for name, m in sys.modules.items() if name.startswith('kvexplore') and getattr(m, '__file__', None)]
-print('torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules, any(n.startswith('kvexplore.fast') for n in sys.modules),
+print('torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules,
+      any(n.startswith('kvexplore.fast') for n in sys.modules),
       sum(sum(1 for _ in open(m.__file__)) for m in loaded))
 """
 
@@ -133,7 +134,8 @@ def test_a_plain_decode_imports_nothing_of_the_compiler_and_loads_a_small_core()
 
 
 def test_a_models_widest_weights_get_a_kernel_of_their_width(trained):
-    """The packaged tiny model's 256-wide weights (q, k, v, gate, up and the head: 3.6M values) get a kernel of that width,
+    """The packaged tiny model's 256-wide weights (q, k, v, gate, up and the head: 3.6M values) get a kernel of that
+    width,
     its 512-wide ones (down: 0.8M) keep the kernel of any sizes; both give F.linear's products within rounding."""
     assert products.prepare_for(trained), products.status()
     threads = torch.get_num_threads()

@@ -9,8 +9,9 @@ key and value with ``index_copy_`` at that position, and attends over all ``capa
 grows. On CUDA the graph is captured once (``mode="reduce-overhead"``: CUDA graphs) and replayed every step.
 
 The graph runs the model's own layers (the same modules, the same numerics as the eager path); only the cache
-under them is replaced by :class:`~.inplace.InPlace`. The cache's bookkeeping (length, undo, bytes written) is done outside
-the graph by :meth:`PreallocatedCache.note_inplace_write`, so records, rewind and fork work as in eager mode.
+under them is replaced by :class:`~.inplace.InPlace`. The cache's bookkeeping (length, undo, bytes written) is done
+outside the graph by :meth:`PreallocatedCache.note_inplace_write`, so records, rewind and fork work as in eager
+mode.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def refusal(model: Any, cache: Any) -> str | None:
                 f"this one is {cache.dtype} on {cache.device}")
     c = model.config
     if any(s.shares or s.recurrent or s.ring or s.windowed for s in cache.plan):
-        return "compiled decoding covers models whose layers are all full attention (no sliding, shared or state layers)"
-    if c.num_experts or c.kv_lora_rank or c.attention_sinks or c.attn_logit_softcapping is not None or c.gated_attention:
+        return ("compiled decoding covers models whose layers are all full attention (no sliding, shared or state "
+                "layers)")
+    if (c.num_experts or c.kv_lora_rank or c.attention_sinks or c.attn_logit_softcapping is not None
+            or c.gated_attention):
         return (f"compiled decoding covers dense Llama-family layers; {c.architecture}'s experts, latent attention, "
                 f"sinks or soft-capping run eager")
     return None
