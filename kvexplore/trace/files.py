@@ -23,6 +23,7 @@ from ..errors import CorruptFileError, LoadError, MissingFileError, StateError
 from ..caches.memory import LayerMemory, MemoryReport
 from . import kept
 from .kept import KeptRecords
+from .kept_trace import distinct
 from .records import Candidate, StepRecord
 from .press import PressOutcome, press_from_row, press_row
 from .tracer import AttentionHistory, CacheEvent, StepTrace
@@ -183,26 +184,14 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
         tensors[f"{key}.attention.{layer}"] = t.attention_raw(layer).clone()
     for name, value in t.qkv.items():
         tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
-    views, view_of = _unique(list(t.layer_slots))
-    reads, read_of = _unique(t.layer_reads)
+    views, view_of = distinct(list(t.layer_slots))
+    reads, read_of = distinct(list(t.layer_reads))
     reads = [[int(p) for p in r] for r in reads]
     return {"events": [asdict(e) for e in t.events],
-            "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": view_of,
-            "reads": reads, "read_of": read_of, "main_layer": t.main_layer,
+            "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": list(view_of),
+            "reads": reads, "read_of": list(read_of), "main_layer": t.main_layer,
             "gqa_groups": t.gqa_groups, "heads": t.heads,
             "attention_layers": held, "qkv": sorted(t.qkv)}
-
-
-def _unique(items: list) -> tuple[list, list[int]]:
-    """The distinct objects of ``items`` (layers of one kind share one) and the index of each item's."""
-    index: dict[int, int] = {}
-    unique, of = [], []
-    for item in items:
-        if id(item) not in index:
-            index[id(item)] = len(unique)
-            unique.append(item)
-        of.append(index[id(item)])
-    return unique, of
 
 
 def load_trace(path: str | Path) -> History:

@@ -153,7 +153,7 @@ def _events(kept) -> list[CacheEvent]:
     return out
 
 
-def _distinct(items: list) -> tuple[list, tuple[int, ...]]:
+def distinct(items: list) -> tuple[list, tuple[int, ...]]:
     """The distinct objects of ``items`` (layers of one kind share one) and the index of each item's."""
     index: dict[int, int] = {}
     distinct, of = [], []
@@ -190,11 +190,11 @@ class KeptTrace:
     @classmethod
     def of(cls, trace: StepTrace, before: "KeptTrace | None" = None) -> "KeptTrace":
         """``trace`` kept, its views as changes to those of ``before`` (the trace kept one step earlier)."""
-        views, view_of = _distinct(list(trace.layer_slots))
+        views, view_of = distinct(list(trace.layer_slots))
         bases = [before.views[i] for i in before.view_of] if before is not None and \
             len(before.view_of) == len(view_of) else None
         kept = tuple(keep_view(v, bases[view_of.index(i)] if bases is not None else None) for i, v in enumerate(views))
-        reads, read_of = _distinct(list(trace.layer_reads))
+        reads, read_of = distinct(list(trace.layer_reads))
         entries = trace.entries
         values = list(entries.values())
         attention: Any = dict(entries)
