@@ -2,18 +2,25 @@
 
     python benchmarks/speculative_speed.py                 # SmolLM2-135M float32, 3 prompts, 3 interleaved rounds
     python benchmarks/speculative_speed.py --tokens 64 --rounds 1   # quicker
+    python benchmarks/speculative_speed.py --only "greedy,k=5" --prompts copy,code   # some configurations and prompts
+    python benchmarks/speculative_speed.py --no-kernels             # both sides on F.linear instead
 
 Each prompt gives the model something prompt lookup can find: a passage of Moby-Dick (kvexplore/data/texts) to
 copy, the same passage to edit (through the chat template), and a Python function to repeat with one change. For
 every prompt and round, each configuration generates ``--tokens`` tokens from the same prefilled prompt: plain
 greedy (the baseline), prompt lookup with k = 3, 5 and 8 (n-grams of 3 down to 1, the default) and with k = 5 on
-n-grams of 3 and 2 only, and self-speculation with the first L layers (L = 15, 24 of 30).
-The order of the configurations rotates every round, so none is always timed first or last on a shared machine;
+n-grams of 3 and 2 only, and self-speculation with the first L layers (L = 15, 24 of 30). Every configuration,
+plain greedy included, runs with the product kernels on (``Generator(..., kernels=True)``: a decoding step's one row
+and a verification's k + 1 rows on ``kvexplore.fast.kernels``), as the explorer and ``kvexplore generate`` do;
+``--no-kernels`` runs every one on ``F.linear`` instead. The order of the configurations rotates every round, so
+none is always timed first or last on a shared machine;
 times are the generator's own (kvexplore.runtime.clock: wall time less the time the thread waited for a CPU), and
 every speculative run's tokens are checked equal to plain greedy's. The table gives the median tokens per second
 over the rounds, the speed-up against plain greedy measured in the same round (median of the per-round ratios),
-the acceptance (accepted / drafted) and the tokens per forward pass of the target.
-Results go to docs/img/speculative_speed.json; the markdown table is printed (docs/benchmarks.md holds it).
+the acceptance (accepted / drafted) and the tokens per forward pass of the target. Each round prints every
+configuration's tokens per second beside its speed-up against plain greedy in that round, as it goes.
+Results go to docs/img/speculative_speed.json (a run of every configuration and prompt only); the markdown table
+is printed (docs/benchmarks.md holds it).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def prompts(tok) -> dict[str, list[int]]:
     }
 
 
-def run_one(model, ids: list[int], draft, k: int, tokens: int):
+def run_one(model, ids: list[int], draft, k: int, tokens: int, kernels: bool = True):
     import kvexplore
 
     from kvexplore.runtime.drafters import PromptLookup
@@ -62,8 +69,8 @@ def run_one(model, ids: list[int], draft, k: int, tokens: int):
     if draft == "lookup-2":  # no single-token matches: n-grams of 3, then 2
         draft = PromptLookup(max_ngram=3, min_ngram=2)
     cache = kvexplore.make_cache("preallocated", model, max_seq_len=len(ids) + tokens + 16)
-    gen = kvexplore.Generator(model, cache, draft=draft, draft_tokens=max(k, 1)) if draft else \
-        kvexplore.Generator(model, cache)
+    gen = kvexplore.Generator(model, cache, draft=draft, draft_tokens=max(k, 1), kernels=kernels) if draft else \
+        kvexplore.Generator(model, cache, kernels=kernels)
     gen.prefill(ids)
     records = gen.run(tokens, stop_at_eos=False)
     spec = gen.speculation
@@ -81,6 +88,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-kernels", action="store_true", help="every configuration on F.linear (kernels=False)")
+    p.add_argument("--only", default="", help="comma-separated parts of configuration names to run (plain greedy "
+                                               "always runs)")
+    p.add_argument("--prompts", default="", help="comma-separated parts of prompt names to run (default: all)")
     args = p.parse_args()
     import torch
 
@@ -88,16 +99,26 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model = kvexplore.load(args.model)
+    kernels = not args.no_kernels
+    configs = [c for c in CONFIGS if c[1] is None or not args.only
+               or any(part.strip() in c[0] for part in args.only.split(","))]
+    chosen = {name: ids for name, ids in prompts(model.tokenizer).items()
+              if not args.prompts or any(part.strip() in name for part in args.prompts.split(","))}
     results = []
-    for name, ids in prompts(model.tokenizer).items():
-        runs: dict[str, list[dict]] = {label: [] for label, _, _ in CONFIGS}
-        run_one(model, ids, None, 0, 4)  # warm the shapes up
+    for name, ids in chosen.items():
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+        for label, draft, k in configs:  # warm up: the shapes, and the kernels of a verification's rows
+            run_one(model, ids, draft, k, 4, kernels)
         for r in range(args.rounds):
-            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
             for label, draft, k in order:
-                runs[label].append(run_one(model, ids, draft, k, args.tokens))
+                runs[label].append(run_one(model, ids, draft, k, args.tokens, kernels))
+            base = runs["plain greedy"][-1]["seconds"]
+            print(f"{name}, round {r + 1}: " + ", ".join(
+                f"{label} {args.tokens / runs[label][-1]['seconds']:.1f} tok/s "
+                f"({base / runs[label][-1]['seconds']:.2f}x)" for label, _, _ in configs), flush=True)
         base = runs["plain greedy"]
-        for label, draft, k in CONFIGS:
+        for label, draft, k in configs:
             rs = runs[label]
             same = all(x["tokens"] == base[0]["tokens"] for x in rs)
             speedups = [b["seconds"] / x["seconds"] for x, b in zip(rs, base)]
@@ -109,8 +130,9 @@ def main() -> None:
                    "tokens_per_pass": statistics.median(args.tokens / x["passes"] for x in rs)}
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "speedups"}), flush=True)
-    OUT.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": args.rounds,
-                               "threads": args.threads, "results": results}, indent=1))
+    if not args.only and not args.prompts:
+        OUT.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": args.rounds,
+                                   "threads": args.threads, "kernels": kernels, "results": results}, indent=1))
     print("\n| prompt | configuration | tokens/s | speed-up vs greedy | acceptance | tokens per pass | same tokens |")
     print("|---|---|---:|---:|---:|---:|---|")
     for r in results:

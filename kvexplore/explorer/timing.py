@@ -7,13 +7,17 @@ handler queues messages at once (the buttons turning disabled). Whatever lane st
 - the kernel's IOPub thread sends the queued messages while that lane computes; each send holds the GIL, which the
   model's forward pass releases and takes back at every operation, so on a busy machine every hand-over waits for the
   scheduler. :func:`quiet` waits (at most :data:`DRAIN_S`) until the IOPub thread has sent what was queued;
-- a garbage collection set off by the refresh's objects can land in the timed forward pass (a full one took 240 ms
-  in the app's kernel): :func:`quiet` turns the collector off while the lanes step, and it runs afterwards;
-- after the kernel has waited for the page (even the 0.1 s the page takes to draw) the processor needs some
-  milliseconds of work to come back to speed: in the app the lane stepped first read 4.6 ms, the second 4.0 and the
-  third 3.7 for the same work, and one untimed pass of the model (2-3 ms) did not change that.
-  :func:`warm_up` runs the model's one-row products, untimed, for :data:`WARM_S` (10 ms of whole passes made the
-  three positions read 3.7, 3.7 and 3.6 ms).
+- a garbage collection set off by the refresh's objects can land in the timed forward pass (a full one takes many
+  times a step in the app's kernel): :func:`quiet` turns the collector off while the lanes step, and it runs
+  afterwards;
+- after the kernel has waited for the page (even the moment the page takes to draw) the processor needs some
+  milliseconds of work to come back to speed: the lane stepped first reads slower than the next for the same work,
+  and one untimed pass of the model does not change that. :func:`warm_up` runs the model's one-row products,
+  untimed, for :data:`WARM_S`, which evens the lanes out.
+
+The figures behind these choices are in docs/explorer.md ("The comparison's step times");
+``tests/test_browser_timing.py`` holds the lanes' step times to agree, and ``benchmarks/explorer_click.py`` times a
+click.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def warm_up(model, seconds: float = WARM_S) -> int:
     in layer order and round again, for at least
     ``seconds``: torch's threads awake, the processor back to speed, and as many weights read as that time allows
     (all of a small model's, many times; a large model's would not stay in the processor's caches anyway). A whole
-    forward pass did this before, but one pass of SmolLM2 takes 30-40 ms of every click, three times what is needed.
+    forward pass did this before, but on SmolLM2 that costs several times what is needed of every click.
     Nothing for a model kvexplore does not run itself (a transformers model). Returns the number of products."""
     if not isinstance(model, Model):
         return 0

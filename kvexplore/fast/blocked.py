@@ -5,10 +5,11 @@ Decoding one token multiplies a row by every weight matrix: the step reads each 
 fast those reads stream. The weights are stored in blocks of :data:`BLOCK` output rows, ``[out / BLOCK, in, BLOCK]``
 (each block's columns side by side), and the product is written as a multiply and a sum over ``in``: inductor
 turns that into one loop per block that reads the block front to back, a vector of ``BLOCK`` outputs at a time.
-Measured on this project's 2-core CPU (SmolLM2's 30 layers of products, float32): blocks of 16 about as fast as
-inductor's own C++ GEMM on frozen, prepacked weights, blocks of 32 and 64 1.4x and 2.4x slower, the model's own
-column-major layout 2x slower. Unlike frozen weights, these are inputs of the compiled graph, so one graph serves
-every layer of the same shapes and a later process can load it.
+``BLOCK`` was chosen by timing SmolLM2's products against larger blocks, the model's own column-major layout and
+inductor's C++ GEMM on frozen, prepacked weights (docs/benchmarks.md, "Compiled step reuse"; ``python
+benchmarks/compile_reuse.py`` and ``benchmarks/decode_speed.py --engines compiled`` time the step). Unlike frozen
+weights, these are inputs of the compiled graph, so one graph serves every layer of the same shapes and a later
+process can load it.
 
 The blocks are a second copy of the weights (the model's own stay, for eager steps and everything that reads
 them), made once per model; a change to the model's weights after that is not seen by them.

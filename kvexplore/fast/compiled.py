@@ -99,8 +99,8 @@ class CompiledDecoder:
             mode = "reduce-overhead" if device.type == "cuda" else "max-autotune"
         self.mode = mode
         # inductor reads freezing from its global config, not from torch.compile's options: patched around the call
-        # that compiles (a patch costs about 50 us, a third of a replayed step's Python on a GPU; later calls run the
-        # compiled code, which inductor's config no longer touches)
+        # that compiles (a patch every step costs a good share of a replayed step's Python on a GPU, docs/cuda.md;
+        # later calls run the compiled code, which inductor's config no longer touches)
         self._config = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                         "autotune_num_choices_displayed": 0} \
             if mode == "max-autotune" and device.type == "cpu" else {}

@@ -2,12 +2,12 @@
 compiled output head.
 
 A model's layers differ in their weights, not their code or shapes: a graph that takes a layer's weights as inputs
-serves all of them, so one layer is traced and compiled instead of thirty (SmolLM2: about 10 s instead of 60-130 s
-for the whole step with frozen weights). Weights as inputs also keep the graph free of constants, so it is saved
-as a file (:mod:`.artifacts`) that a later process loads instead of compiling. What makes the products fast without
-frozen weights is their layout: each layer runs on a :func:`~.blocked.blocked_twin` of itself, the model's own
-layer modules with every ``nn.Linear`` replaced by a product over a blocked copy of its weight (see
-:mod:`.blocked`).
+serves all of them, so one layer is traced and compiled instead of thirty (a fraction of the whole step's compile
+with frozen weights: ``benchmarks/compile_reuse.py``, docs/benchmarks.md). Weights as inputs also keep the graph
+free of constants, so it is saved as a file (:mod:`.artifacts`) that a later process loads instead of compiling.
+What makes the products fast without frozen weights is their layout: each layer runs on a
+:func:`~.blocked.blocked_twin` of itself, the model's own layer modules with every ``nn.Linear`` replaced by a
+product over a blocked copy of its weight (see :mod:`.blocked`).
 
 Each layer's graph runs the model's own layer code (its norms, RoPE, attention and MLP), over a cache view of that
 one layer: the key and value are written with ``index_copy_`` at the position tensor and attention reads every slot
@@ -107,7 +107,7 @@ class _Graph:
 
 def _innermost(compiled: Any) -> Callable[[list], Any]:
     """The compiled code's own entry point where the artifact exposes it (inference only: it skips the autograd
-    wrappers, about 15 us a call, 3% of a SmolLM2 step over 31 calls), else the artifact itself."""
+    wrappers, which a step would pay at each of its graph calls), else the artifact itself."""
     inner = getattr(getattr(getattr(compiled, "inner_fn", None), "compiled_fn", None), "compiled_fn", None)
     run = getattr(inner, "current_callable", None)
     if callable(run) and not getattr(inner, "constants", None):

@@ -2,8 +2,9 @@
 waiting for a CPU while other programs ran.
 
 On a machine that other work shares, a forward pass of a few milliseconds is often taken off the CPU for a whole
-time slice: measured on a 2-core machine at load 5, the tiny model's step read 8 to 11 ms of wall time for 3.6 ms of
-work, and which lane of the explorer happened to be preempted decided which one looked slow. Linux counts, per
+time slice: its wall time can read several times the work it did, and which lane of the explorer happened to be
+preempted decides which one looks slow (docs/explorer.md, "The comparison's step times", has a measurement;
+``benchmarks/speculative_speed.py`` times with this clock). Linux counts, per
 thread, the time it spent runnable but not running (``/proc/thread-self/schedstat``, second field); subtracting it
 leaves what the step cost this process, the same as wall time on an idle machine. Where that file is missing (not
 Linux) the clock is plain wall time.

@@ -75,10 +75,12 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        self._compiled = CompiledUse(executor, cache, compile, kernels)
+        self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
+        # kernels: those of a verification's k + 1 rows built now too, not in its first timed pass
+        self._compiled = CompiledUse(executor, cache, compile, kernels,
+                                     rows=1 if self.speculation is None else self.speculation.k + 1)
         self.kernels = self._compiled.kernels  # whether the model's products run on the kernels
         self.compile = compile  # True: the best mode for the device (CPU: regional, CUDA: reduce-overhead)
-        self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
         self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
 
     @property
