@@ -165,7 +165,7 @@ def kvexplore_run(model, ids: torch.Tensor, press: str | None, options: dict, po
                                      compression_ratio=ratio, positions=positions)
     with torch.no_grad():
         first = model(ids, cache, 0, last_only=True)[0, -1]
-        kept = [cache.kept_positions(layer) for layer in range(model.config.num_layers)] if press else None
+        kept = [cache.eviction.kept_positions(layer) for layer in range(model.config.num_layers)] if press else None
         tok, forced, logits = int(first.argmax()), [], []
         for i in range(steps):
             forced.append(tok)

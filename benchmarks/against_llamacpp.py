@@ -117,7 +117,7 @@ def main() -> None:
         python = args.llama_python or llama_python(args.cache)
     except (subprocess.CalledProcessError, OSError) as e:
         print(f"llama-cpp-python could not be built here ({e}); kvexplore's side alone is checked byte for byte "
-              f"against gguf's reference quantizer (tests/test_ggml_cache.py)")
+              f"against gguf's reference quantizer (tests/labs/test_ggml_cache.py)")
         return
     import kvexplore
 

@@ -11,8 +11,8 @@ same explorer run in this process: the model steps of every lane plus the refres
 plotly.js drawing the figures on screen (measured in the page), and the rest (comm messages between kernel and page,
 the page's widget manager). With ``--compare`` the compare tab is shown and each lane's step time is read from the
 page after every click: their medians from the third click on (the exact lanes should agree within 1.5x,
-tests/test_browser_timing.py). Targets: under 250 ms for the tiny model with three lanes, under 400 ms for SmolLM2
-with two, on a quiet machine.
+tests/screen/test_browser_timing.py). Targets: under 250 ms for the tiny model with three lanes, under 400 ms for
+SmolLM2 with two, on a quiet machine.
 ``--prompt-tokens N`` opens the app on the first N tokens of a chapter of Moby-Dick (tests/data) instead of its
 short prompt, with room for the clicks. ``--before PATH`` first runs this same script with ``PATH`` (another
 checkout of kvexplore) first on ``PYTHONPATH``, so that its process, Voila server and kernel import that kvexplore,
@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from browser_support import (LabPage, chromium, figure, lab_server, new_page, open_voila_app,  # noqa: E402
                              start_run_all, voila_server, wait_run_finished)

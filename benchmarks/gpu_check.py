@@ -22,7 +22,7 @@ Exit codes: 0 every check passed, 1 some check failed, 2 no CUDA device (one lin
 (b) Decode speed, kvexplore vs transformers ``generate`` on the device, both shapes of decode_speed.py, in
     bfloat16 and float32 (the same measurement as benchmarks/decode_speed.py; see its docstring).
 (c) Memory. ``torch.cuda.memory_stats()`` around a PreallocatedCache: allocated-bytes delta at creation vs
-    ``cache.reserved_bytes`` vs the ``kvexplore.kv_bytes`` formula, reserved bytes, inactive-split bytes and
+    ``cache.inspect.reserved_bytes`` vs the ``kvexplore.kv_bytes`` formula, reserved bytes, inactive-split bytes and
     allocation retries before, after creation, and after a 256-token generation; also whether the cache
     storage stayed in place (same data pointers) and whether allocated memory grew during generation.
 (d) Strategies. Every kind in ``kvexplore.caches.STRATEGIES`` on the tiny model for the same generation:
@@ -213,11 +213,11 @@ def check_memory(device: torch.device, dtypes: list[torch.dtype], shape: str, ca
             ptrs = [cache.key(i).data_ptr() for i in range(model.config.num_layers)]
             print(f"    before cache:       {fmt(before)}")
             print(f"    after cache alloc:  {fmt(after_alloc)}")
-            print(f"    cache.reserved_bytes {cache.reserved_bytes:,} B, kv_bytes formula {formula:,} B "
+            print(f"    reserved bytes {cache.inspect.reserved_bytes:,} B, kv_bytes formula {formula:,} B "
                   f"(2 x {model.config.num_layers} layers x {model.config.num_kv_heads} kv heads x "
                   f"{model.config.head_dim} head_dim x {cache.key(0).element_size()} B x {capacity} positions)")
-            record(f"{name}: cache.reserved_bytes == kv_bytes formula", cache.reserved_bytes == formula,
-                   f"{cache.reserved_bytes:,} vs {formula:,} B")
+            record(f"{name}: cache.inspect.reserved_bytes == kv_bytes formula", cache.inspect.reserved_bytes == formula,
+                   f"{cache.inspect.reserved_bytes:,} vs {formula:,} B")
             if after_alloc:
                 delta = after_alloc["allocated"] - before["allocated"]
                 record(f"{name}: allocated delta at cache creation == reserved_bytes", delta in (formula, rounded),
@@ -271,7 +271,7 @@ def check_strategies(device: torch.device, gen_tokens: int) -> None:
             frag = max((r.memory.cuda_now.get("inactive_split_bytes", 0) for r in records), default=0)
             detail = (f"copied {copied / 2**20:.2f} MiB over {len(records)} steps; in the cache's writes the allocator "
                       f"allocated {alloc:,} B and freed {freed:,} B (the cache's own count: {own:,} B allocated); "
-                      f"largest inactive split {frag:,} B; cache reserved {gen.cache.reserved_bytes:,} B")
+                      f"largest inactive split {frag:,} B; cache reserved {gen.cache.inspect.reserved_bytes:,} B")
             if device.type == "cuda" and kind == "preallocated":
                 record(f"{name}: allocates nothing per decode step", alloc == 0 and freed == 0, detail)
             if device.type == "cuda" and kind == "concat":
@@ -280,7 +280,7 @@ def check_strategies(device: torch.device, gen_tokens: int) -> None:
                        detail)
             # lossy by design (quantized, or a cache that presses out positions): its tokens are shown, not judged
             exact = kind != "quantized" and gen.cache.eviction is None
-            lossy = gen.cache.what_it_did()
+            lossy = gen.cache.inspect.what_it_did()
             record(name, gen.tokens == reference if exact else None, detail + (f"; {lossy}" if lossy else ""))
         except Exception as e:
             traceback.print_exc()

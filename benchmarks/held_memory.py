@@ -55,7 +55,7 @@ def main() -> None:
         gen = kvexplore.Generator(model, cache)
         gen.prefill(ids)
         gen.run(args.steps, stop_at_eos=False)
-        report = cache.memory_report()
+        report = cache.inspect.memory_report()
         really = referents_bytes(cache)
         full = really if name == "preallocated" else full
         extra = {k: v for k, v in report.held.items() if k != "keys and values"}

@@ -77,7 +77,7 @@ def main() -> None:
           f"rounds of {args.steps} steps")
     print("| cache | bytes held | ms a step | vs float32 |\n|---|---:|---:|---:|")
     for name, cache in caches.items():
-        print(f"| {name} | {cache.reserved_bytes / 2 ** 20:.1f} MiB | {best[name] * 1e3:.1f} | "
+        print(f"| {name} | {cache.inspect.reserved_bytes / 2 ** 20:.1f} MiB | {best[name] * 1e3:.1f} | "
               f"**{best[name] / base:.2f}x** |")
 
 

@@ -70,7 +70,8 @@ def run_one(model_name: str, kind: str, context: int, steps: int, threads: int) 
     tokens = context + steps
     return dict(model=model_name, kind=kind, context=context, tok_s=1 / statistics.median(times),
                 copied=statistics.mean(copied), allocated=statistics.mean(allocated), freed=statistics.mean(freed),
-                written=statistics.mean(written), peak_added=peak_added, held=held, reserved=cache.reserved_bytes,
+                written=statistics.mean(written), peak_added=peak_added, held=held,
+                reserved=cache.inspect.reserved_bytes,
                 analytic=kvexplore.kv_bytes(model.config, tokens, 1, model.dtype))
 
 

@@ -1,5 +1,5 @@
-"""What the whole suite shares: one model zoo (tests/zoo.py), the tiers (markers) and the groups that keep servers,
-kernels and compiled graphs shared when the suite runs in workers (``pytest -n 3``, see docs/testing.md).
+"""What the whole suite shares: one model zoo (tests/support/zoo.py), the tiers (markers) and the groups that keep
+servers, kernels and compiled graphs shared when the suite runs in workers (``pytest -n 3``, see docs/testing.md).
 
 Tiers, by what a test needs (``slow`` is their union; the fast tier is ``-m "not slow"``):
 
@@ -162,7 +162,7 @@ def _real_models_only_in_their_tiers(request, monkeypatch):
     def refuse(name: str, what: str):
         pytest.fail(f"{request.node.nodeid} {what} {name}, which only a test marked {REAL_MODELS[name]} may do: "
                     f"mark it @pytest.mark.{REAL_MODELS[name]} (the slow tier), or use the tiny model or the zoo "
-                    f"(tests/zoo.py). The fast tier runs where no model was ever fetched.", pytrace=False)
+                    f"(tests/support/zoo.py). The fast tier runs where no model was ever fetched.", pytrace=False)
 
     real = {name: store.MODELS[name] for name in REAL_MODELS}
     download, fetch, command = store._download, store.fetch, store.download_command

@@ -1,12 +1,15 @@
-"""The model-level cache: the list of layer caches plus the step's bookkeeping.
+"""The model-level cache: the list of layer caches plus the step's bookkeeping, in one class.
 
 A cache is a stack of layer caches that may differ (see :mod:`kvexplore.config.layer_plan`): one
 :class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
 (:mod:`kvexplore.caches.registry`). A strategy (pre-allocated, paged, ...) is a subclass of :class:`KVCache` whose
 :meth:`KVCache.full_layer` makes the cache of each *full-attention* layer; *sliding-window* layers get a ring of the
 model's window, *shared* layers read their source layer's keys and values, *linear-attention* layers keep a state.
-This class keeps the length, the step (its counters, its undo journal, its masks per attention type) and
-dispatches every call to the layer's object; it never asks what kind a layer is.
+This class keeps the length and the step (its counters, its undo journal, its masks per attention type) and
+dispatches every call to the layer's object; it never asks what kind a layer is. What a cache can say about itself
+(its memory report, slot views, read positions, storage) is asked of its inspector, ``cache.inspect``
+(:mod:`kvexplore.caches.inspector`); what a lossy cache did, of its facets ``cache.eviction`` and
+``cache.quantization``; the linear-attention layers' states, of ``cache.states``.
 
 Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
 only records how many leading positions hold valid data (``length``). A forward pass calls
@@ -15,14 +18,24 @@ layer), ``write(layer, pos, k, v)`` once per layer, then ``commit(pos + q_len)``
 any layer writes, so a failed step leaves the cache exactly as it was.
 
 A step can also fail after some layers wrote (an exception in a hook, an interrupt) or after ``commit`` (the
-generator then finds the logits unusable): :meth:`rollback` puts back everything the last step changed, so the
-cache is exactly as it was before ``begin_step`` (its length, slot map, memory report and the keys and values it
-held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`.
+generator then finds the logits unusable): :meth:`KVCache.rollback` puts back everything the last step changed, so
+the cache is exactly as it was before ``begin_step`` (its length, slot map, memory report and the keys and values it
+held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`; :meth:`KVCache.settle` forgets how.
+
+Going back: :meth:`KVCache.truncate` keeps the first ``n`` positions (checked first by :meth:`KVCache.check_truncate`;
+where only rings or recurrent states stop it, the generator recomputes: ``cache.inspect.needs_replay(n)``). Taking a
+step's last positions back, what speculative decoding asks after the target rejected drafts, is a truncate each layer
+says is exact or not (``cache.inspect.crop_error(n)``); where one objects, the step is rolled back from its journal
+and the accepted tokens written again (:mod:`kvexplore.runtime.speculative`).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -31,29 +44,31 @@ from ..config.model_config import ModelConfig
 from ..core.allocator import Window, allocator_for
 from ..core.settings import positive_int
 from ..errors import CacheFullError, SettingsError
-from .rewind import Rewind
-from .steps import StepCycle
-from .inspection import CacheInspection
+from .inspector import Inspector, make_report, report_again
+from .book import StepBook
 from .journal import UndoJournal
-from .layers.state import StateLayers
-from .layers.sliding import SlidingLayers
 from .layer import LayerCache, Step
-from .memory import MemoryReport, StepCounters
+from .memory import StepCounters
 from .protocol import ModelCache
 from .registry import build_layers
 from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 (the strategies import them here)
 
 
-class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
+class KVCache(ModelCache):
     """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
     implements :meth:`full_layer` (the factory of its full-layer caches) and calls :meth:`_build` at the end of
-    its ``__init__``, once its options are set."""
+    its ``__init__``, once its options are set. Data every cache has: ``config``, ``plan`` (one
+    :class:`~kvexplore.config.layer_plan.LayerSpec` per layer), ``layers``, ``full_layers`` (the layers the strategy
+    serves), ``batch_size``, ``dtype``, ``device`` and ``allocator`` (read around each write, or None)."""
 
     #: short name used by the CLI and in records
     kind: str = "base"
     #: whether the cache keeps keys and values between steps (a cache that stores nothing recomputes every layer,
     #: sliding ones under a window mask, instead of keeping rings)
     stores = True
+    #: sliding-window layers in the strategy's storage, every position, read under the window (a prefix pool shares
+    #: them as pages), instead of the ring every other strategy keeps
+    keeps_windows_whole = False
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         positive_int(batch_size, "batch_size")
@@ -65,17 +80,9 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
         self.layers: list[LayerCache] = []
         self._length = 0
         self._capacity: int | None = None  # most positions a sequence may reach (None: unbounded)
-        self._counters = StepCounters()
-        self._cur: Step | None = None  # the step under way (or the last one, committed)
-        self._layer_moved: dict[int, tuple[int, int]] = {}  # layer -> (written, copied) bytes this step
-        self._masks: dict[str, torch.Tensor | None] = {}  # this step's mask per attention type
-        self._sparse_reads: dict[int, list[int]] = {}  # layer -> the positions a sparse attention read this step
         self.allocator = allocator_for(self.device)  # read around each write (kvexplore.core.allocator); None: not read
-        self._window = Window(None)  # the allocator's counters over this step's writes
-        self._report: MemoryReport | None = None  # built on first request
-        self._journal: UndoJournal | None = None  # how to undo the current step (see rollback)
-        self._saved: tuple | None = None  # the container's bookkeeping before the current step
-        self._scratch: dict[tuple, list[torch.Tensor]] = {}  # reused copy buffers of the journals
+        self.book = StepBook()  # the step's counters, bytes moved, reads, report and undo (kvexplore.caches.book)
+        self._checkpointing = False  # inside checkpointing_states(): the states after each position are kept
 
     def _build(self) -> None:
         """Make every layer's cache (through the layer-kind registry); strategies call it once their options are set."""
@@ -90,32 +97,22 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
         self._sources = {s.source for s, l in zip(self.plan, self.layers) if s.shares}
         self.full_layers = [s.index for s in self.plan if s.full]  # the layers the strategy serves
 
+    # -- what a strategy declares ------------------------------------------------------------------------------
     @abstractmethod
     def full_layer(self, spec: LayerSpec) -> LayerCache:
         """The strategy's cache for one full-attention layer (the strategy is a factory of these)."""
-
-    @classmethod
-    def sizing(cls, slots: int, options: dict) -> int | None:
-        """How :func:`~kvexplore.caches.factory.make_cache` sizes this strategy from ``slots`` (``max_seq_len``, or the
-        model's context): add to ``options`` what the constructor needs, and return the positions per sequence
-        its storage will hold (checked against the device's memory before allocating; None: it grows, no check)."""
-        return None
 
     def refuses(self, spec: LayerSpec) -> str | None:
         """Why this strategy cannot serve ``spec``'s full layer (None: it can); checked before any layer is made."""
         return None
 
-    @property
-    def states(self) -> StateLayers | None:
-        """The linear-attention layers' states by layer (``states.read(layer)``), or None when there are none."""
-        layers = {s.index: self.layers[s.index] for s in self.plan if s.recurrent}
-        return StateLayers(layers) if layers else None
+    def _attach(self, model: Any) -> None:
+        """The model about to run a step through this cache (a cache that re-rotates keys keeps its rotary)."""
 
-    @property
-    def rings(self) -> SlidingLayers | None:
-        """The slot map the sliding layers' rings share, or None when no layer keeps a ring."""
-        return next((layer.slots for s, layer in zip(self.plan, self.layers) if s.ring and self.stores), None)
+    def _note_queries(self, layer: int, q: torch.Tensor) -> None:
+        """``layer``'s queries this step, handed over with its write (a press reads them)."""
 
+    # -- the container -----------------------------------------------------------------------------------------
     @property
     def length(self) -> int:
         """Number of positions of the sequence the cache has taken in (full layers hold all of them)."""
@@ -126,6 +123,18 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
         """Most positions the cache can hold, or ``None`` when unbounded."""
         return self._capacity
 
+    @property
+    def inspect(self) -> Inspector:
+        """What the cache can say about itself: memory, slots, reads, storage (:class:`~.inspector.Inspector`)."""
+        return Inspector(self)
+
+    @property
+    def states(self) -> "States | None":
+        """The linear-attention layers' states (:class:`States`), or None when the model has none."""
+        layers = {s.index: self.layers[s.index] for s in self.plan if s.recurrent}
+        return States(self, layers) if layers else None
+
+    # -- a step ------------------------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         """Raise, before anything is written, if ``q_len`` positions cannot be written at ``pos``."""
         if batch_size != self.batch_size:
@@ -138,82 +147,82 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
                 f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
                 f"before the end (pos <= {self.length}) so no slot is left unwritten"
             )
-        if pos < self.length and (msg := self._recompute_error(pos)):
+        if pos < self.length and (msg := self.inspect.replay_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         if self._capacity is not None and pos + q_len > self._capacity:  # the fixed capacity of a bounded cache
             raise CacheFullError(used=pos, needed=q_len, capacity=self._capacity)
 
-    # -- the write protocol --------------------------------------------------------------------------------
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin_step(self, pos: int = 0, q_len: int = 0, model: Any = None) -> None:
+        """Start a forward pass of ``model`` writing ``q_len`` positions at ``pos`` (after ``check_write`` passed):
+        plan it in every layer now, count its writes, copies and allocations, and open the journal :meth:`rollback`
+        undoes."""
+        if model is not None:
+            self._attach(model)
+        book = self.book
+        book.saved = (self._length, book.figures())
+        book.journal = UndoJournal(book.scratch, q_len)
+        self._start(pos, q_len, book.journal)
+        book.window = Window(self.allocator)
+
+    def _start(self, pos: int, q_len: int, journal: UndoJournal | None) -> Step:
+        book = self.book
+        step = book.step = Step(pos, q_len, self._length, self.device, journal)
+        book.counters = step.counters
+        book.moved, book.masks, book.reads = {}, {}, {}
+        for layer in self._planners:
+            layer.begin(step)
+        return step
+
+    def _step_for(self, pos: int, q_len: int) -> Step:
+        """The step under way, or one started now for a write without ``begin_step`` (no undo is kept)."""
+        step = self.book.step
+        if step is None or step.committed:
+            return self._start(pos, q_len, None)
+        if step.pos != pos or step.q_len != q_len:  # the layers write another span than planned: plan it again
+            step.pos, step.q_len, step.end = pos, q_len, pos + q_len
+            self.book.masks = {}
+            for layer in self._planners:
+                layer.begin(step)
+        return step
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor,
+              queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
-        return the keys/values its attention must read (in the order :meth:`read_positions` gives; use
-        :meth:`mask` for the mask that goes with them). A shared layer stores nothing: use :meth:`read_shared`."""
+        return the keys/values its attention must read (in the order ``cache.inspect.read_positions`` gives; use
+        :meth:`mask` for the mask that goes with them). ``queries`` ``(B, heads, q_len, head_dim)``, after RoPE: the
+        layer's queries, for a cache that reads them (a press). A shared layer stores nothing: use
+        :meth:`read_shared`."""
         step = self._step_for(pos, k.shape[2])
+        if queries is not None:
+            self._note_queries(layer, queries)
         c = step.counters
         written, copied = c.written_bytes, c.copied_bytes
-        with self._window:  # what the allocator does inside the cache's own write, and nothing else
+        with self.book.window:  # what the allocator does inside the cache's own write, and nothing else
             out = self.layers[layer].write(step, k, v)
-        self._layer_moved[layer] = (c.written_bytes - written, c.copied_bytes - copied)
+        self.book.moved[layer] = (c.written_bytes - written, c.copied_bytes - copied)
         if layer in self._sources:
             step.reads[layer] = out
         return out
 
-    def attach_model(self, model) -> None:
-        """The model about to run a step through this cache (a cache that re-rotates keys keeps its rotary)."""
-    def observes_queries(self, layer: int) -> bool:
-        """Whether ``layer``'s attention hands its queries over with :meth:`note_queries` (a press reads them)."""
-        return False
-
-    def note_queries(self, layer: int, q: torch.Tensor) -> None:
-        """``layer``'s queries ``(B, heads, q_len, head_dim)`` this step, after RoPE."""
-
-    def read_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A linear-attention layer's state: its convolution's last inputs and its recurrent matrix."""
-        return self.layers[layer].read_state()
-
-    def write_state(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
-        """Replace a linear-attention layer's state in place; ``checkpoints`` (see :attr:`checkpointing`)."""
-        target, step = self.layers[layer], self._cur
-        target.read_state()  # raises for a layer that has no state, before a step is started
-        if step is None or step.committed:
-            step = self._start(self._length, 0, None)
-        before = step.counters.written_bytes
-        with self._window:
-            target.write_state(step, conv, recurrent, checkpoints)
-        self._layer_moved[layer] = (step.counters.written_bytes - before, 0)
+    def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a shared layer reads: what its source layer's attention read this step."""
+        return self.layers[layer].read(self.book.step)
 
     def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:
         """A layer's attention read only ``positions`` (gathered into ``copied_bytes`` of temporaries): what
-        :meth:`read_positions` reports for it until the next step (DeepSeek-V3.2's sparse attention). A tensor of
-        positions stays where it is until someone asks (a tracer brings them over with the rest of its step)."""
-        self._sparse_reads[layer] = positions
-        s = self._counters
+        ``cache.inspect.read_positions`` reports for it until the next step (DeepSeek-V3.2's sparse attention). A
+        tensor of positions stays where it is until someone asks (a tracer brings them over with the rest of its
+        step)."""
+        book = self.book
+        book.reads[layer] = positions
+        s = book.counters
         s.copied_bytes += copied_bytes
         s.allocated_bytes += copied_bytes
         s.freed_bytes += copied_bytes
         s.allocations += 2
         s.frees += 2
-        written, copied = self._layer_moved.get(layer, (0, 0))
-        self._layer_moved[layer] = (written, copied + copied_bytes)
-
-    def pending_reads(self) -> dict[int, torch.Tensor]:
-        """The sparse reads of this step still on the device (layer -> positions), for :meth:`land_reads`."""
-        return {layer: p for layer, p in self._sparse_reads.items() if isinstance(p, torch.Tensor)}
-
-    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
-        """Replace sparse reads by their host copies (from :func:`kvexplore.core.host.fetch`)."""
-        for layer, positions in landed.items():
-            self._sparse_reads[layer] = positions.tolist()
-
-    def read_group(self, layer: int) -> tuple:
-        """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
-        if layer in self._sparse_reads:
-            return ("sparse", layer)
-        return self.layers[layer].read_group()
-
-    def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values a shared layer reads: what its source layer's attention read this step."""
-        return self.layers[layer].read(self._cur)
+        written, copied = book.moved.get(layer, (0, 0))
+        book.moved[layer] = (written, copied + copied_bytes)
 
     def mask(self, layer: int, pos: int, q_len: int) -> torch.Tensor | None:
         """The boolean ``(q_len, keys)`` mask for what ``write`` (or ``read_shared``) returned for ``layer`` this
@@ -222,21 +231,86 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
         mask group (by default: one attention type)."""
         target = self.layers[layer]
         group = target.mask_group()
-        if group not in self._masks:
-            self._masks[group] = target.mask(self._step_for(pos, q_len))
-        return self._masks[group]
+        masks = self.book.masks
+        if group not in masks:
+            masks[group] = target.mask(self._step_for(pos, q_len))
+        return masks[group]
 
     def commit(self, end: int) -> None:
         """Record that every layer now holds positions ``0..end-1`` (called once per forward pass)."""
         self._length = end
-        step = self._cur
+        step = self.book.step
         if step is not None and not step.committed:
             for layer in self._committers:
                 layer.commit(step)
             step.committed = True
-        self._report = self._make_report()
+        self.book.report = make_report(self)
 
-    # -- copies -------------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Forget how to undo the last step: from here on :meth:`rollback` does nothing until a step begins. What
+        the journal kept alive is freed now (a concatenating cache's old storage): the step's report counts it."""
+        book = self.book
+        journal = book.journal
+        window = Window(self.allocator if journal is not None else None)
+        with window:
+            book.forget_step()  # the step held the journal, its reads and its masks (read by its forward pass only)
+            if had_step := journal is not None:
+                journal.trim()
+                del journal
+        if (report := book.report) is not None:
+            for name, n in window.figures().items():
+                report.cuda[name] = report.cuda.get(name, 0) + n
+        if had_step:
+            report_again(self)
+
+    def rollback(self) -> None:
+        """Undo the last step (written or committed) exactly: length, slots, memory report, held keys and values.
+        Does nothing when there is no step to undo (none began, or it was already rolled back)."""
+        book = self.book
+        if book.journal is None:
+            return
+        book.journal.undo()
+        book.journal.trim_back()
+        self._length, figures = book.saved
+        book.restore(figures)
+        book.forget_step()
+        report_again(self, walk=True)
+
+    @contextmanager
+    def checkpointing_states(self) -> Iterator[None]:
+        """Inside: linear-attention layers compute token by token and hand the state after each position to the
+        cache (``cache.states.checkpointing``), so a cut restores one of them; after: as before."""
+        before, self._checkpointing = self._checkpointing, True
+        try:
+            yield
+        finally:
+            self._checkpointing = before
+
+    # -- rewinds -----------------------------------------------------------------------------------------------
+    def check_truncate(self, n: int, rings: bool = True) -> None:
+        """Raise, changing nothing, if the cache cannot be truncated to ``n`` positions (so several caches can be
+        checked before any is rewound). ``rings=False``: check only what the strategy itself allows."""
+        if not 0 <= n <= self.length:
+            raise SettingsError(f"cannot truncate to {n}: the cache holds {self.length} positions "
+                                f"(0 <= n <= {self.length})")
+        if rings and (msg := self.inspect.replay_error(n)):
+            raise SettingsError(f"cannot truncate to {n}: {msg}")
+        for layer in self.layers:
+            if msg := layer.truncate_error(n, self.length):
+                raise SettingsError(msg)
+
+    def truncate(self, n: int) -> None:
+        """Rewind: keep only the first ``n`` positions. Storage is not cleared; the length moves back."""
+        self.check_truncate(n)
+        length = self._length
+        self._length = n
+        book = self.book
+        book.restore((StepCounters(), None, book.window, {}, {}))
+        book.forget_step()
+        for layer in self.layers:
+            layer.truncate(n, length, book.counters)
+
+    # -- copies ------------------------------------------------------------------------------------------------
     def _copy(self, how: str) -> "KVCache":
         """A copy whose layers are ``layer.clone`` or ``layer.fork`` (structures several layers share are copied
         once and shared by the copies)."""
@@ -249,9 +323,10 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
             memo[id(layer)] = copy
             twin.layers.append(copy)
         twin._index()
-        twin._journal, twin._saved, twin._cur, twin._masks = None, None, None, {}
-        twin._scratch = {}
-        self._copy_report_to(twin)
+        twin.book = self.book.twin()
+        if (report := self.book.report) is not None:  # its own report: settle() adds to a report's allocator figures
+            twin.book.report = replace(report, cuda=dict(report.cuda))
+            report_again(twin, walk=True)
         return twin
 
     def clone(self) -> "KVCache":
@@ -271,6 +346,45 @@ class KVCache(CacheInspection, StepCycle, Rewind, ModelCache):
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity
+        inspect = self.inspect
         return (f"{type(self).__name__}(length={self.length}, capacity={cap}, batch_size={self.batch_size}, "
-                f"dtype={self.dtype}, device={self.device}, reserved={self.reserved_bytes} B, "
-                f"layers: {self.describe_layers()})")
+                f"dtype={self.dtype}, device={self.device}, reserved={inspect.reserved_bytes} B, "
+                f"layers: {inspect.describe_layers()})")
+
+
+class States:
+    """The linear-attention layers of a cache (``cache.states``): each keeps a fixed state, read and replaced whole
+    by its layer's forward pass (see :mod:`kvexplore.caches.layers.state`)."""
+
+    def __init__(self, cache: KVCache, layers: dict[int, LayerCache]) -> None:
+        self.cache, self.layers = cache, layers
+
+    @property
+    def checkpointing(self) -> bool:
+        """True inside ``cache.checkpointing_states()`` (a verification pass): the layers then compute token by
+        token and hand over the state after each position (``write(..., checkpoints=)``)."""
+        return self.cache._checkpointing
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s state: its convolution's last inputs and its recurrent matrix."""
+        return self._layer(layer).read_state()
+
+    def write(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
+        """Replace ``layer``'s state in place; ``checkpoints``: the state after each of the step's positions."""
+        target, cache = self._layer(layer), self.cache
+        step = cache.book.step
+        if step is None or step.committed:
+            step = cache._start(cache._length, 0, None)
+        before = step.counters.written_bytes
+        with cache.book.window:
+            target.write_state(step, conv, recurrent, checkpoints)
+        cache.book.moved[layer] = (step.counters.written_bytes - before, 0)
+
+    def layer_bytes(self, layer: int) -> int:
+        return self._layer(layer).reserved_bytes()
+
+    def _layer(self, layer: int) -> LayerCache:
+        if layer not in self.layers:
+            raise SettingsError(f"layer {layer} is not a linear-attention layer; it has no state (those that do: "
+                                f"{sorted(self.layers)})")
+        return self.layers[layer]

@@ -44,9 +44,11 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
     common = dict(batch_size=batch_size, dtype=dtype or model.dtype, device=device or model.device)
     slots = max_seq_len or min(model.config.max_position_embeddings, 2048)
     cls = STRATEGIES[kind]
-    if (declared := getattr(cls, "Options", None)) is not None:  # the strategy's options (kvexplore.caches.options)
+    declared = getattr(cls, "Options", None)  # the strategy's options (kvexplore.caches.options)
+    positions = None
+    if declared is not None:
         declared.refuse_unknown(strategy_options, f"cache kind {kind!r}")
-    positions = cls.sizing(slots, strategy_options)
+        positions = declared.sizing(slots, strategy_options)
     if positions is not None:
         _check_fits(kind, model, positions, batch_size, common["dtype"], common["device"])
     try:

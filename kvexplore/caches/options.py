@@ -142,6 +142,17 @@ class Options:
             raise SettingsError(f"{what} does not take {unknown}; it takes {takes}")
 
     @classmethod
+    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
+        """How :func:`~kvexplore.caches.factory.make_cache` sizes the strategy from ``slots`` (``max_seq_len``, or the
+        model's context): add to ``options`` what the constructor needs, and return the positions per sequence its
+        storage will hold (checked against the device's memory before allocating; None: it grows, no check). By
+        default a strategy that takes ``max_seq_len`` gets ``slots`` of them."""
+        if "max_seq_len" not in cls.names():
+            return None
+        options["max_seq_len"] = slots
+        return slots
+
+    @classmethod
     def fitted(cls, options: dict[str, Any], given: Mapping[str, Any], max_seq_len: int | None) -> dict[str, Any]:
         """The app's ``options`` for a lane whose caches hold ``max_seq_len`` slots (``given``: those the user
         gave, kept as they are); a strategy adjusts its own defaults to that size here."""

@@ -1,11 +1,11 @@
 """The model-level cache protocol: what the generator, a tracer and the views ask of any cache.
 
 Two families implement it, declared by subclassing :class:`ModelCache` (an ABC, so a missing method fails at
-construction, and ``tests/test_extend_caches.py`` checks every signature):
+construction, and ``tests/engine/test_extend_caches.py`` checks every signature):
 
 - :class:`~kvexplore.caches.base.KVCache`, kvexplore's own caches: a list of
   :class:`~kvexplore.caches.layer.LayerCache` objects plus the step's bookkeeping; its models also call the write
-  side (``write``, ``mask``, ``read_shared``, ``read_state``, ``write_state``, ``note_reads``);
+  side (``write``, ``mask``, ``read_shared``, ``note_reads``, ``commit`` and ``states``);
 - :class:`~kvexplore.hf.cache.HFCache`, a transformers ``Cache`` watched after every step (``hf:...``).
 """
 
@@ -44,6 +44,9 @@ class Eviction(Protocol):
 
     def held_counts(self, layer: int, batch: int = 0) -> tuple[int, ...]: ...
 
+    def reads_queries(self, layer: int) -> bool:
+        """Whether ``layer``'s press reads its queries (hand them to ``cache.write(..., queries=q)``)."""
+
 
 class Quantization(Protocol):
     """What a cache that stores keys and values lossily by design answers (:attr:`ModelCache.quantization`;
@@ -67,16 +70,74 @@ class Quantization(Protocol):
         model's ``keys`` and ``values`` ``(kv_heads, positions, head_dim)`` of the sequence so far."""
 
 
+class CacheInspector(Protocol):
+    """What every cache's ``inspect`` answers (kvexplore's :class:`~kvexplore.caches.inspector.Inspector` adds the
+    per-layer questions of a cache made of layer caches)."""
+
+    def memory_report(self) -> MemoryReport:
+        """Memory after the last step."""
+
+    def slot_view(self, layer: int | None = None) -> SlotView:
+        """The state of every physical slot of ``layer``."""
+
+    def slot_views(self) -> list[SlotView]:
+        """:meth:`slot_view` of every layer."""
+
+    def storage(self, layer: int) -> list[torch.Tensor]:
+        """The tensors that hold ``layer``'s cache."""
+
+    def read_positions(self, layer: int | None = None) -> list[int]:
+        """The position of each key column ``layer``'s attention read in the last step."""
+
+    def read_window(self, layer: int, count: int) -> tuple[int, int]:
+        """``(first position, count)`` of what ``layer``'s attention reads in the step under way."""
+
+    def read_group(self, layer: int) -> tuple:
+        """Layers with the same group read the same positions in a step."""
+
+    def pending_reads(self) -> dict[int, torch.Tensor]:
+        """Reads of this step still on the device (layer -> positions)."""
+
+    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
+        """Replace pending reads by their host copies."""
+
+    def describe_layers(self) -> str:
+        """What the cache keeps for each kind of layer, in one line."""
+
+    def what_it_did(self) -> str:
+        """What a lossy cache did to the sequence so far, in one line; "" for an exact one."""
+
+    def crop_error(self, n: int) -> str | None:
+        """Why cutting the last step back to ``n`` positions would not leave the cache as a step that wrote only up to
+        ``n`` would (None: ``truncate(n)`` does)."""
+
+    def speculation_refusal(self) -> str | None:
+        """Why a drafting generator cannot run on this cache (None: it can)."""
+
+    def needs_replay(self, n: int) -> bool:
+        """Whether going back to ``n`` needs the kept tokens recomputed (the generator replays them)."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of storage held now, used or not."""
+
+    @property
+    def held(self) -> int:
+        """Positions a full layer holds."""
+
+    @property
+    def evicts_on_write(self) -> bool:
+        """Whether the cache drops positions as it writes, without a press."""
+
+
 class ModelCache(ABC):
-    """A model's cache as the generator, the tracer and the views see it. Attributes every implementation has:
-    ``kind`` (its name), ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
-    ``batch_size``, ``dtype``, ``device``, ``length``, ``capacity`` (None: unbounded), ``full_layers``."""
+    """A model's cache as the generator, the tracer and the views see it: the step, rewinds, copies, and three
+    facets (``inspect``: what it can say about itself; ``eviction`` and ``quantization``: what a lossy one did).
+    Attributes every implementation has: ``kind`` (its name), ``config``, ``plan`` (one
+    :class:`~kvexplore.config.layer_plan.LayerSpec` per layer), ``batch_size``, ``dtype``, ``device``, ``length``,
+    ``capacity`` (None: unbounded), ``full_layers``."""
 
     stores = True  # keeps keys and values between steps (a cache that stores nothing recomputes every step)
-    evicts_on_write = False  # drops positions as it writes, without a press (the sink cache's window): the queries of
-    # one write then read different positions
-    keeps_windows_whole = False  # sliding-window layers in the strategy's storage, every position, read under the
-    # window (a prefix pool shares them as pages), instead of the ring every other strategy keeps
 
     # -- a step ---------------------------------------------------------------------------------------------
     @abstractmethod
@@ -84,8 +145,9 @@ class ModelCache(ABC):
         """Raise, changing nothing, if ``q_len`` positions cannot be written at ``pos``."""
 
     @abstractmethod
-    def begin_step(self, pos: int, q_len: int) -> None:
-        """A forward pass writing ``q_len`` positions at ``pos`` starts: keep what :meth:`rollback` needs."""
+    def begin_step(self, pos: int, q_len: int, model: Any = None) -> None:
+        """A forward pass of ``model`` writing ``q_len`` positions at ``pos`` starts: keep what :meth:`rollback`
+        needs."""
 
     @abstractmethod
     def settle(self) -> None:
@@ -95,23 +157,33 @@ class ModelCache(ABC):
     def rollback(self) -> None:
         """Undo the last step exactly (nothing when there is none)."""
 
+    def checkpointing_states(self) -> AbstractContextManager:
+        """A context inside which a verification pass hands linear-attention layers the state after each position
+        it feeds, so a cut restores one of them (nothing to do for a cache without such layers)."""
+        return nullcontext()
+
     # -- rewinds and copies ------------------------------------------------------------------------------
     @abstractmethod
     def check_truncate(self, n: int, rings: bool = True) -> None:
         """Raise, changing nothing, if the cache cannot go back to ``n`` positions."""
 
     @abstractmethod
-    def needs_replay(self, n: int) -> bool:
-        """Whether going back to ``n`` needs the kept tokens recomputed (the generator replays them)."""
-
-    @abstractmethod
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions."""
 
-    def crop_error(self, n: int) -> str | None:
-        """Why cutting the last step back to ``n`` positions would not leave the cache as a step that wrote only up to
-        ``n`` would (None: ``truncate(n)`` does). A cache that cannot say: every cut is rolled back and recomputed."""
-        return f"{type(self).__name__} does not say whether a cut is exact: the step is rolled back and recomputed"
+    @abstractmethod
+    def clone(self) -> "ModelCache":
+        """An independent copy."""
+
+    @abstractmethod
+    def fork(self) -> "ModelCache":
+        """A cache for a second sequence continuing this one."""
+
+    # -- facets ----------------------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def inspect(self) -> CacheInspector:
+        """What the cache can say about itself (see :class:`CacheInspector`)."""
 
     @property
     def eviction(self) -> Eviction | None:
@@ -123,76 +195,3 @@ class ModelCache(ABC):
         """The cache's lossy storage (see :class:`Quantization`); None for a cache that stores what the model wrote
         (every cache but the quantized one: the evicting ones keep exactly what they keep)."""
         return None
-
-    def checkpointing_states(self) -> AbstractContextManager:
-        """A context inside which a verification pass hands linear-attention layers the state after each position
-        it feeds, so a cut restores one of them (nothing to do for a cache without such layers)."""
-        return nullcontext()
-
-    def speculation_refusal(self) -> str | None:
-        """Why a drafting generator cannot run on this cache (None: it can)."""
-        return None
-
-    @abstractmethod
-    def clone(self) -> "ModelCache":
-        """An independent copy."""
-
-    @abstractmethod
-    def fork(self) -> "ModelCache":
-        """A cache for a second sequence continuing this one."""
-
-    # -- what it holds -----------------------------------------------------------------------------------
-    def what_it_did(self) -> str:
-        """What a lossy cache did to the sequence so far, in one line (what it evicted or quantized, or that the
-        sequence was too short for it to do anything, naming the option that changes that); "" for an exact one."""
-        return ""
-
-    @abstractmethod
-    def memory_report(self) -> MemoryReport:
-        """Memory after the last step."""
-
-    @abstractmethod
-    def slot_view(self, layer: int | None = None) -> SlotView:
-        """The state of every physical slot of ``layer``."""
-
-    @abstractmethod
-    def slot_views(self) -> list[SlotView]:
-        """:meth:`slot_view` of every layer."""
-
-    @abstractmethod
-    def storage(self, layer: int) -> list[torch.Tensor]:
-        """The tensors that hold ``layer``'s cache."""
-
-    @abstractmethod
-    def read_positions(self, layer: int | None = None) -> list[int]:
-        """The position of each key column ``layer``'s attention read in the last step."""
-
-    @abstractmethod
-    def read_window(self, layer: int, count: int) -> tuple[int, int]:
-        """``(first position, count)`` of what ``layer``'s attention reads in the step under way."""
-
-    @abstractmethod
-    def read_group(self, layer: int) -> tuple:
-        """Layers with the same group read the same positions in a step."""
-
-    @abstractmethod
-    def pending_reads(self) -> dict[int, torch.Tensor]:
-        """Reads of this step still on the device (layer -> positions)."""
-
-    @abstractmethod
-    def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
-        """Replace pending reads by their host copies."""
-
-    @abstractmethod
-    def describe_layers(self) -> str:
-        """What the cache keeps for each kind of layer, in one line."""
-
-    @property
-    @abstractmethod
-    def reserved_bytes(self) -> int:
-        """Bytes of storage held now, used or not."""
-
-    @property
-    @abstractmethod
-    def held(self) -> int:
-        """Positions a full layer holds."""

@@ -46,8 +46,8 @@ PREFIXES: Registry = Registry("name prefix", "unregister_prefix")  # "hf:" is ad
 
 def register_strategy(name: str, cls: type, replace: bool = False) -> type:
     """Make ``cls`` (a :class:`~kvexplore.caches.base.KVCache` subclass) the strategy ``name``; returns ``cls``.
-    ``cls.sizing`` says how ``max_seq_len`` sizes it (see :meth:`KVCache.sizing`). A taken name is refused unless
-    ``replace`` (never a built-in one); :func:`unregister_strategy` removes one."""
+    ``cls.Options.sizing`` says how ``max_seq_len`` sizes it (see :meth:`~kvexplore.caches.options.Options.sizing`).
+    A taken name is refused unless ``replace`` (never a built-in one); :func:`unregister_strategy` removes one."""
     if not isinstance(name, str) or not name or ":" in name:
         raise SettingsError(f"a strategy name is a non-empty string without ':' (prefixes are for other packages), "
                             f"got {name!r}")

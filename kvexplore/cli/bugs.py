@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     print(r.explain())
     print(f"  ({r.seconds:.1f} s)")
     if args.html:
-        from ..replay.bug_page import save_bug_html
+        from ..views.bug_page import save_bug_html
 
         print(f"replay written to {save_bug_html(r, args.html)}")
     return 0 if r.caught and r.first_divergence is not None else 1

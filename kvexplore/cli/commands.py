@@ -187,7 +187,7 @@ def _generate(args: argparse.Namespace) -> None:
     def show() -> None:
         nonlocal shown
         if args.trace:
-            out.write(step_view(gen.history[-1], cache.slot_views(), model.config.num_layers) + "\n")
+            out.write(step_view(gen.history[-1], cache.inspect.slot_views(), model.config.num_layers) + "\n")
             return
         text = gen.text
         if text.startswith(shown):  # print only what is new (decoding token by token would drop spaces)
@@ -225,17 +225,17 @@ def _generate(args: argparse.Namespace) -> None:
     out.write(
         f"\n\n[{len(gen.history)} tokens in {end - start:.2f} s: prefill {len(ids)} tokens in "
         f"{first.forward_s * 1000:.0f} ms, decode {rate:.1f} tokens/s | cache {cache.kind}: "
-        f"{cache.reserved_bytes / mib:.2f} MiB reserved, {cache.used_bytes / mib:.2f} MiB used for "
+        f"{cache.inspect.reserved_bytes / mib:.2f} MiB reserved, {cache.inspect.used_bytes / mib:.2f} MiB used for "
         f"{cache.length} positions ({kv_bytes(model.config, 1, 1, model.dtype)} bytes per token)]\n"
     )
-    if note := cache.what_it_did():
+    if note := cache.inspect.what_it_did():
         out.write(f"[{note}]\n")
     if args.save_trace:
         out.write(f"trace saved to {gen.history.save(args.save_trace)}\n")
 
 
 def _export(args: argparse.Namespace) -> None:
-    from ..replay.page import save_html
+    from ..views.page import save_html
     from ..trace.files import load_trace
 
     runs = {}
@@ -254,7 +254,7 @@ def _diff(args: argparse.Namespace) -> int:
     result = diff_traces(a, b, tolerance=args.tolerance)
     print(result.report())
     if args.html:
-        from ..replay.page import save_html
+        from ..views.page import save_html
 
         layer = args.layer if args.layer is not None else (result.layer or 0)
         names = [f"A: {a.meta.get('kind', '')} ({args.a})", f"B: {b.meta.get('kind', '')} ({args.b})"]

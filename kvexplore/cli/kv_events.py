@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 for note in f.notes:
                     print(f"    {note}")
     if args.html:
-        from ..replay.prefix_save import save_prefix_html
+        from ..views.prefix_page import save_prefix_html
 
         frames = replay.frames(rank=args.rank, medium=args.medium, group=args.group)
         path = save_prefix_html(frames, args.html, title=f"{args.file} · KV cache events")

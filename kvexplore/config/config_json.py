@@ -38,7 +38,6 @@ COMMON_FIELDS = (
     Field("attn_logit_softcapping", FLOAT, 0, 1e9, lo_open=True),
     Field("partial_rotary_factor", FLOAT, 0, 1, lo_open=True),
 )
-CONFIG_FIELDS = COMMON_FIELDS  # the name this table had before the architectures declared their own keys
 _ROPE_THETA = Field("rope_parameters.rope_theta", FLOAT, 0, 1e12, lo_open=True, required=True)
 
 

@@ -127,14 +127,9 @@ def unregister_plan_rule(rule) -> None:
         PLAN_RULES.remove(rule)
 
 
-def kinds_present(plan: list[LayerSpec]) -> list[str]:
-    """The layer kinds of a plan, in the order full, sliding, shared, state (those present), then any other kind
-    (registered by :func:`register_plan_rule`) in plan order."""
-    return list(layers_by_kind(plan))
-
-
 def layers_by_kind(plan: list[LayerSpec]) -> dict[str, list[int]]:
-    """The layer indices of each kind present, kinds in the order of :func:`kinds_present`."""
+    """The layer indices of each kind present: full, sliding, shared, state (those present), then any other kind
+    (registered by :func:`register_plan_rule`) in plan order."""
     known = {k: [s.index for s in plan if s.kind == k] for k in (FULL, SLIDING, SHARED, STATE)}
     out = {k: v for k, v in known.items() if v}
     for s in plan:

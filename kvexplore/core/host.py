@@ -11,8 +11,8 @@ The other way, :func:`upload` sends host data (token ids, page tables, per-head 
 blocking: from pinned memory on CUDA, where a copy from ordinary host memory waits for the device like a sync.
 
 Tests put a mode around a run that treats model and cache tensors as device tensors and fails on any conversion
-outside this module (``tests/devicemode.py``), and counts the transfers made here that a device tensor took part in (its
-syncs on CUDA).
+outside this module (``tests/support/devicemode.py``), and counts the transfers made here that a device tensor took
+part in (its syncs on CUDA).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class KeptPasses(KVPasses):
         super().__init__(model, cache)
         self.history: list[tuple[int, dict[int, list[list[int]]]]] = []  # (length, layer -> kept per head)
         self.declared: dict[int, list[list[int]]] = {}  # layer -> rope positions the cache declares, per head
-        self._events = len(cache.press_events)
+        self._events = len(cache.eviction.press_events)
         self._base: EvictCache | None = None  # the reference fed up to the last press (see _pressed_base)
         self._base_key: tuple | None = None
 
@@ -61,11 +61,12 @@ class KeptPasses(KVPasses):
 
     def cached(self, ids: list[int], pos: int) -> Pass:
         got = super().cached(ids, pos)
-        events = self.cache.press_events
+        events = self.cache.eviction.press_events
         for event in events[self._events:]:  # the step pressed: what each head kept, as the reference imposes it
-            self.history.append((event.length, {i: self.cache.kept_positions(i) for i in self.cache.full_layers}))
+            kept = self.cache.eviction.kept_positions
+            self.history.append((event.length, {i: kept(i) for i in self.cache.full_layers}))
         self._events = len(events)
-        self.declared = {i: self.cache.rope_positions(i) for i in self.cache.full_layers}
+        self.declared = {i: self.cache.eviction.rope_positions(i) for i in self.cache.full_layers}
         return got
 
     def reference(self, ids: list[int]) -> Pass:
@@ -81,7 +82,7 @@ class KeptPasses(KVPasses):
             for i, spec in enumerate(self.plan):
                 lp = LayerPass(out=probe.out.get(i), state=probe.state.get(i))
                 if i in probe.read:
-                    lp.keys, lp.positions = probe.read[i], ref.read_positions(i)  # a ring reads its window
+                    lp.keys, lp.positions = probe.read[i], ref.inspect.read_positions(i)  # a ring reads its window
                 layers.append(lp)
             return land(logits, layers)  # copies: the rollback below cannot change them
         finally:
@@ -160,7 +161,7 @@ def rotation_hint(passes: KeptPasses, first: Departure, got: Pass, ref: Pass, to
     for h, columns in enumerate(g.head_positions):
         if p not in columns:
             continue
-        kept = passes.cache.kept_positions(L)[h]
+        kept = passes.cache.eviction.kept_positions(L)[h]
         said = dict(zip(kept, passes.declared[L][h])).get(p) if L in passes.declared else None
         span = range(-passes.cache.length, passes.cache.length + 1)  # a turn from any origin the sequence held
         d = rope_offset(passes, L, g.keys[h:h + 1, columns.index(p)], r.keys[h:h + 1, p], p, tol,

@@ -131,7 +131,7 @@ class KVPasses:
                            window=spec.window if spec.attends == "sliding" else None)
             if i in probe.read:
                 lp.keys = probe.read[i]
-                lp.positions = self.cache.read_positions(i) or list(range(pos + len(ids)))
+                lp.positions = self.cache.inspect.read_positions(i) or list(range(pos + len(ids)))
                 lp.head_positions = probe.columns.get(i)
             if pos == 0 and i in probe.new:  # every position read was written by this pass
                 lp.written = probe.new[i]

@@ -135,7 +135,7 @@ def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, positi
     first write (llama.cpp's types) is judged in the prefill against the keys each layer wrote, with the bound of
     those. Past this step the
     outputs part from the recomputation by design: the check stops here."""
-    report.tokens, report.lossy, report.step = tokens, passes.cache.what_it_did(), step
+    report.tokens, report.lossy, report.step = tokens, passes.cache.inspect.what_it_did(), step
     report.scheme_error = report.scheme_bound = 0.0
     for layer, (g, r, bound) in enumerate(zip(got.layers, ref.layers, bounds)):
         if g.keys is None or r.keys is None:

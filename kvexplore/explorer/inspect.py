@@ -73,7 +73,7 @@ def press(explorer: Any) -> dict[str, Any] | None:
     layer = explorer.layer
     got = eviction.press_scores(layer) if layer in cache.full_layers else None
     scores = None if got is None else got[0].numpy()
-    report = cache.memory_report()
+    report = cache.inspect.memory_report()
     return {"layer": layer, "length": cache.length, "reserved_bytes": report.reserved_bytes,
             "used_bytes": report.logical_bytes,
             "scores": None if got is None else plain(np.where(np.isfinite(scores), scores, np.nan)),

@@ -134,7 +134,8 @@ class LaneTracer(Tracer):
             hooked = self._hooked if cache.length >= end or not cache.stores else []
             for layer, q0, rows, c0 in hooked:
                 if layer in self._per_head:  # one row of positions per KV head
-                    reads = np.asarray(cache.read_positions_by_head(self._per_head[layer]))[:, c0: c0 + rows.shape[-1]]
+                    by_head = cache.eviction.read_positions_by_head(self._per_head[layer])
+                    reads = np.asarray(by_head)[:, c0: c0 + rows.shape[-1]]
                 else:
                     reads = list(step.reads_of(layer))[c0: c0 + rows.shape[-1]]
                 self.history.add(layer, q0, rows, positions=reads)

@@ -34,8 +34,8 @@ from ..models.executor import Executor
 
 SHARED_PASSES = 2  # recorded prefill passes kept for the lanes after them (each holds the prompt's q, k, v and masks)
 # what Model.forward and Attention.forward ask of a cache; a pass that asks anything else is not reused
-_PASS_CALLS = frozenset({"check_write", "begin_step", "attach_model", "commit", "settle", "rollback", "dtype",
-                         "device", "write", "read_shared", "mask", "observes_queries", "note_queries"})
+_PASS_CALLS = frozenset({"check_write", "begin_step", "commit", "settle", "rollback", "dtype", "device", "write",
+                         "read_shared", "mask"})
 
 
 class NotTheSamePass(KVExploreError):
@@ -83,25 +83,17 @@ class _RecordingCache:
 
     def __init__(self, cache: Any, into: Pass) -> None:
         self._inner, self._into = cache, into
-        self._q: dict[int, torch.Tensor] = {}
 
     def __getattr__(self, name: str) -> Any:  # everything else is the cache's own
         if name not in _PASS_CALLS:
             self._into.other_calls.add(name)
         return getattr(self._inner, name)
 
-    def observes_queries(self, layer: int) -> bool:
-        return True  # every layer's queries are noted: a lane reusing the pass may press with them
-
-    def note_queries(self, layer: int, q: torch.Tensor) -> None:
-        self._q[layer] = q
-        if self._inner.observes_queries(layer):
-            self._inner.note_queries(layer, q)
-
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
-        k_all, v_all = self._inner.write(layer, pos, k, v)
-        # compared now: a pressing cache may compact what it gave back when the pass commits
-        self._into.layers[layer] = LayerPass(self._q.pop(layer, None), k, v, exact=_same(k_all, k) and _same(v_all, v))
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None):
+        k_all, v_all = self._inner.write(layer, pos, k, v, queries)
+        # compared now: a pressing cache may compact what it gave back when the pass commits; every layer's queries
+        # are kept: a lane reusing the pass may press with them
+        self._into.layers[layer] = LayerPass(queries, k, v, exact=_same(k_all, k) and _same(v_all, v))
         return k_all, v_all
 
     def read_shared(self, layer: int):
@@ -174,8 +166,7 @@ class Reusing(_Wrapping):
             raise NotTheSamePass("the pass was computed by another model")
         B, T = ids.shape
         cache.check_write(pos, T, B)
-        cache.begin_step(pos, T)
-        cache.attach_model(self._executor.model)
+        cache.begin_step(pos, T, self._executor.model)
         try:
             for layer in range(self.config.num_layers):
                 lp = rec.layers.get(layer)
@@ -191,11 +182,9 @@ class Reusing(_Wrapping):
                             hook(tracer, f"{name}.q", lp.q)
                         k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                         k = hook(tracer, f"{name}.cache_write", k)
-                    if cache.observes_queries(layer):
-                        if lp.q is None:
-                            raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
-                        cache.note_queries(layer, lp.q)
-                    k_all, v_all = cache.write(layer, pos, k, v)
+                    if lp.q is None and (ev := cache.eviction) is not None and ev.reads_queries(layer):
+                        raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
+                    k_all, v_all = cache.write(layer, pos, k, v, lp.q)
                     if not (_same(k_all, lp.k) and _same(v_all, lp.v)):
                         raise NotTheSamePass(f"layer {layer}'s cache read back other keys or values")
                 if tracer is not None:

@@ -27,7 +27,7 @@ def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> st
         return (f"{lane.name} · no sequence yet: press Step (or Prefill) to run the prompt" if not n else
                 f"{lane.name} · {n:,} prompt tokens, nothing generated yet (Step continues){after}")
     cache = lane.cache
-    view = slots if slots is not None else cache.slot_view()
+    view = slots if slots is not None else cache.inspect.slot_view()
     total = len(view.states)
     held = f"cache holds {view.held:,} of {total:,} slots" if total else "cache keeps no slots"
     limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity:,} positions"
@@ -64,7 +64,7 @@ def _end(lane: Lane) -> str:
 def fork_tip(lane: Lane) -> str:
     """What Fork does to ``lane`` (the strategy shown): a paged cache shares its pages with the fork until the two
     sequences part; any other gets a copy of its cache."""
-    shares = isinstance(lane.cache.slot_view().layout, PagedLayout) if lane.history else False
+    shares = isinstance(lane.cache.inspect.slot_view().layout, PagedLayout) if lane.history else False
     return (f"a second sequence from here, forked from {lane.name}: "
             + ("the fork shares its pages until the two sequences part (copy on write)" if shares else
                "the fork gets its own copy of the cache (only a paged cache shares pages)"))

@@ -16,8 +16,8 @@ handler queues messages at once (the buttons turning disabled). Whatever lane st
   untimed, for :data:`WARM_S`, which evens the lanes out.
 
 The figures behind these choices are in docs/explorer.md ("The comparison's step times");
-``tests/test_browser_timing.py`` holds the lanes' step times to agree, and ``benchmarks/explorer_click.py`` times a
-click.
+``tests/screen/test_browser_timing.py`` holds the lanes' step times to agree, and ``benchmarks/explorer_click.py``
+times a click.
 """
 
 from __future__ import annotations

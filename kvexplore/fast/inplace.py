@@ -16,13 +16,12 @@ class InPlace:
                  mask: torch.Tensor) -> None:
         self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
 
-    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor,
+              queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # no press reads the queries of a compiled step
         self.keys[layer].index_copy_(2, self.pos, k)
         self.values[layer].index_copy_(2, self.pos, v)
         return self.keys[layer], self.values[layer]
 
     def mask(self, layer: int, pos: Any, q_len: int) -> torch.Tensor:
         return self._mask
-
-    def observes_queries(self, layer: int) -> bool:
-        return False  # no press reads the queries of a compiled step

@@ -50,6 +50,21 @@ class HFCache(ModelCache):
 
     # -- what the generator asks ---------------------------------------------------------------------------
     @property
+    def inspect(self) -> "HFCache":
+        """A watched transformers cache answers the inspector's questions itself
+        (:class:`~kvexplore.caches.protocol.CacheInspector`): it has no layer caches of kvexplore's to ask."""
+        return self
+
+    #: it drops nothing as it writes (transformers' sliding layers keep their window as kvexplore's rings do)
+    evicts_on_write = False
+
+    def what_it_did(self) -> str:
+        return ""  # it stores what the model wrote
+
+    def speculation_refusal(self) -> str | None:
+        return None
+
+    @property
     def full_layers(self) -> list[int]:
         return [s.index for s in self.plan if s.full]
 
@@ -65,7 +80,7 @@ class HFCache(ModelCache):
             raise CacheFullError(f"the {self.kind} cache holds at most {self.capacity} positions and this step would "
                                  f"need {pos + q_len}: make it with a larger max_seq_len, or rewind")
 
-    def begin_step(self, pos: int, q_len: int) -> None:
+    def begin_step(self, pos: int, q_len: int, model=None) -> None:
         """Keep what :meth:`rollback` needs: the layers' attributes (a concatenating layer's old tensors stay as
         they were) and copies of the tensors a layer writes in place (static and state layers)."""
         self.check_write(pos, q_len)

@@ -77,9 +77,6 @@ class HFModel(Executor):
     def architecture(self) -> str:
         return type(self.hf).__name__
 
-    def attention_implementation(self) -> str:
-        return getattr(self.hf.config, "_attn_implementation", "") or "sdpa"
-
     def forward(self, ids: torch.Tensor, cache: Any, attention: bool = False, hidden: bool = False):
         """One forward pass of the transformers model over ``ids`` (1, T) with ``cache`` (None: no cache), as
         ``generate`` makes it: positions come from the cache's length."""

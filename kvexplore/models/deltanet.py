@@ -2,7 +2,7 @@
 
 Per layer and sequence the state is the last ``kernel - 1`` inputs of a short causal convolution and one matrix
 ``S`` of ``(key dim, value dim)`` per value head (see :mod:`kvexplore.caches.layers.state`). Each token, as transformers
-5.24 computes it (checked in tests/test_parity_state.py):
+5.24 computes it (checked in tests/engine/test_parity_state.py):
 
 1. ``in_proj_qkvz`` gives, per *key* head, ``[q, k, v (r heads), z (r heads)]`` and ``in_proj_ba`` ``[b (r), a (r)]``,
    with ``r = value heads / key heads``;
@@ -15,7 +15,7 @@ Per layer and sequence the state is the last ``kernel - 1`` inputs of a short ca
 Step 4 is :func:`kvexplore.models.delta_rule.gated_delta_rule`: token by token for decoding and short prefills, in
 chunks of 64 tokens (a triangular solve per chunk, the state carried from chunk to chunk, starting from the cache's
 state) from ``CHUNKED_FROM`` tokens on; both give the same outputs and state within float32 rounding (checked in
-tests/test_delta_rule.py). These layers have hook points ``attn.state`` (the recurrent state after the step) and
+tests/engine/test_delta_rule.py). These layers have hook points ``attn.state`` (the recurrent state after the step) and
 ``attn.out`` instead of the attention points.
 """
 
@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
         z = qkvz[..., 2 * dk + r * dv:].reshape(B, T, hv, dv)
         ba = self.in_proj_ba(x).view(B, T, hk, 2 * r)
         b, a = ba[..., :r].reshape(B, T, hv), ba[..., r:].reshape(B, T, hv)
-        conv_state, state = cache.read_state(self.layer)
+        held = cache.states  # the linear-attention layers' states
+        conv_state, state = held.read(self.layer)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1).transpose(1, 2)
         extended = torch.cat([conv_state.to(mixed.dtype), mixed], dim=-1)  # (B, channels, kernel - 1 + T)
         mixed = F.silu(F.conv1d(extended, self.conv1d.weight, groups=extended.shape[1])).transpose(1, 2)  # (B, T, C)
@@ -75,15 +76,15 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normalise(k.reshape(B, T, hk, dk).float()).repeat_interleave(r, 2)
         v = v.reshape(B, T, hv, dv).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # the log decay, (B, T, hv)
-        if cache.checkpointing and T > 1:  # a verification pass: the state after each position, token by token
+        if held.checkpointing and T > 1:  # a verification pass: the state after each position, token by token
             states: list[torch.Tensor] = []
             o, S = recurrent(q, k, v, g, torch.sigmoid(b.float()), state, states)
             K = self.kernel - 1
             convs = torch.stack([extended[..., t + 1:t + 1 + K] for t in range(T)])  # (T, B, channels, kernel - 1)
-            cache.write_state(self.layer, extended[..., -K:], S, (convs, torch.stack(states)))
+            held.write(self.layer, extended[..., -K:], S, (convs, torch.stack(states)))
         else:
             o, S = gated_delta_rule(q, k, v, g, torch.sigmoid(b.float()), state)
-            cache.write_state(self.layer, extended[..., -(self.kernel - 1):], S)
+            held.write(self.layer, extended[..., -(self.kernel - 1):], S)
         if tracer is not None:  # the state after the step (a point only linear-attention layers have)
             hook(tracer, f"layers.{self.layer}.attn.state", S)
         o = self.norm(o.to(x.dtype)) * F.silu(z)  # (B, T, hv, dv)

@@ -96,7 +96,7 @@ class Executor(ABC):
     def cut_back(self, ids: Sequence[int], cache: Any) -> None:
         """Bring ``cache`` back to holding ``ids`` (a prefix of what it holds): a truncate, or, where a sliding ring
         or a recurrent state cannot go back, a :meth:`replay` of ``ids``."""
-        if cache.needs_replay(len(ids)):
+        if cache.inspect.needs_replay(len(ids)):
             self.replay(ids, cache)
         else:
             cache.truncate(len(ids))

@@ -3,7 +3,7 @@ DeepSeek's and Qwen3-Next's). Nothing here touches the KV cache.
 
 gpt-oss (:class:`MixtureOfExperts`):
 
-As transformers 5.24 computes it (checked in tests/test_parity_2025.py): the router's logits (with a bias) are
+As transformers 5.24 computes it (checked in tests/engine/test_parity_2025.py): the router's logits (with a bias) are
 cut to the top k, and the softmax runs over those k only. Each chosen expert is a clamped, biased GLU whose gate
 and up projections are one fused matrix with their columns interleaved (even: gate, odd: up), stored
 ``[experts, in, out]`` and applied as ``x @ W``::

@@ -17,7 +17,7 @@ the ``qk_rope_head_dim`` part, in DeepSeek's interleaved pairs when ``rope_inter
 DeepSeek-V3.2 adds sparse attention (DSA): a small :class:`Indexer` scores the cached positions and each query
 reads only its ``index_topk`` best. Its key (one per position) is cached next to the rope key. A decode step then
 reads a gather of those positions (not ``narrow(2, 0, S)``), and tells the cache which, so the cache map shows
-exactly what each layer read. Checked against transformers 5.24 in tests/test_parity_latent.py.
+exactly what each layer read. Checked against transformers 5.24 in tests/engine/test_parity_latent.py.
 """
 
 from __future__ import annotations

@@ -125,9 +125,8 @@ class Attention(nn.Module):
             if tracer is not None:
                 k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                 k = hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
-            if cache.observes_queries(self.layer):  # a press reads the queries (SnapKV's window, H2O's sums)
-                cache.note_queries(self.layer, q)
-            k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
+            # (B, nkv, S, hd); a press may read the queries (SnapKV's window, H2O's sums)
+            k_all, v_all = cache.write(self.layer, pos, k, v, queries=q)
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
@@ -349,8 +348,7 @@ class Model(nn.Module):
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
         cache.check_write(pos, T, B)
-        cache.begin_step(pos, T)
-        cache.attach_model(self)
+        cache.begin_step(pos, T, self)
         try:
             x = self.embed(host.upload(ids, self.device))  # (B, T, D)
             if tracer is not None:

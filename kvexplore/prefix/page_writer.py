@@ -1,10 +1,12 @@
-"""Where ``PrefixPool.save_html`` (and an event replay's) finds the page writer: the replay registers it
-(:func:`kvexplore.replay.prefix_save.save_prefix_html`) when it is imported, as it does for ``History.save_html``
-(:func:`kvexplore.trace.files.register_html_writer` says why: the drawing layer sits above this one)."""
+"""Where ``PrefixPool.save_html`` (and an event replay's) finds the page writer: the drawing layer registers it
+(:func:`kvexplore.views.prefix_page.save_prefix_html`) when it is imported, and is imported by name on first use,
+as for ``History.save_html`` (:func:`kvexplore.trace.files.register_html_writer` says why: the drawing layer sits
+above this one)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
 from ..errors import StateError
@@ -22,5 +24,7 @@ def register_page_writer(write: PageWriter) -> None:
 
 def write_page(source, path: str | Path, title: str | None = None) -> Path:
     if _writer is None:
-        raise StateError("no prefix page writer is registered: import kvexplore (or kvexplore.replay) first")
+        import_module("kvexplore.views.prefix_page")  # the drawing layer registers its writer (loaded on first use)
+    if _writer is None:
+        raise StateError("no prefix page writer is registered: import kvexplore.replay first")
     return _writer(source, path, title=title)

@@ -156,7 +156,7 @@ class PrefixPool:
             self._give_back(cache)
         result = ServeResult(
             r, label, list(ids), generated, hit, n - hit, misses, table, list(pages), cached, len(evictions),
-            len(pages) * self.cache.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
+            len(pages) * self.cache.table.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
         self.results.append(result)
         self.events.record(self.index, evictions, cached)
         frame = self._maker.frame(result, evictions, len(self._frames))
@@ -282,7 +282,7 @@ class PrefixPool:
 
     @property
     def page_bytes(self) -> int:
-        return self.cache.page_bytes
+        return self.cache.table.page_bytes
 
     def kv_events(self) -> list[dict]:
         """What happened to the cache, one batch per request, as vLLM publishes its KV cache events (map form:

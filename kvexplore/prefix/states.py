@@ -47,13 +47,13 @@ class StateCheckpoints:
         return max((k for k in range(1, matched + 1) if hashes[k - 1] in self.saved), default=0)
 
     def save(self, cache, h: bytes) -> None:
-        self.saved[h] = [tuple(t.clone() for t in cache.read_state(i)) for i in self.layers]
+        self.saved[h] = [tuple(t.clone() for t in cache.states.read(i)) for i in self.layers]
 
     def restore(self, cache, h: bytes) -> int:
         """Copy the state saved at block ``h`` into ``cache``'s recurrent layers; the bytes copied."""
         n = 0
         for i, saved in zip(self.layers, self.saved[h]):
-            for live, kept in zip(cache.read_state(i), saved):
+            for live, kept in zip(cache.states.read(i), saved):
                 live.copy_(kept)
                 n += kept.nbytes
         return n

@@ -120,7 +120,7 @@ def presses_while_decoding(cache: KVCache) -> bool:
 def evicts_as_it_writes(cache: KVCache) -> bool:
     """Whether ``cache`` drops positions as it writes (the sink cache): the queries of one write then read different
     positions, so what each read is seen only when the continuation goes in token by token."""
-    return cache.evicts_on_write
+    return cache.inspect.evicts_on_write
 
 
 def largest_write(cache: KVCache, pos: int, n: int) -> int:
@@ -198,7 +198,7 @@ def full_reference(model: Model, context: Sequence[int], continuation: Sequence[
     tap = _ProbsTap(cache.full_layers, len(ctx), {s.index: s.kv_heads for s in cache.plan})
     rest = model(torch.tensor([cont[:-1]]), cache, len(ctx), tracer=tap)[0]
     logprobs = torch.log_softmax(torch.cat([first, rest]).float().cpu(), -1)
-    return Reference(len(ctx), logprobs, tap.mass, cache.used_bytes, cache.reserved_bytes,
+    return Reference(len(ctx), logprobs, tap.mass, cache.inspect.used_bytes, cache.inspect.reserved_bytes,
                      math.exp(_nll(logprobs, cont)))
 
 
@@ -207,7 +207,7 @@ def kept_context(cache: KVCache, layer: int, context: int) -> torch.Tensor:
     spec = cache.plan[layer]
     out = torch.zeros((spec.kv_heads, context), dtype=torch.bool)
     per_head = (cache.eviction.kept_positions(layer) if cache.eviction is not None
-                else [cache.held_positions_of(layer)] * spec.kv_heads)
+                else [cache.inspect.held_positions_of(layer)] * spec.kv_heads)
     for h, positions in enumerate(per_head):
         out[h, [p for p in positions if p < context]] = True
     return out
@@ -245,7 +245,7 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
             if pressed:  # a press runs after the step's attention: the queries read what was kept before it
                 kept[i][:, pos - C:pos - C + n] = kept_context(cache, i, C)[:, None]
             else:  # other caches evict as they write: what the step read, after it
-                held = [p for p in cache.read_positions(i) if p < C]
+                held = [p for p in cache.inspect.read_positions(i) if p < C]
                 kept[i][:, pos - C:pos - C + n, held] = True
 
     rest = feed(model, cache, cont[:-1], C, stepwise=stepwise, before=read if pressed else None,
@@ -255,5 +255,6 @@ def compression_quality(model: Model, context: Sequence[int], continuation: Sequ
     kl = (full.exp() * (full - logprobs)).sum(-1).clamp_min(0)
     top1 = float((full.argmax(-1) == logprobs.argmax(-1)).float().mean())
     mass = {i: float((reference.mass[i] * kept[i]).sum() / reference.mass[i].sum()) for i in layers}
-    return Quality(kl.tolist(), top1, math.exp(_nll(logprobs, cont)), reference.perplexity, mass, cache.used_bytes,
-                   cache.reserved_bytes, reference.used_bytes, reference.reserved_bytes, len(writes) > 1)
+    inspect = cache.inspect
+    return Quality(kl.tolist(), top1, math.exp(_nll(logprobs, cont)), reference.perplexity, mass, inspect.used_bytes,
+                   inspect.reserved_bytes, reference.used_bytes, reference.reserved_bytes, len(writes) > 1)

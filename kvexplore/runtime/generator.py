@@ -274,7 +274,7 @@ class Generator:
                              f"(0 <= n <= {len(self.history)})")
         if n:
             target = min(self.cache.length, len(self._tokens) - n - 1)
-            if not self.cache.needs_replay(target):
+            if not self.cache.inspect.needs_replay(target):
                 self.cache.check_truncate(target)  # evicted positions
 
     def rewind(self, n: int = 1) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..caches.inspection import lossy_by_design
+from ..caches.inspector import lossy_by_design
 from ..trace.records import Candidate, StepRecord
 
 PREFILL, DECODE = "prefill", "decode"  # a record's kind: the pass over the prompt, or a step after it
@@ -33,7 +33,7 @@ def step_record(logits: torch.Tensor, token: int, *, step: int, first: bool, pos
                       text=text(token), position=pos + feed, input_len=feed, cache_length=cache.length,
                       prob=float(probs[token]), top=top, forward_s=forward_s,
                       sample_s=time.perf_counter() - sampled_at, is_eos=token in eos,
-                      memory=cache.memory_report(), trace=None if tracer is None else tracer.end_step(cache))
+                      memory=cache.inspect.memory_report(), trace=None if tracer is None else tracer.end_step(cache))
 
 
 def eos_ids(executor: Any) -> list[int]:

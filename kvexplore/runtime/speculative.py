@@ -14,8 +14,9 @@ the ``i``-th drafted token, so:
   ``normalise(max(0, p - q))``; all accepted: the bonus draws from ``p``. The output is distributed as ``p``'s.
 
 Then the take-back: the cache holds ``k + 1`` new positions and only the ``m`` accepted ones (the fed token and the
-accepted drafts) stay. Where every layer can be cut exactly (:meth:`~kvexplore.caches.rewind.Rewind.crop_error` is None)
-the cache is truncated: each layer's way (stale slots, a narrowed view, pages back to the pool) is its ``crop_way``.
+accepted drafts) stay. Where every layer can be cut exactly
+(:meth:`~kvexplore.caches.inspector.Inspector.crop_error` is None) the cache is truncated: each layer's way (stale
+slots, a narrowed view, pages back to the pool) is its ``crop_way``.
 Otherwise (a ring the draft wrapped, a sink window that evicted, a quantized flush, a recurrent state) the step is
 rolled back from its undo journal, which puts every overwritten slot and state back, and the accepted tokens are
 written again by a second pass (``recompute``): the cache a step that never saw the rejected tokens leaves.
@@ -107,7 +108,7 @@ class Speculation:
 
     def __init__(self, draft, draft_tokens: int, executor, cache) -> None:
         self.k = integer(draft_tokens, "draft_tokens", 1, 64, hint=" (tokens drafted per verification)")
-        if msg := cache.speculation_refusal():
+        if msg := cache.inspect.speculation_refusal():
             raise SettingsError(f"draft={draft!r}: {msg}")
         self.drafter: Drafter = make_drafter(draft, executor)
         self.verifications: list[Verification] = []
@@ -165,7 +166,7 @@ class Speculation:
         try:
             with checkpoints:
                 logits = ex(torch.tensor([feed], dtype=torch.long), cache, start, tracer=tracer, keep_undo=True)
-            pass_memory = cache.memory_report()  # what the pass wrote, before the take-back
+            pass_memory = cache.inspect.memory_report()  # what the pass wrote, before the take-back
             logits = logits[0, -(k + 1):]
             (logits,) = host.fetch([logits])
             verify_s, t1 = clock.since(mark), time.perf_counter()
@@ -179,8 +180,8 @@ class Speculation:
             how, why = NOTHING, None
             tb = time.perf_counter()
             if cache.stores and keep < cache.length:
-                why = cache.crop_error(keep)
-                if why is None and keep_undo and (undo := cache.crop_error(start)) is not None:
+                why = cache.inspect.crop_error(keep)
+                if why is None and keep_undo and (undo := cache.inspect.crop_error(start)) is not None:
                     why = f"undo_step needs the journal (a cut back to {start} would not be exact: {undo})"
                 if why is None:
                     cache.truncate(keep)
@@ -291,7 +292,7 @@ def back_to(start: int, how: str, target: Target, tokens: list[int]) -> None:
     cache = target.cache
     if how != TRUNCATE:
         cache.rollback()
-    elif cache.crop_error(start) is None:
+    elif cache.inspect.crop_error(start) is None:
         cache.truncate(start)
     else:
         target.executor.replay(tokens[:start], cache)

@@ -60,7 +60,7 @@ def memory_line(m: MemoryReport) -> str:
 
 
 def step_view(record: StepRecord, views: SlotView | Sequence[SlotView], num_layers: int, width: int = 96) -> str:
-    """The token, then one slot map per kind of layer cache (``views``: one per layer, as ``cache.slot_views()``
+    """The token, then one slot map per kind of layer cache (``views``: one per layer, as ``cache.inspect.slot_views()``
     gives, or one for all layers) and the step's memory on the first."""
     start = record.position - record.input_len
     written = set(range(start, record.position)) if record.cache_length else set()

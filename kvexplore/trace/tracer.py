@@ -265,24 +265,24 @@ class Tracer:
         """The step's trace: what the hooks captured lands on the host here, in one transfer after the pass."""
         step, self._step = self._step, None
         pending, self._pending = self._pending, []
-        sparse = cache.pending_reads()
+        sparse = cache.inspect.pending_reads()
         landed = host.fetch([t for t, _ in pending] + list(sparse.values()))
         for (_, land), copy in zip(pending, landed):
             land(copy)
-        cache.land_reads(dict(zip(sparse, landed[len(pending):])))
+        cache.inspect.land_reads(dict(zip(sparse, landed[len(pending):])))
         c = cache.config
         computed = list(range(self._pos + self._q_len))  # what a cache that keeps nothing read
         by_kind: dict[tuple, list[int]] = {}
         for spec in cache.plan:  # one list per kind of read (full, sliding, each shared source, each sparse layer)
-            key = cache.read_group(spec.index)
+            key = cache.inspect.read_group(spec.index)
             if key not in by_kind:
-                by_kind[key] = cache.read_positions(spec.index) or computed
+                by_kind[key] = cache.inspect.read_positions(spec.index) or computed
             step.layer_reads.append(by_kind[key])
         step.main_layer = cache.full_layers[0] if cache.full_layers else 0
         step.heads = list(range(c.num_heads)) if self.heads is None else list(self.heads)
         step.gqa_groups = c.gqa_groups
         if "cache" in self.capture:
-            step.layer_slots = cache.slot_views()
+            step.layer_slots = cache.inspect.slot_views()
             step.press = press_record(cache, self._press)
             self._press = step.press.last if step.press is not None else None
         self._cache = None  # a tracer kept after the run must not keep the cache alive
@@ -294,9 +294,9 @@ class Tracer:
 
     def _event(self, layer: int, k_read: torch.Tensor) -> CacheEvent:
         cache = self._cache
-        storages = {t.untyped_storage().data_ptr() for t in cache.storage(layer)}
+        storages = {t.untyped_storage().data_ptr() for t in cache.inspect.storage(layer)}
         wrote = 0 if cache.plan[layer].shares else self._q_len
-        return CacheEvent(layer=layer, write=(self._pos, wrote), read=cache.read_window(layer, k_read.shape[2]),
+        return CacheEvent(layer=layer, write=(self._pos, wrote), read=cache.inspect.read_window(layer, k_read.shape[2]),
                           read_shape=tuple(k_read.shape), data_ptr=k_read.data_ptr(),
                           storage_offset=k_read.storage_offset(), stride=tuple(k_read.stride()),
                           view=k_read.untyped_storage().data_ptr() in storages)

@@ -1,7 +1,7 @@
 """The widgets' and pages' JavaScript, HTML and CSS: real files beside the module that uses them (``plot_figure.js``
 beside ``plot.py``), package data listed in pyproject.toml, found and read here. An anywidget takes its module as
 the file (:func:`path`); what goes into a page's text, or is joined with other code, is read once, at import
-(:func:`text`). tests/test_assets.py checks that every file named exists and is packaged."""
+(:func:`text`). tests/screen/test_assets.py checks that every file named exists and is packaged."""
 
 from __future__ import annotations
 

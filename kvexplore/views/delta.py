@@ -18,7 +18,6 @@ import numpy as np
 from . import assets
 
 DELETE = {"$del": 1}
-MARKERS = ("$del", "$splice", "$in")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -3,7 +3,7 @@
 can go on a course page, into slides or a bug report.
 
 Everything that draws a run as a page lives here, in the drawing layer, because three places draw one:
-``kvexplore.replay`` (and ``kvexplore export``) writes the page, an explorer's ``save_html`` writes the same page of
+:mod:`kvexplore.replay` (and ``kvexplore export``) writes the page, an explorer's ``save_html`` writes the same page of
 its session, and a notebook's static copy of an explorer embeds the fragment. The figures are the registry's views
 (:mod:`.frames`), so all three show the same views, including any added to the registry.
 

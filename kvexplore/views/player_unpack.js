@@ -2,7 +2,7 @@
 // unpack(root) runs the packed plotly.js once per page (or waits for another fragment's), then gives the packed data
 // (views/page.py: pack) and decode(v), which turns the array references ({"$a": i, "n": n}, views/frames.py:
 // ArrayStore) back into typed arrays and lists of strings stored once in a table ({"$t": indices into all.strings},
-// replay/prefix_page.py); wire(...) then drives its slider and play button.
+// views/prefix_page.py); wire(...) then drives its slider and play button.
 const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
 async function gunzip(el) {

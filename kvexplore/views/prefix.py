@@ -2,7 +2,7 @@
 anything with ``frames()``, or a list of :class:`~kvexplore.prefix.frames.PoolFrame`) and, for one frame, the three
 figures (:mod:`.prefix_pool`, :mod:`.prefix_tree`, :mod:`.prefix_timeline`) and its story (:mod:`.prefix_words`).
 The notebook widget (:class:`kvexplore.explorer.prefix_widget.PrefixView`) and the HTML replay
-(:func:`kvexplore.replay.prefix_save.save_prefix_html`) both draw from here.
+(:func:`kvexplore.views.prefix_page.save_prefix_html`) both draw from here.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..caches.base import SlotView
-from ..caches.inspection import lossy_by_design
+from ..caches.inspector import lossy_by_design
 from ..config.model_config import ModelConfig
 from ..trace.records import StepRecord
 
@@ -45,8 +45,8 @@ class LaneDetail:
 class SpecInfo:
     """A lane that drafts (speculative decoding), live: its drafter, tokens drafted per verification, its
     verifications (:class:`~kvexplore.runtime.speculative.Verification`), how each kind of layer of its cache takes
-    drafts back (``cache.crop_ways()``) and the doctor's verdict after its last take-back, short and in full (None:
-    not run)."""
+    drafts back (``cache.inspect.crop_ways()``) and the doctor's verdict after its last take-back, short and in full
+    (None: not run)."""
 
     drafter: str
     k: int
@@ -112,14 +112,14 @@ def take(session: Any, strip: Any, shown: str, second: str | None, layer: int, h
     for name, lane in session.lanes.items():
         lanes[name] = LaneSnapshot(name, lane.kind, list(lane.history), lane.kl, lane.top1, set(lane.forced_at),
                                    speculation=_speculation(lane, pace),
-                                   did=lane.cache.what_it_did() if lane.history else "")
+                                   did=lane.cache.inspect.what_it_did() if lane.history else "")
     for name in dict.fromkeys(n for n in (shown, second) if n in session.lanes):
         lane = session.lanes[name]
         has = bool(lane.history)
         lossy = lane.cache.quantization if has else None  # None: an exact cache, or nothing stepped yet
         lanes[name].detail = LaneDetail(
             texts=strip.texts(tokenizer, lane.generator),
-            slots=lane.cache.slot_views() if has else None,
+            slots=lane.cache.inspect.slot_views() if has else None,
             norms=lane.tracer.norms[lane.cache.plan[layer].source] if has else None,  # a shared layer: its source's
             stored_error=lossy.stored_error(layer) if lossy is not None else None,
             lossy=lossy_by_design(lane.cache),
@@ -138,6 +138,6 @@ def _speculation(lane: Any, pace: str | None) -> SpecInfo | None:
         return None
     checkups = lane.checkups
     last = checkups[max(checkups)] if checkups else None
-    return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.crop_ways(),
+    return SpecInfo(spec.drafter.name, spec.k, list(spec.verifications), lane.cache.inspect.crop_ways(),
                     last.short if last else None, last.text if last else None,
                     pace if pace != lane.name else None)

@@ -2,8 +2,8 @@
 drafts stacked on the rejected ones, a bar per verification at the step of its last token) and the tokens each
 forward pass gave (1 for a plain step, the accepted drafts and the correction or bonus for a verification) with the
 mean so far; the title says the drafter, the counts, how the cache took the rejected drafts back (truncated: each
-layer's way, ``cache.crop_ways()``; recomputed: the layer that asked for it, ``Verification.why``) and the doctor's
-verdict after the last take-back.
+layer's way, ``cache.inspect.crop_ways()``; recomputed: the layer that asked for it, ``Verification.why``) and the
+doctor's verdict after the last take-back.
 
 The bars and lines come from the records alone (``record.verification``, ``draft_token``, ``input_len``), so a
 replay draws them too; the take-back's way and the doctor need the live lane (:class:`~.snapshot.SpecInfo`). More

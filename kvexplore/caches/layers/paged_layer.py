@@ -55,6 +55,11 @@ class PagePool:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.k, *self.v) if t is not None]
 
+    @property
+    def free_blocks(self) -> int:
+        """Pages on the free list (shared with every fork)."""
+        return len(self.free)
+
 
 class PageTable:
     """One sequence group's block tables on a :class:`PagePool` (shared by every full layer of one cache; a fork

@@ -7,8 +7,8 @@ and replaces both in place: memory never grows, and nothing is written per posit
 
 The state of position ``n`` cannot be recovered from the state of a later position, so a rewind of a state layer
 (``truncate(n)`` for ``0 < n < length``) is refused; :meth:`kvexplore.Generator.rewind` then recomputes the kept
-tokens in one pass (``needs_replay``). No earlier states are kept: a rewind costs one forward pass over the kept
-sequence, and no memory. A write at position 0 (a new prompt) starts from zero state.
+tokens in one pass (``cache.inspect.needs_replay``). No earlier states are kept: a rewind costs one forward pass over
+the kept sequence, and no memory. A write at position 0 (a new prompt) starts from zero state.
 
 Speculative decoding's verification pass is the exception: with ``cache.checkpointing`` the layer receives the state
 after each position the pass wrote (``checkpoints``; ``k + 1`` copies of the state, counted as allocated) and keeps

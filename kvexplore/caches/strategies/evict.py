@@ -40,6 +40,7 @@ from ...config.model_config import ModelConfig
 from ...core.settings import integer
 from ...errors import SettingsError
 from ..base import KVCache
+from ..inspector import Inspector
 from ..options import Flag, Options, maybe, one_of, option, positive
 from ..layers.compact import CompactLayer
 from ..layers.masked import MaskedLayer
@@ -116,6 +117,11 @@ class EvictCache(KVCache):
     kind = "evict"
     Options = EvictOptions
 
+    @property
+    def inspect(self) -> "EvictInspector":
+        """What the cache can say about itself, what it did included (:class:`EvictInspector`)."""
+        return EvictInspector(self)
+
     def __init__(self, config: ModelConfig, press: Any = "knorm", compression_ratio: float | None = 0.5,
                  kept_tokens: int | None = None, schedule: str = "uniform", heads: str = "per-head",
                  positions: str = "keep", storage: str = "compact", decode_every: int | None = None,
@@ -135,19 +141,6 @@ class EvictCache(KVCache):
         full = [s.index for s in self.plan if s.full]
         self.pressplan = PressPlan(self.press, self.budget, positions == "rerotate", decode_every, decode_target, full)
         self._build()
-
-    def speculation_refusal(self) -> str | None:
-        every = self.pressplan.decode_every
-        if every is None:
-            return None
-        return (f"presses while decoding (decode_every={every}) run at step boundaries, and a drafting generator's "
-                f"steps are verification passes of several tokens: its tokens would not be plain decoding's. Press "
-                f"after the prompt only (decode_every=None), or generate without draft=")
-
-    @classmethod
-    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
-        options["max_seq_len"] = slots
-        return slots  # the prompt is held whole before its press (a masked storage: always)
 
     def refuses(self, spec: LayerSpec) -> str | None:
         if spec.latent:
@@ -183,11 +176,8 @@ class EvictCache(KVCache):
             raise
 
     # -- rewinds ---------------------------------------------------------------------------------------------
-    def needs_replay(self, n: int) -> bool:
-        return (n == 0 or self.pressplan.replayable(n)) and super().needs_replay(n)
-
     def check_truncate(self, n: int, rings: bool = True) -> None:
-        if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self._recompute_error(n)):
+        if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self.inspect.replay_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg} (recomputing the kept tokens instead would press them "
                                 f"as one prompt, not as the presses ran)")
         super().check_truncate(n, rings)
@@ -199,18 +189,16 @@ class EvictCache(KVCache):
             for i in self.full_layers:
                 self.layers[i].restart()
 
-    def attach_model(self, model: Any) -> None:
+    def _attach(self, model: Any) -> None:
         plan = self.pressplan
         plan.rotary = model.rotary
         if model.config.attention_sinks and plan.queries:  # the attention a press reads is the model's, sinks too
             layers = model.model.layers
             plan.sinks = {i: layers[i].self_attn for i in self.full_layers}  # the model's: not the cache's memory
 
-    def observes_queries(self, layer: int) -> bool:
-        return self.pressplan.queries > 0 and layer in self._pressed
-
-    def note_queries(self, layer: int, q: torch.Tensor) -> None:
-        self.layers[layer].note_queries(q)
+    def _note_queries(self, layer: int, q: torch.Tensor) -> None:
+        if self.pressplan.queries > 0 and layer in self._pressed:  # a press that reads queries, of a pressed layer
+            self.layers[layer].note_queries(q)
 
     def _pressed_layer(self, layer: int) -> PressedLayer:
         if layer not in self._pressed:
@@ -220,41 +208,56 @@ class EvictCache(KVCache):
 
 
     # -- what it kept -------------------------------------------------------------------------------------
-    def what_it_did(self) -> str:
-        events = self.pressplan.events
-        if not events:
-            return (f"evict cache ({self.press.name}): nothing pressed yet ({self.length} positions held; the prompt "
-                    f"is pressed when it is prefilled, and decoding presses only with decode_every=N)")
-        last = events[-1]
-        kept = f"{min(last.kept)}" if min(last.kept) == max(last.kept) else f"{min(last.kept)}-{max(last.kept)}"
-        return (f"evict cache ({self.press.name}): {len(events)} press{'es' if len(events) > 1 else ''}, the last "
-                f"({last.reason}) at {last.length} positions kept {kept} per head in {len(last.kept)} pressed "
-                f"layer{'s' if len(last.kept) > 1 else ''}")
+    @property
+    def eviction(self) -> "Eviction":
+        """What the presses kept, per layer and KV head (:class:`Eviction`)."""
+        return Eviction(self)
+
+
+class Eviction:
+    """The evict cache's answers to :class:`~kvexplore.caches.protocol.Eviction` (``cache.eviction``): per KV head,
+    what each pressed layer holds, where each held key is rotated, what each head read; the presses so far."""
+
+    def __init__(self, cache: EvictCache) -> None:
+        self.cache = cache
 
     @property
-    def eviction(self) -> "EvictCache":
-        """This cache answers every question of :class:`~kvexplore.caches.protocol.Eviction`."""
-        return self
+    def press(self) -> Any:
+        """The press (:class:`~kvexplore.caches.presses.Press`) that scores positions."""
+        return self.cache.press
+
+    @property
+    def pressplan(self) -> PressPlan:
+        """When and how far it presses (``pressplan.decode_every``: presses while decoding)."""
+        return self.cache.pressplan
+
+    def reads_queries(self, layer: int) -> bool:
+        """Whether ``layer``'s press reads its queries (the model hands them over with its write)."""
+        cache = self.cache
+        return cache.pressplan.queries > 0 and layer in cache._pressed
+
+    def _layer(self, layer: int) -> PressedLayer:
+        return self.cache._pressed_layer(layer)
 
     def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head of ``layer``, the sorted positions it still holds (of sequence ``batch``)."""
-        return self._pressed_layer(layer).kept(self._batch_index(batch))
+        return self._layer(layer).kept(self._batch(batch))
 
     def rope_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head, the position each held key is rotated at (in :meth:`kept_positions`'s order): the
         position itself unless re-rotated."""
-        return self._pressed_layer(layer).rope_positions(self._batch_index(batch))
+        return self._layer(layer).rope_positions(self._batch(batch))
 
     def read_positions_by_head(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head, the position in each key column ``layer``'s attention read in the last step (-1: a
         column that head did not hold). The compacting storage's columns are slots, each head's own positions;
         :meth:`read_positions` gives head 0's. The masking storage's columns are the positions, every head alike
         (what a head evicted is masked out)."""
-        return self._pressed_layer(layer).read_positions_by_head(self.length, self._batch_index(batch))
+        return self._layer(layer).read_positions_by_head(self.cache.length, self._batch(batch))
 
     def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor:
         """``(kv_heads, length)`` bool on the host: which positions each head holds."""
-        out = torch.zeros((self.plan[layer].kv_heads, self.length), dtype=torch.bool)
+        out = torch.zeros((self.cache.plan[layer].kv_heads, self.cache.length), dtype=torch.bool)
         for h, positions in enumerate(self.kept_positions(layer, batch)):
             out[h, positions] = True
         return out
@@ -262,22 +265,51 @@ class EvictCache(KVCache):
     def press_scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The last press's scores ``(kv_heads, length then)`` by position (NaN where nothing was held) and what it
         kept, on the host, for the first sequence; None before any press."""
-        target = self._pressed_layer(layer)
+        target = self._layer(layer)
         return None if target.scores is None else (target.scores, target.scored_kept)
 
     @property
     def press_events(self) -> list[PressEvent]:
         """Every press so far, in order."""
-        return list(self.pressplan.events)
+        return list(self.cache.pressplan.events)
 
     def overhead_slots(self, layer: int) -> int:
         """Slots of ``layer``'s storage holding no kept position (the compacting layer's headroom and padding; the
         masked layer's evicted and free positions)."""
-        return self._pressed_layer(layer).overhead_slots()
+        return self._layer(layer).overhead_slots()
 
     def held_counts(self, layer: int, batch: int = 0) -> tuple[int, ...]:
         """How many positions each KV head of ``layer`` holds (one small read, no position lists)."""
-        return tuple(self._pressed_layer(layer).head_counts()[self._batch_index(batch)].tolist())
+        return tuple(self._layer(layer).head_counts()[self._batch(batch)].tolist())
 
-    def _batch_index(self, batch: int) -> int:
-        return integer(batch, "batch", 0, self.batch_size - 1)
+    def _batch(self, batch: int) -> int:
+        return integer(batch, "batch", 0, self.cache.batch_size - 1)
+
+
+class EvictInspector(Inspector):
+    """What an evict cache can say about itself: what it did to the sequence so far, and when going back recomputes
+    (only to where the presses could run again as they ran)."""
+
+    def needs_replay(self, n: int) -> bool:
+        return (n == 0 or self.cache.pressplan.replayable(n)) and super().needs_replay(n)
+
+    def what_it_did(self) -> str:
+        cache = self.cache
+        events = cache.pressplan.events
+        if not events:
+            return (f"evict cache ({cache.press.name}): nothing pressed yet ({cache.length} positions held; the prompt "
+                    f"is pressed when it is prefilled, and decoding presses only with decode_every=N)")
+        last = events[-1]
+        kept = f"{min(last.kept)}" if min(last.kept) == max(last.kept) else f"{min(last.kept)}-{max(last.kept)}"
+        return (f"evict cache ({cache.press.name}): {len(events)} press{'es' if len(events) > 1 else ''}, the last "
+                f"({last.reason}) at {last.length} positions kept {kept} per head in {len(last.kept)} pressed "
+                f"layer{'s' if len(last.kept) > 1 else ''}")
+
+    def speculation_refusal(self) -> str | None:
+        cache = self.cache
+        every = cache.pressplan.decode_every
+        if every is None:
+            return None
+        return (f"presses while decoding (decode_every={every}) run at step boundaries, and a drafting generator's "
+                f"steps are verification passes of several tokens: its tokens would not be plain decoding's. Press "
+                f"after the prompt only (decode_every=None), or generate without draft=")

@@ -9,6 +9,7 @@ import torch
 from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
 from ...core.settings import choice, positive_int
+from ..inspector import Inspector
 from ..base import KVCache
 from ..ggml_blocks import TYPES, bits_per_value, dequantize, quantize
 from ..layers.ggml_layer import GGMLLayer
@@ -26,6 +27,11 @@ class GGMLCache(KVCache):
     """
 
     kind = "quantized"
+
+    @property
+    def inspect(self) -> "GGMLInspector":
+        """What the cache can say about itself, what it did included (:class:`GGMLInspector`)."""
+        return GGMLInspector(self)
 
     def __init__(self, config: ModelConfig, max_seq_len: int, k_type: str = "f16", v_type: str = "f16",
                  batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -53,11 +59,6 @@ class GGMLCache(KVCache):
         target = self.layers[layer]
         return target.k, target.v
 
-    def what_it_did(self) -> str:
-        return (f"llama.cpp cache types: keys {self.k_type} ({bits_per_value(self.k_type):g} bits a value), values "
-                f"{self.v_type} ({bits_per_value(self.v_type):g} bits a value); all {self.length} positions stored "
-                f"quantized as they were written")
-
 
 class GGMLStorage(LossyStorage):
     """llama.cpp's cache types as lossy storage: no record of the originals (the doctor measures the error against
@@ -81,3 +82,13 @@ class GGMLStorage(LossyStorage):
             return (dequantize(quantize(x, ctype), ctype) - x).abs() + 1e-6 * x.abs().amax().clamp_min(1)
 
         return bound(keys, self.cache.k_type), bound(values, self.cache.v_type)
+
+
+class GGMLInspector(Inspector):
+    """What a llama.cpp-typed cache can say about itself: what it did to the sequence so far."""
+
+    def what_it_did(self) -> str:
+        cache = self.cache
+        return (f"llama.cpp cache types: keys {cache.k_type} ({bits_per_value(cache.k_type):g} bits a value), values "
+                f"{cache.v_type} ({bits_per_value(cache.v_type):g} bits a value); all {cache.length} positions stored "
+                f"quantized as they were written")

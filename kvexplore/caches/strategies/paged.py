@@ -87,11 +87,6 @@ class PagedCache(KVCache):
         self.table = PageTable(pool, batch_size, paged, self.device)
         self._build()
 
-    @classmethod
-    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
-        options["max_seq_len"] = slots
-        return slots
-
     def full_layer(self, spec: LayerSpec) -> PagedLayer:
         return PagedLayer(spec, self.batch_size, self.dtype, self.device, self.table)
 
@@ -111,30 +106,15 @@ class PagedCache(KVCache):
         return self.table.tables
 
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def free_blocks(self) -> int:
-        """Pages on the pool's free list (shared with every fork)."""
-        return len(self.pool.free)
-
-    @property
     def block_tables(self) -> list[list[int]]:
         """Physical page of each logical block, one list per sequence (copies)."""
         return self.table.copies()
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across the paged layers (the full ones, and the sliding ones when windows are kept
-        whole), keys and values: ``2 * kv_heads * block_size * hd * elt`` summed over them."""
-        return self.table.page_bytes
-
-    @property
     def capacity(self) -> int:
         """Longest length every sequence can reach from here, given the free pages (and ``max_seq_len``). A
         shared partly filled last page costs one page (its copy) before the sequence can grow."""
-        bs, free = self.block_size, self.free_blocks
+        bs, free = self.block_size, self.pool.free_blocks
         n = math.ceil(self.length / bs)
         cows = sum(1 for t in self._tables if self.length % bs and self.pool.refcount[t[-1]] > 1)
         reach = self.length if cows > free else max(self.length, (n + (free - cows) // self.batch_size) * bs)
@@ -145,12 +125,13 @@ class PagedCache(KVCache):
         if self.max_seq_len is not None and pos + q_len > self.max_seq_len:
             raise CacheFullError(used=pos, needed=q_len, capacity=self.max_seq_len)
         needed, released = self.table.pages_needed(pos, q_len)
-        if needed > self.free_blocks + released:
-            raise PagePoolFullError(self.num_blocks - self.free_blocks, needed, self.num_blocks, self.free_blocks)
+        pool = self.pool
+        if needed > pool.free_blocks + released:
+            raise PagePoolFullError(pool.num_blocks - pool.free_blocks, needed, pool.num_blocks, pool.free_blocks)
 
-    def begin_step(self, pos: int = 0, q_len: int = 0) -> None:
+    def begin_step(self, pos: int = 0, q_len: int = 0, model=None) -> None:
         self.check_write(pos, q_len, self.batch_size)  # the plan takes pages: refuse before it does
-        super().begin_step(pos, q_len)
+        super().begin_step(pos, q_len, model)
 
     def sibling(self) -> "PagedCache":
         """An empty cache for another sequence on the same pool (the same tensors): what a server makes for each
@@ -158,7 +139,7 @@ class PagedCache(KVCache):
         twin = self._copy("fork")
         twin.table.release()
         twin.table.tables = [[] for _ in range(self.batch_size)]
-        twin._length, twin._report = 0, None
+        twin._length, twin.book.report = 0, None
         return twin
 
     def adopt(self, pages: list[int], length: int) -> None:
@@ -174,7 +155,7 @@ class PagedCache(KVCache):
         for page in pages:
             self.pool.hold(page)
         self.table.tables[0] = list(pages)
-        self._length, self._report = length, None
+        self._length, self.book.report = length, None
 
     def fork(self) -> "PagedCache":
         """A second cache on the same pool (the same tensors) with a copy of the block tables: every page is
@@ -188,14 +169,3 @@ class PagedCache(KVCache):
             self.table.release()
         except Exception:  # half-built object, or interpreter shutdown
             pass
-
-    @property
-    def pool_bytes_in_use(self) -> int:
-        """Bytes of the pages some sequence of the pool (this cache or a fork) holds."""
-        return (self.num_blocks - self.free_blocks) * self.page_bytes
-
-    @property
-    def full_reserved_bytes(self) -> int:
-        """Bytes of the whole pool. Forks share it, so each reports the whole pool (do not sum over forks);
-        :attr:`pool_bytes_in_use` is the part held by any of them."""
-        return self.num_blocks * self.page_bytes

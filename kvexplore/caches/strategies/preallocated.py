@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -37,11 +36,6 @@ class PreallocatedCache(KVCache):
         self._capacity = self.options.max_seq_len
         self._build()
 
-    @classmethod
-    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
-        options["max_seq_len"] = slots
-        return slots
-
     def full_layer(self, spec: LayerSpec) -> PreallocatedLayer:
         return PreallocatedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity)
 
@@ -51,7 +45,7 @@ class PreallocatedCache(KVCache):
         ``begin_step`` and before the storages change; ``commit`` follows."""
         step = self._step_for(pos, q_len)
         for layer in self.full_layers:
-            self._layer_moved[layer] = (self.layers[layer].prepare(step, pos, q_len), 0)
+            self.book.moved[layer] = (self.layers[layer].prepare(step, pos, q_len), 0)
 
     def key(self, layer: int) -> torch.Tensor | None:
         """The live key storage of ``layer``, all ``capacity`` slots (slots past ``length`` are stale or zero);

@@ -19,6 +19,7 @@ from ...core.settings import integer
 from ...errors import SettingsError
 from ..base import KVCache
 from ..ggml_blocks import TYPES
+from ..inspector import Inspector
 from ..options import Flag, Options, count, maybe, one_of, option, positive, switch
 from .ggml import GGMLCache
 from ..layers.quantized_layer import QuantizedLayer
@@ -163,6 +164,11 @@ class QuantizedCache(KVCache):
     kind = "quantized"
     Options = QuantizedOptions
 
+    @property
+    def inspect(self) -> "QuantizedInspector":
+        """What the cache can say about itself, what it did included (:class:`QuantizedInspector`)."""
+        return QuantizedInspector(self)
+
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                  residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, k_type: None = None, v_type: None = None,
@@ -190,11 +196,6 @@ class QuantizedCache(KVCache):
         self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
         self._rotations: dict[int, torch.Tensor] = {}  # one Hadamard matrix per head width, shared by the layers
         self._build()
-
-    @classmethod
-    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
-        options["max_seq_len"] = slots
-        return slots
 
     def refuses(self, spec: LayerSpec) -> str | None:
         if why := QuantizedLayer.refuses(spec):
@@ -225,18 +226,13 @@ class QuantizedCache(KVCache):
             made.append(Codec(bits, axis, group, rotation, math.ceil(self.outliers * D), pre_rope))
         return made[0], made[1]
 
-    @property
-    def bits(self) -> int:
-        """The code width of keys (and of values, unless ``value_bits`` differs)."""
-        return self.key_bits
-
     def full_layer(self, spec: LayerSpec) -> QuantizedLayer:
         layer = QuantizedLayer(spec, self.batch_size, self.dtype, self.device, self._capacity, self.codecs(spec),
                                self.group_size, self.residual, self.config.layer_types[spec.index])
         layer.exact_prefill = self.exact_prefill
         return layer
 
-    def attach_model(self, model) -> None:
+    def _attach(self, model) -> None:
         for layer in self._full():  # pre-RoPE keys turn back and forth with the model's rotary
             layer.rotary = model.rotary
 
@@ -253,24 +249,6 @@ class QuantizedCache(KVCache):
         """What the quantization did and may do (:class:`~kvexplore.caches.protocol.Quantization`)."""
         return KiviStorage(self)
 
-    def what_it_did(self) -> str:
-        q, n = self.quantized_upto, self.length
-        if not q:
-            return (f"quantized cache: nothing quantized yet: all {n} positions are inside the residual (a block of "
-                    f"{self.group_size} is quantized once {self.residual} newer positions follow it, from "
-                    f"{self.residual + self.group_size} positions on; a smaller residual or group_size quantizes "
-                    f"sooner)")
-        width = (f"{self.key_bits} bits" if self.key_bits == self.value_bits else
-                 f"{self.key_bits}-bit keys and {self.value_bits}-bit values")
-        scheme = self.layers[self.full_layers[0]].scheme()
-        how = f" ({scheme})" if scheme else ""
-        return (f"quantized cache: positions 0..{q - 1} quantized to {width}{how}, the last {n - q} kept in full "
-                f"precision")
-
-    def value_group(self, layer: int) -> int:
-        """Channels per value scale in ``layer``, on the token axis: ``min(group_size, head_dim)``."""
-        return min(self.group_size, self.plan[layer].value_width)
-
     def truncate(self, n: int) -> None:
         """Keep positions ``0..n-1`` (see the class docstring for what happens inside a quantized block).
 
@@ -280,33 +258,37 @@ class QuantizedCache(KVCache):
         super().truncate(n)
         target = max((layer.qf for layer in self._full()), default=0)
         for layer in self._full():
-            layer.advance(target, n, self._counters)
-        self._counters = StepCounters()  # what the realignment wrote is no step's
+            layer.advance(target, n, self.book.counters)
+        self.book.counters = StepCounters()  # what the realignment wrote is no step's
+
+
+class KiviStorage(LossyStorage):
+    """The quantized cache's lossy storage: its layers' records, and the bound of KIVI's codes."""
+
+    def value_group(self, layer: int) -> int:
+        """Channels per value scale in ``layer``, on the token axis: ``min(group_size, head_dim)``."""
+        return min(self.cache.group_size, self.cache.plan[layer].value_width)
 
     def quantization_error(self, layer: int, part: str = "kv") -> torch.Tensor:
         """Max abs error ``|x - dequant(quant(x))|`` over head_dim, ``(B, H, length)`` float32, for ``part``
         ``"k"``, ``"v"`` or ``"kv"`` (the larger of both). 0 for positions that never left full precision."""
         if part not in ("k", "v", "kv"):
             raise SettingsError(f"part must be 'k', 'v' or 'kv', got {part!r}")
-        return self.layers[layer].error(self.length, part)
+        return self.cache.layers[layer].error(self.cache.length, part)
 
     def bytes_breakdown(self) -> dict[str, int]:
         """Bytes of storage held, by part: integer codes, scales + zeros, outliers kept exact, full-precision
         residual."""
-        out = {"integers": 0, "scales": 0, "residual": 0, **({"outliers": 0} if self.outliers else {})}
-        for layer in self._full():
+        out = {"integers": 0, "scales": 0, "residual": 0, **({"outliers": 0} if self.cache.outliers else {})}
+        for layer in self.cache._full():
             for name, n in layer.bytes_by_part().items():
                 out[name] += n
         return out
 
     @property
     def diagnostic_bytes(self) -> int:
-        """Bytes of the per-position error records (not part of ``reserved_bytes``)."""
-        return sum(layer.kerr.nbytes + layer.verr.nbytes for layer in self._full())
-
-
-class KiviStorage(LossyStorage):
-    """The quantized cache's lossy storage: its layers' records, and the bound of KIVI's codes."""
+        """Bytes of the per-position error records (not part of the reserved bytes)."""
+        return sum(layer.kerr.nbytes + layer.verr.nbytes for layer in self.cache._full())
 
     def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``: half a
@@ -324,3 +306,22 @@ class KiviStorage(LossyStorage):
             b[:, :q] = codec.bound(x[None, :, :q].to(self.cache.device), positions, target.rope_turn)[0].cpu()
             out.append(b)
         return out[0], out[1]
+
+
+class QuantizedInspector(Inspector):
+    """What a quantized cache can say about itself: what it did to the sequence so far."""
+
+    def what_it_did(self) -> str:
+        cache = self.cache
+        q, n = cache.quantized_upto, cache.length
+        if not q:
+            return (f"quantized cache: nothing quantized yet: all {n} positions are inside the residual (a block of "
+                    f"{cache.group_size} is quantized once {cache.residual} newer positions follow it, from "
+                    f"{cache.residual + cache.group_size} positions on; a smaller residual or group_size quantizes "
+                    f"sooner)")
+        width = (f"{cache.key_bits} bits" if cache.key_bits == cache.value_bits else
+                 f"{cache.key_bits}-bit keys and {cache.value_bits}-bit values")
+        scheme = cache.layers[cache.full_layers[0]].scheme()
+        how = f" ({scheme})" if scheme else ""
+        return (f"quantized cache: positions 0..{q - 1} quantized to {width}{how}, the last {n - q} kept in full "
+                f"precision")

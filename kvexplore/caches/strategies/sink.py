@@ -15,16 +15,18 @@ masked reference of the original model. The price of original positions: they gr
 Pass ``max_seq_len`` to refuse positions past a limit; by default ``capacity`` is None (unbounded).
 
 ``length`` is the number of positions the sequence has reached (the generator feeds ``tokens[length:]`` at
-``length``); the slots held are ``min(length, sinks) + (length - window_start)``, at most ``sinks + window``.
-Evicted positions are always the contiguous run ``sinks .. window_start - 1`` (:attr:`evicted_positions`);
+``length``); with ``window_start`` the first window position held (``evicted_positions.stop``), the slots held are
+``min(length, sinks) + (length - window_start)``, at most ``sinks + window``. Evicted positions are always the
+contiguous run ``sinks .. window_start - 1`` (:attr:`evicted_positions`);
 :attr:`evicted_last_step` lists those the last forward pass evicted.
 
 What attention reads: ``write`` returns the held slots *in storage order* (a view of the storage, no gather, no
 copy): the sinks, then the ring as it lies. For a single new token the order does not matter (softmax over a set;
 positions live in the rotated keys) and every kept key is at or before the query, so no mask is needed.
-:meth:`held_positions` gives the position of each column (for tracers reading ``attn.probs``). A write of several
-tokens that evicts (a prompt longer than the window, a speculative draft) first gathers the held keys its queries
-read, appends the new ones and masks each query to the sinks and its own last ``window`` positions (a temporary copy,
+``cache.inspect.held_positions_of(layer)`` gives the position of each column (for tracers reading ``attn.probs``).
+A write of several tokens that evicts (a prompt longer than the window, a speculative draft) first gathers the held
+keys its queries read, appends the new ones and masks each query to the sinks and its own last ``window`` positions
+(a temporary copy,
 counted), exactly what writing the tokens one at a time reads; then only the positions kept after it are written.
 
 Rewind (``truncate(n)``): allowed to ``n <= sinks`` (only sinks remain) or ``n >= window_start`` (the evicted
@@ -43,6 +45,7 @@ from ...config.layer_plan import LayerSpec
 from ...config.model_config import ModelConfig
 from ...errors import SettingsError
 from ..base import KVCache
+from ..inspector import Inspector
 from ..options import Flag, Options, count, maybe, option, positive
 from ..layers.sink_layer import SinkLayer, SinkSlots
 
@@ -69,12 +72,22 @@ class SinkOptions(Options):
             options = {**options, "window": max(1, max_seq_len - sinks)}
         return options
 
+    @classmethod
+    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
+        """The ring gets the slots (``sinks + window`` of them) unless ``window`` is given."""
+        sinks = options.get("sinks", 4)
+        if "window" not in options:
+            if isinstance(sinks, int) and not isinstance(sinks, bool) and slots <= sinks:
+                raise SettingsError(f"max_seq_len={slots} leaves no window after sinks={sinks}: a sink cache holds "
+                                    f"sinks + window slots; give max_seq_len > {sinks} or window= explicitly")
+            options["window"] = slots - sinks if isinstance(sinks, int) else slots
+        window = options["window"]
+        return window + (sinks if isinstance(sinks, int) else 0) if isinstance(window, int) else None
+
 
 class SinkCache(KVCache):
     """``sinks`` attention-sink positions plus a ring of the last ``window`` positions (see the module docs). The
     eviction bookkeeping is one :class:`~kvexplore.caches.layers.sink_layer.SinkSlots` shared by every full layer."""
-
-    evicts_on_write = True  # the window drops its oldest position as each new one is written
 
     kind = "sink"
     Options = SinkOptions
@@ -88,18 +101,6 @@ class SinkCache(KVCache):
         self.slots = SinkSlots(sinks, window, self.device)
         self._build()
 
-    @classmethod
-    def sizing(cls, slots: int, options: dict[str, Any]) -> int | None:
-        """The ring gets the slots (``sinks + window`` of them) unless ``window`` is given."""
-        sinks = options.get("sinks", 4)
-        if "window" not in options:
-            if isinstance(sinks, int) and not isinstance(sinks, bool) and slots <= sinks:
-                raise SettingsError(f"max_seq_len={slots} leaves no window after sinks={sinks}: a sink cache holds "
-                                    f"sinks + window slots; give max_seq_len > {sinks} or window= explicitly")
-            options["window"] = slots - sinks if isinstance(sinks, int) else slots
-        window = options["window"]
-        return window + (sinks if isinstance(sinks, int) else 0) if isinstance(window, int) else None
-
     def full_layer(self, spec: LayerSpec) -> SinkLayer:
         return SinkLayer(spec, self.batch_size, self.dtype, self.device, self.slots)
 
@@ -110,39 +111,15 @@ class SinkCache(KVCache):
 
     # -- positions and slots -------------------------------------------------------------------------------
     @property
-    def window_start(self) -> int:
-        """First window position held (positions ``sinks .. window_start - 1`` were evicted)."""
-        return self.slots.ws
-
-    @property
     def evicted_positions(self) -> range:
-        """Every position of the sequence evicted so far (always contiguous)."""
+        """Every position of the sequence evicted so far (always contiguous; ``.stop``: the first window position
+        held)."""
         return range(self.sinks, self.slots.ws)
-
-    @property
-    def evicted_count(self) -> int:
-        return self.slots.ws - self.sinks
-
-    def what_it_did(self) -> str:
-        if not self.evicted_count:
-            return (f"sink cache: nothing evicted yet: all {self.length} positions fit in {self.sinks} sinks + a "
-                    f"window of {self.window} (a smaller window evicts sooner)")
-        return (f"sink cache: evicted {self.evicted_count} positions, keeps the first {self.sinks} and the last "
-                f"{self.window}")
 
     @property
     def evicted_last_step(self) -> list[int]:
         """Positions the last forward pass evicted (empty after a rewind)."""
         return list(self.slots.evicted_last)
-
-    @property
-    def held(self) -> int:
-        """Number of positions held (slots filled): ``min(length, sinks + window)`` on an uninterrupted run."""
-        return self.slots.held(self.length)
-
-    def held_positions(self) -> list[int]:
-        """Positions held, in the order :meth:`write` returns their keys (storage order)."""
-        return self.slots.held_positions(self.length)
 
     # -- the write protocol --------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
@@ -156,3 +133,21 @@ class SinkCache(KVCache):
 
     def value(self, layer: int) -> torch.Tensor | None:
         return self.layers[layer].v if layer in self.full_layers else None
+
+    @property
+    def inspect(self) -> "SinkInspector":
+        return SinkInspector(self)
+
+
+class SinkInspector(Inspector):
+    """What a sink cache can say about itself: what it did to the sequence so far."""
+
+    evicts_on_write = True  # the window drops its oldest position as each new one is written
+
+    def what_it_did(self) -> str:
+        cache = self.cache
+        if not cache.evicted_positions:
+            return (f"sink cache: nothing evicted yet: all {cache.length} positions fit in {cache.sinks} sinks + a "
+                    f"window of {cache.window} (a smaller window evicts sooner)")
+        return (f"sink cache: evicted {len(cache.evicted_positions)} positions, keeps the first {cache.sinks} and the "
+                f"last {cache.window}")
