@@ -30,8 +30,9 @@ prompt on its own model instance, ``--reps`` times per process in a rotating ord
 compiles or loads the compiled step); a step's time is its wall time less the time the thread waited for a CPU
 (``/proc/thread-self/schedstat``, as ``kvexplore.runtime.clock``), and a process reports 1 / the median step.
 Each side saves its compiled graphs in a folder of its own (``$KVEXPLORE_HOME/compiled-before-after/<side>``), so
-that the two do not overwrite each other's saved steps. A markdown table follows the text one, with the paired
-rounds' ratios.
+that the two do not overwrite each other's saved steps (and the kernels' verdicts: which widths run on them, timed
+by the side's first process). Each process prints ``kernels.status()`` after its warm-up (which products ran on the
+kernels, and why). A markdown table follows the text one, with the paired rounds' ratios.
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ for name in models:
     loaded = {engine: load(name, engine) for engine in engines}
     for engine in engines:
         decode(loaded[engine], engine, 8)  # warm-up: kernels built or loaded, the compiled step compiled or loaded
+    if KERNELS and "kernels" in engines:  # which of the model's products run on the kernels, and why
+        from kvexplore.fast import kernels
+        print(f"kernels {name}: {kernels.status()}")
     steps, tokens_of = {e: [] for e in engines}, {}
     for rep in range(reps):
         for engine in engines[rep % len(engines):] + engines[:rep % len(engines)]:
@@ -151,6 +155,8 @@ def run_generator(checkout: Path, args: argparse.Namespace, side: str) -> dict[t
         raise SystemExit(f"the generator timing failed in {checkout}:\n{out.stderr[-4000:]}")
     found = {}
     for line in out.stdout.splitlines():
+        if line.startswith("kernels "):
+            print(f"  {side}: {line}", flush=True)
         if line.startswith("result "):
             _, key, value, same = line.split()
             found[tuple(key.split("/"))] = float(value)

@@ -65,6 +65,9 @@ def pytest_configure(config):
     # PYTHONDONTWRITEBYTECODE=1 costs each of them about a second)
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
         sys.dont_write_bytecode = False
+    # the product kernels, where a lane or a generator turns them on, run on every width untimed: a busy worker's
+    # timing would choose differently from run to run (tests/engine/test_products.py tests the choice itself)
+    os.environ.setdefault("KVEXPLORE_PRODUCTS", "kernels")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: the workers already
         # keep both cores busy, and a second thread each would only contend with the other worker

@@ -61,11 +61,12 @@ def graph_key(gm: torch.fx.GraphModule, inputs: list[Any], options: dict) -> str
 
 
 class Saved:
-    """What was saved before, by which torch, per step: ``compiled.json`` in ``folder``."""
+    """What was saved before, by which torch, per step: ``compiled.json`` in ``folder`` (or another file of it,
+    ``name``: the product kernels' verdicts are ``products.json``)."""
 
-    def __init__(self, folder: Path | None = None) -> None:
+    def __init__(self, folder: Path | None = None, name: str = "compiled.json") -> None:
         self.folder = Path(folder) if folder is not None else home_folder()
-        self.path = self.folder / "compiled.json"
+        self.path = self.folder / name
 
     def _read(self) -> dict:
         try:

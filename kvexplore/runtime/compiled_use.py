@@ -16,8 +16,10 @@ class CompiledUse:
     """``compile``: False, True (the best mode for the device: the CPU's regional step, CUDA's reduce-overhead), or
     a mode by name ("regional" or a torch.compile mode). ``fast`` is the compiled step (None where the executor or
     cache has none, or compile=False), ``note`` why decode steps run eager although compile was asked for ("" when
-    they compile); ``kernels`` whether the model's one-row products run on the kernels (asked for, and they apply);
-    ``rows``: the most rows a step feeds (a verification's k + 1), whose kernels are built with them."""
+    they compile); ``kernels`` whether the model's products were routed through the kernels (asked for, and they
+    apply: each width on its kernel where it was timed faster than ``F.linear`` on this machine, else on
+    ``F.linear``; :func:`kvexplore.fast.kernels.status` says which); ``rows``: the most rows a step feeds (a
+    verification's k + 1), whose kernels are chosen and built with them."""
 
     def __init__(self, executor: Any, cache: Any, compile: bool | str, kernels: bool = False, rows: int = 1) -> None:
         if not isinstance(kernels, bool):
@@ -31,7 +33,7 @@ class CompiledUse:
         self.fast: CompiledExecutor | None = None
         self._traced_note = False  # the message that traced steps run eager was given
         self.kernels = False
-        if kernels:  # built or loaded now, not in a timed step
+        if kernels:  # chosen (timed, or an earlier process's verdict read) and built or loaded now, not in a timed step
             from ..fast import kernels as fast_kernels
             self.kernels = fast_kernels.apply(executor.model, rows=rows)
         if compile:

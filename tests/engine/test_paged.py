@@ -168,10 +168,10 @@ def test_memory_figures(trained):
     twin = cache.fork()
     # each fork reports the whole shared pool
     assert twin.inspect.reserved_bytes == cache.inspect.reserved_bytes == 3 * page
-    assert (cache.pool.num_blocks - cache.pool.free_blocks) * cache.table.page_bytes == 2 * page
+    assert cache.table.bytes_in_use == 2 * page
     assert twin.inspect.used_bytes == kv_bytes(c, 10)
     trained(torch.tensor([[20]]), twin, 10)
-    assert (cache.pool.num_blocks - cache.pool.free_blocks) * cache.table.page_bytes == 3 * page
+    assert cache.table.bytes_in_use == 3 * page
     assert twin.inspect.memory_report().copied_bytes == kv_bytes(c, 2)
 
 

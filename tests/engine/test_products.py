@@ -1,22 +1,33 @@
 """The product kernels (kvexplore.fast.kernels) of one row and of a verification's few, applied to a model from
 outside: the same products as F.linear within float32 rounding, taken only where they apply, saved for a later
 process, a step's products really run on them once applied and never before, a drafting generator's tokens plain
-greedy's, and a plain decode that imports nothing of the compiler."""
+greedy's, and a plain decode that imports nothing of the compiler. Where they run is chosen per machine (each
+width's kernel timed against F.linear): the tests of their numerics force them on (KVEXPLORE_PRODUCTS=kernels), the
+tests of the choice give the timing fixed figures (nothing here asserts on a real timing)."""
 
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import kvexplore
 from kvexplore.fast import kernels as products
+from kvexplore.fast import product_kernels, product_timing
 from kvexplore.fast.kernels import KernelLinear
 
 pytestmark = pytest.mark.skipif(not products.KERNELS.enabled(), reason=products.status())
+
+
+@pytest.fixture(autouse=True)
+def _forced(monkeypatch):
+    """The kernels on for every product they take, untimed (the tests of the choice unset it)."""
+    monkeypatch.setenv("KVEXPLORE_PRODUCTS", "kernels")
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +74,8 @@ def test_each_count_of_rows_runs_on_its_own_kernel_and_more_on_f_linear(kernel, 
     """1 to MAX_ROWS rows each on the kernel of that count of rows (each weight read once for all of them); above
     MAX_ROWS (a prompt's prefill) F.linear with no kernel."""
     calls = []
-    run = products._Kernel.__call__
-    monkeypatch.setattr(products._Kernel, "__call__", lambda self, x, w: calls.append((self, x.shape[0])) or
+    run = products.Kernel.__call__
+    monkeypatch.setattr(products.Kernel, "__call__", lambda self, x, w: calls.append((self, x.shape[0])) or
                         run(self, x, w))
     w = torch.randn(50, 40)
     kernels = {}
@@ -105,8 +116,8 @@ def test_everything_else_is_f_linear_itself(kernel, case):
 
 def test_a_step_runs_its_products_on_the_kernels_once_applied_and_keeps_its_tokens(tiny, monkeypatch):
     calls = []
-    run = products._Kernel.__call__
-    monkeypatch.setattr(products._Kernel, "__call__", lambda self, x, w: calls.append(w.shape) or run(self, x, w))
+    run = products.Kernel.__call__
+    monkeypatch.setattr(products.Kernel, "__call__", lambda self, x, w: calls.append(w.shape) or run(self, x, w))
 
     def generated(**kernels):
         gen = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40), **kernels)
@@ -159,8 +170,8 @@ def test_a_drafting_generators_tokens_are_plain_greedys_with_the_kernels_on(trai
         off = greedy()
         on = greedy(kernels=True)
         rows = []
-        run = products._Kernel.__call__
-        monkeypatch.setattr(products._Kernel, "__call__", lambda self, x, w: rows.append(x.shape[0]) or run(self, x, w))
+        run = products.Kernel.__call__
+        monkeypatch.setattr(products.Kernel, "__call__", lambda self, x, w: rows.append(x.shape[0]) or run(self, x, w))
         drafting = greedy(kernels=True, draft="prompt-lookup", draft_tokens=k)
         threads = torch.get_num_threads()
         assert all((threads, n, 256) in products.KERNELS.rows_kernels for n in range(2, k + 2))  # the hidden width's
@@ -240,7 +251,7 @@ def test_a_models_widest_weights_get_a_kernel_of_their_width(trained):
 @pytest.mark.compile  # compiles the kernels afresh in an empty folder (seconds of C++)
 def test_a_later_process_loads_the_saved_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXPLORE_COMPILED", str(tmp_path))
-    first, later = products._Kernels(), products._Kernels()
+    first, later = products.Kernels(), products.Kernels()
     assert first.get() is not None and first.built == 1
     assert "compiled the one-row product kernel and saved it in" in first.note and str(tmp_path) in first.note
     assert first.prepare_widths([48]) == [48] and first.built == 2
@@ -267,6 +278,172 @@ def test_a_later_process_loads_the_saved_kernels(tmp_path, monkeypatch):
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("KVEXPLORE_PRODUCTS", "torch")
-    off = products._Kernels()
+    off = products.Kernels()
     assert not off.enabled() and off.get() is None
     assert off.why == "KVEXPLORE_PRODUCTS=torch: every product is F.linear"
+
+
+# Where the kernels run: each width's kernel timed against F.linear (here: fixed figures), the verdict saved
+
+
+def _chooser(monkeypatch, tmp_path, kernel, speeds, steady=True):
+    """A fresh Kernels saving its verdicts in tmp_path, whose every kernel is the loaded one of any sizes (nothing
+    compiled), and a timing that gives ``speeds[(width, rows)]`` (the kernel's speed against F.linear's); the
+    timings asked for, in order."""
+    kernels = {n: kernel if n == 1 else products.KERNELS.get(None, n) for n in range(1, 4)}  # loaded as saved
+    monkeypatch.delenv("KVEXPLORE_PRODUCTS", raising=False)
+    monkeypatch.setenv("KVEXPLORE_COMPILED", str(tmp_path))
+    chooser = products.Kernels()
+    monkeypatch.setattr(chooser, "get", lambda width=None, rows=1: kernels[rows])
+    monkeypatch.setattr(chooser, "_kernel", lambda width, rows, own: kernels[rows])
+    asked = []
+    monkeypatch.setattr(product_kernels, "passes", lambda kernel, width, rows, weights: (width, rows))
+    monkeypatch.setattr(product_timing, "timed", lambda width, rows, budget: asked.append((width, rows)) or
+                        product_timing.Timing(1.0, speeds[width, rows], speeds[width, rows], steady))
+    return chooser, asked
+
+
+def _weights(*shapes):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randn(out, width, generator=g) for out, width in shapes]
+
+
+def test_a_kernel_slower_than_f_linear_is_not_used(kernel, monkeypatch, tmp_path):
+    """Width 40's kernel ran 0.95x F.linear's speed: its products stay F.linear's (and its counts of rows are not
+    timed at all); width 48's ran 1.02x, under the 3% it must beat; width 56's 1.2x: the kernel, at each count of
+    rows that beat F.linear too (2 rows did, 3 rows did not)."""
+    speeds = {(40, 1): 0.95, (48, 1): 1.02, (56, 1): 1.2, (56, 2): 1.1, (56, 3): 0.9}
+    chooser, asked = _chooser(monkeypatch, tmp_path, kernel, speeds)
+    widths = {40: _weights((30, 40)), 48: _weights((30, 48), (20, 48)), 56: _weights((30, 56))}
+    assert chooser.choose(widths, [], range(2, 4))
+    assert asked == [(40, 1), (48, 1), (56, 1), (56, 2), (56, 3)] and chooser.timed == 5
+    assert [chooser.uses(w, n) for w, n in speeds] == [False, False, True, True, False]
+    assert not chooser.uses(40, 2) and not chooser.uses(70)  # never timed: F.linear
+    assert chooser.choice_notes[1, 40].startswith("kept F.linear for the one-row products of width 40 (the kernel "
+                                                  "of any sizes): the kernel ran 0.95x its speed, under the 1.03x")
+    assert "the kernel ran 1.02x" in chooser.choice_notes[1, 48]
+    assert chooser.choice_notes[1, 56].startswith("the kernel runs the one-row products of width 56")
+    assert "it ran 1.20x F.linear's speed (timed now, saved in" in chooser.choice_notes[1, 56]
+    # the module's products go by the verdicts: F.linear itself where the kernel lost, the kernel where it won
+    calls = []
+    run = products.Kernel.__call__
+    monkeypatch.setattr(products.Kernel, "__call__", lambda self, x, w: calls.append(x.shape) or run(self, x, w))
+    monkeypatch.setattr(products, "KERNELS", chooser)
+    for width, rows, used in [(40, 1, False), (48, 1, False), (56, 1, True), (56, 2, True), (56, 3, False)]:
+        x, w = torch.randn(rows, width), torch.randn(30, width)
+        got = products.linear(x, w)
+        assert (calls == [(rows, width)]) == used and (torch.equal(got, F.linear(x, w)) or used)
+        assert (got - F.linear(x, w)).abs().max().item() <= 1e-5 * width ** 0.5
+        calls.clear()
+    assert "kept F.linear for the one-row products of width 40" in products.status()
+
+
+def test_the_verdict_is_saved_and_a_later_process_reads_it(kernel, monkeypatch, tmp_path):
+    speeds = {(40, 1): 0.9, (56, 1): 1.3, (56, 2): 1.2}
+    first, asked = _chooser(monkeypatch, tmp_path, kernel, speeds)
+    widths = {40: _weights((30, 40)), 56: _weights((30, 56), (30, 56), (12, 56))}
+    assert first.choose(widths, [56], range(2, 3)) and asked == [(40, 1), (56, 1), (56, 2)]
+    saved = product_kernels.artifacts.Saved(tmp_path, "products.json")
+    keys = sorted(saved._read())
+    assert len(keys) == 3 and all(product_timing.cpu() in k and product_kernels.artifacts.machine() in k for k in keys)
+    assert [k.split(" | ")[:3] for k in keys] == [
+        ["2-row products of width 56 (its own kernel)", "float32", "30 rows x2, 12 rows x1"],
+        ["one-row products of width 40 (the kernel of any sizes)", "float32", "30 rows x1"],
+        ["one-row products of width 56 (its own kernel)", "float32", "30 rows x2, 12 rows x1"]]
+    assert saved.get(keys[1])["kernel"] is False and saved.get(keys[2])["speed"] == 1.3
+    later, asked_later = _chooser(monkeypatch, tmp_path, kernel, {})  # a timing now would fail: none is asked for
+    assert later.choose(widths, [56], range(2, 3)) and asked_later == [] and later.timed == 0
+    assert [later.uses(40), later.uses(56), later.uses(56, 2)] == [False, True, True]
+    assert later.choice_notes[1, 56] == ("the kernel runs the one-row products of width 56 (its own kernel): it ran "
+                                         f"1.30x F.linear's speed (timed by an earlier process: {saved.path})")
+    assert later.choose(widths, [56], range(2, 3)) and asked_later == []  # known in this process: nothing read
+    # other shapes of that width (another model), another torch: timed again
+    other, asked_other = _chooser(monkeypatch, tmp_path, kernel, {(40, 1): 1.1})
+    assert other.choose({40: _weights((31, 40))}, [], range(2, 2)) and asked_other == [(40, 1)]
+    monkeypatch.setattr(torch, "__version__", "0.0-other")
+    newer, asked_newer = _chooser(monkeypatch, tmp_path, kernel, speeds)
+    assert newer.choose(widths, [56], range(2, 3)) and asked_newer == [(40, 1), (56, 1), (56, 2)]
+
+
+def test_a_busy_machines_timing_keeps_f_linear_and_is_not_saved(kernel, monkeypatch, tmp_path):
+    """Too few steady rounds (the process waited for a CPU): F.linear for this process, and a later one times
+    again."""
+    chooser, asked = _chooser(monkeypatch, tmp_path, kernel, {(40, 1): 1.5}, steady=False)
+    assert chooser.choose({40: _weights((30, 40))}, [], range(2, 2)) and asked == [(40, 1)]
+    assert not chooser.uses(40) and "too busy to time the kernel" in chooser.choice_notes[1, 40]
+    assert not (tmp_path / "products.json").exists()
+    later, asked_later = _chooser(monkeypatch, tmp_path, kernel, {(40, 1): 1.5})
+    assert later.choose({40: _weights((30, 40))}, [], range(2, 2)) and asked_later == [(40, 1)] and later.uses(40)
+
+
+def test_the_timing_leaves_out_the_rounds_a_busy_machine_spoiled(monkeypatch):
+    """The real timed on two stand-in passes, the clock of waits faked: the rounds in which the process waited
+    for a CPU are left out; with fewer than three steady rounds it says it was not steady; a first pass slower than
+    the whole budget ends it at once."""
+    waits = iter([0.0, 0.0] * 6 + [0.0, 1.0] * 1000)  # the first rounds steady, then every pass waited a second
+    monkeypatch.setattr(product_timing, "waited", lambda: next(waits))
+    timing = product_timing.timed(lambda: None, lambda: None, budget_s=0.05)
+    assert timing.steady and timing.kernel_s >= 0 and timing.speed > 0
+    waits = iter([0.0, 1.0] * 1000)
+    assert not product_timing.timed(lambda: None, lambda: None, budget_s=0.05).steady
+    monkeypatch.setattr(product_timing, "waited", lambda: pytest.fail("timed rounds"))
+    slow = product_timing.timed(lambda: time.sleep(0.01), lambda: None, budget_s=0.005)
+    assert not slow.steady and slow.kernel_s >= 0.01
+
+
+def test_applied_only_where_a_widths_kernel_won(tiny, kernel, monkeypatch, tmp_path):
+    """apply() on a model whose hidden width's kernel won and the others' lost: those layers' nn.Linear become
+    KernelLinear on row-major weights, the others keep nn.Linear and the layout they were loaded with (F.linear's,
+    plain decoding's products); the tokens are plain greedy's."""
+    hidden = tiny.config.hidden_size
+    others = sorted({m.weight.shape[1] for m in tiny.modules() if isinstance(m, nn.Linear)} - {hidden})
+    speeds = {(hidden, 1): 1.5, **{(w, 1): 0.8 for w in others}}
+    chooser, asked = _chooser(monkeypatch, tmp_path, kernel, speeds)
+    monkeypatch.setattr(products, "KERNELS", chooser)
+    was = products.applied(tiny)
+    products.remove(tiny)
+    plain = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40))
+    plain.prefill([1, 5, 9, 2])
+    plain.run(6, stop_at_eos=False)
+    try:
+        gen = kvexplore.Generator(tiny, kvexplore.PreallocatedCache(tiny.config, 40), kernels=True)
+        assert gen.kernels and products.applied(tiny) and sorted(asked) == sorted(speeds)
+        for m in tiny.modules():
+            if isinstance(m, nn.Linear):
+                won = m.weight.shape[1] == hidden
+                assert (type(m) is KernelLinear) == won and m.weight.is_contiguous() == won
+        gen.prefill([1, 5, 9, 2])
+        gen.run(6, stop_at_eos=False)
+        assert gen.generated_tokens == plain.generated_tokens
+        assert f"the kernel runs the one-row products of width {hidden}" in products.status()
+        # forced on: every width's layers on the kernels, untimed
+        monkeypatch.setenv("KVEXPLORE_PRODUCTS", "kernels")
+        assert products.apply(tiny) and len(asked) == len(speeds)
+        assert all(type(m) is KernelLinear and m.weight.is_contiguous() for m in tiny.modules()
+                   if isinstance(m, nn.Linear))
+        assert products.status().startswith("KVEXPLORE_PRODUCTS=kernels: every product the kernels take runs")
+    finally:
+        products.remove(tiny)
+    assert not any(isinstance(m, KernelLinear) for m in tiny.modules())
+    assert not tiny.model.layers[0].self_attn.q_proj.weight.is_contiguous()  # the loader's layout again
+    if was:
+        monkeypatch.undo()
+        products.apply(tiny)
+
+
+def test_forced_on_by_the_environment_untimed(kernel, monkeypatch, tmp_path):
+    """KVEXPLORE_PRODUCTS=kernels: a width whose kernel lost runs on it all the same, and preparing a model times
+    nothing."""
+    chooser, asked = _chooser(monkeypatch, tmp_path, kernel, {(40, 1): 0.5})
+    assert chooser.choose({40: _weights((30, 40))}, [], range(2, 2)) and not chooser.uses(40)
+    monkeypatch.setenv("KVEXPLORE_PRODUCTS", "kernels")
+    assert chooser.uses(40) and chooser.uses(40, 5) and chooser.uses(123)
+    monkeypatch.setattr(products, "KERNELS", chooser)
+    monkeypatch.setattr(product_timing, "timed", lambda *args: pytest.fail("timed although forced"))
+    x, w = torch.randn(1, 40), torch.randn(30, 40)
+    assert not torch.equal(products.linear(x, w), F.linear(x, w))  # the kernel's order of sums
+    chooser.verdicts[torch.get_num_threads(), 1, 41] = True  # a width whose kernel won
+    monkeypatch.setenv("KVEXPLORE_PRODUCTS", "torch")  # off: F.linear whatever the verdicts
+    assert not chooser.uses(40) and not chooser.uses(41)
+    x, w = torch.randn(1, 41), torch.randn(30, 41)
+    assert torch.equal(products.linear(x, w), F.linear(x, w))

@@ -78,6 +78,12 @@ class PageTable:
     def block_size(self) -> int:
         return self.pool.block_size
 
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the pages some sequence of the pool holds (this cache or a fork): the pool is shared, so every
+        fork's table gives the same figure."""
+        return (self.pool.num_blocks - self.pool.free_blocks) * self.page_bytes
+
     def copies(self) -> list[list[int]]:
         return [list(t) for t in self.tables]
 
