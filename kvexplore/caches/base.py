@@ -206,6 +206,9 @@ class KVCache(ModelCache):
 
     def read_shared(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a shared layer reads: what its source layer's attention read this step."""
+        spec = self.plan[layer]
+        if not spec.shares:
+            raise SettingsError(f"layer {layer} stores its own cache ({spec.kind}); write it with write()")
         return self.layers[layer].read(self.book.step)
 
     def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:
@@ -230,7 +233,7 @@ class KVCache(ModelCache):
         when plain causal attention (or none, for one token) is exact. Built once per step for the layers of one
         mask group (by default: one attention type)."""
         target = self.layers[layer]
-        group = target.mask_group()
+        group = target.groups().mask
         masks = self.book.masks
         if group not in masks:
             masks[group] = target.mask(self._step_for(pos, q_len))
@@ -381,7 +384,7 @@ class States:
         cache.book.moved[layer] = (step.counters.written_bytes - before, 0)
 
     def layer_bytes(self, layer: int) -> int:
-        return self._layer(layer).reserved_bytes()
+        return self._layer(layer).memory(self.cache.length).reserved_bytes
 
     def _layer(self, layer: int) -> LayerCache:
         if layer not in self.layers:

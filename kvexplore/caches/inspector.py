@@ -35,7 +35,7 @@ def held_walk(cache: "KVCache") -> StorageWalk:
     walk = StorageWalk()
     layer_parts: list[dict[str, int]] = [{} for _ in cache.layers]
     for parts, layer in zip(layer_parts, cache.layers):
-        name = layer.stored_name
+        name = layer.held_names.get("", "keys and values")
         if got := sum(walk.add_tensor(name, t) for t in layer.storage()):
             parts[name] = got
     shared = []  # each layer's own tensors first, then what it shares (a plan, a page table)
@@ -84,7 +84,7 @@ def make_report(cache: "KVCache") -> MemoryReport:
     step = held.pop(THIS_STEP, 0)
     return MemoryReport(
         length=cache.length, logical_bytes=sum(m.logical_bytes for m in layers),
-        reserved_bytes=sum(layer.reserved_bytes() for layer in cache.layers),
+        reserved_bytes=sum(m.reserved_bytes for m in layers),
         analytic_bytes=sum(m.analytic_bytes for m in layers),
         written_bytes=s.written_bytes, copied_bytes=s.copied_bytes, allocated_bytes=s.allocated_bytes,
         freed_bytes=s.freed_bytes, allocations=s.allocations, frees=s.frees, cuda=cache.book.window.figures(),
@@ -136,13 +136,13 @@ class Inspector:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of storage the cache holds now, used or not: every layer's."""
-        return sum(layer.reserved_bytes() for layer in self.cache.layers)
+        return sum(m.reserved_bytes for m in self.layer_memory())
 
     @property
     def full_reserved_bytes(self) -> int:
         """Bytes of the strategy's storage for the full layers, used or not."""
         cache = self.cache
-        return sum(cache.layers[i].reserved_bytes() for i in cache.full_layers)
+        return sum(cache.layers[i].memory(cache.length).reserved_bytes for i in cache.full_layers)
 
     @property
     def used_bytes(self) -> int:
@@ -207,7 +207,7 @@ class Inspector:
         """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
         if layer in self.cache.book.reads:
             return ("sparse", layer)
-        return self.cache.layers[layer].read_group()
+        return self.cache.layers[layer].groups().read
 
     def pending_reads(self) -> dict[int, torch.Tensor]:
         """The sparse reads of this step still on the device (layer -> positions), for :meth:`land_reads`."""
@@ -228,7 +228,7 @@ class Inspector:
         seen: dict[tuple, SlotView] = {}
         out = []
         for layer in self.cache.layers:
-            key = layer.view_key()
+            key = layer.groups().view
             if key not in seen:
                 seen[key] = layer.slot_view(self.cache.length)
             out.append(seen[key])

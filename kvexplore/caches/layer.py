@@ -9,8 +9,8 @@ state. Everything the container does to a layer goes through the methods below; 
 
 Layout, stated once: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A
 latent layer (MLA, ``spec.latent``) stores its compressed latent in the keys' place and its rope key in the values'
-place: :attr:`LayerCache.widths` says how wide each is, and a strategy that cannot store two widths refuses latent
-layers when the cache is made (:meth:`LayerCache.refuses`).
+place: :attr:`LayerCache._widths` says how wide each is, and a strategy that cannot store two widths refuses latent
+layers when the cache is made (its ``refuses(spec)``).
 
 A step: ``begin(step)`` plans it eagerly (before any layer writes: what a ring reads, which pages a paged cache
 takes), ``write(step, k, v)`` stores the new keys and values and returns what attention reads, ``mask(step)`` the
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..config.layer_plan import LayerSpec
 from ..config.model_config import ModelConfig
-from ..errors import SettingsError
 from .journal import NoJournal, UndoJournal
 from .masks import causal_mask
 from .memory import LayerMemory, StepCounters, layer_bytes
@@ -39,6 +38,16 @@ from .slots import SlotView
 
 
 _SERIALS = itertools.count()
+
+
+class Groups(NamedTuple):
+    """Layers with the same ``read`` read the same positions in a step (the tracer records one list each), those with
+    the same ``view`` have the same slot view (one object serves them all), those with the same ``mask`` get the same
+    mask in a step (built once)."""
+
+    read: tuple
+    view: tuple
+    mask: tuple
 
 
 class Step:
@@ -66,19 +75,9 @@ class LayerCache(ABC):
 
     # -- what it stores -----------------------------------------------------------------------------------
     @property
-    def widths(self) -> tuple[int, int]:
+    def _widths(self) -> tuple[int, int]:
         """Widths of the two stored tensors per position: keys and values (a latent layer: latent, rope key)."""
         return self.spec.head_dim, self.spec.value_width
-
-    @property
-    def latent(self) -> bool:
-        """Whether the layer stores MLA's latent and rope key instead of per-head keys and values."""
-        return self.spec.latent
-
-    @classmethod
-    def refuses(cls, spec: LayerSpec) -> str | None:
-        """Why this class cannot store ``spec``'s layer (None: it can); checked when the cache is made."""
-        return None
 
     # -- a step -------------------------------------------------------------------------------------------
     def begin(self, step: Step) -> None:
@@ -93,26 +92,15 @@ class LayerCache(ABC):
         """The boolean ``(q_len, keys)`` mask for what :meth:`write` returned (None: plain causal is exact)."""
         return causal_mask(step.pos, step.q_len, None, step.device)
 
-    def mask_group(self) -> tuple:
-        """Layers with the same mask group get the same :meth:`mask` in a step (built once): by default every layer
-        of one attention type; a layer whose mask is its own (a pressed layer, per head) says so."""
-        return (self.spec.attends,)
+    def groups(self) -> "Groups":
+        """Which layers this one reads, draws and masks alike (:class:`Groups`): by default every layer of one
+        attention type reads the same positions and gets the same mask, and every layer of one kind draws the same
+        slot view; a layer whose reads are its own (a pressed layer, per head) or another's (a shared layer) says
+        so."""
+        return Groups((self.spec.attends, -1), (self.spec.kind, -1), (self.spec.attends,))
 
     def commit(self, step: Step) -> None:
         """The step's positions are now part of the sequence (its writes all succeeded)."""
-
-    def read(self, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a layer that stores nothing reads this step (a shared layer: its source's read)."""
-        raise SettingsError(f"layer {self.spec.index} stores its own cache ({self.spec.kind}); write it with write()")
-
-    def read_state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A recurrent layer's state (its convolution's last inputs and its recurrent matrix)."""
-        raise SettingsError(f"layer {self.spec.index} is not a linear-attention layer; it has no state")
-
-    def write_state(self, step: Step, conv: torch.Tensor, recurrent: torch.Tensor, checkpoints=None) -> None:
-        """Replace a recurrent layer's state in place (``checkpoints``: the state after each of the step's positions,
-        ``(convs, recurrents)`` stacked on a leading position axis, kept until the next step)."""
-        self.read_state()
 
     # -- rewinds --------------------------------------------------------------------------------------------
     def replay_error(self, n: int, length: int) -> str | None:
@@ -165,28 +153,20 @@ class LayerCache(ABC):
         """First position attention reads in the step under way (a ring reads its window)."""
         return 0
 
-    def read_group(self) -> tuple:
-        """Layers with the same group read the same positions in a step."""
-        return (self.spec.attends, -1)
-
-    def view_key(self) -> tuple:
-        """Layers with the same key have the same slot view (one object serves them all)."""
-        return (self.spec.kind, -1)
-
     @abstractmethod
     def storage(self) -> list[torch.Tensor]:
         """The tensors that hold this layer's cache (a read that shares their memory is a view, not a copy)."""
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         """Bytes of this layer's storage, used or not (each storage counted once)."""
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.storage()}
         return sum(seen.values())
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         """Bytes of the slots holding valid positions."""
         return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
 
-    def analytic_bytes(self, length: int) -> int:
+    def _analytic_bytes(self, length: int) -> int:
         """The formula ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
         return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
 
@@ -194,8 +174,8 @@ class LayerCache(ABC):
                parts: dict[str, int] | None = None) -> LayerMemory:
         """This layer's :class:`LayerMemory` after a step that wrote and copied those bytes (``held_bytes`` and
         ``parts``: what a walk of the storage reachable from it found)."""
-        return LayerMemory(self.spec.index, self.spec.kind, self.held(length), self.used_bytes(length),
-                           self.reserved_bytes(), self.analytic_bytes(length), written, copied, held_bytes,
+        return LayerMemory(self.spec.index, self.spec.kind, self.held(length), self._used_bytes(length),
+                           self._reserved_bytes(), self._analytic_bytes(length), written, copied, held_bytes,
                            {} if parts is None else parts)
 
     @abstractmethod
@@ -206,11 +186,10 @@ class LayerCache(ABC):
         """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"
 
-    #: how the memory report names what this layer holds beyond its keys and values, by attribute (an attribute
-    #: not listed is named as it is spelled; see :mod:`kvexplore.caches.held`)
+    #: how the memory report names what this layer holds: ``""``, what :meth:`storage` holds (keys and values when
+    #: not listed), else by attribute (an attribute not listed is named as it is spelled; see
+    #: :mod:`kvexplore.caches.held`)
     held_names: dict[str, str] = {}
-    #: how the memory report names what :meth:`storage` holds
-    stored_name = "keys and values"
 
     # the batch and dtype the byte formulas use: set by the classes that store tensors
     _batch: int = 1
@@ -226,7 +205,7 @@ class StoredLayer(LayerCache):
 
     def shape(self, slots: int, values: bool = False) -> tuple[int, int, int, int]:
         """``(batch, kv_heads, slots, width)`` of the key storage (``values``: the value storage)."""
-        return (self._batch, self.spec.kv_heads, slots, self.widths[1] if values else self.widths[0])
+        return (self._batch, self.spec.kv_heads, slots, self._widths[1] if values else self._widths[0])
 
     def zeros(self, slots: int, values: bool = False) -> torch.Tensor:
         return torch.zeros(self.shape(slots, values), dtype=self._dtype, device=self.device)

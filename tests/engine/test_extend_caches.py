@@ -353,6 +353,8 @@ def test_the_cache_protocols_stay_narrow():
 
     assert len(public_names(ModelCache)) <= 15, sorted(public_names(ModelCache))
     assert len(public_names(KVCache)) <= 25, sorted(public_names(KVCache))
+    # each a question the container or the inspector asks of a layer (the 12 is not met: see docs/extending.md)
+    assert len(public_names(LayerCache)) <= 21, sorted(public_names(LayerCache))
     wide = {cls.__name__: len(public_names(cls)) for cls in [*map(STRATEGIES.__getitem__, STRATEGIES), GGMLCache,
                                                               PoolCache] if len(public_names(cls)) > 30}
     assert not wide, f"strategies over 30 public names: {wide}"

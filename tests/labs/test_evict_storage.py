@@ -37,12 +37,13 @@ def test_compact_storage_holds_the_kept_positions_plus_the_stated_headroom(model
         assert before.inspect.storage(l)[0].shape[2] == n + headroom  # ... from what the unpressed prompt needs
         overhead = 4 * (max(counts) + headroom) - sum(counts)
         assert cache.eviction.overhead_slots(l) == overhead
-        assert cache.layers[l].reserved_bytes() == (sum(counts) + overhead) * per
+        assert cache.layers[l].memory(cache.length).reserved_bytes == (sum(counts) + overhead) * per
         mem = report.layers[l]
         assert mem.logical_bytes == mem.analytic_bytes == sum(counts) * per
     kept = cache.eviction.kept_positions
     assert report.analytic_bytes == sum(len(p) for l in cache.full_layers for p in kept(l)) * per
-    assert cache.inspect.reserved_bytes == sum(cache.layers[l].reserved_bytes() for l in cache.full_layers)
+    layers = [cache.layers[l].memory(cache.length) for l in cache.full_layers]
+    assert cache.inspect.reserved_bytes == sum(m.reserved_bytes for m in layers)
     slots = cache.inspect.storage(0)[0].shape[2]
     for p in range(n, n + 3):  # decoding writes in place while the headroom lasts
         model(ids[:, p:p + 1], cache, p)
@@ -60,7 +61,7 @@ def test_mask_storage_keeps_every_slot_and_frees_nothing(models):
     assert report.freed_bytes == 0
     for l in cache.full_layers:
         assert cache.inspect.storage(l)[0].shape[2] == 48
-        assert cache.layers[l].reserved_bytes() == 48 * 2 * per
+        assert cache.layers[l].memory(cache.length).reserved_bytes == 48 * 2 * per
         assert cache.eviction.overhead_slots(l) == 2 * 48 - 2 * 10
         assert report.layers[l].logical_bytes == 2 * 10 * per  # what it attends to, not what it holds
     assert cache.inspect.reserved_bytes == 2 * 48 * 2 * per

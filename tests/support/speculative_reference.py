@@ -131,11 +131,9 @@ def layer_state(layer, length: int) -> dict[str, object]:
                 "scales": (layer.ks[..., :q // G, :], layer.kz[..., :q // G, :], layer.vs[..., :q, :],
                            layer.vz[..., :q, :]),
                 "residual": (layer.rk[..., :length - q, :], layer.rv[..., :length - q, :])}
-    try:
+    if layer.spec.recurrent:
         conv, recurrent = layer.read_state()
         return {"conv": conv, "recurrent": recurrent}
-    except kvexplore.SettingsError:
-        pass
     view = layer.slot_view(length)
     storage = layer.storage()
     if not storage:

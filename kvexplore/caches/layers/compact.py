@@ -173,7 +173,7 @@ class CompactLayer(PressedLayer):
             self.acc = torch.zeros(self.pos.shape, dtype=torch.float32, device=self.device)
             self.acc[:, :, :top] = old_acc[:, :, :k.shape[2]].gather(-1, order) * filled
         self.counts = counts.tolist()
-        step.counters.copied_bytes += int(counts.sum()) * sum(self.widths) * self._dtype.itemsize
+        step.counters.copied_bytes += int(counts.sum()) * sum(self._widths) * self._dtype.itemsize
         self._count_new_storage(step.counters, old_k, old_v)
         self._mask = None
 
@@ -202,7 +202,7 @@ class CompactLayer(PressedLayer):
         if self.acc is not None:  # the slots past each head's count start again from nothing
             self.acc = torch.cat([self.acc[:, :, :S].masked_fill(~front, 0.0), self.acc[:, :, S:]], 2)
             moved = int(paired.sum())
-            step.counters.copied_bytes += moved * sum(self.widths) * self._dtype.itemsize
+            step.counters.copied_bytes += moved * sum(self._widths) * self._dtype.itemsize
         low = int(counts.min())
         step.journal.keep(self.pos, 2, low, S - low)
         self.pos[:, :, low:S].masked_fill_(~front[:, :, low:S], -1)  # slots past each head's count hold nothing
@@ -233,7 +233,7 @@ class CompactLayer(PressedLayer):
     def storage(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def slot_view(self, length: int, head: int = 0) -> SlotView:

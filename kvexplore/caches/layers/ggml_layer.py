@@ -33,7 +33,7 @@ class GGMLLayer(PreallocatedLayer):
         return None
 
     def zeros(self, slots: int, values: bool = False) -> torch.Tensor:
-        ctype, width = (self.v_type, self.widths[1]) if values else (self.k_type, self.widths[0])
+        ctype, width = (self.v_type, self._widths[1]) if values else (self.k_type, self._widths[0])
         return torch.zeros((self._batch, self.spec.kv_heads, slots, row_bytes(ctype, width)), dtype=torch.uint8,
                            device=self.device)
 
@@ -50,7 +50,7 @@ class GGMLLayer(PreallocatedLayer):
         return (dequantize(self.k.narrow(2, 0, end), self.k_type).to(self._dtype),
                 dequantize(self.v.narrow(2, 0, end), self.v_type).to(self._dtype))
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         """The blocks of the positions held: ``length`` rows of keys and of values, every head and batch row."""
         return (self.k.shape[3] + self.v.shape[3]) * self._batch * self.spec.kv_heads * self.held(length)
 

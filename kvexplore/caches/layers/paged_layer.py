@@ -231,9 +231,9 @@ class PagedLayer(FullLayer):
         super().__init__(spec, batch_size, dtype, device)
         self.table = table
         pool = table.pool
-        pool.k[spec.index] = torch.zeros((pool.num_blocks, spec.kv_heads, pool.block_size, self.widths[0]),
+        pool.k[spec.index] = torch.zeros((pool.num_blocks, spec.kv_heads, pool.block_size, self._widths[0]),
                                          dtype=dtype, device=device)
-        pool.v[spec.index] = torch.zeros((pool.num_blocks, spec.kv_heads, pool.block_size, self.widths[1]),
+        pool.v[spec.index] = torch.zeros((pool.num_blocks, spec.kv_heads, pool.block_size, self._widths[1]),
                                          dtype=dtype, device=device)
 
     def begin(self, step: Step) -> None:
@@ -267,7 +267,7 @@ class PagedLayer(FullLayer):
     def storage(self) -> list[torch.Tensor]:
         return [self.table.pool.k[self.spec.index], self.table.pool.v[self.spec.index]]
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return sum(t.nbytes for t in self.storage())
 
     def slot_view(self, length: int) -> SlotView:

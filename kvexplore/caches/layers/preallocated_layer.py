@@ -51,7 +51,7 @@ class PreallocatedLayer(FullLayer):
     def storage(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def slot_view(self, length: int) -> SlotView:

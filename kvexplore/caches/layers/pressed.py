@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Groups, Step
 from ..presses import Observation, attention, per_kv_head, select
 from .pressplan import PressPlan
 from ...core import host
@@ -189,13 +189,13 @@ class PressedLayer(FullLayer):
     def held_positions(self, length: int) -> list[int]:
         return sorted({p for head in self.kept() for p in head})
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         """Bytes of the keys and values held: each head's own count (heads may hold different counts)."""
-        return self.head_totals()[0] * sum(self.widths) * self._dtype.itemsize
+        return self.head_totals()[0] * sum(self._widths) * self._dtype.itemsize
 
-    def analytic_bytes(self, length: int) -> int:
+    def _analytic_bytes(self, length: int) -> int:
         """The formula ``Σ over heads of held positions × (key width + value width) × element size``."""
-        return self.used_bytes(length)
+        return self._used_bytes(length)
 
     def truncate_error(self, n: int, length: int) -> str | None:
         """Why the layer cannot go back to ``n`` positions: a press evicted positions before ``n``; or, with presses
@@ -226,14 +226,10 @@ class PressedLayer(FullLayer):
         """For each KV head, the position in each key column the last step's attention read (-1: none)."""
         return [self.read_positions(length)] * self.spec.kv_heads
 
-    def read_group(self) -> tuple:
-        return ("pressed", self.spec.index)  # each layer reads its own kept positions
-
-    def view_key(self) -> tuple:
-        return (self.spec.kind, self.spec.index)  # each layer keeps its own positions: no view serves two
-
-    def mask_group(self) -> tuple:
-        return ("pressed", self.spec.index)
+    def groups(self) -> Groups:
+        # each layer reads its own kept positions, under a mask of its own; no view serves two
+        i = self.spec.index
+        return Groups(("pressed", i), (self.spec.kind, i), ("pressed", i))
 
     def describe(self, count: int, strategy: str, config) -> str:
         plan = self.plan

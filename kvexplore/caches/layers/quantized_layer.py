@@ -326,10 +326,10 @@ class QuantizedLayer(FullLayer):
             out["outliers"] = size("koi", "kov", "voi", "vov")
         return out
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return sum(self.bytes_by_part().values())
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         """Codes, scales and outliers of ``0..Q-1``, residual of ``Q..length-1``."""
         q, B, H = self.qf, self._batch, self.spec.kv_heads
         used = 0

@@ -35,10 +35,10 @@ class RecomputeLayer(LayerCache):
     def storage(self) -> list[torch.Tensor]:
         return []
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return 0
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         return 0
 
     def slot_view(self, length: int) -> SlotView:

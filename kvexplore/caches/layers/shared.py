@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ...errors import SettingsError
-from ..layer import LayerCache, Step
+from ..layer import Groups, LayerCache, Step
 from ..layout import SharedLayout
 from ..slots import SlotView
 
@@ -36,8 +36,9 @@ class SharedLayer(LayerCache):
     def mask(self, step: Step) -> torch.Tensor | None:
         return self.source.mask(step)
 
-    def mask_group(self) -> tuple:
-        return self.source.mask_group()
+    def groups(self) -> Groups:
+        spec = self.spec  # it reads and draws as its source, under its source's mask
+        return Groups((spec.attends, spec.source), (spec.kind, spec.source), self.source.groups().mask)
 
     def held(self, length: int) -> int:
         return 0
@@ -51,22 +52,16 @@ class SharedLayer(LayerCache):
     def read_start(self) -> int:
         return self.source.read_start()
 
-    def read_group(self) -> tuple:
-        return (self.spec.attends, self.spec.source)
-
-    def view_key(self) -> tuple:
-        return (self.spec.kind, self.spec.source)
-
     def storage(self) -> list[torch.Tensor]:
         return self.source.storage()
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return 0
 
-    def used_bytes(self, length: int) -> int:
+    def _used_bytes(self, length: int) -> int:
         return 0
 
-    def analytic_bytes(self, length: int) -> int:
+    def _analytic_bytes(self, length: int) -> int:
         return 0
 
     def slot_view(self, length: int) -> SlotView:

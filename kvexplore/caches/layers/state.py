@@ -29,8 +29,7 @@ from ..slots import SlotView
 
 
 class StateLayer(LayerCache):
-    held_names = {"checkpoints": "state checkpoints"}
-    stored_name = "recurrent state"
+    held_names = {"": "recurrent state", "checkpoints": "state checkpoints"}
 
     def __init__(self, spec, config, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec)
@@ -115,13 +114,13 @@ class StateLayer(LayerCache):
     def storage(self) -> list[torch.Tensor]:
         return [self.conv, self.recurrent]
 
-    def reserved_bytes(self) -> int:
+    def _reserved_bytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
 
-    def used_bytes(self, length: int) -> int:
-        return self.reserved_bytes()  # a fixed block, the same after every step
+    def _used_bytes(self, length: int) -> int:
+        return self._reserved_bytes()  # a fixed block, the same after every step
 
-    def analytic_bytes(self, length: int) -> int:
+    def _analytic_bytes(self, length: int) -> int:
         return self.analytic
 
     def slot_view(self, length: int) -> SlotView:
@@ -135,17 +134,4 @@ class StateLayer(LayerCache):
         return twin
 
     def describe(self, count: int, strategy: str, config) -> str:
-        return f"{count} linear-attention layer{'s' * (count != 1)}: a fixed state of {self.reserved_bytes()} B each"
-
-
-class StateLayers:
-    """The linear-attention layers of a cache by index (``cache.states``): ``read(layer)`` gives one's state."""
-
-    def __init__(self, layers: dict[int, StateLayer]) -> None:
-        self.layers = layers
-
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.layers[layer].read_state()
-
-    def layer_bytes(self, layer: int) -> int:
-        return self.layers[layer].reserved_bytes()
+        return f"{count} linear-attention layer{'s' * (count != 1)}: a fixed state of {self._reserved_bytes()} B each"
