@@ -172,3 +172,16 @@ def test_hook_point_names_are_pinned():
         "layers.1.mlp.out",
         "norm", "logits",
     ]
+
+
+def test_the_write_side_refuses_a_layer_of_another_kind_and_changes_nothing(tiny):
+    """A shared read of a layer that stores its own cache, and a state of a model without linear-attention layers,
+    are refused naming what to do, before anything moves."""
+    cache = PreallocatedCache(tiny.config, max_seq_len=16)
+    tiny(torch.tensor([[5, 6, 7]]), cache, 0)
+    before = (cache.length, cache.inspect.slot_view(), cache.inspect.memory_report())
+    with pytest.raises(kvexplore.SettingsError, match=r"layer 0 stores its own cache \(full\); write it with "
+                                                      r"write\(\)"):
+        cache.read_shared(0)
+    assert cache.states is None  # no linear-attention layer: no states to ask
+    assert (cache.length, cache.inspect.slot_view(), cache.inspect.memory_report()) == before

@@ -4,6 +4,8 @@ Against transformers 5.24 (random weights, float32, within 2e-4: transformers' o
 decode differ by about 1e-5 here), with A_log and dt_bias spread so the decay matters.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -130,3 +132,18 @@ def test_the_explorer_draws_the_state_as_a_fixed_block(qwen3_next):
             and tensors.traces[0]["z"].size == 4 * 5)
     ex.rewind(2)  # recomputed; the state drawn is the one of the kept steps
     assert ex.error == "" and ex.specs()["tensors"].traces[0]["z"].size == 4 * 3
+
+
+def test_states_answer_for_the_linear_attention_layers_only(qwen3_next):
+    """``cache.states`` reads the state layers; any other layer is refused naming the layers that have one."""
+    folder, _ = qwen3_next
+    model = kvexplore.load(folder)
+    cache = kvexplore.make_cache("preallocated", model, 16)
+    model(torch.tensor([ids_for(6)]), cache, 0)
+    recurrent = [s.index for s in cache.plan if s.recurrent]
+    full = next(s.index for s in cache.plan if not s.recurrent)
+    conv, state = cache.states.read(recurrent[0])
+    assert [t.data_ptr() for t in cache.inspect.storage(recurrent[0])] == [conv.data_ptr(), state.data_ptr()]
+    msg = f"layer {full} is not a linear-attention layer; it has no state (those that do: {recurrent})"
+    with pytest.raises(kvexplore.SettingsError, match=re.escape(msg)):
+        cache.states.read(full)
