@@ -12,10 +12,11 @@ dispatches every call to the layer's object; it never asks what kind a layer is.
 ``cache.quantization``; the linear-attention layers' states, of ``cache.states``.
 
 Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
-only records how many leading positions hold valid data (``length``). A forward pass calls
-``check_write(pos, q_len)`` before touching anything, ``begin_step(pos, q_len)`` (which plans the step in every
-layer), ``write(layer, pos, k, v)`` once per layer, then ``commit(pos + q_len)``. A check that fails raises before
-any layer writes, so a failed step leaves the cache exactly as it was.
+only records how many leading positions hold valid data (``length``). A forward pass runs inside
+:func:`~kvexplore.caches.one_pass.one_pass`, which calls ``check_write(pos, q_len)`` before touching anything,
+``begin_step(pos, q_len)`` (which plans the step in every layer), and after the pass's ``write(layer, pos, k, v)``
+per layer, ``commit(pos + q_len)``. A check that fails raises before any layer writes, so a failed step leaves the
+cache exactly as it was.
 
 A step can also fail after some layers wrote (an exception in a hook, an interrupt) or after ``commit`` (the
 generator then finds the logits unusable): :meth:`KVCache.rollback` puts back everything the last step changed, so

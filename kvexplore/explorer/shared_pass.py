@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..caches.one_pass import one_pass
 from ..core.hooks import hook
 from ..errors import KVExploreError
 from ..models.model import Model
@@ -77,20 +78,6 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
-class _EveryQuery:
-    """The recorded pass asks for every layer's queries (a lane reusing the pass may press with them); the rest is
-    the cache's own eviction (None: it does not press)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def reads_queries(self, layer: int) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 class _RecordingCache:
     """The cache as the model sees it during a recorded pass: every call goes to ``cache``; writes and masks are noted
     in ``into``."""
@@ -103,16 +90,8 @@ class _RecordingCache:
             self._into.other_calls.add(name)
         return getattr(self._inner, name)
 
-    @property
-    def eviction(self) -> "_EveryQuery":
-        return _EveryQuery(self._inner.eviction)
-
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None):
-        ev = self._inner.eviction
-        if ev is not None and ev.reads_queries(layer):
-            k_all, v_all = self._inner.write(layer, pos, k, v, queries)
-        else:
-            k_all, v_all = self._inner.write(layer, pos, k, v)
+        k_all, v_all = self._inner.write(layer, pos, k, v, queries)
         # compared now: a pressing cache may compact what it gave back when the pass commits; every layer's queries
         # are kept: a lane reusing the pass may press with them
         self._into.layers[layer] = LayerPass(queries, k, v, exact=_same(k_all, k) and _same(v_all, v))
@@ -187,9 +166,7 @@ class Reusing(_Wrapping):
         if rec.model is not self._executor.model:
             raise NotTheSamePass("the pass was computed by another model")
         B, T = ids.shape
-        cache.check_write(pos, T, B)
-        cache.begin_step(pos, T, self._executor.model)
-        try:
+        with one_pass(cache, pos, T, B, self._executor.model, keep_undo):
             for layer in range(self.config.num_layers):
                 lp = rec.layers.get(layer)
                 name = f"layers.{layer}.attn"
@@ -204,12 +181,9 @@ class Reusing(_Wrapping):
                             hook(tracer, f"{name}.q", lp.q)
                         k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                         k = hook(tracer, f"{name}.cache_write", k)
-                    if (ev := cache.eviction) is not None and ev.reads_queries(layer):
-                        if lp.q is None:
-                            raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
-                        k_all, v_all = cache.write(layer, pos, k, v, lp.q)
-                    else:
-                        k_all, v_all = cache.write(layer, pos, k, v)
+                    if lp.q is None and (ev := cache.eviction) is not None and ev.reads_queries(layer):
+                        raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
+                    k_all, v_all = cache.write(layer, pos, k, v, lp.q)
                     if not (_same(k_all, lp.k) and _same(v_all, lp.v)):
                         raise NotTheSamePass(f"layer {layer}'s cache read back other keys or values")
                 if tracer is not None:
@@ -221,12 +195,6 @@ class Reusing(_Wrapping):
                 raise NotTheSamePass("the recorded pass kept the last position's logits only")
             if tracer is not None:
                 hook(tracer, "logits", logits)
-        except BaseException:
-            cache.rollback()
-            raise
-        cache.commit(pos + T)
-        if not keep_undo:
-            cache.settle()
         return logits
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..caches.one_pass import one_pass
 from ..caches.strategies.preallocated import PreallocatedCache
 from ..errors import SettingsError
 from . import regional
@@ -191,19 +192,11 @@ class CompiledStep(CompiledExecutor):
             raise SettingsError(f"the compiled step feeds one token for its last position's logits, got ids of shape "
                                 f"{tuple(ids.shape)} (last_only={last_only}); run longer feeds eager")
         token = int(ids[0, 0])
-        cache.check_write(pos, 1, 1)
-        cache.begin_step(pos, 1)
-        try:
+        with one_pass(cache, pos, 1, keep_undo=keep_undo):
             cache.note_inplace_write(pos, 1)
             logits = decoder_for(self.eager.model, cache.capacity, self.mode)(token, cache, pos)[0]
-            cache.commit(pos + 1)
             if tracer is not None:
                 self._feed(tracer, cache, pos, logits)
-        except BaseException:
-            cache.rollback()
-            raise
-        if not keep_undo:
-            cache.settle()
         return logits.view(1, 1, -1)
 
     @staticmethod

@@ -60,8 +60,9 @@ class Executor(ABC):
         """One forward pass of ``ids`` ``(1, T)`` (a CPU tensor) at positions ``pos..pos+T-1`` through ``cache``:
         float32 logits ``(1, T, vocab)`` (``(1, 1, vocab)`` with ``last_only``), on the model's device.
 
-        The pass writes its keys and values into ``cache`` and leaves it committed at ``pos + T`` positions. A pass
-        that fails leaves the cache as it was. ``keep_undo`` keeps what ``cache.rollback()`` needs after a pass
+        The pass writes its keys and values into ``cache`` and leaves it committed at ``pos + T`` positions (a
+        :class:`~kvexplore.KVCache` through :func:`~kvexplore.caches.one_pass.one_pass`). A pass that fails leaves
+        the cache as it was. ``keep_undo`` keeps what ``cache.rollback()`` needs after a pass
         that succeeded (until ``cache.settle()``); otherwise it is dropped. ``tracer`` (a
         :class:`~kvexplore.Tracer`, between its ``begin_step`` and ``end_step``) gets the pass's hook points
         through ``tracer.hook(name, tensor)``.
@@ -79,19 +80,14 @@ class Executor(ABC):
         """Rebuild ``cache`` as a prefill of ``ids`` leaves it (what a rewind past a sliding ring or a recurrent
         state needs); a replay that fails leaves the cache as it was.
 
-        By default one pass at position 0 under the cache's undo journal (the pass a prefill makes: a failure
-        rolls the cache back to before it, whatever it held); no ids: the cache is truncated to 0.
+        By default one pass at position 0 (the pass a prefill makes: a failure rolls the cache back to before it,
+        whatever it held); no ids: the cache is truncated to 0.
         """
         cache.settle()
         if not ids:
             cache.truncate(0)
             return
-        try:
-            self(torch.tensor([list(ids)], dtype=torch.long), cache, 0, last_only=True, keep_undo=True)
-        except BaseException:
-            cache.rollback()
-            raise
-        cache.settle()
+        self(torch.tensor([list(ids)], dtype=torch.long), cache, 0, last_only=True)
 
     def cut_back(self, ids: Sequence[int], cache: Any) -> None:
         """Bring ``cache`` back to holding ``ids`` (a prefix of what it holds): a truncate, or, where a sliding ring

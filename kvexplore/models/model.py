@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..caches.base import KVCache
+from ..caches.one_pass import one_pass
 from ..config.model_config import ModelConfig
 from ..config.families import Architecture, lookup
 from ..config.layer_plan import LayerSpec, layer_plan
@@ -125,11 +126,7 @@ class Attention(nn.Module):
             if tracer is not None:
                 k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                 k = hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
-            ev = cache.eviction
-            if ev is not None and ev.reads_queries(self.layer):  # a press reads the queries (SnapKV's window, H2O's)
-                k_all, v_all = cache.write(self.layer, pos, k, v, queries=q)
-            else:
-                k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
+            k_all, v_all = cache.write(self.layer, pos, k, v, queries=q)  # (B, nkv, S, hd); a press may read q
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
@@ -350,9 +347,7 @@ class Model(nn.Module):
         """
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape
-        cache.check_write(pos, T, B)
-        cache.begin_step(pos, T, self)
-        try:
+        with one_pass(cache, pos, T, B, self, keep_undo):
             x = self.embed(host.upload(ids, self.device))  # (B, T, D)
             if tracer is not None:
                 x = hook(tracer, "embed", x)
@@ -368,12 +363,6 @@ class Model(nn.Module):
             logits = self.logits(x)  # (B, T, vocab)
             if tracer is not None:
                 logits = hook(tracer, "logits", logits)
-        except BaseException:
-            cache.rollback()  # some layers may have written: put the cache back exactly as it was
-            raise
-        cache.commit(pos + T)
-        if not keep_undo:
-            cache.settle()
         return logits
 
     def _check_inputs(self, ids: torch.Tensor, cache: KVCache, pos: int) -> None:

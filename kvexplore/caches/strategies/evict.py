@@ -168,13 +168,6 @@ class EvictCache(KVCache):
             if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
                 raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
-    def commit(self, end: int) -> None:
-        try:
-            super().commit(end)  # the presses run here, after every layer wrote
-        except BaseException:
-            self.rollback()  # a press that failed half-way (a custom press): the step is undone, as a failed pass is
-            raise
-
     # -- rewinds ---------------------------------------------------------------------------------------------
     def check_truncate(self, n: int, rings: bool = True) -> None:
         if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self.inspect.replay_error(n)):
