@@ -74,7 +74,7 @@ def main() -> None:
 
     import kvexplore
     from kvexplore.formats import store
-    from kvexplore.runtime.compression import compression_quality, full_reference
+    from kvexplore.compression.quality import compression_quality, full_reference
 
     model = kvexplore.load(args.model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(store.model_path(args.model), torch_dtype=torch.float32)

@@ -12,7 +12,7 @@ of docs/benchmarks.md. Frontier runs split across processes (``--kinds ... --tag
 Model: SmolLM2-135M in float32 (``--model gemma3-270m`` for Gemma 3 270M's frontier and passkey grid).
 
 frontier: the first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) as context, the next
-``--continuation`` tokens teacher-forced (kvexplore.runtime.compression): KL(full || compressed) per token and
+``--continuation`` tokens teacher-forced (kvexplore.compression.quality): KL(full || compressed) per token and
 mean, top-1 agreement, perplexity, the full cache's attention mass on kept keys; bytes held at the end against the
 full cache. Sink caches are sized to hold what an evicting cache of each budget holds at the end (sinks + window
 = kept + continuation - 1).
@@ -52,7 +52,7 @@ def _load(name: str, threads: int):
 
 def frontier(args) -> list[dict]:
     import kvexplore
-    from kvexplore.runtime.compression import compression_quality, full_cache, full_reference
+    from kvexplore.compression.quality import compression_quality, full_cache, full_reference
 
     model = _load(args.model, args.threads)
     text = (ROOT / "kvexplore/data/texts/moby_dick_chapter_4.txt").read_text()
@@ -98,7 +98,7 @@ def frontier(args) -> list[dict]:
 
 def passkey_grid(args) -> list[dict]:
     import kvexplore
-    from kvexplore.runtime.passkey import haystack, passkey
+    from kvexplore.compression.passkey import haystack, passkey
 
     model = _load(args.model, args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -141,7 +141,7 @@ QUESTIONS = [(" Question: What was the harpooneer's dog named? Answer: The harpo
 
 
 def questions(args) -> list[dict]:
-    from kvexplore.runtime.passkey import two_questions
+    from kvexplore.compression.passkey import two_questions
 
     model = _load(args.model, args.threads)
     text = (ROOT / "kvexplore/data/texts/moby_dick_chapter_4.txt").read_text()

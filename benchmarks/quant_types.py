@@ -5,7 +5,7 @@ values apart (issue 41, item 4 in part).
     python benchmarks/quant_types.py --model gemma3-270m --context 1000
 
 The first ``--context`` tokens of Moby-Dick's chapter 4 (kvexplore/data/texts) as context, the next
-``--continuation`` teacher-forced token by token (``kvexplore.runtime.compression.compression_quality``): mean
+``--continuation`` teacher-forced token by token (``kvexplore.compression.quality.compression_quality``): mean
 KL(full || quantized) per token, top-1 agreement and perplexity, and the bytes the cache holds for its positions
 against the full float32 cache's. Each type quantizes keys only (values f16), values only (keys f16), and both;
 KIVI's cache (keys per channel, values per token, groups of 32, a full-precision window of 32 tokens) beside them, at
@@ -27,7 +27,7 @@ import torch
 
 import kvexplore
 from kvexplore.caches.ggml_blocks import bits_per_value
-from kvexplore.runtime.compression import compression_quality, full_reference
+from kvexplore.compression.quality import compression_quality, full_reference
 from _common import passage_arguments
 
 TEXT = Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt"

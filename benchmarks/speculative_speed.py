@@ -64,7 +64,7 @@ def prompts(tok) -> dict[str, list[int]]:
 def run_one(model, ids: list[int], draft, k: int, tokens: int, kernels: bool = True):
     import kvexplore
 
-    from kvexplore.runtime.drafters import PromptLookup
+    from kvexplore.speculation.drafters import PromptLookup
 
     if draft == "lookup-2":  # no single-token matches: n-grams of 3, then 2
         draft = PromptLookup(max_ngram=3, min_ngram=2)

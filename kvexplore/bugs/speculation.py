@@ -14,7 +14,7 @@ from ..caches.factory import make_cache
 from ..caches.layers.concat_layer import ConcatLayer
 from ..diagnosis.speculation import check_speculation
 from ..runtime.generator import Generator
-from ..runtime.speculative import Speculation
+from ..speculation.speculative import Speculation
 from ..trace.tracer import Tracer
 from .catalog import Bug, register
 from .runs import Run, text_ids

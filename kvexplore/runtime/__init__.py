@@ -1,1 +1,1 @@
-"""Running a model on a cache: the :class:`~.generator.Generator`, sampling, the compiled step, perplexity."""
+"""Running a model on a cache: the :class:`~.generator.Generator`, sampling, the compiled step's use, perplexity."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from importlib import import_module
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from .compiled_use import CompiledUse
 from .prompt import prompt_ids
 from .recording import run_meta, step_record
 from .sampling import SamplingSettings, choose, sampling_setting
-from .speculative import Speculation, Target, Undo
+from .target import Target
 
 
 class Generator:
@@ -46,10 +47,9 @@ class Generator:
     the model for every generator that runs it; :attr:`kernels` says whether they apply). Both are speed only: the
     tokens are the same, the logits within float32 rounding.
 
-    ``draft``: speculative decoding (:mod:`~kvexplore.runtime.speculative`) with ``"prompt-lookup"``, ``"self:L"``
-    (the model's first L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification. Each
-    :meth:`step` is then one verification pass (one or more records; it returns the last), :meth:`run` gives one
-    record per token as ever, and :attr:`speculation` holds the drafted, accepted and rolled-back counts.
+    ``draft``: speculative decoding (:mod:`kvexplore.speculation`) with ``"prompt-lookup"``, ``"self:L"`` (the first
+    L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification: each :meth:`step` is one
+    verification (it returns the last record), :attr:`speculation` holds the drafted, accepted and rolled-back counts.
     """
 
     def __init__(self, model: Any, cache: Any = None, temperature: float = 0.0,
@@ -75,13 +75,13 @@ class Generator:
         self.history = History()  # one record per generated token; history.save(path) writes a trace
         self._rng_states: list[torch.Tensor] = []  # RNG state before each generated token was drawn
         self._undoable = False  # the cache's undo record is the last step's (see undo_step)
-        self.speculation = None if draft is None else Speculation(draft, draft_tokens, executor, cache)
-        # kernels: those of a verification's k + 1 rows built now too, not in its first timed pass
-        self._compiled = CompiledUse(executor, cache, compile, kernels,
-                                     rows=1 if self.speculation is None else self.speculation.k + 1)
+        self.speculation = None if draft is None else import_module("kvexplore.speculation").Speculation(
+            draft, draft_tokens, executor, cache)  # the speculation lab, loaded when a generator drafts
+        rows = 1 if self.speculation is None else self.speculation.k + 1  # a verification's kernels built now too
+        self._compiled = CompiledUse(executor, cache, compile, kernels, rows=rows)
         self.kernels = self._compiled.kernels  # whether the model's products run on the kernels
         self.compile = compile  # True: the best mode for the device (CPU: regional, CUDA: reduce-overhead)
-        self._spec_undo: Undo | None = None  # what undo_step needs to take back a verification
+        self._spec_undo: Any = None  # what undo_step needs to take back a verification (the lab's Undo)
 
     @property
     def model(self) -> Any:

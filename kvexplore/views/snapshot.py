@@ -44,7 +44,7 @@ class LaneDetail:
 @dataclass
 class SpecInfo:
     """A lane that drafts (speculative decoding), live: its drafter, tokens drafted per verification, its
-    verifications (:class:`~kvexplore.runtime.speculative.Verification`), how each kind of layer of its cache takes
+    verifications (:class:`~kvexplore.speculation.speculative.Verification`), how each kind of layer of its cache takes
     drafts back (``cache.inspect.crop_ways()``) and the doctor's verdict after its last take-back, short and in full
     (None: not run)."""
 

@@ -19,7 +19,7 @@ from kvexplore.config.families import register as register_architecture, unregis
 from kvexplore.errors import SettingsError
 from kvexplore.prefix import POLICIES, register_policy, unregister_policy
 from kvexplore.prefix.hashing import HashIndex
-from kvexplore.runtime.drafters import DRAFTERS, Draft, Drafter, register_drafter, unregister_drafter
+from kvexplore.speculation.drafters import DRAFTERS, Draft, Drafter, register_drafter, unregister_drafter
 from kvexplore.models.executor import ADAPTERS, as_executor, register_adapter, unregister_adapter
 from kvexplore.views import registry as views
 from kvexplore.views.prefix import PREFIX_FIGURES, register_prefix_figure, unregister_prefix_figure

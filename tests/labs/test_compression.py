@@ -1,5 +1,5 @@
-"""Quality of a compressed cache against the full one (kvexplore.runtime.compression) and answers after compression
-(kvexplore.runtime.passkey): the trained tiny model, plus one check on the real SmolLM2."""
+"""Quality of a compressed cache against the full one (kvexplore.compression.quality) and answers after compression
+(kvexplore.compression.passkey): the trained tiny model, plus one check on the real SmolLM2."""
 
 from pathlib import Path
 
@@ -8,9 +8,9 @@ import torch
 
 import kvexplore
 from kvexplore.errors import SettingsError
-from kvexplore.runtime.compression import (compression_quality, full_cache, full_reference, kept_context,
+from kvexplore.compression.quality import (compression_quality, full_cache, full_reference, kept_context,
                                            largest_write)
-from kvexplore.runtime.passkey import NEEDLE, QUESTION, haystack, passkey, token_span, two_questions
+from kvexplore.compression.passkey import NEEDLE, QUESTION, haystack, passkey, token_span, two_questions
 
 TEXT = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
 

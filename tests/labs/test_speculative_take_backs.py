@@ -315,7 +315,7 @@ def test_the_verification_keeps_the_memory_report_of_its_pass(tiny):
     """A verification's records report memory after the take-back; ``pass_memory`` is the pass's own: ``k + 1``
     positions written by ``narrow(2, pos, k + 1)`` on the pre-allocated cache, nothing copied or allocated."""
     from kvexplore.caches.memory import kv_bytes
-    from kvexplore.runtime.drafters import Draft, Drafter
+    from kvexplore.speculation.drafters import Draft, Drafter
 
     class Fives(Drafter):
         def propose(self, tokens, k, sampling, rng):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvexplore
 from kvexplore.errors import SettingsError
-from kvexplore.runtime import speculative
+from kvexplore.speculation import speculative
 from kvexplore.runtime.sampling import filtered_probs
 from speculative_reference import (ARCHS, KINDS, N, REFUSED, draft_model, greedy, load, lookup_prompt, make,
                                    perturbed)

@@ -14,7 +14,7 @@ from kvexplore.caches.layers.ring import RingLayer
 from kvexplore.caches.layers.shared import SharedLayer
 from kvexplore.caches.layout import PagedLayout
 from kvexplore.caches.slots import FILLED, SHARED
-from kvexplore.runtime.drafters import PromptLookup
+from kvexplore.speculation.drafters import PromptLookup
 
 # every architecture kvexplore implements, small (zoo.load(arch, **options)): plain GQA, sliding rings (window 8),
 # shared layers and rings, attention sinks and rings, latent (MLA), latent and sparse (V3.2), recurrent states

@@ -24,7 +24,7 @@ from ..caches.factory import make_cache
 from ..core.settings import integer
 from ..errors import SettingsError
 from ..models.model import Model
-from .compression import CacheFactory, check_ids, feed, full_cache, kept_context
+from .quality import CacheFactory, check_ids, feed, full_cache, kept_context
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
          "you about the important information there.")

@@ -26,7 +26,7 @@ import torch
 from ..core.registry import Registry
 from ..core.settings import integer
 from ..errors import SettingsError
-from .sampling import SamplingSettings, filtered_probs
+from ..runtime.sampling import SamplingSettings, filtered_probs
 
 
 @dataclass

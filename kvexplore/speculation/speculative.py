@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,10 +35,11 @@ from ..caches.memory import MemoryReport
 from ..core import host
 from ..core.settings import integer
 from ..errors import SettingsError
-from . import clock
+from ..runtime import clock
 from .drafters import Draft, Drafter, make_drafter
-from .recording import eos_ids, step_record
-from .sampling import choose, filtered_probs
+from ..runtime.recording import eos_ids, step_record
+from ..runtime.sampling import choose, filtered_probs
+from ..runtime.target import Target
 
 if TYPE_CHECKING:
     from ..trace.records import StepRecord
@@ -76,20 +77,6 @@ class Verification:
     def kept(self) -> int:
         """Positions of the pass that stay in the cache: the fed token and the accepted drafts."""
         return self.written - self.rolled_back
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a verification reads from the generator it serves (:meth:`~kvexplore.Generator.target`): its model
-    runner, cache and tracer, its sampling settings and RNG (drafts and corrections draw from it), and how many top
-    candidates each record keeps."""
-
-    executor: Any
-    cache: Any
-    tracer: Any
-    sampling: Any
-    rng: torch.Generator
-    top_candidates: int
 
 
 @dataclass(frozen=True)
