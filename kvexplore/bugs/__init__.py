@@ -1,16 +1,5 @@
-"""A zoo of real cache bugs: the bugs serving engines shipped (and a few this project made), each planted in
-kvexplore's own cache, pool or drafter, run beside its fixed twin, and caught by a checker.
-
-    import kvexplore.bugs as bugs
-    [b.name for b in bugs.catalog()]             # name, engine, reference, area, summary, invariant
-    r = bugs.reproduce("ring-rollback-after-wrap")
-    r.first_divergence                            # step or request, layer, position, the two tokens
-    r.doctor                                      # the checker's report on the broken run
-    print(r.explain())
-
-Planted bugs live here, in subclasses of kvexplore's classes (a cache, a layer, a pool, a rotary embedding), never
-as flags in the real code paths. docs/bugs.md has one entry per bug.
-"""
+"""A zoo of real cache bugs: each planted in a subclass of kvexplore's own cache, pool or drafter (never as a flag in
+the real code paths), run beside its fixed twin, and caught by a checker (docs/bugs.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The zoo's catalogue: one :class:`Bug` per cache bug a serving engine shipped (or this project made), each with the
-public report it comes from, the invariant it breaks, and how to run it with the bug planted and without.
-
-A bug module (``decoding``, ``windows``, ``speculation``, ``prefix``, ``quantization``, ``eviction``) defines its
-planted classes and calls :func:`register` once per bug; :func:`catalog` lists them in the order of :data:`AREAS`.
-"""
+"""The zoo's catalogue: one :class:`Bug` per cache bug, registered by its area's module (:data:`MODULES`) and listed
+by :func:`catalog` in the order of :data:`AREAS`."""
 
 from __future__ import annotations
 
@@ -27,21 +23,14 @@ CHECKERS = ("doctor", "pool", "speculation")
 
 @dataclass(frozen=True)
 class Bug:
-    """One catalogued bug.
+    """One catalogued bug: where it was found (``engine``, ``reference``, ``url``), ``area`` (one of :data:`AREAS`),
+    ``summary``, ``invariant`` (what a correct cache keeps true), ``symptom``, ``model`` (the zoo model it runs on) and
+    ``checker`` (one of :data:`CHECKERS`).
 
-    ``name`` (how :func:`~kvexplore.bugs.reproduce` finds it), ``engine`` (where it was found), ``reference`` (the
-    public report: ``owner/repo#number`` or a write-up, with ``url``), ``area`` (one of :data:`AREAS`), ``summary``
-    (what went wrong, and how the zoo plants it), ``invariant`` (what a correct cache keeps true, the test that would
-    have caught it), ``symptom`` (what a user saw). ``model``: the zoo model it runs on by default (``"tiny"`` or
-    ``"tiny-windowed"``, :mod:`kvexplore.bugs.models`). ``checker``: one of :data:`CHECKERS`.
-
-    ``make(model, planted, slots)``: a decoding bug's ``(model, cache)`` of ``slots`` positions, a speculation bug's
-    generator (what an explorer lane of the bug runs); None for a pool's bug.
-
-    ``run(model, planted) -> Run`` runs the bug's prompts, steps or requests once (``planted``: with the bug in the
-    zoo's cache, pool or drafter; otherwise with kvexplore's own); ``check(model, planted)`` runs the checker on the
-    same and returns its report (``diverged``, ``summary()``, ``hint``, ``layer``).
-    """
+    ``run(model, planted) -> Run`` runs its prompts, steps or requests once, with the bug planted or with kvexplore's
+    own classes; ``check(model, planted)`` runs the checker on the same. ``make(model, planted, slots)``: a decoding
+    bug's ``(model, cache)`` or a speculation bug's generator (what an explorer lane of it runs); None for a pool's
+    bug."""
 
     name: str
     engine: str

@@ -14,7 +14,7 @@ from ..caches.strategies.preallocated import PreallocatedCache
 from ..models.rope import Rotary
 from .catalog import Bug, register
 from .models import with_module
-from .runs import decode_scenario
+from .runs import decode_scenario, planted_maker
 
 TEXT = "Once upon a time, a little cache kept every key it was given, and"
 STEPS = 24
@@ -67,11 +67,7 @@ class LateCache(PreallocatedCache):
         return UpperLayersLate(spec, self.batch_size, self.dtype, self.device, self.capacity)
 
 
-def _late(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
-    return model, (LateCache(model.config, slots, dtype=model.dtype) if planted else
-                   make_cache("preallocated", model, max_seq_len=slots))
-
-
+_late = planted_maker(LateCache, "preallocated")
 _late_run, _late_check = decode_scenario(TEXT, STEPS, _late)
 register(Bug(
     name="length-counted-early", engine="flash-linear-attention", reference="fla-org/flash-linear-attention#766",

@@ -1,21 +1,17 @@
-"""Eviction: a pressed cache drops positions by design, each KV head its own, but what a head still holds it must
-hold exactly: its own keys and values, read by its own query heads only, each key turned to the rotation the
-position mode gives it. The cache doctor checks a pressed cache against a recomputation with the same kept set
-(kvexplore/diagnosis/kept.py), so a head that reads another head's slots, or a key turned from the wrong origin,
-departs from it at the first step that reads them."""
+"""Eviction: a pressed cache drops positions by design, but what each KV head still holds it must hold exactly (its own
+keys and values, read by its own query heads, each turned as the position mode says); the doctor checks it against a
+recomputation with the same kept set."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 from ..caches.strategies.evict import EvictCache
-from ..caches.factory import make_cache
 from ..caches.layers.compact import CompactLayer
 from ..caches.layer import Step
 from .catalog import Bug, register
-from .runs import decode_scenario
+from .runs import decode_scenario, planted_maker
 
 TEXT = "Once upon a time, a little cache kept every key it was given, until one day it had to choose which to forget"
 STEPS = 16
@@ -61,17 +57,9 @@ class SlotRotationCache(PlantedEvictCache):
     layer_class = RotationFromSlot
 
 
-def _maker(planted_class: type, options: dict[str, Any]):
-    def make(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
-        if planted:
-            return model, planted_class(model.config, dtype=model.dtype, max_seq_len=slots, **options)
-        return model, make_cache("evict", model, max_seq_len=slots, **options)
-    return make
-
-
 #: an adaptive budget (AdaKV) leaves the layer's KV heads holding different counts of positions
 ADAPTIVE = {"press": "knorm", "compression_ratio": 0.5, "heads": "adaptive"}
-_make_head = _maker(HeadZeroCache, ADAPTIVE)
+_make_head = planted_maker(HeadZeroCache, "evict", ADAPTIVE)
 _head_run, _head_check = decode_scenario(TEXT, STEPS, _make_head)
 register(Bug(
     name="heads-read-head-zero", engine="kvexplore (this project: the explorer's attention of pressed layers)",
@@ -89,7 +77,7 @@ register(Bug(
 
 #: re-rotated keys and presses while decoding: the second press turns keys the first already turned
 REROTATE = {"press": "knorm", "compression_ratio": 0.5, "positions": "rerotate", "decode_every": 4}
-_make_slot = _maker(SlotRotationCache, REROTATE)
+_make_slot = planted_maker(SlotRotationCache, "evict", REROTATE)
 _slot_run, _slot_check = decode_scenario(TEXT, STEPS, _make_slot)
 register(Bug(
     name="rotation-from-slot", engine="VeloxQuant-MLX (H2O cache)", reference="rajveer43/VeloxQuant-MLX#137",

@@ -1,7 +1,5 @@
-"""Where a decoding bug's broken run parts from its fixed twin, layer by layer and step by step: both caches are fed the
-fixed run's tokens (so every step compares the same sequence) and each layer's output at the newest position is
-compared. The map shows what a bug does inside the model: which layer departs first, from which step, and how it
-spreads upward."""
+"""Where a decoding bug's broken run parts from its fixed twin, layer by layer and step by step (both caches fed the
+fixed run's tokens): which layer departs first, from which step, and how it spreads upward."""
 
 from __future__ import annotations
 

@@ -1,21 +1,17 @@
-"""Quantization: a quantized cache loses precision by design, but only as much as its scheme says: every element read
-back within half a quantization step of its own group. A scale that belongs to another group, or that the write and
-the read do not agree on, reads back something the scheme never allowed, and the cache doctor (which checks the keys
-read against the scheme's bound at the first step that quantizes) names the layer and position."""
+"""Quantization: a quantized cache may lose only what its scheme allows, every element read back within half a
+quantization step of its own group; the doctor checks the keys read against that bound."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
-from ..caches.factory import make_cache
 from ..caches.kivi import pack
 from ..caches.kv_codec import Codec
 from ..caches.layers.quantized_layer import QuantizedLayer
 from ..caches.strategies.quantized import QuantizedCache
 from .catalog import Bug, register
-from .runs import decode_scenario
+from .runs import decode_scenario, planted_maker
 
 TEXT = ("Once upon a time, a little cache kept every key it was given, and it wrote each of them down in four bits "
         "so that many more of them would fit")
@@ -87,15 +83,7 @@ class UnitScaleCache(PlantedQuantizedCache):
     layer_class = UnitScaleLayer
 
 
-def _maker(planted_class: type):
-    def make(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
-        if planted:
-            return model, planted_class(model.config, slots, dtype=model.dtype, **OPTIONS)
-        return model, make_cache("quantized", model, max_seq_len=slots, **OPTIONS)
-    return make
-
-
-_make_first = _maker(FirstScaleCache)
+_make_first = planted_maker(FirstScaleCache, "quantized", OPTIONS)
 _first_run, _first_check = decode_scenario(TEXT, STEPS, _make_first)
 register(Bug(
     name="scale-from-first-input", engine="vLLM (FP8 KV cache, --calculate-kv-scales)",
@@ -113,7 +101,7 @@ register(Bug(
     checker="doctor", run=_first_run, check=_first_check, make=_make_first))
 
 
-_make_unit = _maker(UnitScaleCache)
+_make_unit = planted_maker(UnitScaleCache, "quantized", OPTIONS)
 _unit_run, _unit_check = decode_scenario(TEXT, STEPS, _make_unit)
 register(Bug(
     name="scale-left-at-one", engine="SGLang (FP8 KV cache, --quantization-param-path)",

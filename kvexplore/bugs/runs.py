@@ -1,10 +1,5 @@
-"""One run of a bug's scenario, and where two runs first part.
-
-A :class:`Run` is a list of units: decode steps (the token chosen after prefill is step 0) or served requests, each
-with the tokens it chose, their logits where the run has them, and the position of the pass that chose its first
-token. :func:`decode_run` runs greedy decoding through a cache; the speculation and prefix modules make their own.
-:func:`first_divergence` compares a run with the bug planted against its fixed twin.
-"""
+"""One run of a bug's scenario (:class:`Run`: decode steps or served requests), and where two runs first part
+(:func:`first_divergence`)."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..caches.factory import make_cache
 from ..errors import SettingsError
 from ..trace.parting import first_parting
 
@@ -154,3 +150,13 @@ def decode_scenario(text: str, steps: int, make: Any) -> tuple[Any, Any]:
         return doctor(m, prompt=text_ids(m, text), steps=steps, cache=cache)
 
     return run, check
+
+
+def planted_maker(planted_class: type, kind: str, options: dict[str, Any] | None = None):
+    """``make(model, planted, slots)`` of a decoding bug: ``(model, planted_class(...))`` with the bug planted, else
+    ``(model, make_cache(kind, ...))``, both of ``slots`` positions with ``options``."""
+    def make(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
+        if planted:
+            return model, planted_class(model.config, max_seq_len=slots, dtype=model.dtype, **(options or {}))
+        return model, make_cache(kind, model, max_seq_len=slots, **(options or {}))
+    return make

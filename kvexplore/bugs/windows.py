@@ -12,7 +12,7 @@ from ..caches.strategies.preallocated import PreallocatedCache
 from ..runtime.generator import Generator
 from ..trace.tracer import Tracer
 from .catalog import Bug, register
-from .runs import decode_scenario
+from .runs import decode_scenario, planted_maker
 from .speculation import speculative_scenario
 
 SHORT = "Once upon a time"  # shorter than the planted ring: exact until the sequence outgrows it
@@ -34,12 +34,7 @@ class ShortRings(PreallocatedCache):
         self._index()
 
 
-def _early(model: Any, planted: bool, slots: int = 64) -> tuple[Any, Any]:
-    cache = ShortRings(model.config, slots, dtype=model.dtype) if planted else \
-        make_cache("preallocated", model, max_seq_len=slots)
-    return model, cache
-
-
+_early = planted_maker(ShortRings, "preallocated")
 _early_run, _early_check = decode_scenario(SHORT, STEPS, _early)
 register(Bug(
     name="window-evicts-early", engine="SGLang (SWA chunk cache)", reference="sgl-project/sglang#8649",

@@ -1,9 +1,5 @@
-"""Reading a transformers ``config.json`` (v4 and v5 layouts) into the fields of a :class:`~.model_config.ModelConfig`.
-
-This module reads what every architecture shares (:data:`COMMON_FIELDS`: sizes, RoPE, windows, special tokens);
-what one architecture adds or refuses is declared by its entry in the registry (:mod:`.families`): its own keys
-(``fields``), how it turns them into config fields (``read``), the switches it always sets (``traits``), its
-default layer types and RoPE bases."""
+"""Reading a transformers ``config.json`` (v4 and v5 layouts) into the fields of a :class:`~.model_config.ModelConfig`:
+what every architecture shares (:data:`COMMON_FIELDS`) here, what one adds or refuses by its registry entry."""
 
 from __future__ import annotations
 

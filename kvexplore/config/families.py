@@ -1,25 +1,7 @@
-"""The architecture registry: one :class:`Architecture` entry per transformers class kvexplore runs.
-
-An entry is declared once, in the family module of :mod:`kvexplore.models.architectures` that implements it
-(``llama.py``, ``gemma.py``, ``gpt_oss.py``, ``deepseek.py``, ``qwen3_next.py``), and registered here with
-:func:`register`. This module sits in ``config/`` (below ``models/``) so that :class:`~.model_config.ModelConfig`
-can read ``config.json`` and run an architecture's checks without importing the models; it holds the entries and
-knows nothing about any one of them. Everything that differs between architectures is a field of the entry:
-
-- reading ``config.json``: :attr:`~Architecture.fields` (the keys it reads beyond :data:`.config_json.COMMON_FIELDS`,
-  each typed and bounded), :attr:`~Architecture.aliases` (its own names for common keys), :attr:`~Architecture.read`
-  (its :class:`ModelConfig` fields from those values), :attr:`~Architecture.refuse` (options it refuses),
-  :attr:`~Architecture.traits` (switches of the Llama layer it always turns on);
-- the layer plan's inputs: :attr:`~Architecture.layer_types` (each layer's type when ``config.json`` lists none),
-  :attr:`~Architecture.default_theta` / :attr:`~Architecture.local_theta` (RoPE bases);
-- checks of a built config: :attr:`~Architecture.check`; writing ``config.json`` back: :attr:`~Architecture.to_hf`;
-- the blocks the decoder builds (:attr:`~Architecture.attention`, :attr:`~Architecture.recurrent`,
-  :attr:`~Architecture.mlp`, :attr:`~Architecture.experts`; ``None``: the Llama ones). The weight names and shapes
-  are not declared: they are those of the model built on the meta device (:func:`kvexplore.formats.weights.
-  expected_shapes`);
-- GGUF names (:class:`GGUFNames`), the transformers classes the parity tests check it against, and the small
-  ``example`` config those tests build.
-"""
+"""The architecture registry: one :class:`Architecture` entry per transformers class kvexplore runs, declared in its
+family module of :mod:`kvexplore.models.architectures` and registered here with :func:`register`. It sits in
+``config/`` (below ``models/``) so that :class:`~.model_config.ModelConfig` can read ``config.json`` and run an
+architecture's checks without importing the models (what each field declares: docs/extending.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +16,10 @@ from .fields import Field
 
 @dataclass(frozen=True)
 class GGUFNames:
-    """How llama.cpp names an architecture's file: ``general.architecture``, whether its q/k projection rows are
-    stored in llama.cpp's rope order (un-permuted on reading), and its tensor names (``blk.N.<key>.weight`` ->
-    ``model.layers.N.<value>.weight``; ``globals`` for the tensors outside the layers). What llama.cpp's converter
-    changes or leaves out: ``norm_shift`` (added to every ``*norm.weight``, subtracted on reading: Gemma's norms
-    are stored as ``1 + weight``), ``defaults`` (``config.json`` keys the file does not carry and llama.cpp supplies
-    itself, such as Gemma 3's local RoPE base) and ``chat_template`` (when the file has none)."""
+    """How llama.cpp names an architecture's file: ``general.architecture``, whether its q/k rows are in llama.cpp's
+    rope order, its tensor names (``blk.N.<key>`` -> ``model.layers.N.<value>``; ``globals`` outside the layers), and
+    what its converter changes or leaves out: ``norm_shift`` (added to every ``*norm.weight``: Gemma stores
+    ``1 + weight``), ``defaults`` (``config.json`` keys llama.cpp supplies itself) and ``chat_template``."""
 
     name: str
     rope_rows_permuted: bool
@@ -52,7 +32,7 @@ class GGUFNames:
 
 @dataclass(frozen=True, eq=False)
 class Architecture:
-    """One transformers architecture kvexplore runs (see the module docstring for what each group of fields is)."""
+    """One transformers architecture kvexplore runs (what each group of fields declares: docs/extending.md)."""
 
     name: str  # short name the tests and docs use: "llama", "gemma3", "deepseek_v3"
     hf_class: str  # config.json's architectures[0]: "LlamaForCausalLM"

@@ -1,11 +1,6 @@
-"""Checked reading of config values: a small table of fields per file, each with a type and a range.
-
-Every value a model file gives (``config.json``, GGUF metadata, ``tokenizer_config.json``,
-``generation_config.json``, the shard index) goes through :func:`read` before anything uses it. A value of the
-wrong type, out of range or not finite raises one :class:`~kvexplore.errors.ConfigError` that names the file,
-the field, the value found and what was expected. JSON files are read with :func:`read_json_object`, which turns
-missing, non-UTF-8, invalid and non-object files into kvexplore errors.
-"""
+"""Checked reading of config values: a small table of fields per file, each with a type and a range. Every value a
+model file gives goes through :func:`read`, which raises one :class:`~kvexplore.errors.ConfigError` naming the file,
+the field, the value found and what was expected; :func:`read_json_object` reads a JSON file the same way."""
 
 from __future__ import annotations
 

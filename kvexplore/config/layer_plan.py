@@ -1,14 +1,7 @@
-"""What each layer of a model keeps in its cache: the per-layer plan every cache strategy builds from.
-
-Since 2024 the layers of one model no longer keep the same thing. Gemma 3 and gpt-oss interleave *sliding*
-layers (each query reads only the last ``window`` positions, so the layer needs a ring of ``window`` slots, not a
-growing cache) with *full* layers (every position, like Llama). Gemma 4's last layers are *shared*: they read the
-cache of an earlier layer of the same type and store nothing of their own. Gemma 4's full layers also have their
-own head size and number of key/value heads.
-
-:func:`layer_plan` turns a :class:`~kvexplore.config.model_config.ModelConfig` into one :class:`LayerSpec` per layer;
-the cache strategies, the memory formula and the views read nothing else about the model's layout.
-"""
+"""What each layer of a model keeps in its cache: :func:`layer_plan` turns a
+:class:`~kvexplore.config.model_config.ModelConfig` into one :class:`LayerSpec` per layer (full, a sliding ring of
+``window`` slots, shared: reading an earlier layer's cache, or a recurrent state); the cache strategies, the memory
+formula and the views read nothing else about the model's layout."""
 
 from __future__ import annotations
 

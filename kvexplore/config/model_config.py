@@ -240,9 +240,8 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(f"{self.source}: architecture {self.architecture!r} is not registered, so "
                                         f"there is no config.json to write for it")
-        model_type = arch.model_type
         raw = {
-            "architectures": [self.architecture], "model_type": model_type, "vocab_size": self.vocab_size,
+            "architectures": [self.architecture], "model_type": arch.model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",

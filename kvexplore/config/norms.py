@@ -1,8 +1,4 @@
-"""The RMSNorm styles architectures choose between (a config field, ``norm_style``).
-
-Which architectures kvexplore runs, and what each adds to the Llama decoder, is declared once per family in
-:mod:`kvexplore.models.architectures` and registered in :mod:`kvexplore.config.families`.
-"""
+"""The RMSNorm styles architectures choose between (a config field, ``norm_style``)."""
 
 from __future__ import annotations
 

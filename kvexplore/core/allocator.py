@@ -1,20 +1,7 @@
-"""What the device's memory allocator did, read where a cache claims it: around the cache's own writes.
-
-A cache's memory report carries two sets of allocator figures on CUDA (``MemoryReport.cuda`` and ``cuda_now``):
-
-- ``cuda``: what the caching allocator allocated and freed *inside the cache's writes* of one step (and when the
-  step settled, which is when a concatenating cache's old storage is let go): ``allocated_bytes``,
-  ``freed_bytes``, ``allocations`` and ``frees``, from the allocator's cumulative counters
-  (``allocated_bytes.all.allocated`` / ``.freed``), read before and after each write. The logits and activations
-  of the forward pass fall outside those windows, so a pre-allocated cache shows 0 and a concatenating one its
-  allocate-then-free, which a difference of ``.current`` across the whole pass would net out.
-- ``cuda_now``: the allocator's figures after the step, for the whole process (allocated, reserved, inactive split
-  bytes, allocation retries).
-
-A source is any object with ``counters() -> (allocated_bytes, freed_bytes, allocations, frees)`` (cumulative)
-and ``now() -> dict``; the tests give the caches a fake one on the CPU. Reading CUDA's counters costs a few tens
-of microseconds: set ``cache.allocator = None`` to skip them (timing runs do).
-"""
+"""What the device's memory allocator did, read where a cache claims it: around the cache's own writes
+(``MemoryReport.cuda``), and for the whole process after the step (``cuda_now``; docs/cuda.md). A source is any
+:class:`AllocatorStats` (the tests give the caches a fake one on the CPU); ``cache.allocator = None`` skips the
+reads, which cost a few tens of microseconds on CUDA."""
 
 from __future__ import annotations
 

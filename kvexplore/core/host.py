@@ -1,19 +1,7 @@
-"""The few places that move data between the device and the host, on purpose.
-
-On CUDA every host-side conversion of a device tensor (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
-``int(t)``, ``if t: ...``) waits for the device to finish what it was given: a *sync*. kvexplore converts only
-here. :func:`fetch` brings any number of tensors (of any dtypes and shapes) over in *one* copy: they are packed
-into one byte buffer on the device, copied into pinned host memory without blocking, and waited for once. A
-generation step calls it once for the logits (and once more when a tracer records the step, after the forward
-pass); :func:`values` is the same for the few Python numbers a layer needs mid-pass (which experts a token chose).
-
-The other way, :func:`upload` sends host data (token ids, page tables, per-head counts) to the device without
-blocking: from pinned memory on CUDA, where a copy from ordinary host memory waits for the device like a sync.
-
-Tests put a mode around a run that treats model and cache tensors as device tensors and fails on any conversion
-outside this module (``tests/support/devicemode.py``), and counts the transfers made here that a device tensor took
-part in (its syncs on CUDA).
-"""
+"""The few places that move data between the device and the host, on purpose (docs/cuda.md): :func:`fetch` brings any
+number of tensors over in one copy (one sync on CUDA), :func:`values` the Python numbers a layer needs mid-pass,
+:func:`upload` sends host data without a sync. A test mode fails on any conversion of a device tensor outside this
+module and counts the transfers made here (``tests/support/devicemode.py``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""One rule for every registry of named extensions (strategies, layer kinds, presses, drafters, prefix policies,
-views, prefix figures, model adapters): registering a name that is taken is refused unless asked to replace it, a
-built-in entry is neither replaced nor removed, and removing a name that is not there says what is.
-
-A :class:`Registry` is a ``dict`` (look-ups, ``in``, iteration and ``sorted`` work as on one); change it through
-:meth:`Registry.add` and :meth:`Registry.remove`, which each module's ``register_*`` / ``unregister_*`` call. A
-built-in entry may be named before it is loaded (:meth:`Registry.add_lazy`: ``"module:attribute"``): its module is
-imported at the first look-up of its entry, so a registry lists every name without importing what it does not use.
-"""
+"""One rule for every registry of named extensions: registering a taken name is refused unless asked to replace it, a
+built-in entry is neither replaced nor removed, and removing a name that is not there says what is. A built-in entry
+may be named before it is loaded (:meth:`Registry.add_lazy`): its module is imported at its first look-up."""
 
 from __future__ import annotations
 

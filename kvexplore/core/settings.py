@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import SettingsError
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -19,7 +19,7 @@ def _shown(value: Any) -> str:
 def integer(value: Any, name: str, minimum: int | None = None, maximum: int | None = None, hint: str = "") -> int:
     """``value`` as an int (Python or numpy integers; not bools, floats or strings) within the bounds."""
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SettingsError(f"{name} must be an integer{hint}, got {_shown(value)} ({type(value).__name__})")
+        raise SettingsError(f"{name} must be an integer{hint}, got {shown(value)} ({type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum or maximum is not None and value > maximum:
         bounds = (f"between {minimum} and {maximum}" if minimum is not None and maximum is not None
@@ -36,7 +36,7 @@ def real(value: Any, name: str, minimum: float | None = None, maximum: float | N
          above: float | None = None, hint: str = "") -> float:
     """``value`` as a finite float (not a bool or a string) with ``minimum <= value <= maximum``, ``value > above``."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise SettingsError(f"{name} must be a finite number{hint}, got {_shown(value)}")
+        raise SettingsError(f"{name} must be a finite number{hint}, got {shown(value)}")
     value = float(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) or (
             above is not None and value <= above):
@@ -53,7 +53,7 @@ def choice(value: Any, name: str, options: Any) -> Any:
     except TypeError:
         ok = False
     if not ok:
-        raise SettingsError(f"unknown {name} {_shown(value)}; available: {', '.join(map(str, options))}")
+        raise SettingsError(f"unknown {name} {shown(value)}; available: {', '.join(map(str, options))}")
     return value
 
 

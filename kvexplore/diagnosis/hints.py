@@ -26,11 +26,7 @@ def bad_positions(g: LayerPass, r: LayerPass, which: str, tol: float) -> list[tu
     """(got column, ref column, position) of every position whose keys/values depart beyond ``tol``."""
     gi, ri, pos = columns(g, r)
     got, ref = getattr(g, which), getattr(r, which)
-    out = []
-    for a, b, p in zip(gi, ri, pos):
-        if not _close(got[:, a], ref[:, b], tol):
-            out.append((a, b, p))
-    return out
+    return [(a, b, p) for a, b, p in zip(gi, ri, pos) if not _close(got[:, a], ref[:, b], tol)]
 
 
 def rope_offset(passes, layer: int, got: torch.Tensor, ref: torch.Tensor, position: int, tol: float,

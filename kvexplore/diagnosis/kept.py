@@ -1,14 +1,5 @@
-"""The doctor on a pressed (``evict``) cache: a recomputation with the same kept set, and what a departure means.
-
-A pressed cache is lossy by design, so a full recomputation is the wrong reference. :class:`KeptPasses` records,
-after every press of the cache under test, which positions each KV head kept. Its reference recomputes the sequence
-from scratch through a second cache of another storage (``storage="mask"``: every position where it was written,
-the evicted hidden per head), fed in segments between the presses (one forward each, so a segment's tokens read
-each other under the causal mask per head), with the recorded kept sets imposed at each press's length and the kept
-keys' rotations worked out again from the position mode's rule (``keep``: their own position; ``rerotate``:
-contiguous positions ending at the last one written). Keys and values are compared head by head, column by column,
-by position.
-"""
+"""The doctor on a pressed (``evict``) cache: the reference is a recomputation with the same kept set, a second cache
+of masking storage fed in segments between the recorded presses (docs/eviction.md), and what a departure means."""
 
 from __future__ import annotations
 

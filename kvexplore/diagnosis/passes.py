@@ -1,7 +1,6 @@
-"""One forward pass, as the doctor compares it: the last position's logits, and per layer the keys and values
-attention read (with the position of each column), the layer's output at the last position, and a recurrent state
-where the layer has one. Two backends make them: a transformers model through any Cache object, and a kvexplore
-model through any of its caches; each also makes the reference, a full recomputation through a fresh cache."""
+"""One forward pass as the doctor compares it (logits, and per layer the keys and values attention read, the output
+and a recurrent state), made by a transformers model through any Cache or a kvexplore model through any of its caches,
+each with its reference: a full recomputation through a fresh cache."""
 
 from __future__ import annotations
 
@@ -61,11 +60,7 @@ class HFPasses:
         self.window = getattr(text, "sliding_window", None)
 
     def cached(self, ids: list[int], pos: int) -> Pass:
-        from ..hf.step import watching
-
-        with watching(self.cache, pos, len(ids)) as seen:
-            out = self.model.forward(torch.tensor([ids]), self.cache, hidden=True)
-        return land(out.logits[0, -1], self._layers(seen, out.hidden_states, self.cache))
+        return self._pass(ids, pos, self.cache)
 
     def bounds(self, ref: Pass) -> None:
         """A transformers cache is checked as an exact one (see :meth:`KVPasses.bounds`)."""
@@ -74,14 +69,16 @@ class HFPasses:
     def reference(self, ids: list[int]) -> Pass:
         import transformers
 
+        return self._pass(ids, 0, transformers.DynamicCache(config=self.model.hf.config))
+
+    def _pass(self, ids: list[int], pos: int, cache) -> Pass:
         from ..hf.step import watching
 
-        fresh = transformers.DynamicCache(config=self.model.hf.config)
-        with watching(fresh, 0, len(ids)) as seen:
-            out = self.model.forward(torch.tensor([ids]), fresh, hidden=True)
-        return land(out.logits[0, -1], self._layers(seen, out.hidden_states, fresh))
+        with watching(cache, pos, len(ids)) as seen:
+            out = self.model.forward(torch.tensor([ids]), cache, hidden=True)
+        return land(out.logits[0, -1], self._layers(seen, out.hidden_states))
 
-    def _layers(self, seen: dict, hidden, cache) -> list[LayerPass]:
+    def _layers(self, seen: dict, hidden) -> list[LayerPass]:
         layers = []
         for i in range(self.num_layers):
             lp = LayerPass(out=hidden[i + 1][0, -1] if hidden is not None and i + 1 < len(hidden) else None)

@@ -1,18 +1,5 @@
-"""The doctor's counterpart for prefix pools: every request a pool served against the same request served on an empty
-pool, where nothing is shared and every position is computed.
-
-    pool = kvexplore.PrefixPool(model, num_blocks=64, block_size=16)
-    for r in requests:
-        pool.serve(r, max_new_tokens=8, keep_logits=True)
-    report = check_pool(pool)
-    report.diverged, report.request, report.block, report.layer, report.position, report.hint
-
-A prefix hit must be invisible: the logits of each new token, and the keys and values of every block the request
-holds, are those the same prompt computes from scratch. The first request whose logits part is reported with the first
-of its blocks (then layers) whose keys or values part, and whether that block came from the cache (a hit: whatever
-named it left out something its keys depend on) or was written by the request itself (it resumed at the wrong
-place, or read a wrong shared block before it).
-"""
+"""The doctor's counterpart for prefix pools (docs/bugs.md#the-checkers): every request a pool served against the
+same request on an empty pool, where nothing is shared: a prefix hit must be invisible in the logits and the blocks."""
 
 from __future__ import annotations
 
@@ -20,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SettingsError
-from ..trace.diff import TOLERANCE
+from ..trace.diff import tolerance_for
 
 
 @dataclass
@@ -68,8 +55,7 @@ def check_pool(pool: Any) -> PoolReport:
     with ``keep_logits=True``; their blocks are compared where the pool still holds them as they were written."""
     from ..prefix.pool import PrefixPool
 
-    dtype = str(pool.cache.dtype).removeprefix("torch.")
-    tol = TOLERANCE.get(dtype, TOLERANCE["float32"])
+    tol = tolerance_for(pool.cache.dtype)
     report = PoolReport(False, 0, tol)
     for result in pool.results:
         if result.logits is None:

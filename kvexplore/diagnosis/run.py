@@ -9,7 +9,7 @@ import torch
 
 from ..errors import KVExploreError, SettingsError
 from ..core.settings import integer
-from ..trace.diff import TOLERANCE
+from ..trace.diff import tolerance_for
 from .compare import columns, departures, first_departure
 from .passes import LayerPass
 from .hints import hint
@@ -36,24 +36,23 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     from ..caches.base import KVCache
     from ..caches.strategies.evict import EvictCache
     from ..caches.factory import STRATEGIES, make_cache
+    from ..formats.loading import load
     from ..models.model import Model
 
     steps = integer(steps, "steps", 1, 100_000, " (how many tokens to check)")
     if isinstance(model, (str, Path)):
         kvexplore_cache = isinstance(cache, KVCache) or (isinstance(cache, str) and cache in STRATEGIES)
-        if kvexplore_cache:
-            from ..formats.loading import load
-
-            model = load(model)
-        else:
-            model = hf.load_hf(model)
+        model = load(model) if kvexplore_cache else hf.load_hf(model)
     if hf.is_hf_model(model):
         model = hf.wrap(model, tokenizer)
+    if not isinstance(model, (hf.HFModel, Model)):
+        raise SettingsError(f"model must be a transformers model, a kvexplore Model, or a folder or named model; got "
+                            f"{type(model).__name__}")
+    if isinstance(model, hf.HFModel) and tokenizer is not None and model.tokenizer is None:
+        model.tokenizer = hf.model.as_tokenizer(tokenizer, model.config)
+    ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
+    slots = max_seq_len or len(ids) + steps
     if isinstance(model, hf.HFModel):
-        if tokenizer is not None and model.tokenizer is None:
-            model.tokenizer = hf.model.as_tokenizer(tokenizer, model.config)
-        ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
-        slots = max_seq_len or len(ids) + steps
         if cache is None or isinstance(cache, str):
             name = (cache or "dynamic").removeprefix("hf:")
             why = hf.available(name, model.device.type)
@@ -68,9 +67,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
         else:
             label = type(cache).__name__
         passes = HFPasses(model, cache)
-    elif isinstance(model, Model):
-        ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
-        slots = max_seq_len or len(ids) + steps
+    else:
         if cache is None or isinstance(cache, str):
             label = cache or "preallocated"
             cache = make_cache(label, model, max_seq_len=slots)
@@ -80,11 +77,8 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
         else:
             label = cache.kind
         passes = (KeptPasses if isinstance(cache, EvictCache) else KVPasses)(model, cache)
-    else:
-        raise SettingsError(f"model must be a transformers model, a kvexplore Model, or a folder or named model; got "
-                            f"{type(model).__name__}")
     dtype = str(model.dtype).removeprefix("torch.")
-    tol = TOLERANCE.get(dtype, TOLERANCE["float32"]) if tolerance is None else float(tolerance)
+    tol = tolerance_for(dtype) if tolerance is None else float(tolerance)
     name = getattr(model, "source", "") or type(model).__name__
     return _run(passes, ids, steps, tol, label, Path(name).name if name else "model", dtype)
 
@@ -128,13 +122,10 @@ def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, 
 
 def _by_design(report: DoctorReport, passes, got, ref, bounds, step: int, position: int, tol: float,
                tokens: list[int]) -> DoctorReport:
-    """The first step at which a lossy-by-design cache (the quantized one) lost precision. Every step before was
-    exact, so the keys it has just made lossy were the model's: what attention read may differ from the
-    recomputation's by the scheme's bound at each element (half a quantization step), and by no more than the
-    tolerance beyond it (the pass's own position, computed after reading them, is left out). A cache lossy from its
-    first write (llama.cpp's types) is judged in the prefill against the keys each layer wrote, with the bound of
-    those. Past this step the
-    outputs part from the recomputation by design: the check stops here."""
+    """The first step at which a lossy-by-design cache (the quantized one) lost precision: the keys attention read may
+    differ from the recomputation's by the scheme's bound at each element (half a quantization step) and no more than
+    the tolerance beyond it. A cache lossy from its first write is judged in the prefill against the keys each layer
+    wrote. Past this step the outputs part by design: the check stops here."""
     report.tokens, report.lossy, report.step = tokens, passes.cache.inspect.what_it_did(), step
     report.scheme_error = report.scheme_bound = 0.0
     for layer, (g, r, bound) in enumerate(zip(got.layers, ref.layers, bounds)):

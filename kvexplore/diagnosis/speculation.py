@@ -1,16 +1,5 @@
-"""The doctor's counterpart for speculative decoding: every verification against plain decoding, and the cache after
-every take-back against a full recomputation.
-
-    gen = kvexplore.Generator(model, cache, draft="prompt-lookup", draft_tokens=4)
-    report = check_speculation(gen, prompt, steps=32)
-    report.diverged, report.verification, report.step, report.layer, report.position, report.hint
-
-Greedy speculative decoding gives exactly plain greedy decoding's tokens: a verification keeps the drafts the target
-itself would have chosen and takes the rest back. Two things can break that: the cache after the take-back is not
-the cache of the kept tokens (a rejected draft left where attention reads it), or the acceptance keeps a token the
-target's logits do not choose. The first shows in the doctor's step on a fork of the cache (layer, position, what);
-the second as a token unlike plain decoding's, in the logits.
-"""
+"""The doctor's counterpart for speculative decoding (docs/bugs.md#the-checkers): every verification against plain
+greedy decoding, which it must equal token for token, and the cache after every take-back against a recomputation."""
 
 from __future__ import annotations
 
@@ -19,7 +8,7 @@ from typing import Any
 
 from ..errors import SettingsError
 from ..core.settings import integer
-from ..trace.diff import TOLERANCE
+from ..trace.diff import tolerance_for
 from .greedy import greedy
 from .run import token_ids
 from .take_back import check_cache
@@ -76,8 +65,7 @@ def check_speculation(generator: Any, prompt: Any, steps: int = 32) -> Speculati
     ids = token_ids(prompt, model.tokenizer, model.config.vocab_size)
     plain, logits = greedy(model, make_cache("concat", model), ids, steps)
     generator.prefill(ids)
-    report = SpeculationReport(False, 0, 0,
-                               TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"]))
+    report = SpeculationReport(False, 0, 0, tolerance_for(model.dtype))
     while len(generator.history) < steps:
         first = len(generator.history)
         generator.step()

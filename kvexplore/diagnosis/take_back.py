@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..trace.diff import TOLERANCE
+from ..trace.diff import tolerance_for
 from .compare import Departure, departures, first_departure
 from .hints import hint
 from .passes import KVPasses, Pass
@@ -36,7 +36,7 @@ def check_cache(model: Any, cache: Any, tokens: list[int], prompt_len: int) -> S
     twin = cache.fork()
     passes = KVPasses(model, twin)
     start = twin.length
-    tol = TOLERANCE.get(str(model.dtype).removeprefix("torch."), TOLERANCE["float32"])
+    tol = tolerance_for(model.dtype)
     with torch.inference_mode():
         got = passes.cached(tokens[start:], start)
         ref = passes.reference(tokens)

@@ -1,12 +1,6 @@
-"""Reading a GGUF file (llama.cpp's format) into a :class:`ModelConfig`, Hugging Face named tensors and a tokenizer.
-
-- The config comes from the ``{arch}.*`` metadata; tensors are dequantized with the ``gguf`` package to float32.
-- GGUF lists shapes in ggml order (``[in, out]``); a tensor's array is ``reversed(shape)``, the torch layout.
-- llama.cpp stores the q/k projections of ``llama`` models with rows in its own rope order; they are un-permuted
-  back to the Hugging Face layout. Getting this wrong fails silently (text stays plausible, perplexity ~6x).
-- The tokenizer is rebuilt from ``tokenizer.ggml.*``: a byte-level BPE (``gpt2``) as a ``tokenizers`` tokenizer,
-  or a sentencepiece (``llama``) vocabulary as a sentencepiece model.
-"""
+"""Reading a GGUF file (llama.cpp's format) into a :class:`ModelConfig`, Hugging Face named tensors (dequantized,
+``reversed(shape)`` of ggml's order, q/k rows un-permuted from llama.cpp's rope order) and a tokenizer rebuilt from
+``tokenizer.ggml.*`` (byte-level BPE or sentencepiece)."""
 
 from __future__ import annotations
 
@@ -87,7 +81,8 @@ def hf_name(gguf_name: str, arch: Architecture) -> str | None:
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head, rows (pairs interleaved) back to (first half, second half)."""
+    """Undo llama.cpp's q/k row order: per head, rows (pairs interleaved) back to (first half, second half). Getting
+    this wrong fails silently (the text stays plausible, perplexity about 6x)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

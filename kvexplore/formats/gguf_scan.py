@@ -1,17 +1,7 @@
-"""A bounds check of a GGUF file's header, run before the ``gguf`` reader is trusted with it.
-
-The reader believes every length it reads: a metadata array that claims 2**60 elements, or a string as long as
-the disk, makes it allocate and read for minutes. :func:`scan` walks the same layout (header, key/value pairs,
-tensor infos) with :mod:`struct`, checking each declared length against the bytes left in the file and each
-tensor's extent against the data section, and raises a :class:`~kvexplore.errors.CorruptFileError` naming the
-key or tensor and the byte offset. It reads no tensor data (about 0.1 s for a 50k-token vocabulary).
-
-Layout (little-endian; the reader also accepts byte-swapped files, and so does this): ``GGUF`` magic, u32 version
-(2 or 3), u64 tensor count, u64 key/value count; each pair is a string key (u64 length + bytes), a u32 type
-and a value (an array: u32 element type, u64 count, elements); each tensor info is a string name, u32 dimension
-count, u64 dimensions, u32 ggml type, u64 offset into the data section, which starts at the next multiple of
-``general.alignment`` (default 32).
-"""
+"""A bounds check of a GGUF file's header, run before the ``gguf`` reader (which believes every length it reads) is
+trusted with it: :func:`scan` walks the header, key/value pairs and tensor infos with :mod:`struct`, checking each
+declared length against the bytes left and each tensor's extent against the data section, and raises a
+:class:`~kvexplore.errors.CorruptFileError` naming the key or tensor and the byte offset. It reads no tensor data."""
 
 from __future__ import annotations
 
@@ -49,20 +39,16 @@ class _Reader:
             raise self.fail(at, f"{what} claims {n} bytes, more than the file holds")
         return bytes(self.buf[at + 8:at + 8 + n]), at + 8 + n
 
-    def value(self, value_type: int, at: int, key: str, depth: int = 0) -> tuple[object, int]:
+    def value(self, value_type: int, at: int, key: str) -> tuple[object, int]:
         """The value (scalars and strings only; arrays are checked and skipped) and the offset after it."""
-        read = _VALUES.get(value_type)
-        if read is None:
-            read = _scalar_reader(value_type)
-        if read is None:
-            raise self.fail(at, f"metadata {key} has unknown value type {value_type}")
-        return read(self, at, key, depth)
-
-    def scalar(self, fmt: str, at: int, key: str) -> tuple[object, int]:
-        return self.unpack(fmt, at, f"the value of {key}")[0], at + struct.calcsize(fmt)
-
-    def string_value(self, at: int, key: str, depth: int = 0) -> tuple[object, int]:
-        return self.string(at, f"the string value of {key}")
+        if value_type in _SCALAR:
+            fmt = _SCALAR[value_type]
+            return self.unpack(fmt, at, f"the value of {key}")[0], at + struct.calcsize(fmt)
+        if value_type == STRING:
+            return self.string(at, f"the string value of {key}")
+        if value_type == ARRAY:
+            return self.array(at, key)
+        raise self.fail(at, f"metadata {key} has unknown value type {value_type}")
 
     def array(self, at: int, key: str, depth: int = 0) -> tuple[object, int]:
         """Check an array's declared size against the bytes left, walk its strings and sub-arrays, skip it."""
@@ -90,18 +76,6 @@ class _Reader:
             else:
                 _, at = self.array(at, f"{key}[{i}]", depth + 1)
         return None, at
-
-
-def _scalar_reader(value_type: int):
-    """The reader of one scalar value type, or None for a type GGUF does not define."""
-    if value_type not in _SCALAR:
-        return None
-    fmt = _SCALAR[value_type]
-    return lambda reader, at, key, depth: reader.scalar(fmt, at, key)
-
-
-# the value types that are not scalars: how each is read
-_VALUES = {STRING: _Reader.string_value, ARRAY: _Reader.array}
 
 
 def scan(path: str | Path) -> None:

@@ -37,25 +37,15 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
          device: str | torch.device | None = None, allow_nonfinite: bool = False, mla: str = "absorbed",
          accept_license: bool = False) -> Model:
     """Load a Llama-family model from a named model (``"tiny"``, ``"smollm2-135m"``, ``"gemma3-270m"``; see
-    ``kvexplore models list``), a Hugging Face style folder or a ``.gguf`` file.
+    ``kvexplore models list``), a Hugging Face style folder or a ``.gguf`` file (docs/python-api.md#models).
 
-    A folder holds ``config.json``; weights in ``model.safetensors`` or shards listed in
-    ``model.safetensors.index.json``; optionally ``tokenizer.model`` or ``tokenizer.json`` with
-    ``tokenizer_config.json`` / ``generation_config.json``. A GGUF file carries config, weights (dequantized)
-    and tokenizer in one. Every tensor is checked for presence and shape before any is used.
-    ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA).
-
-    Every config value is checked for type and range, sizes against the files, and every weight for NaN and Inf
-    (refused unless ``allow_nonfinite=True``, for studying a broken checkpoint). Anything wrong raises a
-    :class:`~kvexplore.errors.LoadError` that names the file and the fix.
-
-    ``mla``: how a latent-attention model (DeepSeek-V3) reads its latent cache: ``"absorbed"`` (the key and value
-    up-projections folded into the query and the output, so attention reads the latents directly) or
-    ``"decompressed"`` (the latents expanded into per-head keys and values every step). Both are exact.
-
-    ``accept_license``: a named model under terms that ask to be accepted (``"gemma3-270m"``: the Gemma Terms of
-    Use) is downloaded only with ``True``, the first time; once converted it loads without it.
-    """
+    ``dtype``: float32 / bfloat16 / float16 (default float32 on CPU, bfloat16 on CUDA). Every config value, size and
+    tensor is checked before any is used, and every weight for NaN and Inf (refused unless ``allow_nonfinite=True``, for
+    studying a broken checkpoint); anything wrong raises a :class:`~kvexplore.errors.LoadError` that names the file and
+    the fix. ``mla``: how a latent-attention model (DeepSeek-V3) reads its latent cache, ``"absorbed"`` (the
+    up-projections folded into the query and the output) or ``"decompressed"`` (per-head keys and values every step);
+    both are exact. ``accept_license``: a named model under terms to accept (``"gemma3-270m"``) is downloaded only with
+    ``True``, the first time."""
     choice(mla, "mla", ("absorbed", "decompressed"))
     if not isinstance(source, (str, Path)):
         raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
@@ -106,9 +96,6 @@ def _is_matmul_weight(name: str, config: ModelConfig) -> bool:
 
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:
-    """Same ``[out, in]`` tensor, stored transposed (stride ``(1, out)``). On CPU in float32, ``F.linear`` with
-    one token (a matrix-vector product, all of decoding) runs up to 2x faster from this layout (49152x576: 4.1 vs
-    7.0 ms); values, shape and name are unchanged. In bfloat16 and float16 it is slower (2x and 60x), so those keep
-    the row-major layout. :func:`kvexplore.fast.kernels.apply` lays them out row-major again for its kernels, which
-    read that layout fastest. Measured in benchmarks/decode_speed.py (docs/benchmarks.md)."""
+    """Same ``[out, in]`` tensor, stored transposed: on CPU in float32 ``F.linear`` of one token runs up to 2x faster
+    from this layout (bfloat16 and float16 are slower from it, so they keep row-major; docs/benchmarks.md)."""
     return w.t().contiguous().t()

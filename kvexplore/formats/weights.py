@@ -35,9 +35,8 @@ def check_layer_count(names: list[str], config: ModelConfig, where: str) -> None
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse a tensor holding NaN or Inf. One float32 sum per tensor (NaN and Inf survive a sum; a finite
-    tensor only sums to Inf when its values are near float32's limit, and then the exact elementwise check
-    decides): on SmolLM2-135M here, a fraction of a second, see docs/errors.md."""
+    """Refuse a tensor holding NaN or Inf: one float32 sum per tensor (NaN and Inf survive a sum), an elementwise
+    check only where the sum is not finite (its cost: docs/errors.md)."""
     for name, t in tensors.items():
         if not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float32))):
             continue

@@ -1,9 +1,5 @@
 """Any transformers causal LM, stepped through its own Cache classes and watched (``hf:dynamic``, ``hf:static``,
-...): a :class:`~kvexplore.Generator` drives it as it drives kvexplore's models, and the explorer draws it.
-
-    model = kvexplore.hf.wrap(AutoModelForCausalLM.from_pretrained(folder), tokenizer)   # or load_hf(folder)
-    gen = kvexplore.Generator(model, kvexplore.hf.make_cache(model, "static", max_seq_len=128))
-"""
+...): a :class:`~kvexplore.Generator` drives it as it drives kvexplore's models, and the explorer draws it."""
 
 from __future__ import annotations
 

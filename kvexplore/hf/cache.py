@@ -1,11 +1,10 @@
-"""A transformers ``Cache`` object behind kvexplore's cache interface: what a :class:`~kvexplore.Generator`, a tracer
-and the explorer's views ask of a cache (length, layers, slots, reads, memory, undo, truncate, fork), answered from
-the object itself after every step (:mod:`.watch`). The transformers cache does the caching; this only watches it.
-"""
+"""A transformers ``Cache`` behind kvexplore's cache interface, answered from the object itself after every step
+(:mod:`.watch`): the transformers cache does the caching; this only watches it."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -141,9 +140,7 @@ class HFCache(ModelCache):
 
     def needs_replay(self, n: int) -> bool:
         """A crop cannot bring back what a window or a state forgot: those caches are rebuilt by a replay."""
-        if n == self.length:
-            return False
-        return not self._croppable()
+        return n != self.length and not self._croppable()
 
     def crop_error(self, n: int) -> str | None:
         """Full layers are cut exactly by transformers' own ``crop``; sliding windows and states cannot be."""
@@ -313,9 +310,7 @@ class HFCache(ModelCache):
         return sum(s.reserved_bytes for s in self._states)
 
     def describe_layers(self) -> str:
-        names: dict[str, int] = {}
-        for layer in self.hf.layers:
-            names[type(layer).__name__] = names.get(type(layer).__name__, 0) + 1
+        names = Counter(type(layer).__name__ for layer in self.hf.layers)
         return "; ".join(f"{n} × transformers {name}" for name, n in names.items()) or "no layers yet"
 
     def __repr__(self) -> str:

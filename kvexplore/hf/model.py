@@ -1,7 +1,5 @@
-"""A transformers causal LM as kvexplore sees it: the module, a kvexplore config for the views, a tokenizer, and
-(where kvexplore implements the architecture) a kvexplore :class:`~kvexplore.Model` on the same weights. It is an
-:class:`~kvexplore.models.executor.Executor`: a :class:`~kvexplore.Generator` drives it as it drives kvexplore's
-own model, through its transformers caches (:class:`~.cache.HFCache`)."""
+"""A transformers causal LM as kvexplore sees it (:class:`HFModel`): the module, a kvexplore config, a tokenizer and,
+where kvexplore implements the architecture, a kvexplore model on the same weights; an Executor a Generator drives."""
 
 from __future__ import annotations
 
@@ -267,10 +265,6 @@ def make_cache(model: HFModel, kind: str = "dynamic", max_seq_len: int | None = 
                    slots if name in BOUNDED else None, fresh)
 
 
-def _make_cache(model, kind: str, max_seq_len: int | None):
-    """The ``"hf:"`` entry of :func:`kvexplore.make_cache` (the prefix registry of :mod:`kvexplore.caches.registry`)."""
-    return make_cache(model, kind, max_seq_len)
-
-
+_make_cache = make_cache  # the "hf:" entry of kvexplore.make_cache (the prefix registry of kvexplore.caches.registry)
 register_prefix(PREFIX, _make_cache)  # imported by kvexplore.hf, which kvexplore imports: always registered
 PREFIXES.seal()  # "hf:" is built in

@@ -1,7 +1,6 @@
-"""One forward pass of a transformers model through an :class:`~.cache.HFCache`, watched: the keys and values each
-layer's cache update received and returned (so the reads are the tensors attention really got), the attention
-probabilities when a tracer wants them (eager attention for that pass), and the tracer's hook points fed from them
-after the pass, with the same names kvexplore's own model uses."""
+"""One forward pass of a transformers model through an :class:`~.cache.HFCache`, watched (the keys and values each
+layer's cache update received and returned, attention probabilities when a tracer wants them), fed to the tracer's
+hook points after the pass under the names kvexplore's own model uses."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Reading a transformers ``Cache`` layer by layer, from the objects themselves: the tensors each layer holds (their
-shapes, dtypes, storages and ``data_ptr``), which position each slot holds, and what a step did to them.
-
-Nothing here assumes what a cache class does: a step that leaves a layer's keys in a new storage is a reallocation
-(and the positions it still holds were copied); slots whose contents changed in place are found by a fingerprint of
-each slot (the sum of its keys), taken after every step.
-"""
+"""Reading a transformers ``Cache`` layer by layer from the objects themselves, assuming nothing of a cache class: a
+layer whose keys moved to a new storage was reallocated, and slots changed in place are found by a fingerprint of
+each slot (the sum of its keys) taken after every step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The page pool a prefix cache serves requests from: a :class:`~kvexplore.caches.layers.paged_layer.PagePool` whose
-free pages form a queue (in the order they came back) and whose policy (:class:`~kvexplore.prefix.index.PrefixIndex`)
-chooses which free page a write takes, evicting the block it cached if it cached one. It also remembers, per page,
-the tokens it holds, who wrote it, who used it last and how often it was hit, for the frames.
-"""
+"""The page pool a prefix cache serves from: its free pages a queue, its policy choosing the page a write takes
+(evicting what it cached), and per page the tokens, writer, last user and hits the frames show."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A pool's history told the way vLLM tells its own: one KV event batch per request, ``BlockRemoved`` for the blocks
-its pages evicted and ``BlockStored`` for the blocks it cached (consecutive blocks of one prefix in one event, each
-block's parent the one before it), in vLLM's map form, hashes as bytes. :mod:`kvexplore.prefix.events` reads such
-batches back into frames, whether a pool or a serving engine wrote them."""
+"""A pool's history as vLLM tells its own: one KV event batch per request, ``BlockRemoved`` for the blocks it evicted
+and ``BlockStored`` for those it cached (a prefix's consecutive blocks in one event), in vLLM's map form."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What a prefix cache looks like at one moment, as plain data: the block pool, the tree of cached prefixes, the free
-queue and the request that just ran. A :class:`~kvexplore.prefix.pool.PrefixPool` makes one :class:`PoolFrame` per
-request it served (frame 0 is the empty pool), and a serving engine's event stream (:mod:`kvexplore.prefix.events`)
-makes one per event batch: the views (:mod:`kvexplore.views.prefix`) draw either without asking which.
-"""
+"""What a prefix cache looks like at one moment, as plain data (after a pool's request or an engine's event batch):
+the block pool, the tree of cached prefixes, the free queue and the request that just ran."""
 
 from __future__ import annotations
 

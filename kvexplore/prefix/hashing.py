@@ -1,10 +1,5 @@
-"""vLLM's automatic prefix caching over a pool: every full block is named by its chain hash (its parent's hash and
-its own tokens), a table maps hashes to the page caching them, and one free queue holds every page no request holds,
-cached or not, in the order they came back. A request takes pages from the front of that queue, least recently
-freed first; a cached page taken that way loses its block (an eviction), even when uncached free pages wait further
-back, and even when blocks after it stay cached: those can no longer be reached by a hash chain, since a lookup
-stops at the first missing block.
-"""
+"""vLLM's automatic prefix caching over a pool: blocks named by chain hashes, and one free queue of every page no
+request holds, cached or not, taken from the front (an eviction even while uncached pages wait: docs/prefix.md)."""
 
 from __future__ import annotations
 
@@ -52,12 +47,10 @@ class HashIndex(PrefixIndex):
         return page
 
     def hash_of(self, page: int) -> bytes | None:
-        entry = self.blocks.get(page)
-        return None if entry is None else entry[0]
+        return self.blocks.get(page, (None, None))[0]
 
     def parent_of(self, page: int) -> bytes | None:
-        entry = self.blocks.get(page)
-        return None if entry is None else entry[1]
+        return self.blocks.get(page, (None, None))[1]
 
     def nodes(self) -> list[Node]:
         """One node per cached block, its parent the block before it; a block whose parent is not cached any more

@@ -1,11 +1,6 @@
-"""What both prefix policies answer over one block pool: which pages hold the longest cached prefix of a request,
-which pages to cache once a request has written them, which free page to take next (and what that evicts), and the
-tree of what is cached. :class:`~kvexplore.prefix.hashing.HashIndex` answers like vLLM's automatic prefix caching,
-:class:`~kvexplore.prefix.radix.RadixIndex` like SGLang's RadixAttention.
-
-Every full block is also named by its chain hash (:func:`block_hashes`: the block's tokens hashed with its parent's
-hash), whatever the policy: it keys the record of evictions the explanations read and the engine-style events.
-"""
+"""What both prefix policies answer over one block pool: the longest cached prefix of a request, what to cache, which
+free page to take next (and what that evicts) and the tree of what is cached. Whatever the policy, every full block
+is also named by its chain hash (:func:`block_hashes`), which keys the evictions and the engine-style events."""
 
 from __future__ import annotations
 

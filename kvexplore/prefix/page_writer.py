@@ -1,7 +1,5 @@
-"""Where ``PrefixPool.save_html`` (and an event replay's) finds the page writer: the drawing layer registers it
-(:func:`kvexplore.views.prefix_page.save_prefix_html`) when it is imported, and is imported by name on first use,
-as for ``History.save_html`` (:func:`kvexplore.trace.files.register_html_writer` says why: the drawing layer sits
-above this one)."""
+"""Where ``save_html`` of a pool or an event replay finds its page writer: the drawing layer registers it when
+imported, as for ``History.save_html`` (:func:`kvexplore.trace.files.register_html_writer`)."""
 
 from __future__ import annotations
 

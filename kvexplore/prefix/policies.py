@@ -1,10 +1,5 @@
-"""Prefix policies by name: how a :class:`~kvexplore.prefix.PrefixPool` finds the cached blocks a request can reuse.
-
-:data:`POLICIES` maps a name to ``make(block_size) -> PrefixIndex``; the built-in two are ``"hash"`` (vLLM's chained
-block hashes, :mod:`.hashing`) and ``"radix"`` (SGLang's radix tree, :mod:`.radix`). :func:`register_policy` adds one
-(a subclass of :class:`~kvexplore.prefix.index.PrefixIndex`, or a function that makes one), :func:`unregister_policy`
-removes it; ``PrefixPool(model, ..., policy=name)`` uses it.
-"""
+"""Prefix policies by name: :data:`POLICIES` maps a name to ``make(block_size) -> PrefixIndex``; ``"hash"`` (vLLM)
+and ``"radix"`` (SGLang) are built in, :func:`register_policy` adds one."""
 
 from __future__ import annotations
 

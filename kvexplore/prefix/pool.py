@@ -1,14 +1,5 @@
-"""Several requests over one page pool, with their shared prefixes found by a block-hash chain (vLLM) or a radix
-tree (SGLang), and each request's hits and misses explained: :class:`PrefixPool`.
-
-A request (text, token ids, or chat messages) is served in four moves. Its prompt's whole blocks, up to the block
-before the one holding its last token, are looked up (the *partial-block floor*: the last token is always computed,
-its logits start the answer). The pages found are adopted by a fresh paged cache on the pool (their reference counts
-go up, nothing is copied); a hybrid model's recurrent state is restored from the last block where one was saved.
-The rest of the prompt is computed at its positions and the answer generated, new pages taken from the pool (which
-may evict cached blocks, by the policy's rule). Then the full blocks it wrote, generated tokens included, are cached,
-and its pages go back to the pool's free queue, last block first.
-"""
+"""Several requests over one page pool, their shared prefixes found by a block-hash chain (vLLM) or a radix tree
+(SGLang), each request's hits and misses explained: :class:`PrefixPool` (how a request is served: docs/prefix.md)."""
 
 from __future__ import annotations
 
@@ -64,24 +55,17 @@ class PrefixPool:
     """``num_blocks`` pages of ``block_size`` positions (every full-attention layer's keys and values), shared by
     every request :meth:`serve` runs, and a prefix ``policy``: ``"hash"`` (vLLM's automatic prefix caching) or
     ``"radix"`` (SGLang's RadixAttention). ``checkpoint_states`` says where a hybrid model's recurrent states are
-    saved (:mod:`kvexplore.prefix.states`).
-
-    Readable state: :attr:`blocks` (a view of every page), :attr:`hashes`, :attr:`tree`, :attr:`refcounts`,
-    :attr:`free_queue`, :attr:`results`, :meth:`frames` (one :class:`~kvexplore.prefix.frames.PoolFrame` per request
-    served; ``listeners`` are called with each new one), :meth:`kv_events` (the same history as vLLM's KV cache
-    events).
-    """
+    saved (:mod:`kvexplore.prefix.states`); ``listeners`` are called with each new frame."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
                  checkpoint_states: str = "ends", dtype: torch.dtype | None = None) -> None:
         num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
-        index = make_index(policy, block_size)
+        self.index = make_index(policy, block_size)
         self.executor = as_executor(model)
         self.model, self.config, self.policy = model, self.executor.config, policy
         self.tokenizer = self.executor.tokenizer
         plan = layer_plan(self.config)
         _check_layers(plan, self.config)
-        self.index = index
         self.cache = PoolCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
                                 pool=BlockPool(len(plan), num_blocks, block_size, self.index))
         try:

@@ -1,8 +1,5 @@
-"""SGLang's RadixAttention over a pool: a radix tree whose edges are runs of whole blocks (a node is split where two
-cached prefixes part), each node holding the pages of its blocks and the time it was last used. Pages no request
-holds and no node caches sit on a free list and are taken first; only when none is left is a cached prefix evicted,
-and then a whole leaf, the least recently used one, so a prefix is never dropped while a longer one under it stays.
-"""
+"""SGLang's RadixAttention over a pool: a radix tree whose edges are runs of whole blocks; uncached free pages are
+taken first, then the least recently used leaf is evicted whole (docs/prefix.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Why a request's tokens were computed instead of read from the cache: the ledger of every request served (the
-tokens each wrote, where its prompt ended, whether it was a chat) and of every eviction (which request's pressure
-dropped which block) answers it for each stretch of recomputed positions, in words.
-"""
+"""Why a request's tokens were computed instead of read from the cache, in words: a ledger of every request served and
+every eviction answers it for each stretch of recomputed positions."""
 
 from __future__ import annotations
 

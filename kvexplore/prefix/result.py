@@ -11,8 +11,8 @@ from .frames import MISS_KINDS
 
 
 def count(n: int, what: str) -> str:
-    """``1 token``, ``2 tokens``."""
-    return f"{n} {what}{'s' * (n != 1)}"
+    """``1 token``, ``2 tokens``, ``2 batches``."""
+    return f"{n} {what}{'' if n == 1 else 'es' if what.endswith('ch') else 's'}"
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,8 @@ class Miss:
 
 @dataclass
 class ServeResult:
-    """One request served by a :class:`~kvexplore.PrefixPool`.
-
-    ``hit_tokens`` prompt tokens were read from shared blocks (never computed for this request) and
-    ``recomputed_tokens`` were computed (``hit_tokens + recomputed_tokens == len(prompt)``); ``misses`` explain every
-    recomputed position. ``generated`` are the new tokens; ``blocks`` the pages the request held (its block table).
-    """
+    """One request served by a :class:`~kvexplore.PrefixPool`: ``hit_tokens`` read from shared blocks plus
+    ``recomputed_tokens`` computed make the prompt; ``misses`` explain every recomputed position."""
 
     index: int
     label: str

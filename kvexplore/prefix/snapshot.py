@@ -29,9 +29,8 @@ def request_view(result) -> RequestView:
 
 
 class FrameMaker:
-    """Makes a pool's frames, sharing what did not change between them: a page whose view is the same as in the
-    last frame is the same :class:`BlockView` object, and a block's text is decoded once. A frame then costs memory
-    for what its request changed, not for the whole pool (4,096 pages, 40 requests: a few MB, not 50)."""
+    """Makes a pool's frames, sharing what did not change between them (a page whose view is unchanged is the same
+    :class:`BlockView`; a block's text is decoded once): a frame costs memory for what its request changed."""
 
     def __init__(self, pool) -> None:
         self.pool = pool

@@ -1,12 +1,5 @@
-"""Recurrent states saved at block boundaries, for hybrid models (Qwen3-Next's gated DeltaNet layers): attention
-layers can resume from any cached block, but a recurrent layer's state summarises every position before it, so a
-prefix is reusable only up to a position where that state was saved. Saved states are keyed by the chain hash of the
-block they end, and dropped with that block.
-
-Where states are saved (``checkpoint_states``): ``"ends"`` at the last full block of each prompt and of each
-request's written tokens (as SGLang's hybrid radix cache saves a state when a request's prefill or its whole run
-ends); ``"blocks"`` at every full block (one state per block, more memory, every cached block reusable).
-"""
+"""Recurrent states saved at block boundaries for hybrid models, keyed by the chain hash of the block they end and
+dropped with it: a prefix is reusable only up to where its state was saved (``checkpoint_states``: docs/prefix.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Where two recorded runs of the same prompt part: the first step whose tokens differ, and the first step and layer
-whose recorded keys, values or attention depart beyond a tolerance.
-
-``kvexplore.diff_traces(a, b)`` takes two traces (paths, or lists of :class:`~kvexplore.StepRecord`) recorded
-with ``Tracer(capture={"qkv", "attention"})`` (``kvexplore generate --trace`` records both) and returns a
-:class:`TraceDiff`; ``kvexplore diff A.kvtrace B.kvtrace`` prints it. Steps are numbered like
-``StepRecord.step`` (0: the token chosen after the prefill). Within a step the layers are compared in order, each
-on its new keys, its new values and its attention; then the chosen token's probability. Once the tokens differ
-the runs read different sequences, so nothing after that step is compared.
-"""
+"""Where two recorded runs of the same prompt part (``kvexplore.diff_traces(a, b)``, ``kvexplore diff A B``): the
+first step whose tokens differ, and the first step and layer whose recorded keys, values or attention depart beyond a
+tolerance. Nothing after the step whose tokens differ is compared: from there the runs read different sequences."""
 
 from __future__ import annotations
 
@@ -25,6 +18,11 @@ from .records import StepRecord
 #: less precise dtype of the two runs
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}
 WHAT = ("keys", "values", "attention")
+
+
+def tolerance_for(dtype) -> float:
+    """The default tolerance of runs in ``dtype`` (a torch dtype or its name; float32's when not known)."""
+    return TOLERANCE.get(str(dtype).removeprefix("torch."), TOLERANCE["float32"])
 
 
 @dataclass(frozen=True)
@@ -90,18 +88,13 @@ class TraceDiff:
         if not self.diverged:
             worst = f"; largest difference: {self.largest[0].describe()}" if self.largest else ""
             return f"no divergence in {self.steps} steps (compared {what}, tolerance {self.tolerance:g}){worst}"
-        if self.first is not None:
-            f = self.first
-            where = f"layer {f.layer}" if f.layer is not None else "the output"
-            line = (f"first divergence at step {f.step}, {where}: {f.what} differ by {f.max_diff:.3g} at position "
-                    f"{f.position} (tolerance {self.tolerance:g})")
-        else:
-            line = f"first divergence at step {self.token_step}: the chosen tokens differ"
-        if self.token_step is not None and self.first is not None:
-            line += f"; the chosen tokens first differ at step {self.token_step}"
-        elif self.first is not None:
-            line += "; the chosen tokens never differ"
-        return line
+        f = self.first
+        if f is None:
+            return f"first divergence at step {self.token_step}: the chosen tokens differ"
+        where = f"layer {f.layer}" if f.layer is not None else "the output"
+        tokens = "never differ" if self.token_step is None else f"first differ at step {self.token_step}"
+        return (f"first divergence at step {f.step}, {where}: {f.what} differ by {f.max_diff:.3g} at position "
+                f"{f.position} (tolerance {self.tolerance:g}); the chosen tokens {tokens}")
 
     def report(self, most: int = 5) -> str:
         lines = [self.summary()]
@@ -130,7 +123,7 @@ def _dtype_tolerance(a: list[StepRecord], b: list[StepRecord]) -> float:
         for r in run[:1]:
             if r.trace is not None:
                 names.update(str(t.dtype).removeprefix("torch.") for t in r.trace.qkv.values())
-    return max((TOLERANCE.get(n, TOLERANCE["float32"]) for n in names), default=TOLERANCE["float32"])
+    return max(map(tolerance_for, names), default=TOLERANCE["float32"])
 
 
 def diff_traces(a, b, tolerance: float | None = None) -> TraceDiff:

@@ -1,9 +1,5 @@
-"""Saving and loading a run's records: one safetensors file, tensors as tensors and the rest as JSON metadata.
-
-A trace recorded on a GPU can be opened on a laptop with no model: ``history.save("run.kvtrace")`` then
-``kvexplore.load_trace("run.kvtrace")`` gives the same :class:`~kvexplore.StepRecord` list back. The format is
-versioned; a file from a newer format is refused with a message that says so.
-"""
+"""Saving and loading a run's records: one safetensors file, tensors as tensors and the rest as JSON metadata,
+versioned (a file of a newer format is refused, saying so); read back with no model."""
 
 from __future__ import annotations
 
@@ -33,17 +29,11 @@ VERSION = 3  # 2: slot views and reads per layer, typed layouts; 3: the run's me
 
 
 class History(MutableSequence):
-    """A generator's records, one per generated token, with :meth:`save` and :meth:`save_html`.
-
-    It reads as the list of :class:`~kvexplore.trace.records.StepRecord` it was given (``history[i]``, slices,
-    iteration, ``len``, ``del history[n:]``) and holds a long run in bounded memory: the newest
-    :data:`~kvexplore.trace.kept.KEEP_STEPS` records as they were appended, each older one in a compact form of its
-    own (:mod:`kvexplore.trace.kept`), given back as the same record when asked for (equal to the one appended, a new
-    object unless it was asked for lately).
+    """A generator's records, read as the list of :class:`~kvexplore.trace.records.StepRecord` it was given, with
+    :meth:`save` and :meth:`save_html`; older records are kept compact (:mod:`kvexplore.trace.kept`).
 
     ``meta`` describes the run (what a replay or a diff needs beyond the records): ``prompt_ids``,
-    ``prompt_texts``, ``kind`` (the cache strategy) and ``model`` (its name and the few figures the views draw:
-    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``gqa_groups``, ``attention_sinks``)."""
+    ``prompt_texts``, ``kind`` (the cache strategy) and ``model`` (its name and the few figures the views draw)."""
 
     def __init__(self, records=(), meta: dict | None = None) -> None:
         self.meta = dict(meta if meta is not None else getattr(records, "meta", {}))
@@ -145,13 +135,8 @@ _html_writer: HtmlWriter | None = None
 
 
 def register_html_writer(write: HtmlWriter) -> None:
-    """Make ``write`` what :meth:`History.save_html` calls.
-
-    Why a registration: a page of a run is drawn by the views (:mod:`kvexplore.views.page`), which sit above the
-    trace layer and import it; the trace importing them back would run up the folder order. So the drawing layer
-    registers its writer when it is imported, and :meth:`History.save_html` imports it by name on first use, so
-    ``kvexplore.load_trace(path).save_html(out)`` and ``Generator.run(...).save_html(out)`` always work.
-    The method stays on :class:`History`, where users call it."""
+    """Make ``write`` what :meth:`History.save_html` calls: the drawing layer sits above this one, so it registers its
+    writer when imported, and :meth:`History.save_html` imports it by name on first use (docs/tracing.md)."""
     global _html_writer
     if not callable(write):
         raise TypeError(f"an HTML writer must be callable, got {type(write).__name__}")

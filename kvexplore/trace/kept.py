@@ -1,15 +1,6 @@
-"""How a run's :class:`~kvexplore.trace.files.History` keeps its older records: one compact form per step, rebuilt as
-the :class:`~kvexplore.trace.records.StepRecord` it was when read.
-
-A history keeps its newest :data:`KEEP_STEPS` records as they were appended (the views of the current step read them
-often, and a speculative step still sets the trace of the records it just made) and each older one as a
-:class:`KeptStep`: the record's numbers in one bytes object, its candidates' ids and probabilities in another (their
-texts are interned strings, shared), its memory report's figures and one row of figures per layer (its dicts and its
-layers' kinds and parts are the objects of the step kept before when equal), and its trace as a
-:class:`~kvexplore.trace.kept_trace.KeptTrace` (one for the records of a verification, which share their trace).
-:meth:`KeptRecords.record` gives a record back, equal to the one appended; the last few given back are kept, so
-asking twice gives one object. What a long run holds: ``benchmarks/records_growth.py``, docs/benchmarks.md.
-"""
+"""How a run's :class:`~kvexplore.trace.files.History` keeps its older records: the newest :data:`KEEP_STEPS` as they
+were appended, each older one as a compact :class:`KeptStep` (docs/tracing.md#a-long-runs-records), rebuilt by
+:meth:`KeptRecords.record` as the :class:`~kvexplore.trace.records.StepRecord` it was."""
 
 from __future__ import annotations
 

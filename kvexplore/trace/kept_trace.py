@@ -1,19 +1,6 @@
-"""How a run's :class:`~kvexplore.trace.files.History` keeps an older step's trace: compact, rebuilt as the
-:class:`~kvexplore.trace.tracer.StepTrace` it was when read.
-
-A step's slot views are as long as the cache's capacity, and few slots change from one step to the next. So a kept
-view is the slots whose state, position or sharers changed since the same layer's view one kept step before (their
-index, state code, position and sharers: about 11 bytes a slot that changed); every :data:`KEYFRAME`-th view of a
-chain, or one that changed too much, is kept whole (7 bytes a slot: a state code, the position as int32, the sharers
-as int16). Its cache events are one row of integers each, its read positions a ``range`` where they are consecutive
-(an int32 array otherwise), its attention entries ``(layers, first, end)`` when every layer's rows are one step's,
-and what did not change since the step kept before (its heads, its page table, its layers' read groups) is that
-step's object. What a long run's records hold with this: ``benchmarks/records_growth.py``, docs/benchmarks.md.
-
-:meth:`KeptTrace.trace` gives the trace back, equal to the one the step recorded; its events, slot views and read
-positions are built when first read (:mod:`.later`): most readers of an old step want its memory or its press
-state, and a slot view is as long as the cache.
-"""
+"""How a run's :class:`~kvexplore.trace.files.History` keeps an older step's trace: compact (a slot view as its changes
+to the one kept a step before, a :data:`KEYFRAME`-th one whole; docs/tracing.md#a-long-runs-records), rebuilt by
+:meth:`KeptTrace.trace` as the :class:`~kvexplore.trace.tracer.StepTrace` it was, its larger fields when first read."""
 
 from __future__ import annotations
 
@@ -155,14 +142,9 @@ def _events(kept) -> list[CacheEvent]:
 
 def distinct(items: list) -> tuple[list, tuple[int, ...]]:
     """The distinct objects of ``items`` (layers of one kind share one) and the index of each item's."""
-    index: dict[int, int] = {}
-    distinct, of = [], []
-    for item in items:
-        if id(item) not in index:
-            index[id(item)] = len(distinct)
-            distinct.append(item)
-        of.append(index[id(item)])
-    return distinct, tuple(of)
+    unique = list({id(item): item for item in items}.values())  # each object where it first stands
+    index = {id(item): n for n, item in enumerate(unique)}
+    return unique, tuple(index[id(item)] for item in items)
 
 
 def _same(mine: Any, before: Any) -> Any:

@@ -1,15 +1,6 @@
-"""Fields built when first read: how a run's history gives back an older record without building all of it.
-
-A :class:`~kvexplore.trace.files.History` keeps its older records compact and gives each back as the
-:class:`~kvexplore.trace.records.StepRecord` it was (:mod:`.kept`). Most readers of an old record want a number or
-two (its step, its text, whether it ended the sequence): its candidates, memory report and trace, and a trace's
-events, slot views and read positions (a slot view is as long as the cache), are built when first read, then held by
-that object like any field.
-
-``@built_later("memory", ...)`` on a dataclass lets :func:`build_later` leave those fields of one object unset: the
-class attribute of each (a dataclass's default value) becomes a :class:`Later`, which builds the value the first time
-the field is read and stores it on the object, where every later read finds it first.
-"""
+"""Fields built when first read: ``@built_later("memory", ...)`` on a dataclass lets :func:`build_later` leave those
+fields of one object unset; each becomes a :class:`Later`, which builds the value when the field is first read and
+stores it on the object. An older record of a history is given back so, without building all of it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Where two runs part: the one rule every comparison of two runs of the same prompt uses.
-
-Two runs are walked side by side, step by step (or layer by layer, or token by token). At each compared place the
-caller says whether both chose the same token (``same``: None where tokens are not compared there) and how far
-apart what they computed is (``gap``: a logit difference, a KL divergence, a relative difference of keys; None
-where it is not measured). The runs part at the first place whose tokens differ or whose gap is beyond the
-tolerance (strictly: a gap equal to the tolerance, or NaN, does not part).
-
-Its callers: :func:`kvexplore.diff_traces` (recorded keys, values, attention), the cache doctor
-(:func:`kvexplore.diagnosis.compare.first_departure`: a cached pass against the recomputation), the bug zoo
-(:func:`kvexplore.bugs.runs.first_divergence`: a planted run against its fixed twin) and the explorer
-(:func:`kvexplore.views.divergence.first_divergence`: a lane against the reference, by :func:`kl_divergence`).
-"""
+"""Where two runs part: the one rule every comparison of two runs of the same prompt uses. The runs part at the first
+compared place whose tokens differ or whose gap is beyond the tolerance (strictly: a gap equal to it, or NaN, does
+not part). Its callers: :func:`kvexplore.diff_traces`, the cache doctor, the bug zoo and the explorer."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""What a pressing cache (``make_cache("evict", ...)``) did, recorded with each step: the last press's scores and
-choice per KV head, the positions each head holds after the step, and the bytes a full cache would hold.
-
-The tracer asks every cache for :func:`record` after a step; a cache without presses (it has no ``press_scores``)
-gives None. A press's outcome (:class:`PressOutcome`) is recorded once and shared by the records of every step
-until the next press: the scores and kept masks are the cache's own host tensors, which a press replaces (it never
-writes into them), so a record keeps what that press did.
-"""
+"""What a pressing cache did, recorded with each step (:func:`record`): the last press's scores and choice per KV head,
+the positions each head holds and the bytes a full cache would hold. A press's outcome is recorded once and shared
+by the records of every step until the next press (a press replaces its host tensors, never writes into them)."""
 
 from __future__ import annotations
 

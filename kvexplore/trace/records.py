@@ -25,16 +25,9 @@ _PREFILL = {"prefill": True, "decode": False}
 @built_later("top", "memory", "trace")
 @dataclass
 class StepRecord:
-    """One new token.
-
-    ``position`` is where the token sits in the sequence (it is written to the cache by the *next* forward
-    pass); ``input_len`` is how many tokens this step's forward pass fed (the whole prompt at prefill, 1 per
-    decode step with a cache, the whole sequence without one).
-
-    A run's :class:`~kvexplore.trace.files.History` keeps its older records compact and gives each back as a
-    :class:`StepRecord` (:mod:`.kept`) whose ``top``, ``memory`` and ``trace`` are built when first read
-    (:mod:`.later`).
-    """
+    """One new token. ``position`` is where the token sits in the sequence (the *next* forward pass writes it to the
+    cache); ``input_len`` is how many tokens this step's forward pass fed (the prompt at prefill, 1 per decode step
+    with a cache, the whole sequence without one)."""
 
     step: int  # 0 for the token chosen after prefill, then 1, 2, ...
     kind: str  # "prefill" or "decode"

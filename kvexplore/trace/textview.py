@@ -1,13 +1,5 @@
-"""A terminal view of the cache: one line of slot symbols per step, the counterpart of the cache map widget.
-
-Symbols, one per physical slot in storage order (a group of slots per symbol when the cache is wide):
-
-    .  free          =  filled (read by this step's attention)      +  written this step (and read)
-    ~  stale (left behind by a rewind)       x  evicted       2-9, *  shared by that many sequences (* = 10+)
-
-Everything ``=``, ``+`` or shared is what attention reads this step: for the pre-allocated cache that is the
-``narrow(2, 0, pos + q_len)`` window, and ``+`` is the ``narrow(2, pos, q_len)`` write.
-"""
+"""A terminal view of the cache: one line of slot symbols per step (:data:`LEGEND`), the counterpart of the cache map
+widget; everything ``=``, ``+`` or shared is what attention reads this step, ``+`` what the step wrote."""
 
 from __future__ import annotations
 

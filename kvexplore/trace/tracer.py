@@ -1,23 +1,6 @@
-"""Tracing: what each generation step did inside the cache and the attention, recorded as copies.
-
-``Generator(model, cache, tracer=Tracer(capture={...}))`` gives every :class:`~kvexplore.StepRecord` a
-:class:`StepTrace`. ``capture`` is a set from:
-
-- ``"cache"``: per layer a :class:`CacheEvent` (the logical write and read windows, and the read tensor's
-  ``data_ptr``, storage offset, strides and whether it was a view of the cache's storage or a copy), plus the
-  cache's slot view after the step (and, for a pressing cache, its press state: :mod:`.press`);
-- ``"attention"``: the new token(s)' attention probabilities per layer and head over the positions read, kept in
-  one growing buffer per run (no small tensor per step); :meth:`StepTrace.attention` gives them in logical
-  position order, :meth:`StepTrace.physical_attention` in the cache's physical slot order;
-- ``"qkv"``: copies of q, k_new and v_new per layer (on the host);
-- ``"memory"`` and ``"timing"``: the record's memory report and per-phase times are kept (they are always
-  measured; without these the trace does not repeat them).
-
-``layers`` / ``heads`` restrict what is recorded. Everything recorded is a copy on the host: a later in-place write
-into the cache never changes a record. What the hooks capture stays on the device until :meth:`Tracer.end_step`,
-which brings it over in one transfer (:func:`kvexplore.core.host.fetch`). Only the layers whose attention is captured
-materialise their probabilities (in float32); their output is still SDPA's (see ``Attention._explicit``).
-"""
+"""Tracing: what each generation step did inside the cache and the attention, recorded as host copies: a
+:class:`Tracer` gives every :class:`~kvexplore.StepRecord` a :class:`StepTrace` (what ``capture`` can hold:
+docs/tracing.md)."""
 
 from __future__ import annotations
 
@@ -95,15 +78,9 @@ class AttentionHistory:
 @built_later("events", "layer_slots", "layer_reads")
 @dataclass
 class StepTrace:
-    """The trace of one step. Attention rows live in the run's :class:`AttentionHistory`.
-
-    Layers may keep different caches (full, sliding, shared): ``layer_slots[i]`` is layer ``i``'s slot view after
-    the step and ``layer_reads[i]`` the position of each key column its attention read (layers that look the same
-    share one object). ``slots`` and ``read_positions`` are those of ``main_layer``, the first full layer.
-
-    A run's :class:`~kvexplore.trace.files.History` keeps its older steps' traces compact and gives each back as a
-    :class:`StepTrace` when asked (:mod:`.kept_trace`); that one builds its events, slot views and read positions
-    when they are first read (:mod:`.later`)."""
+    """The trace of one step (its attention rows live in the run's :class:`AttentionHistory`). ``layer_slots[i]`` is
+    layer ``i``'s slot view after the step and ``layer_reads[i]`` the positions its attention read (layers that look
+    the same share one object); ``slots`` and ``read_positions`` are those of ``main_layer``, the first full layer."""
 
     events: list[CacheEvent] = field(default_factory=list)
     layer_slots: list[SlotView] = field(default_factory=list)

@@ -1,14 +1,6 @@
-"""KV event streams in files: read either kind with :func:`read_kv_events` (told apart by their first bytes), write a
-live stream with :class:`KVEventRecorder`, or a replay's batches with :func:`save_kv_events`.
-
-- **A recording** (what ``kvexplore kv-events record`` writes): the 8 bytes ``KVEVREC1``, then one record per batch,
-  ``seq`` (8 bytes, big-endian, signed), ``rank`` (2 bytes, big-endian, signed: the data-parallel rank of the socket
-  it came from, -1 when not known), ``length`` (4 bytes, big-endian), then ``length`` bytes: the msgpack payload
-  exactly as the engine published it.
-- **JSON lines**: one batch per line, in vLLM's map form (``{"ts", "events", "data_parallel_rank"}``, optionally a
-  ``"seq"``) or array form (``[ts, events, rank]``), events in either form, hashes as ints or as hex strings. A
-  file holding one JSON list of such batches is read too.
-"""
+"""KV event streams in files: :func:`read_kv_events` reads a recording or JSON lines (told apart by their first
+bytes), :class:`KVEventRecorder` writes a live stream, :func:`save_kv_events` a replay's batches (the formats:
+docs/prefix.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""One :class:`~kvexplore.prefix.frames.PoolFrame` of an engine cache after an event batch, the same kind a
-:class:`~kvexplore.prefix.pool.PrefixPool` makes, so that one view draws both.
-
-States: a block stored by this batch is WRITTEN, one stored earlier and still held is HELD (the engine does not say
-whether a request holds it or it only stays cached), one this batch removed is EVICTED (in this frame only; its slot
-is FREE from the next one). The tree has one node per stored block, its parent the block whose hash went into its
-own; a block whose parent is not stored (removed, or stored before the stream began) is unreachable, as is every
-block under it. A block removed by this batch is a node ``x<hash>`` in this frame only.
-"""
+"""One :class:`~kvexplore.prefix.frames.PoolFrame` of an engine cache after an event batch, the kind a
+:class:`~kvexplore.prefix.pool.PrefixPool` makes, so that one view draws both (its states and tree: docs/prefix.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ from typing import Any
 
 from .schema import Hash
 from .state import Block, CacheState, Change, HashNames
+from ..result import count
 from ..frames import EVICTED, FREE, HELD, WRITTEN, BlockView, PoolFrame, TreeNode
 
 MAX_NOTES = 24  # a batch of hundreds of events is summed up after this many notes
@@ -100,19 +94,19 @@ def describe(change: Change, names: HashNames) -> list[str]:
             where = "as a new prefix (no parent)" if ev.parent is None else f"under {names(ev.parent)}"
             if not parent_held:
                 where += ", a block this cache does not hold (removed, or stored before the stream began)"
-            note = f"stored {_blocks(len(ev.hashes))} ({len(ev.tokens)} tokens) {where}: " \
+            note = f"stored {count(len(ev.hashes), 'block')} ({len(ev.tokens)} tokens) {where}: " \
                    f"{_listed([b.hash for b in new], names)}"
             notes.append(note + (f"; {again} of them held already (stored again)" if again else "")
                          + (f"; LoRA {ev.lora}" if ev.lora else ""))
         elif what == "removed":
             gone, unknown = rest
             if gone:
-                notes.append(f"removed {_blocks(len(gone))}: {_listed([b.hash for b in gone], names)}")
+                notes.append(f"removed {count(len(gone), 'block')}: {_listed([b.hash for b in gone], names)}")
             if unknown:
-                notes.append(f"removed {_blocks(len(unknown))} this stream never showed stored "
+                notes.append(f"removed {count(len(unknown), 'block')} this stream never showed stored "
                              f"({_listed(unknown, names)}): stored before the recording began, or in a missing batch")
         else:
-            notes.append(f"all blocks cleared ({_blocks(rest[0])})")
+            notes.append(f"all blocks cleared ({count(rest[0], 'block')})")
     return notes + [f"token_ids do not fill the blocks exactly: {m}" for m in change.token_mismatch]
 
 
@@ -120,10 +114,6 @@ def capped(notes: list[str]) -> list[str]:
     if len(notes) <= MAX_NOTES:
         return notes
     return notes[:MAX_NOTES - 1] + [f"... and {len(notes) - MAX_NOTES + 1} more notes"]
-
-
-def _blocks(n: int) -> str:
-    return f"{n} block{'' if n == 1 else 's'}"
 
 
 def _listed(hashes: list[Hash], names: HashNames, most: int = 4) -> str:

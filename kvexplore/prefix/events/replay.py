@@ -1,13 +1,6 @@
-"""A serving engine's KV event stream replayed: :class:`KVEventReplay` is fed batches as they come (from a file, a
-ZMQ socket, or a :class:`~kvexplore.prefix.pool.PrefixPool`'s ``kv_events()``), keeps each cache's state now, and
-gives one :class:`~kvexplore.prefix.frames.PoolFrame` per batch of one cache.
-
-Each data-parallel rank runs its own scheduler, its own cache and its own publisher with its own sequence numbers,
-so ranks are separate caches here, as are the media (GPU, CPU offload, storage) and the KV cache groups of a hybrid
-model. Sequence numbers are checked per rank: a jump says batches were lost (the frame after it says which); a
-number already seen is a duplicate (a replayed batch) and is skipped; a 0 after higher numbers is a publisher that
-started over (a restarted engine, whose cache starts empty).
-"""
+"""A serving engine's KV event stream replayed: :class:`KVEventReplay` is fed batches as they come, keeps each cache
+(rank, medium, group) as it is now and gives one frame per batch; sequence numbers are checked per rank for gaps,
+repeats and restarts (docs/prefix.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +13,7 @@ from .frame_maker import FrameMaker, capped, describe
 from .schema import DEFAULT_MEDIUM, Batch, Cleared, Hash, Removed, Stored, decode_payload, read_batch
 from .state import CacheState, HashNames
 from ..frames import PoolFrame
+from ..result import count
 
 Key = tuple[int, str, int]  # (data-parallel rank, medium, KV cache group)
 
@@ -170,22 +164,22 @@ class KVEventReplay:
         lines = []
         for r in self.ranks():
             st = self.stats[r]
-            lines.append(f"rank {r}: {_n(st.batches, 'batch')}, seq {st.first_seq}..{st.last_seq}, "
-                         f"{_n(st.events, 'event')}"
-                         + (f", {_n(st.lost, 'batch')} missing in {_n(st.gaps, 'gap')}" if st.gaps else ", no gaps")
-                         + (f", {_n(st.restarts, 'restart')}" if st.restarts else ""))
+            gaps = f", {count(st.lost, 'batch')} missing in {count(st.gaps, 'gap')}" if st.gaps else ", no gaps"
+            lines.append(f"rank {r}: {count(st.batches, 'batch')}, seq {st.first_seq}..{st.last_seq}, "
+                         f"{count(st.events, 'event')}{gaps}"
+                         + (f", {count(st.restarts, 'restart')}" if st.restarts else ""))
             for (_, m, g), s in sorted((k, s) for k, s in self._states.items() if k[0] == r):
                 t = s.totals
                 held = sum(len(b.tokens) for b in s.blocks.values())
                 depth = s.depth()
-                lines.append(f"  {m} group {g}: {_n(len(s.blocks), 'block')} stored now ({held} tokens, block size "
+                lines.append(f"  {m} group {g}: {count(len(s.blocks), 'block')} stored now ({held} tokens, block size "
                              f"{s.block_size}); {t['stored']} stored, {t['removed']} removed, cleared "
-                             f"{_n(t['cleared'], 'time')} ({_n(t['cleared_blocks'], 'block')}); tree depth "
-                             f"{_n(depth, 'block')} ({depth * s.block_size} tokens)"
+                             f"{count(t['cleared'], 'time')} ({count(t['cleared_blocks'], 'block')}); tree depth "
+                             f"{count(depth, 'block')} ({depth * s.block_size} tokens)"
                              + (f"; {t['unknown_removed']} removals of blocks never seen stored"
                                 if t["unknown_removed"] else ""))
         if self.duplicates:
-            lines.append(f"{_n(self.duplicates, 'duplicate batch')} skipped")
+            lines.append(f"{count(self.duplicates, 'duplicate batch')} skipped")
         return "\n".join(lines + self.notes)
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +226,10 @@ def apply(rec: Received, states: dict[tuple[str, int], CacheState], number: int,
             for s in states.values():
                 s.clear()
             continue
-        s = _state_for(states, (ev.medium, ev.group), create)
+        key = (ev.medium, ev.group)
+        if create and key not in states:
+            states[key] = CacheState()
+        s = states.get(key)
         if s is None:
             continue
         if isinstance(ev, Stored):
@@ -248,17 +245,6 @@ def skipped(batch: Batch) -> list[str]:
     return [f"skipped {len(batch.skipped)} event(s) of a type kvexplore does not read "
             f"({', '.join(sorted(set(batch.skipped)))}): it reads BlockStored, BlockRemoved and AllBlocksCleared, "
             f"as vLLM up to 0.34 sends them; a newer vLLM may send more"]
-
-
-def _state_for(states: dict, key: tuple[str, int], create: bool) -> CacheState | None:
-    s = states.get(key)
-    if s is None and create:
-        s = states[key] = CacheState()
-    return s
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 'es' if noun.endswith('ch') else 's'}"
 
 
 def _elsewhere(batch: Batch, medium: str, group: int) -> str:

@@ -1,20 +1,6 @@
-"""vLLM's KV cache event batches (``vllm/distributed/kv_events.py``) read into plain frozen records.
-
-A batch is ``KVEventBatch(ts, events, data_parallel_rank)``, msgpack-encoded by msgspec. vLLM has written it in
-several shapes over its versions, and each level is read whichever shape it has:
-
-- the batch: a map ``{"ts", "events", "data_parallel_rank"}``, or an array ``[ts, events, rank?]`` (``array_like``:
-  vLLM 0.9 to at least 0.34);
-- each event, a tagged union: a map ``{"type": "BlockStored", ...}``, or an array ``["BlockStored", field, ...]``
-  (vLLM 0.9), its fields in declaration order, later (defaulted) fields left off;
-- a block hash (``ExternalBlockHash``): sha256 bytes (recent vLLM), an int (vLLM 0.9, or
-  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), or, in a JSON file, a hex string (a base64 string, as msgspec's JSON
-  encoder writes bytes, is read too).
-
-An event of a type this module does not know is skipped, and the batch says so (``Batch.skipped``): a newer vLLM
-may add types, and the blocks it stores and removes should still be shown. A payload that is not such a batch raises
-:class:`KVEventFormatError` naming where it came from, the field and the value.
-"""
+"""vLLM's KV cache event batches (``vllm/distributed/kv_events.py``) read into plain frozen records, in every shape
+vLLM has sent them (docs/prefix.md). An event of a type not known here is skipped and listed (``Batch.skipped``): a
+newer vLLM may add types. A payload that is not such a batch raises :class:`KVEventFormatError`."""
 
 from __future__ import annotations
 
@@ -24,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.settings import shown
 from ...errors import CorruptFileError, SettingsError
 
 Hash = bytes | int
@@ -135,14 +122,14 @@ def read_batch(obj: Any, where: str = "batch", text_hashes: bool = False) -> Bat
                                      f"data_parallel_rank], this one has {len(obj)} items; expected {SCHEMA_HINT}")
         ts, events, rank = obj[0], obj[1], obj[2] if len(obj) == 3 else None
     else:
-        raise KVEventFormatError(f"{where}: a KV event batch is a map or an array, got {_shown(obj)}; expected "
+        raise KVEventFormatError(f"{where}: a KV event batch is a map or an array, got {shown(obj)}; expected "
                                  f"{SCHEMA_HINT}")
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise KVEventFormatError(f"{where}: ts is {_shown(ts)}, expected a number (seconds since the epoch)")
+        raise KVEventFormatError(f"{where}: ts is {shown(ts)}, expected a number (seconds since the epoch)")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise KVEventFormatError(f"{where}: data_parallel_rank is {_shown(rank)}, expected a rank (int >= 0) or nil")
+        raise KVEventFormatError(f"{where}: data_parallel_rank is {shown(rank)}, expected a rank (int >= 0) or nil")
     if not isinstance(events, (list, tuple)):
-        raise KVEventFormatError(f"{where}: events is {_shown(events)}, expected a list of events")
+        raise KVEventFormatError(f"{where}: events is {shown(events)}, expected a list of events")
     out, skipped, forms = [], [], set()
     for i, raw in enumerate(events):
         tag, fields, shape = _untag(raw, f"{where}, event {i}")
@@ -168,9 +155,9 @@ def _untag(raw: Any, where: str) -> tuple[str, dict[str, Any], str]:
         fields = dict(zip(names, raw[1:]))
     else:
         raise KVEventFormatError(f"{where}: an event is a map with a type or an array led by its type, got "
-                                 f"{_shown(raw)}")
+                                 f"{shown(raw)}")
     if not isinstance(tag, str):
-        raise KVEventFormatError(f"{where}: the event's type is {_shown(tag)}, expected one of "
+        raise KVEventFormatError(f"{where}: the event's type is {shown(tag)}, expected one of "
                                  f"{', '.join(KNOWN_TAGS)}")
     return tag, fields, shape
 
@@ -185,10 +172,10 @@ def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
     hashes = _hash_list(f["block_hashes"], f"{where}: block_hashes", text_hashes)
     medium = f.get("medium")
     if medium is not None and not isinstance(medium, str):
-        raise KVEventFormatError(f"{where}: medium is {_shown(medium)}, expected a name (GPU, CPU...) or nil")
+        raise KVEventFormatError(f"{where}: medium is {shown(medium)}, expected a name (GPU, CPU...) or nil")
     group = f.get("group_idx")
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
-        raise KVEventFormatError(f"{where}: group_idx is {_shown(group)}, expected a group index (int >= 0) or nil")
+        raise KVEventFormatError(f"{where}: group_idx is {shown(group)}, expected a group index (int >= 0) or nil")
     medium, group = medium or DEFAULT_MEDIUM, group or 0
     if tag == "BlockRemoved":
         return Removed(hashes, medium, group)
@@ -196,10 +183,10 @@ def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
     parent = None if parent is None else _hash(parent, f"{where}: parent_block_hash", text_hashes)
     tokens = f["token_ids"]
     if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
-        raise KVEventFormatError(f"{where}: token_ids is {_shown(tokens)}, expected a list of token ids")
+        raise KVEventFormatError(f"{where}: token_ids is {shown(tokens)}, expected a list of token ids")
     size = f["block_size"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise KVEventFormatError(f"{where}: block_size is {_shown(size)}, expected a positive integer")
+        raise KVEventFormatError(f"{where}: block_size is {shown(size)}, expected a positive integer")
     lora = f.get("lora_name") or (None if f.get("lora_id") is None else str(f.get("lora_id")))
     extra = {k: v for k, v in f.items() if k not in _READ and v is not None}
     return Stored(hashes, parent, tuple(tokens), size, medium, group, lora, extra)
@@ -207,7 +194,7 @@ def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
 
 def _hash_list(value: Any, where: str, text: bool) -> tuple[Hash, ...]:
     if not isinstance(value, (list, tuple)):
-        raise KVEventFormatError(f"{where} is {_shown(value)}, expected a list of block hashes")
+        raise KVEventFormatError(f"{where} is {shown(value)}, expected a list of block hashes")
     return tuple(_hash(h, f"{where}[{i}]", text) for i, h in enumerate(value))
 
 
@@ -218,7 +205,7 @@ def _hash(h: Any, where: str, text: bool) -> Hash:
         return h
     if isinstance(h, str) and text:
         return parse_text_hash(h, where)
-    raise KVEventFormatError(f"{where} is {_shown(h)}, expected a block hash (bytes or an int"
+    raise KVEventFormatError(f"{where} is {shown(h)}, expected a block hash (bytes or an int"
                              f"{', or a hex string in a JSON file' if text else ''})")
 
 
@@ -229,10 +216,5 @@ def parse_text_hash(text: str, where: str = "hash") -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise KVEventFormatError(f"{where} is {_shown(text)}, expected a block hash as hex (an even number of "
+        raise KVEventFormatError(f"{where} is {shown(text)}, expected a block hash as hex (an even number of "
                                  f"hex digits), base64, or an int") from None
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,12 +1,5 @@
-"""One engine cache as its events left it: the blocks stored now (hash, parent, tokens, slot), the slots they sit in,
-and what the batch being applied changed. One :class:`CacheState` per (data-parallel rank, medium, KV cache group):
-those are separate caches in vLLM, and a hash stored in one says nothing about another.
-
-Slots: the engine does not publish which physical block holds a hash, so each stored block gets a slot of its own
-here, in the order blocks were stored. A removed block keeps its slot for the batch that removed it (shown evicted),
-then the slot is free, and a later store takes the lowest free slot: the figure stays as large as the most blocks
-held at once, not as large as all blocks ever stored.
-"""
+"""One engine cache as its events left it: the blocks stored now, the slots they sit in (given in the order the
+blocks were stored: docs/prefix.md) and what the batch being applied changed."""
 
 from __future__ import annotations
 
@@ -99,7 +92,7 @@ class CacheState:
             self.change.token_mismatch.append(f"{len(ev.tokens)} token ids for {n} blocks of {bs}")
         parent, new, again = ev.parent, [], 0
         parent_held = parent is None or parent in self.blocks
-        start = 0 if parent is None else self._start_under(parent)
+        start = self.starts[parent] + self.block_size if parent in self.starts else 0
         for i, h in enumerate(ev.hashes):
             tokens = tuple(ev.tokens[i * bs:(i + 1) * bs])
             held = self.blocks.get(h)
@@ -166,10 +159,6 @@ class CacheState:
             seen.add(h)
             h = self.blocks[h].parent
         return chain, h
-
-    def _start_under(self, parent: Hash) -> int:
-        start = self.starts.get(parent)
-        return 0 if start is None else start + self.block_size
 
     def _grow(self) -> int:
         self.slots.append(None)

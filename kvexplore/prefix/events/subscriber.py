@@ -1,15 +1,6 @@
-"""A serving engine's KV event stream, live from its ZMQ sockets (pyzmq).
-
-vLLM's ``ZmqEventPublisher`` binds a PUB socket (``tcp://*:5557`` by default; data-parallel rank r on port + r) and
-sends each batch as three frames: the topic, the sequence number (8 bytes, big-endian) and the msgpack payload. With
-a ``replay_endpoint`` it also binds a ROUTER socket that answers ``(b"", start seq)`` with every batch it still
-buffers from that number on, each ``(b"", [topic,] seq, payload)`` (vLLM 0.34 adds the topic), then ``seq = -1``.
-
-:class:`KVEventSubscriber` connects to those sockets, feeds every batch to a
-:class:`~kvexplore.prefix.events.replay.KVEventReplay`, and when sequence numbers jump (ZMQ drops messages a slow
-subscriber cannot take) asks the replay socket for the missed ones. With ``catch_up`` it also asks, on the first
-batch, for everything the engine still buffers, so the replay starts from the engine's start when it can.
-"""
+"""A serving engine's KV event stream, live from its ZMQ sockets (pyzmq): :class:`KVEventSubscriber` feeds every
+batch to a :class:`~kvexplore.prefix.events.replay.KVEventReplay` and asks the engine's replay socket for the batches
+it missed (the sockets vLLM binds: docs/prefix.md)."""
 
 from __future__ import annotations
 
@@ -182,8 +173,8 @@ class KVEventSubscriber:
                     break
                 if seq < seen:
                     batch = decode_payload(frames[-1], f"{src.replay_endpoint}, replayed seq {seq}")
-                    got = self._apply(seq, batch.rank if batch.rank is not None else src.rank, batch, frames[-1])
-                    applied += got
+                    applied += self._apply(seq, batch.rank if batch.rank is not None else src.rank, batch,
+                                           frames[-1])
         finally:
             dealer.close(linger=0)
         self.recovered += applied
