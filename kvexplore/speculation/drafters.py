@@ -1,16 +1,7 @@
-"""Drafters for speculative decoding: who proposes the next ``k`` tokens the target model then checks in one pass.
-
-* ``"prompt-lookup"`` (:class:`PromptLookup`): the tokens that followed the latest earlier occurrence of the
-  sequence's last n-gram (n from 3 down to 1); no second model, nothing to run. It finds something where the output
-  quotes or edits its context.
-* ``"self:L"`` (:class:`ModelDrafter` over :meth:`kvexplore.Model.first_layers`): the target's own first ``L`` layers,
-  then its final norm and head (LayerSkip's early exit, without its training): the same weights, ``L/N`` of the work.
-* a second model (anything :class:`~kvexplore.Generator` takes) whose tokenizer is the target's.
-
-A model drafter keeps its own pre-allocated cache of the sequence and catches up at each proposal: it cuts its cache
-back to what it shares with the target's sequence (the rejected drafts go), feeds what it lacks in one pass, then
-drafts one token at a time. With sampling it draws from its own filtered distribution and hands that distribution
-(``q``) over, which the rejection rule needs; prompt lookup's drafts are a point mass.
+"""Drafters for speculative decoding: who proposes the next ``k`` tokens the target then checks in one pass:
+``"prompt-lookup"`` (:class:`PromptLookup`), ``"self:L"`` (the target's first ``L`` layers, :class:`ModelDrafter`),
+or a second model with the target's tokenizer (see docs/speculative.md). A model drafter keeps its own cache of the
+sequence, cuts it back to what it shares with the target's and feeds what it lacks before each proposal.
 """
 
 from __future__ import annotations

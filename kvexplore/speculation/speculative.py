@@ -1,25 +1,8 @@
-"""Speculative decoding: a drafter proposes ``k`` tokens, the target checks them all in one forward pass, and the
-cache takes back what the target rejected.
-
-One verification (:func:`verify`): the generator's newest token (not yet in the cache) and the ``k`` drafted tokens
-are fed at ``pos = cache.length``: the cache writes ``k + 1`` positions (``narrow(2, pos, k + 1)`` on the
-pre-allocated cache) and the pass returns ``k + 1`` rows of logits. Row ``i`` is the target's distribution after
-the ``i``-th drafted token, so:
-
-* greedy: drafted token ``i`` is accepted while it is the target's argmax; the first mismatch is replaced by the
-  target's own choice; if all ``k`` pass, row ``k`` gives one more token (the bonus). The tokens are exactly plain
-  greedy decoding's.
-* sampling (Leviathan et al. 2023, Chen et al. 2023): drafted token ``x`` drawn from ``q`` is accepted with
-  probability ``min(1, p(x) / q(x))`` (``p`` the target's filtered distribution); the first rejection draws from
-  ``normalise(max(0, p - q))``; all accepted: the bonus draws from ``p``. The output is distributed as ``p``'s.
-
-Then the take-back: the cache holds ``k + 1`` new positions and only the ``m`` accepted ones (the fed token and the
-accepted drafts) stay. Where every layer can be cut exactly
-(:meth:`~kvexplore.caches.inspector.Inspector.crop_error` is None) the cache is truncated: each layer's way (stale
-slots, a narrowed view, pages back to the pool) is its ``crop_way``.
-Otherwise (a ring the draft wrapped, a sink window that evicted, a quantized flush, a recurrent state) the step is
-rolled back from its undo journal, which puts every overwritten slot and state back, and the accepted tokens are
-written again by a second pass (``recompute``): the cache a step that never saw the rejected tokens leaves.
+"""Speculative decoding: a drafter proposes ``k`` tokens, the target checks them all in one forward pass of ``k + 1``
+positions, and the cache takes back what the target rejected: truncated where every layer can be cut exactly
+(each layer's ``crop_way``), else rolled back from the step's undo journal and the accepted tokens written again
+(``recompute``). The acceptance rules (greedy, and sampling's ``min(1, p(x) / q(x))``) and the take-backs are
+explained in docs/speculative.md.
 """
 
 from __future__ import annotations
