@@ -1,33 +1,16 @@
 """The model-level cache: the list of layer caches plus the step's bookkeeping, in one class.
 
-A cache is a stack of layer caches that may differ (see :mod:`kvexplore.config.layer_plan`): one
-:class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
-(:mod:`kvexplore.caches.registry`). A strategy (pre-allocated, paged, ...) is a subclass of :class:`KVCache` whose
-:meth:`KVCache.full_layer` makes the cache of each *full-attention* layer; *sliding-window* layers get a ring of the
-model's window, *shared* layers read their source layer's keys and values, *linear-attention* layers keep a state.
-This class keeps the length and the step (its counters, its undo journal, its masks per attention type) and
-dispatches every call to the layer's object; it never asks what kind a layer is. What a cache can say about itself
-(its memory report, slot views, read positions, storage) is asked of its inspector, ``cache.inspect``
-(:mod:`kvexplore.caches.inspector`); what a lossy cache did, of its facets ``cache.eviction`` and
-``cache.quantization``; the linear-attention layers' states, of ``cache.states``.
+One :class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
+(:mod:`kvexplore.caches.registry`); a strategy is a subclass of :class:`KVCache` whose :meth:`KVCache.full_layer`
+makes the cache of each full-attention layer. This class keeps the length and the step (its counters, undo journal
+and masks) and dispatches every call to the layer's object; it never asks what kind a layer is (docs/extending.md).
 
-Who owns what: the caller (the :class:`~kvexplore.Generator`) decides the position of every write; the cache
-only records how many leading positions hold valid data (``length``). A forward pass runs inside
-:func:`~kvexplore.caches.one_pass.one_pass`, which calls ``check_write(pos, q_len)`` before touching anything,
-``begin_step(pos, q_len)`` (which plans the step in every layer), and after the pass's ``write(layer, pos, k, v)``
-per layer, ``commit(pos + q_len)``. A check that fails raises before any layer writes, so a failed step leaves the
-cache exactly as it was.
-
-A step can also fail after some layers wrote (an exception in a hook, an interrupt) or after ``commit`` (the
-generator then finds the logits unusable): :meth:`KVCache.rollback` puts back everything the last step changed, so
-the cache is exactly as it was before ``begin_step`` (its length, slot map, memory report and the keys and values it
-held), from the step's :class:`~kvexplore.caches.journal.UndoJournal`; :meth:`KVCache.settle` forgets how.
-
-Going back: :meth:`KVCache.truncate` keeps the first ``n`` positions (checked first by :meth:`KVCache.check_truncate`;
-where only rings or recurrent states stop it, the generator recomputes: ``cache.inspect.needs_replay(n)``). Taking a
-step's last positions back, what speculative decoding asks after the target rejected drafts, is a truncate each layer
-says is exact or not (``cache.inspect.crop_error(n)``); where one objects, the step is rolled back from its journal
-and the accepted tokens written again (:mod:`kvexplore.runtime.speculative`).
+The caller decides the position of every write; the cache only records how many leading positions are valid
+(``length``). A pass (:func:`~kvexplore.caches.one_pass.one_pass`) calls ``check_write`` (which raises before any
+layer writes), ``begin_step``, one ``write`` per layer and ``commit``; :meth:`KVCache.rollback` puts back everything
+the last step changed, from its :class:`~kvexplore.caches.journal.UndoJournal`, and :meth:`KVCache.settle` forgets
+how. :meth:`KVCache.truncate` keeps the first ``n`` positions where every layer allows it (where only rings or
+recurrent states stop it the generator recomputes: ``cache.inspect.needs_replay(n)``).
 """
 
 from __future__ import annotations
@@ -48,7 +31,7 @@ from ..errors import CacheFullError, SettingsError
 from .inspector import Inspector, make_report, report_again
 from .book import StepBook
 from .journal import UndoJournal
-from .layer import LayerCache, Step
+from .layer import LayerCache, Step, shallow_copy
 from .memory import StepCounters
 from .protocol import ModelCache
 from .registry import build_layers
@@ -57,10 +40,10 @@ from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 
 
 class KVCache(ModelCache):
     """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
-    implements :meth:`full_layer` (the factory of its full-layer caches) and calls :meth:`_build` at the end of
-    its ``__init__``, once its options are set. Data every cache has: ``config``, ``plan`` (one
-    :class:`~kvexplore.config.layer_plan.LayerSpec` per layer), ``layers``, ``full_layers`` (the layers the strategy
-    serves), ``batch_size``, ``dtype``, ``device`` and ``allocator`` (read around each write, or None)."""
+    implements :meth:`full_layer` and calls :meth:`_build` at the end of its ``__init__``, once its options are set.
+    Data every cache has: ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
+    ``layers``, ``full_layers``, ``batch_size``, ``dtype``, ``device`` and ``allocator`` (read around each write, or
+    None)."""
 
     #: short name used by the CLI and in records
     kind: str = "base"
@@ -189,9 +172,8 @@ class KVCache(ModelCache):
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor,
               queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
-        return the keys/values its attention must read (in the order ``cache.inspect.read_positions`` gives; use
-        :meth:`mask` for the mask that goes with them). ``queries`` ``(B, heads, q_len, head_dim)``, after RoPE: the
-        layer's queries, for a cache that reads them (a press). A shared layer stores nothing: use
+        return the keys/values its attention must read (in ``cache.inspect.read_positions`` order; :meth:`mask` gives
+        their mask). ``queries`` (after RoPE): for a cache that reads them (a press). A shared layer stores nothing: use
         :meth:`read_shared`."""
         step = self._step_for(pos, k.shape[2])
         if queries is not None:
@@ -214,25 +196,18 @@ class KVCache(ModelCache):
 
     def note_reads(self, layer: int, positions: torch.Tensor | list[int], copied_bytes: int) -> None:
         """A layer's attention read only ``positions`` (gathered into ``copied_bytes`` of temporaries): what
-        ``cache.inspect.read_positions`` reports for it until the next step (DeepSeek-V3.2's sparse attention). A
-        tensor of positions stays where it is until someone asks (a tracer brings them over with the rest of its
-        step)."""
+        ``cache.inspect.read_positions`` reports for it until the next step (DeepSeek-V3.2's sparse attention). A tensor
+        of positions stays where it is until someone asks."""
         book = self.book
         book.reads[layer] = positions
-        s = book.counters
-        s.copied_bytes += copied_bytes
-        s.allocated_bytes += copied_bytes
-        s.freed_bytes += copied_bytes
-        s.allocations += 2
-        s.frees += 2
+        book.counters.temporaries(copied_bytes)
         written, copied = book.moved.get(layer, (0, 0))
         book.moved[layer] = (written, copied + copied_bytes)
 
     def mask(self, layer: int, pos: int, q_len: int) -> torch.Tensor | None:
         """The boolean ``(q_len, keys)`` mask for what ``write`` (or ``read_shared``) returned for ``layer`` this
-        step, or ``(batch, kv_heads, q_len, keys)`` when each KV head reads its own keys (a pressed layer), or None
-        when plain causal attention (or none, for one token) is exact. Built once per step for the layers of one
-        mask group (by default: one attention type)."""
+        step, or ``(batch, kv_heads, q_len, keys)`` when each KV head reads its own keys (a pressed layer), or None when
+        plain causal attention is exact. Built once per step per mask group."""
         target = self.layers[layer]
         group = target.groups().mask
         masks = self.book.masks
@@ -318,8 +293,7 @@ class KVCache(ModelCache):
     def _copy(self, how: str) -> "KVCache":
         """A copy whose layers are ``layer.clone`` or ``layer.fork`` (structures several layers share are copied
         once and shared by the copies)."""
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self)
         memo: dict[int, object] = {}
         twin.layers = []
         for layer in self.layers:
@@ -340,13 +314,10 @@ class KVCache(ModelCache):
     def fork(self) -> "KVCache":
         """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
         strategies that can share storage (the paged cache) share it until the sequences diverge."""
-        self._check_forkable()
-        return self._copy("fork")
-
-    def _check_forkable(self) -> None:
         if self.length == 0:
             raise SettingsError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
                                 f"make a new cache instead")
+        return self._copy("fork")
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity

@@ -1,18 +1,11 @@
 """What a cache object really holds: every tensor storage reachable from it, each counted once, named by the part it
-belongs to.
+belongs to (docs/strategies.md, "Held"): what a ``del cache`` would give back. :class:`torch.nn.Module` objects
+(the model's rotary a cache may reference) are not entered.
 
-The memory report's ``reserved_bytes`` is the storage a strategy meant to keep (its keys and values). A cache holds
-more than that: the undo journal's copies, page tables, the positions and masks of an evicting layer, a press's
-scores, a recurrent layer's checkpoints. :func:`held_parts` walks the objects a cache is made of (attributes,
-``__slots__``, lists, tuples, dicts, sets) and sums the storage of every tensor it meets, once per storage: what a
-``del cache`` would give back. The model is not part of its cache (a cache that re-rotates keys keeps a reference to
-the model's rotary): :class:`torch.nn.Module` objects are not entered.
-
-Each storage goes to the first part that reaches it, in this order: the keys and values of every layer
-(``layer.storage()``), then each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the
-attribute's own name), then the container's own attributes (the undo scratch kept for the next step, a press plan),
-and last what only the step under way holds (its undo journal and reads), which :meth:`~.base.KVCache.settle` lets
-go. Each part is thus the memory that would be freed with it alone.
+Each storage goes to the first part that reaches it, in this order: every layer's keys and values
+(``layer.storage()``), each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the attribute's
+own name), the container's own attributes, and last what only the step under way holds (its undo journal and
+reads), which :meth:`~.base.KVCache.settle` lets go. Each part is thus the memory that would be freed with it alone.
 """
 
 from __future__ import annotations

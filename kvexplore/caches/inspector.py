@@ -1,9 +1,6 @@
 """What a cache can say about itself, layer by layer (``cache.inspect``): its storage, the positions each layer
-read, the state of every physical slot, and its bytes: the memory report of each step (used, reserved, the formula,
-and held: every tensor storage reachable from the cache, by part, see :mod:`.held`). Every answer comes from the
-layer's own :class:`~kvexplore.caches.layer.LayerCache` object and the cache's public data; the step's figures
-(bytes written and copied per layer, the allocator's counters) are what the container kept for its report, which
-:func:`make_report` builds when a step commits.
+read, the state of every physical slot, and its bytes (the memory report :func:`make_report` builds when a step
+commits; held bytes: :mod:`.held`). Every answer comes from the layers' own objects and the cache's public data.
 """
 
 from __future__ import annotations
@@ -248,9 +245,8 @@ class Inspector:
                          for members in layers_by_kind(cache.plan).values())
 
     def what_it_did(self) -> str:
-        """What a lossy cache did to the sequence so far, in one line (what it evicted or quantized, or that the
-        sequence was too short for it to do anything, naming the option that changes that); "" for an exact one. A
-        lossy strategy's inspector says it."""
+        """What a lossy cache did to the sequence so far, in one line, naming the option that changes it; "" for an
+        exact one. A lossy strategy's inspector says it."""
         return ""
 
     #: whether the cache drops positions as it writes, without a press (the sink cache's window): the queries of one

@@ -1,11 +1,8 @@
 """The undo journal of one forward pass: what a step overwrote, so a failed or rolled-back step can be put back.
 
-The model-level cache (:class:`~kvexplore.caches.base.KVCache`) opens one :class:`UndoJournal` per step in
-``begin_step`` and hands it to every layer cache inside the :class:`~kvexplore.caches.layer.Step`. A layer that
-overwrites held slots in place saves them first (:meth:`UndoJournal.keep`); one that writes slots never written
-before asks for them to be zeroed again (:meth:`UndoJournal.zero_on_undo`, no copy); one with bookkeeping of its own
-(a ring's slot map, a page table, a frontier) registers how to put it back (:meth:`UndoJournal.remember`).
-:meth:`UndoJournal.undo` replays all of it backwards. No layer reaches into the container's private state.
+A layer that overwrites held slots in place saves them first (:meth:`UndoJournal.keep`), one that writes slots
+never written before asks for them to be zeroed again (:meth:`UndoJournal.zero_on_undo`), one with bookkeeping of
+its own registers how to put it back (:meth:`UndoJournal.remember`); :meth:`UndoJournal.undo` replays it backwards.
 """
 
 from __future__ import annotations

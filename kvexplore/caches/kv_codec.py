@@ -1,19 +1,10 @@
 """How the quantized cache encodes one part of a position, its key or its value: transforms, then KIVI's codes.
 
-Before the codes (:func:`kivi.quantize`), in this order, each undone in reverse when the part is read back:
-
-1. **pre-RoPE keys** (KVQuant): a key arrives rotated at its position; it is turned back to position 0 (RoPE
-   composes, so this gives the projection's output up to float rounding), quantized there, and turned to its position
-   again at read. Before the rotation a key's large channels stay the same channels from token to token, which is what
-   a per-channel scale wants.
-2. **Hadamard rotation** (QuaRot, TurboQuant): each head's vector times an orthonormal Hadamard matrix (blocks of
-   the largest power of two dividing head_dim), which spreads a few large channels over all of them; the matrix is
-   its own inverse, so the read multiplies by it again.
-3. **outliers** (KVQuant's dense-and-sparse): the ``n`` largest magnitudes of each vector (one token, one head) are
-   kept exact, value and channel, and replaced by 0 for the quantizer so that they do not stretch its range; the
-   read puts them back.
-4. **codes**: ``bits``-bit min/max codes along ``axis`` (``channel``: a scale per channel over a block of tokens;
-   ``token``: a scale per token over a group of channels), bit-packed.
+Before the codes, in this order (each undone in reverse at read): pre-RoPE keys (KVQuant: turned back to position
+0, where a key's large channels stay the same from token to token), a Hadamard rotation (QuaRot: blocks of the
+largest power of two dividing head_dim, spreading a few large channels over all; its own inverse), outliers
+(KVQuant's dense-and-sparse: each vector's ``n`` largest magnitudes kept exact and replaced by 0 for the
+quantizer), then ``bits``-bit min/max codes along ``axis`` (:mod:`.kivi`). docs/strategies.md has the options.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
-"""The protocol of one layer's cache, and the step every layer of a forward pass sees.
+"""The protocol of one layer's cache, and the step every layer of a forward pass sees (docs/extending.md, "The
+layer protocol"). Which class serves a layer is decided by the layer-kind registry (:mod:`kvexplore.caches.registry`);
+the container calls only the methods below and never compares kinds.
 
-A model-level cache (:class:`~kvexplore.caches.base.KVCache`) is a list of :class:`LayerCache` objects, one per
-layer of the model's plan (:mod:`kvexplore.config.layer_plan`), plus the step's bookkeeping. Which class serves a
-layer is decided in one place, the layer-kind registry (:mod:`kvexplore.caches.registry`): a full layer gets the
-strategy's class (one per strategy: pre-allocated, concatenating, none, paged, quantized, sink), a sliding layer a
-ring, a shared layer a :class:`~kvexplore.caches.layers.shared.SharedLayer`, a linear-attention layer a recurrent
-state. Everything the container does to a layer goes through the methods below; nothing compares kinds.
-
-Layout, stated once: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A
-latent layer (MLA, ``spec.latent``) stores its compressed latent in the keys' place and its rope key in the values'
-place: :attr:`LayerCache._widths` says how wide each is, and a strategy that cannot store two widths refuses latent
-layers when the cache is made (its ``refuses(spec)``).
-
-A step: ``begin(step)`` plans it eagerly (before any layer writes: what a ring reads, which pages a paged cache
-takes), ``write(step, k, v)`` stores the new keys and values and returns what attention reads, ``mask(step)`` the
-mask that goes with them, ``commit(step)`` makes the step's positions part of the sequence. Everything a step
-changes in place is recorded in ``step.journal`` (:class:`~kvexplore.caches.journal.UndoJournal`), so a failed or
-rolled-back step is put back exactly. Structures several layers share (a paged cache's pool and block tables, the
-slot map common to every sliding layer, a sink cache's eviction frontier) are shared objects the layers reference;
-they plan once per step.
+Layout: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A latent layer
+(MLA, ``spec.latent``) stores its latent in the keys' place and its rope key in the values' place
+(:attr:`LayerCache._widths`); a strategy that cannot store two widths refuses latent layers (``refuses(spec)``).
+Everything a step changes in place is recorded in ``step.journal``, so a failed or rolled-back step is put back
+exactly; structures several layers share (a pool, block tables, a slot map) plan once per step.
 """
 
 from __future__ import annotations
@@ -38,6 +26,13 @@ from .slots import SlotView
 
 
 _SERIALS = itertools.count()
+
+
+def shallow_copy(obj: Any, cls: type | None = None) -> Any:
+    """A new ``cls`` (default: ``obj``'s class) sharing ``obj``'s attributes, made without ``__init__``."""
+    twin = object.__new__(cls or type(obj))
+    twin.__dict__.update(obj.__dict__)
+    return twin
 
 
 class Groups(NamedTuple):
@@ -93,10 +88,8 @@ class LayerCache(ABC):
         return causal_mask(step.pos, step.q_len, None, step.device)
 
     def groups(self) -> "Groups":
-        """Which layers this one reads, draws and masks alike (:class:`Groups`): by default every layer of one
-        attention type reads the same positions and gets the same mask, and every layer of one kind draws the same
-        slot view; a layer whose reads are its own (a pressed layer, per head) or another's (a shared layer) says
-        so."""
+        """Which layers this one reads, draws and masks alike (:class:`Groups`): by default by attention type (reads,
+        mask) and kind (slot view); a layer whose reads are its own (a pressed layer) or another's (shared) says so."""
         return Groups((self.spec.attends, -1), (self.spec.kind, -1), (self.spec.attends,))
 
     def commit(self, step: Step) -> None:
@@ -121,9 +114,8 @@ class LayerCache(ABC):
 
     def crop_error(self, n: int, length: int) -> str | None:
         """Why cutting the step just written (the cache now at ``length``) back to ``n`` positions would not leave
-        this layer as a step that wrote only up to ``n`` leaves it (None: :meth:`truncate` does). Speculative
-        decoding asks before it takes rejected drafts back; when a layer objects, the step is rolled back from its
-        journal and the accepted tokens are written again."""
+        this layer as a step that wrote only up to ``n`` would (None: :meth:`truncate` does); speculative decoding then
+        rolls the step back and writes the accepted tokens again."""
         return self.replay_error(n, length) or self.truncate_error(n, length)
 
     # -- copies ---------------------------------------------------------------------------------------------

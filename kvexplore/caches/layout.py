@@ -108,7 +108,6 @@ class PagedLayout(Layout):
         has hundreds of pages: ``block_table`` holds it whole, and the cache map's x axis names the pages)."""
         return f"block table {page_runs(self.block_table)} · {self.free_blocks} free pages"
 
-
     def marks(self, slots: int) -> list[Mark]:
         return [Mark(p * self.block_size, colour="#888") for p in range(1, slots // self.block_size)]
 

@@ -61,6 +61,15 @@ class StepCounters:
     allocations: int = 0
     frees: int = 0
 
+    def temporaries(self, nbytes: int, copied: int | None = None) -> None:
+        """Two temporaries of ``nbytes`` in all, made and dropped within the step (``copied`` of their bytes were
+        copied from held storage; default: all)."""
+        self.copied_bytes += nbytes if copied is None else copied
+        self.allocated_bytes += nbytes
+        self.freed_bytes += nbytes
+        self.allocations += 2
+        self.frees += 2
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:

@@ -15,11 +15,9 @@ from typing import Any
 @contextmanager
 def one_pass(cache: Any, pos: int, q_len: int, batch: int = 1, model: Any = None,
              keep_undo: bool = False) -> Iterator[None]:
-    """Run the block as one pass writing ``q_len`` positions at ``pos`` into ``cache``.
-
-    Before it: the write is checked (a refusal raises before any layer writes) and the step begins. A block that
-    raises rolls the cache back exactly. After it: the cache holds ``pos + q_len`` positions; ``keep_undo`` keeps
-    what ``cache.rollback()`` needs until ``cache.settle()`` (the generator keeps it while it picks the token).
+    """Run the block as one pass writing ``q_len`` positions at ``pos`` into ``cache``: the write is checked and the
+    step begun first, a block that raises rolls the cache back exactly, and after it the cache holds ``pos + q_len``
+    positions (``keep_undo``: what ``cache.rollback()`` needs is kept until ``cache.settle()``).
     """
     cache.check_write(pos, q_len, batch)
     cache.begin_step(pos, q_len, model)

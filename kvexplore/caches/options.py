@@ -1,13 +1,9 @@
 """A strategy's options, declared once: each strategy's module holds a frozen dataclass of them (``SinkCache.Options``),
-checked when it is made (as kvpress's presses check their fields) and read by everything that offers them:
-:func:`~kvexplore.caches.factory.make_cache` (an option a strategy does not take is refused naming those it takes),
-``kvexplore generate`` (one flag per option, ``--cache evict --press snapkv --compression-ratio 0.5``), the app's lanes
-(``--strategy-option sink.window=256``) and the docs' tables. No code outside a strategy's module names its options.
-
-An option is a dataclass field made by :func:`option`: its help (one phrase), its check (``check(value, name)``
-returns the value, normalised, or raises :class:`~kvexplore.errors.SettingsError` naming the fix) and how a command
-line gives it (:class:`Flag`: the parser's type and choices; None for options only Python can give, such as a page
-pool or a press object).
+checked when it is made and read by everything that offers them: :func:`~kvexplore.caches.factory.make_cache`,
+``kvexplore generate`` (one flag per option), the app's lanes and the docs' tables. No code outside a strategy's
+module names its options. An option is a field made by :func:`option`: its help, its check (``check(value,
+name)`` returns the value, normalised, or raises naming the fix) and its command-line :class:`Flag` (None: Python
+only).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The model-level cache protocol: what the generator, a tracer and the views ask of any cache.
-
-Two families implement it, declared by subclassing :class:`ModelCache` (an ABC, so a missing method fails at
-construction, and ``tests/engine/test_extend_caches.py`` checks every signature):
-
-- :class:`~kvexplore.caches.base.KVCache`, kvexplore's own caches: a list of
-  :class:`~kvexplore.caches.layer.LayerCache` objects plus the step's bookkeeping; its models also call the write
-  side (``write``, ``mask``, ``read_shared``, ``note_reads``, ``commit`` and ``states``);
-- :class:`~kvexplore.hf.cache.HFCache`, a transformers ``Cache`` watched after every step (``hf:...``).
+"""The model-level cache protocol: what the generator, a tracer and the views ask of any cache. Two families
+implement it by subclassing :class:`ModelCache` (an ABC: a missing method fails at construction):
+:class:`~kvexplore.caches.base.KVCache`, kvexplore's own, and :class:`~kvexplore.hf.cache.HFCache`, a transformers
+``Cache`` watched after every step (``hf:...``).
 """
 
 from __future__ import annotations
@@ -49,11 +44,10 @@ class Eviction(Protocol):
 
 
 class Quantization(Protocol):
-    """What a cache that stores keys and values lossily by design answers (:attr:`ModelCache.quantization`;
-    kvexplore's ``quantized`` cache, KIVI's schemes or llama.cpp's types): how far what it stores for ``layer`` is
-    from what the model wrote, per position and per channel, the codes of each channel's worst block, and how far a
-    correct cache of its kind may be off (what the doctor judges it by). Every answer is None for a layer it keeps
-    exact, and where it keeps no record."""
+    """What a cache that stores keys and values lossily by design answers (:attr:`ModelCache.quantization`): how
+    far what it stores for ``layer`` is from what the model wrote, per position and per channel, the codes of each
+    channel's worst block, and how far a correct cache of its kind may be off (what the doctor judges it by). Every
+    answer is None for a layer it keeps exact, and where it keeps no record."""
 
     def stored_error(self, layer: int) -> torch.Tensor | None:
         """``(kv_heads, length)`` max absolute error per position, on the CPU, first sequence of the batch."""
@@ -192,6 +186,5 @@ class ModelCache(ABC):
 
     @property
     def quantization(self) -> Quantization | None:
-        """The cache's lossy storage (see :class:`Quantization`); None for a cache that stores what the model wrote
-        (every cache but the quantized one: the evicting ones keep exactly what they keep)."""
+        """The cache's lossy storage (see :class:`Quantization`); None for a cache that stores what the model wrote."""
         return None

@@ -1,16 +1,7 @@
-"""The cache registries: strategies by name, layer kinds, and name prefixes other packages serve.
-
-This module (with :mod:`kvexplore.config.layer_plan` and :mod:`.factory`) is where a layer kind or a strategy name
-is looked up; no other cache code compares them.
-
-- :data:`STRATEGIES`: strategy name -> :class:`~kvexplore.caches.base.KVCache` subclass (a factory of full-layer
-  caches). :func:`register_strategy` adds one; :func:`~kvexplore.caches.factory.make_cache` builds any by name.
-- :data:`LAYER_KINDS`: a plan's layer kind (``LayerSpec.kind``) -> ``make(cache, spec, built, shared)``, the
-  :class:`~kvexplore.caches.layer.LayerCache` for that layer (``built``: the layers made so far, in order;
-  ``shared``: a dict for structures several layers of one cache share, such as the rings' slot map).
-  :func:`register_layer_kind` adds one.
-- :data:`PREFIXES`: a name prefix -> ``make(model, kind, max_seq_len)``, caches another package serves
-  (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf.caches`). :func:`register_prefix` adds one.
+"""The cache registries: strategies by name (:data:`STRATEGIES`), layer kinds (:data:`LAYER_KINDS`: a plan's
+``LayerSpec.kind`` -> ``make(cache, spec, built, shared)``) and name prefixes other packages serve (:data:`PREFIXES`,
+``"hf:"``). With :mod:`kvexplore.config.layer_plan` and :mod:`.factory` this is where a layer kind or a strategy
+name is looked up; no other cache code compares them (docs/extending.md, "The registries").
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Compiled graphs saved for a later process: ``$KVEXPLORE_HOME/compiled/`` (or ``$KVEXPLORE_COMPILED``), one file
 per graph, and what a compile says about them.
 
-The regional compiled step (:mod:`.regional`) compiles a decoder layer's graph and the output head's with
-``torch._inductor.standalone_compile`` and saves each as a bundled artifact (inductor's own format: the generated
-code and what loading it needs; the weights are inputs of the graphs, so none are in it). A graph's file is named
-by a hash of what the compiled code depends on: the traced graph's code (the model's layer code and every number
-of its config that the trace bakes in), its inputs' shapes, strides and dtypes, the torch version, the CPU's
-vector instructions, the number of threads (the C++ kernels are generated for it) and the compile options. A later
-process traces the layer again (under a second), finds the file and loads it: nothing is compiled. Where the
-inductor cache folder (``$TORCHINDUCTOR_CACHE_DIR``) was cleared since, loading builds the C++ kernels from the
-saved code again (seconds, not a compile).
-
-``compiled.json`` beside the files remembers, per step (model, dtype, capacity, mode), which files it saved with
-which torch and threads, so a compile can say whether it loaded the step, found the saved one stale (another
-torch, other threads, another version of the layer code or shapes) or missing, or saved it for the first time.
+Each graph is inductor's bundled artifact (generated code, no weights: they are the graph's inputs), named by a hash
+of everything the compiled code depends on (:func:`graph_key`); a later process traces the layer again and loads the
+file instead of compiling (where ``$TORCHINDUCTOR_CACHE_DIR`` was cleared, it rebuilds the C++ kernels from the
+saved code). ``compiled.json`` remembers per step which files were saved with which torch and threads, so a
+compile can say whether it loaded, found the saved step stale or missing, or saved it first.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A layer's matrix products for one token, on a copy of its weights laid out for streaming: what the regional
 compiled step (:mod:`.regional`) runs instead of ``nn.Linear``.
 
-Decoding one token multiplies a row by every weight matrix: the step reads each weight once, and its speed is how
-fast those reads stream. The weights are stored in blocks of :data:`BLOCK` output rows, ``[out / BLOCK, in, BLOCK]``
-(each block's columns side by side), and the product is written as a multiply and a sum over ``in``: inductor
-turns that into one loop per block that reads the block front to back, a vector of ``BLOCK`` outputs at a time.
-``BLOCK`` was chosen by timing SmolLM2's products against larger blocks, the model's own column-major layout and
-inductor's C++ GEMM on frozen, prepacked weights (docs/benchmarks.md, "Compiled step reuse"; ``python
-benchmarks/compile_reuse.py`` and ``benchmarks/decode_speed.py --engines compiled`` time the step). Unlike frozen
-weights, these are inputs of the compiled graph, so one graph serves every layer of the same shapes and a later
-process can load it.
-
-The blocks are a second copy of the weights (the model's own stay, for eager steps and everything that reads
-them), made once per model; a change to the model's weights after that is not seen by them.
+The weights are stored in blocks of :data:`BLOCK` output rows, ``[out / BLOCK, in, BLOCK]``, and the product is a
+multiply and a sum over ``in``: inductor turns that into one loop per block that reads it front to back, a vector of
+``BLOCK`` outputs at a time (the block size was timed: docs/benchmarks.md, "Compiled step reuse"). Unlike frozen
+weights they are graph inputs, so one graph serves every layer of the same shapes. The blocks are a second copy of
+the weights, made once per model: a later change to the model's weights is not seen by them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What a compile of the whole one-token step (an explicit torch.compile mode, or CUDA's) says about inductor's cache.
 
-inductor keeps the graphs it compiles in its FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``, by default
-``/tmp/torchinductor_<user>``), keyed by the graph, the shapes, the options, the threads and the torch version: a
-later process that compiles the same step loads its kernels instead. A CPU step with frozen weights
-(``compile="max-autotune"``) is the graph it refuses: freezing packs each linear weight into a oneDNN tensor, which
-the cache cannot save, so every process compiles it again. ``compile=True`` on the CPU compiles one layer instead
-and saves it in kvexplore's own folder (:mod:`.regional`, :mod:`.artifacts`).
+inductor's FX graph cache (``$TORCHINDUCTOR_CACHE_DIR``) lets a later process load the kernels of the same step,
+except a CPU step with frozen weights (``compile="max-autotune"``): its oneDNN-packed weights cannot be saved, so
+every process compiles it again (``compile=True`` on the CPU saves one layer in kvexplore's own folder instead).
 """
 
 from __future__ import annotations

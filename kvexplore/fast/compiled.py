@@ -2,16 +2,10 @@
 CPU by default one decoder layer is compiled and run for every layer (:mod:`.regional`); an explicit torch.compile
 mode, and CUDA, compile the whole step as one ``torch.compile`` graph (:class:`CompiledDecoder`).
 
-What makes it possible is what the pre-allocated cache is: every layer's keys and values live at fixed addresses
-with a fixed shape, ``[1, kv_heads, capacity, head_dim]``. The step takes the position as a tensor, writes the new
-key and value with ``index_copy_`` at that position, and attends over all ``capacity`` slots under a mask
-``slot <= position``, so no shape in the graph depends on how long the sequence is and nothing recompiles as it
-grows. On CUDA the graph is captured once (``mode="reduce-overhead"``: CUDA graphs) and replayed every step.
-
-The graph runs the model's own layers (the same modules, the same numerics as the eager path); only the cache
-under them is replaced by :class:`~.inplace.InPlace`. The cache's bookkeeping (length, undo, bytes written) is done
-outside the graph by :meth:`PreallocatedCache.note_inplace_write`, so records, rewind and fork work as in eager
-mode.
+The pre-allocated cache keeps every layer's keys and values at fixed addresses with a fixed shape, so the step
+writes at a position given as a tensor and attends over all slots under ``slot <= position``: no shape depends on
+the sequence's length (docs/python-api.md, "Compiled decoding"). The graph runs the model's own layers; only the
+cache under them is replaced by :class:`~.inplace.InPlace`, and the bookkeeping is done outside it.
 """
 
 from __future__ import annotations
@@ -79,15 +73,10 @@ class CompiledDecoder:
     """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, as one graph.
 
     ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
-    key and value in ``cache``. One decoder serves any pre-allocated cache of that capacity and dtype (the storages
-    are inputs of the graph, not constants). ``compile_s`` is the time the first step took to compile, and
-    ``reuse_note`` whether it loaded a step an earlier process compiled (:mod:`.compile_cache`).
-
-    On the CPU in ``mode="max-autotune"`` the weights are frozen into the graph and the matrix products autotuned
-    (``freezing`` and ``max_autotune``): inductor's own C++ GEMM on prepacked weights. The packed weights are a
-    second copy (the model's own stay for eager steps), and a change to the model's weights after the first
-    compiled step is not seen by it. On CUDA the step is captured as a CUDA graph (``mode="reduce-overhead"``, what
-    ``compile=True`` gives there).
+    key and value in ``cache``; the storages are inputs of the graph, so one decoder serves any such cache.
+    ``compile_s``: the first step's compile time; ``reuse_note``: whether it loaded an earlier process's step. On the
+    CPU ``mode="max-autotune"`` freezes the weights into the graph (a second, packed copy that does not see later
+    changes to the model's weights); on CUDA the step is captured as a CUDA graph (``mode="reduce-overhead"``).
     """
 
     def __init__(self, model: Any, capacity: int, mode: str | None = None) -> None:
@@ -170,10 +159,9 @@ def _check_mode(mode: str | None) -> None:
 
 class CompiledStep(CompiledExecutor):
     """The compiled one-token step behind the executor contract: ``eager`` (an
-    :class:`~kvexplore.runtime.eager.EagerExecutor`) supplies the model and everything the generator reads; a call
-    runs the model's :class:`CompiledDecoder` for the cache's capacity (built once per model, capacity and mode,
-    shared by forks and resets) and does the cache's bookkeeping around the graph, so records, rewind, undo and
-    fork work as in eager mode. A tracer gets what a trace without attention holds, read from the cache after."""
+    :class:`~kvexplore.runtime.eager.EagerExecutor`) supplies the model and everything the generator reads; a call runs
+    the model's shared :class:`CompiledDecoder` and does the cache's bookkeeping around the graph. A tracer gets what a
+    trace without attention holds, read from the cache after."""
 
     def __init__(self, eager: Any, mode: str | None = None) -> None:
         _check_mode(mode)  # at the generator's construction, not its first step

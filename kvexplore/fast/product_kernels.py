@@ -1,8 +1,5 @@
 """The product kernels themselves (:mod:`.kernels` applies them to a model): what each computes, how it is traced,
-compiled by inductor, saved and loaded (once per machine, torch version, thread count, width and count of rows), and
-which of them run this machine's products (:meth:`Kernels.choose`: each timed against ``F.linear``, see
-:mod:`.product_timing`). ``KVEXPLORE_PRODUCTS=kernels`` runs every product they take on them untimed, ``=torch``
-none."""
+compiled, saved and loaded, and which of them run this machine's products (:meth:`Kernels.choose`)."""
 
 from __future__ import annotations
 
@@ -82,13 +79,8 @@ class Kernel:
 
 class Kernels:
     """The compiled kernels per thread count (inductor generates its C++ for the threads it is compiled under), or
-    why there are none.
-
-    One kernel takes any sizes (built at the first product that wants it); for the widths (input features) that
-    carry most of a model's weights, :meth:`prepare_widths` adds one whose width is fixed (the rows, any number):
-    the compiler then knows the inner loop's length, whole vectors and no tail, and reads a large matrix faster
-    (docs/benchmarks.md, "One-row products of a fixed width"). Products of a few rows have a kernel per count of
-    rows (:meth:`prepare_rows`), of one width or of any sizes alike."""
+    why there are none: one of any sizes, one per prepared width (:meth:`prepare_widths`: the inner loop's length
+    known, whole vectors and no tail) and one per count of rows (:meth:`prepare_rows`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -119,11 +111,9 @@ class Kernels:
         return env != "torch" and (env == "kernels" or self.verdicts.get((torch.get_num_threads(), rows, width), False))
 
     def choose(self, widths: dict[int, list[torch.Tensor]], fixed: list[int], rows: range) -> bool:
-        """Time each width's kernel against ``F.linear`` on a sample of ``widths[width]`` (a model's weights of that
-        width), for one row and for each count in ``rows`` (the latter only for the widths whose one-row kernel
-        won), or read the verdict an earlier process saved; build (or load) the kernels that won, so that no timed
-        step waits for them. ``fixed``: the widths that get a kernel of their own. False where no kernel can be built
-        here (a verdict must be timed and there is none to time)."""
+        """Time each width's kernel against ``F.linear`` on a sample of ``widths[width]``, for one row and then, where
+        that won, for each count in ``rows`` (or read an earlier process's verdict), and build the kernels that won.
+        ``fixed``: the widths that get a kernel of their own. False where no kernel can be built here."""
         threads = torch.get_num_threads()
         saved = artifacts.Saved(name="products.json")
         with self.choosing:
@@ -186,9 +176,8 @@ class Kernels:
         return self.get(width, rows)
 
     def get(self, width: int | None = None, rows: int = 1) -> Kernel | None:
-        """The kernel for products of ``rows`` rows (1 to :data:`MAX_ROWS`) of ``width`` input features under this
-        thread count: the one of that width where the width was prepared, else the one of any sizes (built now if it
-        has not been)."""
+        """The kernel for products of ``rows`` rows of ``width`` input features under this thread count: the one of
+        that width where the width was prepared, else the one of any sizes (built now if it has not been)."""
         if rows != 1:
             return self._rows_kernel(width, rows)
         threads = torch.get_num_threads()
@@ -312,9 +301,9 @@ def rows_name(rows: int) -> str:
 
 
 def passes(kernel: Kernel, width: int, rows: int, weights: list[torch.Tensor]) -> tuple[Callable, Callable]:
-    """One pass of ``rows`` rows over a sample of ``weights`` on the kernel (row-major copies where they are not:
-    what :func:`apply` lays them out as), and one on ``F.linear``: on the weights as they are for one row (as loaded:
-    plain decoding's products), on the row-major ones for more (a width whose one-row kernel won is laid out so)."""
+    """One pass of ``rows`` rows over a sample of ``weights`` on the kernel (row-major copies, as :func:`apply` lays
+    them out), and one on ``F.linear``: on the weights as loaded for one row, on the row-major ones for more (a
+    width whose one-row kernel won is laid out so)."""
     g = torch.Generator().manual_seed(width * 31 + rows)
     x = torch.randn(rows, width, generator=g)
     loaded = [w.detach() for w in sample(weights)]
@@ -351,9 +340,8 @@ def refusal() -> str:
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``F.linear(x, weight)`` is 1 to :data:`MAX_ROWS` float32 rows (a decoding step's one, a verification's
-    k + 1) of plain CPU tensors (no subclass, no torch function or dispatch mode watching), on a row-major weight,
-    outside a trace and without gradients."""
+    """Whether ``F.linear(x, weight)`` is 1 to :data:`MAX_ROWS` float32 rows of plain CPU tensors (no subclass, no
+    torch function or dispatch mode watching), on a row-major weight, outside a trace and without gradients."""
     return (not torch.compiler.is_compiling()  # first: a trace reads nothing below (dynamo cannot trace the stacks)
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter) and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2

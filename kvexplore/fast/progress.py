@@ -1,10 +1,8 @@
 """The compile of a decode step as a progress line: its phase and the time so far (``kvexplore generate --compile``).
 
-The regional step (``compile=True`` on the CPU) says what it is doing itself (copying the weights into blocks,
-tracing a layer, loading or compiling its graph, the head: :data:`kvexplore.fast.regional.PROGRESS`). A whole
-step compiled by torch.compile is read from torch's own record of the compile
-(``torch._dynamo.utils.compilation_time_metrics``: each phase is entered there when it ends), so the line names the
-phase after the last one that finished. Where neither says anything, the line shows the time alone."""
+The regional step says what it is doing itself (:data:`kvexplore.fast.regional.PROGRESS`); a whole step compiled by
+torch.compile is read from ``torch._dynamo.utils.compilation_time_metrics``, where each phase is entered when it
+ends, so the line names the phase after the last one that finished."""
 
 from __future__ import annotations
 

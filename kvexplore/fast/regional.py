@@ -2,18 +2,9 @@
 compiled output head.
 
 A model's layers differ in their weights, not their code or shapes: a graph that takes a layer's weights as inputs
-serves all of them, so one layer is traced and compiled instead of thirty (a fraction of the whole step's compile
-with frozen weights: ``benchmarks/compile_reuse.py``, docs/benchmarks.md). Weights as inputs also keep the graph
-free of constants, so it is saved as a file (:mod:`.artifacts`) that a later process loads instead of compiling.
-What makes the products fast without frozen weights is their layout: each layer runs on a
-:func:`~.blocked.blocked_twin` of itself, the model's own layer modules with every ``nn.Linear`` replaced by a
-product over a blocked copy of its weight (see :mod:`.blocked`).
-
-Each layer's graph runs the model's own layer code (its norms, RoPE, attention and MLP), over a cache view of that
-one layer: the key and value are written with ``index_copy_`` at the position tensor and attention reads every slot
-under the mask ``slot <= position``, as in the whole-step graph (:mod:`.compiled`). Layers are grouped by what the
-trace bakes in (their modules' types and plain attributes, and their tensors' shapes): one graph per group, which
-is one graph for every model this step accepts so far.
+serves all of them, and having no constants it is saved as a file (:mod:`.artifacts`) a later process loads. Each
+layer runs on a :func:`~.blocked.blocked_twin` of itself (its products over a blocked copy of each weight, fast
+without frozen weights). Layers are grouped by what the trace bakes in (:func:`signature`): one graph per group.
 """
 
 from __future__ import annotations
@@ -125,13 +116,10 @@ def _trace(fn: Callable, args: tuple) -> tuple[torch.fx.GraphModule, list, list[
 
 
 class RegionalDecoder:
-    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, built from one
-    compiled layer graph (per group of layers alike) and a compiled head.
-
-    ``decoder(token, cache, pos)`` returns the ``(1, vocab)`` float32 logits of ``token`` at ``pos`` and leaves its
-    key and value in ``cache``; one decoder serves any pre-allocated cache of that capacity. Built on the first call:
-    ``compile_s`` is the time that took (blocked copies, traces, compiles or loads), ``reuse_note`` what it did with
-    the saved graphs, ``built`` how many graphs it compiled (0: all loaded), ``held_bytes`` the blocked weight copies.
+    """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, built on the first
+    call from one compiled layer graph (per group of layers alike) and a compiled head; ``decoder(token, cache, pos)``
+    as :class:`~.compiled.CompiledDecoder`'s. ``compile_s``: the build's time; ``reuse_note``: what it did with the
+    saved graphs; ``built``: graphs compiled (0: all loaded); ``held_bytes``: the blocked weight copies.
     """
 
     mode = "regional"

@@ -1,22 +1,12 @@
 """Qwen3-Next's gated DeltaNet: a linear-attention layer whose "cache" is a fixed-size state.
 
 Per layer and sequence the state is the last ``kernel - 1`` inputs of a short causal convolution and one matrix
-``S`` of ``(key dim, value dim)`` per value head (see :mod:`kvexplore.caches.layers.state`). Each token, as transformers
-5.24 computes it (checked in tests/engine/test_parity_state.py):
-
-1. ``in_proj_qkvz`` gives, per *key* head, ``[q, k, v (r heads), z (r heads)]`` and ``in_proj_ba`` ``[b (r), a (r)]``,
-   with ``r = value heads / key heads``;
-2. ``[q | k | v]`` (all heads) goes through the depthwise causal convolution (no bias) and silu;
-3. q and k are l2-normalised (eps 1e-6 inside the root), repeated to the value heads, q scaled by ``dk ** -0.5``;
-4. the gated delta rule, in float32: ``S <- S * exp(g)`` with ``g = -exp(A_log) * softplus(a + dt_bias)``; then
-   ``S <- S + k (beta (v - k^T S))^T`` with ``beta = sigmoid(b)``; the output is ``q^T S`` (after the update);
-5. a per-head RMSNorm (plain weight), times ``silu(z)``, then ``out_proj``.
-
-Step 4 is :func:`kvexplore.models.delta_rule.gated_delta_rule`: token by token for decoding and short prefills, in
-chunks of 64 tokens (a triangular solve per chunk, the state carried from chunk to chunk, starting from the cache's
-state) from ``CHUNKED_FROM`` tokens on; both give the same outputs and state within float32 rounding (checked in
-tests/engine/test_delta_rule.py). These layers have hook points ``attn.state`` (the recurrent state after the step) and
-``attn.out`` instead of the attention points.
+``S`` of ``(key dim, value dim)`` per value head (see :mod:`kvexplore.caches.layers.state`). The forward pass is
+transformers 5.24's (checked in tests/engine/test_parity_state.py): ``in_proj_qkvz`` is grouped per *key* head
+(``[q, k, v (r heads), z (r heads)]``, ``r = value heads / key heads``), l2 norms have eps 1e-6 inside the root,
+and the gated delta rule runs in float32 (:func:`kvexplore.models.delta_rule.gated_delta_rule`: token by token, or
+in chunks from ``CHUNKED_FROM`` tokens on, equal within float32 rounding: tests/engine/test_delta_rule.py). These
+layers have hook points ``attn.state`` (the state after the step) and ``attn.out`` instead of the attention points.
 """
 
 from __future__ import annotations

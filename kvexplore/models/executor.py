@@ -1,17 +1,8 @@
 """The executor contract: everything a :class:`~kvexplore.Generator` asks of what runs the model.
 
 The generator decides the sequence, the positions, the sampling and the records; an executor runs one forward pass
-over a cache and returns logits. Three executors sit behind this one interface:
-
-* :class:`~kvexplore.runtime.eager.EagerExecutor`: kvexplore's own :class:`~kvexplore.Model`, eager;
-* :class:`~kvexplore.fast.compiled.CompiledStep`: that model's one-token step as one ``torch.compile`` graph over
-  a pre-allocated cache (offered by the eager executor's :meth:`Executor.compiled`);
-* :class:`kvexplore.hf.HFModel`: a transformers causal LM through its own ``Cache`` classes (the ``hf`` folder
-  implements this contract; nothing here imports it).
-
-The generator calls only what is declared here: it never asks which class the model is. A model that is not an
-executor yet (a kvexplore ``Model``, a transformers module) is wrapped by the adapter registered for it
-(:func:`register_adapter`, :func:`as_executor`).
+over a cache and returns logits (eager, compiled, transformers: docs/extending.md, "Executors"). A model that is
+not an executor yet is wrapped by the adapter registered for it (:func:`register_adapter`, :func:`as_executor`).
 """
 
 from __future__ import annotations
@@ -28,12 +19,9 @@ from ..errors import SettingsError
 
 
 class Executor(ABC):
-    """Runs forward passes of one model over a cache for a :class:`~kvexplore.Generator`.
-
-    What the generator reads besides the call: ``config`` (a :class:`~kvexplore.ModelConfig`: vocabulary size,
-    layers, heads, eos id), ``tokenizer`` (a :class:`~kvexplore.Tokenizer` or None: ids only), ``device``,
-    ``dtype`` and ``source`` (a name for saved traces), and :attr:`model` (what ``Generator.model`` shows).
-    """
+    """Runs forward passes of one model over a cache for a :class:`~kvexplore.Generator`. What the generator reads
+    besides the call: ``config``, ``tokenizer`` (or None: ids only), ``device``, ``dtype``, ``source`` (a name for
+    saved traces) and :attr:`model`."""
 
     config: Any
     tokenizer: Any
@@ -60,12 +48,9 @@ class Executor(ABC):
         """One forward pass of ``ids`` ``(1, T)`` (a CPU tensor) at positions ``pos..pos+T-1`` through ``cache``:
         float32 logits ``(1, T, vocab)`` (``(1, 1, vocab)`` with ``last_only``), on the model's device.
 
-        The pass writes its keys and values into ``cache`` and leaves it committed at ``pos + T`` positions (a
-        :class:`~kvexplore.KVCache` through :func:`~kvexplore.caches.one_pass.one_pass`). A pass that fails leaves
-        the cache as it was. ``keep_undo`` keeps what ``cache.rollback()`` needs after a pass
-        that succeeded (until ``cache.settle()``); otherwise it is dropped. ``tracer`` (a
-        :class:`~kvexplore.Tracer`, between its ``begin_step`` and ``end_step``) gets the pass's hook points
-        through ``tracer.hook(name, tensor)``.
+        The pass leaves ``cache`` committed at ``pos + T`` (through :func:`~kvexplore.caches.one_pass.one_pass`); one
+        that fails leaves it as it was. ``keep_undo`` keeps what ``cache.rollback()`` needs until ``cache.settle()``.
+        ``tracer`` gets the pass's hook points through ``tracer.hook(name, tensor)``.
         """
 
     @abstractmethod
@@ -77,12 +62,8 @@ class Executor(ABC):
         """The cache a ``Generator(model)`` without one gets."""
 
     def replay(self, ids: Sequence[int], cache: Any) -> None:
-        """Rebuild ``cache`` as a prefill of ``ids`` leaves it (what a rewind past a sliding ring or a recurrent
-        state needs); a replay that fails leaves the cache as it was.
-
-        By default one pass at position 0 (the pass a prefill makes: a failure rolls the cache back to before it,
-        whatever it held); no ids: the cache is truncated to 0.
-        """
+        """Rebuild ``cache`` as a prefill of ``ids`` leaves it (a rewind past a sliding ring or a recurrent state); by
+        default one pass at position 0, which rolls back on failure; no ids: truncated to 0."""
         cache.settle()
         if not ids:
             cache.truncate(0)

@@ -1,24 +1,12 @@
 """Mixtures of experts: a router picks ``experts_per_token`` of ``num_experts`` MLPs for each token (gpt-oss's,
-DeepSeek's and Qwen3-Next's). Nothing here touches the KV cache.
+DeepSeek's and Qwen3-Next's), as transformers 5.24 computes them (checked in tests/engine/test_parity_2025.py).
+Nothing here touches the KV cache.
 
-gpt-oss (:class:`MixtureOfExperts`):
-
-As transformers 5.24 computes it (checked in tests/engine/test_parity_2025.py): the router's logits (with a bias) are
-cut to the top k, and the softmax runs over those k only. Each chosen expert is a clamped, biased GLU whose gate
-and up projections are one fused matrix with their columns interleaved (even: gate, odd: up), stored
-``[experts, in, out]`` and applied as ``x @ W``::
-
-    gate, up = (x @ gate_up[e] + b[e])[0::2], [1::2]
-    gate = min(gate, limit); up = clamp(up, -limit, limit)
-    y_e = ((up + 1) * gate * sigmoid(alpha * gate)) @ down[e] + down_bias[e]
-
-and the token's output is the routing-weighted sum of its experts' ``y_e`` (the down bias weighted too).
-
-DeepSeek-V3 (:class:`DeepseekExperts`): sigmoid scores; a per-expert correction bias used only to choose; experts
-in ``n_group`` groups, of which the ``topk_group`` with the best two-expert sums are eligible; the top k of those;
-their (uncorrected) scores normalised to sum 1 (``norm_topk_prob``) and times ``routed_scaling_factor``; each expert
-a SwiGLU MLP of ``moe_intermediate_size`` (``experts.N.gate_proj``... as the checkpoints store them); plus
-``n_shared_experts`` always on, as one MLP of ``n_shared_experts * moe_intermediate_size``.
+gpt-oss (:class:`MixtureOfExperts`): the softmax runs over the router's top k logits only; each expert is a clamped,
+biased GLU whose gate and up projections are one matrix ``[experts, in, out]`` with their columns interleaved
+(even: gate, odd: up). DeepSeek-V3 (:class:`DeepseekExperts`): sigmoid scores, a correction bias used only to
+choose, experts in ``n_group`` groups of which the ``topk_group`` with the best two-expert sums are eligible, plus
+``n_shared_experts`` always on as one MLP.
 """
 
 from __future__ import annotations

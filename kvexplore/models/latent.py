@@ -1,23 +1,17 @@
 """DeepSeek's multi-head latent attention (MLA), reading a latent cache.
 
 Per position the cache holds one vector of ``kv_lora_rank`` (the normalised compressed keys and values, ``c``) and
-one rope key of ``qk_rope_head_dim`` shared by every head (``k_rope``), nothing per head: the layer's cache sits in
-the key and value slots of a layer cache (see :class:`kvexplore.config.layer_plan.LayerSpec`, ``latent``). With ``W``
-the ``kv_b_proj`` weight viewed ``(heads, qk_nope_head_dim + v_head_dim, kv_lora_rank)``, split into ``W_k`` and
-``W_v``, a head's key is ``[W_k c, k_rope]`` and its value ``W_v c``. Two exact ways to attend:
-
-- **decompressed**: expand every cached ``c`` into per-head keys and values each step (what transformers does);
-- **absorbed** (the default): fold ``W_k`` into the query and ``W_v`` into the output. A head's score is
-  ``(W_k^T q_nope) . c + q_rope . k_rope`` and its output ``W_v (sum_s p_s c_s)``: attention reads the latents
-  directly, one "key/value head" for all query heads, and nothing per head is ever materialised.
-
-Queries come from ``q_b_proj(norm(q_a_proj(x)))`` (or one ``q_proj`` when ``q_lora_rank`` is unset); RoPE turns only
-the ``qk_rope_head_dim`` part, in DeepSeek's interleaved pairs when ``rope_interleave`` is set.
+one rope key of ``qk_rope_head_dim`` shared by every head (``k_rope``), in the key and value slots of a layer cache
+(:class:`kvexplore.config.layer_plan.LayerSpec`, ``latent``). With ``W`` the ``kv_b_proj`` weight viewed ``(heads,
+qk_nope_head_dim + v_head_dim, kv_lora_rank)``, split into ``W_k`` and ``W_v``, a head's key is ``[W_k c, k_rope]``
+and its value ``W_v c``. Two exact ways to attend: **decompressed** (every cached ``c`` expanded into per-head keys
+and values each step, as transformers does) and **absorbed** (the default: ``W_k`` folded into the query and ``W_v``
+into the output, a head's score ``(W_k^T q_nope) . c + q_rope . k_rope`` and its output ``W_v (sum_s p_s c_s)``, so
+attention reads the latents directly and nothing per head is materialised).
 
 DeepSeek-V3.2 adds sparse attention (DSA): a small :class:`Indexer` scores the cached positions and each query
-reads only its ``index_topk`` best. Its key (one per position) is cached next to the rope key. A decode step then
-reads a gather of those positions (not ``narrow(2, 0, S)``), and tells the cache which, so the cache map shows
-exactly what each layer read. Checked against transformers 5.24 in tests/engine/test_parity_latent.py.
+reads only its ``index_topk`` best; its key is cached next to the rope key, and a decode step reads a gather of
+those positions and tells the cache which. Checked against transformers 5.24 in tests/engine/test_parity_latent.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """A decoder of the Llama family and its 2025 descendants (Llama 1/2/3, Mistral, Qwen2, Qwen3, Gemma 3) whose KV
-cache is an object passed into ``forward``.
+cache is an object passed into ``forward``: it gives every layer the keys it must read and their mask
+(:meth:`~kvexplore.KVCache.mask`); a shared layer reads its source's with :meth:`~kvexplore.KVCache.read_shared`.
 
-Each layer's cache may differ (see :mod:`kvexplore.config.layer_plan`): the cache object gives every layer the keys it
-must read and the mask that goes with them (:meth:`~kvexplore.KVCache.mask`), and a layer that shares another
-layer's cache reads it with :meth:`~kvexplore.KVCache.read_shared` instead of writing.
-
-Parameter names follow Hugging Face (``model.layers.3.self_attn.q_proj.weight`` ...) so a checkpoint loads
-by a 1:1 key check. Shapes in comments: B batch, T new tokens, S positions attention reads, nh query heads,
-nkv key/value heads, g = nh // nkv query heads per kv head, hd head dim, D hidden size.
-
-Internals pass through named hook points (``embed``, ``layers.3.attn.q``, ...; see :func:`hook_point_names`).
-A ``tracer`` is any object with ``hook(name, tensor) -> tensor | None`` (return a tensor to replace the value)
-and ``wants_attention(layer) -> bool`` (compute explicit attention probabilities for that layer); a
-:class:`kvexplore.Tracer` records them. ``cache_write`` carries the keys about to be stored, ``cache_read`` the
-keys attention reads (values travel with them). With no tracer none of this runs.
+Parameter names follow Hugging Face (``model.layers.3.self_attn.q_proj.weight`` ...) so a checkpoint loads by a 1:1
+key check. Shapes in comments: B batch, T new tokens, S positions attention reads, nh query heads, nkv key/value
+heads, g = nh // nkv, hd head dim, D hidden size. Internals pass through named hook points
+(:func:`hook_point_names`): a ``tracer`` has ``hook(name, tensor) -> tensor | None`` (a tensor replaces the value)
+and ``wants_attention(layer) -> bool`` (explicit probabilities for that layer); with no tracer none of this runs.
 """
 
 from __future__ import annotations
@@ -338,12 +331,10 @@ class Model(nn.Module):
                 last_only: bool = False, keep_undo: bool = False) -> torch.Tensor:
         """Run ``ids`` ``[batch, seq]`` at positions ``pos..pos+seq-1``, writing their K/V into ``cache``.
 
-        Returns logits ``[batch, seq, vocab]`` in float32 (``[batch, 1, vocab]`` for the last position only with
-        ``last_only``: generation needs no more, and the output head over a long prompt is a large share of its
-        cost). Raises before touching the cache if the ids, the position or the cache do not fit; a failed call
-        leaves the cache as it was (rolled back if some layers wrote). ``keep_undo`` keeps what
-        ``cache.rollback()`` needs after the pass succeeded (the generator uses it while it picks the token); by
-        default it is dropped at once, so nothing outlives the pass (a concatenating cache holds one storage).
+        Returns float32 logits ``[batch, seq, vocab]`` (``[batch, 1, vocab]`` with ``last_only``: the output head over a
+        long prompt is a large share of its cost). Raises before touching the cache if the ids, the position or the
+        cache do not fit; a failed call leaves the cache as it was. ``keep_undo`` keeps what ``cache.rollback()`` needs
+        until ``cache.settle()``; by default nothing outlives the pass.
         """
         self._check_inputs(ids, cache, pos)
         B, T = ids.shape

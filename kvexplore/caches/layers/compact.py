@@ -2,16 +2,11 @@
 of its storage, the storage reallocated to what is kept after a press that frees slots.
 
 Storage: ``k``/``v`` ``[batch, kv_heads, slots, width]``, ``pos`` and ``rot`` ``[batch, kv_heads, slots]`` (the
-position each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use.
-Heads may hold different counts (an adaptive budget), and attention then reads ``max(counts)`` slots under a mask
-per head. A write appends at each head's count, in place while the storage has room; when it has none the storage
-grows by ``headroom`` slots (a copy). A press gathers the kept slots, in position order, into new storage of
-``max(kept) + headroom`` slots (a copy of what is kept, the old storage freed); a press on storage already of that
-size (while decoding, keys not re-rotated) moves, in place, the kept slots past the new count into the evicted
-slots before it (only those are copied), so slots no longer follow position order (the tail written since the last
-press always does, which is what a rewind reads).
-Bytes held are the storage's: the kept keys and values plus ``headroom`` slots per head and the padding of heads that
-keep fewer than the most (stated by :meth:`~.pressed.PressedLayer.overhead_slots`).
+position each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use;
+heads holding different counts read ``max(counts)`` slots under a mask per head. A write appends in place, growing
+the storage by ``headroom`` slots when full. A press on storage already of the kept size moves the kept slots past
+the new count into the evicted ones before it, in place, so slots no longer follow position order (the tail written
+since the last press always does, which is what a rewind reads). docs/eviction.md has the bytes held.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..layer import Step
+from ..layer import Step, shallow_copy
 from ..layout import CompactLayout
 from ..memory import StepCounters
 from ..slots import FILLED, FREE, SlotView
@@ -244,8 +239,7 @@ class CompactLayer(PressedLayer):
                         CompactLayout())
 
     def clone(self, memo: dict[int, Any]) -> "CompactLayer":
-        twin = object.__new__(CompactLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, CompactLayer)
         twin.k, twin.v, twin.pos, twin.rot = (t.clone() for t in (self.k, self.v, self.pos, self.rot))
         twin.counts = [list(c) for c in self.counts]
         self._copy_press_state(twin, memo)

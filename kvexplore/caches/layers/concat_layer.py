@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Step, shallow_copy
 from ..layout import GrowingLayout
 from ..memory import StepCounters
 from ..slots import FILLED, SlotView
@@ -61,8 +61,7 @@ class ConcatLayer(FullLayer):
         return SlotView([FILLED] * length, list(range(length)), [1] * length, GrowingLayout())
 
     def clone(self, memo: dict[int, Any]) -> "ConcatLayer":
-        twin = object.__new__(ConcatLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, ConcatLayer)
         twin.k = None if self.k is None else self.k.clone()
         twin.v = None if self.v is None else self.v.clone()
         return twin

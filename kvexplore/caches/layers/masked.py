@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..layer import Step
+from ..layer import Step, shallow_copy
 from ..masks import causal_mask
 from ..memory import StepCounters
 from ..slots import EVICTED, FILLED, FREE, SlotView
@@ -116,8 +116,7 @@ class MaskedLayer(PressedLayer):
         return SlotView(states, positions, [1 if seen[p] else 0 for p in range(n)] + [0] * (self.capacity - n))
 
     def clone(self, memo: dict[int, Any]) -> "MaskedLayer":
-        twin = object.__new__(MaskedLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, MaskedLayer)
         twin.k, twin.v, twin.visible, twin.rot = (t.clone() for t in (self.k, self.v, self.visible, self.rot))
         self._copy_press_state(twin, memo)
         return twin

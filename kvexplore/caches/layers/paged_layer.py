@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Step, shallow_copy
 from ..layout import PagedLayout
 from ..memory import StepCounters
 from ..slots import FILLED, FREE, SHARED, STALE, SlotView
@@ -169,8 +169,7 @@ class PageTable:
 
     def fork(self) -> "PageTable":
         """A second table on the same pool: every page is shared (its reference count goes up)."""
-        twin = object.__new__(PageTable)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, PageTable)
         twin.tables, twin.prepared, twin._step = self.copies(), None, None
         for table in self.tables:
             for page in table:
@@ -180,16 +179,14 @@ class PageTable:
     def clone(self) -> "PageTable":
         """An independent copy: its own pool (copied tensors, reference counts, free list)."""
         old = self.pool
-        pool = object.__new__(PagePool)
-        pool.__dict__.update(old.__dict__)
+        pool = shallow_copy(old, PagePool)
         pool.k = [None if t is None else t.clone() for t in old.k]
         pool.v = [None if t is None else t.clone() for t in old.v]
         held = {p for t in self.tables for p in t}  # this cache's pages; pages only other forks hold are free
         pool.refcount = [1 if p in held else 0 for p in range(old.num_blocks)]
         pool.written = list(old.written)
         pool.free = [p for p in reversed(range(old.num_blocks)) if p not in held]
-        twin = object.__new__(PageTable)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, PageTable)
         twin.pool, twin.tables, twin.prepared, twin._step = pool, self.copies(), None, None
         return twin
 
@@ -274,8 +271,7 @@ class PagedLayer(FullLayer):
         return self.table.slot_view(length)
 
     def _copy(self, memo: dict[int, Any], make) -> "PagedLayer":
-        twin = object.__new__(PagedLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, PagedLayer)
         if id(self.table) not in memo:
             memo[id(self.table)] = make(self.table)
         twin.table = memo[id(self.table)]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Step, shallow_copy
 from ..slots import FILLED, FREE, STALE, SlotView
 
 
@@ -60,7 +60,6 @@ class PreallocatedLayer(FullLayer):
         return SlotView(states, list(range(n)) + [-1] * (cap - n), [1] * n + [0] * (cap - n))
 
     def clone(self, memo: dict[int, Any]) -> "PreallocatedLayer":
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self)
         twin.k, twin.v = self.k.clone(), self.v.clone()
         return twin

@@ -1,13 +1,7 @@
 """What every pressed layer of one ``evict`` cache shares: the press, the budget, the rules of when it runs, the
-model's rotary embedding (for re-rotation) and the history of the presses so far.
-
-When a press runs is decided once per step, by the first layer that commits it (:meth:`PressPlan.decide`):
-
-- after the prompt: the step that writes position 0 with more than one token, if the budget keeps fewer than the
-  prompt's positions;
-- during decoding, with ``decode_every=N``: once ``N`` tokens were written since the last press, down to
-  ``decode_target`` positions per head (by default what the prompt's press kept), if a layer holds more.
-"""
+model's rotary embedding (for re-rotation) and the history of the presses so far. When a press runs (after the
+prompt; with ``decode_every`` while decoding: docs/eviction.md) is decided once per step, by the first layer that
+commits it (:meth:`PressPlan.decide`)."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..layer import Step
+from ..layer import Step, shallow_copy
 from ..presses import Budget, Press
 
 
@@ -109,7 +103,6 @@ class PressPlan:
         return decision or None
 
     def copy(self) -> "PressPlan":
-        twin = object.__new__(PressPlan)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, PressPlan)
         twin.events, twin._step, twin._decision = list(self.events), None, None
         return twin

@@ -1,7 +1,5 @@
-"""A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision.
-
-See :class:`kvexplore.caches.strategies.quantized.QuantizedCache` for the layout, the frontier ``Q`` and what a rewind
-does; the quantization itself is :mod:`kvexplore.caches.kivi`.
+"""A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision
+(the layout, the frontier ``Q`` and what a rewind does: docs/strategies.md; the codes: :mod:`kvexplore.caches.kivi`).
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from typing import Any
 import torch
 
 from ...core import host
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Step, shallow_copy
 from ..layout import QuantizedLayout
 from ..memory import StepCounters
 from ..channel_detail import PartDetail, block_rows
@@ -97,13 +95,9 @@ class QuantizedLayer(FullLayer):
     def _rows(self, part: str, start: int, end: int) -> list[tuple[str, torch.Tensor, slice]]:
         """``part``'s stored tensors, each with the rows (dim 2) positions ``start..end-1`` use (whole blocks on the
         channel axis)."""
-        codec = self._codec(part)
-        out = []
-        for key, name in zip(STORED, NAMES[part]):
-            t = getattr(self, name)
-            if t is not None:
-                out.append((key, t, codec.scale_rows(start, end) if key in ("scale", "zero") else slice(start, end)))
-        return out
+        scales = self._codec(part).scale_rows(start, end)
+        return [(key, t, scales if key in ("scale", "zero") else slice(start, end))
+                for key, name in zip(STORED, NAMES[part]) if (t := getattr(self, name)) is not None]
 
     def _stored(self, part: str, start: int, end: int) -> dict[str, torch.Tensor]:
         """Views of ``part``'s stored tensors for positions ``start..end-1``."""
@@ -111,9 +105,8 @@ class QuantizedLayer(FullLayer):
 
     def decode(self, part: str, start: int, end: int) -> torch.Tensor:
         """Float32 ``part`` (``"k"``, ``"v"``) of positions ``start..end-1``, read back from the codes."""
-        codec = self._codec(part)
         positions = torch.arange(start, end, device=self.rk.device)
-        return codec.decode(self._stored(part, start, end), positions, self.rope_turn)
+        return self._codec(part).decode(self._stored(part, start, end), positions, self.rope_turn)
 
     crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
                 "flush undone) and the accepted tokens are written again")
@@ -364,8 +357,7 @@ class QuantizedLayer(FullLayer):
         return ", ".join(said)
 
     def clone(self, memo: dict[int, Any]) -> "QuantizedLayer":
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self)
         for name in self._tensors():
             setattr(twin, name, getattr(self, name).clone())
         return twin

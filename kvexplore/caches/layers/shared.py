@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ...errors import SettingsError
-from ..layer import Groups, LayerCache, Step
+from ..layer import Groups, LayerCache, Step, shallow_copy
 from ..layout import SharedLayout
 from ..slots import SlotView
 
@@ -68,8 +68,7 @@ class SharedLayer(LayerCache):
         return SlotView([], [], [], SharedLayout(self.spec.source))
 
     def clone(self, memo: dict[int, Any]) -> "SharedLayer":
-        twin = object.__new__(SharedLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, SharedLayer)
         twin.source = memo.get(id(self.source), self.source)  # the copy of the source (cloned before, in order)
         return twin
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .slotmap import SlotMapLayer
-from ..layer import FullLayer, Step
+from ..layer import FullLayer, Step, shallow_copy
 from ..layout import RingLayout
 from ..memory import StepCounters
 from ..slots import EVICTED, FILLED, FREE, STALE, SlotView
@@ -132,8 +132,7 @@ class SinkSlots:
         return SlotView(states, positions, sharers, layout)
 
     def copy(self) -> "SinkSlots":
-        twin = object.__new__(SinkSlots)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, SinkSlots)
         twin.slot_pos, twin.evicted_last, twin.pending, twin._step = list(self.slot_pos), list(self.evicted_last), \
             None, None
         twin.gather, twin.mask_now = None, None
@@ -173,11 +172,7 @@ class SinkLayer(SlotMapLayer, FullLayer):
         if isinstance(read, int):
             return self.k.narrow(2, 0, read), self.v.narrow(2, 0, read)  # views
         k_all, v_all = self.k.index_select(2, read), self.v.index_select(2, read)
-        c.copied_bytes += k_all.nbytes + v_all.nbytes  # temporaries, dropped after the layer's attention
-        c.allocated_bytes += k_all.nbytes + v_all.nbytes
-        c.freed_bytes += k_all.nbytes + v_all.nbytes
-        c.allocations += 2
-        c.frees += 2
+        c.temporaries(k_all.nbytes + v_all.nbytes)  # dropped after the layer's attention
         return k_all, v_all
 
     def mask(self, step: Step) -> torch.Tensor | None:

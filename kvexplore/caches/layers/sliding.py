@@ -1,24 +1,11 @@
 """The sliding-window layers of a cache: one ring of ``window`` slots per layer, written round and round.
 
-A sliding layer's query at position ``p`` reads only keys ``p - window < k <= p`` (transformers' convention), so
-the layer never needs more than the last ``window`` positions: position ``p`` lives in slot ``p % window`` and
-writing it overwrites (evicts) position ``p - window``. Memory is flat however long the sequence grows.
-
-What attention reads, per step (the same for every sliding layer, planned once in ``begin_step``):
-
-- nothing has wrapped yet (``pos + q_len <= window``): slots ``0..end-1`` hold positions ``0..end-1``; attention
-  reads the view ``narrow(2, 0, end)`` with the ordinary causal mask;
-- one new token and the ring holds the window before it: after the write the ring holds exactly positions
-  ``p - window + 1 .. p``, so attention reads the whole storage in storage order (a view, no mask);
-- otherwise (a prompt longer than the window, a chunk that wraps, a write after a rewind): the positions the new
-  queries need that the ring holds are gathered in position order and the new keys appended (a temporary copy,
-  counted), with a sliding-window mask; then the last ``window`` new positions are written into the ring.
-
-A rewind to ``n`` is possible while the ring still holds every position the next query needs
-(``n - window + 1 .. n - 1``): one step back always, further only before the ring has wrapped past them.
-
-The slot map is the same for every sliding layer of a cache: one :class:`SlidingLayers` object (shared by the
-layers' :class:`~kvexplore.caches.layers.ring.RingLayer` objects) keeps it and plans each step once.
+A query at ``p`` reads keys ``p - window < k <= p`` (transformers' convention), so position ``p`` lives in slot
+``p % window``, evicting ``p - window``. Each step is planned once for every sliding layer by the one
+:class:`SlidingLayers` they share (:meth:`SlidingLayers._plan`): before the ring wraps, a causal view of its start;
+one new token over a full window, the whole storage as it lies (no mask, no copy); otherwise the held positions the
+queries need gathered and the new keys appended, under a sliding mask (a counted copy). A rewind to ``n`` is
+possible while the ring still holds ``n - window + 1 .. n - 1`` (docs/strategies.md).
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layer import Step
+from ..layer import Step, shallow_copy
 from ..layout import RingLayout
 from ..masks import causal_mask, positions_mask
 from ..slots import EVICTED, FILLED, FREE, STALE, SlotView
@@ -138,8 +125,7 @@ class SlidingLayers:
         return SlotView(states, positions, sharers, layout)
 
     def copy(self) -> "SlidingLayers":
-        twin = object.__new__(SlidingLayers)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, SlidingLayers)
         twin.slot_pos, twin.plan, twin._step = list(self.slot_pos), None, None
         return twin
 

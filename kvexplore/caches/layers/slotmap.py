@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..layer import shallow_copy
 from ..slots import SlotView
 
 
@@ -29,11 +30,7 @@ class SlotMapLayer:
         out = (torch.cat([self.k.index_select(2, slots), k.to(self.k.dtype)], 2),
                torch.cat([self.v.index_select(2, slots), v.to(self.v.dtype)], 2))
         n = out[0].nbytes + out[1].nbytes
-        counters.copied_bytes += n - k.nbytes - v.nbytes
-        counters.allocated_bytes += n
-        counters.freed_bytes += n
-        counters.allocations += 2
-        counters.frees += 2
+        counters.temporaries(n, copied=n - k.nbytes - v.nbytes)
         return out
 
     def reserved_bytes(self) -> int:
@@ -43,8 +40,7 @@ class SlotMapLayer:
         return self.slots.slot_view(length)
 
     def clone(self, memo: dict[int, Any]):
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self)
         if id(self.slots) not in memo:  # the layers' copies share one copy of the slot map
             memo[id(self.slots)] = self.slots.copy()
         twin.slots = memo[id(self.slots)]

@@ -1,18 +1,12 @@
 """A linear-attention layer's cache: a fixed-size recurrent state instead of keys and values.
 
-A gated DeltaNet layer (Qwen3-Next) keeps, whatever the sequence length, the last ``conv_kernel - 1`` inputs of
-its causal convolution (``conv``, ``(B, channels, kernel - 1)`` in the cache's dtype) and its recurrent state
-(``recurrent``, ``(B, value heads, key dim, value dim)`` in float32, as transformers keeps it). A step reads both
-and replaces both in place: memory never grows, and nothing is written per position.
-
-The state of position ``n`` cannot be recovered from the state of a later position, so a rewind of a state layer
-(``truncate(n)`` for ``0 < n < length``) is refused; :meth:`kvexplore.Generator.rewind` then recomputes the kept
-tokens in one pass (``cache.inspect.needs_replay``). No earlier states are kept: a rewind costs one forward pass over
-the kept sequence, and no memory. A write at position 0 (a new prompt) starts from zero state.
-
-Speculative decoding's verification pass is the exception: with ``cache.checkpointing`` the layer receives the state
-after each position the pass wrote (``checkpoints``; ``k + 1`` copies of the state, counted as allocated) and keeps
-them until the next step, so cutting the step back to any of its positions restores that state exactly.
+A gated DeltaNet layer (Qwen3-Next) keeps the last ``conv_kernel - 1`` inputs of its causal convolution (``conv``,
+``(B, channels, kernel - 1)``, the cache's dtype) and its recurrent state (``recurrent``, ``(B, value heads, key
+dim, value dim)``, float32 as transformers keeps it), both replaced in place each step. An earlier state cannot be
+recovered from a later one, so ``truncate(n)`` for ``0 < n < length`` is refused and the generator recomputes
+(``cache.inspect.needs_replay``). With ``cache.states.checkpointing`` (a verification pass) the layer keeps the
+state after each position written (``k + 1`` copies, counted as allocated) until the next step, so a cut back to
+any of them restores it exactly.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from typing import Any
 import torch
 
 from ...errors import SettingsError
-from ..layer import LayerCache, Step
+from ..layer import LayerCache, Step, shallow_copy
 from ..layout import StateLayout
 from ..memory import StepCounters
 from ..slots import SlotView
@@ -128,8 +122,7 @@ class StateLayer(LayerCache):
                                                 shape=list(self.recurrent.shape[1:])))
 
     def clone(self, memo: dict[int, Any]) -> "StateLayer":
-        twin = object.__new__(StateLayer)
-        twin.__dict__.update(self.__dict__)
+        twin = shallow_copy(self, StateLayer)
         twin.conv, twin.recurrent = self.conv.clone(), self.recurrent.clone()
         return twin
 

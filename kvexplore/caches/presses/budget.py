@@ -1,14 +1,7 @@
-"""How many positions a press keeps, and which: the budget and the selection policy.
-
-- **Budget** (:class:`Budget`): a ``compression_ratio`` (kvpress's rule, ``n_kept = int(n × (1 − ratio))`` of the
-  ``n`` positions a head holds) or a number of tokens (``kept_tokens``); the same in every layer (``schedule=
-  "uniform"``) or a pyramid (``"pyramid"``, PyramidKV: the first pressed layer keeps the most, the last the least,
-  decreasing linearly from ``2m − m/β`` to ``m/β`` around the mean ``m``, so the total matches the uniform one).
-  Every head keeps at least one position, never more than it holds.
-- **Heads** (:func:`select`): ``"per-head"`` (each KV head its own ``n_kept`` best), ``"shared"`` (the scores
-  averaged over the layer's KV heads: every head keeps the same positions) or ``"adaptive"`` (AdaKV, Feng et al.
-  2024: the layer's ``n_kept × heads`` budget goes to the best scores of all its heads together, after a safeguard
-  of ``alpha × n_kept`` per head, so heads keep different counts).
+"""How many positions a press keeps, and which: the budget (:class:`Budget`: a ``compression_ratio`` or
+``kept_tokens``, uniform or PyramidKV's pyramid over the layers; every head keeps at least one position, never more
+than it holds) and the selection over heads (:func:`select`: per head, shared, or AdaKV's adaptive). The rules and
+their formulas: docs/eviction.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models").
 
-Heavy hitters: the score of a held key is the attention it has received, summed over every query so far (the
-prompt's and each decoded token's) and over the query heads that read its KV head. The ``recent_ratio`` share of
-the budget goes to the newest positions regardless (the paper keeps heavy hitters and recent tokens half and half).
-
-``normalize=True`` divides each key's sum by the number of queries that saw it (the key at position ``p`` of a
-sequence of ``L`` positions was read by the queries at ``p .. L - 1``: ``L - p`` of them), so that early keys do not
-win only by having been read more often: the mean attention a key received, kvpress's ``ObservedAttentionPress``
-(which keeps no recent share: ``recent_ratio=0`` with it). A held key was read by every query since it was written
-(a key evicted is gone for good), so the count is its distance to the end of the sequence, during decoding too.
+Heavy hitters: the score of a held key is the attention it has received, summed over every query so far and over
+the query heads that read its KV head; the ``recent_ratio`` share of the budget goes to the newest positions.
+``normalize=True`` divides each key's sum by the number of queries that read it (a held key at ``p`` of ``L``
+positions was read by ``L - p``: evicted keys are gone for good), kvpress's ``ObservedAttentionPress``
+(docs/eviction.md).
 """
 
 from __future__ import annotations

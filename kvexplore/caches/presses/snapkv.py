@@ -6,18 +6,9 @@ The last ``window`` queries of the prompt (the observation window: usually the q
     vote[h, j] = Σ_i A[h, i, j]                       (summed over the window's queries)
     score[h, j] = pool_kernel(vote[h, :])[j]          (averaged over ``kernel`` neighbouring held keys)
 
-summed over the query heads that read KV head ``h`` (grouped-query attention). The window's own keys are always
-kept (score ``inf``) and take no part in the pooling: as the paper's code, the keys before the window are pooled
-alone (the last of them do not borrow the window's votes). Query-aware: the same context compressed for two
-questions keeps different keys.
-
-The defaults are the authors' code's: average pooling (``avg_pool1d``, stride 1, ``kernel // 2`` zeros of padding
-on each side, counted in the mean: an edge key's average is over ``kernel`` values, some of them 0) with
-``kernel=5``, as kvpress pools too, and a window of 32 queries (kvpress's ``SnapKVPress`` defaults to
-``window_size=64``: pass ``window=64`` to match it). ``pooling="max"`` max-pools instead (the padding never wins
-a maximum); it gives neighbouring keys exactly equal scores, which the cache breaks by keeping the earliest.
-Summing (not averaging) over the window and the group scales every score of a head alike, so the kept set is
-kvpress's.
+summed over the query heads that read KV head ``h``. The window's own keys are always kept (score ``inf``) and take
+no part in the pooling. The defaults (average pooling, kernel 5, window 32) and how they compare with kvpress's:
+docs/eviction.md.
 """
 
 from __future__ import annotations

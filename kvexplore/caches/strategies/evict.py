@@ -1,31 +1,10 @@
 """Score-based eviction: a press scores each KV head's positions and the cache keeps the best within a budget.
 
 ``make_cache("evict", model, max_seq_len=..., press="knorm", compression_ratio=0.5, ...)``. The full-attention
-layers are pressed; sliding layers keep their rings, recurrent layers their state (a latent layer, which stores one
-latent for all heads, is refused). What runs when, and the budget: :mod:`.layers.pressplan` and
-:mod:`.presses.budget`; the presses: :mod:`.presses`.
-
-Two storages (``storage=``):
-
-- ``"compact"`` (default): each head's kept keys and values packed into storage reallocated to what is kept: the
-  memory is really freed (:class:`~.layers.compact.CompactLayer`);
-- ``"mask"``: every position kept where it was written and the evicted hidden by a mask per head, as kvpress's
-  head-wise presses do: the same attention, none of the memory back (:class:`~.layers.masked.MaskedLayer`).
-
-Two position modes (``positions=``):
-
-- ``"keep"``: kept keys keep the rotation of their original position; attention after a press equals the full
-  model's attention restricted to the kept keys;
-- ``"rerotate"``: at each press each head's kept keys are turned to contiguous positions ending at the last one
-  written (``L - n_h .. L - 1`` after a press at length ``L``), as kvpress's KeyRerotationPress and the StreamingLLM
-  paper's positions within the cache (RoPE depends only on the distance, so this is the paper's cache shifted).
-
-Rewinds: back to the length of the last press or later (the evicted positions are gone; a rewind into them is
-refused, changing nothing), or to 0 (a new sequence: the presses start over). With presses while decoding, also no
-further back than the next press can still read: an accumulating press (H2O) refuses any rewind (its sums hold the
-dropped tokens' queries); a press reading a window of queries keeps ``window + decode_every`` of them, so a rewind
-within ``decode_every`` tokens finds its window. A sliding layer's ring is not rebuilt by recomputing the kept
-tokens once a press ran or would run (one prefill would press them as one prompt): such a rewind is refused.
+layers are pressed; sliding layers keep their rings, recurrent layers their state (a latent layer is refused). When
+it presses and the budget: :mod:`.layers.pressplan` and :mod:`.presses.budget`; the two storages (``"compact"``:
+memory freed, ``"mask"``: evicted positions masked in place), the two position modes (``"keep"``, ``"rerotate"``)
+and which rewinds are refused: docs/eviction.md.
 """
 
 from __future__ import annotations
@@ -107,12 +86,9 @@ class EvictOptions(Options):
 
 
 class EvictCache(KVCache):
-    """See the module docstring. ``press``: a name (:data:`~kvexplore.caches.presses.PRESSES`) or a
-    :class:`~kvexplore.caches.presses.Press`; ``press_options``: its constructor's options. Budget:
-    ``compression_ratio`` or ``kept_tokens``, ``schedule`` (``"uniform"``, ``"pyramid"``), ``heads`` (``"per-head"``,
-    ``"shared"``, ``"adaptive"``), ``alpha``, ``beta``. During decoding: ``decode_every`` tokens, down to
-    ``decode_target`` positions per head. ``headroom``: free slots a compacting layer keeps after a press (default
-    ``decode_every``, else 64)."""
+    """See the module docstring and :class:`EvictOptions`. ``press``: a name
+    (:data:`~kvexplore.caches.presses.PRESSES`) or a :class:`~kvexplore.caches.presses.Press`; during decoding it
+    presses every ``decode_every`` tokens, down to ``decode_target`` positions per head."""
 
     kind = "evict"
     Options = EvictOptions
@@ -199,7 +175,6 @@ class EvictCache(KVCache):
                                 f"{sorted(self._pressed)}")
         return self.layers[layer]
 
-
     # -- what it kept -------------------------------------------------------------------------------------
     @property
     def eviction(self) -> "Eviction":
@@ -243,9 +218,8 @@ class Eviction:
 
     def read_positions_by_head(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head, the position in each key column ``layer``'s attention read in the last step (-1: a
-        column that head did not hold). The compacting storage's columns are slots, each head's own positions;
-        :meth:`read_positions` gives head 0's. The masking storage's columns are the positions, every head alike
-        (what a head evicted is masked out)."""
+        column that head did not hold): the compacting storage's columns are each head's own slots, the masking
+        storage's the positions, every head alike."""
         return self._layer(layer).read_positions_by_head(self.cache.length, self._batch(batch))
 
     def kept_mask(self, layer: int, batch: int = 0) -> torch.Tensor:

@@ -19,11 +19,8 @@ from ..lossy import LossyStorage
 class GGMLCache(KVCache):
     """Per full layer, every position's key row as ``k_type`` blocks and its value row as ``v_type`` blocks, in
     storage allocated once (``[batch, kv_heads, max_seq_len, row bytes]`` of uint8 each; :class:`GGMLLayer`). As
-    llama.cpp does, a row is quantized when it is written (no full-precision window) and read back dequantized.
-
-    ``reserved_bytes`` = layers * batch * kv_heads * max_seq_len * (key row bytes + value row bytes), where a row of
-    ``D`` values takes ``D / 32 * block bytes`` (34 for q8_0, 24 q5_1, 22 q5_0, 20 q4_1, 18 q4_0, 64 f16 and bf16).
-    The stored blocks are byte for byte what ``gguf.quants.quantize`` makes of the same rows.
+    llama.cpp does, a row is quantized when it is written (no full-precision window) and read back dequantized; the
+    blocks are byte for byte what ``gguf.quants.quantize`` makes (bytes per row: docs/strategies.md).
     """
 
     kind = "quantized"

@@ -65,6 +65,8 @@ class PagedCache(KVCache):
     ``num_blocks`` defaults to ``ceil(max_seq_len / block_size) * batch_size``. ``max_seq_len``, when given, also
     caps the positions of one sequence. A write scatters into the pages; attention reads a gather of the pages
     in logical order (a copy made for attention, not counted as ``copied_bytes``, which counts copy-on-write).
+    A fork shares the pool and every page (reference counts) until one of them writes into it; its rings and
+    states are copied.
     """
 
     kind = "paged"
@@ -102,10 +104,6 @@ class PagedCache(KVCache):
         return self.table.pool
 
     @property
-    def _tables(self) -> list[list[int]]:
-        return self.table.tables
-
-    @property
     def block_tables(self) -> list[list[int]]:
         """Physical page of each logical block, one list per sequence (copies)."""
         return self.table.copies()
@@ -116,7 +114,7 @@ class PagedCache(KVCache):
         shared partly filled last page costs one page (its copy) before the sequence can grow."""
         bs, free = self.block_size, self.pool.free_blocks
         n = math.ceil(self.length / bs)
-        cows = sum(1 for t in self._tables if self.length % bs and self.pool.refcount[t[-1]] > 1)
+        cows = sum(1 for t in self.table.tables if self.length % bs and self.pool.refcount[t[-1]] > 1)
         reach = self.length if cows > free else max(self.length, (n + (free - cows) // self.batch_size) * bs)
         return reach if self.max_seq_len is None else min(reach, self.max_seq_len)
 
@@ -146,7 +144,7 @@ class PagedCache(KVCache):
         """Start this cache's (empty, one-sequence) table on ``pages`` of its pool that already hold positions
         ``0 .. length - 1`` (a prefix another sequence computed): each page's reference count goes up, nothing is
         written or copied. The next write continues at ``length``."""
-        if self.batch_size != 1 or self.length or any(self._tables):
+        if self.batch_size != 1 or self.length or any(self.table.tables):
             raise SettingsError("adopt() starts an empty one-sequence paged cache on pages of its pool; this one "
                                 "already holds positions (truncate(0) first) or has several sequences")
         if len(pages) != math.ceil(length / self.block_size):
@@ -156,12 +154,6 @@ class PagedCache(KVCache):
             self.pool.hold(page)
         self.table.tables[0] = list(pages)
         self._length, self.book.report = length, None
-
-    def fork(self) -> "PagedCache":
-        """A second cache on the same pool (the same tensors) with a copy of the block tables: every page is
-        shared (its reference count goes up) until one of them writes into it. Rings and states are per
-        sequence: copied, never shared."""
-        return super().fork()
 
     def __del__(self) -> None:
         # a dropped fork gives its pages back to the pool it shares

@@ -107,42 +107,9 @@ class QuantizedOptions(Options):
 
 
 class QuantizedCache(KVCache):
-    """KIVI cache: positions ``0..Q-1`` quantized, ``Q..length-1`` in full precision (the residual).
-
-    The quantized frontier ``Q`` is a multiple of ``G = group_size``; after a write it advances to the largest
-    multiple of ``G`` with ``Q <= length - residual``, so the residual holds between ``residual`` and
-    ``residual + G - 1`` positions (fewer while the sequence is short). Keys and values share the frontier.
-
-    Storage per layer (B batch, H kv heads, D head dim, ``Nq = max_seq_len // G * G`` quantizable slots,
-    ``Nr = min(max_seq_len, residual + G - 1)`` residual slots, ``gv = min(G, D)``, e = dtype element size)::
-
-        integers  k, v codes   uint8   (B, H, Nq, D * bits // 8)       2 * B*H*Nq*D*bits/8
-        scales    k scale/zero float32 (B, H, Nq // G, D)              2 * 4 * B*H*(Nq/G)*D
-                  v scale/zero float32 (B, H, Nq, D // gv)             2 * 4 * B*H*Nq*(D/gv)
-        residual  k, v         dtype   (B, H, Nr, D)                   2 * e * B*H*Nr*D
-
-    ``reserved_bytes`` = layers * (integers + scales + residual), see :meth:`bytes_breakdown`. The per-position
-    error diagnostics (2 float32 ``(B, H, max_seq_len)`` per layer) are not counted there: see
-    ``diagnostic_bytes``. Positions past ``Nq`` (a trailing partial block) are never quantized.
-
-    Rewinds: positions ``>= n`` are dropped. Whole blocks before ``n`` stay quantized untouched; the block that
-    straddles ``n`` (if quantized) is dequantized into the residual and ``Q`` drops to ``n // G * G``: its kept
-    positions hold their dequantized values (the originals are gone) and are quantized again when the block
-    leaves the window, so their recorded error becomes the sum of both (an upper bound on the true error).
-    A rewind that stays inside the residual (``n >= Q``) loses nothing: the kept positions are held exactly as
-    before. ``Q`` never moves back further than the straddling block (the originals of quantized blocks are
-    gone), so regenerated positions may read quantized what was full precision when they were first written:
-    bit-for-bit the same only if ``Q`` has not advanced since position ``n`` was first written; otherwise
-    close, and deterministic (the same rewind and writes on a copy give the same cache). A write at
-    ``pos < length`` rewinds to ``pos`` first, the same way. A forward pass that fails (in the model or after
-    it) is rolled back exactly: each write keeps the slots, codes and scales it is about to change, so
-    :meth:`rollback` puts the storage back bit for bit (the residual and one block when blocks leave the window).
-
-    ``write`` returns what the cache holds after the write: the quantized positions dequantized (in the
-    dtype), then the residual; a prompt long enough to push blocks out of the window is read dequantized too. A
-    chunk appended after position 0 that pushes blocks out (a speculative verification) reads, query by query, what
-    one-token steps would have read: the flushed positions both dequantized and in full precision, a mask choosing.
-    """
+    """KIVI cache: positions ``0..Q-1`` quantized, ``Q..length-1`` in full precision (the residual). How the
+    frontier ``Q`` moves, the storage per layer, and what a rewind into a quantized block does: docs/strategies.md
+    ("The quantized cache")."""
 
     def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -178,22 +145,16 @@ class QuantizedCache(KVCache):
         self.options = o = self.Options(max_seq_len, bits, group_size, residual, k_type, v_type, key_bits,
                                         value_bits, key_axis, value_axis, rotate, pre_rope_keys, outliers,
                                         exact_prefill)
-        bits = 8 if o.bits is None else o.bits
-        key_bits = bits if o.key_bits is None else o.key_bits
-        value_bits = bits if o.value_bits is None else o.value_bits
-        group_size = 32 if o.group_size is None else o.group_size
-        residual = 32 if o.residual is None else o.residual
-        max_seq_len = o.max_seq_len
-        key_axis, value_axis = o.key_axis or "channel", o.value_axis or "token"
-        outliers = 0.0 if o.outliers is None else o.outliers
         super().__init__(config, batch_size, dtype or torch.float32, device or "cpu")
-        self.key_bits, self.value_bits, self.group_size, self.residual = key_bits, value_bits, group_size, residual
-        self.key_axis, self.value_axis, self.rotate = key_axis, value_axis, o.rotate
-        self.pre_rope_keys, self.outliers = bool(o.pre_rope_keys), float(outliers)
+        bits = 8 if o.bits is None else o.bits
+        self.key_bits = bits if o.key_bits is None else o.key_bits
+        self.value_bits = bits if o.value_bits is None else o.value_bits
+        self.group_size = 32 if o.group_size is None else o.group_size
+        self.residual = 32 if o.residual is None else o.residual
+        self.key_axis, self.value_axis, self.rotate = o.key_axis or "channel", o.value_axis or "token", o.rotate
+        self.pre_rope_keys, self.outliers = bool(o.pre_rope_keys), float(o.outliers or 0.0)
         self.exact_prefill = bool(o.exact_prefill)  # the prompt's own pass reads it as computed (KIVI's, transformers')
-        self._capacity = max_seq_len
-        self._nq = max_seq_len // group_size * group_size  # quantizable slots: whole blocks only
-        self._nr = min(max_seq_len, residual + group_size - 1)  # residual slots
+        self._capacity = o.max_seq_len
         self._rotations: dict[int, torch.Tensor] = {}  # one Hadamard matrix per head width, shared by the layers
         self._build()
 
@@ -250,11 +211,8 @@ class QuantizedCache(KVCache):
         return KiviStorage(self)
 
     def truncate(self, n: int) -> None:
-        """Keep positions ``0..n-1`` (see the class docstring for what happens inside a quantized block).
-
-        Truncated in the middle of a forward pass (some layers written, a failed pass rolls back instead), the
-        layers written may have advanced their frontier: the others are brought to the same frontier (quantizing
-        kept positions, exactly as the retry of the pass would), so every layer holds the same layout again."""
+        """Keep positions ``0..n-1``; truncated in the middle of a pass, every layer is brought to the same frontier
+        (quantizing kept positions, exactly as the retry of the pass would)."""
         super().truncate(n)
         target = max((layer.qf for layer in self._full()), default=0)
         for layer in self._full():
@@ -291,9 +249,9 @@ class KiviStorage(LossyStorage):
         return sum(layer.kerr.nbytes + layer.verr.nbytes for layer in self.cache._full())
 
     def error_bound(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``: half a
-        quantization step of its group (through a rotation or pre-RoPE keys, the length of the vector of those), 0 in
-        the residual and for outliers kept exact; None until something is quantized and for the layers it does not
+        """How far each element at positions ``0..Q-1`` may be read back from ``keys``/``values`` ``(H, T, D)``:
+        half a quantization step of its group (through a rotation or pre-RoPE keys, the length of the vector of those),
+        0 in the residual and for outliers kept exact; None until something is quantized and for layers it does not
         quantize."""
         q = self.cache.quantized_upto
         if not q or layer not in self.cache.full_layers:

@@ -1,37 +1,8 @@
 """StreamingLLM attention sinks: keep the first ``sinks`` positions and the last ``window`` positions, nothing else.
 
-Storage, per layer: ``k``/``v`` of ``[batch, kv_heads, sinks + window, head_dim]``, allocated once. Slot ``p`` holds
-position ``p`` for ``p < sinks``; the other ``window`` slots are a ring: position ``p >= sinks`` lives in slot
-``sinks + (p - sinks) % window``, so writing position ``p`` overwrites (evicts) position ``p - window``. Memory
-stays flat however long the sequence grows; a step writes one token's keys and copies nothing.
-
-Positions: kept keys keep their *original* positions. Keys are cached after RoPE at their true position and are
-never re-rotated; a new query is rotated at its true position ``pos``. Attention of a step is therefore exactly
-the full model's attention restricted to the kept keys (sinks + last ``window``), which is what the tests check
-against a masked recomputation. Why not the paper's positions-within-the-cache (re-rotating every kept key each
-step): that rewrites the whole cache every step (copies, no longer "written in place") and its logits match no
-masked reference of the original model. The price of original positions: they grow without bound, past
-``max_position_embeddings`` the model sees positions it was not trained on (quality may drop, nothing breaks).
-Pass ``max_seq_len`` to refuse positions past a limit; by default ``capacity`` is None (unbounded).
-
-``length`` is the number of positions the sequence has reached (the generator feeds ``tokens[length:]`` at
-``length``); with ``window_start`` the first window position held (``evicted_positions.stop``), the slots held are
-``min(length, sinks) + (length - window_start)``, at most ``sinks + window``. Evicted positions are always the
-contiguous run ``sinks .. window_start - 1`` (:attr:`evicted_positions`);
-:attr:`evicted_last_step` lists those the last forward pass evicted.
-
-What attention reads: ``write`` returns the held slots *in storage order* (a view of the storage, no gather, no
-copy): the sinks, then the ring as it lies. For a single new token the order does not matter (softmax over a set;
-positions live in the rotated keys) and every kept key is at or before the query, so no mask is needed.
-``cache.inspect.held_positions_of(layer)`` gives the position of each column (for tracers reading ``attn.probs``).
-A write of several tokens that evicts (a prompt longer than the window, a speculative draft) first gathers the held
-keys its queries read, appends the new ones and masks each query to the sinks and its own last ``window`` positions
-(a temporary copy,
-counted), exactly what writing the tokens one at a time reads; then only the positions kept after it are written.
-
-Rewind (``truncate(n)``): allowed to ``n <= sinks`` (only sinks remain) or ``n >= window_start`` (the evicted
-positions stay evicted, so the window holds fewer than ``window`` positions until it refills; meanwhile the
-reads are gathered into new tensors, counted as copies). Rewinding into evicted positions raises, changing nothing.
+Position ``p >= sinks`` lives in slot ``sinks + (p - sinks) % window``; kept keys keep their original positions
+(never re-rotated), so attention is the full model's restricted to the kept keys. The slots, the reads and which
+rewinds are allowed: docs/strategies.md ("The sink cache").
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The architectures kvexplore runs, one family module each; importing this package registers them all.
 
-Each family module declares its :class:`~kvexplore.config.families.Architecture` entries (``ARCHITECTURES``):
-config fields and checks, layer-plan inputs, the blocks the decoder builds, GGUF names where llama.cpp has them,
-the transformers classes it is checked against. This file is the list of families; the registry itself is
-:mod:`kvexplore.config.families` (below ``models/``, so that reading a ``config.json`` can use it). Loading
-(:mod:`kvexplore.formats.loading`), the GGUF reader, the weight check and the test zoo read the registry.
-
-Adding an architecture from outside the package (docs/extending.md)::
-
-    from kvexplore.models.architectures import Architecture, register
-    register(Architecture("toy", "ToyForCausalLM", "toy", "toy", mlp=MyMLP, ...))
+Each family module declares its :class:`~kvexplore.config.families.Architecture` entries (``ARCHITECTURES``); the
+registry itself is :mod:`kvexplore.config.families`. Adding one from outside the package: docs/extending.md.
 """
 
 from __future__ import annotations

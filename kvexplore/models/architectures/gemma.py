@@ -1,16 +1,9 @@
 """The Gemma family: Gemma 3 and Gemma 4 (text decoders).
 
-Both add to the Llama layer: q/k norms, norms before and after attention and the MLP ("sandwich"), embeddings
-scaled by ``sqrt(hidden_size)``, GeGLU, and five sliding layers to one full one (``sliding_window_pattern``), whose
-RoPE base differs (``rope_local_base_freq``). Gemma 3 scales scores by ``query_pre_attn_scalar ** -0.5`` and
-applies its norms as ``1 + weight``. Gemma 4 normalises values too, applies norms in float32, scales each layer's
-output by a stored scalar, uses unit attention scale, gives its full layers their own head size
-(``global_head_dim`` / ``per_layer_config``), always makes the last layer full, and lets its last
-``num_kv_shared_layers`` layers read an earlier layer's cache (a ``shared`` layer in the plan).
-
-Gemma 3 GGUF files (llama.cpp's ``gemma3``) store every norm as ``1 + weight``, name the norm before the MLP
-``ffn_norm``, and leave out what llama.cpp supplies itself: the local layers' RoPE base, the layer pattern, the
-attention scale and the chat template (:data:`GEMMA3_GGUF`).
+Both add to the Llama layer q/k norms, sandwich norms, embeddings scaled by ``sqrt(hidden_size)``, GeGLU and
+sliding layers with their own RoPE base; Gemma 4 also normalises values, scales each layer's output, gives its full
+layers their own head size and lets its last ``num_kv_shared_layers`` layers read an earlier layer's cache (the
+entries' traits and fields below). Gemma 3 GGUF files: :data:`GEMMA3_GGUF`.
 """
 
 from __future__ import annotations
