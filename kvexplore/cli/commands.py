@@ -14,7 +14,6 @@ from ..errors import KVExploreError
 from . import bugs, cache_options, kv_events
 
 
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + traceback
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -1,20 +1,10 @@
 """``kvexplore lab`` and ``kvexplore app``: open the bundled notebooks in JupyterLab, or serve the explorer with Voila.
 
-``lab`` copies the notebooks that ship inside the package (``kvexplore.notebooks``, the repository's ``notebooks/``
-folder) into a writable folder, default ``~/kvexplore-notebooks``, copying only the ones missing there: a notebook the
-user already has, edited or not, is never overwritten, and the installed package is never written. Then it replaces
-itself with ``python -m jupyterlab`` on that folder, run by this same interpreter, so the kernel can import kvexplore.
-
-``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila (code cells hidden), passing the model and the cache
-strategies, the caches' size and the first prompt to the notebook in the environment variables
-``KVEXPLORE_APP_MODEL``, ``KVEXPLORE_APP_STRATEGIES``, ``KVEXPLORE_APP_MAX_SEQ_LEN`` and ``KVEXPLORE_APP_PROMPT``
-(read by :mod:`kvexplore.explorer.app_page`, which shows every error on the page). It renders the page with
-kvexplore's own Voila template, ``kvexplore`` (``kvexplore/explorer/voila_template/``): Voila's ``lab`` template
-without the two Font Awesome stylesheets that one links from a public CDN, so the page makes no request that leaves
-127.0.0.1 (Voila's own static bundle already carries Font Awesome). Voila finds a template only as
-``<a Jupyter data folder>/voila/templates/<name>/``, so the launcher copies the template's two files into a fresh
-temporary data folder laid out so, once per process, and puts that folder first on ``JUPYTER_PATH``
-(:func:`app_jupyter_data`).
+``lab`` copies the bundled notebooks (``kvexplore.notebooks``) missing from a writable folder (default
+``~/kvexplore-notebooks``; a file already there is never overwritten), then replaces itself with ``python -m
+jupyterlab`` on that folder, run by this same interpreter. ``app`` serves ``kvexplore/explorer/app.ipynb`` with Voila,
+passing its settings in the environment (:mod:`kvexplore.explorer.app_page` reads them), drawn with kvexplore's own
+Voila template, which makes no request beyond 127.0.0.1 (:func:`app_jupyter_data`; docs/cli.md).
 """
 
 from __future__ import annotations
@@ -77,9 +67,7 @@ def _source_checkout_notebooks() -> Path | None:
     """``notebooks/`` next to the package when kvexplore runs from a source checkout (editable install)."""
     here = Path(__file__).resolve().parent.parent  # the package folder
     folder = here.parent / "notebooks"
-    if folder.is_dir() and (here.parent / "pyproject.toml").is_file():
-        return folder
-    return None
+    return folder if folder.is_dir() and (here.parent / "pyproject.toml").is_file() else None
 
 
 def notebooks_root() -> Traversable:
@@ -233,9 +221,8 @@ def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = 
                     base: dict[str, str] | None = None, max_seq_len: int = APP_MAX_SEQ_LEN,
                     options: dict[str, dict] | None = None) -> dict[str, str]:
     """The environment for Voila and its kernel: the model, strategies, caches' size and prompt the app notebook
-    reads, and
-    ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after it), where Voila
-    finds the template of :func:`app_command`."""
+    reads, and ``JUPYTER_PATH`` led by :func:`app_jupyter_data` (set or not before, its other entries kept after
+    it), where Voila finds the template of :func:`app_command`."""
     env = dict(os.environ if base is None else base)
     data = str(app_jupyter_data())
     others = [p for p in env.get("JUPYTER_PATH", "").split(os.pathsep) if p and p.rstrip(os.sep) != data]
@@ -243,14 +230,12 @@ def app_environment(model: str, strategies: Sequence[str] | None, prompt: str = 
     env[APP_MODEL_ENV] = model
     env[APP_PROMPT_ENV] = prompt
     env[APP_MAX_SEQ_LEN_ENV] = str(max_seq_len)
-    if options:
-        env[app_page.OPTIONS_ENV] = json.dumps(options)
-    else:
-        env.pop(app_page.OPTIONS_ENV, None)
-    if strategies:
-        env[APP_STRATEGIES_ENV] = ",".join(strategies)
-    else:
-        env.pop(APP_STRATEGIES_ENV, None)
+    for name, value in ((app_page.OPTIONS_ENV, json.dumps(options) if options else ""),
+                        (APP_STRATEGIES_ENV, ",".join(strategies) if strategies else "")):
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
     return env
 
 

@@ -1,16 +1,9 @@
 """A session step when a lane drafts (speculative decoding): the lanes stay aligned token by token.
 
-One Step is one verification pass on the **pace lane** (the first lane that drafts, the reference first): it gives
-``m`` tokens (the accepted drafts and the target's correction or bonus; 1 when the drafter found nothing). Every
-other lane then takes ``m`` tokens too: a lane that follows the reference is fed the reference's ``m`` tokens one
-forced step at a time, the reference (when it is not the pace lane) and free lanes decode ``m`` tokens their own way
-(a lane that drafts as well runs ``generator.run(m)``: verifications cut to end on the same token). So after every
-Step all lanes hold sequences of one length, their newest tokens are compared as before, and a rewind of ``n``
-tokens is ``n`` tokens on every lane, whatever verifications they cross. A lane that drafts is never forced (a forced
-step is a plain step): it runs free, and with greedy sampling its tokens are the reference's.
-
-A lane without room for ``m`` more tokens refuses the step before it moves; a failure while the lanes step takes
-back what the lanes had done (:func:`take_back`).
+One Step is one verification pass on the **pace lane** (the first lane that drafts) giving ``m`` tokens; every other
+lane then takes ``m`` tokens too (forced, decoded, or ``generator.run(m)`` for a lane that drafts as well), so all
+lanes hold sequences of one length; see docs/explorer.md ("A speculative lane"). A lane without room for ``m`` more
+tokens refuses the step before it moves; a failure while the lanes step is taken back (:func:`take_back`).
 """
 
 from __future__ import annotations

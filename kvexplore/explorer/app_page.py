@@ -1,11 +1,7 @@
 """What ``kvexplore app``'s page shows: the explorer built from what the command line passed (in the environment,
-:data:`ENV`), with every error on the page.
-
-The app notebook (``kvexplore/explorer/app.ipynb``, served by Voila with its code hidden) is one call,
-:func:`app_explorer`. A prompt that cannot be prefilled (too long for the model's context, no tokenizer) leaves the
-explorer on the page with the prompt in its box and the error, naming the fix, in its error line; a model or
-strategies that cannot be opened give an error box on the page instead of Voila's "There was an error when executing
-cell [1]" (whose reason only the server log had).
+:data:`ENV`), with every error on the page: a prompt that cannot be prefilled in the explorer's error line, a model
+or strategies that cannot be opened in an error box (not Voila's "There was an error when executing cell [1]"). The
+app notebook (``kvexplore/explorer/app.ipynb``) is one call, :func:`app_explorer`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The explorer's attention of one lane, bounded: what the views draw, not every layer's and head's full matrix.
 
-For every layer and query head :class:`AttentionStore` keeps
-
-- an **overview** of all query rows x key positions, binned with aligned power-of-two bins (the bins of
-  :mod:`kvexplore.views.bins`): at most ``row_bins`` x ``col_bins`` bins, each bin's max probability (float32 while
-  the bins are single cells, float16 once they are binned) and mean (float16, over the bin's causal cells: query
-  ``q`` reads keys ``0..q``; a bin without one reads NaN). Rows are reduced as soon as a layer computes them (the
-  prefill in chunks of query rows, :mod:`kvexplore.models.observe`); when the rows or keys outgrow the bins,
-  neighbouring bins merge (the bin size doubles);
-- the **recent rows**: the newest ``recent`` query rows at full resolution (float32, logical position order, 0 where
-  a position was not read), which give the current bar (in the cache's physical slot order with the slot view) and
-  the zoomed history near the end;
-- per row bin, the learned sinks' share of each row (``1 - the row's sum``; 0 for models without sinks).
-
-**Bound**: ``layers x heads x (row_bins x col_bins x 6 B + recent x context x 4 B)`` plus ``row_bins x col_bins x
-8 B`` of cell counts (:meth:`AttentionStore.bound`; 4 B a bin instead of 6 once binned), whatever the number of steps
-(figures for SmolLM2 and Gemma 3: docs/benchmarks.md). Rows elsewhere are recomputed when asked (:mod:`.recompute`).
+For every layer and query head :class:`AttentionStore` keeps a binned **overview** of all query rows x key positions
+(max and mean per aligned power-of-two bin, :mod:`kvexplore.views.bins`; neighbouring bins merge as the rows or keys
+outgrow them), the newest ``recent`` rows at full resolution (logical position order, 0 where not read), and per row
+bin the learned sinks' share of its rows. What that holds, its **bound** (:meth:`AttentionStore.bound`, whatever the
+number of steps) and how a zoom recomputes the rest (:mod:`.recompute`): docs/tracing.md ("The explorer's attention:
+a bounded store").
 
 A rewind is seen when a step writes rows at or before ones held: the rows from there on are dropped. A row bin that
 mixed kept and dropped rows is rebuilt from the kept rows still held at full resolution (the newest); kept rows
@@ -51,13 +41,12 @@ class AttentionStore:
         self._index: dict[int, int] = {}  # layer -> its index in the arrays below (layers stacked)
         self._max = np.zeros((0, 0, 0, 0), dtype=np.float32)  # (layers, heads, row bins, key bins), NaN: no cell
         self._mean = np.zeros((0, 0, 0, 0), dtype=np.float16)  # the same, float16
-        self._sink = np.zeros((0, 0, 0, 2), dtype=np.float32)  # (layers, heads, row bins, 2): max and sum of the
-        # learned sinks' share of each row
+        self._sink = np.zeros((0, 0, 0, 2), dtype=np.float32)  # (layers, heads, row bins, 2): the sinks' max, sum
         self._count = np.zeros((0, 0), dtype=np.int64)  # cells per bin (the same for every layer and head)
         self._rowcount = np.zeros(0, dtype=np.int64)  # rows per row bin
-        # (layers, recent, heads, width): row q at q % recent
-        self._recent = np.zeros((0, self.recent, 0, 0), dtype=np.float32)
-        self._recent_q = np.zeros((0, self.recent), dtype=np.int64)  # the query position in each slot (-1: none)
+        self._recent = np.zeros((0, self.recent, 0, 0), dtype=np.float32)  # (layers, recent, heads, width)
+        self._recent_q = np.zeros((0, self.recent), dtype=np.int64)  # the query position in each slot (-1: none):
+        # row q at q % recent
         self._before: tuple[np.ndarray, np.ndarray] | None = None  # counts before the step under way
         self._step = (0, 0)  # the query positions of the step under way
         self._pending: list = []  # [layer index, chunks...]: one layer's chunks of a long step, landed together
@@ -98,13 +87,10 @@ class AttentionStore:
             logical = probs.new_zeros(*probs.shape[:3], width)
             logical[..., host.upload(positions, probs.device)] = probs
             probs, c0 = logical, 0
-        L, H, C, W = probs.shape
-        rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), q0, c0, self.rs, self.cs)
-        mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in host.fetch([mx, sm, rowsum]))  # (small)
-        idx = np.asarray([self._slot(n, H) for n in layers], dtype=np.int64)
+        piece = self._reduced(probs, q0, c0)
+        idx = np.asarray([self._slot(n, probs.shape[1]) for n in layers], dtype=np.int64)
         self._keep_recent(idx, q0, probs, c0)
-        piece = (q0, rb0, cb0, mx, sm, rowsum)
-        if L == 1 and (q0 + C) % self.rs == 0:
+        if len(layers) == 1 and (q0 + probs.shape[2]) % self.rs == 0:
             if self._pending and self._pending[0] != idx[0]:
                 self._flush()
             if not self._pending:
@@ -114,6 +100,13 @@ class AttentionStore:
         self._flush()
         self._land(idx, *piece)
 
+    def _reduced(self, probs: torch.Tensor, q0: int, c0: int) -> tuple:
+        """``probs`` ``(layers, heads, rows, keys)`` reduced to the overview's bins, as :meth:`_land` takes them."""
+        L, H, C, W = probs.shape
+        rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), q0, c0, self.rs, self.cs)
+        mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in host.fetch([mx, sm, rowsum]))  # (small)
+        return q0, rb0, cb0, mx, sm, rowsum
+
     def _flush(self) -> None:
         """Land the chunks of one layer kept so far as one block (they cover whole, consecutive row bins)."""
         if not self._pending:
@@ -121,7 +114,6 @@ class AttentionStore:
         layer, *pieces = self._pending
         self._pending = []
         q0, rb0 = pieces[0][0], pieces[0][1]
-        C = sum(p[5].shape[-1] for p in pieces)
         rb1 = max(p[1] + p[3].shape[2] for p in pieces)
         cb0 = min(p[2] for p in pieces)
         cb1 = max(p[2] + p[3].shape[3] for p in pieces)
@@ -131,9 +123,7 @@ class AttentionStore:
         for _, rb, cb, m, s_, _ in pieces:  # columns outside a chunk's span were masked: probability 0
             mx[:, :, rb - rb0: rb - rb0 + m.shape[2], cb - cb0: cb - cb0 + m.shape[3]] = m
             sm[:, :, rb - rb0: rb - rb0 + m.shape[2], cb - cb0: cb - cb0 + m.shape[3]] = s_
-        rowsum = np.concatenate([p[5] for p in pieces], -1)
-        assert rowsum.shape[-1] == C
-        self._land(np.asarray([layer]), q0, rb0, cb0, mx, sm, rowsum)
+        self._land(np.asarray([layer]), q0, rb0, cb0, mx, sm, np.concatenate([p[5] for p in pieces], -1))
 
     def end(self) -> None:
         """The step's rows have landed in every layer: count their cells."""
@@ -364,12 +354,7 @@ class AttentionStore:
             self._step = (kept.start, n)
             self._before = (self._count.copy(), self._rowcount.copy())
             rows = np.stack([self._recent[: len(self._index), q % self.recent] for q in kept], 2)  # (L, H, rows, W)
-            idx = np.arange(len(self._index))
-            probs = torch.from_numpy(rows)
-            L, H, C, W = rows.shape
-            rb0, cb0, mx, sm, rowsum = reduce_rows(probs.reshape(L * H, C, W), kept.start, 0, self.rs, self.cs)
-            mx, sm, rowsum = (t.numpy().reshape(L, H, *t.shape[1:]) for t in (mx, sm, rowsum))
-            self._land(idx, kept.start, rb0, cb0, mx, sm, rowsum)
+            self._land(np.arange(len(self._index)), *self._reduced(torch.from_numpy(rows), kept.start, 0))
             self.end()
 
 

@@ -1,12 +1,9 @@
 """The cache doctor's check on a lane's cache as it stands: after a speculative verification took positions back, is
 the cache what a cache that never saw the rejected drafts gives?
 
-One doctor step (:mod:`kvexplore.diagnosis`): a copy of the lane's cache (``cache.fork()``: the lane is not touched)
-is fed the tokens it does not hold yet (the newest token) and what its attention read (keys and values per layer,
-with their positions), each layer's output, a recurrent state and the logits are compared with a full
-recomputation of the sequence through a fresh cache. A rejected draft left behind where attention reads it (a stale
-slot read, a ring slot not restored, a state that took in a rejected token) shows as the first departure, with the
-doctor's hint.
+One doctor step (:mod:`kvexplore.diagnosis`) on a copy of the lane's cache (``cache.fork()``: the lane is not
+touched), compared with a full recomputation of the sequence and, where the strategy departs from that by design,
+with the same strategy prefilled again with the kept tokens (docs/explorer.md, "A speculative lane").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The explorer's controls: every ipywidget, named and classed, and how they are laid out on one screen. The explorer
-wires them to its operations (:mod:`.widget`).
-
-One screen (1280 x 800): a row of operations beside the prompt, a row of pickers, the token strip, then the cache map
-on the left and the view picked on the tabs on the right (attention first). Sampling and the model picker fold into
-a "settings" row. Side by side puts a second strategy's cache map under the first. Presentation hides what a class
-does not need (the model and sampling settings, Fork), draws bigger and shows one figure at a time at the full width,
-the cache map as the first tab (:data:`MAP_TAB`; side by side, the two maps next to each other): Step and the figure
-fit one 1280 x 800 screen, the app's header included.
+"""The explorer's controls: every ipywidget, named and classed, and how they are laid out on one 1280 x 800 screen
+(docs/explorer.md, "Screen layout"). The explorer wires them to its operations (:mod:`.widget`). Presentation hides
+what a class does not need, draws bigger and shows one figure at a time at the full width, the cache map as the first
+tab (:data:`MAP_TAB`).
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ COLUMN_PX = 430  # what titles wrap to: a figure's width beside another at 1280 
 PRESENTING_PX = 18  # the smallest text when presenting (titles 2 px more)
 STEP_TIP = "one token on every strategy (prefills the prompt first if nothing has run)"
 CONTINUE_TIP = "the model has finished (end of sequence): one more token past it on every strategy"
-# pixels: a figure's height when presenting, one figure at a time under the controls at 18 px (on a 1280 x 800 screen
-# the app's header's first line, the two rows of controls, the status, three lines of tokens and the tabs take about
-# 340 px; the header's second sentence, ``kvx-header-more``, is hidden; the stored keys' rows need 440: views/tensors)
+# pixels: a figure's height when presenting, one at a time under the controls at 18 px (which take about 340 px of a
+# 1280 x 800 screen, the header's second sentence ``kvx-header-more`` hidden; the stored keys' rows need 440)
 PRESENTING_HEIGHT = 440
 PRESENTING_COLUMN_PX = 2 * COLUMN_PX  # what titles wrap to when presenting: the full width
 TABLE_ROW_PX, COMPARE_PX = 26, 240  # presenting: a row of the compare table; its figure's height at least
@@ -59,10 +53,8 @@ def make(config: ModelConfig, lanes: list[str], layer: int, head: int, sampling:
     w: dict[str, Any] = {}
     wide = {"description_width": "initial"}
 
-    def button(name: str, text: str, tip: str, style: str = "") -> W.Button:
-        b = W.Button(description=text, tooltip=tip, button_style=style, layout=W.Layout(width="auto"))
-        w[name] = b
-        return b
+    def button(name: str, text: str, tip: str, style: str = "") -> None:
+        w[name] = W.Button(description=text, tooltip=tip, button_style=style, layout=W.Layout(width="auto"))
 
     w["prompt"] = PromptBox(value=prompt, placeholder="Type a prompt, then press Prefill (or Step)",
                              layout=W.Layout(flex="1 1 18em", min_width="14em", height="2.6em"))
@@ -120,20 +112,17 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
     def row(*items, **kw):
         return W.HBox(list(items), layout=W.Layout(**{"flex_flow": "row wrap", "align_items": "center", **kw}))
 
-    settings = row(w["model"], w["load"], w["temperature"], w["top_k"], w["top_p"], w["seed"])
-    settings.add_class("kvx-settings")
-    w["settings"] = settings
-    left = W.VBox([figures["cache_map"], figures["cache_map_b"]],
-                  layout=W.Layout(flex="1 1 360px", min_width="330px"))
-    left.add_class("kvx-left")
-    w["left"] = left
-    maps = W.HBox([], layout=W.Layout(width="100%"))  # presenting: the cache maps as a tab, next to each other
-    maps.add_class("kvx-maps")
-    w["maps"] = maps
+    def named(name: str, widget: Any) -> Any:
+        widget.add_class(f"kvx-{name}")
+        w[name] = widget
+        return widget
+
+    settings = named("settings", row(w["model"], w["load"], w["temperature"], w["top_k"], w["top_p"], w["seed"]))
+    left = named("left", W.VBox([figures["cache_map"], figures["cache_map_b"]],
+                                layout=W.Layout(flex="1 1 360px", min_width="330px")))
+    named("maps", W.HBox([], layout=W.Layout(width="100%")))  # presenting: the cache maps as a tab, next to each other
     panel = W.VBox([], layout=W.Layout(width="100%"))
-    right = W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 360px", min_width="330px"))
-    right.add_class("kvx-right")
-    w["right"] = right
+    right = named("right", W.VBox([w["view"], panel], layout=W.Layout(flex="1 1 360px", min_width="330px")))
     main = row(left, right, align_content="flex-start")
     main.layout.align_items = "flex-start"
     root = W.VBox([
@@ -151,9 +140,7 @@ def arrange(w: dict[str, Any], figures: dict[str, Any], loader: Any):
 
 def columns(w: dict[str, Any], figures: dict[str, Any], presenting: bool) -> None:
     """The cache map on the left and the tab's view beside it, or, presenting, the tab's view alone at the full width
-    (type of 18 px needs a figure's whole width: beside another at 18 px, the memory view's legend and the stored
-    keys' panels ran out of room; one above the other, the view started under the screen), the cache maps moved to
-    the row shown by the cache map's tab."""
+    (18 px type needs it), the cache maps moved to the row shown by the cache map's tab."""
     maps = [figures["cache_map"], figures["cache_map_b"]]
     w["left"].layout.display = "none" if presenting else ""
     w["right"].layout.flex = "1 1 100%" if presenting else "1 1 360px"

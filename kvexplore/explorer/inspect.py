@@ -1,11 +1,7 @@
-"""What an explorer holds, as plain data, and (for tests in a real browser) shown in the page beside what it draws.
-
-:func:`state` is an explorer's specs (every figure's traces and layout, arrays as plain lists, NaN as null), its
-comparison rows, the views on screen and the last error: what the page must show. With the environment variable
-``KVEXPLORE_INSPECT=1`` in the kernel, every explorer also carries a hidden element (class ``kvx-truth``) that holds
-:func:`state` as JSON after every refresh, so a browser test can read what the kernel holds next to each plotly
-figure's ``gd.data`` and compare them. (A second connection to the kernel cannot ask instead: Voila refuses
-execute requests from the page, and a second websocket on its kernel can cut the page's own updates.)
+"""What an explorer holds, as plain data (:func:`state`: its specs, comparison rows, views on screen, last error),
+and, with ``KVEXPLORE_INSPECT=1`` in the kernel, a hidden element (class ``kvx-truth``) holding it as JSON after
+every refresh, so a browser test can compare it with each plotly figure's ``gd.data`` (a second connection to the
+kernel cannot ask instead: Voila refuses execute requests from the page).
 """
 
 from __future__ import annotations

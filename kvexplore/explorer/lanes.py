@@ -1,21 +1,7 @@
-"""The kinds of lane an explorer session runs, by strategy name: the registry the session asks instead of reading
-strategy names itself.
-
-* :class:`EagerLanes`: one of kvexplore's cache strategies (``preallocated``, ``paged``, ...) on kvexplore's own
-  model, stepped eagerly, attention recorded.
-* :class:`CompiledLane`: ``compiled``, the pre-allocated cache stepped by ``Generator(compile=True)`` (the compiled
-  step records no attention).
-* :class:`TransformersLanes`: ``hf:dynamic``, ``hf:static``, ...: transformers' own caches on the transformers
-  model (:mod:`kvexplore.hf`).
-* :class:`BugLanes`: ``bug:NAME`` and ``bug:NAME:fixed``: a zoo bug (:mod:`kvexplore.bugs`) planted, and its fixed
-  twin, on the bug's model (the session's, or its windowed twin for a rings bug).
-
-Each kind knows which strategy names are its own (:meth:`LaneKind.claims`), what it needs of the models given
-(:meth:`LaneKind.check`), how to build a lane's generator from a model and a strategy name (:meth:`LaneKind.build`),
-whether it runs the transformers model (:attr:`LaneKind.transformers`, what the loader's choice of a twin reads),
-its tracer's options (:meth:`LaneKind.trace_options`) and how a lane of it forks (:meth:`LaneKind.fork`).
-A new kind of lane is one subclass added to :data:`LANE_KINDS` (see docs/extending.md). This file is a
-registry: it alone reads strategy names.
+"""The kinds of lane an explorer session runs, by strategy name (:class:`EagerLanes`, :class:`CompiledLane`,
+:class:`TransformersLanes`, :class:`BugLanes`): the registry the session asks instead of reading strategy names
+itself, and the only file of the explorer that reads them. What a :class:`LaneKind` answers, and how to add one:
+docs/extending.md ("The lane-kind registry").
 """
 
 from __future__ import annotations
@@ -255,11 +241,8 @@ LANE_KINDS: list[LaneKind] = [TransformersLanes(), BugLanes(), CompiledLane(), E
 
 def find(strategy: Any) -> LaneKind | None:
     """The kind of lane ``strategy`` is, or None for a name no kind claims."""
-    if isinstance(strategy, str):
-        for candidate in LANE_KINDS:
-            if candidate.claims(strategy):
-                return candidate
-    return None
+    claimed = (kind for kind in LANE_KINDS if isinstance(strategy, str) and kind.claims(strategy))
+    return next(claimed, None)
 
 
 def lane_kind(strategy: str, hf: Any = None) -> LaneKind:

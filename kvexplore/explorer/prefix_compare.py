@@ -31,10 +31,8 @@ class PrefixCompare:
         self._listening = [view.source for view in rest if view.source is not None]
         for pool in self._listening:  # a later pool's new request: back to the lead's frame (it may be elsewhere)
             pool.listeners.append(self._catch_up)
-        columns = []
-        for name, view in self.views.items():
-            head = W.HTML(f"<b style='font-size:15px'>{name}</b>")
-            columns.append(W.VBox([head, view.widget], layout=W.Layout(flex="1 1 0", min_width="480px")))
+        columns = [W.VBox([W.HTML(f"<b style='font-size:15px'>{name}</b>"), view.widget],
+                          layout=W.Layout(flex="1 1 0", min_width="480px")) for name, view in self.views.items()]
         self.widget = W.VBox([controls, W.HBox(columns, layout=W.Layout(flex_flow="row wrap", width="100%",
                                                                          align_items="flex-start"))],
                              layout=W.Layout(width="100%"))

@@ -1,10 +1,7 @@
-"""A prefix cache in a notebook: :class:`PrefixView` shows a pool's frames (or any list of PoolFrames) with a slider
-and play button over them, the block pool and the tree of cached prefixes side by side, the timeline of requests
-and the frame's story under them. Each figure is a :class:`~kvexplore.views.plot.PlotWidget`, so a slider move
-sends only what changed. Shown over a live pool, it follows it: each request the pool serves grows the slider and
-moves it to the new frame (the pool's ``listeners``).
-
-``kvexplore.PrefixView(pool)`` (or ``PrefixView(pool.frames())``) as a cell's last expression draws it.
+"""A prefix cache in a notebook: :class:`PrefixView` shows a pool's frames (or any list of PoolFrames) under a slider
+and play button: the block pool and the tree of cached prefixes side by side, the timeline of requests and the
+frame's story under them, each figure a :class:`~kvexplore.views.plot.PlotWidget` (a slider move sends only what
+changed). Shown over a live pool, it follows it: each request the pool serves grows the slider and moves it there.
 """
 
 from __future__ import annotations
@@ -95,10 +92,8 @@ class PrefixView:
         if not isinstance(frame, PoolFrame):
             raise SettingsError(f"a listener got a {type(frame).__name__}, not a PoolFrame")
         self.frames.append(frame)
-        last = len(self.frames) - 1
-        self.slider.max = last
-        self.play.max = last
-        self.show(last)
+        self.slider.max = self.play.max = len(self.frames) - 1
+        self.show(len(self.frames) - 1)
 
     def specs(self) -> dict[str, Any]:
         """The figures shown now, by name (what the page must draw)."""

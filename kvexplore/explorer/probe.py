@@ -1,12 +1,8 @@
-"""The explorer's tracer: a :class:`~kvexplore.Tracer` that keeps, per lane, a bounded attention store (what the
-attention view draws, :class:`~kvexplore.explorer.attention_store.AttentionStore`), the norm of every key and value
-written (by layer, KV head and position) and the log-probabilities of the newest token (to compare strategies).
-
-Attention is taken from kvexplore's model in chunks of query rows (:mod:`kvexplore.models.observe`) and reduced at
-once: a long prefill never holds a layer's full matrix. The records keep their steps' attention rows while the store
-holds them (the newest rows); a step's read positions are a ``range`` from the start (they grow with the context), and
-its run's history keeps its trace compact once it is :data:`~kvexplore.trace.kept.KEEP_STEPS` steps old
-(:mod:`kvexplore.trace.kept_trace`).
+"""The explorer's tracer: a :class:`~kvexplore.Tracer` that keeps, per lane, a bounded attention store
+(:class:`~kvexplore.explorer.attention_store.AttentionStore`), the norm of every key and value written (by layer, KV
+head and position) and the log-probabilities of the newest token. Attention is taken from kvexplore's model in chunks
+of query rows (:mod:`kvexplore.models.observe`) and reduced at once: a long prefill never holds a layer's full matrix
+(docs/tracing.md, "The explorer's attention: a bounded store").
 """
 
 from __future__ import annotations
@@ -156,10 +152,8 @@ class LaneTracer(Tracer):
                 self.history.truncate(cache.length)  # rejected drafts go as a rewind's do; the step keeps the rest
                 step.truncate(cache.length)
         self._hooked, self._direct, self._small = [], set(), []
-        compact: dict[int, Any] = {}  # the read positions as a range where consecutive (layers of one kind share one)
-        for r in step.layer_reads:
-            if id(r) not in compact:
-                compact[id(r)] = compact_positions(r)
+        # the read positions as a range where consecutive (layers of one kind share one)
+        compact = {i: compact_positions(r) for i, r in {id(r): r for r in step.layer_reads}.items()}
         step.layer_reads = [compact[id(r)] for r in step.layer_reads]
         return step
 

@@ -1,18 +1,11 @@
-"""The prompt box: a text area whose text the kernel always has when a button that reads it is clicked.
+"""The prompt box: a text area whose text the kernel always has when a button that reads it is clicked (why an
+ipywidgets ``Textarea`` does not: docs/explorer.md, "Controls").
 
-Two things stood between a typed prompt and the click after it. An ipywidgets ``Textarea`` holds an edit back while
-an earlier one is unanswered, while a button's click goes out at once; and ipykernel (7) dispatches a comm message
-that arrives while another one is being handled without waiting its turn, so even messages sent in order can be
-handled out of order on a busy kernel. A teacher who typed a prompt and pressed Prefill got the prompt as it was a
-few keystrokes earlier.
-
-So the page sends the text with the click: a click on one of the buttons named in ``clicks`` (Prefill, Step, Run),
+The page sends the text with the click: a click on one of the buttons named in ``clicks`` (Prefill, Step, Run),
 inside the same explorer, is taken by this box, which sends ``{"value": text, "n": stamp, "click": name}``; the kernel
-sets the text and clicks the button itself (the explorer's handlers run as for any click). Each edit is sent too,
-stamped; the kernel takes an edit only when it is newer than the newest it took, so a late one cannot bring back an
-old text. The kernel's answer (the value it set) comes back to the page as an echo, which the box ignores when it is
-a text it sent itself (the user may have typed on since); a value the kernel sets on its own (a prompt of token ids,
-the app's prompt) replaces the text. The page's side is ``prompt_box.js``.
+sets the text and clicks the button itself. Each edit is sent too, stamped; the kernel takes an edit only when it is
+newer than the newest it took. The page ignores the kernel's echo of a text it sent itself; a value the kernel sets
+on its own (a prompt of token ids, the app's prompt) replaces the text. The page's side is ``prompt_box.js``.
 """
 
 from __future__ import annotations

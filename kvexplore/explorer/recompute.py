@@ -1,10 +1,7 @@
 """Attention rows the store no longer holds at full resolution, recomputed: a prefill of the tokens up to the last
 row asked into a fresh cache of the lane's strategy, computing only the rows asked of one layer and head (in chunks,
-reduced at once to the bins asked) and stopping after that layer.
-
-For the prefill's rows this is exactly what the lane computed. A decode step's row is recomputed as a prefill reads
-it: every earlier position, at full precision; a strategy whose decode steps read otherwise (a ring's window, the
-sink cache's evictions, the quantized cache's stored keys) had a different row then -- the view says so.
+reduced at once) and stopping after that layer. Exact for the prefill's rows; a strategy whose decode steps read
+otherwise than a prefill (a ring, a sink cache, a quantized cache) had a different row then, as the view says.
 """
 
 from __future__ import annotations

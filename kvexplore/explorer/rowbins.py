@@ -1,11 +1,7 @@
 """Attention rows reduced to aligned power-of-two bins as they are computed (the streaming side of
-:mod:`kvexplore.views.bins`, whose bins these are: a bin of size ``s`` covers ``s*i .. s*i + s - 1``).
-
-:func:`reduce_rows` takes a block of probabilities (query rows x key positions, every head) on whatever device it
-was computed on and gives each (row bin, column bin) its max and sum, and each row its sum (what learned sinks did
-not get). :func:`causal_cells` counts the cells a bin holds: query position ``q`` reads keys ``0..q`` (cells past
-``q`` are not part of the matrix, so a bin's mean is its sum over its causal cells, as ``bins.reduce`` of the matrix
-with those cells left out).
+:mod:`kvexplore.views.bins`): :func:`reduce_rows` gives each bin of a block its max and sum, on the block's device;
+:func:`causal_cells` counts the cells a bin holds (query ``q`` reads keys ``0..q``: a bin's mean is its sum over its
+causal cells); :func:`merged` merges neighbouring bins in place.
 """
 
 from __future__ import annotations
@@ -95,10 +91,8 @@ def merged(mx: np.ndarray, mean: np.ndarray, count: np.ndarray, axis: int,
     then empty ones (0), in the same arrays, so that nothing is allocated; the max in a new array only when
     ``max_dtype`` (default: as it was) differs. The mean is float16, each pair's weighted by its cells in float32.
 
-    The store merges when the context passes a power of two, every layer's and head's bins at once: layer by layer
-    in torch, on every thread, with temporaries of one layer (numpy's float16 conversions run on one core, and fresh
-    arrays cost a page fault per 4 KiB, dearer in a notebook's kernel than in a plain process). What that takes:
-    docs/benchmarks.md ("The click that passes a power of two")."""
+    Layer by layer in torch, with temporaries of one layer: why and what it takes, docs/benchmarks.md ("The click
+    that passes a power of two")."""
     n = mx.shape[axis]
     half, pairs = -(-n // 2), n // 2
     out = mx if max_dtype is None or np.dtype(max_dtype) == mx.dtype else np.zeros(mx.shape, dtype=max_dtype)

@@ -1,14 +1,13 @@
-"""The explorer's screen: the controls wired to the explorer's operations, and the pickers, panels and presentation
-kept in step with the session (:class:`Screen`, the part of :class:`~kvexplore.explorer.widget.Explorer` that only
-reacts to the page: a picker changed, a tab picked, side by side or presentation toggled).
-
-It expects of the explorer: ``controls`` (:mod:`.controls`), ``figures`` (view name ->
-:class:`~..views.plot.PlotWidget`), ``widget``, ``_panel``, ``session``, ``model``, ``layer``/``head``, the operations
-(``prefill``, ``step``, ...), and ``refresh()``.
+"""The explorer's screen (:class:`Screen`): the controls wired to the explorer's operations, and the pickers, panels
+and presentation kept in step with the session (the part of :class:`~kvexplore.explorer.widget.Explorer` that only
+reacts to the page). It expects of the explorer ``controls``, ``figures``, ``widget``, ``_panel``, ``session``,
+``model``, ``layer``/``head``, the operations and ``refresh()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..errors import SettingsError
@@ -53,7 +52,11 @@ class Screen:
         named = {**({"xaxis": x} if x is not None else {}), **({"yaxis": y} if y is not None else {}), **axes}
         fig = self.figures.get(figure)
         ranges = zoom.checked(figure, named, self.figures, fig.spec.layout if fig is not None else {})
-        self._zoom[figure] = zoom.merged(self._zoom.get(figure, {}), ranges) if ranges else {}
+        self._set_zoom(figure, ranges, bool(ranges))
+
+    def _set_zoom(self, figure: str, ranges: zoom.Ranges, keep: bool = True) -> None:
+        """``figure``'s zoom merged with ``ranges`` (``keep`` False: cleared), and the figure redrawn."""
+        self._zoom[figure] = zoom.merged(self._zoom.get(figure, {}), ranges) if keep else {}
         if not self._zoom[figure]:
             del self._zoom[figure]
         self._redraw_figure(figure)
@@ -68,10 +71,7 @@ class Screen:
         except SettingsError as e:
             self._show_error(e)
             return
-        self._zoom[widget.name] = zoom.merged(self._zoom.get(widget.name, {}), checked)
-        if not self._zoom[widget.name]:
-            del self._zoom[widget.name]
-        self._redraw_figure(widget.name)
+        self._set_zoom(widget.name, checked)
 
     def _redraw_figure(self, name: str) -> None:
         """Redraw one figure (a zoom changes nothing else) when it is on screen."""
@@ -114,7 +114,7 @@ class Screen:
         w["head"].observe(lambda ch: self._pick(head=ch["new"]), names="value")
         w["view"].observe(lambda ch: None if self._syncing else self._show_view(), names="value")
         w["side_by_side"].observe(lambda ch: self._side_by_side_changed(), names="value")
-        w["presentation"].observe(lambda ch: self._presentation_changed(), names="value")
+        w["presentation"].observe(lambda ch: self._apply_presentation(), names="value")
         for name in ("temperature", "top_k", "top_p"):
             w[name].observe(lambda ch: self._sampling_changed(), names="value")
         w["seed"].observe(lambda ch: setattr(self.session, "seed", ch["new"]), names="value")
@@ -142,20 +142,14 @@ class Screen:
         self.figures["cache_map_b"].layout.display = "" if on else "none"
         self._redraw()
 
-    def _presentation_changed(self) -> None:
-        self._apply_presentation()
-
     def _apply_presentation(self) -> None:
         on = self.presentation
         for name in layout.HIDDEN_WHEN_PRESENTING:
             self.controls[name].layout.display = "none" if on else ""
         self.figures["cache_map_b"].layout.display = "" if self.controls["side_by_side"].value else "none"
         layout.columns(self.controls, self.figures, on)
-        self._syncing = True  # the cache map's tab comes (picked: what a class looks at first) and goes with it
-        try:
+        with self._quiet():  # the cache map's tab comes (picked: what a class looks at first) and goes with it
             self._sync_tabs(picked=layout.MAP_TAB[1] if on else self._tab)
-        finally:
-            self._syncing = False
         self._show_view()
         self.widget.remove_class("kvx-presenting")
         if on:
@@ -169,15 +163,22 @@ class Screen:
         for b in self._buttons:
             b.disabled = not enabled
 
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """The pickers' observers stand still while the block gives them new options (setting options selects the
+        first one: the observers must not take it)."""
+        self._syncing = True
+        try:
+            yield
+        finally:
+            self._syncing = False
+
     def _sync_lanes(self) -> None:
         names = list(self.session.lanes)
-        self._syncing = True  # setting options selects the first one: the observers must not take it
-        try:
+        with self._quiet():
             layout.set_options(self.controls["lane"], names, names[0])
             layout.set_options(self.controls["lane_b"], names, names[min(1, len(names) - 1)])
             self._sync_tabs()
-        finally:
-            self._syncing = False
 
     def _sync_tabs(self, picked: str | None = None) -> None:
         """Tabs for the views that apply to a lane (:attr:`~..views.registry.View.applies` on its records, or
@@ -200,12 +201,9 @@ class Screen:
     def _sync_pickers(self) -> None:
         c = self.model.config
         w = self.controls
-        self._syncing = True
-        try:
+        with self._quiet():
             layout.set_options(w["layer"], list(range(c.num_layers)), self.layer)
             layout.set_options(w["head"], list(range(c.num_heads)), self.head)
-        finally:
-            self._syncing = False
         w["chat"].layout.display = "" if self._has_chat() else "none"
 
     def _pick(self, layer: int | None = None, head: int | None = None) -> None:

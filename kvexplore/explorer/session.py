@@ -1,13 +1,9 @@
 """Several cache strategies in lockstep on one model, prompt and seed: the state the explorer widget shows.
 
-A :class:`Session` holds one :class:`Lane` per strategy (a generator with its own cache and tracer). The first
-lane is the reference: by default every other lane is fed the reference's tokens (teacher forcing), so that all
-caches see the same sequence and their next-token distributions can be compared step by step (KL divergence,
-top-1 agreement). Forked lanes run freely. Every operation either succeeds on all lanes or changes none: a
-prefill builds new generators and swaps them in only when all succeeded, a failed step rewinds the lanes that had
-stepped, a rewind is checked on every lane before any moves. One exception keeps a class going: a lane whose cache is
-full sits out the steps (:attr:`Lane.full` says why) while the others go on, each on its own tokens once the
-reference has stopped; a step that no lane can take is refused as a whole.
+A :class:`Session` holds one :class:`Lane` per strategy. The first lane is the reference: by default every other lane
+is fed its tokens (teacher forcing), so their next-token distributions can be compared step by step; forked lanes run
+freely. Every operation succeeds on all lanes or changes none, except that a lane whose cache is full sits out the
+steps (:attr:`Lane.full` says why) while the others go on; a step no lane can take is refused as a whole.
 """
 
 from __future__ import annotations
@@ -134,8 +130,7 @@ class Session:
 
     def set_sampling(self, temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
         """New sampling settings for every lane, from the next step on (checked first)."""
-        settings = SamplingSettings(temperature, top_k, top_p)
-        self.sampling = settings
+        self.sampling = settings = SamplingSettings(temperature, top_k, top_p)
         for lane in self.lanes.values():
             lane.generator.sampling = settings
 

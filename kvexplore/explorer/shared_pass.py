@@ -1,20 +1,15 @@
 """One prefill pass for the lanes whose pass computes the same thing.
 
-A prefill from an empty cache computes the same thing on every lane whose cache gives attention back exactly the keys
-and values it was handed, under the same mask: a pre-allocated, a concatenating and a paged cache all do, so do an
-evicting cache (its press runs after the pass) and a sink cache whose ring holds the prompt. Running the model once
-per lane would compute the same hidden states, attention and logits again. Here the first such lane runs the model
-as usual, through :class:`Recording`, which notes what each layer gave its cache (queries, keys, values), whether the
-cache read back exactly what it was given, and the mask it gave attention. Every later lane is prefilled by
-:class:`Reusing`, an :class:`~kvexplore.models.executor.Executor` that makes the same calls on that lane's cache in the
-same order, checks that it reads back exactly what it was given under an equal mask, feeds the lane's tracer the same
-hook points, and returns the recorded logits. The lane's tracer takes a copy of the recorded pass's attention.
+A prefill from an empty cache computes the same hidden states, attention and logits on every lane whose cache gives
+attention back exactly the keys and values it was handed, under the same mask (pre-allocated, concatenating, paged,
+an evicting cache whose press runs after the pass, a sink cache whose ring holds the prompt). The first such lane runs
+the model through :class:`Recording`, which notes what each layer gave its cache, whether it read back exactly that,
+and the mask; every later lane is prefilled by :class:`Reusing`, which makes the same calls on that lane's cache,
+feeds its tracer the same hook points and returns the recorded logits.
 
-Nothing is taken on trust: a cache that reads back anything else (a quantized cache gives its dequantized keys), a
-different mask, or a layer that asks its cache for something else (a recurrent state, a latent cache) makes the
-reuse roll that cache back and the lane computes its own pass. The lane's record reports the recorded pass's time
-plus its own cache's work (what computing it again would have taken), and :attr:`Reusing.source` names the lane
-whose pass it shares.
+Nothing is taken on trust: a cache that reads back anything else, a different mask, or a layer that asks its cache
+for something else makes the reuse roll that cache back, and the lane computes its own pass. The lane's record
+reports the recorded pass's time plus its own cache's work.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """An explorer's static copy in a notebook: what ``jupyter nbconvert --to html`` and GitHub's viewer show when there
 is no kernel to drive the widget.
 
-When an explorer is displayed in IPython, a second output follows the widget: plain HTML with the token strip and
-the comparison table (readable even where scripts are stripped), then the replay of the steps taken so far
-(:func:`kvexplore.views.page.fragment`, the HTML replay's own: slider, and every view the registry replays). It is
-brought up to date after every cell that changed the session (IPython's ``post_run_cell``), so an executed notebook ends
-with the run as it ended. Where the widget itself is drawn (JupyterLab, Voila), its first figure tells the kernel so,
-and the copy is emptied and no longer updated; on a page that never applies that update (Voila shows outputs as they
-were when it built the page) the copy hides itself once a live figure has drawn. A live page shows the widget alone.
-
-plotly.js travels once per notebook: in the first copy that holds a replay; the others wait for it.
+Displayed after the widget: plain HTML with the token strip and the comparison table, then the replay of the steps so
+far (:func:`kvexplore.views.page.fragment`), brought up to date after every cell that changed the session
+(IPython's ``post_run_cell``). A live page empties it (its first figure tells the kernel) or, where that update never
+comes (Voila), it hides itself; plotly.js travels once per notebook, in the first copy that holds a replay. See
+docs/explorer.md ("Sharing a session").
 """
 
 from __future__ import annotations
@@ -27,9 +23,7 @@ class StaticCopy:
     def __init__(self, explorer: Any) -> None:
         self.explorer = explorer
         self.live = False  # a frontend drew the widget: the copy is not needed
-        self._handle = None
-        self._key = None
-        self._shell = None
+        self._handle = self._key = self._shell = None
 
     def show(self) -> None:
         """Display the copy under the widget (once per explorer; later displays of it reuse the output)."""

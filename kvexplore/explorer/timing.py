@@ -1,23 +1,11 @@
 """What keeps the lanes' step times comparable when the session runs in a Jupyter kernel behind a page.
 
-In a plain Python loop every lane's step runs on a warm, quiet process. Behind a page it does not: a click arrives
-after the previous Step's refresh (figures built, serialized and sent) and often after a pause, and the click's own
-handler queues messages at once (the buttons turning disabled). Whatever lane steps first then pays for the rest:
-
-- the kernel's IOPub thread sends the queued messages while that lane computes; each send holds the GIL, which the
-  model's forward pass releases and takes back at every operation, so on a busy machine every hand-over waits for the
-  scheduler. :func:`quiet` waits (at most :data:`DRAIN_S`) until the IOPub thread has sent what was queued;
-- a garbage collection set off by the refresh's objects can land in the timed forward pass (a full one takes many
-  times a step in the app's kernel): :func:`quiet` turns the collector off while the lanes step, and it runs
-  afterwards;
-- after the kernel has waited for the page (even the moment the page takes to draw) the processor needs some
-  milliseconds of work to come back to speed: the lane stepped first reads slower than the next for the same work,
-  and one untimed pass of the model does not change that. :func:`warm_up` runs the model's one-row products,
-  untimed, for :data:`WARM_S`, which evens the lanes out.
-
-The figures behind these choices are in docs/explorer.md ("The comparison's step times");
-``tests/screen/test_browser_timing.py`` holds the lanes' step times to agree, and ``benchmarks/explorer_click.py``
-times a click.
+Behind a page, whatever lane steps first pays for the click: the kernel's IOPub thread sending what the click queued
+(its sends take the GIL the forward pass hands back at every operation), a garbage collection set off by the refresh,
+and a processor that needs some milliseconds of work to come back to speed after the kernel waited. :func:`quiet`
+drains the kernel's output (at most :data:`DRAIN_S`) and turns the collector off while the lanes step;
+:func:`warm_up` runs the model's one-row products, untimed, for :data:`WARM_S`. The measurements behind these
+choices: docs/explorer.md ("The comparison's step times").
 """
 
 from __future__ import annotations
@@ -73,13 +61,10 @@ def quiet() -> Iterator[None]:
 
 
 def warm_up(model, seconds: float = WARM_S) -> int:
-    """Untimed one-row products through ``model``'s weight matrices (the path a decode step takes: its
-    ``nn.Linear`` modules and output head, on the compiled kernels where :mod:`kvexplore.fast.kernels` applied them),
-    in layer order and round again, for at least
-    ``seconds``: torch's threads awake, the processor back to speed, and as many weights read as that time allows
-    (all of a small model's, many times; a large model's would not stay in the processor's caches anyway). A whole
-    forward pass did this before, but on SmolLM2 that costs several times what is needed of every click.
-    Nothing for a model kvexplore does not run itself (a transformers model). Returns the number of products."""
+    """Untimed one-row products through ``model``'s weight matrices (a decode step's path: its ``nn.Linear``
+    modules and output head, compiled kernels included), in layer order and round again, for at least ``seconds``:
+    torch's threads awake, the processor back to speed, as many weights read as that time allows. Nothing for a model
+    kvexplore does not run itself (a transformers model). Returns the number of products."""
     if not isinstance(model, Model):
         return 0
     head = model.head_weight

@@ -1,15 +1,11 @@
 """``kvexplore.Explorer``: step generation token by token in a notebook and watch the KV cache.
 
 A thin controller: the state is a :class:`~kvexplore.explorer.session.Session` (several strategies in lockstep); every
-refresh takes one :class:`~kvexplore.views.snapshot.Snapshot` of it and draws the views on screen from it (the drawing
-layer's registry, :mod:`kvexplore.views.registry`: name -> function of the snapshot -> figure spec; the HTML replay
-and the static copy draw from the same registry) into :class:`~kvexplore.views.plot.PlotWidget`s, which always show
-the kernel's whole figure. Controls are ipywidgets (:mod:`.controls`, public as ``explorer.controls``), wired and kept
-in step with the session by :class:`~.screen.Screen`. What it runs comes loaded (:mod:`.models` loads a name or folder
-and picks a transformers model's twin; :mod:`.lanes` builds each kind of lane). Buttons are disabled while an
-operation runs, so clicks cannot interleave; an error (cache full, bad prompt, an impossible rewind) is shown in the
-widget and leaves every lane as it was. The same operations are methods (:meth:`Explorer.step`, ...), which raise
-instead.
+refresh takes one :class:`~kvexplore.views.snapshot.Snapshot` of it and draws the registry's views
+(:mod:`kvexplore.views.registry`) into :class:`~kvexplore.views.plot.PlotWidget`s. Controls are ipywidgets
+(:mod:`.controls`, public as ``explorer.controls``), kept in step with the session by :class:`~.screen.Screen`.
+Buttons are disabled while an operation runs; an error is shown in the widget and leaves every lane as it was. The
+same operations are methods (:meth:`Explorer.step`, ...), which raise instead.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from ..errors import SettingsError, StateError
 from ..models.model import Model
 from ..runtime.generator import Generator
 from ..views import compare, divergence, snapshot
+from ..views.frames import check_layer_head
 from ..views.page import save_html
 from ..views.plot import PlotWidget, loader
 from ..views.registry import TABS, VIEWS
@@ -89,7 +86,7 @@ class Explorer(Screen):
         self._tab = view
         self.token_strip = TokenStrip()
         self.model = opened.model
-        self._check_picks(layer, head)
+        check_layer_head(self.model.config, layer, head)
         self.session = Session(self.model, generator=generator, temperature=temperature, top_k=top_k, top_p=top_p,
                                seed=seed, hf=self._hf, **self._lanes_args)
         self.layer, self.head = layer, head
@@ -135,13 +132,10 @@ class Explorer(Screen):
         picker = self.controls["view"]
         self._tab = name
         if name not in [value for _, value in picker.options]:  # a tab hidden as applying to no lane: asked for
-            self._syncing = True
-            try:
+            with self._quiet():
                 current = picker.value
                 picker.options = [*picker.options, (VIEWS[name].title, name)]
                 picker.value = current
-            finally:
-                self._syncing = False
         picker.value = name
 
     @property
@@ -328,13 +322,6 @@ class Explorer(Screen):
             return prompt
         tok = self.model.tokenizer
         return tok.decode(list(prompt)) if tok is not None else " ".join(str(i) for i in prompt)
-
-    def _check_picks(self, layer: int, head: int) -> None:
-        c = self.model.config
-        if not 0 <= layer < c.num_layers:
-            raise SettingsError(f"layer {layer} does not exist: the model has layers 0..{c.num_layers - 1}")
-        if not 0 <= head < c.num_heads:
-            raise SettingsError(f"head {head} does not exist: the model has query heads 0..{c.num_heads - 1}")
 
     def _operate(self, fn) -> None:
         """Run one operation with the buttons disabled; show its error in the widget and raise it."""

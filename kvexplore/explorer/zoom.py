@@ -1,9 +1,6 @@
-"""The ranges a person zoomed each figure to: checked like every other input, kept per figure, and written into a
-figure's layout so that the page stays where the person put it.
-
-A zoom comes from the page (plotly's relayout: a box zoom, a pan, the autoscale button or a double-click, which
-clears it) or from Python (``explorer.zoom("cache_map", x=(0, 99))``). The views read it from
-:attr:`~kvexplore.views.snapshot.Snapshot.zoom` and draw that range, at full resolution once it is narrow enough.
+"""The ranges a person zoomed each figure to, from the page (plotly's relayout: a box zoom, a pan, the autoscale
+button or a double-click, which clears it) or from Python (``explorer.zoom("cache_map", x=(0, 99))``): checked, kept
+per figure, and written into a figure's layout so that the page stays where the person put it.
 """
 
 from __future__ import annotations
@@ -46,13 +43,7 @@ def checked(figure: str, axes: Mapping[str, Any], figures: Mapping[str, Any], la
 
 def merged(current: Ranges, axes: Mapping[str, tuple[float, float] | None]) -> Ranges:
     """``current`` with ``axes`` applied (a None range removes that axis' zoom)."""
-    out = dict(current)
-    for axis, r in axes.items():
-        if r is None:
-            out.pop(axis, None)
-        else:
-            out[axis] = r
-    return out
+    return {axis: r for axis, r in {**current, **axes}.items() if r is not None}
 
 
 def from_page(ranges: Any) -> dict[str, Any]:

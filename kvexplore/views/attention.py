@@ -1,19 +1,9 @@
-"""Attention: where the newest token looks, the whole history of who attended where, and the GQA grouping.
-
-Top: the current token's attention probabilities over the cache's physical slots for one layer and query head
-(for the paged and sink caches the slot order is not the position order); more slots than the figure's columns are
-binned (each bar the bin's max). Bottom left: query position x key position for that layer/head, every row since the
-prompt's first token, binned to the screen (each cell the max of its bin: a few strong cells stay visible), at full
-resolution once the range on screen (``Snapshot.zoom["attention"]``) is narrow enough; positions a strategy evicted
-read 0. Its colours follow the cells drawn (0 to their 99th percentile, the colour bar says so): at 2,000 tokens
-most cells hold a few thousandths, which a scale to 1 would leave white. Bottom right: which query heads read which
-KV head (grouped-query attention), the chosen head highlighted. The title names the newest row: the token fed at
-position p and the token it produced (the one the token strip rings).
-
-An explorer lane's attention comes from its bounded store (the explorer's :class:`~kvexplore.explorer.
-attention_store.AttentionStore`, which a trace's ``history`` declares as ``bounded``): the binned overview, the newest
-rows at full resolution, and rows recomputed when a zoom asks for more than it keeps (the title says so). A plain
-tracer's records hold every row; they are binned here the same way, to at most :data:`ROW_BINS` rows.
+"""Attention: where the newest token looks (its probabilities over the physical slots, binned by max when wider than
+the figure), the whole history of query x key positions (binned to the screen by max, full resolution once zoomed
+narrow enough, coloured from 0 to the 99th percentile of the cells drawn), and the GQA grouping (docs/explorer.md,
+"Views"). An explorer lane's attention comes from its bounded store (a trace ``history`` declared ``bounded``: the
+binned overview, the newest rows, rows recomputed on a zoom); a plain tracer's records hold every row and are binned
+here the same way, to at most :data:`ROW_BINS` rows.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import numpy as np
 
 from ..caches.layout import SharedLayout
 from ..trace.records import StepRecord
-from . import bins
+from . import bins, onscreen
 from .palette import PROBABILITY_SCALE, SINK_SCALE
 from .snapshot import MAX_BINS
 from .spec import FigureSpec, hide_axes, slot_range
@@ -131,11 +121,6 @@ def _sinks(store: Any, layer: int, head: int, rb: bins.Bins) -> np.ndarray:
     return share
 
 
-def _centres(b: bins.Bins) -> np.ndarray:
-    e = b.edges()
-    return e if b.exact else (e + (b.size - 1) / 2).astype(np.float32)
-
-
 def _bar(store, records, layer, head, token_texts, zoom, max_bins):
     """The newest row over the physical slots: ``(x, y, hover texts, width, binned?)`` or None."""
     t = records[-1].trace
@@ -165,7 +150,7 @@ def _bar(store, records, layer, head, token_texts, zoom, max_bins):
         return list(range(len(probs))), probs, texts, None, probs
     y = bins.reduce(probs, b, "max")
     texts = [f"{b.label(i, 'slots')}" + ("" if b.exact else " · max") for i in range(b.count)]
-    return _centres(b), np.nan_to_num(y), texts, (None if b.exact else b.size), probs
+    return onscreen.centres(b), np.nan_to_num(y), texts, (None if b.exact else b.size), probs
 
 
 def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequence[str] = (),
@@ -191,8 +176,9 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         matrix, sink_rows, note = np.zeros((0, 0), np.float32), np.zeros(0, np.float32), ""
     keep = ~np.isnan(matrix)
     ys, xs = np.nonzero(keep)
-    hx = _centres(cb)[xs] if xs.size else np.zeros(0, np.int32)
-    hy = _centres(rb)[ys] if ys.size else np.zeros(0, np.int32)
+    hx = onscreen.centres(cb)[xs] if xs.size else np.zeros(0, np.int32)
+    hy_all = onscreen.centres(rb)
+    hy = hy_all[ys] if ys.size else np.zeros(0, np.int32)
     exact = rb.exact and cb.exact
     where = ("query position %{y} → key position %{x}<br>p = %{z:.4f}" if exact else
              f"query positions %{{y}} ± {(rb.size - 1) / 2:g} ({rb.size}) → key positions %{{x}} ± "
@@ -222,8 +208,8 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         traces.append(dict(type="bar", name="sink", x=[-1], y=[max(0.0, 1.0 - float(np.sum(whole)))],
                            marker=dict(color="#e6550d"), xaxis="x", yaxis="y",
                            hovertemplate="learned sink: p = %{y:.4f} (reads no value)<extra></extra>"))
-        traces.append(dict(type="heatmap", name="sink history", x=np.full(rb.count, -1, dtype=np.int32),
-                           y=_centres(rb), z=np.clip(np.nan_to_num(sink_rows[: rb.count]), 0, 1).astype(np.float32),
+        traces.append(dict(type="heatmap", name="sink history", x=np.full(rb.count, -1, dtype=np.int32), y=hy_all,
+                           z=np.clip(np.nan_to_num(sink_rows[: rb.count]), 0, 1).astype(np.float32),
                            colorscale=SINK_SCALE, zmin=0, zmax=1, showscale=False, xaxis="x2", yaxis="y2",
                            hovertemplate="query position %{y} → learned sink<br>" + ("p" if rb.exact else "max p")
                            + " = %{z:.4f}<extra></extra>"))

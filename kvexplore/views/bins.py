@@ -1,13 +1,8 @@
 """Binning what is wider than the screen: a figure never sends more columns (or rows) than it can draw.
 
-A view that draws ``n`` slots or positions asks :func:`plan` for at most ``max_bins`` bins over the part on screen
-(all of it, or a zoomed range). Bins are aligned powers of two (a bin of size 8 always covers ``8k .. 8k+7``), so
-while a context grows the bins already drawn stay the same until the size doubles: a Step changes the last bin, not
-every bin, and only that change is sent. A range no wider than ``max_bins`` is drawn at full resolution (size 1).
-
-:func:`reduce` gives each bin's max or mean of numeric values (attention probabilities; NaN is ignored), and
-:func:`dominant` the most telling category in each bin (a slot class: written beats read beats not read ...).
-Hover texts say which: ``"positions 1024–1031 (8): max p = ..."``.
+:func:`plan` gives at most ``max_bins`` aligned power-of-two bins over the part on screen (a bin of size 8 always
+covers ``8k .. 8k+7``, so a Step changes the last bin, not every bin); a range no wider than ``max_bins`` is drawn
+at full resolution. :func:`reduce` gives each bin's max or mean, :func:`dominant` its most telling category.
 """
 
 from __future__ import annotations
@@ -44,10 +39,6 @@ class Bins:
     def last(self, i: int) -> int:
         """The last index bin ``i`` covers (at most ``stop - 1``)."""
         return min(self.start + (i + 1) * self.size, self.stop) - 1
-
-    def of(self, index: int) -> int:
-        """The bin that holds ``index``."""
-        return (index - self.start) // self.size
 
     def label(self, i: int, noun: str = "positions") -> str:
         """``"positions 8–15 (8)"``, or ``"position 3"`` at full resolution."""

@@ -1,12 +1,9 @@
 """Cache map: layers x physical slots, coloured by what each slot holds and what this step did with it.
 
-Each layer is drawn in its own layout (its :class:`~kvexplore.caches.SlotView`): a full layer's fill grows (the
-pre-allocated cache's write window is ``k.narrow(2, pos, q_len)`` and its read window ``k.narrow(2, 0, pos + q_len)``),
-a sliding layer's ring is only ``window`` slots wide and the written slot moves round it, a shared layer has no
-slots and points at the layer it reads. The strategy's own storage order is kept: the paged cache its pages, the
-quantized cache its quantized slots then its residual, the sink cache its sinks then its ring. What a layout adds
-(marks, ticks, a line of title) comes from the typed layout itself, so a new strategy draws with no change here.
-One row of tokens per kind of layout, on top, names what each slot holds when hovered.
+Each layer is drawn in its own layout (its :class:`~kvexplore.caches.SlotView`), in the strategy's own storage order
+(pages, quantized slots then residual, sinks then ring); a shared layer has no slots and points at the layer it
+reads. What a layout adds (marks, ticks, a line of title) comes from the typed layout itself, so a new strategy draws
+with no change here. One row of tokens per kind of layout, on top, names what each slot holds when hovered.
 """
 
 from __future__ import annotations
@@ -41,7 +38,7 @@ def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool 
     trace = record.trace
     layer = trace.main_layer if layer is None else layer
     slots = slots if slots is not None else trace.slots_of(layer)
-    written = _written(record, layer) if fresh else set()
+    written = _write(record, layer) if fresh else range(0)
     read = set(trace.reads_of(layer)) if fresh else {p for p in slots.positions if p >= 0}
     back = taken_back(record, slots, layer) if fresh else range(0)
     out = []
@@ -65,13 +62,7 @@ def slot_classes(record: StepRecord, slots: SlotView | None = None, fresh: bool 
 def rejected(record: StepRecord, layer: int) -> range:
     """The positions ``record``'s verification pass wrote in ``layer`` and took back (its rejected drafts): from
     the length the cache kept to the end of the pass's write; empty for a plain step."""
-    if record.verification is None:
-        return range(0)
-    for event in record.trace.events:
-        if event.layer == layer:
-            start, count = event.write
-            return range(record.cache_length, start + count)
-    return range(0)
+    return range(0) if record.verification is None else range(record.cache_length, _write(record, layer).stop)
 
 
 def taken_back(record: StepRecord, slots: SlotView, layer: int) -> range:
@@ -87,12 +78,10 @@ def taken_back(record: StepRecord, slots: SlotView, layer: int) -> range:
     return gone if np.array_equal(held, np.arange(n)) else range(0)
 
 
-def _written(record: StepRecord, layer: int) -> set[int]:
-    for event in record.trace.events:
-        if event.layer == layer:
-            start, count = event.write
-            return set(range(start, start + count))
-    return set()
+def _write(record: StepRecord, layer: int) -> range:
+    """The positions ``record``'s step wrote in ``layer``."""
+    start, count = next((e.write for e in record.trace.events if e.layer == layer), (0, 0))
+    return range(start, start + count)
 
 
 def _groups(views: Sequence[SlotView], reads: Sequence[list[int]]) -> list[tuple[SlotView, list[int]]]:
@@ -109,10 +98,7 @@ def _by_layout(groups: list) -> list:
     """One entry per distinct slot view, with every layer that has it (for the token rows and the title)."""
     out: dict[int, tuple] = {}
     for view, layers, classes in groups:
-        if id(view) in out:
-            out[id(view)][1].extend(layers)
-        else:
-            out[id(view)] = (view, list(layers), classes)
+        out.setdefault(id(view), (view, [], classes))[1].extend(layers)
     return [(view, sorted(layers), classes) for view, layers, classes in out.values()]
 
 
@@ -245,7 +231,6 @@ def spec(record: StepRecord | None, strategy: str, num_layers: int, token_texts:
     place_title(layout, below=8)
     map_rows.at_height(layout, layout["height"])
     return FigureSpec(traces, hide_axes(layout) if not n else layout)
-
 
 
 def _codes(classes: Sequence[str]) -> np.ndarray:

@@ -1,12 +1,9 @@
 """Compare: strategies run in lockstep on the same prompt and seed, side by side.
 
 The table (HTML): does each strategy produce the reference's tokens, its top-1 agreement and mean KL divergence from
-the reference (lossy caches: quantized, a sink that has evicted), the model's forward time per step (median and the
-middle half of the steps: the lanes step in a rotating order after an untimed warm-up, so their times compare), the
-bytes it holds and copies. Its heads take one line (their tooltips give the full names, and what KL means); a line
-under it says what KL is (float32 rounding alone gives about 1e-9 nats), and the lossy lanes' notes fold under one
-line, so four lanes' table and the figure fit the tab beside the cache map at 1280 x 800. Below, forward time per
-step and KL per step for every strategy.
+the reference, the model's forward time per step (median and the middle half of the steps) and the bytes it holds
+and copies; the lossy lanes' notes fold under one line. Below, forward time per step and KL per step for every
+strategy.
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ def _timing(seconds: Sequence[float]) -> str:
     return text
 
 
-# what the table's head shows of each column, on one line (the full name of COLUMNS, and for KL what it means, is
-# its tooltip): four lanes' table, a line under it and the figure fit beside the cache map at 1280 x 800
+# what the table's head shows of each column, on one line (the full name and what KL means are its tooltip)
 HEADS = ("strategy", "same token", "top-1", "mean KL", "ms / step", "reserved", "copied / step")
 KL_MEANS = ("how far this lane's next-token distribution is from the reference lane's at the same step: the "
             "Kullback-Leibler divergence KL(reference || lane) in nats, averaged over the steps; 0 for the same "
@@ -129,8 +125,7 @@ def spec(lanes: Mapping[str, Sequence[StepRecord]], kl: Mapping[str, Sequence[fl
                            x=[r.step for r in records][:len(ks)], y=ks, marker=dict(size=4),
                            line=dict(color=strategy_colour(i), dash="dot"), xaxis="x2", yaxis="y2",
                            hovertemplate=f"{name}<br>step %{{x}}: KL %{{y:.2e}}<extra></extra>"))
-    # short: the explorer gives this figure the tab's height less the table's (about 280 px), so the title takes
-    # one line, the legend a row under the step ticks, and the panels the rest
+    # short: the tab's height less the table's (about 280 px): one line of title, a row of legend, the panels
     layout = dict(height=280, margin=dict(l=60, r=10, t=34, b=44),
                   title=dict(text=f"per step · reference: {reference}", font=dict(size=13)),
                   xaxis=dict(domain=[0, 0.44], anchor="y"),

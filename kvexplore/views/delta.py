@@ -20,14 +20,15 @@ from . import assets
 DELETE = {"$del": 1}
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
+    """Whether two values of a figure are equal (arrays by dtype and contents, NaN equal to NaN)."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
                 and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.floating))))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True  # NaN
     return type(a) is type(b) and a == b
@@ -46,8 +47,8 @@ def _ends(old, new) -> tuple[int, int, int]:
         tail = np.flatnonzero(_differ(old[len(old) - n:][::-1], new[len(new) - n:][::-1]))
         start, end = (int(head[0]) if len(head) else n), (int(tail[0]) if len(tail) else n)
     else:
-        start = next((i for i in range(n) if not _same(old[i], new[i])), n)
-        end = next((i for i in range(n) if not _same(old[-1 - i], new[-1 - i])), n)
+        start = next((i for i in range(n) if not same(old[i], new[i])), n)
+        end = next((i for i in range(n) if not same(old[-1 - i], new[-1 - i])), n)
     end = min(end, n - start)  # the prefix and the suffix do not overlap
     return start, len(old) - end, len(new) - end
 
@@ -70,7 +71,7 @@ def change(old: Any, new: Any) -> Any:
 def _changes(base: dict, new: dict) -> dict:
     out = {k: DELETE for k in base if k not in new}
     out.update({k: v if k not in base else change(base[k], v) for k, v in new.items()
-                if k not in base or not _same(base[k], v)})
+                if k not in base or not same(base[k], v)})
     return out
 
 

@@ -1,11 +1,8 @@
 """Eviction over the steps, for every lane: the positions each KV head of the chosen layer holds after each step
-against the sequence length (a press during decoding draws a sawtooth), and the bytes each lane's cache really holds
-(its storage: reserved; its kept keys and values: used) against what a full cache of that length holds (the formula
-:func:`kvexplore.caches.memory.kv_bytes`, recorded with a pressing lane's steps).
-
-The per-head lines come from the press state a pressing cache's records carry (:mod:`kvexplore.trace.press`); the
-bytes from every lane's memory reports, so a masking lane (``storage="mask"``) shows beside a compacting one that it
-frees nothing.
+against the sequence length (a press during decoding draws a sawtooth), from the press state a pressing cache's
+records carry (:mod:`kvexplore.trace.press`); and the bytes each lane's cache holds (reserved, used) against what a
+full cache of that length holds (:func:`kvexplore.caches.memory.kv_bytes`), so a masking lane shows that it frees
+nothing.
 """
 
 from __future__ import annotations

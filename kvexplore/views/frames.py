@@ -1,13 +1,9 @@
 """A recorded run, step by step, as the views draw it: the snapshot of every step and every figure the registry's
 replayed views make of it (:func:`frames`), with each array stored once.
 
-This is the drawing the HTML replay, an explorer's ``save_html`` and a notebook's static copy share: they differ only
-in the page around it (:mod:`.page`). Which views a frame holds comes from the registry
-(:attr:`~.registry.View.replay`): a view drawn per lane (the cache map, attention) gives one figure per lane, a view of
-the whole run (memory) one figure; a view added to the registry is in every frame with no change here.
-
-Arrays that grow from one step to the next (attention rows, memory lines) are stored once: a step's array that is
-the start of a later step's refers to it (frames are encoded last first).
+The HTML replay, an explorer's ``save_html`` and a notebook's static copy share this drawing and differ only in the
+page around it (:mod:`.page`); which views a frame holds comes from the registry (:attr:`~.registry.View.replay`).
+An array that is the start of a later step's refers to it (frames are encoded last first).
 """
 
 from __future__ import annotations
@@ -116,11 +112,16 @@ def check_picks(runs: Mapping[str, Sequence[StepRecord]], layer: int, head: int)
     if not runs or not all(len(r) for r in runs.values()):
         raise SettingsError("nothing to replay: every run needs at least its prefill record")
     config = model_info(next(iter(runs.values())))
+    check_layer_head(config, layer, head)
+    return config
+
+
+def check_layer_head(config: Any, layer: int, head: int) -> None:
+    """Refuse a layer or query head the model of ``config`` does not have."""
     if not 0 <= layer < config.num_layers:
         raise SettingsError(f"layer {layer} does not exist: the model has layers 0..{config.num_layers - 1}")
     if not 0 <= head < config.num_heads:
         raise SettingsError(f"head {head} does not exist: the model has query heads 0..{config.num_heads - 1}")
-    return config
 
 
 def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0,

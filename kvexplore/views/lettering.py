@@ -1,13 +1,11 @@
-"""Type on a figure of a given size: titles wrapped to the width a figure has on screen, the top margin a title of
-so many lines needs, and every font raised to a floor (presentation mode, read from the back of a lecture hall).
-
-The explorer fits each figure with these before it is sent (:func:`kvexplore.explorer.controls.fit`): a title line
-longer than the figure is broken at its `` · `` separators, and the top margin follows the title's lines instead of
-a fixed guess, so a many-line title neither spills over its neighbour nor squeezes the plot.
+"""Type on a figure of a given size: titles wrapped to the width a figure has on screen (at their `` · ``
+separators), the top margin a title of so many lines needs, and every font raised to a floor (presentation mode).
+The explorer fits each figure with these before it is sent (:func:`kvexplore.explorer.controls.fit`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 LINE = 1.3  # a title line's height, in font sizes
@@ -69,15 +67,7 @@ def _split(line: str, at: str, ends: str, most: int) -> list[str]:
 
 def _visible(line: str) -> int:
     """Characters of ``line`` a reader sees (tags such as ``<sup>`` left out)."""
-    out, inside = 0, False
-    for ch in line:
-        if ch == "<":
-            inside = True
-        elif ch == ">":
-            inside = False
-        elif not inside:
-            out += 1
-    return out
+    return len(re.sub(r"<[^>]*(>|$)|>", "", line))
 
 
 def at_least(tree: Any, size: float) -> None:

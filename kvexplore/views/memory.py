@@ -1,15 +1,10 @@
 """Memory timeline: per step and per strategy, the bytes a cache holds and what the step moved.
 
-Top: held (every tensor storage the cache object keeps: its keys and values, undo scratch, page tables, positions,
-masks, press scores, checkpoints; see :mod:`kvexplore.caches.held`), reserved (the storage meant for keys and values),
-logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``. Bottom:
-bytes written, copied and allocated by the step, on a log scale (a decode step writes kilobytes where the prefill wrote
-hundreds of megabytes; 0 B is off the scale). On CUDA a third panel shows the caching allocator's reserved and allocated
-bytes and its inactive split bytes (fragmentation) after each step, for the whole process.
-
-Lines that coincide stay apart: where lanes have the same figure at some step, each is drawn narrower than the lines
-under it (every colour shows as a stripe), and each lane's legend entry names the figures it shares at every step,
-with an earlier lane (``= preallocated: analytic``) or among its own lines (``logical = analytic``).
+Top: held (every tensor storage the cache object keeps, :mod:`kvexplore.caches.held`), reserved (for keys and
+values), logical (slots holding tokens) and the analytic ``2 * layers * kv_heads * head_dim * element_size * tokens``.
+Bottom: bytes written, copied and allocated by the step, on a log scale. On CUDA a third panel shows the caching
+allocator's reserved, allocated and inactive split bytes for the whole process. Lines that coincide stay apart
+(:func:`_stripes`), and each lane's legend entry names the figures it shares (:func:`_shared`).
 """
 
 from __future__ import annotations
@@ -122,10 +117,8 @@ def _series(records: Sequence[StepRecord], attr: str, cuda: bool) -> tuple[list[
 
 
 def _stripes(series: Mapping[tuple[str, str, str], tuple[list, list]]) -> dict[tuple[str, str, str], tuple]:
-    """Each line's width and the lanes with the same figure at every step: a lane's line that meets later lanes' (the
-    same figure, above 0, at some step) is drawn 3 px wider than the widest of them, so where lines coincide (at
-    every step, or from some step on) every colour shows as a stripe; the hover names the lanes it equals
-    throughout."""
+    """Each line's width and the lanes with the same figure at every step: a line that meets later lanes' (the same
+    figure above 0 at some step) is 3 px wider than the widest of them, so coinciding lines show as stripes."""
     out: dict[tuple[str, str, str], tuple[int, list[str]]] = {}
     lines: dict[tuple[str, str], list[tuple[str, list, list]]] = {}
     for (lane, axis, attr), (steps, ys) in series.items():
@@ -150,7 +143,7 @@ def _shared(lane: str, order: list[str], series, lines: list[tuple[str, str, str
     the figures it shares with an earlier lane (``= preallocated: held, reserved``: the first such lane, the others
     say theirs) and those of its own that coincide (``logical = analytic``); empty when none do."""
     mine = [(label, series[lane, axis, attr], (axis, attr)) for axis, label, attr in lines]
-    mine = [(label, line, key) for label, line, key in mine if _drawn(line)]
+    mine = [(label, line, key) for label, line, key in mine if any(line[1])]  # all zeros or unknown: not named
     parts = []
     for other in order[: order.index(lane)]:
         same = [label for label, line, key in mine if series[(other, *key)] == line]
@@ -161,11 +154,6 @@ def _shared(lane: str, order: list[str], series, lines: list[tuple[str, str, str
     for label, line, (axis, _) in mine:
         own.setdefault((axis, tuple(line[1])), []).append(label)
     return "; ".join(parts + [" = ".join(labels) for labels in own.values() if len(labels) > 1])
-
-
-def _drawn(line: tuple[list, list]) -> bool:
-    """A line with a figure above 0 somewhere (all zeros or unknown: nothing worth naming)."""
-    return any(line[1])
 
 
 def _figure(m, attr: str) -> int | None:

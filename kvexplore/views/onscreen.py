@@ -39,9 +39,7 @@ def axis_bins(zoom: Mapping[str, tuple[float, float]] | None, axis: str, n: int,
 
 def centres(b: Bins) -> np.ndarray:
     """The x of each bin: its index at full resolution (int32), else the middle of the slots it covers (float32)."""
-    if b.exact:
-        return b.edges()
-    return (b.edges() + (b.size - 1) / 2).astype(np.float32)
+    return b.edges() if b.exact else (b.edges() + (b.size - 1) / 2).astype(np.float32)
 
 
 def describe(b: Bins, n: int, noun: str = "slots") -> str:

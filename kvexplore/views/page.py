@@ -1,15 +1,9 @@
 """Recorded runs as HTML: :func:`fragment` (one element: the frames, the player and plotly.js, to put in a page) and
-:func:`save_html` (a whole self-contained document). It needs no kernel and no network (plotly.js is inside), so it
-can go on a course page, into slides or a bug report.
+:func:`save_html` (a whole self-contained document, needing no kernel and no network).
 
-Everything that draws a run as a page lives here, in the drawing layer, because three places draw one:
-:mod:`kvexplore.replay` (and ``kvexplore export``) writes the page, an explorer's ``save_html`` writes the same page of
-its session, and a notebook's static copy of an explorer embeds the fragment. The figures are the registry's views
-(:mod:`.frames`), so all three show the same views, including any added to the registry.
-
-The data and plotly.js travel gzip-compressed, unpacked by the browser (``DecompressionStream``).
-
-Importing this module also registers :func:`save_html` as the writer of ``History.save_html`` (see
+Three places draw a run as a page, all from here: :mod:`kvexplore.replay` (and ``kvexplore export``), an explorer's
+``save_html``, and a notebook's static copy of an explorer (the fragment). The data and plotly.js travel
+gzip-compressed. Importing this module registers :func:`save_html` as the writer of ``History.save_html`` (see
 :func:`kvexplore.trace.files.register_html_writer` for why the trace layer does not import it).
 """
 

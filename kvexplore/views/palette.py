@@ -30,11 +30,7 @@ def strategy_colour(index: int) -> str:
 
 def discrete_colorscale(colours: tuple[str, ...]) -> list[list]:
     """A plotly colorscale giving each integer ``0..n-1`` (with ``zmin=-0.5, zmax=n-0.5``) its own flat colour."""
-    n = len(colours)
-    scale = []
-    for i, c in enumerate(colours):
-        scale += [[i / n, c], [(i + 1) / n, c]]
-    return scale
+    return [[k / len(colours), c] for i, c in enumerate(colours) for k in (i, i + 1)]
 
 
 STEP_CYCLE = 32  # steps over which the token colour goes from light to dark, then starts again

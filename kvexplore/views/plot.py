@@ -1,16 +1,10 @@
 """A plotly figure in the page that always shows the kernel's whole figure: one synced state, drawn with
 ``Plotly.react``.
 
-Why not plotly's ``FigureWidget``: it sends each change as a one-off message (restyle, relayout) that only a view
-alive at that moment applies, and every one of them ships plotly.js again as its module (5 MB each). anywidget
-gives a model two seconds to initialize; on a busy machine the fourth or fifth 5 MB module misses that, its view
-draws the first state and then never applies an update (seen in Voila: the tensors and compare figures stuck at
-the prefill while the kernel moved on). Here the figure is two synced traits (numeric arrays as binary buffers):
-``base``, a whole figure, and ``patch``, what changed since that base (:mod:`.delta`; always against the same base,
-so it grows with the changes, and the figure is sent as a new base with an empty patch once the patch weighs more
-than :data:`REBASE` of it). A Step sends the patch, not the figure; a view made at any time draws ``base`` +
-``patch``, the whole current state, and nothing is lost between messages. plotly.js travels once per page, in a
-hidden :class:`PlotlyLoader` (the copy inside the installed plotly package: nothing is fetched from the network).
+Two synced traits (numeric arrays as binary buffers): ``base``, a whole figure, and ``patch``, what changed since that
+base (:mod:`.delta`); a view made at any time draws ``base`` + ``patch`` and nothing is lost between messages, and the
+figure is sent as a new base once the patch weighs more than :data:`REBASE` of it. plotly.js travels once per page,
+in a hidden :class:`PlotlyLoader`. Why not plotly's ``FigureWidget``: docs/explorer.md ("How the page stays true").
 """
 
 from __future__ import annotations
@@ -37,12 +31,6 @@ _LOADER_ESM = assets.path(__file__, "plot_loader.js")
 _FIGURE_ESM = APPLY_JS + assets.text(__file__, "plot_figure.js")
 
 
-def _small_number(dtype: np.dtype) -> bool:
-    """An integer or float type of at most 32 bits (a typed array in the page; not bool, not 64-bit integers)."""
-    number = np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
-    return bool(number) and dtype.itemsize <= 4
-
-
 def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the widget too)
     """A figure as JSON with binary buffers: 1-D numeric arrays (not 64-bit integers) as ``{buffer, dtype, shape}``,
     other arrays as lists, numpy scalars as numbers, NaN as null."""
@@ -51,7 +39,8 @@ def _to_json(value: Any, widget: Any = None) -> Any:  # (ipywidgets passes the w
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
     if isinstance(value, np.ndarray):
-        if value.ndim == 1 and (_small_number(value.dtype) or value.dtype == np.float64):
+        small_int = np.issubdtype(value.dtype, np.integer) and value.dtype.itemsize <= 4  # not int64
+        if value.ndim == 1 and (small_int or value.dtype.char in "efd"):  # a typed array in the page
             a = np.ascontiguousarray(value)
             return {"buffer": memoryview(a), "dtype": str(a.dtype), "shape": list(a.shape)}
         return _to_json(value.tolist())

@@ -1,11 +1,8 @@
 """A prefix cache's history as one self-contained HTML file: a slider (and play) over its frames, each drawing the
-block pool, the tree of cached prefixes, the timeline of requests and the frame's story. No kernel, no network:
-plotly.js is inside, as in the run replay (:mod:`.page`, whose packing and player start it reuses). Pools that served
-the same requests go side by side: each pool's replay in a column, their own sliders hidden, one slider and play
-button on top moving every column (the page twin of :class:`kvexplore.explorer.prefix_compare.PrefixCompare`).
-
-Each frame's figures are worked out once, here, and travel as data (arrays stored once across frames by
-:class:`~kvexplore.views.frames.ArrayStore`, the whole gzip-compressed); the page only draws them.
+prefix figures and the frame's story, with no kernel and no network (the run replay's packing and player start,
+:mod:`.page`). Pools that served the same requests go side by side under one slider (the page twin of
+:class:`kvexplore.explorer.prefix_compare.PrefixCompare`). Each frame's figures travel as data, arrays stored once
+(:class:`~kvexplore.views.frames.ArrayStore`) and strings once (:class:`Strings`).
 """
 
 from __future__ import annotations

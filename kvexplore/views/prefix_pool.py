@@ -1,12 +1,7 @@
 """The block pool of a prefix cache at one frame: a grid of ``num_blocks`` cells (slot 0 top left, row by row), each
-coloured by its state (free, cached, hit, written, evicted, held), its hover the block's slot, state, hash and
-parent, refcount, the request that stored it and the last that used it, its tokens as text and ids, and whether a
-recurrent state was checkpointed at its end. The free queue's order is drawn on the grid: the next blocks to be
-taken are numbered (a cached block among them is what the next request evicts), and a diamond marks a state
-checkpoint (hybrid models).
-
-The grid is one heatmap (thousands of blocks stay one trace; its cells travel as flat arrays, see
-:func:`~.spec.columns`); a small pool also shows each block's first characters in its cell.
+coloured by its state, its hover what the block holds and who stored and used it; the next blocks the free queue
+gives are numbered and a diamond marks a state checkpoint (hybrid models). One heatmap whatever the pool's size; a
+small pool also shows each block's first characters in its cell.
 """
 
 from __future__ import annotations

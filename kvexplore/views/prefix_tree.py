@@ -1,11 +1,7 @@
 """The tree of cached prefixes at one frame: the empty prefix on the left, each node where its prefix ends (x: token
-position), its children to the right, leaves spread one per row and a parent midway between its first and last
-child (a tidy layout), edges drawn as elbows. A node's colour is its state (cached, hit by this request, written by
-it, held, evicted in this frame); a red cross marks a node no request can reach (hash policy: a block whose parent
-was evicted, so no prefix leads to it any more). Hover: its tokens as text and ids, its blocks, its hits.
-
-For the hash policy a node is one block, for the radix policy a run of blocks; for an engine's event stream a stored
-block. Thousands of nodes stay a few traces: one per state, the edges (one line with gaps), the crosses, the root.
+position), a tidy layout with elbow edges; a node's colour is its state, a red cross marks a node no request can
+reach (its parent evicted). A node is one block (hash policy), a run of blocks (radix policy) or a stored block (an
+engine's event stream); thousands of nodes stay a few traces.
 """
 
 from __future__ import annotations

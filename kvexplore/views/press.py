@@ -1,9 +1,7 @@
 """What a press did, per KV head, in position space: its scores with what it kept (:func:`scores_spec`), and which
-positions every pressed layer's heads hold now (:func:`kept_spec`).
-
-Both read the press state a pressing cache's records carry (:mod:`kvexplore.trace.press`), so the widget, the HTML
-replay and the static copy draw the same. Wider than the screen (more than ``max_bins`` positions on screen), the
-positions are binned (:mod:`.bins`): a bin shows its highest score and the share of its positions kept.
+positions every pressed layer's heads hold now (:func:`kept_spec`), both from the press state a pressing cache's
+records carry (:mod:`kvexplore.trace.press`). Binned beyond ``max_bins`` positions on screen: a bin shows its highest
+score and the share of its positions kept.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ def scores_spec(record: StepRecord | None, lane: str, layer: int, texts: Sequenc
     (blues: kept, reds: evicted; darker: higher score, scaled per head). One cell per position (or bin) and head;
     ``customdata``: the score (a bin's highest; NaN where nothing was held, and for an infinite score, which the
     hover names); ``z``: 1 + the score scaled to 0..1 per head where kept (a bin: half its held positions kept or
-    more), else the scaled score
-    (NaN: nothing held)."""
+    more), else the scaled score (NaN: nothing held)."""
     why = _why_not(record, lane, layer)
     press = press_of(record)
     if why is None and press.last is None:
@@ -82,8 +79,7 @@ def scores_spec(record: StepRecord | None, lane: str, layer: int, texts: Sequenc
     held = ~np.isnan(scores)
     kept_n, held_n = _count(held & kept, b), _count(held, b)
     finite = np.where(np.isfinite(scores), scores, np.nan)  # a press may give +inf (always kept: SnapKV's window)
-    lo = _rows(np.nanmin, finite)
-    hi = _rows(np.nanmax, finite)
+    lo, hi = _rows(np.nanmin, finite), _rows(np.nanmax, finite)
     with np.errstate(invalid="ignore"):
         scaled = np.clip((best - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0) * 0.998
     scaled = np.where(np.isposinf(best), 0.998, np.where(np.isneginf(best), 0.0, scaled))
@@ -122,8 +118,7 @@ def scores_spec(record: StepRecord | None, lane: str, layer: int, texts: Sequenc
                   xaxis=dict(title=dict(text="position" + (f"<br>{shown}" if shown else ""), standoff=4),
                              range=view_range, autorange=False, automargin=True, zeroline=False),
                   yaxis=dict(title=dict(text="KV head"), autorange="reversed", zeroline=False,
-                             tickvals=list(range(heads)),
-                             ticktext=[f"h{h}" for h in range(heads)]),
+                             tickvals=list(range(heads)), ticktext=[f"h{h}" for h in range(heads)]),
                   legend=dict(orientation="h", y=-0.42, font=dict(size=12)),
                   height=max(320, 220 + 28 * heads), margin=dict(l=60, r=20, t=70, b=110))
     return FigureSpec([heat, *legend], layout)
@@ -180,8 +175,7 @@ def kept_spec(record: StepRecord | None, lane: str, texts: Sequence[str] = (), z
         shapes.append(dict(type="line", xref="x", yref="paper", x0=press.last.length - 0.5,
                            x1=press.last.length - 0.5, y0=0, y1=1, line=dict(color="#444", width=1.5, dash="dot")))
     counts = [c for layer in press.layers for c in press.held[layer]]
-    held = f"each head holds {counts[0]}" if len(set(counts)) == 1 else \
-        f"heads hold {min(counts)}–{max(counts)}"
+    held = f"each head holds {counts[0]}" if len(set(counts)) == 1 else f"heads hold {min(counts)}–{max(counts)}"
     last = f"{press.last.press} {press.last.reason} press at {press.last.length} (dotted)".lstrip() \
         if press.last else "no press yet"
     shown = onscreen.describe(b, n, "positions")

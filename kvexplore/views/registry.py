@@ -1,19 +1,15 @@
-"""The views by name: each a title and a function of a :class:`~.snapshot.Snapshot` to a
-:class:`~.spec.FigureSpec`. This registry is the one list the explorer widget, the HTML replay and a notebook's static
-copy all draw from: a view :func:`register`-ed here appears in the widget (a figure, and a tab when ``tab``), in every
-replay frame (when ``replay`` says how a recorded run draws it) and so in the static copy, with no other change.
+"""The views by name: each a title and a function of a :class:`~.snapshot.Snapshot` to a :class:`~.spec.FigureSpec`.
 
-The cache map is always on screen; the views marked ``tab`` share the panel beside it, one at a time (attention
-first); ``cache_map_b`` is the second strategy's cache map of the side-by-side mode. ``replay``: :data:`PER_LANE`
-(one figure per lane, as the cache map and attention are drawn), :data:`PER_RUN` (one figure of the whole run, as
-the memory lines) or None (the widget only: the stored norms and the comparison need a live session, a trace does
-not keep them).
+The one list the explorer widget, the HTML replay and a notebook's static copy all draw from: a view :func:`register`-ed
+here appears in the widget (a figure, and a tab when ``tab``: the views beside the always-shown cache map, one at a
+time), in every replay frame (``replay``: :data:`PER_LANE`, :data:`PER_RUN`, or None for the widget only) and so in
+the static copy, with no other change (docs/extending.md).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.registry import Registry
@@ -77,9 +73,6 @@ class _Tabs(Sequence):
 
     def __len__(self) -> int:
         return len(self._names())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
 
     def __eq__(self, other) -> bool:
         return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented

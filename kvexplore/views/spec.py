@@ -1,9 +1,6 @@
-"""A view's output: a plain description of a plotly figure, built once and then applied in place.
-
-Each view module has a pure function ``spec(...) -> FigureSpec`` from records to trace and layout properties
-(plain lists and numbers; tests assert on them). The explorer draws a spec in the page as it is
-(:class:`~kvexplore.views.plot.PlotWidget`); :func:`figure` makes a static ``go.Figure`` of it (which also checks
-every property against plotly's schema).
+"""A view's output: a plain description of a plotly figure (plain lists and numbers; tests assert on them), drawn in
+the page as it is (:class:`~kvexplore.views.plot.PlotWidget`); :func:`figure` makes a static ``go.Figure`` of it,
+which also checks every property against plotly's schema.
 """
 
 from __future__ import annotations
@@ -13,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .delta import same
 
 
 @dataclass
@@ -38,11 +37,9 @@ def _plotly_trace(t: dict[str, Any]):
 
 def columns(matrix: np.ndarray, keep: np.ndarray | None = None, x0: int = 0,
             rows: Sequence[int] | np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """A heatmap's cells as three flat arrays ``x``, ``y``, ``z`` (plotly draws a heatmap from columns too).
-
-    Flat numeric arrays reach the browser as binary buffers; a 2-D ``z`` would travel as nested JSON lists, which
-    costs far more on every update. ``keep`` (a boolean mask like ``matrix``) drops cells never drawn; ``rows`` gives
-    each row's y value (default ``0..rows-1``)."""
+    """A heatmap's cells as three flat arrays ``x``, ``y``, ``z`` (binary buffers in the browser, where a 2-D ``z``
+    would travel as JSON). ``keep`` (a boolean mask like ``matrix``) drops cells never drawn; ``rows`` gives each
+    row's y value (default ``0..rows-1``)."""
     h, w = matrix.shape
     ys = np.arange(h, dtype=np.int32) if rows is None else np.asarray(rows, dtype=np.int32)
     yy = np.repeat(ys, w)
@@ -92,14 +89,6 @@ def figure(spec: FigureSpec):
     return go.Figure(data=[_plotly_trace(t) for t in spec.traces], layout=spec.layout)
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-                and a.dtype == b.dtype
-                and bool(np.array_equal(a, b, equal_nan=bool(np.issubdtype(a.dtype, np.floating)))))
-    return type(a) is type(b) and a == b
-
-
 def changes(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
     """The properties of ``new`` that differ from ``old`` (all of them without ``old``)."""
-    return {k: v for k, v in new.items() if k != "type" and (old is None or k not in old or not _same(v, old[k]))}
+    return {k: v for k, v in new.items() if k != "type" and (old is None or k not in old or not same(v, old[k]))}

@@ -1,20 +1,15 @@
-"""Speculative decoding over the steps, for the lane shown: the accepted length of every verification (accepted
-drafts stacked on the rejected ones, a bar per verification at the step of its last token) and the tokens each
-forward pass gave (1 for a plain step, the accepted drafts and the correction or bonus for a verification) with the
-mean so far; the title says the drafter, the counts, how the cache took the rejected drafts back (truncated: each
-layer's way, ``cache.inspect.crop_ways()``; recomputed: the layer that asked for it, ``Verification.why``) and the
-doctor's verdict after the last take-back.
-
-The bars and lines come from the records alone (``record.verification``, ``draft_token``, ``input_len``), so a
-replay draws them too; the take-back's way and the doctor need the live lane (:class:`~.snapshot.SpecInfo`). More
-steps than ``max_bins`` on screen are binned (:mod:`.bins`): a bin sums its drafts and tokens and averages its
-tokens per pass.
+"""Speculative decoding over the steps, for the lane shown: the accepted and rejected drafts of every verification
+(stacked, at the step of its last token) and the tokens each forward pass gave, with the mean so far; the title says
+the drafter, the counts, how the cache took the rejected drafts back and the doctor's verdict (docs/explorer.md, "A
+speculative lane"). The bars and lines come from the records alone, so a replay draws them too; the take-back's way
+and the doctor need the live lane (:class:`~.snapshot.SpecInfo`).
 """
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
+from itertools import groupby
 
 import numpy as np
 
@@ -36,21 +31,12 @@ def drafts(records: Sequence[StepRecord]) -> bool:
 def passes(records: Sequence[StepRecord]) -> list[tuple[int, int, int, int]]:
     """Every forward pass after the prefill: (its last record's step, tokens it gave, drafted, accepted)."""
     out: list[tuple[int, int, int, int]] = []
-    i = 0
-    records = list(records)
-    while i < len(records):
-        r = records[i]
-        if r.verification is None:
-            if r.is_decode:
-                out.append((r.step, 1, 0, 0))
-            i += 1
-            continue
-        j = i
-        while j + 1 < len(records) and records[j + 1].verification == r.verification:
-            j += 1
-        group = records[i:j + 1]
-        out.append((group[-1].step, len(group), r.input_len - 1, sum(x.accepted for x in group)))
-        i = j + 1
+    for verification, run in groupby(records, key=lambda r: r.verification):
+        group = list(run)
+        if verification is None:
+            out += [(r.step, 1, 0, 0) for r in group if r.is_decode]
+        else:  # one verification: its records in a row
+            out.append((group[-1].step, len(group), group[0].input_len - 1, sum(x.accepted for x in group)))
     return out
 
 
@@ -134,11 +120,11 @@ def spec(records: Sequence[StepRecord], strategy: str, info: SpecInfo | None = N
     drafted_on = on & (dr > 0)
     traces = [
         dict(type="bar", name="accepted", x=x[drafted_on], y=acc[drafted_on], marker=dict(color=ACCEPTED),
-             width=0.8 * b.size,
-             xaxis="x", yaxis="y", hovertemplate=f"{where}<br>%{{y}} drafts accepted<extra></extra>"),
+             width=0.8 * b.size, xaxis="x", yaxis="y",
+             hovertemplate=f"{where}<br>%{{y}} drafts accepted<extra></extra>"),
         dict(type="bar", name="rejected", x=x[drafted_on], y=(dr - acc)[drafted_on], marker=dict(color=REJECTED),
-             width=0.8 * b.size,
-             xaxis="x", yaxis="y", hovertemplate=f"{where}<br>%{{y}} drafts rejected (taken back)<extra></extra>"),
+             width=0.8 * b.size, xaxis="x", yaxis="y",
+             hovertemplate=f"{where}<br>%{{y}} drafts rejected (taken back)<extra></extra>"),
         dict(type="scatter", name="tokens per pass", x=x[on], y=(tok[on] / count[on]).astype(np.float32),
              mode="lines+markers" if on.sum() < 80 else "lines", xaxis="x2", yaxis="y2",
              line=dict(color=TOKENS, width=2), marker=dict(size=5),

@@ -1,9 +1,6 @@
-"""Tensors: the size of every stored key and value (L2 norm over head_dim) per physical slot and KV head, and for
-the quantized cache the error its integers introduce (max |x - dequant(quant(x))| per position and head, and per
-channel of the keys and of the values: where a scale had an outlier to cover).
-
-Norms come from the keys and values as the model produced them for each position (RoPE rotates pairs of
-channels, so a key's norm is the same before and after it); empty, stale and evicted slots are left blank.
+"""Tensors: the size of every stored key and value (L2 norm over head_dim, the same before and after RoPE) per
+physical slot and KV head, and for the quantized cache the error its integers introduce (max |x - dequant(quant(x))|
+per position and head, and per channel of the keys and of the values). Empty, stale and evicted slots are blank.
 """
 
 from __future__ import annotations
@@ -23,11 +20,8 @@ from .snapshot import MAX_BINS
 from .spec import FigureSpec, columns, hide_axes, slot_range
 
 
-# Where the panels go, as shares of the plot area (plotly's paper). The explorer draws the view 410 px tall beside the
-# cache map, type at 12 px, and presenting 440 px tall, type at 18 px; about 620 px wide at 1280 x 800, down to 424 px
-# in JupyterLab with its file browser open (wider on a wider screen). That leaves about 330 px of plot area in height
-# each time, where a line of 18 px type takes about 24 px, and, at 424 px and 18 px, about 270 px in width. The shares
-# below hold the type the rows need at 18 px in that space (at 12 px, with room).
+# Where the panels go, as shares of the plot area (plotly's paper): they hold 18 px type in the narrowest case, about
+# 330 x 270 px of plot area (the view 440 px tall presenting, 424 px wide in JupyterLab with its file browser open)
 POSITIONS = 0.24  # the position axis beside the two panels per channel (alone, it takes the whole width)
 CHANNELS, GUTTER = 0.29, 0.08  # each panel per channel, and between the two the room their titles need ("V ≤ 0.0013")
 ERROR_ROW = 0.24  # the bottom row: the error per position (and per channel); its axes' labels in the margin below
