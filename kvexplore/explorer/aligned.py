@@ -26,8 +26,7 @@ def pace_lane(lanes: Iterable[Any]) -> Any | None:
 
 
 def take_back(lane: Any, before: int) -> None:
-    """Undo what ``lane`` did in a step that failed elsewhere: back to ``before`` records (its last step exactly
-    when it took one, else a rewind)."""
+    """Undo ``lane``'s part of a step that failed elsewhere: to ``before`` records (an exact undo, else a rewind)."""
     if len(lane.history) <= before:
         return
     try:

@@ -335,7 +335,6 @@ class AttentionStore:
         self._count = _padded(c[:, 0::2] + c[:, 1::2], self._count.shape, 0)
 
     def truncate(self, n: int) -> None:
-        """Keep rows ``0 .. n - 1`` only."""
         if n >= self.rows:
             return
         b = n // self.rs  # the bin that may keep some rows

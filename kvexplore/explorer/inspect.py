@@ -94,7 +94,6 @@ def element():
 
 
 def publish(box: Any, explorer: Any) -> None:
-    """Put ``explorer``'s state into ``box`` (see :func:`element`)."""
     if box is not None:
         put(box, state(explorer))
 

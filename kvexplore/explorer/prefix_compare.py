@@ -48,12 +48,10 @@ class PrefixCompare:
                 view.show(j)
 
     def show(self, i: int) -> None:
-        """Draw frame ``i`` in every view."""
         next(iter(self.views.values())).show(i)
         self._follow(i)
 
     def close(self) -> None:
-        """Stop following the pools and close the widgets."""
         for pool in self._listening:
             if self._catch_up in pool.listeners:
                 pool.listeners.remove(self._catch_up)

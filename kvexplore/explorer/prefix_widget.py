@@ -106,7 +106,6 @@ class PrefixView:
                 "shown": list(self.figures), "frame": self.shown, "frames": len(self.frames), "error": ""}
 
     def close(self) -> None:
-        """Stop following the pool and close the widgets."""
         if self.source is not None and self._on_frame in self.source.listeners:
             self.source.listeners.remove(self._on_frame)
         self.widget.close()

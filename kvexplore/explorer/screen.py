@@ -37,8 +37,7 @@ class Screen:
         return spec
 
     def _drawn(self, names, snap) -> dict[str, FigureSpec]:
-        """The views ``names`` built from ``snap`` and fitted to the screen; the two cache maps, when both are
-        drawn one above the other, with plots of one height in the column's room (:func:`.controls.balance`)."""
+        """The views ``names`` built from ``snap``, fitted to the screen (stacked maps: .controls.balance)."""
         specs = {name: self._fit(name, VIEWS[name].build(snap)) for name in names}
         if {"cache_map", "cache_map_b"} <= specs.keys() and self.side_by_side and not self.presentation:
             layout.balance(specs["cache_map"], specs["cache_map_b"])
@@ -165,8 +164,7 @@ class Screen:
 
     @contextmanager
     def _quiet(self) -> Iterator[None]:
-        """The pickers' observers stand still while the block gives them new options (setting options selects the
-        first one: the observers must not take it)."""
+        """The pickers' observers stand still while the block sets their options (that selects the first one)."""
         self._syncing = True
         try:
             yield

@@ -100,8 +100,7 @@ class Session:
         return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)), attention)
 
     def _new_lane(self, strategy: str, follows: bool, slots: int | None = None) -> Lane:
-        """A fresh lane of ``strategy``, built by its lane kind (:mod:`.lanes`), its cache ``slots`` long (default:
-        the session's size)."""
+        """A fresh lane of ``strategy`` built by its kind (:mod:`.lanes`), ``slots`` long (default: the session's)."""
         kind = lane_kind(strategy, self.hf)
         spec = LaneSpec(self.model, self.hf, slots or self.max_seq_len, self.options.get(strategy, {}),
                         self.sampling, self.seed, self.top_candidates)
@@ -236,8 +235,7 @@ class Session:
         return {name: out[name] for name in self.lanes if name in out}
 
     def _full_lanes(self) -> dict[str, CacheFullError]:
-        """Each lane whose cache cannot take the next step, and why (any other refusal is raised: it is the
-        caller's to fix)."""
+        """Each lane whose cache cannot take the next step, and why (other refusals raise: the caller's to fix)."""
         full = {}
         for lane in self.lanes.values():
             try:
@@ -276,8 +274,8 @@ class Session:
             raise StateError("nothing to check yet: prefill first")
         spec = lane.speculation
         index = spec.verifications[-1].index if spec is not None and spec.verifications else -1
-        result = lane.checkups[index] = checkup.check(lane.generator.model, lane.generator, index)
-        return result  # (on demand: an error is raised, not kept)
+        lane.checkups[index] = checkup.check(lane.generator.model, lane.generator, index)  # an error raises, not kept
+        return lane.checkups[index]
 
     def step_order(self) -> list[Lane]:
         """The order the lanes take the next step in: the reference first (the others may be fed its token), then
@@ -287,8 +285,7 @@ class Session:
         return [ref, *others[k:], *others[:k]]
 
     def rewind(self, n: int = 1) -> None:
-        """Forget the last ``n`` tokens on every lane (checked on all lanes before any moves; a lane whose cache was
-        full takes steps again)."""
+        """Forget the last ``n`` tokens on every lane (all checked before any moves; a full lane steps again)."""
         for lane in self.lanes.values():
             lane.generator.check_rewind(n)
         for lane in self.lanes.values():
@@ -318,8 +315,7 @@ class Session:
         cache's ``fork()`` (the paged cache shares its pages until the two diverge)."""
         src = self.lanes[name] if name is not None else self.reference
         twin = src.lane_kind.fork(src.generator)
-        tracer = src.tracer.clone()
-        twin.tracer = tracer
+        twin.tracer = tracer = src.tracer.clone()
         count = self._forks[src.kind] = self._forks.get(src.kind, 0) + 1
         lane = Lane(f"{src.kind} fork {count}", src.kind, twin, tracer, follows=False,
                     kl_at=dict(src.kl_at), top1_at=dict(src.top1_at), forced_at=set(src.forced_at), fork_of=src.name)

@@ -62,8 +62,7 @@ def _end(lane: Lane) -> str:
 
 
 def fork_tip(lane: Lane) -> str:
-    """What Fork does to ``lane`` (the strategy shown): a paged cache shares its pages with the fork until the two
-    sequences part; any other gets a copy of its cache."""
+    """What Fork does to ``lane``: a paged cache shares its pages with the fork until they part; any other is copied."""
     shares = isinstance(lane.cache.inspect.slot_view().layout, PagedLayout) if lane.history else False
     return (f"a second sequence from here, forked from {lane.name}: "
             + ("the fork shares its pages until the two sequences part (copy on write)" if shares else

@@ -33,8 +33,7 @@ class TokenStrip:
         return self._texts + [r.text for r in gen.history]
 
     def html(self, tokenizer: Any, gen: Generator, diverged: tuple[int, str] | None = None) -> str:
-        """The strip of ``gen``'s sequence; ``diverged``: (step, words) of the token where the lane first parts from
-        the reference, marked."""
+        """The strip of ``gen``'s sequence; ``diverged``: (step, words) of the token marked where it first parts."""
         self._prompt(tokenizer, gen.prompt_tokens)
         history = gen.history
         n = len(history)

@@ -48,8 +48,7 @@ def drain_kernel_output(timeout: float = DRAIN_S) -> bool:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """The kernel's output sent, and no garbage collection, while the block runs (the collector's state is put back
-    after)."""
+    """The kernel's output sent, and no garbage collection while the block runs (the collector's state put back)."""
     drain_kernel_output()
     was_on = gc.isenabled()
     gc.disable()

@@ -203,16 +203,14 @@ class Explorer(Screen):
         self._operate(self.session.reset)
 
     def fork(self, lane: str | None = None) -> Lane:
-        """A second sequence continuing from the shown lane (paged caches share their pages until they diverge);
-        it appears in the strategy picker."""
+        """A second sequence from the shown lane, in the strategy picker (paged caches share pages until they part)."""
         out: list[Lane] = []
         self._operate(lambda: out.append(self.session.fork(lane or self.lane.name)))
         self.controls["lane"].value = out[0].name
         return out[0]
 
     def load_model(self, source: str | Path | Model) -> None:
-        """Load another model and start over with the same strategies and sampling (the progress bar shows the
-        load)."""
+        """Load another model (the progress bar shows it) and start over with the same strategies and sampling."""
         def go():
             if source == "":
                 raise SettingsError("this model came as an object, not a name or a path: it cannot be loaded again; "
@@ -248,27 +246,23 @@ class Explorer(Screen):
 
     def specs(self, names: Sequence[str] | None = None) -> dict[str, FigureSpec]:
         """What each view draws now (default: every view; :meth:`shown` are the ones on screen)."""
-        snap = self.snapshot()
-        return self._drawn(names or VIEWS, snap)
+        return self._drawn(names or VIEWS, self.snapshot())
 
     def shown(self) -> list[str]:
-        """The views on screen: the cache map, the second one in side-by-side mode, and the tab's view (presenting,
-        the cache maps or the tab's view: one tab at a time)."""
+        """The views on screen: the cache map(s) and the tab's view (presenting: the maps or the view)."""
         maps = ["cache_map", *(["cache_map_b"] if self.side_by_side else [])]
         if self.presentation:
             return maps if self.map_tab else [self.view]
         return [*maps, self.view]
 
     def divergence_mark(self, lane) -> tuple[int, str] | None:
-        """(step, words) of where ``lane`` first parts from the reference lane, for the token strip (None: it has not,
-        or it is the reference)."""
+        """(step, words) where ``lane`` first parts from the reference, for the strip (None: not yet, or is it)."""
         d = lane.divergence
         if d is None:
             return None
         return d[0], divergence.words(*d, self.session.reference.name, lane.top1_at.get(d[0]) is True)
 
     def compare_rows(self) -> list[list[str]]:
-        """The comparison table: one row per strategy (see :data:`~kvexplore.views.compare.COLUMNS`)."""
         return compare.rows_from_snapshot(self.snapshot())
 
     def refresh(self) -> None:

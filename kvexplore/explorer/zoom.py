@@ -47,8 +47,7 @@ def merged(current: Ranges, axes: Mapping[str, tuple[float, float] | None]) -> R
 
 
 def from_page(ranges: Any) -> dict[str, Any]:
-    """What the page reported (axis -> [a, b] or null), as ranges low..high (plotly gives a reversed axis' range
-    high first)."""
+    """What the page reported (axis -> [a, b] or null) as low..high (plotly gives a reversed axis' high first)."""
     if not isinstance(ranges, dict):
         raise SettingsError(f"the page sent a zoom that is not axis -> range: {ranges!r}")
     return {str(k): (None if v is None else tuple(sorted(v)) if isinstance(v, (list, tuple)) and len(v) == 2

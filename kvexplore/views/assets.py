@@ -9,10 +9,9 @@ from pathlib import Path
 
 
 def path(module: str, name: str) -> Path:
-    """The file ``name`` beside the module whose ``__file__`` is ``module``."""
+    """The file ``name`` beside the module whose ``__file__`` is ``module``; :func:`text` reads it."""
     return Path(module).with_name(name)
 
 
 def text(module: str, name: str) -> str:
-    """The text of the file ``name`` beside the module whose ``__file__`` is ``module``."""
     return path(module, name).read_text(encoding="utf-8")

@@ -33,7 +33,6 @@ class Bins:
         return self.size == 1
 
     def edges(self) -> np.ndarray:
-        """The first index of each bin (int32)."""
         return np.arange(self.start, self.start + self.count * self.size, self.size, dtype=np.int32)
 
     def last(self, i: int) -> int:

@@ -79,7 +79,6 @@ def taken_back(record: StepRecord, slots: SlotView, layer: int) -> range:
 
 
 def _write(record: StepRecord, layer: int) -> range:
-    """The positions ``record``'s step wrote in ``layer``."""
     start, count = next((e.write for e in record.trace.events if e.layer == layer), (0, 0))
     return range(start, start + count)
 

@@ -64,11 +64,6 @@ def snapshot_at(runs: Mapping[str, Sequence[StepRecord]], step: int, shown: str,
     return Snapshot(config, lanes, next(iter(runs)), shown, None, layer, head, "step", False)
 
 
-def _packable(a: np.ndarray) -> bool:
-    """A flat array of numbers or booleans (what travels as a typed array)."""
-    return a.ndim == 1 and any(np.issubdtype(a.dtype, t) for t in (np.integer, np.floating, np.bool_))
-
-
 class ArrayStore:
     """Arrays of every frame, each stored once: an array that is the start of one already stored (a later step's,
     as frames are encoded last first) is a reference to it."""
@@ -97,7 +92,8 @@ class ArrayStore:
         if isinstance(value, (list, tuple)):
             return [self.encode(v, f"{path}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, np.ndarray):
-            if _packable(value):
+            if value.ndim == 1 and any(np.issubdtype(value.dtype, t) for t in (np.integer, np.floating, np.bool_)):
+                # a flat array of numbers or booleans travels as a typed array
                 return self.array(path, value)
             return self.encode(value.tolist(), path)
         if isinstance(value, np.generic):

@@ -70,7 +70,6 @@ def plotly_script() -> str:
 
 
 def document(body: str, title: str) -> str:
-    """A whole HTML document around ``body`` (a fragment)."""
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'</head>\n<body style="margin: 12px 18px">\n{body}\n</body></html>\n')
 

@@ -37,8 +37,7 @@ STEP_CYCLE = 32  # steps over which the token colour goes from light to dark, th
 
 
 def step_colour(step: int) -> str:
-    """Background of a generated token: light to dark blue-green over :data:`STEP_CYCLE` steps, then again (a
-    token's colour never changes as more are generated)."""
+    """A generated token's background: light to dark blue-green over :data:`STEP_CYCLE` steps, then round again."""
     t = (step % STEP_CYCLE) / (STEP_CYCLE - 1)
     lo, hi = (224, 243, 219), (67, 162, 202)
     r, g, b = (round(a + (z - a) * t) for a, z in zip(lo, hi))

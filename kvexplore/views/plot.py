@@ -101,7 +101,9 @@ class PlotWidget(anywidget.AnyWidget):
     def show(self, spec: FigureSpec, force: bool = False) -> bool:
         """Draw ``spec``; nothing is sent when it equals what is drawn, else what changed since the base (or a new
         base). True when the page was sent something."""
-        if not force and _same_spec(spec, self.spec):
+        if not force and len(spec.traces) == len(self.spec.traces) and all(
+                x.keys() == y.keys() and not changes(x, y)
+                for x, y in [*zip(spec.traces, self.spec.traces), (spec.layout, self.spec.layout)]):
             return False
         self.spec = spec
         self.__dict__.pop("_plotly", None)
@@ -136,8 +138,3 @@ class PlotWidget(anywidget.AnyWidget):
     def plot_layout(self):
         """The figure's plotly layout (``layout`` is the widget's own ipywidgets layout)."""
         return self._plotly.layout
-
-
-def _same_spec(a: FigureSpec, b: FigureSpec) -> bool:
-    pairs = [*zip(a.traces, b.traces), (a.layout, b.layout)]
-    return len(a.traces) == len(b.traces) and all(x.keys() == y.keys() and not changes(x, y) for x, y in pairs)

@@ -72,8 +72,7 @@ def page_data(source: Any) -> dict:
 
 
 def prefix_fragment(source: Any, title: str | None = None, plotly: bool = True) -> str:
-    """The replay of ``source`` (a PrefixPool or a list of PoolFrames) as one HTML element (see
-    :func:`save_prefix_html`)."""
+    """The replay of ``source`` (a PrefixPool or PoolFrames) as one HTML element (:func:`save_prefix_html`)."""
     data = page_data(source)
     uid = f"kvx-prefix-{uuid.uuid4().hex[:12]}"
     return (PAGE.replace("__ID__", uid).replace("__TITLE__", html.escape(title or "kvexplore · prefix cache"))

@@ -32,7 +32,6 @@ def grid_columns(num_blocks: int) -> int:
 
 
 def cell(slot: int, cols: int) -> tuple[int, int]:
-    """The (column, row) of ``slot`` on the grid."""
     return slot % cols, slot // cols
 
 
@@ -58,7 +57,6 @@ def _hover(frame: PoolFrame, b, queue_at: dict[int, int], reachable: dict[str, b
 
 
 def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
-    """The pool figure of ``frame`` (see the module's docstring)."""
     n = max(frame.num_blocks, 1 + max((b.slot for b in frame.blocks), default=-1))
     cols = grid_columns(n)
     rows = max(1, math.ceil(n / cols))

@@ -22,8 +22,7 @@ def end(node: TreeNode) -> int:
 
 
 def edges(frame: PoolFrame) -> list[tuple[str | None, str]]:
-    """Every edge drawn, (parent id, child id); None is the empty prefix. A node whose parent is not in the tree
-    (evicted and gone) has no edge."""
+    """Every edge drawn, (parent id, child id); None is the empty prefix. A node whose parent was evicted has none."""
     ids = {n.id for n in frame.tree}
     return [(n.parent, n.id) for n in frame.tree if n.parent is None or n.parent in ids]
 
@@ -68,7 +67,6 @@ def _hover(n: TreeNode, who: str) -> str:
 
 
 def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
-    """The tree figure of ``frame`` (see the module's docstring)."""
     rows = layout_rows(frame)
     by_id = {n.id: n for n in frame.tree}
     top = [n.id for n in frame.tree if n.parent is None or n.parent not in by_id]

@@ -62,8 +62,7 @@ BUILT_IN = VIEWS.built_in  # what register() may not replace
 
 
 class _Tabs(Sequence):
-    """The names of the tab views, in registry order, read from :data:`VIEWS` each time (a view registered later
-    is a tab at once)."""
+    """The tab views' names in registry order, read from :data:`VIEWS` each time (one added later is a tab at once)."""
 
     def _names(self) -> tuple[str, ...]:
         return tuple(name for name, v in VIEWS.items() if v.tab)

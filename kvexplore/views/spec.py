@@ -20,19 +20,10 @@ class FigureSpec:
     layout: dict[str, Any] = field(default_factory=dict)
 
     def trace(self, name: str) -> dict[str, Any]:
-        """The trace called ``name`` (for tests and notebooks)."""
         for t in self.traces:
             if t.get("name") == name:
                 return t
         raise KeyError(f"no trace named {name!r}; traces: {[t.get('name') for t in self.traces]}")
-
-
-def _plotly_trace(t: dict[str, Any]):
-    import plotly.graph_objects as go
-
-    kinds = {"heatmap": go.Heatmap, "bar": go.Bar, "scatter": go.Scatter, "table": go.Table}
-    props = {k: v for k, v in t.items() if k != "type"}
-    return kinds[t["type"]](**props)
 
 
 def columns(matrix: np.ndarray, keep: np.ndarray | None = None, x0: int = 0,
@@ -86,7 +77,9 @@ def figure(spec: FigureSpec):
     """A static ``go.Figure`` drawing ``spec`` (plotly checks every property name and value on the way)."""
     import plotly.graph_objects as go
 
-    return go.Figure(data=[_plotly_trace(t) for t in spec.traces], layout=spec.layout)
+    kinds = {"heatmap": go.Heatmap, "bar": go.Bar, "scatter": go.Scatter, "table": go.Table}
+    traces = [kinds[t["type"]](**{k: v for k, v in t.items() if k != "type"}) for t in spec.traces]
+    return go.Figure(data=traces, layout=spec.layout)
 
 
 def changes(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:

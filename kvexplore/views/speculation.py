@@ -100,7 +100,6 @@ def _wrap(text: str, width: int = 70) -> str:
 
 def spec(records: Sequence[StepRecord], strategy: str, info: SpecInfo | None = None, zoom: dict | None = None,
          max_bins: int = MAX_BINS) -> FigureSpec:
-    """The speculation figure of one lane's ``records`` (see the module's docstring)."""
     if not records:
         return empty("no step yet: enter a prompt and press Prefill", f"speculation · {strategy}")
     if info is None and not drafts(records):

@@ -15,20 +15,17 @@ STYLE = f"<style>\n{assets.text(__file__, 'tokens.css')}</style>"  # the strip's
 
 
 def _show(text: str) -> str:
-    """Whitespace made visible enough to count tokens; newlines kept as line breaks; a token with no text (a
-    special token such as bos) shows as ∅."""
+    """Whitespace made visible enough to count tokens, newlines as breaks; a token with no text (bos) shows as ∅."""
     if not text:
         return "∅"
     return html.escape(text.replace(" ", "·").replace("\t", "→")).replace("\n", "↵\n")
 
 
 def prompt_span(pos: int, text: str) -> str:
-    """One prompt token, a ``<span class="kvx-tok kvx-prompt-tok">``."""
     return f'<span class="kvx-tok kvx-prompt-tok" title="prompt · position {pos}">{_show(text)}</span>'
 
 
 def prompt_spans(prompt_texts: Sequence[str]) -> str:
-    """The prompt's tokens, one span each."""
     return "".join(prompt_span(pos, text) for pos, text in enumerate(prompt_texts))
 
 
