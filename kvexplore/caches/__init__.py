@@ -1,8 +1,6 @@
-"""KV cache strategies, all behind :class:`KVCache`; :func:`make_cache` builds one by name.
-
-The strategies (``kvexplore.caches.strategies``) and the presses load on first use: ``from kvexplore.caches import
-SinkCache`` or ``make_cache("sink", ...)`` imports the sink cache's module and no other strategy's.
-"""
+"""KV cache strategies, all behind :class:`KVCache`; :func:`make_cache` builds one by name. The strategies
+(``kvexplore.caches.strategies``) and the presses load on first use: ``from kvexplore.caches import SinkCache`` or
+``make_cache("sink", ...)`` imports the sink cache's module and no other strategy's."""
 
 from importlib import import_module
 

@@ -1,17 +1,15 @@
-"""The model-level cache: the list of layer caches plus the step's bookkeeping, in one class.
-
-One :class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
-(:mod:`kvexplore.caches.registry`); a strategy is a subclass of :class:`KVCache` whose :meth:`KVCache.full_layer`
-makes the cache of each full-attention layer. This class keeps the length and the step (its counters, undo journal
-and masks) and dispatches every call to the layer's object; it never asks what kind a layer is (docs/extending.md).
+"""The model-level cache: the list of layer caches plus the step's bookkeeping, in one class. One
+:class:`~kvexplore.caches.layer.LayerCache` per layer, chosen by the layer-kind registry
+(:mod:`kvexplore.caches.registry`); a strategy is a subclass of :class:`KVCache` whose :meth:`KVCache.full_layer` makes
+the cache of each full-attention layer. This class keeps the length and the step (its counters, undo journal and masks)
+and dispatches every call to the layer's object; it never asks what kind a layer is (docs/extending.md).
 
 The caller decides the position of every write; the cache only records how many leading positions are valid
-(``length``). A pass (:func:`~kvexplore.caches.one_pass.one_pass`) calls ``check_write`` (which raises before any
-layer writes), ``begin_step``, one ``write`` per layer and ``commit``; :meth:`KVCache.rollback` puts back everything
-the last step changed, from its :class:`~kvexplore.caches.journal.UndoJournal`, and :meth:`KVCache.settle` forgets
-how. :meth:`KVCache.truncate` keeps the first ``n`` positions where every layer allows it (where only rings or
-recurrent states stop it the generator recomputes: ``cache.inspect.needs_replay(n)``).
-"""
+(``length``). A pass (:func:`~kvexplore.caches.one_pass.one_pass`) calls ``check_write`` (which raises before any layer
+writes), ``begin_step``, one ``write`` per layer and ``commit``; :meth:`KVCache.rollback` puts back everything the last
+step changed, from its :class:`~kvexplore.caches.journal.UndoJournal`, and :meth:`KVCache.settle` forgets how.
+:meth:`KVCache.truncate` keeps the first ``n`` positions where every layer allows it (where only rings or recurrent
+states stop it the generator recomputes: ``cache.inspect.needs_replay(n)``)."""
 
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ from .slots import EVICTED, FILLED, FREE, SHARED, STALE, SlotView  # noqa: F401 
 class KVCache(ModelCache):
     """Base class of the cache strategies: the layer caches (``layers``) and the step's bookkeeping. A strategy
     implements :meth:`full_layer` and calls :meth:`_build` at the end of its ``__init__``, once its options are set.
-    Data every cache has: ``config``, ``plan`` (one :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
-    ``layers``, ``full_layers``, ``batch_size``, ``dtype``, ``device`` and ``allocator`` (read around each write, or
-    None)."""
+    Data every cache has: ``config``, ``plan`` (a :class:`~kvexplore.config.layer_plan.LayerSpec` per layer),
+    ``layers``, ``full_layers``, ``batch_size``, ``dtype``, ``device``, ``allocator`` (read around writes, or None)."""
 
     #: short name used by the CLI and in records
     kind: str = "base"
@@ -56,9 +53,7 @@ class KVCache(ModelCache):
 
     def __init__(self, config: ModelConfig, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         positive_int(batch_size, "batch_size")
-        self.config = config
-        self.batch_size = batch_size
-        self.dtype = dtype
+        self.config, self.batch_size, self.dtype = config, batch_size, dtype
         self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self.plan: list[LayerSpec] = layer_plan(config)
         self.layers: list[LayerCache] = []
@@ -74,8 +69,7 @@ class KVCache(ModelCache):
         self._index()
 
     def _index(self) -> None:
-        """What the per-step path needs, worked out once: the layers that plan or commit a step, the sources of
-        shared layers, the full layers."""
+        """What the per-step path needs, worked out once: planners, committers, shared layers' sources, full layers."""
         self._planners = [l for l in self.layers if type(l).begin is not LayerCache.begin]
         self._committers = [l for l in self.layers if type(l).commit is not LayerCache.commit]
         self._sources = {s.source for s, l in zip(self.plan, self.layers) if s.shares}
@@ -122,15 +116,11 @@ class KVCache(ModelCache):
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         """Raise, before anything is written, if ``q_len`` positions cannot be written at ``pos``."""
         if batch_size != self.batch_size:
-            raise SettingsError(
-                f"batch of {batch_size} sequences but the cache was made for batch_size={self.batch_size}; "
-                f"make a cache with batch_size={batch_size}"
-            )
+            raise SettingsError(f"batch of {batch_size} sequences but the cache was made for batch_size="
+                                f"{self.batch_size}; make a cache with batch_size={batch_size}")
         if pos < 0 or pos > self.length:
-            raise SettingsError(
-                f"write at position {pos} but the cache holds {self.length} positions; writes must start at or "
-                f"before the end (pos <= {self.length}) so no slot is left unwritten"
-            )
+            raise SettingsError(f"write at position {pos} but the cache holds {self.length} positions; writes must "
+                                f"start at or before the end (pos <= {self.length}) so no slot is left unwritten")
         if pos < self.length and (msg := self.inspect.replay_error(pos)):
             raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
         if self._capacity is not None and pos + q_len > self._capacity:  # the fixed capacity of a bounded cache
@@ -138,8 +128,7 @@ class KVCache(ModelCache):
 
     def begin_step(self, pos: int = 0, q_len: int = 0, model: Any = None) -> None:
         """Start a forward pass of ``model`` writing ``q_len`` positions at ``pos`` (after ``check_write`` passed):
-        plan it in every layer now, count its writes, copies and allocations, and open the journal :meth:`rollback`
-        undoes."""
+        plan it in every layer, count its writes, copies and allocations, open the journal :meth:`rollback` undoes."""
         if model is not None:
             self._attach(model)
         book = self.book
@@ -173,8 +162,7 @@ class KVCache(ModelCache):
               queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``(B, kv_heads, q_len, hd)`` for positions ``pos..pos+q_len-1`` of ``layer`` and
         return the keys/values its attention must read (in ``cache.inspect.read_positions`` order; :meth:`mask` gives
-        their mask). ``queries`` (after RoPE): for a cache that reads them (a press). A shared layer stores nothing: use
-        :meth:`read_shared`."""
+        their mask). ``queries`` (after RoPE): for a press that reads them. A shared layer: :meth:`read_shared`."""
         step = self._step_for(pos, k.shape[2])
         if queries is not None:
             self._note_queries(layer, queries)
@@ -291,8 +279,7 @@ class KVCache(ModelCache):
 
     # -- copies ------------------------------------------------------------------------------------------------
     def _copy(self, how: str) -> "KVCache":
-        """A copy whose layers are ``layer.clone`` or ``layer.fork`` (structures several layers share are copied
-        once and shared by the copies)."""
+        """A copy whose layers are ``layer.clone`` or ``layer.fork`` (a structure layers share: copied once, shared)."""
         twin = shallow_copy(self)
         memo: dict[int, object] = {}
         twin.layers = []

@@ -12,12 +12,11 @@ from .memory import MemoryReport, StepCounters
 
 
 class StepBook:
-    """The last step of a cache, as its container keeps it: ``counters`` (its bytes and allocations), ``moved``
-    (layer -> bytes written and copied), ``reads`` (layer -> the positions a sparse attention read), ``window`` (the
+    """The last step of a cache, as its container keeps it: ``counters`` (its bytes and allocations), ``moved`` (layer
+    -> bytes written and copied), ``reads`` (layer -> the positions a sparse attention read), ``window`` (the
     allocator's counters over its writes), ``report`` (the memory report made when it committed; None: made on first
-    request); while it is under way or can be undone: ``step``, ``journal`` (how to undo it), ``saved`` (the
-    container's figures before it) and ``masks`` (one per mask group); ``scratch``: the journals' reused copy
-    buffers."""
+    request); while it is under way or can be undone: ``step``, ``journal`` (how to undo it), ``saved`` (the container's
+    figures before it) and ``masks`` (one per mask group); ``scratch``: the journals' reused copy buffers."""
 
     __slots__ = ("counters", "moved", "reads", "window", "report", "step", "journal", "saved", "masks", "scratch")
 

@@ -1,11 +1,10 @@
-"""What one part (the keys or the values) of a quantized layer holds, channel by channel, for the views: how large
-each channel is as the model wrote it and as the quantizer saw it (after a pre-RoPE turn and a Hadamard rotation),
-and the codes, scales and zero points of the block where the channel lost the most.
+"""What one part (the keys or the values) of a quantized layer holds, channel by channel, for the views: how large each
+channel is as the model wrote it and as the quantizer saw it (after a pre-RoPE turn and a Hadamard rotation), and the
+codes, scales and zero points of the block where the channel lost the most.
 
-A channel far larger than the others (an outlier channel) stretches every scale it shares; a rotation spreads it
-over all channels, which the two magnitudes show side by side. Read from the stored codes (what the cache holds):
-a magnitude is within one quantization step of the one the model wrote.
-"""
+A channel far larger than the others (an outlier channel) stretches every scale it shares; a rotation spreads it over
+all channels, which the two magnitudes show side by side. Read from the stored codes (what the cache holds): a magnitude
+is within one quantization step of the one the model wrote."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""``make_cache``: any strategy by name, with the model's dtype and device unless told otherwise.
-
-The names come from the registries (:mod:`.registry`): :data:`STRATEGIES` for kvexplore's strategies, and
-name prefixes other packages register (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf`).
-"""
+"""``make_cache``: any strategy by name, with the model's dtype and device unless told otherwise. The names come from
+the registries (:mod:`.registry`): :data:`STRATEGIES` for kvexplore's strategies, and name prefixes other packages
+register (``"hf:"``: transformers' caches, registered by :mod:`kvexplore.hf`)."""
 
 from __future__ import annotations
 
@@ -22,12 +20,10 @@ def make_cache(kind: str, model: Any, max_seq_len: int | None = None, batch_size
                dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                **strategy_options: Any) -> KVCache:
     """Build a cache of ``kind`` (see :data:`STRATEGIES`, or a registered prefix such as ``"hf:"``) for ``model``.
-
-    ``max_seq_len`` sizes the storage (default: the model's context, at most 2048; for ``sink`` the ring of
-    ``sinks + window`` slots unless ``window`` is given; ``concat`` and ``none`` grow or hold nothing); ``dtype`` and
-    ``device`` default to the model's. Other keyword arguments are the strategy's options (its ``Options``: one it
-    does not take is refused, naming those it takes).
-    """
+    ``max_seq_len`` sizes the storage (default: the model's context, at most 2048; for ``sink`` the ring of ``sinks +
+    window`` slots unless ``window`` is given; ``concat`` and ``none`` grow or hold nothing); ``dtype`` and ``device``
+    default to the model's. Other keyword arguments are the strategy's options (its ``Options``: one it does not take is
+    refused, naming those it takes)."""
     if (make := prefix_factory(kind)) is not None:  # another package's caches (kvexplore.hf: "hf:...")
         return make(model, kind, max_seq_len)
     choice(kind, "cache kind", STRATEGIES)

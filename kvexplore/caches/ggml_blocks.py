@@ -99,8 +99,7 @@ def _affine(b: torch.Tensor, top: int) -> torch.Tensor:
 
 
 def _codes(b: torch.Tensor, fifth_bit_at: int | None) -> torch.Tensor:
-    """The ``(n, 32)`` codes of blocks ``b``: their nibbles (the last 16 bytes) and, for q5 types, the fifth bits
-    (4 bytes from ``fifth_bit_at``)."""
+    """The ``(n, 32)`` codes of blocks ``b``: nibbles (last 16 bytes), q5's fifth bits (4 bytes at ``fifth_bit_at``)."""
     low = b[:, -16:]
     codes = torch.cat([low & 15, low >> 4], -1)
     if fifth_bit_at is not None:
@@ -119,13 +118,11 @@ def _dq8_0(b: torch.Tensor) -> torch.Tensor:
 
 
 def _dsymmetric(b: torch.Tensor, top: int) -> torch.Tensor:
-    codes = _codes(b, 2 if top == 16 else None)
-    return _scale(b) * (codes.to(torch.int8) - top).to(_F32)
+    return _scale(b) * (_codes(b, 2 if top == 16 else None).to(torch.int8) - top).to(_F32)
 
 
 def _daffine(b: torch.Tensor, top: int) -> torch.Tensor:
-    codes = _codes(b, 4 if top == 31 else None)
-    return _scale(b) * codes.to(_F32) + _scale(b, 2)
+    return _scale(b) * _codes(b, 4 if top == 31 else None).to(_F32) + _scale(b, 2)
 
 
 _QUANTIZE = {"q8_0": _q8_0, "q5_1": lambda b: _affine(b, 31), "q5_0": lambda b: _symmetric(b, 16),
@@ -135,8 +132,7 @@ _DEQUANTIZE = {"q8_0": _dq8_0, "q5_1": lambda b: _daffine(b, 31), "q5_0": lambda
 
 
 def quantize(x: torch.Tensor, ctype: str) -> torch.Tensor:
-    """``x`` ``(..., width)`` (width a multiple of 32) as blocks of cache type ``ctype``: uint8
-    ``(..., row_bytes(ctype, width))``."""
+    """``x`` ``(..., width)`` (a multiple of 32) as ``ctype`` blocks: uint8 ``(..., row_bytes(ctype, width))``."""
     *lead, width = x.shape
     if ctype in _FLOAT:
         return x.to(_FLOAT[ctype]).contiguous().view(_U8).view(*lead, row_bytes(ctype, width))

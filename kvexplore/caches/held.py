@@ -1,12 +1,11 @@
 """What a cache object really holds: every tensor storage reachable from it, each counted once, named by the part it
-belongs to (docs/strategies.md, "Held"): what a ``del cache`` would give back. :class:`torch.nn.Module` objects
-(the model's rotary a cache may reference) are not entered.
+belongs to (docs/strategies.md, "Held"): what a ``del cache`` would give back. :class:`torch.nn.Module` objects (the
+model's rotary a cache may reference) are not entered.
 
-Each storage goes to the first part that reaches it, in this order: every layer's keys and values
-(``layer.storage()``), each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the attribute's
-own name), the container's own attributes, and last what only the step under way holds (its undo journal and
-reads), which :meth:`~.base.KVCache.settle` lets go. Each part is thus the memory that would be freed with it alone.
-"""
+Each storage goes to the first part that reaches it, in this order: every layer's keys and values (``layer.storage()``),
+each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the attribute's own name), the
+container's own attributes, and last what only the step under way holds (its undo journal and reads), which
+:meth:`~.base.KVCache.settle` lets go. Each part is thus the memory that would be freed with it alone."""
 
 from __future__ import annotations
 
@@ -81,10 +80,8 @@ class StorageWalk:
         self._objects.update(id(o) for o in objects)
 
     def add_tensor(self, part: str, t: torch.Tensor) -> int:
-        """:meth:`add` for one tensor, without the walk (the memory report calls it for every layer's tensors at
-        every step)."""
-        got = self._tensor(t)
-        if got:
+        """:meth:`add` for one tensor, without the walk (the memory report's per-layer call at every step)."""
+        if got := self._tensor(t):
             self.parts[part] = self.parts.get(part, 0) + got
         return got
 

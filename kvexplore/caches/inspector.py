@@ -1,7 +1,6 @@
-"""What a cache can say about itself, layer by layer (``cache.inspect``): its storage, the positions each layer
-read, the state of every physical slot, and its bytes (the memory report :func:`make_report` builds when a step
-commits; held bytes: :mod:`.held`). Every answer comes from the layers' own objects and the cache's public data.
-"""
+"""What a cache can say about itself, layer by layer (``cache.inspect``): its storage, the positions each layer read,
+the state of every physical slot, and its bytes (the memory report :func:`make_report` builds when a step commits; held
+bytes: :mod:`.held`). Every answer comes from the layers' own objects and the cache's public data."""
 
 from __future__ import annotations
 
@@ -116,7 +115,6 @@ class Inspector:
 
     # -- memory ------------------------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Memory after the last forward pass (its writes, copies and allocations) or after a rewind."""
         cache = self.cache
         if cache.book.report is None:
             cache.book.report = make_report(cache)
@@ -132,7 +130,6 @@ class Inspector:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes of storage the cache holds now, used or not: every layer's."""
         return sum(m.reserved_bytes for m in self.layer_memory())
 
     @property
@@ -148,8 +145,7 @@ class Inspector:
 
     @property
     def analytic_bytes(self) -> int:
-        """The formula for what the cache holds: ``2 * kv_heads * head_dim * element_size * batch * held`` summed
-        over the layers that store their own cache."""
+        """The formula ``2 * kv_heads * head_dim * element_size * batch * held`` summed over the layers' own caches."""
         return sum(m.analytic_bytes for m in self.layer_memory())
 
     # -- positions -----------------------------------------------------------------------------------------------
@@ -164,12 +160,10 @@ class Inspector:
         return self.cache.layers[self._layer(layer).index].held(self.cache.length)
 
     def held_positions_of(self, layer: int | None = None) -> list[int]:
-        """The positions ``layer`` holds (default: a full layer), in the order its storage keeps them (a shared or a
-        recurrent layer: none of its own)."""
+        """The positions ``layer`` (default: a full layer) holds, in storage order (none for shared or recurrent)."""
         return self.cache.layers[self._layer(layer).index].held_positions(self.cache.length)
 
     def _layer(self, layer: int | None) -> LayerSpec:
-        """The spec of ``layer`` (None: the first full layer, or layer 0 when there is none)."""
         plan = self.cache.plan
         if layer is None:
             full = self.cache.full_layers
@@ -179,14 +173,12 @@ class Inspector:
         return plan[layer]
 
     def storage(self, layer: int) -> list[torch.Tensor]:
-        """The tensors that hold ``layer``'s cache (a read that shares their memory is a view, not a copy); a
-        shared layer's are its source's."""
+        """The tensors that hold ``layer``'s cache (a shared layer's: its source's)."""
         return self.cache.layers[self._layer(layer).index].storage()
 
     # -- reads ---------------------------------------------------------------------------------------------------
     def read_positions(self, layer: int | None = None) -> list[int]:
-        """The position of each key column ``layer``'s attention read in the last forward pass, in the order it
-        saw them (default: a full layer's)."""
+        """The position of each key column ``layer`` (default: a full layer) read in the last forward pass, in order."""
         spec, sparse = self._layer(layer), self.cache.book.reads
         if spec.index in sparse:
             if isinstance(sparse[spec.index], torch.Tensor):  # still on the device: bring them all over
@@ -196,22 +188,17 @@ class Inspector:
         return self.cache.layers[spec.index].read_positions(self.cache.length)
 
     def read_window(self, layer: int, count: int) -> tuple[int, int]:
-        """``(first position, count)`` of what ``layer``'s attention reads in the step under way (``count`` keys):
-        a sliding layer's ring reads its window, every other layer from position 0."""
         return self.cache.layers[layer].read_start(), count
 
     def read_group(self, layer: int) -> tuple:
-        """Layers with the same read group read the same positions in a step (the tracer records one list each)."""
         if layer in self.cache.book.reads:
             return ("sparse", layer)
         return self.cache.layers[layer].groups().read
 
     def pending_reads(self) -> dict[int, torch.Tensor]:
-        """The sparse reads of this step still on the device (layer -> positions), for :meth:`land_reads`."""
         return {layer: p for layer, p in self.cache.book.reads.items() if isinstance(p, torch.Tensor)}
 
     def land_reads(self, landed: dict[int, torch.Tensor]) -> None:
-        """Replace sparse reads by their host copies (from :func:`kvexplore.core.host.fetch`)."""
         for layer, positions in landed.items():
             self.cache.book.reads[layer] = positions.tolist()
 
@@ -239,7 +226,6 @@ class Inspector:
 
     # -- what it does ------------------------------------------------------------------------------------------------
     def describe_layers(self) -> str:
-        """What the cache keeps for each kind of layer, in one line (each kind says it, by its first layer)."""
         cache = self.cache
         return "; ".join(cache.layers[members[0]].describe(len(members), cache.kind, cache.config)
                          for members in layers_by_kind(cache.plan).values())
@@ -254,8 +240,6 @@ class Inspector:
     evicts_on_write = False
 
     def crop_error(self, n: int) -> str | None:
-        """Why cutting the step just written back to ``n`` positions would not leave the cache as a step that wrote
-        only up to ``n`` would (None: ``truncate(n)`` does); names the first layer that objects."""
         cache = self.cache
         if not 0 <= n <= cache.length:
             return f"cannot cut to {n}: the cache holds {cache.length} positions"
@@ -269,7 +253,6 @@ class Inspector:
         return {type(layer).__name__: layer.crop_way for layer in self.cache.layers}
 
     def speculation_refusal(self) -> str | None:
-        """Why a drafting generator cannot run on this cache (None: it can)."""
         return None
 
     # -- going back ----------------------------------------------------------------------------------------------

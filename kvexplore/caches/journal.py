@@ -1,9 +1,7 @@
-"""The undo journal of one forward pass: what a step overwrote, so a failed or rolled-back step can be put back.
-
-A layer that overwrites held slots in place saves them first (:meth:`UndoJournal.keep`), one that writes slots
-never written before asks for them to be zeroed again (:meth:`UndoJournal.zero_on_undo`), one with bookkeeping of
-its own registers how to put it back (:meth:`UndoJournal.remember`); :meth:`UndoJournal.undo` replays it backwards.
-"""
+"""The undo journal of one forward pass: what a step overwrote, so a failed or rolled-back step can be put back. A layer
+that overwrites held slots in place saves them first (:meth:`UndoJournal.keep`), one that writes slots never written
+before asks for them to be zeroed again (:meth:`UndoJournal.zero_on_undo`), one with bookkeeping of its own registers
+how to put it back (:meth:`UndoJournal.remember`); :meth:`UndoJournal.undo` replays it backwards."""
 
 from __future__ import annotations
 
@@ -101,14 +99,7 @@ class NoJournal(UndoJournal):
     def __init__(self) -> None:
         super().__init__({})
 
-    def keep(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
+    def _drop(self, *record: Any) -> None:
         pass
 
-    def zero_on_undo(self, t: torch.Tensor, dim: int, start: int, n: int) -> None:
-        pass
-
-    def keep_at(self, t: torch.Tensor, dim: int, index: torch.Tensor) -> None:
-        pass
-
-    def remember(self, restore: Callable[[Any], None], saved: Any) -> None:
-        pass
+    keep = zero_on_undo = keep_at = remember = _drop

@@ -1,10 +1,9 @@
 """KIVI's quantization: asymmetric min/max codes for keys (per channel, over blocks of tokens) and values (per token,
 over groups of channels), keys and values each at 2, 3, 4 or 8 bits, bit-packed (:func:`pack`).
 
-``code = round((x - zero) / scale)`` with ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``, so
-``|x - dequant(code)| <= scale / 2`` for every element. Codes are packed into ``uint8`` along head_dim (two 4-bit codes
-a byte, four 2-bit codes, eight 3-bit codes in three bytes). Scales and zeros are float32, in tensors of their own.
-"""
+``code = round((x - zero) / scale)`` with ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``, so ``|x -
+dequant(code)| <= scale / 2`` for every element. Codes are packed into ``uint8`` along head_dim (two 4-bit codes a byte,
+four 2-bit codes, eight 3-bit codes in three bytes). Scales and zeros are float32, in tensors of their own."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 
 def steps(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
-    """The quantization step of each element's group, ``(B, H, T, D)`` like ``x``: an element is read back within
-    half of it."""
+    """The quantization step of each element's group, ``(B, H, T, D)``: an element is read back within half of it."""
     g, dim = _groups(x, axis, group)
     return ((g.amax(dim, keepdim=True) - g.amin(dim, keepdim=True)) / (2 ** bits - 1)).expand(g.shape).reshape(x.shape)
 
@@ -100,7 +98,6 @@ def quantize_keys(k: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Te
 
 
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float32 keys from :func:`quantize_keys` output."""
     return dequantize(codes, scale, zero, bits, "channel")
 
 
@@ -110,5 +107,4 @@ def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tenso
 
 
 def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float32 values from :func:`quantize_values` output."""
     return dequantize(codes, scale, zero, bits, "token")

@@ -1,11 +1,9 @@
-"""How the quantized cache encodes one part of a position, its key or its value: transforms, then KIVI's codes.
-
-Before the codes, in this order (each undone in reverse at read): pre-RoPE keys (KVQuant: turned back to position
-0, where a key's large channels stay the same from token to token), a Hadamard rotation (QuaRot: blocks of the
-largest power of two dividing head_dim, spreading a few large channels over all; its own inverse), outliers
-(KVQuant's dense-and-sparse: each vector's ``n`` largest magnitudes kept exact and replaced by 0 for the
-quantizer), then ``bits``-bit min/max codes along ``axis`` (:mod:`.kivi`). docs/strategies.md has the options.
-"""
+"""How the quantized cache encodes one part of a position, its key or its value: transforms, then KIVI's codes. Before
+the codes, in this order (each undone in reverse at read): pre-RoPE keys (KVQuant: turned back to position 0, where a
+key's large channels stay the same from token to token), a Hadamard rotation (QuaRot: blocks of the largest power of two
+dividing head_dim, spreading a few large channels over all; its own inverse), outliers (KVQuant's dense-and-sparse: each
+vector's ``n`` largest magnitudes kept exact and replaced by 0 for the quantizer), then ``bits``-bit min/max codes along
+``axis`` (:mod:`.kivi`). docs/strategies.md has the options."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-"""The protocol of one layer's cache, and the step every layer of a forward pass sees (docs/extending.md, "The
-layer protocol"). Which class serves a layer is decided by the layer-kind registry (:mod:`kvexplore.caches.registry`);
-the container calls only the methods below and never compares kinds.
+"""The protocol of one layer's cache, and the step every layer of a forward pass sees (docs/extending.md, "The layer
+protocol"). Which class serves a layer is decided by the layer-kind registry (:mod:`kvexplore.caches.registry`); the
+container calls only the methods below and never compares kinds.
 
-Layout: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A latent layer
-(MLA, ``spec.latent``) stores its latent in the keys' place and its rope key in the values' place
+Layout: keys and values are ``[batch, kv_heads, seq, width]`` and keys are stored *after* RoPE. A latent layer (MLA,
+``spec.latent``) stores its latent in the keys' place and its rope key in the values' place
 (:attr:`LayerCache._widths`); a strategy that cannot store two widths refuses latent layers (``refuses(spec)``).
-Everything a step changes in place is recorded in ``step.journal``, so a failed or rolled-back step is put back
-exactly; structures several layers share (a pool, block tables, a slot map) plan once per step.
-"""
+Everything a step changes in place is recorded in ``step.journal``, so a failed or rolled-back step is put back exactly;
+structures several layers share (a pool, block tables, a slot map) plan once per step."""
 
 from __future__ import annotations
 
@@ -155,12 +154,11 @@ class LayerCache(ABC):
         return sum(seen.values())
 
     def _used_bytes(self, length: int) -> int:
-        """Bytes of the slots holding valid positions."""
+        """Bytes of the slots holding valid positions; by default also :meth:`_analytic_bytes`, the formula
+        ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
         return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
 
-    def _analytic_bytes(self, length: int) -> int:
-        """The formula ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
-        return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
+    _analytic_bytes = _used_bytes
 
     def memory(self, length: int, written: int = 0, copied: int = 0, held_bytes: int = 0,
                parts: dict[str, int] | None = None) -> LayerMemory:

@@ -1,10 +1,8 @@
-"""How one layer cache arranges its physical slots, as typed values the views draw without knowing the strategy.
-
-Every :class:`~kvexplore.caches.SlotView` carries one :class:`Layout`. A layout says, in plain data, what the cache
-map needs beyond the slot states: how to read the x axis (``order``), a line of text for the title
-(:meth:`Layout.summary`), vertical marks between slots (:meth:`Layout.marks`) and tick labels
-(:meth:`Layout.ticks`). A new strategy or layer type adds a layout here and nothing in the explorer.
-"""
+"""How one layer cache arranges its physical slots, as typed values the views draw without knowing the strategy. Every
+:class:`~kvexplore.caches.SlotView` carries one :class:`Layout`. A layout says, in plain data, what the cache map needs
+beyond the slot states: how to read the x axis (``order``), a line of text for the title (:meth:`Layout.summary`),
+vertical marks between slots (:meth:`Layout.marks`) and tick labels (:meth:`Layout.ticks`). A new strategy or layer type
+adds a layout here and nothing in the explorer."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ class Layout:
         return None
 
     def step(self, write: tuple[int, int], read: int, view: bool = True) -> str:
-        """What a step did, for the title: ``write`` (first position, count) and the keys read (``view``: as a view
-        of the storage, else gathered into a copy)."""
+        """What a step did, for the title: ``write`` (first position, count), the keys read (``view``: not gathered)."""
         w0, wn = write
         if wn == 0:
             return f"wrote nothing · attention read {read} positions"

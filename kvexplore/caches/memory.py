@@ -62,8 +62,7 @@ class StepCounters:
     frees: int = 0
 
     def temporaries(self, nbytes: int, copied: int | None = None) -> None:
-        """Two temporaries of ``nbytes`` in all, made and dropped within the step (``copied`` of their bytes were
-        copied from held storage; default: all)."""
+        """Two temporaries of ``nbytes`` made and dropped in the step, ``copied`` (default all) from held storage."""
         self.copied_bytes += nbytes if copied is None else copied
         self.allocated_bytes += nbytes
         self.freed_bytes += nbytes

@@ -1,10 +1,8 @@
 """A strategy's options, declared once: each strategy's module holds a frozen dataclass of them (``SinkCache.Options``),
 checked when it is made and read by everything that offers them: :func:`~kvexplore.caches.factory.make_cache`,
-``kvexplore generate`` (one flag per option), the app's lanes and the docs' tables. No code outside a strategy's
-module names its options. An option is a field made by :func:`option`: its help, its check (``check(value,
-name)`` returns the value, normalised, or raises naming the fix) and its command-line :class:`Flag` (None: Python
-only).
-"""
+``kvexplore generate`` (one flag per option), the app's lanes and the docs' tables. No code outside a strategy's module
+names its options. An option is a field made by :func:`option`: its help, its check (``check(value, name)`` returns the
+value, normalised, or raises naming the fix) and its command-line :class:`Flag` (None: Python only)."""
 
 from __future__ import annotations
 
@@ -45,12 +43,10 @@ def option(default: Any = MISSING, *, help: str, check: Check | None = None, fla
 
 # -- checks ---------------------------------------------------------------------------------------------------------
 def positive(value: Any, name: str) -> int:
-    """A whole number of 1 or more."""
     return integer(value, name, minimum=1)
 
 
 def count(value: Any, name: str) -> int:
-    """A whole number of 0 or more."""
     return integer(value, name, minimum=0)
 
 

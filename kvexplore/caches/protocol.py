@@ -140,8 +140,7 @@ class ModelCache(ABC):
 
     @abstractmethod
     def begin_step(self, pos: int, q_len: int, model: Any = None) -> None:
-        """A forward pass of ``model`` writing ``q_len`` positions at ``pos`` starts: keep what :meth:`rollback`
-        needs."""
+        """A pass of ``model`` writing ``q_len`` positions at ``pos`` starts: keep what :meth:`rollback` needs."""
 
     @abstractmethod
     def settle(self) -> None:

@@ -1,8 +1,7 @@
 """The cache registries: strategies by name (:data:`STRATEGIES`), layer kinds (:data:`LAYER_KINDS`: a plan's
 ``LayerSpec.kind`` -> ``make(cache, spec, built, shared)``) and name prefixes other packages serve (:data:`PREFIXES`,
-``"hf:"``). With :mod:`kvexplore.config.layer_plan` and :mod:`.factory` this is where a layer kind or a strategy
-name is looked up; no other cache code compares them (docs/extending.md, "The registries").
-"""
+``"hf:"``). With :mod:`kvexplore.config.layer_plan` and :mod:`.factory` this is where a layer kind or a strategy name is
+looked up; no other cache code compares them (docs/extending.md, "The registries")."""
 
 from __future__ import annotations
 
@@ -95,10 +94,8 @@ def prefix_factory(kind: Any) -> Callable | None:
 
 
 def build_layers(cache: "KVCache") -> list["LayerCache"]:
-    """One layer cache per entry of ``cache.plan``, each from its kind's factory (refusing, before anything is
-    kept, a layer the strategy cannot store)."""
-    built: list = []
-    shared: dict = {}
+    """One layer cache per entry of ``cache.plan``, from its kind's factory (a layer the strategy refuses raises)."""
+    built, shared = [], {}
     for spec in cache.plan:
         make = LAYER_KINDS.get(spec.kind)
         if make is None:

@@ -11,14 +11,12 @@ FREE, FILLED, STALE, EVICTED, SHARED = "free", "filled", "stale", "evicted", "sh
 
 @dataclass(frozen=True)
 class SlotView:
-    """The physical slots of one layer cache, in storage order.
-
-    ``states[i]``: ``free`` (never written), ``filled`` (holds ``positions[i]``), ``stale`` (left behind by a
-    rewind: written once, no longer part of the sequence), ``evicted`` (its position was dropped by the strategy),
-    ``shared`` (filled and shared by ``sharers[i]`` > 1 sequences). ``positions[i]`` is -1 where no position is
-    held. ``layout`` (a typed :class:`~kvexplore.caches.layout.Layout`) says how the slots are arranged: a page
-    table, a ring and where it starts, a quantized part, a layer that shares another's cache.
-    """
+    """The physical slots of one layer cache, in storage order. ``states[i]``: ``free`` (never written), ``filled``
+    (holds ``positions[i]``), ``stale`` (left behind by a rewind: written once, no longer part of the sequence),
+    ``evicted`` (its position was dropped by the strategy), ``shared`` (filled and shared by ``sharers[i]`` > 1
+    sequences). ``positions[i]`` is -1 where no position is held. ``layout`` (a typed
+    :class:`~kvexplore.caches.layout.Layout`) says how the slots are arranged: a page table, a ring and where it starts,
+    a quantized part, a layer that shares another's cache."""
 
     states: list[str]
     positions: list[int]

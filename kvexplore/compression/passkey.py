@@ -1,14 +1,5 @@
-"""Answers after compression: the passkey test and the two-question demonstration.
-
-- :func:`haystack`: filler text of a given length in tokens with "The pass key is NNNNN. Remember it." at a given
-  depth, then the question; :func:`passkey` asks it through a cache (made by a factory ``factory(model,
-  max_seq_len)``, as :mod:`.compression`'s) and answers greedily: it passes when the key's digits appear.
-  The question goes after the compressed context (``question_in_context=False``: the press never saw it) or
-  inside it (True: a query-aware press such as SnapKV scores the context with the question in its window).
-- :func:`two_questions`: one context compressed once (question-agnostic) and asked two questions on clones of the
-  cache, against compressing per question with the question inside the press's window (query-aware), and the
-  full cache; for each answer, the share of each needed fact's tokens the cache still holds (:func:`coverage`).
-"""
+"""Answers after compression: the passkey test (:func:`haystack`, :func:`passkey`) and the two-question
+demonstration (:func:`two_questions`); docs/eviction.md, "Measuring quality"."""
 
 from __future__ import annotations
 
@@ -45,13 +36,6 @@ class Haystack:
     depth: float
 
 
-def _units(tokenizer, filler: str) -> list[list[int]]:
-    sentences = [s for s in re.split(r"(?<=[.!?])\s+", filler.strip()) if s]
-    if not sentences:
-        raise SettingsError("filler has no text; pass sentences (or None for the default filler)")
-    return [tokenizer.encode(" " + s) for s in sentences]
-
-
 def haystack(tokenizer, length: int, depth: float, key: str | None = None, filler: str | None = None,
              seed: int = 0) -> Haystack:
     """A passkey context of at most ``length`` tokens (short of it by less than one filler sentence): an intro,
@@ -66,7 +50,10 @@ def haystack(tokenizer, length: int, depth: float, key: str | None = None, fille
         raise SettingsError(f"key must be digits, got {key!r}")
     head = ([tokenizer.bos_id] if tokenizer.add_bos else []) + tokenizer.encode(INTRO)
     needle = tokenizer.encode(NEEDLE.format(key=key))
-    units = _units(tokenizer, filler or FILLER)
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", (filler or FILLER).strip()) if s]
+    if not sentences:
+        raise SettingsError("filler has no text; pass sentences (or None for the default filler)")
+    units = [tokenizer.encode(" " + s) for s in sentences]
     room = length - len(head) - len(needle)
     if room < 0:
         raise SettingsError(f"length {length} is too short for the intro and the needle ({len(head) + len(needle)} "
@@ -173,12 +160,11 @@ class QA:
 def two_questions(model: Model, context: str, questions: Sequence[tuple[str, str, str]], press: str = "knorm",
                   query_aware_press: str = "snapkv", compression_ratio: float = 0.5, max_new_tokens: int = 8,
                   **cache_options) -> list[QA]:
-    """``context`` asked each of ``questions`` (``(question, fact, expected)``: the text asked after the context,
-    the context's sentence holding the answer, the text the answer should contain) through the full cache, through
-    one evicting cache (``press``) compressed once with the context alone and cloned per question, and through a
-    cache compressed per question with it inside ``query_aware_press``'s window. Each answer's ``coverage``: every
-    fact's share of tokens held (the needed one is the question's own), and each expected answer's (when its fact
-    holds it)."""
+    """``context`` asked each of ``questions`` (``(question, fact, expected)``: the text asked after the context, the
+    context's sentence holding the answer, the text the answer should contain) through the full cache, through one
+    evicting cache (``press``) compressed once with the context alone and cloned per question, and through a cache
+    compressed per question with it inside ``query_aware_press``'s window. Each answer's ``coverage``: every fact's
+    share of tokens held (the needed one is the question's own), and each expected answer's (when its fact holds it)."""
     tok = model.tokenizer
     if tok is None:
         raise SettingsError("two_questions needs the model's tokenizer (a model loaded with kvexplore.load)")

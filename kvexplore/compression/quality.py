@@ -1,26 +1,6 @@
-"""Quality of a compressed cache against the full one, measured the way the KV-compression literature reports it.
-
-:func:`compression_quality` runs a context, then a continuation teacher-forced, once on the full cache
-(:func:`full_reference`, reusable across caches) and once on a cache made by a factory ``factory(model,
-max_seq_len) -> cache`` (an evicting, quantized or sink cache), and returns (:class:`Quality`):
-
-- ``kl``: ``KL(full || compressed)`` in nats for the next-token distribution at each continuation token (the
-  one predicting ``continuation[t]``: the context's last position, then the continuation's), and its mean;
-- ``top1``: the share of those positions where both caches' most likely token agree;
-- ``perplexity``: of the continuation under the compressed cache (``full_perplexity``: under the full one);
-- ``attention_mass``: per full-attention layer, the share of the full cache's attention (the queries of the
-  continuation tokens fed, summed over heads and rows) over the context that falls on context keys the compressed
-  cache still holds (per KV head: ``kept_positions`` where the cache has it, else its held positions); 1.0 for a
-  cache that evicts nothing (a quantized one loses precision, not keys);
-- bytes held at the end (``used_bytes``: the slots holding positions, ``reserved_bytes``: the storage) against
-  the full cache's.
-
-The context is written in one forward when the cache accepts it (an evicting cache presses after it), else in
-the largest writes it accepts (a sink cache: its ring, then token by token). The continuation follows in one forward
-when the cache accepts a multi-token write (after a prompt press it does), token by token when it presses during
-decoding (``decode_every``) or refuses (a sink cache once evicting), so each query sees what the cache held then.
-The passkey test and the two-question demonstration: :mod:`.passkey`.
-"""
+"""Quality of a compressed cache against the full one, measured the way the KV-compression literature reports it:
+KL, top-1 agreement, perplexity, attention mass on the kept keys and bytes held (docs/eviction.md, "Measuring
+quality"). The passkey test and the two-question demonstration: :mod:`.passkey`."""
 
 from __future__ import annotations
 
@@ -54,7 +34,7 @@ class Reference:
 
 @dataclass
 class Quality:
-    """One compressed cache against the full one (see the module docstring)."""
+    """One compressed cache against the full one (docs/eviction.md, "Measuring quality")."""
 
     kl: list[float]
     top1: float
@@ -76,16 +56,13 @@ class Quality:
 
     @property
     def used_fraction(self) -> float:
-        """Bytes held in positions, as a share of the full cache's."""
         return self.used_bytes / self.full_used_bytes
 
     @property
     def reserved_fraction(self) -> float:
-        """Storage held, as a share of the full cache's."""
         return self.reserved_bytes / self.full_reserved_bytes
 
     def row(self) -> dict:
-        """The figures as one flat dict (a table row)."""
         return dict(kl_mean=self.kl_mean, kl_max=max(self.kl), top1=self.top1, perplexity=self.perplexity,
                     full_perplexity=self.full_perplexity, attention_mass=self.attention_mass_mean,
                     used_bytes=self.used_bytes, reserved_bytes=self.reserved_bytes,
@@ -94,7 +71,6 @@ class Quality:
 
 
 def full_cache(model: Model, max_seq_len: int) -> KVCache:
-    """The uncompressed reference: a pre-allocated cache of ``max_seq_len`` positions."""
     return make_cache("preallocated", model, max_seq_len=max_seq_len)
 
 
@@ -113,7 +89,6 @@ def check_ids(ids: Sequence[int], name: str, model: Model, minimum: int = 1) -> 
 
 
 def presses_while_decoding(cache: KVCache) -> bool:
-    """Whether ``cache`` evicts during decoding (an evicting cache with ``decode_every``)."""
     return cache.eviction is not None and cache.eviction.pressplan.decode_every is not None
 
 
@@ -216,8 +191,8 @@ def kept_context(cache: KVCache, layer: int, context: int) -> torch.Tensor:
 def compression_quality(model: Model, context: Sequence[int], continuation: Sequence[int], factory: CacheFactory,
                         reference: Reference | None = None, stepwise: bool | None = None) -> Quality:
     """How far the cache ``factory(model, len(context) + len(continuation))`` makes the model's predictions of
-    ``continuation`` after ``context`` from the full cache's (see the module docstring). ``stepwise``: feed the
-    continuation token by token (default: when the cache presses during decoding or evicts as it writes)."""
+    ``continuation`` after ``context`` from the full cache's (docs/eviction.md, "Measuring quality"). ``stepwise``:
+    feed the continuation token by token (default: when the cache presses during decoding or evicts as it writes)."""
     ctx = check_ids(context, "context", model)
     cont = check_ids(continuation, "continuation", model, minimum=2)
     if not callable(factory):

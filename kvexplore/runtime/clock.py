@@ -1,14 +1,12 @@
 """The clock a step's forward pass is timed with: wall time, less the time the operating system kept the timing thread
 waiting for a CPU while other programs ran.
 
-On a machine that other work shares, a forward pass of a few milliseconds is often taken off the CPU for a whole
-time slice: its wall time can read several times the work it did, and which lane of the explorer happened to be
-preempted decides which one looks slow (docs/explorer.md, "The comparison's step times", has a measurement;
-``benchmarks/speculative_speed.py`` times with this clock). Linux counts, per
-thread, the time it spent runnable but not running (``/proc/thread-self/schedstat``, second field); subtracting it
-leaves what the step cost this process, the same as wall time on an idle machine. Where that file is missing (not
-Linux) the clock is plain wall time.
-"""
+On a machine that other work shares, a forward pass of a few milliseconds is often taken off the CPU for a whole time
+slice: its wall time can read several times the work it did, and which lane of the explorer happened to be preempted
+decides which one looks slow (docs/explorer.md, "The comparison's step times", has a measurement;
+``benchmarks/speculative_speed.py`` times with this clock). Linux counts, per thread, the time it spent runnable but not
+running (``/proc/thread-self/schedstat``, second field); subtracting it leaves what the step cost this process, the same
+as wall time on an idle machine. Where that file is missing (not Linux) the clock is plain wall time."""
 
 from __future__ import annotations
 
@@ -39,9 +37,9 @@ def run_delay() -> float:
 
 def now() -> tuple[float, float]:
     """A mark to pass to :func:`since`: (wall clock, time waited for a CPU so far)."""
-    wall = time.perf_counter()
-    return wall, run_delay()  # read after the wall clock (and before it in since()): a wait between the two reads
-    # counts as work rather than being taken off twice
+    # the wait read after the wall clock (and before it in since()): a wait between the two reads counts as work
+    # rather than being taken off twice
+    return time.perf_counter(), run_delay()
 
 
 def since(mark: tuple[float, float]) -> float:

@@ -1,12 +1,10 @@
-"""A step-wise generator: prefill, step, run, rewind, fork, reset — one :class:`StepRecord` per new token.
-
-The generator alone owns the sequence and decides every position. The newest token is not yet in the cache:
-the next step feeds ``tokens[cache.length:]`` at position ``cache.length`` (one token with a cache, the whole
-sequence with :class:`~kvexplore.NoCache`, whose length stays 0), writes it, and picks the following token.
-A step that fails (cache full, bad input) raises before anything changes: tokens, history, RNG and cache
-stay as they were. Every forward pass goes through one :class:`~kvexplore.models.executor.Executor` (kvexplore's
-eager model, its compiled one-token step, a transformers model): the generator never asks which one it has.
-"""
+"""A step-wise generator: prefill, step, run, rewind, fork, reset — one :class:`StepRecord` per new token. The generator
+alone owns the sequence and decides every position. The newest token is not yet in the cache: the next step feeds
+``tokens[cache.length:]`` at position ``cache.length`` (one token with a cache, the whole sequence with
+:class:`~kvexplore.NoCache`, whose length stays 0), writes it, and picks the following token. A step that fails (cache
+full, bad input) raises before anything changes: tokens, history, RNG and cache stay as they were. Every forward pass
+goes through one :class:`~kvexplore.models.executor.Executor` (kvexplore's eager model, its compiled one-token step, a
+transformers model): the generator never asks which one it has."""
 
 from __future__ import annotations
 
@@ -33,24 +31,10 @@ from .target import Target
 
 
 class Generator:
-    """Generate from ``model`` through ``cache`` one token at a time.
-
-    ``model`` is a kvexplore :class:`~kvexplore.Model`, a transformers model (``kvexplore.hf``) or any
-    :class:`~kvexplore.models.executor.Executor`: the generator runs every forward pass through that contract
-    (:attr:`executor`). ``temperature=0`` (the default) is greedy; otherwise temperature / ``top_k`` / ``top_p``
-    sampling with a ``seed`` (the RNG restarts from it at every :meth:`prefill`, and :meth:`rewind` restores it, so
-    a rewound and regenerated run draws the same tokens). ``top_candidates`` is how many likely tokens each record
-    lists; ``tracer`` a :class:`~kvexplore.Tracer` whose step traces the records carry. ``compile``: single-token
-    steps run the executor's compiled step where it has one (True: the best mode for the device; or a mode by
-    name: "regional" or a torch.compile mode), with :attr:`compile_note` saying why not. ``kernels``: the model's
-    one-row float32 products on the CPU run on compiled kernels (:func:`kvexplore.fast.kernels.apply`, which changes
-    the model for every generator that runs it; :attr:`kernels` says whether they apply). Both are speed only: the
-    tokens are the same, the logits within float32 rounding.
-
-    ``draft``: speculative decoding (:mod:`kvexplore.speculation`) with ``"prompt-lookup"``, ``"self:L"`` (the first
-    L layers) or a draft model with the same tokenizer, ``draft_tokens`` per verification: each :meth:`step` is one
-    verification (it returns the last record), :attr:`speculation` holds the drafted, accepted and rolled-back counts.
-    """
+    """Generate from ``model`` (a kvexplore :class:`~kvexplore.Model`, a transformers model or any
+    :class:`~kvexplore.models.executor.Executor`, :attr:`executor`) through ``cache`` one token at a time. The
+    arguments (sampling and its ``seed``, ``top_candidates``, ``tracer``, ``compile``, ``kernels``, ``draft``):
+    docs/python-api.md, "The generator's arguments"."""
 
     def __init__(self, model: Any, cache: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -143,11 +127,8 @@ class Generator:
 
     # -- stepping ---------------------------------------------------------------------------------------
     def prefill(self, prompt: str | Sequence[int] | torch.Tensor, force: int | None = None) -> StepRecord:
-        """Start a new sequence from ``prompt`` (text, or token ids used as they are) and pick its first token
-        (or take ``force``, as :meth:`step` does).
-
-        Text is encoded with the model's tokenizer and gets a bos token when the model expects one.
-        """
+        """Start a new sequence from ``prompt`` (text, encoded with a bos token when the model expects one, or token
+        ids used as they are) and pick its first token (or take ``force``, as :meth:`step` does)."""
         ids = self.prompt_ids(prompt)
         self._check_force(force)
         saved = self._rng.get_state()
@@ -179,15 +160,12 @@ class Generator:
             self.cache.check_write(start, len(self._tokens) - start, 1)
 
     def step(self, force: int | None = None, keep_undo: bool = False) -> StepRecord:
-        """Feed what the cache does not hold yet, write it, and pick the next token.
-
-        ``force`` (a token id) is appended instead of the chosen token (teacher forcing: the record still lists
-        the model's own candidates and the forced token's probability), e.g. to keep two caches on one sequence.
-        ``keep_undo``: keep what :meth:`undo_step` needs (the slots the step overwrote and, for the concatenating
-        cache, the storage it replaced) until :meth:`settle`; by default it is dropped when the step succeeds.
-        With a drafter (and no ``force``) the step is one verification pass: its records are added and the last is
-        returned.
-        """
+        """Feed what the cache does not hold yet, write it, and pick the next token. ``force`` (a token id) is
+        appended instead of the chosen token (teacher forcing: the record still lists the model's own candidates and
+        the forced token's probability), e.g. to keep two caches on one sequence. ``keep_undo``: keep what
+        :meth:`undo_step` needs (the slots the step overwrote and, for the concatenating cache, the storage it
+        replaced) until :meth:`settle`; by default it is dropped when the step succeeds. With a drafter (and no
+        ``force``) the step is one verification pass: its records are added and the last is returned."""
         if self.speculation is not None and force is None:
             return self._speculate(1 << 62, False, keep_undo)[-1]
         return self._plain_step(force, keep_undo)
@@ -198,10 +176,9 @@ class Generator:
         self._check_force(force)
         start = self.cache.length
         if start >= len(self._tokens):
-            raise StateError(
-                f"the cache holds {start} positions but the sequence has only {len(self._tokens)} tokens: the cache "
-                f"was written by something else. Call reset() and prefill again, or give each generator its own cache"
-            )
+            raise StateError(f"the cache holds {start} positions but the sequence has only {len(self._tokens)} "
+                             f"tokens: the cache was written by something else. Call reset() and prefill again, or "
+                             f"give each generator its own cache")
         record = self._forward(self._tokens[start:], pos=start, first=False, context=self._tokens, force=force)
         self._tokens.append(record.token_id)
         self.history.append(record)
@@ -259,8 +236,7 @@ class Generator:
                                                            stop_at_eos, keep_undo)
         self._tokens.extend(r.token_id for r in records)
         self._rng_states.extend([state] * len(records))
-        for r in records:
-            self.history.append(r)
+        self.history.extend(records)
         self._undoable = keep_undo
         if not keep_undo:
             self.settle()

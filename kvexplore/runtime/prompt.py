@@ -17,9 +17,7 @@ def prompt_ids(prompt: str | Sequence[int] | torch.Tensor, tokenizer: Callable[[
     ``tokenizer()`` gives the tokenizer for text (and raises, naming the fix, when there is none)."""
     if isinstance(prompt, str):
         tok = tokenizer()
-        ids = tok.encode(prompt)
-        if tok.add_bos:
-            ids = [tok.bos_id, *ids]
+        ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
             raise SettingsError(f"prompt ids must be one sequence (1-D), got shape {tuple(prompt.shape)}")

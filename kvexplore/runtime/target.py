@@ -11,9 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class Target:
-    """What a verification reads from the generator it serves (:meth:`~kvexplore.Generator.target`): its model
-    runner, cache and tracer, its sampling settings and RNG (drafts and corrections draw from it), and how many top
-    candidates each record keeps."""
+    """What a verification reads from its generator (:meth:`~kvexplore.Generator.target`): model runner, cache,
+    tracer, sampling settings, the RNG drafts and corrections draw from, and the top candidates each record keeps."""
 
     executor: Any
     cache: Any

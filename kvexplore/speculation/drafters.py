@@ -1,8 +1,7 @@
 """Drafters for speculative decoding: who proposes the next ``k`` tokens the target then checks in one pass:
-``"prompt-lookup"`` (:class:`PromptLookup`), ``"self:L"`` (the target's first ``L`` layers, :class:`ModelDrafter`),
-or a second model with the target's tokenizer (see docs/speculative.md). A model drafter keeps its own cache of the
-sequence, cuts it back to what it shares with the target's and feeds what it lacks before each proposal.
-"""
+``"prompt-lookup"`` (:class:`PromptLookup`), ``"self:L"`` (the target's first ``L`` layers, :class:`ModelDrafter`), or a
+second model with the target's tokenizer (see docs/speculative.md). A model drafter keeps its own cache of the sequence,
+cuts it back to what it shares with the target's and feeds what it lacks before each proposal."""
 
 from __future__ import annotations
 
@@ -106,11 +105,8 @@ class ModelDrafter(Drafter):
     def propose(self, tokens: list[int], k: int, sampling: SamplingSettings, rng: torch.Generator) -> Draft:
         t0 = time.perf_counter()
         self._room(len(tokens) + k)
-        keep = 0
-        for a, b in zip(self.fed, tokens[:-1]):  # what the draft cache shares with the sequence
-            if a != b:
-                break
-            keep += 1
+        shared = list(zip(self.fed, tokens[:-1]))  # what the draft cache shares with the sequence
+        keep = next((i for i, (a, b) in enumerate(shared) if a != b), len(shared))
         if keep < self.cache.length:
             self.executor.cut_back(tokens[:keep], self.cache)
         self.fed = self.fed[:keep]

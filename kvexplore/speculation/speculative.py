@@ -1,9 +1,8 @@
 """Speculative decoding: a drafter proposes ``k`` tokens, the target checks them all in one forward pass of ``k + 1``
-positions, and the cache takes back what the target rejected: truncated where every layer can be cut exactly
-(each layer's ``crop_way``), else rolled back from the step's undo journal and the accepted tokens written again
-(``recompute``). The acceptance rules (greedy, and sampling's ``min(1, p(x) / q(x))``) and the take-backs are
-explained in docs/speculative.md.
-"""
+positions, and the cache takes back what the target rejected: truncated where every layer can be cut exactly (each
+layer's ``crop_way``), else rolled back from the step's undo journal and the accepted tokens written again
+(``recompute``). The acceptance rules (greedy, and sampling's ``min(1, p(x) / q(x))``) and the take-backs are explained
+in docs/speculative.md."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ STATE_ROLLBACKS = (CHECKPOINT, RECOMPUTE)  # how linear-attention states give dr
 class Verification:
     """One verification pass: ``drafted`` tokens checked at positions ``pos + 1 ..`` (the fed newest token at
     ``pos``), ``accepted`` of them kept, ``tokens`` the new tokens it gave (the accepted drafts, then the target's
-    correction or bonus token), ``rolled_back`` positions taken back out of the ``written`` ones, and how
-    (``take_back``: truncate, recompute or nothing; ``why``: the layer that asked for a recompute). ``first_step``
-    is the step number of its first record."""
+    correction or bonus token), ``rolled_back`` positions taken back of the ``written`` ones, and how (``take_back``:
+    truncate, recompute or nothing; ``why``: the layer that asked to recompute); ``first_step``: its first step."""
 
     index: int
     first_step: int
@@ -96,7 +94,6 @@ class Speculation:
             raise SettingsError(f"speculation.states must be one of {', '.join(STATE_ROLLBACKS)}, got {value!r}")
         self._states = value
 
-    # -- one verification --------------------------------------------------------------------------------------
     def draft(self, tokens: list[int], limit: int, target: Target) -> Draft:
         """What the drafter proposes after ``tokens``, at most ``limit`` tokens and no more than the cache has room
         for. A failing drafter leaves the RNG as it was."""
@@ -199,7 +196,6 @@ class Speculation:
         self.verifications.pop()
         return undo.records
 
-    # -- counts ---------------------------------------------------------------------------------------------
     @property
     def drafted(self) -> int:
         return sum(len(v.drafted) for v in self.verifications)

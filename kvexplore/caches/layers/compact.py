@@ -1,13 +1,12 @@
-"""A full layer of the ``evict`` cache that really shrinks: each KV head's kept keys and values packed at the front
-of its storage, the storage reallocated to what is kept after a press that frees slots.
+"""A full layer of the ``evict`` cache that really shrinks: each KV head's kept keys and values packed at the front of
+its storage, the storage reallocated to what is kept after a press that frees slots.
 
-Storage: ``k``/``v`` ``[batch, kv_heads, slots, width]``, ``pos`` and ``rot`` ``[batch, kv_heads, slots]`` (the
-position each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use;
-heads holding different counts read ``max(counts)`` slots under a mask per head. A write appends in place, growing
-the storage by ``headroom`` slots when full. A press on storage already of the kept size moves the kept slots past
-the new count into the evicted ones before it, in place, so slots no longer follow position order (the tail written
-since the last press always does, which is what a rewind reads). docs/eviction.md has the bytes held.
-"""
+Storage: ``k``/``v`` ``[batch, kv_heads, slots, width]``, ``pos`` and ``rot`` ``[batch, kv_heads, slots]`` (the position
+each slot holds, -1 for none, and the position its key is rotated at), ``counts[b][h]`` slots in use; heads holding
+different counts read ``max(counts)`` slots under a mask per head. A write appends in place, growing the storage by
+``headroom`` slots when full. A press on storage already of the kept size moves the kept slots past the new count into
+the evicted ones before it, in place, so slots no longer follow position order (the tail written since the last press
+always does, which is what a rewind reads). docs/eviction.md has the bytes held."""
 
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ class CompactLayer(PressedLayer):
         if step.pos < step.length:  # a write over positions held (after a rewind within the step): drop them
             self._keep_before(step.pos)
 
-    # -- slots --------------------------------------------------------------------------------------------
     @property
     def slots(self) -> int:
         return self.k.shape[2]
@@ -70,7 +68,6 @@ class CompactLayer(PressedLayer):
         self._count_new_storage(c, old[0], old[1])
 
     def _count_new_storage(self, c: StepCounters, old_k: torch.Tensor, old_v: torch.Tensor) -> None:
-        """The step allocated ``k`` and ``v`` anew and freed ``old_k`` and ``old_v``."""
         c.allocated_bytes += self.k.nbytes + self.v.nbytes
         c.freed_bytes += old_k.nbytes + old_v.nbytes
         c.allocations += 2
@@ -213,9 +210,8 @@ class CompactLayer(PressedLayer):
         self.counts = ((self.pos < n) & (self.pos >= 0)).sum(-1).tolist()
 
     def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
-        """For each KV head, the position in each key column the last step's attention read (its slots in storage
-        order, -1 where the head held nothing: a head that holds fewer than the most); after a rewind, the slots
-        held."""
+        """For each KV head, the position in each key column the last step's attention read (its slots in storage order,
+        -1 where the head held nothing: a head that holds fewer than the most); after a rewind, the slots held."""
         read = self.held_slots()[3] if self._read is None else self._read
         return read[batch].tolist()
 
@@ -224,7 +220,6 @@ class CompactLayer(PressedLayer):
         them: a per-head view reads :meth:`read_positions_by_head`)."""
         return self.read_positions_by_head(length)[0]
 
-    # -- inspection ---------------------------------------------------------------------------------------
     def storage(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 

@@ -62,6 +62,5 @@ class ConcatLayer(FullLayer):
 
     def clone(self, memo: dict[int, Any]) -> "ConcatLayer":
         twin = shallow_copy(self, ConcatLayer)
-        twin.k = None if self.k is None else self.k.clone()
-        twin.v = None if self.v is None else self.v.clone()
+        twin.k, twin.v = (None if t is None else t.clone() for t in (self.k, self.v))
         return twin

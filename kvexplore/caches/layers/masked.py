@@ -1,11 +1,10 @@
-"""A full layer of the ``evict`` cache that keeps everything and hides what a press evicted (kvpress's head-wise
-presses work this way): the same kept set as the compacting layer, with no memory freed, to show the difference.
+"""A full layer of the ``evict`` cache that keeps everything and hides what a press evicted (kvpress's head-wise presses
+work this way): the same kept set as the compacting layer, with no memory freed, to show the difference.
 
 Storage: ``k``/``v`` ``[batch, kv_heads, capacity, width]`` allocated once, position ``p`` in slot ``p`` (as the
 pre-allocated cache); ``visible`` ``[batch, kv_heads, capacity]`` says which positions each head still reads, and
 ``rot`` the position each key is rotated at. Attention reads ``narrow(2, 0, end)`` under a mask per head. A press
-changes ``visible`` (and, re-rotating, turns the kept keys in place); nothing is freed or moved.
-"""
+changes ``visible`` (and, re-rotating, turns the kept keys in place); nothing is freed or moved."""
 
 from __future__ import annotations
 

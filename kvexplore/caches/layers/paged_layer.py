@@ -1,10 +1,8 @@
-"""A full layer of the vLLM-style paged cache, and the page pool and block tables its layers share.
-
-Pages are taken from a free list as a sequence grows and returned when it is rewound. A fork shares the pool
-(the same tensors) and copies the block tables; reference counts per page live in the shared :class:`PagePool`,
-so a shared prefix is stored once. Writing into a page another sequence also holds copies it first
-(copy-on-write): only the last, partly filled page of a shared prefix is ever copied.
-"""
+"""A full layer of the vLLM-style paged cache, and the page pool and block tables its layers share. Pages are taken from
+a free list as a sequence grows and returned when it is rewound. A fork shares the pool (the same tensors) and copies
+the block tables; reference counts per page live in the shared :class:`PagePool`, so a shared prefix is stored once.
+Writing into a page another sequence also holds copies it first (copy-on-write): only the last, partly filled page of a
+shared prefix is ever copied."""
 
 from __future__ import annotations
 
@@ -47,10 +45,9 @@ class PagePool:
     def release(self, page: int) -> bool:
         """Drop one reference; True when the page went back to the free list."""
         self.refcount[page] -= 1
-        if self.refcount[page] == 0:
+        if freed := self.refcount[page] == 0:
             self.free.append(page)
-            return True
-        return False
+        return freed
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.k, *self.v) if t is not None]
@@ -80,8 +77,7 @@ class PageTable:
 
     @property
     def bytes_in_use(self) -> int:
-        """Bytes of the pages some sequence of the pool holds (this cache or a fork): the pool is shared, so every
-        fork's table gives the same figure."""
+        """Bytes of the pages some sequence of the shared pool holds (this cache or a fork: the same figure)."""
         return (self.pool.num_blocks - self.pool.free_blocks) * self.page_bytes
 
     def copies(self) -> list[list[int]]:
@@ -113,7 +109,6 @@ class PageTable:
         return self.pool.take()
 
     def plan(self, step: Step) -> None:
-        """Before the first layer writes (once per step): see the class docstring."""
         pos, q_len = step.pos, step.q_len
         if self._step == step.serial and self.prepared == (pos, q_len):
             return
@@ -160,8 +155,7 @@ class PageTable:
 
     def release(self, tail_first: bool = False) -> None:
         """Give every page of these tables back to the pool (a dropped fork); ``tail_first``: each table's last page
-        first (a pool that reuses free pages in the order they came back then takes a prefix's tail first).
-        """
+        first (a pool that reuses free pages in the order they came back then takes a prefix's tail first)."""
         for table in self.tables:
             for page in (reversed(table) if tail_first else table):
                 self.pool.release(page)
@@ -191,28 +185,22 @@ class PageTable:
         return twin
 
     def slot_view(self, length: int) -> SlotView:
-        """Every slot of the pool, page by page. This sequence's pages: ``filled``/``shared`` (sharers = the
-        page's reference count) below the length; past it ``stale`` where written before a rewind, else ``free``.
-        Free pages: ``free``. Pages only other forks hold: ``filled`` with position -1 and their reference count
-        as sharers."""
+        """Every slot of the pool, page by page. This sequence's pages: ``filled``/``shared`` (sharers = the page's
+        reference count) below the length; past it ``stale`` where written before a rewind, else ``free``. Free pages:
+        ``free``. Pages only other forks hold: ``filled`` with position -1 and their reference count as sharers."""
         bs, n, pool = self.block_size, length, self.pool
-        states, positions, sharers = [], [], []
+        slots = []  # (state, position, sharers) of every slot
         owner = {p: i for t in self.tables for i, p in enumerate(t)}
         for page in range(pool.num_blocks):
             rc = pool.refcount[page]
             for slot in range(bs):
                 if page in owner and owner[page] * bs + slot < n:
-                    states.append(SHARED if rc > 1 else FILLED)
-                    positions.append(owner[page] * bs + slot)
-                    sharers.append(rc)
+                    slots.append((SHARED if rc > 1 else FILLED, owner[page] * bs + slot, rc))
                 elif page in owner:  # past the length: written before a rewind, or not yet written
-                    states.append(STALE if slot < pool.written[page] else FREE)
-                    positions.append(-1)
-                    sharers.append(0)
+                    slots.append((STALE if slot < pool.written[page] else FREE, -1, 0))
                 else:
-                    states.append(FREE if rc == 0 else FILLED)
-                    positions.append(-1)
-                    sharers.append(rc)
+                    slots.append((FREE if rc == 0 else FILLED, -1, rc))
+        states, positions, sharers = map(list, zip(*slots))
         layout = PagedLayout(block_size=bs, block_table=list(self.tables[0]), block_tables=self.copies(),
                              free_blocks=len(pool.free))
         return SlotView(states, positions, sharers, layout)

@@ -1,10 +1,9 @@
-"""What the two storages of the ``evict`` cache share: keeping the recent queries and the accumulated attention a
-press reads, running the press when the plan says so, and re-rotating the kept keys.
+"""What the two storages of the ``evict`` cache share: keeping the recent queries and the accumulated attention a press
+reads, running the press when the plan says so, and re-rotating the kept keys.
 
-A subclass stores the keys (:class:`~.compact.CompactLayer`: each head's kept keys packed at the front of its
-storage; :class:`~.masked.MaskedLayer`: every position where it was written, the evicted ones hidden) and gives
-the press its held slots (:meth:`PressedLayer.held_slots`) and applies what was kept (:meth:`PressedLayer.keep`).
-"""
+A subclass stores the keys (:class:`~.compact.CompactLayer`: each head's kept keys packed at the front of its storage;
+:class:`~.masked.MaskedLayer`: every position where it was written, the evicted ones hidden) and gives the press its
+held slots (:meth:`PressedLayer.held_slots`) and applies what was kept (:meth:`PressedLayer.keep`)."""
 
 from __future__ import annotations
 
@@ -160,11 +159,7 @@ class PressedLayer(FullLayer):
         """The position each held key is rotated at, per KV head, in the order of :meth:`kept`."""
         _, _, valid, pos, rot = self.held_slots()
         p, r, ok = pos[batch].cpu(), rot[batch].cpu(), valid[batch].cpu()
-        out = []
-        for h in range(p.shape[0]):
-            order = p[h][ok[h]].argsort()
-            out.append(r[h][ok[h]][order].tolist())
-        return out
+        return [r[h][ok[h]][p[h][ok[h]].argsort()].tolist() for h in range(p.shape[0])]
 
     def head_counts(self) -> torch.Tensor:
         """``(B, H)`` positions each head holds, on the host (a layer that knows them there reads nothing from the
@@ -190,12 +185,11 @@ class PressedLayer(FullLayer):
         return sorted({p for head in self.kept() for p in head})
 
     def _used_bytes(self, length: int) -> int:
-        """Bytes of the keys and values held: each head's own count (heads may hold different counts)."""
+        """Bytes of the keys and values held, each head's own count (heads may hold different counts): also the
+        formula ``Σ over heads of held positions × (key width + value width) × element size``."""
         return self.head_totals()[0] * sum(self._widths) * self._dtype.itemsize
 
-    def _analytic_bytes(self, length: int) -> int:
-        """The formula ``Σ over heads of held positions × (key width + value width) × element size``."""
-        return self._used_bytes(length)
+    _analytic_bytes = _used_bytes
 
     def truncate_error(self, n: int, length: int) -> str | None:
         """Why the layer cannot go back to ``n`` positions: a press evicted positions before ``n``; or, with presses

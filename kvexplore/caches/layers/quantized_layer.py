@@ -1,6 +1,5 @@
-"""A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision
-(the layout, the frontier ``Q`` and what a rewind does: docs/strategies.md; the codes: :mod:`kvexplore.caches.kivi`).
-"""
+"""A full layer of the KIVI quantized cache: positions ``0..Q-1`` as integer codes, the newest in full precision (the
+layout, the frontier ``Q`` and what a rewind does: docs/strategies.md; the codes: :mod:`kvexplore.caches.kivi`)."""
 
 from __future__ import annotations
 
@@ -77,7 +76,6 @@ class QuantizedLayer(FullLayer):
         self.q_high = self.r_high = 0  # slots below these were written at some point
 
     def _tensors(self) -> list[str]:
-        """The names of every tensor this layer holds (storage and diagnostics)."""
         return [n for names in NAMES.values() for n in names if getattr(self, n) is not None] + \
             ["rk", "rv", "kerr", "verr", "kcherr", "vcherr"]
 
@@ -93,14 +91,12 @@ class QuantizedLayer(FullLayer):
         return self.rotary.turn(x, delta, self.layer_type)
 
     def _rows(self, part: str, start: int, end: int) -> list[tuple[str, torch.Tensor, slice]]:
-        """``part``'s stored tensors, each with the rows (dim 2) positions ``start..end-1`` use (whole blocks on the
-        channel axis)."""
+        """``part``'s stored tensors, each with the rows (dim 2) that positions ``start..end-1`` use."""
         scales = self._codec(part).scale_rows(start, end)
         return [(key, t, scales if key in ("scale", "zero") else slice(start, end))
                 for key, name in zip(STORED, NAMES[part]) if (t := getattr(self, name)) is not None]
 
     def _stored(self, part: str, start: int, end: int) -> dict[str, torch.Tensor]:
-        """Views of ``part``'s stored tensors for positions ``start..end-1``."""
         return {key: t[:, :, rows] for key, t, rows in self._rows(part, start, end)}
 
     def decode(self, part: str, start: int, end: int) -> torch.Tensor:
@@ -311,8 +307,7 @@ class QuantizedLayer(FullLayer):
         return [self.rk, self.rv]  # a read is a view of these only while nothing is quantized
 
     def bytes_by_part(self) -> dict[str, int]:
-        """Bytes of storage held, by part: integer codes, scales + zeros, outliers kept exact, full-precision
-        residual."""
+        """Bytes of storage held, by part: integer codes, scales + zeros, exact outliers, full-precision residual."""
         size = lambda *names: sum(getattr(self, n).nbytes for n in names if getattr(self, n) is not None)  # noqa: E731
         out = {"integers": size("kq", "vq"), "scales": size("ks", "kz", "vs", "vz"), "residual": size("rk", "rv")}
         if self.koi is not None:

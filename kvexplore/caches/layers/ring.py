@@ -12,8 +12,7 @@ from ..memory import StepCounters
 
 class RingLayer(SlotMapLayer, StoredLayer):
     """``k``/``v`` of ``[batch, kv_heads, window, width]``; position ``p`` in slot ``p % window``. ``slots`` is the
-    :class:`~kvexplore.caches.layers.sliding.SlidingLayers` every sliding layer of the cache shares (see
-    :mod:`..ring`)."""
+    :class:`~kvexplore.caches.layers.sliding.SlidingLayers` every sliding layer of the cache shares."""
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device,
                  slots: SlidingLayers) -> None:

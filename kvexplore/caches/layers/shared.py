@@ -27,7 +27,6 @@ class SharedLayer(LayerCache):
                             f"read it with read_shared({self.spec.index})")
 
     def read(self, step: Step | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the source layer's attention read in ``step``."""
         if step is None or self.spec.source not in step.reads:
             raise SettingsError(f"layer {self.spec.index} reads layer {self.spec.source}'s cache, which has not been "
                                 f"written this step; run the layers in order")
@@ -61,8 +60,7 @@ class SharedLayer(LayerCache):
     def _used_bytes(self, length: int) -> int:
         return 0
 
-    def _analytic_bytes(self, length: int) -> int:
-        return 0
+    _analytic_bytes = _used_bytes
 
     def slot_view(self, length: int) -> SlotView:
         return SlotView([], [], [], SharedLayout(self.spec.source))

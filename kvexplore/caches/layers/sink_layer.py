@@ -120,22 +120,20 @@ class SinkSlots:
         self.evicted_last, self._step, self.last_read = [], None, None
 
     def slot_view(self, length: int) -> SlotView:
-        states, positions, sharers = [], [], []
+        slots = []  # (state, position, sharers) of every slot
         for p in self.slot_pos:
             held = 0 <= p < length and (p < self.sinks or p >= self.ws)
             state = FILLED if held else FREE if p < 0 else EVICTED if self.sinks <= p < self.ws else STALE
-            states.append(state)
-            positions.append(p if held else -1)
-            sharers.append(1 if held else 0)
+            slots.append((state, p if held else -1, int(held)))
+        states, positions, sharers = map(list, zip(*slots))
         layout = RingLayout(sinks=self.sinks, window=self.window, ring_start=self.slot(self.ws),
                             write_slot=self.slot(length), evicted=self.ws - self.sinks)
         return SlotView(states, positions, sharers, layout)
 
     def copy(self) -> "SinkSlots":
         twin = shallow_copy(self, SinkSlots)
-        twin.slot_pos, twin.evicted_last, twin.pending, twin._step = list(self.slot_pos), list(self.evicted_last), \
-            None, None
-        twin.gather, twin.mask_now = None, None
+        twin.slot_pos, twin.evicted_last = list(self.slot_pos), list(self.evicted_last)
+        twin.pending, twin._step, twin.gather, twin.mask_now = None, None, None, None
         return twin
 
 

@@ -43,7 +43,6 @@ class SlidingLayers:
         self.last_read: list[int] | None = None  # the positions the last step's attention read
         self._step: int | None = None  # the serial of the step planned (each layer asks; the first one plans)
 
-    # -- positions -----------------------------------------------------------------------------------------
     def holds(self, p: int) -> bool:
         return self.slot_pos[p % self.window] == p
 
@@ -62,7 +61,6 @@ class SlidingLayers:
                 f"query at position {n} reads (it was overwritten by position {lost[-1] + self.window}); rewind to "
                 f"{length - 1} or later, or start again from the prompt")
 
-    # -- a step --------------------------------------------------------------------------------------------
     def begin(self, step: Step) -> None:
         """Plan ``step`` (once, whichever layer asks first) and record how to undo its bookkeeping."""
         if (self._step == step.serial and self.plan is not None
@@ -109,16 +107,15 @@ class SlidingLayers:
         """After a rewind: no step has read anything since."""
         self.last_read, self.plan, self._step = None, None, None
 
-    # -- inspection ----------------------------------------------------------------------------------------
     def slot_view(self, length: int) -> SlotView:
         W = self.window
         lo = max(0, length - W)
-        states, positions, sharers = [], [], []
+        slots = []  # (state, position, sharers) of every slot
         for p in self.slot_pos:
             held = lo <= p < length
-            states.append(FILLED if held else FREE if p < 0 else STALE if p >= length else EVICTED)
-            positions.append(p if held else -1)
-            sharers.append(1 if held else 0)
+            state = FILLED if held else FREE if p < 0 else STALE if p >= length else EVICTED
+            slots.append((state, p if held else -1, int(held)))
+        states, positions, sharers = map(list, zip(*slots))
         held = self.held_positions(length)
         layout = RingLayout(sinks=0, window=W, ring_start=held[0] % W if held else 0, write_slot=length % W,
                             evicted=lo)

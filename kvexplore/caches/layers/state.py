@@ -1,13 +1,10 @@
-"""A linear-attention layer's cache: a fixed-size recurrent state instead of keys and values.
-
-A gated DeltaNet layer (Qwen3-Next) keeps the last ``conv_kernel - 1`` inputs of its causal convolution (``conv``,
-``(B, channels, kernel - 1)``, the cache's dtype) and its recurrent state (``recurrent``, ``(B, value heads, key
-dim, value dim)``, float32 as transformers keeps it), both replaced in place each step. An earlier state cannot be
-recovered from a later one, so ``truncate(n)`` for ``0 < n < length`` is refused and the generator recomputes
-(``cache.inspect.needs_replay``). With ``cache.states.checkpointing`` (a verification pass) the layer keeps the
-state after each position written (``k + 1`` copies, counted as allocated) until the next step, so a cut back to
-any of them restores it exactly.
-"""
+"""A linear-attention layer's cache: a fixed-size recurrent state instead of keys and values. A gated DeltaNet layer
+(Qwen3-Next) keeps the last ``conv_kernel - 1`` inputs of its causal convolution (``conv``, ``(B, channels, kernel -
+1)``, the cache's dtype) and its recurrent state (``recurrent``, ``(B, value heads, key dim, value dim)``, float32 as
+transformers keeps it), both replaced in place each step. An earlier state cannot be recovered from a later one, so
+``truncate(n)`` for ``0 < n < length`` is refused and the generator recomputes (``cache.inspect.needs_replay``). With
+``cache.states.checkpointing`` (a verification pass) the layer keeps the state after each position written (``k + 1``
+copies, counted as allocated) until the next step, so a cut back to any of them restores it exactly."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""How many positions a press keeps, and which: the budget (:class:`Budget`: a ``compression_ratio`` or
-``kept_tokens``, uniform or PyramidKV's pyramid over the layers; every head keeps at least one position, never more
-than it holds) and the selection over heads (:func:`select`: per head, shared, or AdaKV's adaptive). The rules and
-their formulas: docs/eviction.md.
-"""
+"""How many positions a press keeps, and which: the budget (:class:`Budget`: a ``compression_ratio`` or ``kept_tokens``,
+uniform or PyramidKV's pyramid over the layers; every head keeps at least one position, never more than it holds) and
+the selection over heads (:func:`select`: per head, shared, or AdaKV's adaptive). The rules and their formulas:
+docs/eviction.md."""
 
 from __future__ import annotations
 

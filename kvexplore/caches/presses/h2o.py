@@ -1,11 +1,8 @@
 """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models").
-
-Heavy hitters: the score of a held key is the attention it has received, summed over every query so far and over
-the query heads that read its KV head; the ``recent_ratio`` share of the budget goes to the newest positions.
-``normalize=True`` divides each key's sum by the number of queries that read it (a held key at ``p`` of ``L``
-positions was read by ``L - p``: evicted keys are gone for good), kvpress's ``ObservedAttentionPress``
-(docs/eviction.md).
-"""
+Heavy hitters: the score of a held key is the attention it has received, summed over every query so far and over the
+query heads that read its KV head; the ``recent_ratio`` share of the budget goes to the newest positions.
+``normalize=True`` divides each key's sum by the number of queries that read it (a held key at ``p`` of ``L`` positions
+was read by ``L - p``: evicted keys are gone for good), kvpress's ``ObservedAttentionPress`` (docs/eviction.md)."""
 
 from __future__ import annotations
 

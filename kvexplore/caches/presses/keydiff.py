@@ -1,9 +1,7 @@
-"""KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference").
-
-Keys that point in a direction unlike the others carry information the rest does not: with ``a`` the mean of the
-head's normalised held keys (the anchor), the score of key ``k`` is ``-cos(k, a)``, so each head keeps its most
-dissimilar keys. Query-agnostic and attention-free, like KNorm.
-"""
+"""KeyDiff (Park et al., 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference"). Keys
+that point in a direction unlike the others carry information the rest does not: with ``a`` the mean of the head's
+normalised held keys (the anchor), the score of key ``k`` is ``-cos(k, a)``, so each head keeps its most dissimilar
+keys. Query-agnostic and attention-free, like KNorm."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""KNorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").
-
-Keys with a *low* L2 norm draw high attention (the paper's observation), so the score of a held key ``k`` is
-``-‖k‖₂``: each head keeps its ``n_kept`` smallest-norm keys. It reads nothing but the keys (no queries, no
-attention), so it works with fused attention kernels and costs one norm per key.
-"""
+"""KNorm (Devoto et al., 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"). Keys with a
+*low* L2 norm draw high attention (the paper's observation), so the score of a held key ``k`` is ``-‖k‖₂``: each head
+keeps its ``n_kept`` smallest-norm keys. It reads nothing but the keys (no queries, no attention), so it works with
+fused attention kernels and costs one norm per key."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """What a press sees of one layer when it scores: the held keys and values, the recent queries, the accumulated
 attention, and the attention those queries give the held keys.
 
-Shapes: ``B`` batch, ``H`` KV heads, ``S`` slots of the layer's storage the press scores (a slot may be empty or
-hidden: ``valid``), ``nh`` query heads (``g = nh // H`` per KV head), ``W`` recent queries, ``w`` head width.
-"""
+Shapes: ``B`` batch, ``H`` KV heads, ``S`` slots of the layer's storage the press scores (a slot may be empty or hidden:
+``valid``), ``nh`` query heads (``g = nh // H`` per KV head), ``W`` recent queries, ``w`` head width."""
 
 from __future__ import annotations
 

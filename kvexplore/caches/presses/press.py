@@ -1,10 +1,8 @@
-"""A press: a score per KV head and held position, from what the press needs to see; higher is kept first.
-
-A press only scores. Which positions are kept (the budget: a ratio or a number of tokens, per layer on a
-schedule, per head or shared across a layer's heads) is the cache's policy (:mod:`.budget`), and where the kept
-keys go (compacted or masked, positions kept or re-rotated) is the cache's storage
-(:mod:`kvexplore.caches.strategies.evict`). Slots that are not ``valid`` are never kept, whatever the score.
-"""
+"""A press: a score per KV head and held position, from what the press needs to see; higher is kept first. A press only
+scores. Which positions are kept (the budget: a ratio or a number of tokens, per layer on a schedule, per head or shared
+across a layer's heads) is the cache's policy (:mod:`.budget`), and where the kept keys go (compacted or masked,
+positions kept or re-rotated) is the cache's storage (:mod:`kvexplore.caches.strategies.evict`). Slots that are not
+``valid`` are never kept, whatever the score."""
 
 from __future__ import annotations
 

@@ -43,8 +43,7 @@ class SnapKVPress(Press):
 
     def score(self, obs: Observation) -> torch.Tensor:
         attn = obs.attention()  # (B, nh, W, S)
-        W = attn.shape[2]
-        B, nh, S = attn.shape[0], attn.shape[1], attn.shape[3]
+        B, nh, W, S = attn.shape
         H = obs.keys.shape[1]
         recent = obs.positions >= obs.length - W  # (B, H, S): the window's own keys, the newest held
         # a window key votes 0: what the pooling's padding gives after the last key before the window (0 counted by

@@ -1,9 +1,7 @@
-"""StreamingLLM as a press (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
-
-Keep the first ``sinks`` positions (the attention sinks) and the most recent ones: the score is ``inf`` for a sink
-and the position itself otherwise, so a budget of ``n_kept`` keeps the sinks and the newest ``n_kept - sinks``.
-The same set the ``sink`` cache keeps, but reached by eviction from a full prompt (and choosable per layer).
-"""
+"""StreamingLLM as a press (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks"). Keep the
+first ``sinks`` positions (the attention sinks) and the most recent ones: the score is ``inf`` for a sink and the
+position itself otherwise, so a budget of ``n_kept`` keeps the sinks and the newest ``n_kept - sinks``. The same set the
+``sink`` cache keeps, but reached by eviction from a full prompt (and choosable per layer)."""
 
 from __future__ import annotations
 
@@ -26,5 +24,4 @@ class StreamingPress(Press):
         return dict(sinks=self.sinks)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        scores = obs.positions.float()
-        return scores.masked_fill(obs.positions < self.sinks, float("inf"))
+        return obs.positions.float().masked_fill(obs.positions < self.sinks, float("inf"))

@@ -1,10 +1,7 @@
-"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs").
-
-Token Omission Via Attention: the newest query's attention, averaged over *all* the layer's query heads, scores
-each held position (a query head gives 0 to a position its KV head does not hold); one decision per layer (every
-KV head keeps the same positions, once they hold the same). Run during decoding
-(``decode_every=1``) it drops, at each step, the key the newest token attends to least.
-"""
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"). Token Omission Via Attention: the newest query's
+attention, averaged over *all* the layer's query heads, scores each held position (a query head gives 0 to a position
+its KV head does not hold); one decision per layer (every KV head keeps the same positions, once they hold the same).
+Run during decoding (``decode_every=1``) it drops, at each step, the key the newest token attends to least."""
 
 from __future__ import annotations
 

@@ -20,12 +20,9 @@ class ConcatOptions(Options):
 
 class ConcatCache(KVCache):
     """Per full layer ``k``/``v`` of shape ``[batch, kv_heads, length, head_dim]`` that grow by ``torch.cat``
-    (:class:`~kvexplore.caches.layers.concat_layer.ConcatLayer`).
-
-    Each write allocates new tensors one step longer and copies the whole cache into them (``copied_bytes`` of
-    a step = the cache's size before it); the old storage is freed. A rewind slices a view, keeping the storage
-    until the next write replaces it. Unbounded: it grows until memory runs out.
-    """
+    (:class:`~kvexplore.caches.layers.concat_layer.ConcatLayer`). Each write allocates new tensors one step longer and
+    copies the whole cache into them (``copied_bytes`` of a step = the cache's size before it); the old storage is
+    freed. A rewind slices a view (storage kept until the next write). Unbounded: it grows until memory runs out."""
 
     kind = "concat"
     Options = ConcatOptions

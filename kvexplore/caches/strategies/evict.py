@@ -1,11 +1,9 @@
 """Score-based eviction: a press scores each KV head's positions and the cache keeps the best within a budget.
-
-``make_cache("evict", model, max_seq_len=..., press="knorm", compression_ratio=0.5, ...)``. The full-attention
-layers are pressed; sliding layers keep their rings, recurrent layers their state (a latent layer is refused). When
-it presses and the budget: :mod:`.layers.pressplan` and :mod:`.presses.budget`; the two storages (``"compact"``:
-memory freed, ``"mask"``: evicted positions masked in place), the two position modes (``"keep"``, ``"rerotate"``)
-and which rewinds are refused: docs/eviction.md.
-"""
+``make_cache("evict", model, max_seq_len=..., press="knorm", compression_ratio=0.5, ...)``. The full-attention layers
+are pressed; sliding layers keep their rings, recurrent layers their state (a latent layer is refused). When it presses
+and the budget: :mod:`.layers.pressplan` and :mod:`.presses.budget`; the two storages (``"compact"``: memory freed,
+``"mask"``: evicted positions masked in place), the two position modes (``"keep"``, ``"rerotate"``) and which rewinds
+are refused: docs/eviction.md."""
 
 from __future__ import annotations
 
@@ -95,7 +93,6 @@ class EvictCache(KVCache):
 
     @property
     def inspect(self) -> "EvictInspector":
-        """What the cache can say about itself, what it did included (:class:`EvictInspector`)."""
         return EvictInspector(self)
 
     def __init__(self, config: ModelConfig, press: Any = "knorm", compression_ratio: float | None = 0.5,
@@ -137,14 +134,12 @@ class EvictCache(KVCache):
         if self.full_layers:  # a copy's layers share the copy of the plan
             self.pressplan = self.layers[self.full_layers[0]].plan
 
-    # -- the write protocol ------------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
         if pos < self.length and self.full_layers:
             if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
                 raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
-    # -- rewinds ---------------------------------------------------------------------------------------------
     def check_truncate(self, n: int, rings: bool = True) -> None:
         if rings and 0 < n < self.length and not self.pressplan.replayable(n) and (msg := self.inspect.replay_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg} (recomputing the kept tokens instead would press them "
@@ -169,16 +164,8 @@ class EvictCache(KVCache):
         if self.pressplan.queries > 0 and layer in self._pressed:  # a press that reads queries, of a pressed layer
             self.layers[layer].note_queries(q)
 
-    def _pressed_layer(self, layer: int) -> PressedLayer:
-        if layer not in self._pressed:
-            raise SettingsError(f"layer {layer} is not pressed (a {self.plan[layer].kind} layer); pressed layers: "
-                                f"{sorted(self._pressed)}")
-        return self.layers[layer]
-
-    # -- what it kept -------------------------------------------------------------------------------------
     @property
     def eviction(self) -> "Eviction":
-        """What the presses kept, per layer and KV head (:class:`Eviction`)."""
         return Eviction(self)
 
 
@@ -200,12 +187,15 @@ class Eviction:
         return self.cache.pressplan
 
     def reads_queries(self, layer: int) -> bool:
-        """Whether ``layer``'s press reads its queries (the model hands them over with its write)."""
         cache = self.cache
         return cache.pressplan.queries > 0 and layer in cache._pressed
 
     def _layer(self, layer: int) -> PressedLayer:
-        return self.cache._pressed_layer(layer)
+        cache = self.cache
+        if layer not in cache._pressed:
+            raise SettingsError(f"layer {layer} is not pressed (a {cache.plan[layer].kind} layer); pressed layers: "
+                                f"{sorted(cache._pressed)}")
+        return cache.layers[layer]
 
     def kept_positions(self, layer: int, batch: int = 0) -> list[list[int]]:
         """For each KV head of ``layer``, the sorted positions it still holds (of sequence ``batch``)."""
@@ -237,7 +227,6 @@ class Eviction:
 
     @property
     def press_events(self) -> list[PressEvent]:
-        """Every press so far, in order."""
         return list(self.cache.pressplan.events)
 
     def overhead_slots(self, layer: int) -> int:

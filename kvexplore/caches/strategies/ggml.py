@@ -17,17 +17,15 @@ from ..lossy import LossyStorage
 
 
 class GGMLCache(KVCache):
-    """Per full layer, every position's key row as ``k_type`` blocks and its value row as ``v_type`` blocks, in
-    storage allocated once (``[batch, kv_heads, max_seq_len, row bytes]`` of uint8 each; :class:`GGMLLayer`). As
-    llama.cpp does, a row is quantized when it is written (no full-precision window) and read back dequantized; the
-    blocks are byte for byte what ``gguf.quants.quantize`` makes (bytes per row: docs/strategies.md).
-    """
+    """Per full layer, every position's key row as ``k_type`` blocks and its value row as ``v_type`` blocks, in storage
+    allocated once (``[batch, kv_heads, max_seq_len, row bytes]`` of uint8 each; :class:`GGMLLayer`). As llama.cpp does,
+    a row is quantized when it is written (no full-precision window) and read back dequantized; the blocks are byte for
+    byte what ``gguf.quants.quantize`` makes (bytes per row: docs/strategies.md)."""
 
     kind = "quantized"
 
     @property
     def inspect(self) -> "GGMLInspector":
-        """What the cache can say about itself, what it did included (:class:`GGMLInspector`)."""
         return GGMLInspector(self)
 
     def __init__(self, config: ModelConfig, max_seq_len: int, k_type: str = "f16", v_type: str = "f16",
@@ -48,7 +46,6 @@ class GGMLCache(KVCache):
 
     @property
     def quantization(self) -> "GGMLStorage":
-        """What the block types did and may do (:class:`~kvexplore.caches.protocol.Quantization`)."""
         return GGMLStorage(self)
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,15 +59,12 @@ class PagedOptions(Options):
 
 
 class PagedCache(KVCache):
-    """Pages of ``block_size`` positions from a shared :class:`PagePool`; block table ``b`` maps logical block
-    ``i`` (positions ``i*block_size ..``) of sequence ``b`` to a physical page.
-
-    ``num_blocks`` defaults to ``ceil(max_seq_len / block_size) * batch_size``. ``max_seq_len``, when given, also
-    caps the positions of one sequence. A write scatters into the pages; attention reads a gather of the pages
-    in logical order (a copy made for attention, not counted as ``copied_bytes``, which counts copy-on-write).
-    A fork shares the pool and every page (reference counts) until one of them writes into it; its rings and
-    states are copied.
-    """
+    """Pages of ``block_size`` positions from a shared :class:`PagePool`; block table ``b`` maps logical block ``i``
+    (positions ``i*block_size ..``) of sequence ``b`` to a physical page. ``num_blocks`` defaults to ``ceil(max_seq_len
+    / block_size) * batch_size``. ``max_seq_len``, when given, also caps the positions of one sequence. A write scatters
+    into the pages; attention reads a gather of the pages in logical order (a copy made for attention, not counted as
+    ``copied_bytes``, which counts copy-on-write). A fork shares the pool and every page (reference counts) until one of
+    them writes into it; its rings and states are copied."""
 
     kind = "paged"
     Options = PagedOptions
@@ -97,7 +94,6 @@ class PagedCache(KVCache):
         # the table every paged layer shares (the full layers', and sliding ones' when kept whole)
         self.table = next((layer.table for layer in self.layers if isinstance(layer, PagedLayer)), self.table)
 
-    # -- pages ------------------------------------------------------------------------------------------
     @property
     def pool(self) -> PagePool:
         """The page pool (shared with every fork)."""

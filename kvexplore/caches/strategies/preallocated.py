@@ -20,11 +20,9 @@ class PreallocatedOptions(Options):
 
 class PreallocatedCache(KVCache):
     """Per full layer ``k``/``v`` of shape ``[batch, kv_heads, max_seq_len, head_dim]``, allocated up front
-    (:class:`~kvexplore.caches.layers.preallocated_layer.PreallocatedLayer`).
-
-    A write is ``k.narrow(2, pos, q_len).copy_(k_new)``; attention reads the view ``k.narrow(2, 0, pos + q_len)``.
-    Nothing is ever reallocated or copied, so memory is fixed at ``reserved_bytes`` from the start.
-    """
+    (:class:`~kvexplore.caches.layers.preallocated_layer.PreallocatedLayer`). A write is ``k.narrow(2, pos,
+    q_len).copy_(k_new)``; attention reads the view ``k.narrow(2, 0, pos + q_len)``. Nothing is ever reallocated or
+    copied, so memory is fixed at ``reserved_bytes`` from the start."""
 
     kind = "preallocated"
     Options = PreallocatedOptions

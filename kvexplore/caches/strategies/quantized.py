@@ -107,9 +107,8 @@ class QuantizedOptions(Options):
 
 
 class QuantizedCache(KVCache):
-    """KIVI cache: positions ``0..Q-1`` quantized, ``Q..length-1`` in full precision (the residual). How the
-    frontier ``Q`` moves, the storage per layer, and what a rewind into a quantized block does: docs/strategies.md
-    ("The quantized cache")."""
+    """KIVI cache: positions ``0..Q-1`` quantized, ``Q..length-1`` in full precision (the residual). How ``Q`` moves,
+    the storage per layer, a rewind into a quantized block: docs/strategies.md ("The quantized cache")."""
 
     def __new__(cls, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
                 residual: int | None = None, batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -133,7 +132,6 @@ class QuantizedCache(KVCache):
 
     @property
     def inspect(self) -> "QuantizedInspector":
-        """What the cache can say about itself, what it did included (:class:`QuantizedInspector`)."""
         return QuantizedInspector(self)
 
     def __init__(self, config: ModelConfig, max_seq_len: int, bits: int | None = None, group_size: int | None = None,
@@ -207,7 +205,6 @@ class QuantizedCache(KVCache):
 
     @property
     def quantization(self) -> "KiviStorage":
-        """What the quantization did and may do (:class:`~kvexplore.caches.protocol.Quantization`)."""
         return KiviStorage(self)
 
     def truncate(self, n: int) -> None:
@@ -235,8 +232,7 @@ class KiviStorage(LossyStorage):
         return self.cache.layers[layer].error(self.cache.length, part)
 
     def bytes_breakdown(self) -> dict[str, int]:
-        """Bytes of storage held, by part: integer codes, scales + zeros, outliers kept exact, full-precision
-        residual."""
+        """Bytes of storage held, by part: integer codes, scales + zeros, exact outliers, full-precision residual."""
         out = {"integers": 0, "scales": 0, "residual": 0, **({"outliers": 0} if self.cache.outliers else {})}
         for layer in self.cache._full():
             for name, n in layer.bytes_by_part().items():

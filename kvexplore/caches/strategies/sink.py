@@ -1,9 +1,7 @@
 """StreamingLLM attention sinks: keep the first ``sinks`` positions and the last ``window`` positions, nothing else.
-
-Position ``p >= sinks`` lives in slot ``sinks + (p - sinks) % window``; kept keys keep their original positions
-(never re-rotated), so attention is the full model's restricted to the kept keys. The slots, the reads and which
-rewinds are allowed: docs/strategies.md ("The sink cache").
-"""
+Position ``p >= sinks`` lives in slot ``sinks + (p - sinks) % window``; kept keys keep their original positions (never
+re-rotated), so attention is the full model's restricted to the kept keys. The slots, the reads and which rewinds are
+allowed: docs/strategies.md ("The sink cache")."""
 
 from __future__ import annotations
 
@@ -80,11 +78,9 @@ class SinkCache(KVCache):
         if self.full_layers:  # a copy's layers share the copy of the bookkeeping
             self.slots = self.layers[self.full_layers[0]].slots
 
-    # -- positions and slots -------------------------------------------------------------------------------
     @property
     def evicted_positions(self) -> range:
-        """Every position of the sequence evicted so far (always contiguous; ``.stop``: the first window position
-        held)."""
+        """Every position evicted so far (always contiguous; ``.stop``: the first window position held)."""
         return range(self.sinks, self.slots.ws)
 
     @property
@@ -92,7 +88,6 @@ class SinkCache(KVCache):
         """Positions the last forward pass evicted (empty after a rewind)."""
         return list(self.slots.evicted_last)
 
-    # -- the write protocol --------------------------------------------------------------------------------
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
         if pos < self.length and (msg := self.slots.rewind_error(pos)):
