@@ -23,10 +23,7 @@ def zoo_model(name: str = "tiny") -> Any:
     if name not in _LOADED:
         from ..formats.loading import load
 
-        if name == "tiny-windowed":
-            _LOADED[name] = windowed(zoo_model("tiny"), WINDOW)
-        else:
-            _LOADED[name] = load(name)
+        _LOADED[name] = windowed(zoo_model("tiny"), WINDOW) if name == "tiny-windowed" else load(name)
     return _LOADED[name]
 
 

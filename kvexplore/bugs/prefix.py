@@ -63,9 +63,8 @@ class TokensOnlyIndex(HashIndex):
 class TokensOnlyPool(PrefixPool):
     def __init__(self, model, num_blocks: int, block_size: int = 16, **options) -> None:
         super().__init__(model, num_blocks, block_size, **options)
-        index = TokensOnlyIndex(block_size)
-        self.index = self.pool.index = index
-        index.pool = self.pool
+        self.index = self.pool.index = TokensOnlyIndex(block_size)
+        self.index.pool = self.pool
 
 
 def _shifted(model: Any) -> list[list[int]]:

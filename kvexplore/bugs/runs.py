@@ -95,9 +95,8 @@ def _compared(broken: Run, fixed: Run):
         lb = broken.logits[i] if i < len(broken.logits) else None
         lf = fixed.logits[i] if i < len(fixed.logits) else None
         for j in range(max(len(tb), len(tf))):
-            diff = None
-            if lb is not None and lf is not None and j < len(lb) and j < len(lf):
-                diff = float((lb[j] - lf[j]).abs().max())
+            both = lb is not None and lf is not None and j < len(lb) and j < len(lf)
+            diff = float((lb[j] - lf[j]).abs().max()) if both else None
             a = tb[j] if j < len(tb) else -1
             b = tf[j] if j < len(tf) else -1
             yield (i, j, a, b, diff), a == b, diff

@@ -61,8 +61,7 @@ class TrimmedRings(PreallocatedCache):
         super()._build()
         for i, spec in enumerate(self.plan):
             if spec.ring:
-                old = self.layers[i]
-                self.layers[i] = TrimmedRing(spec, self.batch_size, self.dtype, self.device, old.slots)
+                self.layers[i] = TrimmedRing(spec, self.batch_size, self.dtype, self.device, self.layers[i].slots)
         self._index()
 
 

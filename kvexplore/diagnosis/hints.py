@@ -116,9 +116,7 @@ def hint(first: Departure, got: Pass, ref: Pass, passes, prompt_len: int, positi
 
 
 def _reads_hint(L: int, g: LayerPass, r: LayerPass, position: int) -> str:
-    want = set(range(position + 1))
-    if g.window:
-        want = set(range(max(0, position + 1 - g.window), position + 1))
+    want = set(range(max(0, position + 1 - g.window) if g.window else 0, position + 1))
     read = set(g.positions)
     if g.keys is None:
         return f"layer {L}'s output departs from the recomputation's (it has no keys to compare: a state layer?)"
@@ -141,5 +139,4 @@ def _span(positions: list[int]) -> str:
         return f" {ps[0]}"
     if ps == list(range(ps[0], ps[-1] + 1)):
         return f"s {ps[0]}..{ps[-1]}"
-    shown = ", ".join(map(str, ps[:6]))
-    return f"s {shown}{' …' if len(ps) > 6 else ''}"
+    return f"s {', '.join(map(str, ps[:6]))}{' …' if len(ps) > 6 else ''}"

@@ -100,8 +100,6 @@ class KeptPasses(KVPasses):
         return base
 
     def explain(self, first: Departure, got: Pass, ref: Pass, tol: float) -> str | None:
-        """A hint of its own for a pressed layer's keys (see :func:`rotation_hint`) or output (see
-        :func:`reads_hint`), else None."""
         return rotation_hint(self, first, got, ref, tol) or reads_hint(first, got)
 
 

@@ -64,7 +64,6 @@ class HFPasses:
 
     def bounds(self, ref: Pass) -> None:
         """A transformers cache is checked as an exact one (see :meth:`KVPasses.bounds`)."""
-        return None
 
     def reference(self, ids: list[int]) -> Pass:
         import transformers
@@ -181,7 +180,7 @@ class _Probe:
     def hook(self, name: str, t: torch.Tensor):
         parts = name.split(".")
         if parts[0] != "layers":
-            return None
+            return
         i, point = int(parts[1]), ".".join(parts[2:])
         if point == "attn.cache_read":
             self.read[i] = t[0]
@@ -193,4 +192,3 @@ class _Probe:
             self.out[i] = t[0, -1]
         elif point == "attn.state":
             self.state[i] = t[0]
-        return None

@@ -45,8 +45,7 @@ class PoolReport:
                 + ("" if self.position is None else f"; {self.what} part at position {self.position}")
                 + f"\n  hint: {self.hint}")
 
-    def __str__(self) -> str:
-        return self.summary()
+    __str__ = summary
 
 
 def check_pool(pool: Any) -> PoolReport:

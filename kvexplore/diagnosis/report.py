@@ -52,5 +52,4 @@ class DoctorReport:
         return (f"first divergence at step {self.step}, {layer}: {self.what} differ by {self.max_diff:.3g} at position "
                 f"{self.position} (tolerance {self.tolerance:g}; {where})\n  hint: {self.hint}")
 
-    def __str__(self) -> str:
-        return self.summary()
+    __str__ = summary

@@ -11,10 +11,9 @@ from ..errors import KVExploreError, SettingsError
 from ..core.settings import integer
 from ..trace.diff import tolerance_for
 from .compare import columns, departures, first_departure
-from .passes import LayerPass
 from .hints import hint
 from .kept import KeptPasses
-from .passes import HFPasses, KVPasses
+from .passes import HFPasses, KVPasses, LayerPass
 from .report import DoctorReport
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -55,8 +54,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
     if isinstance(model, hf.HFModel):
         if cache is None or isinstance(cache, str):
             name = (cache or "dynamic").removeprefix("hf:")
-            why = hf.available(name, model.device.type)
-            if why:
+            if why := hf.available(name, model.device.type):
                 raise SettingsError(why)
             from ..hf.caches import make_hf_cache
 
@@ -84,8 +82,7 @@ def doctor(model: Any, tokenizer: Any = None, prompt: str | list[int] = DEFAULT_
 
 
 def _run(passes, ids: list[int], steps: int, tol: float, label: str, name: str, dtype: str) -> DoctorReport:
-    tokens = list(ids)
-    worst = None
+    tokens, worst = list(ids), None
     report = DoctorReport(False, 0, tol, label, name, dtype)
     report.reference = getattr(passes, "reference_name", report.reference)
     with torch.inference_mode():
@@ -170,7 +167,6 @@ def token_ids(prompt: str | list[int], tokenizer, vocab: int) -> list[int]:
         raise SettingsError(f"prompt must be text or token ids, got {type(prompt).__name__}")
     if not ids:
         raise SettingsError("the prompt is empty: give at least one token")
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
+    if bad := [i for i in ids if not 0 <= i < vocab]:
         raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     return ids

@@ -45,8 +45,7 @@ class SpeculationReport:
                 f"position {self.position}" + ("" if self.max_diff is None else f" differ by {self.max_diff:.3g}")
                 + f"\n  hint: {self.hint}")
 
-    def __str__(self) -> str:
-        return self.summary()
+    __str__ = summary
 
 
 def check_speculation(generator: Any, prompt: Any, steps: int = 32) -> SpeculationReport:

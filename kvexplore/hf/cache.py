@@ -26,8 +26,7 @@ HELD_NAMES = {"_states": "what kvexplore watches", "_reads": "reads of the last 
 
 
 class HFCache(ModelCache):
-    """``kind`` ("hf:dynamic", "hf:static", ...) over ``cache``, a transformers Cache for ``config``'s model.
-    Implements :class:`~kvexplore.caches.protocol.ModelCache`, the protocol kvexplore's own caches implement."""
+    """``kind`` ("hf:dynamic", "hf:static", ...) over ``cache``, a transformers Cache for ``config``'s model."""
 
     batch_size = 1
 
@@ -50,8 +49,7 @@ class HFCache(ModelCache):
     # -- what the generator asks ---------------------------------------------------------------------------
     @property
     def inspect(self) -> "HFCache":
-        """A watched transformers cache answers the inspector's questions itself
-        (:class:`~kvexplore.caches.protocol.CacheInspector`): it has no layer caches of kvexplore's to ask."""
+        """Itself (:class:`~kvexplore.caches.protocol.CacheInspector`): it has no layer caches of kvexplore's to ask."""
         return self
 
     #: it drops nothing as it writes (transformers' sliding layers keep their window as kvexplore's rings do)
@@ -186,8 +184,7 @@ class HFCache(ModelCache):
         twin._states = watch.observe(twin.hf, self.length)
         return twin
 
-    def fork(self) -> "HFCache":
-        return self.clone()
+    fork = clone
 
     # -- what the tracer and the views ask -------------------------------------------------------------------
     def _adopt_plan(self) -> None:
@@ -215,8 +212,7 @@ class HFCache(ModelCache):
         return list(watch.layer_tensors(self.hf.layers[layer]).values())
 
     def read_window(self, layer: int, count: int) -> tuple[int, int]:
-        reads = self._reads.get(layer) or [0]
-        return reads[0], count
+        return (self._reads.get(layer) or [0])[0], count
 
     def read_group(self, layer: int) -> tuple:
         return ("layer", layer)
@@ -268,13 +264,9 @@ class HFCache(ModelCache):
             if s is None:
                 layers.append(LayerMemory(i, spec.kind, 0, 0, 0, 0))
                 continue
-            if s.state:
-                logical = analytic = s.reserved_bytes
-                held = 0
-            else:
-                held = s.held
-                logical = held * s.position_bytes
-                analytic = spec.position_bytes(self.dtype.itemsize) * held
+            held = 0 if s.state else s.held
+            logical = s.reserved_bytes if s.state else held * s.position_bytes
+            analytic = s.reserved_bytes if s.state else spec.position_bytes(self.dtype.itemsize) * held
             layers.append(LayerMemory(i, spec.kind, held, logical, s.reserved_bytes, analytic, m.written_bytes,
                                       m.copied_bytes))
         total = lambda name: sum(getattr(m, name) for m in self._moves)  # noqa: E731

@@ -49,8 +49,7 @@ def make_hf_cache(name: str, hf_module, max_seq_len: int):
     """A fresh transformers cache of kind ``name`` for ``hf_module``."""
     import transformers
 
-    why = available(name, next(hf_module.parameters()).device.type)
-    if why:
+    if why := available(name, next(hf_module.parameters()).device.type):
         raise SettingsError(why)
     config = hf_module.config
     if name == "dynamic":

@@ -4,6 +4,7 @@ where kvexplore implements the architecture, a kvexplore model on the same weigh
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,13 @@ def _transformers():
         import transformers
     except ImportError as e:  # pragma: no cover - an optional dependency
         raise SettingsError("driving a transformers model needs transformers: pip install 'kvexplore[hf]'") from e
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
+    if int(transformers.__version__.split(".")[0]) < 5:
         raise SettingsError(f"transformers {transformers.__version__} is too old: kvexplore reads the per-layer "
                             f"caches of transformers >= {SUPPORTED_TRANSFORMERS}; pip install -U transformers")
     return transformers
 
 
 def is_hf_model(obj: Any) -> bool:
-    """Whether ``obj`` is a transformers model."""
     return is_transformers(obj, "PreTrainedModel")
 
 
@@ -52,8 +51,7 @@ class HFModel(Executor):
                                 f"got {type(module).__name__}")
         self.hf = module.eval()
         self.source = source or getattr(module.config, "_name_or_path", "") or type(module).__name__
-        text = module.config.get_text_config(decoder=True)
-        self.hf_config = text
+        text = self.hf_config = module.config.get_text_config(decoder=True)
         try:
             self.config, self.supported = ModelConfig.from_hf(text.to_dict(), where=f"{self.source} config"), True
         except KVExploreError:
@@ -139,9 +137,17 @@ class HFModel(Executor):
         cache.hf = work.hf
         cache.end_step(0, len(ids), reads)
 
+    @contextmanager
     def eager(self):
         """A context in which attention runs eagerly (its probabilities can be returned)."""
-        return _Eager(self.hf)
+        before = getattr(self.hf.config, "_attn_implementation", None)
+        if before != "eager":
+            self.hf.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            if before not in (None, "eager"):
+                self.hf.set_attn_implementation(before)
 
     def twin(self):
         """A kvexplore :class:`~kvexplore.Model` on the same weights (built once; the weights are copied into
@@ -157,8 +163,7 @@ class HFModel(Executor):
 
             state = self.hf.state_dict()
             names = expected_shapes(self.config)
-            missing = [n for n in names if n not in state]
-            if missing:
+            if missing := [n for n in names if n not in state]:
                 raise LoadError(f"{self.source}: the transformers model has no tensor {missing[0]} that kvexplore's "
                                 f"{self.config.architecture} expects")
             tensors = {n: state[n].detach().to(self.dtype).clone() for n in names}
@@ -168,20 +173,6 @@ class HFModel(Executor):
     def __repr__(self) -> str:
         return (f"HFModel({self.architecture}, {self.config.num_layers} layers, "
                 f"{str(self.dtype).removeprefix('torch.')})")
-
-
-class _Eager:
-    def __init__(self, module) -> None:
-        self.module, self.before = module, None
-
-    def __enter__(self):
-        self.before = getattr(self.module.config, "_attn_implementation", None)
-        if self.before != "eager":
-            self.module.set_attn_implementation("eager")
-
-    def __exit__(self, *exc) -> None:
-        if self.before not in (None, "eager"):
-            self.module.set_attn_implementation(self.before)
 
 
 def display_config(text: Any, source: str) -> ModelConfig:

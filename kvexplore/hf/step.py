@@ -4,7 +4,7 @@ hook points after the pass under the names kvexplore's own model uses."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -21,10 +21,7 @@ def watching(hf_cache: object, pos: int, q_len: int, window=None):
     end = pos + q_len
 
     def update(key_states, value_states, layer_idx, *args, **kwargs):
-        if window is not None:
-            with window:
-                keys, values = inner_update(key_states, value_states, layer_idx, *args, **kwargs)
-        else:
+        with window if window is not None else nullcontext():
             keys, values = inner_update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = hf_cache.layers[layer_idx]
         stored = watch.key_tensor(layer)
@@ -42,8 +39,7 @@ def watching(hf_cache: object, pos: int, q_len: int, window=None):
         return keys, values
 
     def update_state(recurrent_states, layer_idx, *args, **kwargs):
-        out = inner_state(recurrent_states, layer_idx, *args, **kwargs)
-        seen["state"][layer_idx] = out
+        seen["state"][layer_idx] = out = inner_state(recurrent_states, layer_idx, *args, **kwargs)
         return out
 
     hf_cache.update = update

@@ -31,9 +31,8 @@ def layer_tensors(layer: object) -> dict[str, torch.Tensor]:
     entry of a dict, ``_quantized_keys.0`` for one of a tuple)."""
     out: dict[str, torch.Tensor] = {}
     for name, value in vars(layer).items():
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, tuple) else None
-        if items is None:
-            items = [(None, value)]
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, tuple)
+                 else [(None, value)])
         for key, t in items:
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel():
                 out[name if key is None else f"{name}.{key}"] = t
@@ -79,7 +78,7 @@ def position_bytes(layer: object) -> int:
         return 0
     values = getattr(layer, "values", None)
     qv = getattr(layer, "_quantized_values", None)
-    if key_tensor(layer) is not getattr(layer, "keys", None) and isinstance(qv, tuple):
+    if keys is not getattr(layer, "keys", None) and isinstance(qv, tuple):
         values = qv[0]
     per = keys.shape[0] * keys.shape[1] * keys.shape[-1] * keys.element_size()
     if isinstance(values, torch.Tensor) and values.dim() == 4:
@@ -142,14 +141,9 @@ def moves(before: LayerState | None, after: LayerState, new_positions: range) ->
     between slots in place), allocated and freed (storages that appeared or went) by one step."""
     m = Moves()
     old = before.storage_bytes if before is not None else {}
-    for ptr, nbytes in after.storage_bytes.items():
-        if ptr not in old:
-            m.allocated_bytes += nbytes
-            m.allocations += 1
-    for ptr, nbytes in old.items():
-        if ptr not in after.storage_bytes:
-            m.freed_bytes += nbytes
-            m.frees += 1
+    born = [nbytes for ptr, nbytes in after.storage_bytes.items() if ptr not in old]
+    gone = [nbytes for ptr, nbytes in old.items() if ptr not in after.storage_bytes]
+    m.allocated_bytes, m.allocations, m.freed_bytes, m.frees = sum(born), len(born), sum(gone), len(gone)
     if after.state:  # rewritten in place every step: the whole state is what the step wrote
         m.written_bytes = after.reserved_bytes if new_positions else 0
         return m
@@ -163,7 +157,6 @@ def moves(before: LayerState | None, after: LayerState, new_positions: range) ->
     else:
         a, b = after.fingerprint, before.fingerprint
         n = min(len(a), len(b))
-        changed = [i for i in range(n) if a[i] != b[i]] + list(range(n, len(a)))
-        m.rewritten = changed
+        m.rewritten = changed = [i for i in range(n) if a[i] != b[i]] + list(range(n, len(a)))
         m.copied_bytes = max(0, len(changed) - new) * after.position_bytes
     return m

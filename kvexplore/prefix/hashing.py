@@ -4,6 +4,7 @@ request holds, cached or not, taken from the front (an eviction even while uncac
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import takewhile
 
 from .index import Eviction, Node, PrefixIndex, short
 
@@ -20,13 +21,7 @@ class HashIndex(PrefixIndex):
         # tokens, the block's index in its prefix)
 
     def match(self, ids: Sequence[int], hashes: list[bytes]) -> list[int]:
-        pages = []
-        for h in hashes:
-            page = self.table.get(h)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return list(takewhile(lambda page: page is not None, (self.table.get(h) for h in hashes)))
 
     def insert(self, ids: Sequence[int], pages: list[int], hashes: list[bytes]) -> list[int]:
         bs, new = self.block_size, []

@@ -42,15 +42,6 @@ class PrefixPoolFullError(PagePoolFullError):
                   f"pool with a larger num_blocks, or shorten the request or max_new_tokens{hint}")
 
 
-def _check_layers(plan, config) -> None:
-    for s in plan:
-        if s.latent:
-            raise SettingsError(
-                f"PrefixPool shares attention blocks and recurrent states across requests; layer {s.index} of this "
-                f"{config.architecture} model keeps a compressed latent (MLA), which it does not page yet: use a "
-                f"model with full, sliding-window or linear-attention layers")
-
-
 class PrefixPool:
     """``num_blocks`` pages of ``block_size`` positions (every full-attention layer's keys and values), shared by
     every request :meth:`serve` runs, and a prefix ``policy``: ``"hash"`` (vLLM's automatic prefix caching) or
@@ -65,7 +56,11 @@ class PrefixPool:
         self.model, self.config, self.policy = model, self.executor.config, policy
         self.tokenizer = self.executor.tokenizer
         plan = layer_plan(self.config)
-        _check_layers(plan, self.config)
+        if latent := [s.index for s in plan if s.latent]:
+            raise SettingsError(
+                f"PrefixPool shares attention blocks and recurrent states across requests; layer {latent[0]} of "
+                f"this {self.config.architecture} model keeps a compressed latent (MLA), which it does not page yet: "
+                f"use a model with full, sliding-window or linear-attention layers")
         self.cache = PoolCache(self.config, dtype=dtype or self.executor.dtype, device=self.executor.device,
                                 pool=BlockPool(len(plan), num_blocks, block_size, self.index))
         try:
@@ -99,7 +94,6 @@ class PrefixPool:
         still running; :meth:`finish` lets them go). Returns a :class:`~kvexplore.prefix.result.ServeResult`."""
         r = len(self.results)
         ask = RequestInput.parse(self, request, chat_template, response, max_new_tokens)
-        sampling = SamplingSettings(temperature, top_k, top_p)
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
         hashes = block_hashes(ids, bs, self.reusable_blocks(n))
         matched = self.index.match(ids, hashes)
@@ -114,8 +108,8 @@ class PrefixPool:
         cache.adopt(pages, hit)
         restored = self.states.restore(cache, hashes[usable - 1]) if usable and self.states.needed else 0
         try:
-            generated, logits, first = self._run(cache, ask, hit, hashes, sampling, seed, stop_at_eos,
-                                                 keep_logits)
+            generated, logits, first = self._run(cache, ask, hit, hashes, SamplingSettings(temperature, top_k, top_p),
+                                                 seed, stop_at_eos, keep_logits)
         except BaseException:  # the pool as it was, but for the blocks this request evicted (they are gone)
             self._give_back(cache)
             self._settle_evictions(label)
@@ -230,8 +224,7 @@ class PrefixPool:
 
     def finish(self, result: ServeResult) -> None:
         """Let a request served with ``keep=True`` give its pages back (they stay cached)."""
-        cache = self._live.pop(result.index, None)
-        if cache is None:
+        if (cache := self._live.pop(result.index, None)) is None:
             raise SettingsError(f"{result.label} holds no pages (it was not served with keep=True, or has finished)")
         self._give_back(cache)
 

@@ -30,8 +30,7 @@ class Ledger:
         self.evicted_at: dict[bytes, str] = {}  # chain hash -> the request whose pages it gave way to (the latest)
 
     def note_evictions(self, evictions: Sequence[Eviction], request: str) -> None:
-        for e in evictions:
-            self.evicted_at[e.hash] = request
+        self.evicted_at.update((e.hash, request) for e in evictions)
 
     def add(self, served: Served) -> None:
         self.served.append(served)

@@ -36,8 +36,7 @@ class RequestInput:
                                 f"([{{'role': 'user', 'content': ...}}]), got {type(request).__name__}")
         if not ids:
             raise SettingsError("the request is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
+        if bad := [i for i in ids if not 0 <= i < vocab]:
             raise SettingsError(f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")
         forced = None
         if response is not None:

@@ -67,9 +67,7 @@ class TraceDiff:
 
     @property
     def step(self) -> int | None:
-        if self.first is not None:
-            return self.first.step
-        return self.token_step
+        return self.first.step if self.first is not None else self.token_step
 
     @property
     def layer(self) -> int | None:

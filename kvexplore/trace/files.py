@@ -171,10 +171,9 @@ def _trace_row(t: StepTrace, key: str, tensors: dict[str, torch.Tensor]) -> dict
         tensors[f"{key}.qkv.{name}"] = value.detach().clone()  # host copies that share a buffer: one each
     views, view_of = distinct(list(t.layer_slots))
     reads, read_of = distinct(list(t.layer_reads))
-    reads = [[int(p) for p in r] for r in reads]
     return {"events": [asdict(e) for e in t.events],
             "views": [{**asdict(v), "layout": v.layout.to_dict()} for v in views], "view_of": list(view_of),
-            "reads": reads, "read_of": list(read_of), "main_layer": t.main_layer,
+            "reads": [[int(p) for p in r] for r in reads], "read_of": list(read_of), "main_layer": t.main_layer,
             "gqa_groups": t.gqa_groups, "heads": t.heads,
             "attention_layers": held, "qkv": sorted(t.qkv)}
 
@@ -212,8 +211,7 @@ def _records(rows: list, f) -> list[StepRecord]:
     outcomes: dict[int, PressOutcome] = {}
     records = []
     for i, row in enumerate(rows):
-        trace = row.pop("trace")
-        memory = row.pop("memory")
+        trace, memory = row.pop("trace"), row.pop("memory")
         records.append(StepRecord(
             **row | {"top": [Candidate(**c) for c in row["top"]]},
             memory=None if memory is None else _memory(memory),

@@ -119,7 +119,6 @@ class KeptRecords:
         return len(self.steps)
 
     def append(self, record: StepRecord) -> None:
-        """Keep ``record`` (the next step)."""
         before = self.steps[-1] if self.steps else None
         trace = None
         if record.trace is not None:
@@ -144,8 +143,7 @@ class KeptRecords:
         if hit is not None:
             self._rebuilt.move_to_end(i)
             return hit
-        out = self.steps[i].record(self._trace)
-        self._rebuilt[i] = out
+        self._rebuilt[i] = out = self.steps[i].record(self._trace)
         while len(self._rebuilt) > REBUILT:
             self._rebuilt.popitem(last=False)
         return out

@@ -132,12 +132,9 @@ def _events(kept) -> list[CacheEvent]:
     if not kept or isinstance(kept[0], CacheEvent):
         return list(kept)
     rows, ptrs, d = kept
-    out = []
-    for r, ptr in zip(rows.tolist(), ptrs.tolist()):
-        n = r[7]
-        out.append(CacheEvent(layer=r[0], write=(r[1], r[2]), read=(r[3], r[4]), read_shape=tuple(r[8:8 + n]),
-                              data_ptr=ptr, storage_offset=r[5], stride=tuple(r[8 + d:8 + d + n]), view=bool(r[6])))
-    return out
+    return [CacheEvent(layer=r[0], write=(r[1], r[2]), read=(r[3], r[4]), read_shape=tuple(r[8:8 + r[7]]),
+                       data_ptr=ptr, storage_offset=r[5], stride=tuple(r[8 + d:8 + d + r[7]]), view=bool(r[6]))
+            for r, ptr in zip(rows.tolist(), ptrs.tolist())]
 
 
 def distinct(items: list) -> tuple[list, tuple[int, ...]]:

@@ -57,10 +57,8 @@ def record(cache: Any, previous: PressOutcome | None = None) -> PressStep | None
     eviction = cache.eviction
     if eviction is None:
         return None
-    scores_of = eviction.press_scores
     layers = list(cache.full_layers)
-    got = {layer: scores_of(layer) for layer in layers}
-    got = {layer: s for layer, s in got.items() if s is not None}
+    got = {layer: s for layer in layers if (s := eviction.press_scores(layer)) is not None}
     last = None
     if got:
         if previous is not None and all(layer in previous.scores and previous.scores[layer] is s[0]

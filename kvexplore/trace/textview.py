@@ -27,10 +27,6 @@ def slot_symbols(view: SlotView, written: set[int]) -> list[str]:
     return out
 
 
-def _rank(symbol: str) -> int:
-    return _RANK.get(symbol, 2)  # shared digits rank between stale and filled
-
-
 def cache_map(view: SlotView, written: set[int], width: int = 96) -> str:
     """``|...|`` of at most ``width`` symbols (each standing for ``ceil(slots / width)`` slots when wider)."""
     symbols = slot_symbols(view, written)
@@ -38,7 +34,7 @@ def cache_map(view: SlotView, written: set[int], width: int = 96) -> str:
         return "|| (no storage)"
     per = -(-len(symbols) // width)
     groups = [symbols[i:i + per] for i in range(0, len(symbols), per)]
-    line = "".join(max(g, key=_rank) for g in groups)
+    line = "".join(max(g, key=lambda s: _RANK.get(s, 2)) for g in groups)  # shared digits: between stale and filled
     scale = f" 1 symbol = {per} slots" if per > 1 else ""
     return f"|{line}|{scale}"
 

@@ -185,8 +185,7 @@ class Tracer:
 
     def __init__(self, capture: set[str] | frozenset[str] = frozenset({"cache", "memory", "timing"}),
                  layers: list[int] | None = None, heads: list[int] | None = None) -> None:
-        unknown = set(capture) - CAPTURES
-        if unknown:
+        if unknown := set(capture) - CAPTURES:
             raise SettingsError(f"unknown capture {sorted(unknown)}; choose from {sorted(CAPTURES)}")
         self.capture = frozenset(capture)
         self.layers = None if layers is None else set(layers)
@@ -210,10 +209,10 @@ class Tracer:
     def hook(self, name: str, t: torch.Tensor) -> None:
         step = self._step
         if step is None or not name.endswith(self._points):
-            return None
+            return
         parts = name.split(".")
         if parts[0] != "layers" or not self._layer_wanted(int(parts[1])):
-            return None
+            return
         layer, point = int(parts[1]), ".".join(parts[2:])
         if point == "attn.cache_read" and "cache" in self.capture:
             step.events.append(self._event(layer, t))
@@ -224,7 +223,6 @@ class Tracer:
                        lambda h: step.keep_attention(layer, self.history.append(h, first)))
         elif "qkv" in self.capture and point in ("attn.q", "attn.k_new", "attn.v_new"):
             self.later(t, lambda h: step.qkv.__setitem__(name, h))
-        return None
 
     def later(self, t: torch.Tensor, land) -> None:
         """Bring ``t`` to the host after the forward pass, with everything else the step captured (one copy, one

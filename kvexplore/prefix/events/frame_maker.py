@@ -28,10 +28,9 @@ class FrameMaker:
     def text(self, block: Block) -> str:
         if self.decode is None:
             return ""
-        text = self._text.get(block.hash)
-        if text is None:
-            text = self._text[block.hash] = self.decode(block.tokens)
-        return text
+        if block.hash not in self._text:
+            self._text[block.hash] = self.decode(block.tokens)
+        return self._text[block.hash]
 
     def frame(self, state: CacheState, number: int, title: str, notes: list[str], meta: dict[str, Any]) -> PoolFrame:
         evicted = {b.slot: b for b in state.change.dropped}
@@ -46,22 +45,18 @@ class FrameMaker:
                 slot=slot, state=st, hash=self.names(block.hash), parent=self.names(block.parent),
                 tokens=block.tokens, text=self.text(block), stored_by=block.stored_by, last_used=block.last_used,
                 node=self._node_id(block, st))))
-        tree = self.tree(state, number, evicted)
-        free = tuple(sorted(state.free))
         return PoolFrame(index=number, title=title, policy="events", block_size=state.block_size,
-                         num_blocks=len(state.slots), blocks=tuple(blocks), tree=tree, free_queue=free,
-                         notes=tuple(notes), meta=meta)
+                         num_blocks=len(state.slots), blocks=tuple(blocks), tree=self.tree(state, number, evicted),
+                         free_queue=tuple(sorted(state.free)), notes=tuple(notes), meta=meta)
 
     def tree(self, state: CacheState, number: int, evicted: dict[int, Block]) -> tuple[TreeNode, ...]:
         reach = state.reachable()
         gone = {b.hash for b in evicted.values()}
-        out = []
-        for block in sorted(state.blocks.values(), key=lambda b: (b.start, b.slot)):
-            st = WRITTEN if block.stored_by == number else HELD
-            out.append(self._tree_node(block, st, reach[block.hash], state, gone))
-        for block in sorted(evicted.values(), key=lambda b: (b.start, b.slot)):
-            out.append(self._tree_node(block, EVICTED, False, state, gone))
-        return tuple(out)
+        order = lambda b: (b.start, b.slot)  # noqa: E731
+        live = [self._tree_node(b, WRITTEN if b.stored_by == number else HELD, reach[b.hash], state, gone)
+                for b in sorted(state.blocks.values(), key=order)]
+        dropped = [self._tree_node(b, EVICTED, False, state, gone) for b in sorted(evicted.values(), key=order)]
+        return tuple(live + dropped)
 
     def _tree_node(self, block: Block, st: str, reachable: bool, state: CacheState, gone: set) -> TreeNode:
         p = block.parent
@@ -79,10 +74,9 @@ class FrameMaker:
         return ("x" if st == EVICTED else "") + self.names(block.hash)
 
     def _view(self, key: tuple, make: Callable[[], BlockView]) -> BlockView:
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = make()
-        return view
+        if key not in self._views:
+            self._views[key] = make()
+        return self._views[key]
 
 
 def describe(change: Change, names: HashNames) -> list[str]:

@@ -148,7 +148,9 @@ class KVEventReplay:
                 notes.append(f"nothing changed in {m}" + (f" group {g}" if several else "") + " in this batch"
                              + _elsewhere(rec.batch, m, g))
             title = f"batch {n} (seq {rec.seq}) · {label} · +{rec.batch.ts - t0:.3f} s"
-            frames.append(maker.frame(state, n, title, capped(notes), self._meta(key, rec, state)))
+            meta = {"dp_rank": r, "medium": m, "group": g, "seq": rec.seq, "ts": rec.batch.ts,
+                    "held": len(state.blocks), "form": rec.batch.form, "source": "engine KV events"}
+            frames.append(maker.frame(state, n, title, capped(notes), meta))
         others = [f"rank {k[0]} {k[1]} group {k[2]}" for k in self.caches() if k != key]
         first = [f"{len(mine)} batches of {label}"] + (
             [f"this stream also has {', '.join(others)} (frames(rank=..., medium=..., group=...))"] if others else [])
@@ -202,10 +204,6 @@ class KVEventReplay:
             raise SettingsError(f"group {group} has no KV events on rank {r} {m}; its groups: "
                                 f"{', '.join(map(str, groups))}")
         return (r, m, g)
-
-    def _meta(self, key: Key, rec: Received, state: CacheState) -> dict[str, Any]:
-        return {"dp_rank": key[0], "medium": key[1], "group": key[2], "seq": rec.seq, "ts": rec.batch.ts,
-                "held": len(state.blocks), "form": rec.batch.form, "source": "engine KV events"}
 
 
 def apply(rec: Received, states: dict[tuple[str, int], CacheState], number: int, create: bool) -> list[str]:

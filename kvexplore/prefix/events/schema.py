@@ -109,8 +109,7 @@ def read_batch(obj: Any, where: str = "batch", text_hashes: bool = False) -> Bat
     be hex (or base64) strings, as a JSON file has them."""
     if isinstance(obj, dict):
         form = "map"
-        missing = [k for k in ("ts", "events") if k not in obj]
-        if missing:
+        if missing := [k for k in ("ts", "events") if k not in obj]:
             raise KVEventFormatError(f"{where}: a KV event batch map needs ts and events, this one lacks "
                                      f"{', '.join(missing)} (keys: {', '.join(map(str, obj)) or 'none'}); "
                                      f"expected {SCHEMA_HINT}")
@@ -164,12 +163,14 @@ def _untag(raw: Any, where: str) -> tuple[str, dict[str, Any], str]:
 
 def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
     names, required = FIELDS[tag]
-    missing = [n for n in names[:required] if n not in f]
-    if missing:
+    if missing := [n for n in names[:required] if n not in f]:
         raise KVEventFormatError(f"{where}: lacks {', '.join(missing)}; expected {SCHEMA_HINT}")
     if tag == "AllBlocksCleared":
         return Cleared()
-    hashes = _hash_list(f["block_hashes"], f"{where}: block_hashes", text_hashes)
+    listed = f["block_hashes"]
+    if not isinstance(listed, (list, tuple)):
+        raise KVEventFormatError(f"{where}: block_hashes is {shown(listed)}, expected a list of block hashes")
+    hashes = tuple(_hash(h, f"{where}: block_hashes[{i}]", text_hashes) for i, h in enumerate(listed))
     medium = f.get("medium")
     if medium is not None and not isinstance(medium, str):
         raise KVEventFormatError(f"{where}: medium is {shown(medium)}, expected a name (GPU, CPU...) or nil")
@@ -190,12 +191,6 @@ def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
     lora = f.get("lora_name") or (None if f.get("lora_id") is None else str(f.get("lora_id")))
     extra = {k: v for k, v in f.items() if k not in _READ and v is not None}
     return Stored(hashes, parent, tuple(tokens), size, medium, group, lora, extra)
-
-
-def _hash_list(value: Any, where: str, text: bool) -> tuple[Hash, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise KVEventFormatError(f"{where} is {shown(value)}, expected a list of block hashes")
-    return tuple(_hash(h, f"{where}[{i}]", text) for i, h in enumerate(value))
 
 
 def _hash(h: Any, where: str, text: bool) -> Hash:

@@ -25,8 +25,7 @@ class HashNames:
         name = self._names.get(h)
         if name is None:
             full = hash_hex(h)
-            n = SHORT
-            name = full[:n]
+            n, name = SHORT, full[:SHORT]
             while name in self._taken:
                 n += 2
                 name = full[:n] if n <= len(full) else f"{full}#{n - len(full)}"
@@ -135,10 +134,8 @@ class CacheState:
         memo: dict[Hash, int] = {}
         for h in self.blocks:
             chain, stop = self._walk(h, memo)
-            d = memo.get(stop, 0)
-            for x in reversed(chain):
-                d += 1
-                memo[x] = d
+            base = memo.get(stop, 0)
+            memo.update((x, base + k) for k, x in enumerate(reversed(chain), 1))
         return max(memo.values(), default=0)
 
     def reachable(self) -> dict[Hash, bool]:
