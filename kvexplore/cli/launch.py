@@ -63,13 +63,6 @@ class CopyReport:
         return "\n".join(lines)
 
 
-def _source_checkout_notebooks() -> Path | None:
-    """``notebooks/`` next to the package when kvexplore runs from a source checkout (editable install)."""
-    here = Path(__file__).resolve().parent.parent  # the package folder
-    folder = here.parent / "notebooks"
-    return folder if folder.is_dir() and (here.parent / "pyproject.toml").is_file() else None
-
-
 def notebooks_root() -> Traversable:
     """The folder of bundled notebooks: the ``kvexplore.notebooks`` resources (a wheel install), else the source
     checkout's ``notebooks/`` (an editable install maps that package to it)."""
@@ -82,9 +75,9 @@ def notebooks_root() -> Traversable:
     inside = resources.files("kvexplore").joinpath("notebooks")
     if inside.is_dir():
         return inside
-    checkout = _source_checkout_notebooks()
-    if checkout is not None:
-        return checkout
+    here = Path(__file__).resolve().parent.parent  # the package folder, in a source checkout beside pyproject.toml
+    if (here.parent / "notebooks").is_dir() and (here.parent / "pyproject.toml").is_file():
+        return here.parent / "notebooks"
     raise LaunchError("the bundled notebooks (package kvexplore.notebooks) are missing from this installation; "
                       "reinstall kvexplore: pip install .")
 
@@ -179,8 +172,7 @@ def app_template() -> Traversable:
     """kvexplore's Voila template inside the installed package: ``kvexplore/explorer/voila_template/``, holding
     :data:`APP_TEMPLATE_FILES`."""
     template = resources.files("kvexplore").joinpath("explorer", "voila_template")
-    missing = [name for name in APP_TEMPLATE_FILES if not template.joinpath(name).is_file()]
-    if missing:
+    if missing := [name for name in APP_TEMPLATE_FILES if not template.joinpath(name).is_file()]:
         raise LaunchError(f"kvexplore's Voila template (kvexplore/explorer/voila_template/) is missing "
                           f"{', '.join(missing)} in this installation; reinstall kvexplore: pip install .")
     return template

@@ -140,9 +140,7 @@ def _layer_types(v: dict[str, Any], arch: Architecture, window: int | None) -> l
         if window is None:  # Qwen3 lists layer types but turns the window off with use_sliding_window: false
             return ["full_attention" if t == "sliding_attention" else t for t in v["layer_types"]]
         return list(v["layer_types"])
-    if arch.layer_types is not None:
-        return arch.layer_types(v, window)
-    return []
+    return arch.layer_types(v, window) if arch.layer_types is not None else []
 
 
 def every_nth(num_layers: int, every: int, others: str, last_full: bool = False) -> list[str]:

@@ -88,17 +88,14 @@ def _parse_float(value: Any, field: Field) -> Any:
 def _parse_ids(value: Any, field: Field) -> Any:
     items = value if isinstance(value, list) else [value]
     ids = [_as_int(v) for v in items]
-    if any(i is None or _in_range(i, field) is _BAD for i in ids):
-        return _BAD
-    return ids
+    return _BAD if any(i is None or _in_range(i, field) is _BAD for i in ids) else ids
 
 
 def _of_type(*types: type, each: type | None = None):
     """A parser that accepts values of ``types`` as they are (lists: every element of type ``each``)."""
     def parse(value: Any, field: Field) -> Any:
-        if not isinstance(value, types) or (each is not None and not all(isinstance(v, each) for v in value)):
-            return _BAD
-        return value
+        bad = not isinstance(value, types) or (each is not None and not all(isinstance(v, each) for v in value))
+        return _BAD if bad else value
     return parse
 
 

@@ -16,10 +16,7 @@ from .fields import read_json_object
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
-
-    Derived fields (``head_dim`` when the config omits it, ``kv_groups``) are filled in ``__post_init__``.
-    """
+    """Shape and numerics of a Llama-family decoder (``__post_init__`` derives ``head_dim`` where it is 0)."""
 
     architecture: str
     vocab_size: int
@@ -133,8 +130,7 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(where, "layer_types", f"{len(self.layer_types)} entries",
                               f"one per layer ({self.num_layers}, num_hidden_layers)")
-        bad = [t for t in self.layer_types if t not in LAYER_TYPE_NAMES]
-        if bad:
+        if bad := [t for t in self.layer_types if t not in LAYER_TYPE_NAMES]:
             raise UnsupportedModelError(f"{where}: layer type {bad[0]!r} is not supported; supported: "
                                         f"{', '.join(LAYER_TYPE_NAMES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
@@ -185,7 +181,6 @@ class ModelConfig:
         return batch_size * (conv + self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4)
 
     def uses_experts(self, layer: int) -> bool:
-        """Whether ``layer``'s feed-forward block is a mixture of experts."""
         if not self.num_experts:
             return False
         if self.kv_lora_rank:
@@ -193,15 +188,12 @@ class ModelConfig:
         return layer not in self.dense_layers
 
     def layer_kv_heads(self, layer: int) -> int:
-        """Key/value heads of ``layer``."""
         return self.layer_kv_head_counts.get(layer, self.num_kv_heads)
 
     def layer_head_dim(self, layer: int) -> int:
-        """Head size of ``layer``'s queries, keys and values."""
         return self.layer_head_dims.get(layer, self.head_dim)
 
     def layer_intermediate_size(self, layer: int) -> int:
-        """Width of ``layer``'s MLP."""
         shared = layer >= self.num_layers - self.num_kv_shared_layers
         return self.intermediate_size * (2 if self.double_wide_mlp and shared else 1)
 
@@ -230,9 +222,7 @@ class ModelConfig:
         return [list(range(kv * g, (kv + 1) * g)) for kv in range(self.num_kv_heads)]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("source")
-        return d
+        return {k: v for k, v in asdict(self).items() if k != "source"}
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` that both :meth:`from_hf` and transformers read back to this config."""

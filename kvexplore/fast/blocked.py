@@ -23,8 +23,7 @@ def blocked(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[out, in]`` as ``[ceil(out / BLOCK), in, BLOCK]``, zero rows added to fill the last block."""
     w = weight.detach()
     out, width = w.shape
-    pad = -out % BLOCK
-    if pad:
+    if pad := -out % BLOCK:
         w = torch.cat([w, w.new_zeros(pad, width)])
     return w.reshape(-1, BLOCK, width).transpose(1, 2).contiguous()
 
@@ -39,8 +38,7 @@ class BlockedLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = x.shape[-1]
-        y = (x.reshape(-1, 1, width, 1) * self.blocks).sum(-2).reshape(*x.shape[:-1], -1)
+        y = (x.reshape(-1, 1, x.shape[-1], 1) * self.blocks).sum(-2).reshape(*x.shape[:-1], -1)
         if y.shape[-1] != self.out_features:
             y = y[..., : self.out_features]
         return y if self.bias is None else y + self.bias

@@ -13,7 +13,6 @@ from typing import Iterator
 
 
 def inductor_cache_dir() -> str:
-    """The folder inductor caches compiled graphs in."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         return cache_dir()

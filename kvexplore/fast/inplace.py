@@ -9,8 +9,7 @@ import torch
 
 
 class InPlace:
-    """What the compiled step's layers see as their cache: the pre-allocated storages, written at a position tensor
-    and read whole under a mask over the capacity."""
+    """The cache a compiled step's layers see (the module docstring says what it holds)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
                  mask: torch.Tensor) -> None:

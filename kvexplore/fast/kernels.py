@@ -71,22 +71,16 @@ def prepare_for(model: Any, rows: int = 1) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on the kernels where :func:`takes_kernel` says so and they can be built."""
+    """``F.linear(x, weight, bias)``, on the kernel of that many rows where :func:`takes_kernel` and
+    :meth:`Kernels.uses` say so and it can be built."""
     if takes_kernel(x, weight):
-        y = _products(x.reshape(-1, weight.shape[1]).contiguous(), weight)
-        if y is not None:
-            y = y.view(*x.shape[:-1], weight.shape[0])
+        rows = x.reshape(-1, weight.shape[1]).contiguous()
+        width, n = rows.shape[1], rows.shape[0]
+        kernel = KERNELS.get(width, n) if KERNELS.uses(width, n) else None
+        if kernel is not None:
+            y = kernel(rows, weight).view(*x.shape[:-1], weight.shape[0])
             return y if bias is None else y + bias
     return F.linear(x, weight, bias)
-
-
-def _products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` for ``x`` (rows, in) on the kernel of that many rows; None where ``F.linear`` runs them
-    (:meth:`Kernels.uses`) or the kernel cannot be built."""
-    if not KERNELS.uses(x.shape[1], x.shape[0]):
-        return None
-    kernel = KERNELS.get(x.shape[1], x.shape[0])
-    return None if kernel is None else kernel(x, weight).view(x.shape[0], -1)
 
 
 class KernelLinear(nn.Linear):
@@ -124,9 +118,7 @@ def apply(model: Any, rows: int = 1) -> bool:
     out row-major (values unchanged), the output head's product :func:`linear`. False, with the model unchanged,
     where the kernels do not apply (:func:`status` says why)."""
     from ..models.model import Model
-    if not isinstance(model, Model):
-        return False
-    if not prepare_for(model, rows):
+    if not isinstance(model, Model) or not prepare_for(model, rows):
         return False
     for module in model.modules():
         if type(module) is nn.Linear and KERNELS.uses(module.weight.shape[1]):

@@ -8,6 +8,8 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
+from functools import cache
 from typing import Callable, NamedTuple
 
 import torch
@@ -21,13 +23,13 @@ TIMING_S = 0.1
 
 def shapes(weights: list[torch.Tensor]) -> str:
     """The shapes of a width's weights, with how many of each (largest first): what a verdict was timed on."""
-    counts: dict[int, int] = {}
-    for w in weights:
-        counts[w.shape[0]] = counts.get(w.shape[0], 0) + 1
+    counts = Counter(w.shape[0] for w in weights)
     return ", ".join(f"{out} rows x{n}" for out, n in sorted(counts.items(), reverse=True))
 
 
-def _cpu_name() -> str:
+@cache
+def cpu() -> str:
+    """The CPU's model, as a verdict is saved under (with :func:`.artifacts.machine`'s instructions and threads)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -36,16 +38,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-_CPU: list[str] = []
-
-
-def cpu() -> str:
-    """The CPU's model, as a verdict is saved under (with :func:`.artifacts.machine`'s instructions and threads)."""
-    if not _CPU:
-        _CPU.append(_cpu_name())
-    return _CPU[0]
 
 
 def sample(weights: list[torch.Tensor]) -> list[torch.Tensor]:

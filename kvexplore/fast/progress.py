@@ -22,14 +22,6 @@ PHASES = (
 FIRST = "tracing the step"
 
 
-def _metrics() -> dict:
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-        return compilation_time_metrics
-    except ImportError:
-        return {}
-
-
 def phase_now(metrics: dict, start: dict[str, int]) -> str:
     """What the compile is doing: what the regional step says, else what torch's phases that ended since ``start``
     (each phase's count then) tell."""
@@ -38,11 +30,7 @@ def phase_now(metrics: dict, start: dict[str, int]) -> str:
     if PROGRESS.phase:
         return PROGRESS.phase
     done = {k for k, v in list(metrics.items()) if len(v) > start.get(k, 0)}
-    label = FIRST
-    for key, name in PHASES:
-        if key in done:
-            label = name
-    return label
+    return next((name for key, name in reversed(PHASES) if key in done), FIRST)
 
 
 @contextmanager
@@ -51,7 +39,10 @@ def compile_progress(stream: IO[str] | None = None, every: float = 0.5) -> Itera
     every ``every`` seconds and cleared at the end."""
     from tqdm import tqdm
 
-    metrics = _metrics()
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        metrics = {}
     start = {k: len(v) for k, v in list(metrics.items())}
     bar = tqdm(total=None, desc=FIRST, file=stream or sys.stderr, leave=False,
                bar_format="compiling the decode step: {desc} [{elapsed}]")

@@ -106,15 +106,6 @@ def _innermost(compiled: Any) -> Callable[[list], Any]:
     return lambda args: compiled(*args)
 
 
-def _trace(fn: Callable, args: tuple) -> tuple[torch.fx.GraphModule, list, list[int]]:
-    """``fn``'s graph for ``args`` as dynamo captures it, its example inputs and, for each, its place in ``args``."""
-    gm, inputs = dynamo_graph(fn, args)
-    where = {id(a): i for i, a in enumerate(args)}
-    if any(id(t) not in where for t in inputs):  # a tensor the graph found elsewhere would be baked into it
-        raise SettingsError("the layer's graph reads a tensor that is not among its inputs: it cannot be shared")
-    return gm, inputs, [where[id(t)] for t in inputs]
-
-
 class RegionalDecoder:
     """The compiled one-token step of ``model`` over a pre-allocated cache of ``capacity`` slots, built on the first
     call from one compiled layer graph (per group of layers alike) and a compiled head; ``decoder(token, cache, pos)``
@@ -214,7 +205,10 @@ class RegionalDecoder:
     def _graph(self, fn: Callable, args: tuple, saved: artifacts.Saved, keys: list[str], what: str) -> _Graph:
         """``fn`` traced for ``args``, loaded from ``saved`` or compiled (and saved)."""
         PROGRESS.phase = f"tracing {what}"
-        gm, inputs, order = _trace(fn, args)
+        gm, inputs = dynamo_graph(fn, args)
+        where = {id(a): i for i, a in enumerate(args)}  # each input's place in args
+        if any(id(t) not in where for t in inputs):  # a tensor the graph found elsewhere would be baked into it
+            raise SettingsError("the layer's graph reads a tensor that is not among its inputs: it cannot be shared")
         key = artifacts.graph_key(gm, inputs, OPTIONS)
         keys.append(key)
         PROGRESS.phase = f"loading the compiled graph of {what}"
@@ -225,5 +219,5 @@ class RegionalDecoder:
                                                           options={"config_patches": OPTIONS})
             self.built += 1
             artifacts.store(saved, key, compiled)
-        return _Graph(compiled, order)
+        return _Graph(compiled, [where[id(t)] for t in inputs])
 

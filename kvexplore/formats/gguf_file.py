@@ -83,14 +83,12 @@ def hf_name(gguf_name: str, arch: Architecture) -> str | None:
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order: per head, rows (pairs interleaved) back to (first half, second half). Getting
     this wrong fails silently (the text stays plausible, perplexity about 6x)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's q/k row order (the inverse of :func:`unpermute_rope_rows`), used when writing GGUF files."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class GGUFFile:
@@ -230,12 +228,11 @@ class GGUFFile:
             raise UnsupportedModelError(f"{self.path.name}: tokenizer type {model!r} is not supported; supported: "
                                         f"gpt2 (byte-level BPE), llama (sentencepiece)")
         build, tok_kind, default_add_bos = TOKENIZER_MODELS[model]
-        backend = build(self, tk)
         tokens = tk["tokenizer.ggml.tokens"]
         bos, eos = tk["tokenizer.ggml.bos_token_id"], tk["tokenizer.ggml.eos_token_id"]
         eos_ids = [i for i in (eos, tk["tokenizer.ggml.eot_token_id"]) if i is not None]
         add_bos = tk["tokenizer.ggml.add_bos_token"]
-        tok = Tokenizer(backend, tok_kind, bos, list(dict.fromkeys(eos_ids)),
+        tok = Tokenizer(build(self, tk), tok_kind, bos, list(dict.fromkeys(eos_ids)),
                         default_add_bos if add_bos is None else add_bos,
                         chat_template=tk["tokenizer.chat_template"] or self.architecture.gguf.chat_template,
                         bos_token=tokens[bos] if bos is not None else "",
@@ -311,9 +308,8 @@ class GGUFFile:
         tok.pre_tokenizer = pre_tokenizer
         tok.decoder = decoders.ByteLevel()
         types = tk["tokenizer.ggml.token_type"] or []
-        special = [AddedToken(t, special=True, normalized=False) for t, token_type in zip(tokens, types)
-                   if token_type in SPECIAL_TOKEN_TYPES]
-        tok.add_special_tokens(special)
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, token_type in zip(tokens, types)
+                                if token_type in SPECIAL_TOKEN_TYPES])
         return tok
 
     def _sentencepiece_tokenizer(self, tk: dict[str, Any]):

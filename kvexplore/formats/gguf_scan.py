@@ -5,6 +5,7 @@ declared length against the bytes left and each tensor's extent against the data
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -126,9 +127,7 @@ def scan(path: str | Path) -> None:
                     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
                 except (ValueError, KeyError):
                     raise r.fail(at, f"tensor {name} has unknown ggml type {ggml_type}") from None
-                count = 1
-                for d in dims:
-                    count *= d
+                count = math.prod(dims)
                 if count == 0 or count % block or dims[0] % block:
                     raise r.fail(at, f"tensor {name} has shape {list(dims)}, which ggml type {ggml_type} cannot hold "
                                      f"(blocks of {block} elements)")

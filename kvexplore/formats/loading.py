@@ -80,7 +80,9 @@ def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: T
              device: torch.device, source: str) -> Model:
     """A ready model from checked tensors (no random initialisation: modules are built on the meta device)."""
     if device.type == "cpu" and next(iter(tensors.values())).dtype == torch.float32:
-        tensors = {n: _column_major(t) if _is_matmul_weight(n, config) else t for n, t in tensors.items()}
+        # the same [out, in] matmul weights stored transposed: on CPU in float32 F.linear of one token runs up to 2x
+        # faster from this layout (bfloat16 and float16 are slower from it, so they keep row-major; docs/benchmarks.md)
+        tensors = {n: t.t().contiguous().t() if _is_matmul_weight(n, config) else t for n, t in tensors.items()}
     model = Model.skeleton(config)
     model.load_state_dict({n: t.to(device) for n, t in tensors.items()}, strict=True, assign=True)
     model.rotary = Rotary(config).to(device)
@@ -93,9 +95,3 @@ def _is_matmul_weight(name: str, config: ModelConfig) -> bool:
     """Weights multiplied by activations: projections, the output head (the embedding when tied)."""
     return name.endswith("_proj.weight") or name == "lm_head.weight" or (
         name == "model.embed_tokens.weight" and config.tie_word_embeddings)
-
-
-def _column_major(w: torch.Tensor) -> torch.Tensor:
-    """Same ``[out, in]`` tensor, stored transposed: on CPU in float32 ``F.linear`` of one token runs up to 2x faster
-    from this layout (bfloat16 and float16 are slower from it, so they keep row-major; docs/benchmarks.md)."""
-    return w.t().contiguous().t()

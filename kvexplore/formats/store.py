@@ -72,8 +72,7 @@ def home() -> Path:
 
 def model_path(name: str) -> Path:
     """Where the named model's folder is (or will be, once fetched)."""
-    spec = _spec(name)
-    return TINY_DIR if not spec.package else home() / "models" / name
+    return TINY_DIR if not _spec(name).package else home() / "models" / name
 
 
 def is_present(name: str) -> bool:

@@ -219,11 +219,10 @@ class Tokenizer:
         tok = cls(backend, name, None, [], False)
         bos_token, eos_token = tok_fields["bos_token"] or "", tok_fields["eos_token"] or ""
         native_bos, native_eos = tok._backend.native_ids()
-        gen_eos = gen_config["eos_token_id"]
         bos_id = next((i for i in (tok.id_of(bos_token) if bos_token else None, gen_config["bos_token_id"],
                                    config.bos_token_id, native_bos) if i is not None), None)
         eos_ids: list[int] = []
-        for source in (gen_eos, config.eos_token_id,
+        for source in (gen_config["eos_token_id"], config.eos_token_id,
                        tok.id_of(eos_token) if eos_token else None,
                        native_eos):
             for i in source if isinstance(source, list) else [source]:
@@ -241,8 +240,7 @@ class Tokenizer:
                 f"{config.vocab_size}; ids past {config.vocab_size - 1} have no embedding. Use the tokenizer "
                 f"saved with these weights"
             )
-        bad = [i for i in [bos_id, *eos_ids] if i is not None and not 0 <= i < config.vocab_size]
-        if bad:
+        if bad := [i for i in [bos_id, *eos_ids] if i is not None and not 0 <= i < config.vocab_size]:
             raise ConfigError(str(folder), "bos/eos token id", bad[0], f"a token id in 0..{config.vocab_size - 1}",
                               fix="fix generation_config.json or config.json")
         return tok

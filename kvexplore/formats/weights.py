@@ -52,8 +52,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this config must hold, by Hugging Face name, with its shape: the state of the
     model built on the meta device (no memory, no initialisation), so the names and shapes are declared once, by
     the modules the architecture builds, and a checkpoint that passes loads with ``strict=True``."""
-    model = Model.skeleton(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in Model.skeleton(config).state_dict().items()}
 
 
 def ignorable(name: str, config: ModelConfig) -> bool:
@@ -78,8 +77,7 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise ConfigError(str(index), "weight_map", weight_map, "an object mapping each tensor name to the "
                               "shard file that holds it", fix="save the model again with save_pretrained")
-        bad = [f for f in set(weight_map.values()) if Path(f).name != f or not f.endswith(".safetensors")]
-        if bad:
+        if bad := [f for f in set(weight_map.values()) if Path(f).name != f or not f.endswith(".safetensors")]:
             raise ConfigError(str(index), "weight_map", bad[0], "a .safetensors file name in the model folder")
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / "model.safetensors"
@@ -117,12 +115,10 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
                   config: ModelConfig, where: str, file_of: dict[str, str] | None = None) -> None:
     """Every expected tensor present with its shape, and nothing the model would not use; else a LoadError
     that names the file, the tensor and both shapes."""
-    missing = [n for n in expected if n not in found]
-    if missing:
+    if missing := [n for n in expected if n not in found]:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise LoadError(f"{where}: tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
-    unexpected = [n for n in found if n not in expected and not ignorable(n, config)]
-    if unexpected:
+    if unexpected := [n for n in found if n not in expected and not ignorable(n, config)]:
         raise LoadError(
             f"{where}: the checkpoint has tensors a {config.architecture} of this config does not use: "
             f"{', '.join(sorted(unexpected)[:5])}; is the config the one saved with these weights?"

@@ -107,8 +107,7 @@ class CompiledExecutor(Executor):
         return ""
 
     def check_cache(self, cache: Any) -> None:
-        why = self.compile_refusal(cache)
-        if why:
+        if why := self.compile_refusal(cache):
             raise SettingsError(why)
 
     def default_cache(self) -> Any:

@@ -134,10 +134,8 @@ class LatentAttention(nn.Module):
         if tracer is not None:
             c_all = hook(tracer, f"{name}.cache_read", c_all)
         explicit = tracer is not None and tracer.wants_attention(self.layer)
-        if self.absorbed:
-            y = self._absorbed(q_nope, q_rope, c_all, k_rope_all, mask, tracer if explicit else None, name)
-        else:
-            y = self._decompressed(q_nope, q_rope, c_all, k_rope_all, mask, tracer if explicit else None, name)
+        attend = self._absorbed if self.absorbed else self._decompressed
+        y = attend(q_nope, q_rope, c_all, k_rope_all, mask, tracer if explicit else None, name)
         out = self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.vd))
         return out if tracer is None else hook(tracer, f"{name}.out", out)
 

@@ -321,10 +321,8 @@ class Model(nn.Module):
 
     def capped(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's output as the model gives it: soft-capped where the config says so (Gemma 2)."""
-        if self.config.final_logit_softcapping is None:
-            return logits
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None,
