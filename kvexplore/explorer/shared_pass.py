@@ -73,6 +73,20 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
+class _EveryQuery:
+    """The recorded pass asks for every layer's queries (a lane reusing the pass may press with them); the rest is
+    the cache's own eviction (None: it does not press)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def reads_queries(self, layer: int) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _RecordingCache:
     """The cache as the model sees it during a recorded pass: every call goes to ``cache``; writes and masks are noted
     in ``into``."""
@@ -85,8 +99,16 @@ class _RecordingCache:
             self._into.other_calls.add(name)
         return getattr(self._inner, name)
 
+    @property
+    def eviction(self) -> _EveryQuery:
+        return _EveryQuery(self._inner.eviction)
+
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None):
-        k_all, v_all = self._inner.write(layer, pos, k, v, queries)
+        ev = self._inner.eviction
+        if ev is not None and ev.reads_queries(layer):
+            k_all, v_all = self._inner.write(layer, pos, k, v, queries)
+        else:  # a cache of one's own may take no queries
+            k_all, v_all = self._inner.write(layer, pos, k, v)
         # compared now: a pressing cache may compact what it gave back when the pass commits; every layer's queries
         # are kept: a lane reusing the pass may press with them
         self._into.layers[layer] = LayerPass(queries, k, v, exact=_same(k_all, k) and _same(v_all, v))
@@ -176,9 +198,12 @@ class Reusing(_Wrapping):
                             hook(tracer, f"{name}.q", lp.q)
                         k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                         k = hook(tracer, f"{name}.cache_write", k)
-                    if lp.q is None and (ev := cache.eviction) is not None and ev.reads_queries(layer):
-                        raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
-                    k_all, v_all = cache.write(layer, pos, k, v, lp.q)
+                    if (ev := cache.eviction) is not None and ev.reads_queries(layer):
+                        if lp.q is None:
+                            raise NotTheSamePass(f"layer {layer}'s press reads queries the recorded pass did not note")
+                        k_all, v_all = cache.write(layer, pos, k, v, lp.q)
+                    else:
+                        k_all, v_all = cache.write(layer, pos, k, v)
                     if not (_same(k_all, lp.k) and _same(v_all, lp.v)):
                         raise NotTheSamePass(f"layer {layer}'s cache read back other keys or values")
                 if tracer is not None:

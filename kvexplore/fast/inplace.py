@@ -15,8 +15,9 @@ class InPlace:
                  mask: torch.Tensor) -> None:
         self.keys, self.values, self.pos, self._mask = keys, values, pos, mask
 
-    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor,
-              queries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # no press reads queries
+    eviction = None  # no press reads the queries of a compiled step
+
+    def write(self, layer: int, pos: Any, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys[layer].index_copy_(2, self.pos, k)
         self.values[layer].index_copy_(2, self.pos, v)
         return self.keys[layer], self.values[layer]

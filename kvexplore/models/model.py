@@ -119,7 +119,10 @@ class Attention(nn.Module):
             if tracer is not None:
                 k, v = hook(tracer, f"{name}.k_new", k), hook(tracer, f"{name}.v_new", v)
                 k = hook(tracer, f"{name}.cache_write", k)  # the keys about to be stored (values travel with them)
-            k_all, v_all = cache.write(self.layer, pos, k, v, queries=q)  # (B, nkv, S, hd); a press may read q
+            if (ev := cache.eviction) is not None and ev.reads_queries(self.layer):  # a press reads the queries
+                k_all, v_all = cache.write(self.layer, pos, k, v, queries=q)
+            else:  # a cache of one's own may take no queries (notebook 07's subclasses write without them)
+                k_all, v_all = cache.write(self.layer, pos, k, v)  # (B, nkv, S, hd)
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)

@@ -117,3 +117,20 @@ def test_the_executor_refuses_a_cache_it_cannot_run_and_a_model_that_is_none(tin
     with pytest.raises(kvexplore.SettingsError, match="model must be a kvexplore Model .*Executor, got str"):
         kvexplore.Generator("tiny")
     assert as_executor(tiny).model is tiny and kvexplore.Generator(tiny).model is tiny
+
+
+class NoQueries(kvexplore.PreallocatedCache):
+    """A cache of one's own whose ``write`` takes no queries, as notebook 07 writes its subclasses."""
+
+    def write(self, layer, pos, k, v):
+        return super().write(layer, pos, k, v)
+
+
+def test_a_cache_whose_write_takes_no_queries_runs_as_its_strategy(trained):
+    plain = kvexplore.Generator(trained, kvexplore.make_cache("preallocated", trained, 64))
+    own = kvexplore.Generator(trained, NoQueries(trained.config, max_seq_len=64))
+    for gen in (plain, own):
+        gen.prefill(PROMPT)
+        gen.run(6)
+    assert own.tokens == plain.tokens
+    assert logits_of(own) == logits_of(plain)
