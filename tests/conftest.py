@@ -111,11 +111,18 @@ def pytest_collection_modifyitems(config, items):
     course = sorted({p for item in items if (p := _notebook_path(item)) is not None})
     tail = set(course[len(course) - len(course) // 3:])
 
+    # then, of the rest, the browser and install tests first (each starts servers, a browser page or a virtual
+    # environment: tens of seconds, up to a minute or more), the many short tests after them: the workers' last
+    # tests are short ones, and none ends the run alone while the others wait (the Voila tests came last, in
+    # collection order)
     def order(item) -> tuple[int, int]:
         browser, notebooks = item.get_closest_marker("browser"), item.get_closest_marker("notebooks")
         if browser and notebooks:
-            return (1 if _notebook_path(item) in tail else 3), -position[id(item)]
-        return (0 if notebooks else 2), position[id(item)]
+            return (1 if _notebook_path(item) in tail else 4), -position[id(item)]
+        if notebooks:
+            return 0, position[id(item)]
+        heavy = (browser or item.get_closest_marker("install")) and "executed_notebook" not in item.fixturenames
+        return (2 if heavy else 3), position[id(item)]
 
     items.sort(key=order)
 

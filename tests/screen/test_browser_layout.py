@@ -114,22 +114,33 @@ def _chapter(chars: int = 10807) -> str:
 
 
 @pytest.mark.smollm2
-def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_presenting(browser, shots, tmp_path):
-    """``kvexplore app`` as a teacher runs it: SmolLM2, the default lanes (preallocated, concat, paged) and a
-    2,343-token paste (its progress shown while it runs), then two Steps; every tab and the paged lane's map at both
-    screens, plain and presenting, presenting on one 1280 x 800 screen (Step and the tab's figure under the app's
-    header, the page as it opens); then the two cache maps side by side, plain and presenting."""
-    from test_browser_truth import _smollm2
-    from browser_support import new_page, open_voila_app, require_browser, voila_server
+def test_the_smollm2_app_with_a_pasted_chapter_equals_the_kernel_shows_progress_and_fits(browser, shots, tmp_path):
+    """``kvexplore app`` as a teacher runs it: SmolLM2 and the default lanes (preallocated, concat, paged). The app
+    shows no code, fits one screen and equals the kernel; then a 2,343-token paste (its progress shown while it runs):
+    the caches grow from the app's 128 slots to hold it and the page equals the kernel; then two Steps, each equal to
+    the kernel, the newest token inside the strip's box; every tab and the paged lane's map at both screens, plain and
+    presenting, presenting on one 1280 x 800 screen (Step and the tab's figure under the app's header, the page as it
+    opens); then the two cache maps side by side, plain and presenting."""
+    from playwright.sync_api import expect
+
+    from browser_explorer import _checks
+    from browser_support import figure, new_page, open_voila_app, require_browser, screenshot, voila_server
+    from test_browser_truth import _on_one_screen, _shows_no_code, _smollm2
 
     require_browser("voila", "ipywidgets", "plotly", "anywidget")
     _smollm2()
+    done = []
     with voila_server(tmp_path, model="smollm2-135m") as server:
         page = new_page(browser)
         try:
             page.set_viewport_size(SIZES[0])
             explorer = open_voila_app(page, server, timeout_s=300)
-            explorer.locator(".js-plotly-plot").first.wait_for(timeout=300_000)
+            _shows_no_code(page)
+            figure(explorer, "cache_map").wait_for(timeout=300_000)
+            _on_one_screen(page, explorer)
+            expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
+            check, click = _checks(page, explorer, False, done, pause_ms=300)  # pauses as a teacher's
+            check("display")
             explorer.locator(".kvx-prompt textarea").first.fill(_chapter())  # pasted, then Prefill
             explorer.locator(".kvx-prefill").first.click()
             # while it runs the page says what is happening: the new prompt, the lane and layer, a bar
@@ -139,16 +150,27 @@ def test_the_app_with_a_pasted_chapter_shows_progress_and_fits_plain_and_present
             page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled",
                                    arg=explorer.element_handle(), polling=200, timeout=300_000)
             status.locator("text=2,344 tokens (2,343 prompt)").wait_for(timeout=60_000)  # the refresh after it
-            for _ in range(2):  # then Steps, as a class does
-                explorer.locator(".kvx-step").first.click()
-                page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled",
-                                       arg=explorer.element_handle(), polling=200, timeout=120_000)
+            state = check("prefill the pasted chapter")
+            assert state["tokens"] == 2344, state["tokens"]
+            assert "the caches grew from 128 to" in status.inner_text(), status.inner_text()
+            for i in (1, 2):  # then Steps, as a class does
+                click("step", f"step {i} after the chapter")
+                strip = explorer.locator(".kvx-tokens .kvx-strip").first.bounding_box()
+                last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
+                assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
+                    f"step {i}: the newest token is outside the strip's box: {last} in {strip}"
             status.locator("text=step 2 · 2,346 tokens").wait_for(timeout=60_000)
+            screenshot(page, shots / "app_chapter_1280x800.png")
             looked = check_layout(page, explorer, shots, "app_chapter",
                                   {"preallocated": EXACT_TABS, "paged": ("Attention",)}, one_screen=True)
             explorer.locator(".kvx-side-by-side input").first.check()  # preallocated above paged
             looked += check_layout(page, explorer, shots, "app_chapter_side_by_side", {"preallocated": ("Attention",)},
                                    one_screen=True)
+        except Exception:
+            screenshot(page, shots / "app_chapter_FAILED.png")
+            raise
         finally:
             page.close()
+    assert len(done) == 4, done
     assert len(looked) == 2 * (2 * (len(EXACT_TABS) + 1) + 2) + 2 * 3, looked
+    (shots / "app_chapter_checks.json").write_text(json.dumps(done, indent=1))

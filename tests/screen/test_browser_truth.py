@@ -136,19 +136,6 @@ def _session(page, lab: bool, shots: Path, name: str, timings: dict | None = Non
         raise
 
 
-def _opened(page, shots: Path, name: str, timings: dict, t0: float) -> list[str]:
-    """Wait for the page's explorer, check it fits one screen and equals the kernel."""
-    explorer = page.locator(".kvx-explorer").first
-    explorer.wait_for(timeout=300_000)
-    figure(explorer, "cache_map").wait_for(timeout=120_000)
-    timings["page_to_widgets"] = time.monotonic() - t0
-    _on_one_screen(page, explorer)
-    screenshot(page, shots / f"{name}_1280x800.png")
-    done = []
-    _checks(page, explorer, False, done)[0]("display")
-    return done
-
-
 def _run_lab(lab, lab_page, shots, name: str, *cells: str, every: bool = True) -> dict[int, list[str]]:
     """Write a notebook of ``cells`` into the run's JupyterLab, open it in the run's page, run it (one kernel),
     then check every operation on each explorer it shows, first to last (``every=False``: those that draw the
@@ -215,38 +202,31 @@ def test_lab_smollm2_two_strategies_page_equals_kernel(lab, lab_page, browser, s
              'max_seq_len=96)\nex', every=False)  # the page-wide operations: on tiny in Voila (below)
 
 
-@pytest.mark.parametrize("model, strategies", [
-    pytest.param("tiny", None, id="tiny"),  # the app's own lanes, as `kvexplore app` starts
-    pytest.param("smollm2-135m", ("preallocated", "concat"), id="smollm2", marks=pytest.mark.smollm2)])
-def test_voila_app_page_equals_kernel(model, strategies, tmp_path, browser, shots):
-    """``kvexplore app`` in Voila shows the explorer and no code, and the page equals the kernel after every kind of
-    operation (tiny) and after a pasted chapter (tiny: refused, then 900 tokens and a typed sentence; SmolLM2: all
-    2,148 tokens)."""
+def test_voila_app_page_equals_kernel(tmp_path, browser, shots):
+    """``kvexplore app`` in Voila (the tiny model and the app's own lanes, as `kvexplore app` starts) shows the
+    explorer and no code, and the page equals the kernel after every kind of operation and after a pasted chapter
+    (refused, then 900 tokens and a typed sentence). SmolLM2's app, a whole chapter pasted: test_browser_layout.py's
+    ``test_the_smollm2_app_with_a_pasted_chapter_equals_the_kernel_shows_progress_and_fits``."""
     from playwright.sync_api import expect
 
     require_browser("voila", "ipywidgets", "plotly", "anywidget")
-    if model != "tiny":
-        _smollm2()
-    name = f"truth_voila_{model.split('-')[0]}"
+    name = "truth_voila_tiny"
     timings = {}
-    with voila_server(tmp_path, model=model, strategies=strategies) as server:
+    with voila_server(tmp_path, model="tiny") as server:
         page = new_page(browser)
         try:
             page.set_viewport_size(VIEWPORT)
             t0 = time.monotonic()
             open_voila_app(page, server, timeout_s=150)
             _shows_no_code(page)
-            if model == "tiny":  # every kind of operation (the page-wide ones are the same for every model)
-                done = _session(page, False, shots, name, timings, t0)
-            else:  # the model's own operations are checked in JupyterLab (above); here its long prompt
-                done = _opened(page, shots, name, timings, t0)
+            done = _session(page, False, shots, name, timings, t0)  # every kind of operation
             expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
             explorer = page.locator(".kvx-explorer").first
-            done += (_pasted_chapter if model == "tiny" else _pasted_whole_chapter)(page, explorer, shots, name)
+            done += _pasted_chapter(page, explorer, shots, name)
         finally:
             page.close()
     save_timings(shots, name, timings)
-    assert len(done) >= (20 if model == "tiny" else 3), done
+    assert len(done) >= 20, done
     (shots / f"{name}_checks.json").write_text(json.dumps(done, indent=1))
 
 
@@ -288,29 +268,6 @@ def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
         assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
             f"{label}: the newest token is outside the strip's box: {last} in {strip}"
     screenshot(page, shots / f"{name}_900_tokens_1280x800.png")
-    return done
-
-
-def _pasted_whole_chapter(page, explorer, shots: Path, name: str) -> list[str]:
-    """A teacher pastes a whole chapter (2,148 tokens of SmolLM2) into the app started with 128 slots: the caches
-    grow to hold it, Prefill and Step run, the page equals the kernel and the strip shows the newest token."""
-    import kvexplore
-
-    text = (Path(kvexplore.__file__).parent / "data" / "texts" / "moby_dick_chapter_4.txt").read_text()
-    done = []
-    check, click = _checks(page, explorer, False, done, pause_ms=300)
-    _set(explorer, "prompt", text)
-    explorer.locator(".kvx-prefill").first.click()
-    _kernel_until(explorer, lambda s: s["tokens"] >= 2000, "the chapter's prefill", limit_s=240)  # 2k on SmolLM2
-    state = check("prefill the whole chapter")
-    assert state["tokens"] >= 2000, state["tokens"]
-    assert "the caches grew from 128 to" in explorer.locator(".kvx-status").first.inner_text()
-    click("step", "step after the chapter")
-    strip = explorer.locator(".kvx-tokens .kvx-strip").first.bounding_box()
-    last = explorer.locator(".kvx-tokens .kvx-last").first.bounding_box()
-    assert strip["y"] <= last["y"] and last["y"] + last["height"] <= strip["y"] + strip["height"] + 1, \
-        f"the newest token is outside the strip's box: {last} in {strip}"
-    screenshot(page, shots / f"{name}_chapter_1280x800.png")
     return done
 
 

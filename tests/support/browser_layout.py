@@ -127,21 +127,56 @@ TO_TOP = "() => document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e
 PRESENTING_PX = 18
 
 
-def _idle(page, explorer) -> None:
-    page.wait_for_function("(root) => !root.querySelector('.kvx-step').disabled", arg=explorer.element_handle(),
-                           polling=100, timeout=120_000)
+# One wait in the page for a look (no round trip per condition): no operation runs (Step enabled); the kernel's state
+# that it put in the page after its last refresh (``KVEXPLORE_INSPECT``, browser_truth.py) is what the look asked for:
+# presenting or not, the lane, the view picked (presenting, the cache map's tab: the maps alone; a plain screen: the
+# maps and one view), which the kernel publishes after the figures, table and status of the same refresh; then every
+# figure has drawn what it was sent (their one draw queue, kvexplore/views/plot_figure.js, empty) and two frames have
+# passed. A page without the kernel's state waits 250 ms for the kernel's figure messages instead.
+SETTLE = """async (root, want) => {
+  const frames = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const sleep = ms => new Promise(r => setTimeout(r, ms));
+  const shows = () => { const e = root.querySelector('.kvx-truth pre');
+    if (root.querySelector('.kvx-step').disabled) return false;
+    if (!e) return true;
+    const t = JSON.parse(e.textContent), shown = t.shown || [];
+    const maps = shown.filter(v => v.startsWith('cache_map')).length, others = shown.length - maps;
+    if (root.classList.contains('kvx-presenting') !== want.presenting) return false;
+    if (want.lane !== null && t.lane !== want.lane) return false;
+    if (want.view === 'cache_map') return others === 0;
+    if (want.view !== null) return shown.includes(want.view) && (want.presenting ? others === 1 : maps > 0);
+    return want.lane !== null || (want.presenting ? others === 0 : others === 1 && maps > 0); };
+  const t0 = Date.now();
+  while (!shows()) {
+    if (Date.now() - t0 > want.timeout_ms) return `the page never showed ${JSON.stringify(want)}`;
+    await sleep(50);
+  }
+  if (!root.querySelector('.kvx-truth pre')) await sleep(250);
+  await frames();
+  const q = globalThis.__kvxDrawQueue;
+  for (let i = 0; q && i < 50; i++) {
+    const tail = q.tail, late = Symbol();
+    if (await Promise.race([tail.then(() => null), sleep(want.timeout_ms).then(() => late)]) === late)
+      return 'the figures never finished drawing';
+    await frames();
+    if (tail === q.tail) break; }
+  return ''; }"""
 
 
-def _settle(page, explorer) -> None:
-    """Wait until no operation runs and the figures have been laid out (two frames after plotly's redraw)."""
-    _idle(page, explorer)
-    page.wait_for_timeout(250)  # the kernel's figure messages arrive after the buttons are enabled again
-    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+def _settle(page, explorer, presenting: bool, lane: str | None = None, title: str | None = None) -> None:
+    """Wait until the page shows what the look asked for, drawn (:data:`SETTLE`): ``presenting`` and the ``lane`` or
+    the tab ``title`` (neither: the presentation box was just clicked)."""
+    from kvexplore.views.registry import VIEWS
+
+    view = next(name for name, v in VIEWS.items() if v.title == title) if title else None
+    failed = explorer.evaluate(SETTLE, {"lane": lane, "presenting": presenting, "view": view,
+                                        "timeout_ms": 120_000})
+    assert not failed, failed
 
 
-def _lane(page, explorer, lane: str) -> None:
+def _lane(page, explorer, lane: str, presenting: bool) -> None:
     explorer.locator(".kvx-lane select").first.select_option(label=lane)
-    _settle(page, explorer)
+    _settle(page, explorer, presenting, lane=lane)
 
 
 def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, ...]] | None = None,
@@ -163,13 +198,13 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
             for presenting in (False, True):
                 if box.is_checked() != presenting:
                     box.click()
-                    _settle(page, explorer)
+                    _settle(page, explorer, presenting)
                 for lane, tabs in lanes.items():
-                    _lane(page, explorer, lane)
+                    _lane(page, explorer, lane, presenting)
                     fit = one_screen and presenting and size == SIZES[0]
                     for title in (MAP_TAB, *tabs) if presenting else tabs:  # presenting, the cache map is a tab
                         explorer.locator(f".kvx-view button:text-is('{title}')").first.click()
-                        _settle(page, explorer)
+                        _settle(page, explorer, presenting, lane, title)
                         if fit:  # the page as it opens: the app's header too
                             page.evaluate(TO_TOP)
                         else:
@@ -184,7 +219,7 @@ def check_layout(page, explorer, shots, name: str, lanes: dict[str, tuple[str, .
     finally:
         if box.is_checked():
             box.click()
-            _settle(page, explorer)
+            _settle(page, explorer, False)
         page.set_viewport_size(SIZES[0])
-        _lane(page, explorer, first_lane)
+        _lane(page, explorer, first_lane, False)
     return looked
