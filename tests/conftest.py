@@ -308,10 +308,18 @@ def executed_notebook(tmp_path_factory):
                 client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                                  resources={"metadata": {"path": str(workdir)}})
                 t0, error = time.monotonic(), None
+                # the kernel's products on F.linear, as the browser servers' (tests/support/browser_servers.py): the
+                # explorer turns the product kernels on, and building them costs every notebook's kernel seconds to
+                # a minute (cold); the notebooks teach caches, test_products.py checks the kernels
+                saved, os.environ["KVEXPLORE_PRODUCTS"] = os.environ.get("KVEXPLORE_PRODUCTS"), "torch"
                 try:
                     client.execute()
                 except Exception as e:  # the failing cell's traceback, reported by the test that asks
                     error = f"{type(e).__name__}: {e}"
+                finally:
+                    os.environ.pop("KVEXPLORE_PRODUCTS")
+                    if saved is not None:
+                        os.environ["KVEXPLORE_PRODUCTS"] = saved
                 nbformat.write(nb, str(out))
                 meta.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1), "error": error}))
         return out, json.loads(meta.read_text())

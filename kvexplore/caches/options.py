@@ -112,10 +112,6 @@ class Options:
     def validate(self) -> None:
         """Checks across options (each option's own check has run)."""
 
-    def keywords(self) -> dict[str, Any]:
-        """The options by name, as the strategy's constructor takes them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
     @classmethod
     def specs(cls) -> list[tuple[Field, OptionSpec]]:
         """Each option's field and spec, in declaration order."""

@@ -51,18 +51,9 @@ class Lane:
         kept = len(self.speculation.verifications) if self.speculation is not None else 0
         self.checkups = {i: c for i, c in self.checkups.items() if i < kept}
 
-    @property
-    def cache(self):
-        return self.generator.cache
-
-    @property
-    def speculation(self):
-        """The generator's drafting counts (None: the lane does not draft)."""
-        return self.generator.speculation
-
-    @property
-    def history(self) -> list[StepRecord]:
-        return self.generator.history
+    cache = property(lambda self: self.generator.cache)
+    history = property(lambda self: self.generator.history)  # the lane's records (a History)
+    speculation = property(lambda self: self.generator.speculation)  # its drafting counts (None: it does not draft)
 
     @property
     def kl(self) -> list[float | None]:

@@ -74,17 +74,12 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 class _EveryQuery:
-    """The recorded pass asks for every layer's queries (a lane reusing the pass may press with them); the rest is
-    the cache's own eviction (None: it does not press)."""
+    """What the model asks of a recorded pass's eviction: every layer's queries (a lane reusing the pass may press
+    with them)."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def reads_queries(self, layer: int) -> bool:
+    @staticmethod
+    def reads_queries(layer: int) -> bool:
         return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class _RecordingCache:
@@ -99,9 +94,7 @@ class _RecordingCache:
             self._into.other_calls.add(name)
         return getattr(self._inner, name)
 
-    @property
-    def eviction(self) -> _EveryQuery:
-        return _EveryQuery(self._inner.eviction)
+    eviction = _EveryQuery()
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None):
         ev = self._inner.eviction

@@ -21,29 +21,12 @@ class EagerExecutor(Executor):
     def __init__(self, model: Model) -> None:
         self._model = model
 
-    @property
-    def model(self) -> Model:
-        return self._model
-
-    @property
-    def config(self):
-        return self._model.config
-
-    @property
-    def tokenizer(self):
-        return self._model.tokenizer
-
-    @property
-    def source(self) -> str | None:
-        return self._model.source
-
-    @property
-    def device(self) -> torch.device:
-        return self._model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._model.dtype
+    model = property(lambda self: self._model)
+    config = property(lambda self: self._model.config)
+    tokenizer = property(lambda self: self._model.tokenizer)
+    source = property(lambda self: self._model.source)
+    device = property(lambda self: self._model.device)
+    dtype = property(lambda self: self._model.dtype)
 
     def __call__(self, ids: torch.Tensor, cache: KVCache, pos: int, tracer: Any = None, last_only: bool = False,
                  keep_undo: bool = False) -> torch.Tensor:
