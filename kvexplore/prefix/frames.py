@@ -23,6 +23,7 @@ MISS_KINDS = {
     "evicted": "the block was cached, then evicted under pressure",
     "template": "the chat template rendered an earlier turn differently from how it was generated",
     "no-state-checkpoint": "a recurrent layer's state was not saved at that position",
+    "sliding-window": "the sliding-window layers hold no cached blocks where the hit would resume",
     "partial-block": "the last tokens do not fill a whole block (only full blocks are shared; the last prompt token "
                      "is always computed for its logits)",
 }

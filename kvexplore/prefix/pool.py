@@ -25,6 +25,7 @@ from .policies import make_index
 from .reasons import Ledger, Served
 from .request import RequestInput
 from .result import ServeResult
+from .sliding import SlidingRetention
 from .snapshot import FrameMaker
 from .states import StateCheckpoints
 
@@ -46,12 +47,22 @@ class PrefixPool:
     """``num_blocks`` pages of ``block_size`` positions (every full-attention layer's keys and values), shared by
     every request :meth:`serve` runs, and a prefix ``policy``: ``"hash"`` (vLLM's automatic prefix caching) or
     ``"radix"`` (SGLang's RadixAttention). ``checkpoint_states`` says where a hybrid model's recurrent states are
-    saved (:mod:`kvexplore.prefix.states`); ``listeners`` are called with each new frame."""
+    saved (:mod:`kvexplore.prefix.states`); ``retention_interval`` where the hash policy keeps a sliding-window
+    layer's blocks cached, as vLLM's ``prefix_cache_retention_interval`` (:mod:`kvexplore.prefix.sliding`);
+    ``reuse``: how the hash policy queues the pages a request gives back: ``"fifo"``, all to the back in the order
+    they came (a cached block at the front is evicted even while uncached pages wait), or ``"uncached-first"``, as
+    vLLM 0.32 does: pages caching nothing to the front, cached ones to the back. ``listeners`` are called with each
+    new frame."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
-                 checkpoint_states: str = "ends", dtype: torch.dtype | None = None) -> None:
+                 checkpoint_states: str = "ends", dtype: torch.dtype | None = None,
+                 retention_interval: int | None = 0, reuse: str = "fifo") -> None:
         num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
         self.index = make_index(policy, block_size)
+        if reuse not in ("fifo", "uncached-first") or (reuse != "fifo" and policy != "hash"):
+            raise SettingsError(f"reuse must be 'fifo' or 'uncached-first' (vLLM 0.32's, for the hash policy), got "
+                                f"{reuse!r} with policy {policy!r}")
+        self.reuse = reuse
         self.executor = as_executor(model)
         self.model, self.config, self.policy = model, self.executor.config, policy
         self.tokenizer = self.executor.tokenizer
@@ -71,6 +82,8 @@ class PrefixPool:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.pool: BlockPool = self.cache.pool
         self.states = StateCheckpoints([s.index for s in self.cache.plan if s.recurrent], checkpoint_states)
+        windows = [s.window for s in self.cache.plan if s.window and not s.recurrent] if policy == "hash" else []
+        self.sliding = SlidingRetention(windows, block_size, retention_interval)
         self.ledger = Ledger(block_size, self._token_text)
         self.events = EngineEvents(block_size)
         self.results: list[ServeResult] = []
@@ -97,12 +110,15 @@ class PrefixPool:
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
         hashes = block_hashes(ids, bs, self.reusable_blocks(n))
         matched = self.index.match(ids, hashes)
-        usable = self.states.usable(hashes, len(matched))
+        windowed = self.sliding.hit(hashes, len(matched))
+        usable = self.states.usable(hashes, windowed)
         pages, hit = matched[:usable], usable * bs
         self._check_room(ask, pages)
         label = label or f"request {r}"
-        saved_at = [(k + 1) * bs for k in range(len(matched)) if hashes[k] in self.states.saved]
-        misses = self.ledger.explain(ids, hit, len(matched) * bs, hashes, ask.chat, saved_at, ask.answers)
+        saved_at = [(k + 1) * bs for k in range(windowed) if hashes[k] in self.states.saved]
+        sliding = ((len(matched) * bs, self.sliding.words(hashes, len(matched), windowed))
+                   if windowed < len(matched) else None)
+        misses = self.ledger.explain(ids, hit, windowed * bs, hashes, ask.chat, saved_at, ask.answers, sliding)
         t0 = time.perf_counter()
         cache = self.cache.sibling()
         cache.adopt(pages, hit)
@@ -118,6 +134,7 @@ class PrefixPool:
         table = list(cache.table.tables[0])
         all_hashes = block_hashes(written, bs, known=hashes)
         cached = self.index.insert(written, table[: len(all_hashes)], all_hashes)
+        self.sliding.retain(all_hashes, usable, n, len(matched) * bs if windowed < len(matched) else 0)
         shared = set(pages)
         for i, page in enumerate(table):
             self.pool.tokens[page] = tuple(written[i * bs: (i + 1) * bs])
@@ -155,8 +172,13 @@ class PrefixPool:
         return [pool.serve(request, **options) for pool in pools]
 
     def _give_back(self, cache: PagedCache) -> None:
+        before = len(self.pool.free)
         cache.table.release(tail_first=True)  # the tail first: the hash policy then evicts a prefix's end first
         cache.table.tables = [[]]
+        if self.reuse == "uncached-first":
+            free, back = self.pool.free[:before], self.pool.free[before:]
+            self.pool.free[:] = ([p for p in back if not self.index.cached(p)] + free
+                                 + [p for p in back if self.index.cached(p)])
 
     def _answer_text(self, generated: list[int]) -> str:
         eos = set(eos_ids(self.executor))
@@ -167,6 +189,7 @@ class PrefixPool:
         evictions, self.index.evictions = list(self.index.evictions), []
         for e in evictions:
             self.states.drop(e.hash)
+            self.sliding.drop(e.hash)
         self.ledger.note_evictions(evictions, label)
         return evictions
 

@@ -51,11 +51,14 @@ class Ledger:
         return f"{self.token_text(token)!r} (id {token})"
 
     def explain(self, ids: Sequence[int], hit: int, matched: int, hashes: list[bytes], chat: bool,
-                saved_at: Sequence[int], answers: Sequence[str] = ()) -> list[Miss]:
+                saved_at: Sequence[int], answers: Sequence[str] = (),
+                sliding: tuple[int, str] | None = None) -> list[Miss]:
         """Every recomputed prompt position ``hit .. len(ids) - 1`` explained. ``matched``: the prefix whose blocks
         were cached (past ``hit`` only when a recurrent state was not saved where they end); ``hashes``: the chain
         hashes of the blocks that could have been hit; ``saved_at``: where states were saved along the prefix;
-        ``answers``: the contents of the chat's assistant messages (to tell a template's rewrite from an edit)."""
+        ``answers``: the contents of the chat's assistant messages (to tell a template's rewrite from an edit);
+        ``sliding``: where the full layers' cached blocks ended and why the sliding layers stopped ``matched`` short
+        of it (:mod:`kvexplore.prefix.sliding`)."""
         bs, n = self.block_size, len(ids)
         floor, misses = len(hashes) * bs, []
         if matched > hit:
@@ -65,6 +68,9 @@ class Ledger:
                                f"positions 0..{matched - 1} are cached as blocks, but the recurrent layers' state "
                                f"was saved {where}: a hybrid model resumes only where its state was checkpointed, "
                                f"so this request resumes at {hit}"))
+        if sliding is not None:
+            misses.append(Miss("sliding-window", matched, sliding[0], sliding[1]))
+            matched = sliding[0]
         start = max(hit, matched)
         if start < floor:
             misses.append(self._cause(ids, start, floor, hashes, chat, answers))

@@ -227,12 +227,14 @@ def test_a_model_in_chunks_is_joined_and_checked(tmp_path, monkeypatch, damaged)
 @GEMMA3
 def test_prefix_pool_shares_a_long_passage_past_the_window(gemma):
     """Two chat requests sharing 700 tokens of prose (past the 512-token window of the local layers, which the pool
-    pages like the global ones): the second hits every whole block of the shared part, and its answer and logits are
-    the same request's on an empty pool."""
+    pages like the global ones): with every sliding block kept cached (``retention_interval=None``) the second hits
+    every whole block of the shared part, and its answer and logits are the same request's on an empty pool. With
+    vLLM's default (0) the local layers keep only the first request's last 32 blocks: the second hits nothing and
+    says why, caches the tail before where the two part, and a third request sharing that much hits all of it."""
     passage = gemma.tokenizer.decode(gemma.tokenizer.encode(PROSE)[:700])
     tail = "Answer in one short sentence, then quote the words of the passage that tell you, and say why."
     chats = [[{"role": "user", "content": f"{passage}\n\n{q} {tail}"}] for q in ("Who is speaking?", "Where are we?")]
-    pool = kvexplore.PrefixPool(gemma, num_blocks=200, block_size=16)
+    pool = kvexplore.PrefixPool(gemma, num_blocks=200, block_size=16, retention_interval=None)
     first = pool.serve(chats[0], max_new_tokens=4)
     second = pool.serve(chats[1], max_new_tokens=4, keep_logits=True)
     common = next(i for i, (a, b) in enumerate(zip(first.prompt, second.prompt)) if a != b)
@@ -245,3 +247,13 @@ def test_prefix_pool_shares_a_long_passage_past_the_window(gemma):
                                                                              keep_logits=True)
     assert fresh.generated == second.generated
     torch.testing.assert_close(second.logits, fresh.logits, atol=1e-4, rtol=0)
+
+    vllm = kvexplore.PrefixPool(gemma, num_blocks=200, block_size=16)
+    vllm.serve(chats[0], max_new_tokens=4)
+    parted = vllm.serve(chats[1], max_new_tokens=4)
+    hit = min(common // 16, floor) * 16
+    assert parted.hit_tokens == 0 and parted.generated == second.generated
+    assert (parted.misses[0].kind, parted.misses[0].start, parted.misses[0].end) == ("sliding-window", 0, hit)
+    assert f"resuming at position {hit} read blocks {hit // 16 - 32}..{hit // 16 - 1}" in parted.misses[0].reason
+    third = [{"role": "user", "content": f"{passage}\n\nWhat is the weather? {tail}"}]
+    assert vllm.serve(third, max_new_tokens=4).hit_tokens == hit

@@ -222,12 +222,15 @@ def test_hybrid_model_reuses_state_only_where_it_was_checkpointed(zoo, policy):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3", "gpt_oss", "gemma4"])
 def test_shared_blocks_give_the_logits_of_a_request_computed_from_scratch(zoo, arch, policy):
     """Sliding-window layers (window 8 in the zoo's Gemma 3, gpt-oss and Gemma 4, all shorter than the 30-token
-    prompts) are paged like full ones, each query reading its window; Gemma 4's shared layers read their source's."""
+    prompts) are paged like full ones, each query reading its window; Gemma 4's shared layers read their source's.
+    Every sliding block stays cached (``retention_interval=None``, vLLM's dense retention) so that the second
+    request resumes inside the first one's prompt."""
     model = zoo.load(arch) if arch != "llama" else zoo.load("llama", heads=4, kv_heads=2)
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, model.config.vocab_size, (30,), generator=g).tolist()
     b = a[:21] + torch.randint(0, model.config.vocab_size, (9,), generator=g).tolist()
-    pool = kvexplore.PrefixPool(model, num_blocks=40, block_size=BS, policy=policy, checkpoint_states="blocks")
+    pool = kvexplore.PrefixPool(model, num_blocks=40, block_size=BS, policy=policy, checkpoint_states="blocks",
+                                retention_interval=None)
     pool.serve(a, max_new_tokens=4)
     shared = pool.serve(b, max_new_tokens=6, keep_logits=True)
     assert shared.hit_tokens == 20
