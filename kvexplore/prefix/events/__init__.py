@@ -8,7 +8,8 @@ from .files import KVEventRecorder, read_kv_events, read_recording, save_kv_even
 from .replay import KVEventReplay, Received
 from .schema import Batch, Cleared, KVEventFormatError, Removed, Stored, decode_payload, read_batch
 from .subscriber import KVEventSubscriber, rank_endpoint, record
+from .vllm_hashes import vllm_block_hashes
 
 __all__ = ["Batch", "Cleared", "KVEventFormatError", "KVEventRecorder", "KVEventReplay", "KVEventSubscriber",
            "Received", "Removed", "Stored", "decode_payload", "rank_endpoint", "read_batch", "read_kv_events",
-           "read_recording", "record", "save_kv_events"]
+           "read_recording", "record", "save_kv_events", "vllm_block_hashes"]
