@@ -105,9 +105,11 @@ class SlidingRetention:
                 "window" if self.interval == 0 else
                 f"vLLM caches a sliding layer's blocks only before every {self.interval} tokens, a prompt's last "
                 f"block or a shared-prefix junction (prefix_cache_retention_interval={self.interval})")
+        where = (f"the nearest earlier point with its window cached is position {hit * bs}" if hit else
+                 "no earlier point has its window's blocks cached")
         return (f"positions 0..{blocks * bs - 1} are cached in the full-attention layers, but {'; '.join(parts)}: "
-                f"{rule}, so this request resumes at {hit * bs}; it now caches that tail, so the next request "
-                f"sharing these {blocks * bs} tokens hits them")
+                f"{rule}; {where}, so this request resumes at {hit * bs}; it now caches that tail, so the next "
+                f"request sharing these {blocks * bs} tokens hits them")
 
 
 def _runs(blocks: list[int]) -> str:
