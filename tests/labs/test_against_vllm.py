@@ -119,3 +119,26 @@ def test_bad_retention_and_reuse_are_refused_naming_the_choices(tiny):
         kvexplore.PrefixPool(tiny, num_blocks=8, block_size=BLOCK, retention_interval=48)
     with pytest.raises(kvexplore.SettingsError, match="reuse must be 'fifo' or 'uncached-first'.*policy 'radix'"):
         kvexplore.PrefixPool(tiny, num_blocks=8, block_size=BLOCK, policy="radix", reuse="uncached-first")
+
+
+@pytest.mark.parametrize("folder", RUNS, ids=[p.name for p in RUNS])
+def test_the_reader_gives_every_group_the_blocks_tokens_and_shows_the_full_layers_first(folder):
+    """vLLM 0.32's sliding groups send the token ids of every block a step cached with the hashes of those they keep:
+    the reader takes the blocks' tokens from the end and says so; with no group asked for, the frames are of the
+    full-attention group (group 5 of Gemma 3's six, the only one holding every block)."""
+    run = _run(folder)
+    chain = {}
+    for ids, result in zip(run["requests"], run["vllm_results"]):
+        written = ids + result["tokens"][:-1]
+        chain.update((h, tuple(written[i * BLOCK:(i + 1) * BLOCK]))
+                     for i, h in enumerate(vllm_block_hashes(written, BLOCK)))
+    replay = read_kv_events(folder / "events.kvev")
+    for key in replay.caches():
+        assert all(block.tokens == chain[h] for h, block in replay.state(*key).blocks.items()), key
+    kinds = {key[2]: replay.state(*key).spec_kind for key in replay.caches()}
+    picked = replay._pick(None, None, None)[2]
+    assert kinds[picked] == "full_attention" and (picked == 5) == folder.name.startswith("gemma3")
+    sliding = [g for g, kind in kinds.items() if kind == "sliding_window"]
+    told = [n for g in sliding for f in replay.frames(group=g) for n in f.notes if "taken from the end" in n]
+    # every sliding block kept (retention None): hashes and tokens match; kept sparsely (0, 1,024): told
+    assert bool(told) == (bool(sliding) and run["retention_interval"] is not None)

@@ -126,8 +126,9 @@ class KVEventReplay:
                group: int | None = None) -> list[PoolFrame]:
         """One cache's frames: frame 0 empty, then one per batch of its rank (a batch that changed only another
         medium or group of that rank gives a frame that says so, so the frames of one rank line up). ``rank``,
-        ``medium``, ``group``: which cache (None: the lowest rank, GPU, the lowest group; frame 0's notes name the
-        others). ``tokenizer``: anything with ``decode(ids) -> str``, for the blocks' text."""
+        ``medium``, ``group``: which cache (None: the lowest rank, GPU, the lowest group of full-attention layers where
+        the engine names its groups' kinds, else the lowest; frame 0's notes name the others). ``tokenizer``:
+        anything with ``decode(ids) -> str``, for the blocks' text."""
         if not self.keep_history:
             raise SettingsError("this replay keeps no batches (keep_history=False), so it has no frames; a "
                                 "recording keeps them: read_kv_events(path).frames()")
@@ -199,7 +200,8 @@ class KVEventReplay:
         if m not in media:
             raise SettingsError(f"medium {medium!r} has no KV events on rank {r}; its media: {', '.join(media)}")
         groups = sorted(k[2] for k in keys if k[:2] == (r, m))
-        g = groups[0] if group is None else group
+        full = [k for k in groups if self._states[(r, m, k)].spec_kind == "full_attention"]
+        g = (full or groups)[0] if group is None else group  # a hybrid model's full layers first (every block)
         if g not in groups:
             raise SettingsError(f"group {group} has no KV events on rank {r} {m}; its groups: "
                                 f"{', '.join(map(str, groups))}")

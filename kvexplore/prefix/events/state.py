@@ -71,6 +71,7 @@ class CacheState:
         self.slots: list[Hash | None] = []       # slot -> the hash it holds
         self.free: list[int] = []                # a heap: the lowest free slot is taken first
         self.block_size = 0
+        self.spec_kind: str | None = None  # what the engine says this group's layers are (vLLM's kv_cache_spec_kind)
         self.starts: dict[Hash, int] = {}  # every hash ever stored -> its start (for the blocks stored under it)
         self.totals = {"stored": 0, "removed": 0, "cleared": 0, "cleared_blocks": 0, "unknown_removed": 0}
         self.change = Change()
@@ -86,20 +87,28 @@ class CacheState:
     def store(self, ev: Stored, batch: int) -> None:
         bs = ev.block_size
         self.block_size = self.block_size or bs
+        self.spec_kind = self.spec_kind or ev.extra.get("kv_cache_spec_kind")
         n = len(ev.hashes)
-        if len(ev.tokens) != n * bs:
-            self.change.token_mismatch.append(f"{len(ev.tokens)} token ids for {n} blocks of {bs}")
+        tokens = ev.tokens
+        if len(tokens) != n * bs:
+            tail = len(tokens) > n * bs and len(tokens) % bs == 0
+            self.change.token_mismatch.append(
+                f"{len(tokens)} token ids for {n} blocks of {bs}" + (
+                    ": the blocks' tokens taken from the end (vLLM 0.32's sliding-window groups send the token ids "
+                    "of every block the step cached and the hashes of the ones they keep)" if tail else ""))
+            if tail:
+                tokens = tokens[len(tokens) - n * bs:]
         parent, new, again = ev.parent, [], 0
         parent_held = parent is None or parent in self.blocks
         start = self.starts[parent] + self.block_size if parent in self.starts else 0
         for i, h in enumerate(ev.hashes):
-            tokens = tuple(ev.tokens[i * bs:(i + 1) * bs])
+            mine = tuple(tokens[i * bs:(i + 1) * bs])
             held = self.blocks.get(h)
             if held is not None:
                 held.last_used, again = batch, again + 1
             else:
                 slot = heapq.heappop(self.free) if self.free else self._grow()
-                block = Block(h, parent, tokens, slot, start, batch, batch, ev.lora)
+                block = Block(h, parent, mine, slot, start, batch, batch, ev.lora)
                 self.blocks[h], self.slots[slot] = block, h
                 new.append(block)
             self.starts[h] = start
