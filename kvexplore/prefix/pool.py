@@ -116,8 +116,11 @@ class PrefixPool:
         self._check_room(ask, pages)
         label = label or f"request {r}"
         saved_at = [(k + 1) * bs for k in range(windowed) if hashes[k] in self.states.saved]
-        sliding = ((len(matched) * bs, self.sliding.words(hashes, len(matched), windowed))
-                   if windowed < len(matched) else None)
+        sliding = None
+        if windowed < len(matched):
+            writer = self.ledger.longest(ids)[1]
+            sliding = (len(matched) * bs, self.sliding.words(hashes, len(matched), windowed,
+                                                              writer.label if writer else None))
         misses = self.ledger.explain(ids, hit, windowed * bs, hashes, ask.chat, saved_at, ask.answers, sliding)
         t0 = time.perf_counter()
         cache = self.cache.sibling()

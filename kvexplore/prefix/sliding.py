@@ -91,15 +91,20 @@ class SlidingRetention:
         for cached in self.cached.values():
             cached.discard(h)
 
-    def words(self, hashes: Sequence[bytes], blocks: int, hit: int) -> str:
-        """Why a hit that the full layers would take to ``blocks`` stops at ``hit`` (blocks)."""
+    def words(self, hashes: Sequence[bytes], blocks: int, hit: int, writer: str | None = None) -> str:
+        """Why a hit that the full layers would take to ``blocks`` stops at ``hit`` (blocks); ``writer``: an earlier
+        request that wrote those blocks (named, with what the sliding layers keep of them)."""
         bs = self.block_size
         parts = []
         for w, lacking in self.missing(hashes, blocks).items():
             if lacking:
+                kept = [i for i in range(blocks) if hashes[i] in self.cached[w]]
+                by = (f" ({writer} wrote blocks 0..{blocks - 1}; of them the sliding layers keep "
+                      f"{_runs(kept) if kept else 'none'} cached, the rest were freed as the window moved past "
+                      f"them)" if writer else "")
                 parts.append(f"the sliding layers (window {w}) resuming at position {blocks * bs} read blocks "
                              f"{max(blocks - self.need[w], 0)}..{blocks - 1}, and {_runs(lacking)} "
-                             f"{'is' if len(lacking) == 1 else 'are'} not cached for them")
+                             f"{'is' if len(lacking) == 1 else 'are'} not cached for them{by}")
         rule = ("vLLM caches a sliding layer's blocks only in the blocks before a prompt's last block or a "
                 "shared-prefix junction (prefix_cache_retention_interval=0) and frees the rest as they leave the "
                 "window" if self.interval == 0 else

@@ -255,5 +255,8 @@ def test_prefix_pool_shares_a_long_passage_past_the_window(gemma):
     assert parted.hit_tokens == 0 and parted.generated == second.generated
     assert (parted.misses[0].kind, parted.misses[0].start, parted.misses[0].end) == ("sliding-window", 0, hit)
     assert f"resuming at position {hit} read blocks {hit // 16 - 32}..{hit // 16 - 1}" in parted.misses[0].reason
+    last = (len(first.prompt) - 1) // 16  # request 0's replay boundary: its sliding layers keep the 32 blocks before
+    assert (f"(request 0 wrote blocks 0..{hit // 16 - 1}; of them the sliding layers keep blocks {last - 32}.."
+            f"{hit // 16 - 1} cached, the rest were freed" in parted.misses[0].reason)
     third = [{"role": "user", "content": f"{passage}\n\nWhat is the weather? {tail}"}]
     assert vllm.serve(third, max_new_tokens=4).hit_tokens == hit
