@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..core.runs import runs
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -78,14 +80,9 @@ TABLE_RUNS = 6  # runs of pages a paged cache's one-line summary names before it
 def page_runs(pages: Sequence[int], most: int = TABLE_RUNS) -> str:
     """``[0, 1, 2, 3, 7, 8, 5]`` as ``"[0–3, 7–8, 5] (7 pages)"``: runs of consecutive pages, the first ``most`` of
     them, then how many pages the rest hold."""
-    runs: list[list[int]] = []
-    for p in pages:
-        if runs and p == runs[-1][1] + 1:
-            runs[-1][1] = p
-        else:
-            runs.append([p, p])
-    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs[:most])
-    rest = sum(b - a + 1 for a, b in runs[most:])
+    found = runs(pages)
+    text = ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in found[:most])
+    rest = sum(b - a + 1 for a, b in found[most:])
     if rest:
         text += f", … {rest} more"
     return f"[{text}] ({len(pages)} page{'s' * (len(pages) != 1)})"

@@ -137,7 +137,7 @@ class PrefixPool:
         table = list(cache.table.tables[0])
         all_hashes = block_hashes(written, bs, known=hashes)
         cached = self.index.insert(written, table[: len(all_hashes)], all_hashes)
-        self.sliding.retain(all_hashes, usable, n, len(matched) * bs if windowed < len(matched) else 0)
+        self.sliding.retain(all_hashes, usable, n, sliding[0] if sliding else 0)  # the junction: the full layers' hit
         shared = set(pages)
         for i, page in enumerate(table):
             self.pool.tokens[page] = tuple(written[i * bs: (i + 1) * bs])

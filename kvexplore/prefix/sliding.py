@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..core.runs import runs
 from ..errors import SettingsError
 
 
@@ -35,10 +36,6 @@ class SlidingRetention:
         self.block_size, self.interval = block_size, interval
         self.need = {w: blocks_needed(w, block_size) for w in sorted(set(windows))}
         self.cached: dict[int, set[bytes]] = {w: set() for w in self.need}
-
-    @property
-    def needed(self) -> bool:
-        return bool(self.need)
 
     def hit(self, hashes: Sequence[bytes], blocks: int) -> int:
         """How many of the ``blocks`` leading blocks (the full layers' hit) every sliding group can resume after: the
@@ -119,10 +116,6 @@ class SlidingRetention:
 
 def _runs(blocks: list[int]) -> str:
     """``[3, 4, 5, 9]`` as ``"blocks 3..5 and 9"``."""
-    runs, start = [], blocks[0]
-    for a, b in zip(blocks, blocks[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}..{a}" if a > start else f"{a}")
-            start = b
-    text = ", ".join(runs[:-1]) + (" and " if len(runs) > 1 else "") + runs[-1]
+    parts = [f"{a}..{b}" if b > a else f"{a}" for a, b in runs(blocks)]
+    text = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
     return f"block{'s' * (len(blocks) > 1)} {text}"

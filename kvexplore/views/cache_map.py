@@ -14,6 +14,7 @@ import numpy as np
 
 from ..caches.base import EVICTED, FILLED, FREE, SHARED, STALE, SlotView
 from ..caches.layout import EmptyLayout, SharedLayout
+from ..core.runs import runs
 from ..trace.records import StepRecord
 from . import bins, divergence, map_rows, onscreen
 from .palette import SLOT_CLASSES, SLOT_COLOURS, SLOT_MEANING, discrete_colorscale
@@ -114,17 +115,6 @@ def _token_rows(drawn: list, kinds: dict[int, str]) -> list[tuple]:
     if len(first) == 1:  # one kind: its first layout's row (an evicting cache's: the main layer's kept slots)
         return [(*next(iter(first.values())), "token")]
     return [(view, layers, classes, f"{kind} ({count[kind]})") for kind, (view, layers, classes) in first.items()]
-
-
-def _runs(layers: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs ``(first, last)`` of a sorted list of layer numbers."""
-    runs: list[list[int]] = []
-    for i in layers:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return [(a, b) for a, b in runs]
 
 
 def spec(record: StepRecord | None, strategy: str, num_layers: int, token_texts: Sequence[str] = (),
@@ -281,7 +271,7 @@ def _marks(groups, n: int, b) -> tuple[list[dict], list[dict]]:
             continue
         marks = [m for m in view.layout.marks(len(view.states)) if b.start <= m.at <= b.stop]
         marks = marks[:: -(-len(marks) // MAX_MARKS) or 1]
-        for first, last in _runs(layers):
+        for first, last in runs(layers):
             for mark in marks:
                 shapes.append(dict(type="line", xref="x", yref="y", x0=mark.at - 0.5, x1=mark.at - 0.5,
                                    y0=first - 0.5, y1=last + 0.5, line=dict(color=mark.colour, width=1.5,
@@ -340,9 +330,9 @@ def _title(record: StepRecord | None, strategy: str, groups, fresh: bool = True,
 
 
 def _span(layers: list[int]) -> str:
-    runs = _runs(layers)
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:4])
-    return text + (", ..." if len(runs) > 4 else "")
+    found = runs(layers)
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in found[:4])
+    return text + (", ..." if len(found) > 4 else "")
 
 
 def _divergence(rows: list, diverged: tuple[int, int, str, bool], b, x: np.ndarray) -> dict:
