@@ -6,6 +6,7 @@ from .frames import BlockView, MissView, PoolFrame, RequestView, TreeNode
 from .policies import POLICIES, register_policy, unregister_policy
 from .pool import PrefixPool, PrefixPoolFullError
 from .result import Miss, ServeResult
+from .tiers import Link, Offload
 
-__all__ = ["BlockView", "Miss", "MissView", "POLICIES", "PoolFrame", "PrefixPool", "PrefixPoolFullError", "RequestView",
-           "ServeResult", "TreeNode", "register_policy", "unregister_policy"]
+__all__ = ["BlockView", "Link", "Miss", "MissView", "Offload", "POLICIES", "PoolFrame", "PrefixPool",
+           "PrefixPoolFullError", "RequestView", "ServeResult", "TreeNode", "register_policy", "unregister_policy"]

@@ -16,10 +16,14 @@ class EngineEvents:
         self.block_size = block_size
         self._batches: list[dict] = []
 
-    def record(self, index: PrefixIndex, evictions: Sequence[Eviction], cached: Sequence[int]) -> None:
+    def record(self, index: PrefixIndex, evictions: Sequence[Eviction], cached: Sequence[int],
+               tier_events: Sequence[dict] = ()) -> None:
+        """One batch: the pages' evictions, then the offload tiers' stores and removals (``tier_events``, media CPU
+        and STORAGE), then the blocks cached in the pages."""
         events: list[dict] = []
         if evictions:
             events.append({"type": "BlockRemoved", "block_hashes": [e.hash for e in evictions], "medium": MEDIUM})
+        events += tier_events
         run: dict | None = None
         for page in cached:
             h, parent = index.hash_of(page), index.parent_of(page)

@@ -45,6 +45,7 @@ class BlockView:
     state_checkpoint: bool = False  # a recurrent state was saved at its end (hybrid models)
     node: str | None = None         # the tree node it belongs to
     evicted: str | None = None      # the hash of the cached block this frame evicted from it (then maybe reused)
+    sliding_freed: bool = False     # a hybrid model's sliding-window layers freed their share of it (vLLM's rule)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..runtime.sampling import SamplingSettings, choose
 from .blocks import BlockPool
 from .cache import PoolCache
 from .engine_events import EngineEvents
+from .footprint import memory, sliding_kept
 from .frames import PoolFrame
 from .index import block_hashes, short
 from .page_writer import write_page
@@ -28,6 +29,7 @@ from .result import ServeResult
 from .sliding import SlidingRetention
 from .snapshot import FrameMaker
 from .states import StateCheckpoints
+from .tiers import GPU, Offload, TierBlock, Tiers, page_data, write_page_data
 
 class PrefixPoolFullError(PagePoolFullError):
     """A request needs more new blocks than the pool has free (cached blocks no request holds count as free: they
@@ -51,18 +53,23 @@ class PrefixPool:
     layer's blocks cached, as vLLM's ``prefix_cache_retention_interval`` (:mod:`kvexplore.prefix.sliding`);
     ``reuse``: how the hash policy queues the pages a request gives back: ``"fifo"``, all to the back in the order
     they came (a cached block at the front is evicted even while uncached pages wait), or ``"uncached-first"``, as
-    vLLM 0.32 does: pages caching nothing to the front, cached ones to the back. ``listeners`` are called with each
-    new frame."""
+    vLLM 0.32 does: pages caching nothing to the front, cached ones to the back. ``offload``: host and disk tiers
+    (:class:`~kvexplore.prefix.tiers.Offload`) that keep the blocks the pages evict and give them back on a hit (hash
+    policy). ``listeners`` are called with each new frame."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
                  checkpoint_states: str = "ends", dtype: torch.dtype | None = None,
-                 retention_interval: int | None = 0, reuse: str = "fifo") -> None:
+                 retention_interval: int | None = 0, reuse: str = "fifo", offload: Offload | None = None) -> None:
         num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
         self.index = make_index(policy, block_size)
         if reuse not in ("fifo", "uncached-first") or (reuse != "fifo" and policy != "hash"):
             raise SettingsError(f"reuse must be 'fifo' or 'uncached-first' (vLLM 0.32's, for the hash policy), got "
                                 f"{reuse!r} with policy {policy!r}")
         self.reuse = reuse
+        if offload is not None and (policy != "hash" or not isinstance(offload, Offload)):
+            raise SettingsError(f"offload takes kvexplore.prefix.Offload(host_blocks=..., disk_blocks=...) with the "
+                                f"hash policy (vLLM's offloading connector keys blocks by their hashes), got "
+                                f"{offload!r} with policy {policy!r}")
         self.executor = as_executor(model)
         self.model, self.config, self.policy = model, self.executor.config, policy
         self.tokenizer = self.executor.tokenizer
@@ -84,6 +91,9 @@ class PrefixPool:
         self.states = StateCheckpoints([s.index for s in self.cache.plan if s.recurrent], checkpoint_states)
         windows = [s.window for s in self.cache.plan if s.window and not s.recurrent] if policy == "hash" else []
         self.sliding = SlidingRetention(windows, block_size, retention_interval)
+        self.tiers = None if offload is None else Tiers(offload, self.page_bytes)
+        if self.tiers is not None:
+            self.pool.spill = self._spill
         self.ledger = Ledger(block_size, self._token_text)
         self.events = EngineEvents(block_size)
         self.results: list[ServeResult] = []
@@ -110,11 +120,14 @@ class PrefixPool:
         ids, bs, n = ask.ids, self.block_size, len(ask.ids)
         hashes = block_hashes(ids, bs, self.reusable_blocks(n))
         matched = self.index.match(ids, hashes)
-        windowed = self.sliding.hit(hashes, len(matched))
+        found = len(matched) + self._in_tiers(hashes, len(matched))
+        windowed = self.sliding.hit(hashes, found)
         usable = self.states.usable(hashes, windowed)
         pages, hit = matched[:usable], usable * bs
         self._check_room(ask, pages)
         label = label or f"request {r}"
+        moves_before = len(self.tiers.moves) if self.tiers else 0
+        pages, promoted, tiers_hit = self._promote(ids, hashes, pages, usable, r)
         saved_at = [(k + 1) * bs for k in range(windowed) if hashes[k] in self.states.saved]
         sliding = None
         if windowed < len(matched):
@@ -136,17 +149,18 @@ class PrefixPool:
         written = list(ids) + generated[:-1]
         table = list(cache.table.tables[0])
         all_hashes = block_hashes(written, bs, known=hashes)
-        cached = self.index.insert(written, table[: len(all_hashes)], all_hashes)
+        cached = promoted + self.index.insert(written, table[: len(all_hashes)], all_hashes)
         self.sliding.retain(all_hashes, usable, n, sliding[0] if sliding else 0)  # the junction: the full layers' hit
         shared = set(pages)
         for i, page in enumerate(table):
             self.pool.tokens[page] = tuple(written[i * bs: (i + 1) * bs])
             self.pool.last_used[page] = r
-            if page in shared:
+            if page in shared and page not in promoted:
                 self.pool.hits[page] += 1
             else:
                 self.pool.stored_by[page] = r
         evictions = self._settle_evictions(label)
+        moves = self.tiers.moves[moves_before:] if self.tiers else []
         self.ledger.add(Served(r, label, tuple(written), n, ask.chat, self._answer_text(generated)))
         if keep:
             self._live[r] = cache
@@ -154,9 +168,10 @@ class PrefixPool:
             self._give_back(cache)
         result = ServeResult(
             r, label, list(ids), generated, hit, n - hit, misses, table, list(pages), cached, len(evictions),
-            len(pages) * self.cache.table.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first)
+            len(pages) * self.cache.table.page_bytes + restored, ask.text, logits, time.perf_counter() - t0, first,
+            tiers_hit, moves)
         self.results.append(result)
-        self.events.record(self.index, evictions, cached)
+        self.events.record(self.index, evictions, cached, self.tiers.take_events() if self.tiers else ())
         frame = self._maker.frame(result, evictions, len(self._frames))
         self._frames.append(frame)
         for listener in list(self.listeners):
@@ -192,9 +207,52 @@ class PrefixPool:
         evictions, self.index.evictions = list(self.index.evictions), []
         for e in evictions:
             self.states.drop(e.hash)
-            self.sliding.drop(e.hash)
+            if self.tiers is None or self.tiers.medium_of(e.hash) is None:
+                self.sliding.drop(e.hash)  # (a block in a tier keeps every layer's bytes)
         self.ledger.note_evictions(evictions, label)
+        for h, medium in self.tiers.take_dropped() if self.tiers is not None else ():
+            if h not in self.index.table and self.tiers.medium_of(h) is None:  # gone from every tier
+                self.sliding.drop(h)
+                where = self.ledger.evicted_at.get(h)
+                self.ledger.evicted_at[h] = f"{where or 'evicted'}, then dropped from the {medium} tier at {label}"
         return evictions
+
+    # -- offload tiers ---------------------------------------------------------------------------------------
+    def _spill(self, e) -> None:
+        """A cached block leaves the pages (its page is about to be reused): the tiers take its bytes."""
+        self.tiers.spill(TierBlock(e.hash, e.parent, e.tokens, e.start // self.block_size),
+                         page_data(self.pool, e.page))
+
+    def _in_tiers(self, hashes: list[bytes], start: int) -> int:
+        """How many blocks after the pages' hit continue the prefix in the tiers."""
+        n = 0
+        while self.tiers is not None and start + n < len(hashes) and self.tiers.medium_of(hashes[start + n]):
+            n += 1
+        return n
+
+    def _promote(self, ids, hashes: list[bytes], pages: list[int], usable: int,
+                 r: int) -> tuple[list[int], list[int], dict[str, int]]:
+        """Take the hit's blocks ``len(pages) .. usable - 1`` back from the tiers into pages (cached again), the
+        device pages held meanwhile so that the pages taken cannot evict them. Returns every page of the hit, the
+        pages promoted, and the hit's blocks per medium."""
+        tiers_hit = {GPU: len(pages)} if self.tiers is not None else {}
+        if len(pages) >= usable:
+            return pages, [], tiers_hit
+        for p in pages:
+            self.pool.hold(p)
+        promoted = []
+        for k in range(len(pages), usable):
+            data, medium = self.tiers.fetch(hashes[k])
+            page = self.pool.take()
+            write_page_data(self.pool, page, data)
+            self.pool.tokens[page], self.pool.stored_by[page] = tuple(ids[k * self.block_size: (k + 1) *
+                                                                            self.block_size]), r
+            promoted.append(page)
+            tiers_hit[medium] = tiers_hit.get(medium, 0) + 1
+        self.index.insert(ids, pages + promoted, hashes[:usable])
+        for p in pages + promoted:
+            self.pool.release(p)
+        return pages + promoted, promoted, tiers_hit
 
     def _check_room(self, ask: "RequestInput", pages: list[int]) -> None:
         written = len(ask.ids) + max(ask.new_tokens - 1, 0)
@@ -286,6 +344,18 @@ class PrefixPool:
     @property
     def page_bytes(self) -> int:
         return self.cache.table.page_bytes
+
+    def sliding_kept(self) -> set[int] | None:
+        """Pages whose sliding-window layers' share vLLM's hybrid manager would still hold (None: no such layers)."""
+        return sliding_kept(self)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held now, by the pages and as vLLM would (:func:`kvexplore.prefix.footprint.memory`)."""
+        return memory(self, self.sliding_kept())
+
+    def tier_counts(self) -> dict[str, dict[str, int]]:
+        """Per offload tier: blocks held, capacity, bytes (host: its whole buffer; disk: its files)."""
+        return {} if self.tiers is None else self.tiers.counts()
 
     def kv_events(self) -> list[dict]:
         """What happened to the cache, one batch per request, as vLLM publishes its KV cache events (map form:

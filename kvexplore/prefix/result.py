@@ -59,6 +59,13 @@ class ServeResult:
     logits: torch.Tensor | None = field(default=None, repr=False)  # (generated, vocab) float32, with keep_logits
     seconds: float = 0.0  # serving it, start to end
     prompt_seconds: float = 0.0  # computing the prompt's missed positions (the time to the first token's logits)
+    hit_tiers: dict[str, int] = field(default_factory=dict)  # hit blocks per medium (GPU, CPU, STORAGE), with tiers
+    moves: list = field(default_factory=list)  # the tier moves it caused (kvexplore.prefix.tiers.Move)
+
+    @property
+    def modelled_seconds(self) -> float:
+        """The tier moves' time, modelled from their links' bandwidths (not measured)."""
+        return sum(m.seconds for m in self.moves)
 
     @property
     def hit_rate(self) -> float:
@@ -69,7 +76,12 @@ class ServeResult:
         head = (f"{self.label}: {count(len(self.prompt), 'prompt token')}, {self.hit_tokens} from the cache "
                 f"({count(len(self.hit_blocks), 'block')}, {self.bytes_shared:,} B shared), {self.recomputed_tokens} "
                 f"computed, {len(self.generated)} generated")
-        return "\n".join([head] + [f"  - {m}" for m in self.misses])
+        lines = [head]
+        if len(self.hit_tiers) > 1 or self.moves:
+            lines.append("  hit blocks by tier: " + ", ".join(f"{n} {m}" for m, n in self.hit_tiers.items())
+                         + f"; {len([m for m in self.moves if m.target])} block moves, "
+                         f"{sum(m.nbytes for m in self.moves):,} B, {self.modelled_seconds * 1e6:.1f} µs modelled")
+        return "\n".join(lines + [f"  - {m}" for m in self.misses])
 
     def __repr__(self) -> str:
         return (f"ServeResult({self.label}: hit {self.hit_tokens}/{len(self.prompt)}, recomputed "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .frames import CACHED, EVICTED, FREE, HELD, HIT, WRITTEN, BlockView, MissView, PoolFrame, RequestView, TreeNode
+from .footprint import memory
 from .index import Eviction, short
 
 
@@ -57,17 +58,19 @@ class FrameMaker:
         nodes = idx.nodes()
         node_of = {page: n.id for n in nodes for page in n.pages}
         saved = pool.states.saved
+        kept = pool.sliding_kept()  # None: no sliding layers under vLLM's rule
         blocks = []
         for page in range(pool.num_blocks):
             h = idx.hash_of(page)
             state = _state(page, pool, hit, held, evicted)
             tokens = p.tokens[page] if state != FREE else ()
+            freed = kept is not None and state != FREE and page not in kept
             key = (state, h, idx.parent_of(page) if h is not None else None, tokens, p.refcount[page],
-                   p.stored_by[page], p.last_used[page], h in saved, node_of.get(page), gone.get(page))
+                   p.stored_by[page], p.last_used[page], h in saved, node_of.get(page), gone.get(page), freed)
             last = self._views.get(page)
             if last is None or last[0] != key:
                 view = BlockView(page, state, short(h), short(key[2]), tokens, self.text(tokens), key[4], key[5],
-                                 key[6], key[7], key[8], short(key[9]))
+                                 key[6], key[7], key[8], short(key[9]), freed)
                 self._views[page] = last = (key, view)
             blocks.append(last[1])
         by_state = {b.slot: b.state for b in blocks}
@@ -90,8 +93,24 @@ class FrameMaker:
             tree.append(TreeNode(f"x{short(e.hash)}", known.get(short(e.parent)), e.start, e.tokens,
                                  self.text(e.tokens), (e.page,), EVICTED, 0))
         title = "the empty pool" if result is None else result.explain().splitlines()[0]
-        notes = tuple(f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from "
-                      f"page {e.page}" for e in evictions)
+        notes = [f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from "
+                 f"page {e.page}" for e in evictions]
+        meta = {"taking": idx.taking, "state_bytes": pool.states.bytes, "memory": memory(pool, kept)}
+        if pool.tiers is not None:
+            notes += tier_notes(result.moves if result is not None else [])
+            meta["tiers"] = pool.tier_counts()
         return PoolFrame(index, title, pool.policy, pool.block_size, pool.num_blocks, tuple(blocks), tuple(tree),
-                         tuple(p.free), None if result is None else request_view(result), notes, pool.page_bytes,
-                         {"taking": idx.taking, "state_bytes": pool.states.bytes})
+                         tuple(p.free), None if result is None else request_view(result), tuple(notes),
+                         pool.page_bytes, meta)
+
+
+def tier_notes(moves) -> list[str]:
+    """A request's tier moves in words, the modelled time with each."""
+    out = []
+    for m in moves:
+        if m.target is None:
+            out.append(f"block {short(m.hash)} dropped from {m.source} (the tier was full)")
+        else:
+            out.append(f"block {short(m.hash)} copied {m.source} → {m.target}: {m.nbytes:,} B, "
+                       f"{m.seconds * 1e6:.2f} µs modelled ({m.link})")
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..prefix.frames import STATES, PoolFrame
 from .palette import BLOCK_COLOURS, discrete_colorscale
-from .prefix_words import label, tokens_hover
+from .prefix_words import label, memory_words, tokens_hover
 from .spec import FigureSpec, columns
 
 NEXT_SHOWN = 8      # free-queue positions numbered on the grid
@@ -49,6 +49,8 @@ def _hover(frame: PoolFrame, b, queue_at: dict[int, int], reachable: dict[str, b
         lines.append(tokens_hover(b.tokens, b.text))
     if b.state_checkpoint:
         lines.append("◆ state checkpoint: a recurrent state was saved at its end")
+    if b.sliding_freed:
+        lines.append("× the sliding-window layers freed their share (vLLM keeps it only where a request can resume)")
     if b.node is not None and not reachable.get(b.node, True):
         lines.append("unreachable: its parent was evicted, no request can get to it")
     if b.slot in queue_at:  # (not its place: that changes every frame for every block in the queue)
@@ -100,6 +102,12 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
                        x=np.array([cell(s, cols)[0] + 0.3 for s in marked], dtype=np.float32),
                        y=np.array([cell(s, cols)[1] - 0.22 for s in marked], dtype=np.float32),
                        marker=dict(symbol="diamond", size=9, color="#222"), hoverinfo="skip"))
+    freed = [b.slot for b in frame.blocks if b.sliding_freed]
+    traces.append(dict(type="scatter", name="sliding layers freed", mode="markers", showlegend=bool(freed),
+                       x=np.array([cell(s, cols)[0] + 0.3 for s in freed], dtype=np.float32),
+                       y=np.array([cell(s, cols)[1] + 0.25 for s in freed], dtype=np.float32),
+                       marker=dict(symbol="x-thin", size=8, color="#222", line=dict(color="#222", width=2)),
+                       hoverinfo="skip"))
     # the legend: one square per state (a heatmap has none of its own)
     traces += [dict(type="scatter", name=s, x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=True,
                     marker=dict(symbol="square", size=12, color=BLOCK_COLOURS[s], line=dict(color="#999", width=1)))
@@ -107,7 +115,8 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
     counts = ", ".join(f"{frame.count(s)} {s}" for s in STATES if frame.count(s))
     queue = ", ".join(map(str, nxt)) + (" …" if len(frame.free_queue) > len(nxt) else "")
     title = (f"block pool · {frame.policy} · {n} blocks of {frame.block_size} tokens<br>"
-             f"<span style='font-size:12px'>{counts or 'empty'} · next free: {queue or 'none'}</span>")
+             f"<span style='font-size:12px'>{counts or 'empty'} · next free: {queue or 'none'}{memory_words(frame)}"
+             f"</span>")
     cell_px = 46 if cols <= 8 else (34 if cols <= 16 else (20 if cols <= 48 else 11))
     layout = dict(
         title=dict(text=title, font=dict(size=15), x=0.01, xanchor="left"),

@@ -61,6 +61,19 @@ def _request_lines(frame: PoolFrame) -> list[str]:
     return lines
 
 
+def memory_words(frame: PoolFrame, lead: str = " · ") -> str:
+    """The frame's memory in a few words where the pages and vLLM's hybrid manager differ (sliding shares freed), and
+    its offload tiers' fill; empty otherwise."""
+    parts = []
+    mem = frame.meta.get("memory") or {}
+    if mem.get("sliding_freed_blocks"):
+        parts.append(f"{format_bytes(mem['vllm'])} as vLLM holds it ({format_bytes(mem['pages'])} in pages; "
+                     f"{mem['sliding_freed_blocks']} blocks' sliding layers freed)")
+    for medium, t in (frame.meta.get("tiers") or {}).items():
+        parts.append(f"{medium} tier {t['blocks']}/{t['capacity']} blocks")
+    return lead + ", ".join(parts) if parts else ""
+
+
 def explain(frame: PoolFrame) -> list[str]:
     """The frame's story, one line per fact: the request's counts and each miss's reason, then the frame's notes
     (evictions, events); the pool's counts last."""
@@ -74,7 +87,8 @@ def explain(frame: PoolFrame) -> list[str]:
         lines.append(f"… and {len(frame.notes) - NOTES_SHOWN} more")
     counts = ", ".join(f"{frame.count(s)} {s}" for s in ("cached", "hit", "written", "held", "evicted", "free")
                        if frame.count(s))
-    lines.append(f"pool ({frame.policy}): {counts or 'empty'}; {len(frame.free_queue)} blocks in the free queue")
+    lines.append(f"pool ({frame.policy}): {counts or 'empty'}; {len(frame.free_queue)} blocks in the free queue"
+                 f"{memory_words(frame, '; ')}")
     return lines
 
 
