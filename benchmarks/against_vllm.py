@@ -1,7 +1,7 @@
 """kvexplore's prefix pool beside a real vLLM engine on this CPU: the same requests, the same token ids (issue 60).
 
     python benchmarks/against_vllm.py                  # from the repository root, the project's venv active
-    python benchmarks/against_vllm.py --models smollm2 --record tests/data/vllm_engine
+    python benchmarks/against_vllm.py --models smollm2 --record kvexplore/data/vllm_engine
 
 vLLM is not a dependency of kvexplore: the script builds a venv of its own once, outside the repository
 (``--cache``, default ``~/.cache/kvexplore-bench``; ``vllm-venv`` in it, reused while ``import vllm`` works there):

@@ -1,4 +1,5 @@
-"""``kvexplore kv-events``: record a serving engine's KV event stream to a file, and show what a file holds."""
+"""``kvexplore kv-events``: record a serving engine's KV event stream to a file, show what a file holds, and check it
+for drift (vLLM's events, or SGLang's, LMCache's, Dynamo's, Mooncake's: docs/engine-events.md)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,22 @@ def add_parser(sub: argparse._SubParsersAction, parser_class: type) -> None:
                                                              "lowest)")
     show.add_argument("--medium", default=None, help="the medium drawn by --html (default: GPU)")
     show.add_argument("--group", type=int, default=None, help="the KV cache group drawn by --html (default: 0)")
+    check = verbs.add_parser("check", help="list each drift in a file's events (array forms, missing fields, token "
+                                           "ids that do not fill the blocks, hashes that are not their tokens', "
+                                           "double stores, unknown removals, gaps), where first seen and how often; "
+                                           "exit 1 when there is drift")
+    check.add_argument("file", metavar="FILE")
+    for p in (show, check):
+        _engine_arguments(p)
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    from ..prefix.events.dialects import ENGINES
+
+    p.add_argument("--engine", choices=ENGINES, default=None, help="whose events the file holds (default: told "
+                                                                   "from the content where it is sure, else vllm)")
+    p.add_argument("--block-size", type=int, default=None, metavar="N", help="the engine's block size, for one "
+                                                                              "whose events lack it (dynamo)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(replay.summary())
         return 0
-    replay = read_kv_events(args.file)
+    if args.verb == "check":
+        from ..prefix.events.check import check_kv_events
+
+        report = check_kv_events(args.file, engine=args.engine, block_size=args.block_size)
+        print(report.text())
+        return report.exit_code
+    replay = read_kv_events(args.file, engine=args.engine, block_size=args.block_size)
     print(replay.summary())
     if args.batches:
         for r, m, g in replay.caches():

@@ -28,7 +28,7 @@ def sliding_kept(pool) -> set[int] | None:
     cached = set().union(*rule.cached.values())
     kept = {p for p in range(pool.num_blocks) if pool.index.hash_of(p) in cached}
     widest = max(rule.need)
-    for cache in pool._live.values():
+    for cache in pool.running:
         table, start = cache.table.tables[0], max(cache.length - widest, 0) // pool.block_size
         kept.update(table[start:])
     return kept

@@ -333,6 +333,11 @@ class PrefixPool:
         return {short(h): p for p in range(self.num_blocks) if (h := self.index.hash_of(p)) is not None}
 
     @property
+    def running(self) -> list[PagedCache]:
+        """The caches of the requests served with ``keep=True`` that still hold their pages."""
+        return list(self._live.values())
+
+    @property
     def refcounts(self) -> list[int]:
         return list(self.pool.refcount)
 

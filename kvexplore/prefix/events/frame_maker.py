@@ -101,6 +101,8 @@ def describe(change: Change, names: HashNames) -> list[str]:
                              f"({_listed(unknown, names)}): stored before the recording began, or in a missing batch")
         else:
             notes.append(f"all blocks cleared ({count(rest[0], 'block')})")
+    if change.no_tokens:
+        notes.append(f"no token ids ({change.no_tokens}): the blocks are drawn without tokens or text")
     return notes + [f"token_ids do not fill the blocks exactly: {m}" for m in change.token_mismatch]
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ...errors import SettingsError
 from .frame_maker import FrameMaker, capped, describe
-from .schema import DEFAULT_MEDIUM, Batch, Cleared, Hash, Removed, Stored, decode_payload, read_batch
+from . import dialects
+from .schema import DEFAULT_MEDIUM, Batch, Cleared, Hash, Removed, Stored, decode_msgpack, decode_payload, read_batch
 from .state import CacheState, HashNames
 from ..frames import PoolFrame
 from ..result import count
@@ -43,9 +44,13 @@ class RankStats:
 class KVEventReplay:
     """The prefix caches of a serving engine, as its KV cache events tell them. ``keep_history=False`` keeps only
     the caches as they are now and the counts (a long recording's replay, whose batches are in its file): no
-    frames then."""
+    frames then. ``engine``: whose events it is fed (``"vllm"``, ``"sglang"``, ``"lmcache"``, ``"dynamo"``,
+    ``"mooncake"``: docs/engine-events.md), unless :meth:`feed` says; ``block_size``: the engine's, for an engine
+    whose events do not carry it (Dynamo)."""
 
-    def __init__(self, keep_history: bool = True) -> None:
+    def __init__(self, keep_history: bool = True, engine: str | None = None, block_size: int | None = None) -> None:
+        self.engine = dialects.engine_name(engine) or dialects.VLLM
+        self.context = dialects.Context(block_size)  # what the engine's dialect keeps between batches
         self.history: list[Received] = []      # every batch fed, all ranks, in the order they came
         self.keep_history = keep_history
         self.names = HashNames()
@@ -56,16 +61,23 @@ class KVEventReplay:
 
     # feeding ---------------------------------------------------------------------------------------------------
     def feed(self, batch: bytes | dict | list | Batch, seq: int | None = None, rank: int | None = None,
-             where: str | None = None) -> bool:
+             where: str | None = None, engine: str | None = None) -> bool:
         """Apply one batch: a msgpack payload, a decoded batch (map or array form) or a :class:`Batch`. ``seq``: its
-        sequence number (None: the next one); ``rank``: the data-parallel rank when the batch does not say (the
-        socket it came from). Returns False for a duplicate (a sequence number this rank has had), which is skipped;
+        sequence number (None: the one the batch carries, as Dynamo's event_id, else the next one); ``rank``: the
+        data-parallel rank when the batch does not say (the socket it came from); ``engine``: whose schema it is in
+        (None: the replay's). Returns False for a duplicate (a sequence number this rank has had), which is skipped;
         a bad batch raises :class:`~kvexplore.prefix.events.schema.KVEventFormatError` and changes nothing."""
         label = where or f"batch {sum(st.batches for st in self.stats.values()) + self.duplicates}"
-        if isinstance(batch, (bytes, bytearray, memoryview)):
-            batch = decode_payload(bytes(batch), label)
-        elif not isinstance(batch, Batch):
-            batch = read_batch(batch, label, text_hashes=True)
+        engine = dialects.engine_name(engine) or self.engine
+        if isinstance(batch, Batch):
+            pass
+        elif engine == dialects.VLLM:
+            batch = decode_payload(bytes(batch), label) if isinstance(batch, (bytes, bytearray, memoryview)) \
+                else read_batch(batch, label, text_hashes=True)
+        else:
+            obj = decode_msgpack(bytes(batch), label) if isinstance(batch, (bytes, bytearray, memoryview)) else batch
+            batch, carried = dialects.read(engine, obj, label, self.context)
+            seq = carried if seq is None else seq
         r = batch.rank if batch.rank is not None else (rank or 0)
         last = self.last_seq(r)
         seq = (0 if last is None else last + 1) if seq is None else seq

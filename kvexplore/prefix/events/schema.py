@@ -17,6 +17,9 @@ Hash = bytes | int
 DEFAULT_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: what a store or removal without a medium refers to
 KNOWN_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 SCHEMA_HINT = "vLLM's KV event schema as of vLLM 0.34 (vllm/distributed/kv_events.py)"
+#: ``Stored.extra`` key set by an engine dialect whose stores carry no token ids (Dynamo: a hash of them only); its
+#: value says why, and the blocks are drawn without tokens or text
+NO_TOKENS = "no_token_ids"
 
 #: each event's fields in declaration order (the array form lists them so), and how many of them are required
 FIELDS = {
@@ -88,6 +91,11 @@ def hash_hex(h: Hash) -> str:
 
 def decode_payload(payload: bytes, where: str = "payload") -> Batch:
     """One msgpack payload (what vLLM's publisher sends as the last frame of a message) -> :class:`Batch`."""
+    return read_batch(decode_msgpack(payload, where), where)
+
+
+def decode_msgpack(payload: bytes, where: str = "payload") -> Any:
+    """One msgpack payload decoded to plain lists and maps (any engine's), not yet read as a batch."""
     try:
         import msgspec
     except ImportError as e:
@@ -96,12 +104,11 @@ def decode_payload(payload: bytes, where: str = "payload") -> Batch:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise KVEventFormatError(f"{where}: a KV event payload is bytes (msgpack), got {type(payload).__name__}")
     try:
-        obj = msgspec.msgpack.decode(payload)
+        return msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
         raise KVEventFormatError(f"{where}: not a msgpack payload ({e}); vLLM's KV event batches are msgpack, "
                                  f"encoded by msgspec: is this the event publisher's endpoint, and the whole "
                                  f"payload?") from e
-    return read_batch(obj, where)
 
 
 def read_batch(obj: Any, where: str = "batch", text_hashes: bool = False) -> Batch:
@@ -182,15 +189,30 @@ def _event(tag: str, f: dict[str, Any], where: str, text_hashes: bool) -> Event:
         return Removed(hashes, medium, group)
     parent = f["parent_block_hash"]
     parent = None if parent is None else _hash(parent, f"{where}: parent_block_hash", text_hashes)
-    tokens = f["token_ids"]
-    if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
-        raise KVEventFormatError(f"{where}: token_ids is {shown(tokens)}, expected a list of token ids")
-    size = f["block_size"]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise KVEventFormatError(f"{where}: block_size is {shown(size)}, expected a positive integer")
+    tokens = read_tokens(f["token_ids"], where)
+    size = read_size(f["block_size"], where)
     lora = f.get("lora_name") or (None if f.get("lora_id") is None else str(f.get("lora_id")))
     extra = {k: v for k, v in f.items() if k not in _READ and v is not None}
-    return Stored(hashes, parent, tuple(tokens), size, medium, group, lora, extra)
+    return Stored(hashes, parent, tokens, size, medium, group, lora, extra)
+
+
+def read_tokens(tokens: Any, where: str, name: str = "token_ids") -> tuple[int, ...]:
+    """A list of token ids, checked."""
+    if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
+        raise KVEventFormatError(f"{where}: {name} is {shown(tokens)}, expected a list of token ids")
+    return tuple(tokens)
+
+
+def read_size(size: Any, where: str, name: str = "block_size") -> int:
+    """A block size (tokens per block), checked."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise KVEventFormatError(f"{where}: {name} is {shown(size)}, expected a positive integer")
+    return size
+
+
+def read_hash(h: Any, where: str, text: bool) -> Hash:
+    """One block hash: bytes or an int as they came; hex or base64 text when ``text`` (a JSON file)."""
+    return _hash(h, where, text)
 
 
 def _hash(h: Any, where: str, text: bool) -> Hash:

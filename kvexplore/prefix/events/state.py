@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .schema import Hash, Removed, Stored, hash_hex
+from .schema import NO_TOKENS, Hash, Removed, Stored, hash_hex
 
 SHORT = 8  # hex digits shown of a hash (as the pool shows its own)
 
@@ -59,6 +59,7 @@ class Change:
     log: list[tuple] = field(default_factory=list)
     dropped: list[Block] = field(default_factory=list)   # by BlockRemoved or AllBlocksCleared: shown evicted
     token_mismatch: list[str] = field(default_factory=list)
+    no_tokens: str | None = None  # why the stores of this batch carry no token ids (the engine does not send them)
 
     @property
     def empty(self) -> bool:
@@ -90,7 +91,9 @@ class CacheState:
         self.spec_kind = self.spec_kind or ev.extra.get("kv_cache_spec_kind")
         n = len(ev.hashes)
         tokens = ev.tokens
-        if len(tokens) != n * bs:
+        if NO_TOKENS in ev.extra:  # an engine that sends no token ids (Dynamo): blocks without tokens
+            self.change.no_tokens = ev.extra[NO_TOKENS]
+        elif len(tokens) != n * bs:
             tail = len(tokens) > n * bs and len(tokens) % bs == 0
             self.change.token_mismatch.append(
                 f"{len(tokens)} token ids for {n} blocks of {bs}" + (
@@ -100,7 +103,8 @@ class CacheState:
                 tokens = tokens[len(tokens) - n * bs:]
         parent, new, again = ev.parent, [], 0
         parent_held = parent is None or parent in self.blocks
-        start = self.starts[parent] + self.block_size if parent in self.starts else 0
+        step = self.block_size or 1  # no block size given (Dynamo's events lack it): positions count blocks
+        start = self.starts[parent] + step if parent in self.starts else 0
         for i, h in enumerate(ev.hashes):
             mine = tuple(tokens[i * bs:(i + 1) * bs])
             held = self.blocks.get(h)
@@ -112,7 +116,7 @@ class CacheState:
                 self.blocks[h], self.slots[slot] = block, h
                 new.append(block)
             self.starts[h] = start
-            parent, start = h, start + bs
+            parent, start = h, start + (bs or 1)
         self.totals["stored"] += len(new)
         self.change.log.append(("stored", ev, new, again, parent_held))
 

@@ -40,7 +40,15 @@ def cbor(x) -> bytes:
 def vllm_block_hashes(ids: Sequence[int], block_size: int, seed: str = DEFAULT_SEED) -> list[bytes]:
     """The ``sha256_cbor`` hash of each full block of ``ids``, as vLLM names them (32 bytes each; an engine with
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, its default, sends the last 8 of them as an int)."""
-    parent, out = hashlib.sha256(cbor(seed)).digest(), []
+    return vllm_chain_hashes(ids, block_size, None, seed)
+
+
+def vllm_chain_hashes(ids: Sequence[int], block_size: int, parent: bytes | None, seed: str = DEFAULT_SEED
+                      ) -> list[bytes]:
+    """The chain continued from ``parent`` (a block's 32-byte hash) over the full blocks of ``ids``: what a
+    ``BlockStored`` whose ``parent_block_hash`` is ``parent`` should announce for these tokens. ``parent=None``: a
+    first block, whose parent is the seed's hash (as :func:`vllm_block_hashes`)."""
+    parent, out = (hashlib.sha256(cbor(seed)).digest() if parent is None else parent), []
     for i in range(len(ids) // block_size):
         parent = hashlib.sha256(cbor((parent, tuple(int(t) for t in ids[i * block_size:(i + 1) * block_size]),
                                       None))).digest()
