@@ -51,17 +51,18 @@ class PrefixPool:
     ``"radix"`` (SGLang's RadixAttention). ``checkpoint_states`` says where a hybrid model's recurrent states are
     saved (:mod:`kvexplore.prefix.states`); ``retention_interval`` where the hash policy keeps a sliding-window
     layer's blocks cached, as vLLM's ``prefix_cache_retention_interval`` (:mod:`kvexplore.prefix.sliding`);
-    ``reuse``: how the hash policy queues the pages a request gives back: ``"fifo"``, all to the back in the order
-    they came (a cached block at the front is evicted even while uncached pages wait), or ``"uncached-first"``, as
-    vLLM 0.32 does: pages caching nothing to the front, cached ones to the back. ``offload``: host and disk tiers
-    (:class:`~kvexplore.prefix.tiers.Offload`) that keep the blocks the pages evict and give them back on a hit (hash
-    policy). ``listeners`` are called with each new frame."""
+    ``reuse``: how the hash policy queues the pages a request gives back: ``"uncached-first"`` (the default), as
+    vLLM 0.32 does: pages caching nothing to the front, cached ones to the back; or ``"fifo"``, as vLLM did before,
+    all to the back in the order they came (a cached block at the front is evicted even while uncached pages wait).
+    ``offload``: host and disk tiers (:class:`~kvexplore.prefix.tiers.Offload`) that keep the blocks the pages evict
+    and give them back on a hit (hash policy). ``listeners`` are called with each new frame."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, policy: str = "hash",
                  checkpoint_states: str = "ends", dtype: torch.dtype | None = None,
-                 retention_interval: int | None = 0, reuse: str = "fifo", offload: Offload | None = None) -> None:
+                 retention_interval: int | None = 0, reuse: str | None = None, offload: Offload | None = None) -> None:
         num_blocks, block_size = positive_int(num_blocks, "num_blocks"), positive_int(block_size, "block_size")
         self.index = make_index(policy, block_size)
+        reuse = reuse or ("uncached-first" if policy == "hash" else "fifo")
         if reuse not in ("fifo", "uncached-first") or (reuse != "fifo" and policy != "hash"):
             raise SettingsError(f"reuse must be 'fifo' or 'uncached-first' (vLLM 0.32's, for the hash policy), got "
                                 f"{reuse!r} with policy {policy!r}")
@@ -331,6 +332,14 @@ class PrefixPool:
     def hashes(self) -> dict[str, int]:
         """Short chain hash of each cached block -> its page."""
         return {short(h): p for p in range(self.num_blocks) if (h := self.index.hash_of(p)) is not None}
+
+    @property
+    def taking(self) -> str:
+        """Which free page a request takes, in words (the policy's rule, with this pool's queue)."""
+        if self.reuse == "uncached-first":
+            return ("the front of one free queue, where a request's freed pages that cache nothing go first and its "
+                    "cached ones last (vLLM 0.32): a cached block is evicted only when no uncached page is free")
+        return self.index.taking
 
     @property
     def running(self) -> list[PagedCache]:

@@ -95,7 +95,7 @@ class FrameMaker:
         title = "the empty pool" if result is None else result.explain().splitlines()[0]
         notes = [f"evicted block {short(e.hash)} (positions {e.start}..{e.start + len(e.tokens) - 1}) from "
                  f"page {e.page}" for e in evictions]
-        meta = {"taking": idx.taking, "state_bytes": pool.states.bytes, "memory": memory(pool, kept)}
+        meta = {"taking": pool.taking, "state_bytes": pool.states.bytes, "memory": memory(pool, kept)}
         if pool.tiers is not None:
             notes += tier_notes(result.moves if result is not None else [])
             meta["tiers"] = pool.tier_counts()

@@ -154,17 +154,21 @@ def small_pool_sequence(pool):
 
 def test_a_pool_too_small_evicts_by_each_policys_rule(tiny):
     """Six pages of 4. A (9 tokens) takes pages 0, 1, 2 and caches blocks A0, A1 (page 2 holds its ninth token,
-    uncached); gone back tail first, the free queue is 3 4 5 2 1 0. B takes 3, 4, 5 the same way: queue 2 1 0 5 4 3.
-    C (5 tokens) needs two pages. The hash policy takes the queue's front: page 2 (free), then page 1, evicting A1
-    although page 5 (free, uncached) waits further back. The radix policy takes free pages first (2, 5) and evicts
-    nothing. So A again hits 4 tokens under hash (A0; A1 evicted at request 2) and 8 under radix."""
+    uncached); gone back tail first. With ``reuse="fifo"`` (vLLM before 0.32) the free queue is then 3 4 5 2 1 0; B
+    takes 3, 4, 5 the same way: queue 2 1 0 5 4 3. C (5 tokens) needs two pages: the queue's front, page 2 (free),
+    then page 1, evicting A1 although page 5 (free, uncached) waits further back. vLLM 0.32's queue (the default)
+    puts uncached pages first: 2 3 4 5 1 0 after A, 4 5 1 0 3 2 after B, so C takes 4 and 5 and evicts nothing; the
+    radix policy takes free pages first (2, 5) and evicts nothing either. So A again hits 4 tokens under fifo (A0;
+    A1 evicted at request 2) and 8 under the others."""
+    fifo = small_pool_sequence(kvexplore.PrefixPool(tiny, num_blocks=6, block_size=BS, policy="hash", reuse="fifo"))
     hashed = small_pool_sequence(kvexplore.PrefixPool(tiny, num_blocks=6, block_size=BS, policy="hash"))
     radix = small_pool_sequence(kvexplore.PrefixPool(tiny, num_blocks=6, block_size=BS, policy="radix"))
-    assert [r.hit_tokens for r in hashed] == [0, 0, 0, 4]
-    assert [r.hit_tokens for r in radix] == [0, 0, 0, 8]
-    assert [r.evicted for r in hashed] == [0, 0, 1, 1]
-    assert [r.evicted for r in radix] == [0, 0, 0, 0]
-    assert hashed[2].blocks == [2, 1] and radix[2].blocks == [2, 5]
+    assert [r.hit_tokens for r in fifo] == [0, 0, 0, 4]
+    assert [r.hit_tokens for r in hashed] == [r.hit_tokens for r in radix] == [0, 0, 0, 8]
+    assert [r.evicted for r in fifo] == [0, 0, 1, 1]
+    assert [r.evicted for r in hashed] == [r.evicted for r in radix] == [0, 0, 0, 0]
+    assert fifo[2].blocks == [2, 1] and hashed[2].blocks == [4, 5] and radix[2].blocks == [2, 5]
+    hashed = fifo  # the misses of an eviction, in words
     assert kinds(hashed[3])[0] == ("evicted", 4, 8)
     assert "was cached by request 0, then evicted under pressure at request 2" in hashed[3].misses[0].reason
     assert "(1 block," in hashed[3].explain() and "(4 tokens)" in str(hashed[3].misses[0])
