@@ -114,13 +114,14 @@ def spec(frame: PoolFrame, height: int | None = None) -> FigureSpec:
                for s in STATES]
     counts = ", ".join(f"{frame.count(s)} {s}" for s in STATES if frame.count(s))
     queue = ", ".join(map(str, nxt)) + (" …" if len(frame.free_queue) > len(nxt) else "")
+    memory = memory_words(frame, "<br>")  # (a line of its own: it would not fit beside the counts)
     title = (f"block pool · {frame.policy} · {n} blocks of {frame.block_size} tokens<br>"
-             f"<span style='font-size:12px'>{counts or 'empty'} · next free: {queue or 'none'}{memory_words(frame)}"
-             f"</span>")
+             f"<span style='font-size:12px'>{counts or 'empty'} · next free: {queue or 'none'}{memory}</span>")
     cell_px = 46 if cols <= 8 else (34 if cols <= 16 else (20 if cols <= 48 else 11))
     layout = dict(
         title=dict(text=title, font=dict(size=15), x=0.01, xanchor="left"),
-        height=height or int(min(640, max(240, rows * cell_px + 150))), margin=dict(l=60, r=10, t=64, b=40),
+        height=height or int(min(640, max(240, rows * cell_px + 150))) + (16 if memory else 0),
+        margin=dict(l=60, r=10, t=80 if memory else 64, b=40),
         hovermode="closest", plot_bgcolor="#ffffff",
         legend=dict(orientation="h", x=0, y=-0.02, yanchor="top", font=dict(size=12)),
         xaxis=dict(range=[-0.5, cols - 0.5], showgrid=False, zeroline=False, showticklabels=False),
