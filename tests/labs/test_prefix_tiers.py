@@ -97,6 +97,8 @@ def test_the_events_carry_each_medium_and_the_reader_draws_every_tier(tiered):
         last = replay.frames(medium=medium)[-1]
         held = last.count("held") + last.count("written")
         assert held == len(pool.tiers.blocks(medium))
+        # a tier's block whose parent is in the pages or another tier stays reachable (a lookup continues there)
+        assert all(n.reachable for n in last.tree if n.state != "evicted")
 
 
 def test_a_block_dropped_from_the_last_tier_is_a_miss_that_says_so(tiny, tmp_path):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,9 @@ class FrameMaker:
             self._text[block.hash] = self.decode(block.tokens)
         return self._text[block.hash]
 
-    def frame(self, state: CacheState, number: int, title: str, notes: list[str], meta: dict[str, Any]) -> PoolFrame:
+    def frame(self, state: CacheState, number: int, title: str, notes: list[str], meta: dict[str, Any],
+              elsewhere: Collection = ()) -> PoolFrame:
+        """``elsewhere``: hashes held in the same group's other media (a parent there keeps a block reachable)."""
         evicted = {b.slot: b for b in state.change.dropped}
         blocks = []
         for slot, h in enumerate(state.slots):
@@ -46,11 +48,13 @@ class FrameMaker:
                 tokens=block.tokens, text=self.text(block), stored_by=block.stored_by, last_used=block.last_used,
                 node=self._node_id(block, st))))
         return PoolFrame(index=number, title=title, policy="events", block_size=state.block_size,
-                         num_blocks=len(state.slots), blocks=tuple(blocks), tree=self.tree(state, number, evicted),
+                         num_blocks=len(state.slots), blocks=tuple(blocks),
+                         tree=self.tree(state, number, evicted, elsewhere),
                          free_queue=tuple(sorted(state.free)), notes=tuple(notes), meta=meta)
 
-    def tree(self, state: CacheState, number: int, evicted: dict[int, Block]) -> tuple[TreeNode, ...]:
-        reach = state.reachable()
+    def tree(self, state: CacheState, number: int, evicted: dict[int, Block],
+             elsewhere: Collection = ()) -> tuple[TreeNode, ...]:
+        reach = state.reachable(elsewhere)
         gone = {b.hash for b in evicted.values()}
         order = lambda b: (b.start, b.slot)  # noqa: E731
         live = [self._tree_node(b, WRITTEN if b.stored_by == number else HELD, reach[b.hash], state, gone)

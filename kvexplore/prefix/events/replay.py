@@ -148,14 +148,18 @@ class KVEventReplay:
         r, m, g = key
         decode = None if tokenizer is None else (lambda ids: tokenizer.decode(list(ids)))
         maker, state = FrameMaker(self.names, decode), CacheState()
+        # the same group in the rank's other media (offload tiers): a block whose parent is held there is reachable
+        # (an engine's lookup continues from one tier into the next)
+        tiers = {(k[1], g): CacheState() for k in self._states if k[0] == r and k[2] == g and k[1] != m}
         several = len({k[2] for k in self._states if k[:2] == (r, m)}) > 1
         label = f"rank {r} · {m}" + (f" · group {g}" if several else "")
         mine = [rec for rec in self.history if rec.rank == r]
         t0 = mine[0].batch.ts if mine else 0.0
         frames = []
         for n, rec in enumerate(mine, 1):
-            state.begin()
-            notes = apply(rec, {(m, g): state}, n, create=False)
+            for s in (state, *tiers.values()):
+                s.begin()
+            notes = apply(rec, {(m, g): state, **tiers}, n, create=False)
             notes += describe(state.change, self.names) + skipped(rec.batch)
             if state.change.empty:
                 notes.append(f"nothing changed in {m}" + (f" group {g}" if several else "") + " in this batch"
@@ -163,7 +167,8 @@ class KVEventReplay:
             title = f"batch {n} (seq {rec.seq}) · {label} · +{rec.batch.ts - t0:.3f} s"
             meta = {"dp_rank": r, "medium": m, "group": g, "seq": rec.seq, "ts": rec.batch.ts,
                     "held": len(state.blocks), "form": rec.batch.form, "source": "engine KV events"}
-            frames.append(maker.frame(state, n, title, capped(notes), meta))
+            elsewhere = {h for s in tiers.values() for h in s.blocks}
+            frames.append(maker.frame(state, n, title, capped(notes), meta, elsewhere))
         others = [f"rank {k[0]} {k[1]} group {k[2]}" for k in self.caches() if k != key]
         first = [f"{len(mine)} batches of {label}"] + (
             [f"this stream also has {', '.join(others)} (frames(rank=..., medium=..., group=...))"] if others else [])

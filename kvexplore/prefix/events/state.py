@@ -4,6 +4,7 @@ blocks were stored: docs/prefix.md) and what the batch being applied changed."""
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .schema import NO_TOKENS, Hash, Removed, Stored, hash_hex
@@ -151,12 +152,13 @@ class CacheState:
             memo.update((x, base + k) for k, x in enumerate(reversed(chain), 1))
         return max(memo.values(), default=0)
 
-    def reachable(self) -> dict[Hash, bool]:
-        """Whether each stored block's chain of parents is stored all the way to a first block."""
+    def reachable(self, elsewhere: Collection = ()) -> dict[Hash, bool]:
+        """Whether each stored block's chain of parents is stored all the way to a first block, or to a block held
+        ``elsewhere`` (another medium of the same group: a lookup continues from one tier into the next)."""
         out: dict[Hash, bool] = {}
         for h in self.blocks:
             chain, stop = self._walk(h, out)
-            ok = stop is None or out.get(stop, False)
+            ok = stop is None or out.get(stop, False) or stop in elsewhere
             out.update((x, ok) for x in chain)
         return out
 
