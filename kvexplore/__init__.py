@@ -37,8 +37,8 @@ LAZY = {
 #: the notebook widgets, from the explorer (they need the notebook extra)
 WIDGETS = ("Explorer", "PrefixCompare", "PrefixView")
 #: the subpackages ``kvexplore.<name>`` gives without an import of its own (as before they loaded on first use)
-SUBPACKAGES = ("bugs", "caches", "cli", "compression", "config", "core", "diagnosis", "explorer", "fast", "formats",
-               "hf", "models", "prefix", "replay", "runtime", "speculation", "trace", "views")
+SUBPACKAGES = ("bugs", "caches", "cli", "compression", "config", "core", "course", "diagnosis", "explorer", "fast",
+               "formats", "hf", "models", "prefix", "replay", "runtime", "speculation", "trace", "views")
 
 
 def _widgets_available() -> bool:

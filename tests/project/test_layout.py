@@ -17,13 +17,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvexplore"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("fast",), ("runtime",),
     ("hf", "prefix", "speculation", "compression"),
-    ("diagnosis",), ("bugs",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
+    ("diagnosis",), ("bugs",), ("course",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 #: the house by what it is for: the engine (what a decode needs), the labs (each standing on the engine), the screen
 #: (drawing, widgets, the command); docs/extending.md's table gives each folder's group
 GROUPS = {"engine": ("errors", "core", "config", "caches", "models", "formats", "trace", "fast", "runtime"),
-          "labs": ("hf", "prefix", "speculation", "compression", "diagnosis", "bugs"),
+          "labs": ("hf", "prefix", "speculation", "compression", "diagnosis", "bugs", "course"),
           "screen": ("views", "explorer", "replay", "cli")}
 
 

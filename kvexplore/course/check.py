@@ -1,0 +1,38 @@
+"""``check(exercise, answer)``: a number against the reference answer (within the exercise's tolerance), or a class run
+through the doctor; a wrong number gets the hint of the mistake it looks like, never the answer."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+from ..errors import SettingsError
+from .exercise import exercise as find
+from .verdict import Verdict
+
+
+def check(exercise: str, answer=None) -> Verdict:
+    """Check ``answer`` to ``exercise`` (``"02.1"``): a number for a compute exercise, your class for a code one.
+    ``None``: not answered yet (what a notebook's exercise cell gives before you fill it in)."""
+    from . import solutions
+
+    ex = find(exercise)
+    if answer is None or answer is ...:
+        return Verdict(ex.id, False, f"{ex.question} Put your answer in place of None and run the cell again.",
+                       answered=False)
+    if ex.answer_is == "layer":
+        from .layer_check import check_layer
+        return check_layer(ex.id, answer)
+    if isinstance(answer, bool) or not isinstance(answer, Real) or not math.isfinite(answer):
+        raise SettingsError(f"{ex.id} asks for a number ({ex.unit or 'a count'}), got {answer!r}")
+    right = solutions.answer(ex.id)
+    if _close(answer, right, ex.tolerance):
+        return Verdict(ex.id, True, f"{answer:,} {ex.unit}".strip() + " is right.")
+    for value, hint in solutions.mistakes(ex.id):
+        if _close(answer, value, ex.tolerance):
+            return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {hint}")
+    return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {solutions.general_hint(ex.id)}")
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return a == b if tolerance == 0 else abs(a - b) <= tolerance * max(abs(b), 1e-12)

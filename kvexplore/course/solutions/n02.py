@@ -1,0 +1,86 @@
+"""Notebook 02 (how the cache works): the bytes of a pre-allocated cache, and its layer's write."""
+
+from __future__ import annotations
+
+from ...caches.layers.preallocated_layer import PreallocatedLayer
+from ...caches.memory import kv_bytes
+
+POSITIONS = 256
+
+
+def _config():
+    from ...formats.loading import load
+    return load("tiny").config
+
+
+def _bytes(keys_and_values: int = 2, layers: int | None = None, heads: int | None = None, size: int = 4) -> int:
+    c = _config()
+    layers = c.num_layers if layers is None else layers
+    heads = c.num_kv_heads if heads is None else heads
+    return keys_and_values * layers * heads * c.head_dim * POSITIONS * size
+
+
+ANSWERS = {"02.1": lambda: kv_bytes(_config(), POSITIONS)}
+MISTAKES = {"02.1": [
+    (lambda: _bytes(keys_and_values=1), "that is half of it: a layer stores the values as well as the keys (2 "
+                                        "tensors per position), and float32 takes 4 bytes a value."),
+    (lambda: _bytes(layers=1), "every layer has a cache of its own: multiply by the number of layers."),
+    (lambda: _bytes(heads=_config().num_heads), "the tiny model uses grouped-query attention: count the KV heads "
+                                                "(config.num_kv_heads), not the query heads."),
+    (lambda: _bytes() * 8, "bytes, not bits."),
+]}
+HINTS = {"02.1": "count 2 (keys and values) x layers x KV heads x head_dim x positions x bytes per value, from the "
+                 "model's config (model.config)."}
+
+
+class Reference(PreallocatedLayer):
+    def write(self, step, k, v):
+        past_len, q_len = step.pos, k.shape[2]
+        self.prepare(step, past_len, q_len)           # counts the bytes and keeps what an undo needs
+        self.k.narrow(2, past_len, q_len).copy_(k)    # in place: no allocation
+        self.v.narrow(2, past_len, q_len).copy_(v)
+        return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
+
+
+class OneSlotLate(PreallocatedLayer):
+    def write(self, step, k, v):
+        past_len, q_len = step.pos, k.shape[2]
+        self.prepare(step, past_len, q_len)
+        self.k.narrow(2, past_len + 1, q_len).copy_(k)
+        self.v.narrow(2, past_len + 1, q_len).copy_(v)
+        return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
+
+
+class ReadsOnlyThePast(PreallocatedLayer):
+    def write(self, step, k, v):
+        past_len, q_len = step.pos, k.shape[2]
+        self.prepare(step, past_len, q_len)
+        self.k.narrow(2, past_len, q_len).copy_(k)
+        self.v.narrow(2, past_len, q_len).copy_(v)
+        n = max(past_len, 1)
+        return self.k.narrow(2, 0, n), self.v.narrow(2, 0, n)
+
+
+class ReadsTheWholeBuffer(PreallocatedLayer):
+    def write(self, step, k, v):
+        past_len, q_len = step.pos, k.shape[2]
+        self.prepare(step, past_len, q_len)
+        self.k.narrow(2, past_len, q_len).copy_(k)
+        self.v.narrow(2, past_len, q_len).copy_(v)
+        return self.k, self.v
+
+
+class Swapped(PreallocatedLayer):
+    def write(self, step, k, v):
+        past_len, q_len = step.pos, k.shape[2]
+        self.prepare(step, past_len, q_len)
+        self.k.narrow(2, past_len, q_len).copy_(v)
+        self.v.narrow(2, past_len, q_len).copy_(k)
+        return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
+
+
+REFERENCE = {"02.2": Reference}
+WRONG = {"02.2": [(OneSlotLate, "landed in slot 1: the write is 1 slot after its position"),
+                  (ReadsOnlyThePast, "the new ones included"),
+                  (ReadsTheWholeBuffer, "never written for this sequence"),
+                  (Swapped, "the keys buffer holds the values")]}

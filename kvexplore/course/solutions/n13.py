@@ -1,0 +1,25 @@
+"""Notebook 13 (prefix sharing across requests): where a prefix hit stops."""
+
+from __future__ import annotations
+
+BLOCK, SHARED = 16, 45
+
+
+def _hit() -> int:
+    from ...formats.loading import load
+    from ...prefix.pool import PrefixPool
+
+    pool = PrefixPool(load("tiny"), num_blocks=16, block_size=BLOCK)
+    first = list(range(5, 5 + 60))
+    second = first[:SHARED] + [200 + t for t in range(15)]
+    pool.serve(first, response=[5])
+    return pool.serve(second, response=[5]).hit_tokens
+
+
+ANSWERS = {"13.1": _hit}
+MISTAKES = {"13.1": [
+    (lambda: SHARED, "only whole blocks are shared: a block's hash covers all 16 of its tokens."),
+    (lambda: 48, "the block holding token 45 differs in its last tokens, so its hash differs: it is not shared."),
+    (lambda: 0, "the blocks before the one holding the first difference are identical, and cached."),
+]}
+HINTS = {"13.1": "find the block holding the first token that differs; the blocks before it are the hit."}
