@@ -5,7 +5,8 @@ recomputation without a cache (docs/teaching.md). The reference answers and solu
 
 from __future__ import annotations
 
+from .catalogue import EXERCISES, exercises
 from .check import Verdict, check
-from .exercise import EXERCISES, Exercise, exercises
+from .exercise import Exercise
 
 __all__ = ["EXERCISES", "Exercise", "Verdict", "check", "exercises"]

@@ -7,7 +7,7 @@ import math
 from numbers import Real
 
 from ..errors import SettingsError
-from .exercise import exercise as find
+from .catalogue import exercise as find
 from .verdict import Verdict
 
 

@@ -1,18 +1,24 @@
-"""The course's reference answers and solutions, apart from the notebooks (a teacher's, not a student's): per
-exercise its answer (worked out with kvexplore itself, so that it follows the code), the mistakes students make with
-the hint each gets, the reference solution of a code exercise and typical wrong ones (the suite runs them all)."""
+"""The course's exercises with their reference answers and solutions, apart from the notebooks (a teacher's, not a
+student's), one module per notebook (``nNN.py``) declaring ``EXERCISES`` and per exercise: ``ANSWERS`` (worked out with
+kvexplore itself, so that it follows the code), ``MISTAKES`` (the number a mistake gives and the hint it gets),
+``HINTS`` (how to work it out), and for a code exercise ``REFERENCE`` and ``WRONG`` (typical wrong solutions with words
+their verdict must contain). The suite runs them all."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from . import n02, n05, n13
-
-_MODULES = {"02": n02, "05": n05, "13": n13}
+import importlib
+import pkgutil
+from types import ModuleType
 
 
-def _module(exercise: str):
-    return _MODULES[exercise.split(".")[0]]
+def modules() -> list[ModuleType]:
+    """The notebooks' modules (``n02``, ``n05``, ...), in the course's order."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name[0] == "n" and m.name[1:].isdigit())
+    return [importlib.import_module(f"{__name__}.{name}") for name in names]
+
+
+def _module(exercise: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.n{exercise.split('.')[0]}")
 
 
 def answer(exercise: str) -> float:
@@ -37,5 +43,3 @@ def wrong(exercise: str) -> list[tuple[type, str]]:
     """Typical wrong solutions of a code exercise, each with words its verdict must contain."""
     return _module(exercise).WRONG[exercise]
 
-
-Mistake = tuple[Callable[[], float], str]

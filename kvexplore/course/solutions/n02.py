@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..exercise import Exercise
+
 from ...caches.layers.preallocated_layer import PreallocatedLayer
 from ...caches.memory import kv_bytes
 
@@ -20,6 +22,13 @@ def _bytes(keys_and_values: int = 2, layers: int | None = None, heads: int | Non
     return keys_and_values * layers * heads * c.head_dim * POSITIONS * size
 
 
+EXERCISES = [
+    Exercise("02.1", "number", "How many bytes does a pre-allocated float32 cache of the packaged tiny model hold "
+                               "for max_seq_len=256 (every layer, keys and values)?", unit="bytes"),
+    Exercise("02.2", "layer", "Write the pre-allocated layer's write: copy the step's keys and values into the "
+                              "buffers at their positions (narrow(2, past_len, q_len).copy_()) and return the window "
+                              "attention reads."),
+]
 ANSWERS = {"02.1": lambda: kv_bytes(_config(), POSITIONS)}
 MISTAKES = {"02.1": [
     (lambda: _bytes(keys_and_values=1), "that is half of it: a layer stores the values as well as the keys (2 "

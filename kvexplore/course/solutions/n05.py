@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..exercise import Exercise
+
 BLOCK, PROMPT = 16, 40
 
 
@@ -21,6 +23,10 @@ def _pages() -> int:
     return cache.pool.num_blocks - cache.pool.free_blocks
 
 
+EXERCISES = [
+    Exercise("05.1", "number", "A paged cache (blocks of 16) holds a 40-token prompt; it is forked, and each of the "
+                               "two sequences then writes one token. How many pages does the pool hold?", unit="pages"),
+]
 ANSWERS = {"05.1": _pages}
 MISTAKES = {"05.1": [
     (lambda: 3, "both sequences write into the last page, which is shared and only half full: the first to write "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..exercise import Exercise
+
 BLOCK, SHARED = 16, 45
 
 
@@ -16,6 +18,10 @@ def _hit() -> int:
     return pool.serve(second, response=[5]).hit_tokens
 
 
+EXERCISES = [
+    Exercise("13.1", "number", "Two prompts agree on their first 45 tokens and differ at token 45. With blocks of 16, "
+                               "how many of the second prompt's tokens come from the cache?", unit="tokens"),
+]
 ANSWERS = {"13.1": _hit}
 MISTAKES = {"13.1": [
     (lambda: SHARED, "only whole blocks are shared: a block's hash covers all 16 of its tokens."),
