@@ -2,7 +2,8 @@
 // unpack(root) runs the packed plotly.js once per page (or waits for another fragment's), then gives the packed data
 // (views/page.py: pack) and decode(v), which turns the array references ({"$a": i, "n": n}, views/frames.py:
 // ArrayStore) back into typed arrays and lists of strings stored once in a table ({"$t": indices into all.strings},
-// views/prefix_page.py); wire(...) then drives its slider and play button.
+// views/prefix_page.py); wire(...) then drives its slider and play button, opens at the step a link names
+// (page.html#step=37) and keeps the address bar at the step shown, so it is the link to this view.
 const TYPED = {int8: Int8Array, int16: Int16Array, int32: Int32Array, uint8: Uint8Array, uint16: Uint16Array,
                uint32: Uint32Array, float32: Float32Array, float64: Float64Array};
 async function gunzip(el) {
@@ -40,9 +41,29 @@ async function unpack(root) {
 }
 // the slider and play/pause over frames 0..count-1, drawn by draw(i) (async; draws run one after another), every
 // ms when playing; the last frame first (play from the last starts over)
+function ownsAddress() {  // a saved page with one replay: its address is the replay's (never a notebook's or app's)
+  return document.querySelectorAll('.kvx-slider').length === 1
+    && !document.querySelector('.jp-LabShell, .jp-Notebook, #notebook-container, .jp-OutputArea');
+}
+function linkedStep(count) {  // the step a link asks for: page.html#step=37 (out of range or not a number: none)
+  if (!ownsAddress()) return null;
+  const asked = new URLSearchParams(location.hash.slice(1)).get('step');
+  const i = asked === null || asked.trim() === '' ? NaN : Number(asked);
+  return Number.isInteger(i) && i >= 0 && i < count ? i : null;
+}
 async function wire(root, count, draw, ms) {
   let queue = Promise.resolve();
-  const show = (i) => { queue = queue.then(() => draw(i)); return queue; };
+  const link = (i) => {  // the address bar is the link to this view: #step=i (other keys kept)
+    if (!ownsAddress()) return;
+    const params = new URLSearchParams(location.hash.slice(1));
+    params.set('step', String(i));
+    history.replaceState(null, '', '#' + params.toString());
+  };
+  const show = (i, linked = true) => {
+    if (linked) link(i);
+    queue = queue.then(() => draw(i));
+    return queue;
+  };
   const slider = root.querySelector('.kvx-slider'), play = root.querySelector('.kvx-play');
   slider.max = String(count - 1);
   root.kvxShow = (i) => { slider.value = String(i); return show(i); };
@@ -60,7 +81,8 @@ async function wire(root, count, draw, ms) {
       show(next);
     }, ms);
   });
-  await show(count - 1);
-  slider.value = String(count - 1);
+  const first = linkedStep(count);  // a link's step, else the run as it ended (the address left as it was)
+  await show(first === null ? count - 1 : first, false);
+  slider.value = String(first === null ? count - 1 : first);
   root.dataset.kvxReady = '1';
 }

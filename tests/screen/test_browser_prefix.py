@@ -152,6 +152,17 @@ def test_prefix_replay_page_draws_each_frames_specs(tmp_path, browser, shots, ti
                 if i == 3:
                     screenshot(page, shots / f"prefix_replay_{policy}_frame3.png", full_page=True)
             assert outside == []
+            # the address bar is the link to the view shown, and a link opens its step
+            assert page.evaluate("location.hash") == f"#step={len(frames) - 1}"
+            page.goto("about:blank")  # (a new load: a change of the hash alone does not reload the page)
+            page.goto(path.as_uri() + "#step=2")
+            page.wait_for_function(READY, arg=root.element_handle(), timeout=120_000)
+            assert root.evaluate("(r) => [r.dataset.kvxFrame, r.querySelector('.kvx-slider').value]") == ["2", "2"]
+            assert frames[2].title in root.locator(".kvx-label").inner_text()
+            page.goto("about:blank")
+            page.goto(path.as_uri() + "#step=99")  # a step the run does not have: the run as it ended
+            page.wait_for_function(READY, arg=root.element_handle(), timeout=120_000)
+            assert root.evaluate("(r) => r.dataset.kvxFrame") == str(len(frames) - 1)
         finally:
             page.close()
 
