@@ -17,6 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
+from urllib.parse import urlencode
 from pathlib import Path
 from collections.abc import Iterable, Sequence
 
@@ -255,6 +256,11 @@ def app(model: str = "tiny", strategies: Sequence[str] | None = None, port: int 
     """``kvexplore app``: serve the explorer as a standalone page with Voila (code cells hidden); ``options``: lane ->
     its cache's options (``--strategy-option``)."""
     _require("app", ("voila", "Voila"), *WIDGET_LIBRARIES)
+    first = {"model": model, "strategies": ",".join(strategies or app_page.STRATEGIES), "max_seq_len": max_seq_len,
+             "prompt": prompt}
+    print(f"a link to the first view: http://127.0.0.1:{port or 8866}/?{urlencode(first)} (the page's \"link to "
+          f"this view\" button writes the link of what it shows; steps, lane, layer, head and tab follow it)",
+          flush=True)
     with resources.as_file(app_notebook()) as nb:
         return _replace_process(app_command(nb, port=port, no_browser=no_browser, extra=extra),
                                 env=app_environment(model, strategies, prompt, max_seq_len=max_seq_len,

@@ -91,6 +91,16 @@ def app_options(model: str, strategies: Sequence[str] | None, option_texts: Sequ
     return given
 
 
+def linked(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``environ`` with what the page's link carries (Voila's ``QUERY_STRING``: :mod:`.app_link`) in place of what
+    the command line passed, and the link's settings."""
+    from . import app_link
+
+    link = app_link.parse(environ.get("QUERY_STRING", ""))
+    names = {"model": MODEL_ENV, "strategies": STRATEGIES_ENV, "max_seq_len": MAX_SEQ_LEN_ENV, "prompt": PROMPT_ENV}
+    return {**environ, **{names[k]: v for k, v in link.items() if k in names}}, link
+
+
 def settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """The explorer's arguments from ``environ`` (unset: the bundled tiny model and the defaults above)."""
     strategies = tuple(s for s in environ.get(STRATEGIES_ENV, "").split(",") if s) or STRATEGIES
@@ -115,9 +125,13 @@ def app_explorer(environ: Mapping[str, str] | None = None) -> Any:
     from .controls import error_html
     from .widget import Explorer
 
+    from . import app_link
+
     environ = os.environ if environ is None else environ
     try:
-        explorer = Explorer(**settings(environ))
+        environ, link = linked(environ)
+        given = settings(environ)
+        explorer = Explorer(**given)
     except (KVExploreError, ValueError, OSError) as e:
         return W.HTML(f'<div class="kvx-app-error">{error_html(e)}<p>Start the page again with other arguments: '
                       f'<code>kvexplore app --model M --strategies A,B --max-seq-len N --prompt TEXT</code> '
@@ -125,8 +139,17 @@ def app_explorer(environ: Mapping[str, str] | None = None) -> Any:
     prompt = environ.get(PROMPT_ENV, PROMPT)
     if prompt:
         explorer.controls["prompt"].value = prompt
+        if app_link.on(link, "chat"):
+            explorer.controls["chat"].value = True
         try:
             explorer.prefill()  # the prompt box; a failure is shown in the explorer's error line
         except KVExploreError:
             pass
+        else:
+            try:
+                app_link.apply(explorer, link)  # where a link stands: its steps, lane, layer, head and tab
+            except KVExploreError as e:
+                explorer.controls["error"].value = error_html(e)
+    explorer.widget.children = (*explorer.widget.children,
+                                app_link.button(explorer, given, environ.get("SCRIPT_NAME", "") or "/"))
     return explorer

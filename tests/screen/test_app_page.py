@@ -92,6 +92,31 @@ def test_the_app_page_shows_a_prompt_it_cannot_prefill_in_the_explorer():
     assert "shorten the prompt" in ex.controls["error"].value  # the page's error line
 
 
+def test_a_link_rebuilds_the_view_it_was_made_from_and_a_bad_one_says_what_it_takes():
+    from kvexplore.explorer import app_link
+
+    ex = app_page.app_explorer({"QUERY_STRING": "prompt=Call+me+Ishmael.&steps=5&lane=paged&with=concat&layer=3"
+                                                "&head=1&tab=attention", "SCRIPT_NAME": "/"})
+    assert ex.error == "" and len(ex.session.tokens) == len(ex.session.prompt_tokens) + 1 + 5
+    assert (ex.lane.name, ex.side_by_side, ex.controls["layer"].value, ex.controls["head"].value, ex.view) == \
+        ("paged", "concat", 3, 1, "attention")
+    query = app_link.of(ex, {"source": "tiny", "max_seq_len": 128})
+    again = app_page.app_explorer({"QUERY_STRING": query})
+    assert again.session.tokens == ex.session.tokens and again.shown() == ex.shown()
+    from kvexplore.explorer.inspect import plain
+
+    drawn = lambda e: plain({k: s.traces for k, s in e.specs().items() if k in e.shown()})  # noqa: E731 (the
+    # comparison's step times are measured, so they differ: it is not on screen here)
+    assert "compare" not in ex.shown() and drawn(again) == drawn(ex)
+    link = ex.widget.children[-1]  # the page's "link to this view" button and its line
+    link.children[0].click()
+    assert link.children[1].value.startswith('<a href="/?model=tiny&amp;strategies=preallocated%2Cconcat%2Cpaged')
+    wrong = app_page.app_explorer({"QUERY_STRING": "layer=40&lane=paged"})
+    assert "the link&#x27;s layer=&#x27;40&#x27;: a layer of this model (it has 6)" in wrong.controls["error"].value
+    unknown = app_page.app_explorer({"QUERY_STRING": "stepz=4"})
+    assert "which a link to the app does not carry: it takes model, strategies" in unknown.value
+
+
 @pytest.mark.parametrize("env, message", [
     ({"KVEXPLORE_APP_MODEL": "no-such-model"}, "no-such-model"),
     ({"KVEXPLORE_APP_STRATEGIES": "preallocated,bogus"}, "bogus"),

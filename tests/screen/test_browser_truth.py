@@ -25,6 +25,7 @@ from browser_explorer import (LAB, VIEWPORT, _agree, _checks, _frames, _idle, _k
 from browser_explorer import SETTLE_S, _lab_operations, _tab  # noqa: F401 (test_browser_prefix/_speculative's)
 from browser_support import (figure, new_page, open_voila_app, require_browser, save_timings, screenshot, start_run_all,
                              voila_server, wait_run_finished)
+from browser_truth import kernel_truth, page_figures
 
 pytestmark = pytest.mark.browser
 
@@ -223,6 +224,7 @@ def test_voila_app_page_equals_kernel(tmp_path, browser, shots):
             expect(page.locator(".kvx-static:visible")).to_have_count(0)  # the static copy is for kernel-less pages
             explorer = page.locator(".kvx-explorer").first
             done += _pasted_chapter(page, explorer, shots, name)
+            done += _linked_view(page, server, explorer, shots, name)
         finally:
             page.close()
     save_timings(shots, name, timings)
@@ -269,6 +271,31 @@ def _pasted_chapter(page, explorer, shots: Path, name: str) -> list[str]:
             f"{label}: the newest token is outside the strip's box: {last} in {strip}"
     screenshot(page, shots / f"{name}_900_tokens_1280x800.png")
     return done
+
+
+def _linked_view(page, server, explorer, shots: Path, name: str) -> list[str]:
+    """The page's "link to this view" button writes the address of what it shows; opening it (a new page load, a
+    fresh kernel: the model, the lanes, the 900-token prompt prefilled, the step run, the lane, layer, head and tab)
+    shows the same figures, and the page equals its kernel."""
+    from urllib.parse import urljoin
+
+    views = kernel_truth(explorer)["shown"]
+    shown = {view: fig["data"] for view, fig in page_figures(explorer).items() if view in views}
+    explorer.locator(".kvx-app-link-button").first.click()
+    anchor = page.locator(".kvx-app-link a").first
+    anchor.wait_for(timeout=60_000)
+    href = anchor.get_attribute("href")
+    assert "steps=1" in href and "prompt=" in href and "lane=" in href, href
+    page.goto(urljoin(server.base_url + "/", href))
+    linked = page.locator(".kvx-explorer").first
+    linked.wait_for(timeout=150_000)
+    _idle(page, linked)
+    state = _agree(page, linked, False, "the linked view")
+    assert state["error"] == "" and state["shown"] == views, (state["error"], state["shown"], views)
+    again = {view: fig["data"] for view, fig in page_figures(linked).items() if view in views}
+    assert again.keys() == shown.keys() and again == shown, "the linked view's figures differ from the view's"
+    screenshot(page, shots / f"{name}_linked_view.png")
+    return ["a link to the view opens the same view"]
 
 
 def _shows_no_code(page) -> None:
