@@ -1,0 +1,55 @@
+"""Notebook 06 (compressing the cache): what a sink cache (attention sinks and a window) still holds."""
+
+from __future__ import annotations
+
+from ..exercise import Exercise
+
+SINKS, WINDOW, PROMPT, STEPS = 4, 28, 57, 8
+LENGTH = PROMPT + STEPS  # positions written: the prompt, then one a decode step
+
+
+def _held() -> list[int]:
+    """The positions layer 0 of a sink cache holds after a 57-token prompt and 8 decode steps of the tiny model."""
+    from ...caches.factory import make_cache
+    from ...formats.loading import load
+    from ...runtime.generator import Generator
+
+    model = load("tiny")
+    cache = make_cache("sink", model, sinks=SINKS, window=WINDOW)
+    gen = Generator(model, cache)
+    gen.prefill(list(range(5, 5 + PROMPT)))
+    gen.run(STEPS, stop_at_eos=False)
+    return sorted(p for p in cache.inspect.slot_view(0).positions if p >= 0)
+
+
+EXERCISES = [
+    Exercise("06.1", "number", "A sink cache of the tiny model (sinks=4, window=28) takes a 57-token prompt, then 8 "
+                               "decode steps, each writing one position (positions 0 to 64). How many positions does "
+                               "each layer hold?", unit="positions"),
+    Exercise("06.2", "number", "In the same cache, which is the oldest position it still holds after the sinks (the "
+                               "first position of its window)?"),
+]
+ANSWERS = {
+    "06.1": lambda: len(_held()),
+    "06.2": lambda: _held()[SINKS],
+}
+MISTAKES = {
+    "06.1": [
+        (lambda: LENGTH, "a sink cache does not keep every position: past its slots it forgets the middle."),
+        (lambda: WINDOW, "the sinks are kept on top of the window: count both."),
+        (lambda: WINDOW - SINKS, "the sinks do not come out of the window: they are slots of their own."),
+    ],
+    "06.2": [
+        (lambda: SINKS, "the sequence is longer than the cache's slots: the positions after the sinks have been "
+                        "evicted, all but the most recent."),
+        (lambda: LENGTH - SINKS - WINDOW, f"the window is the last {WINDOW} positions only: the sinks are not part "
+                                          f"of it."),
+        (lambda: LENGTH - WINDOW - 1, "one off: the window's positions end with the newest one written, and "
+                                      "include it."),
+    ],
+}
+HINTS = {
+    "06.1": "a sink cache keeps the first `sinks` positions and the most recent `window` ones, whatever the length "
+            "(cache.inspect.slot_view(0).positions lists them).",
+    "06.2": "the window holds the most recent `window` positions: count back from the newest position written.",
+}
