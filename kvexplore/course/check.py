@@ -21,8 +21,8 @@ def check(exercise: str, answer=None) -> Verdict:
         return Verdict(ex.id, False, f"{ex.question} Put your answer in place of None and run the cell again.",
                        answered=False)
     if ex.answer_is == "layer":
-        from .layer_check import check_layer
-        return check_layer(ex.id, answer)
+        from .code_check import check_code  # every code exercise: its solutions module's CODE[id] says how
+        return check_code(ex.id, answer)
     if isinstance(answer, bool) or not isinstance(answer, Real) or not math.isfinite(answer):
         raise SettingsError(f"{ex.id} asks for a number ({ex.unit or 'a count'}), got {answer!r}")
     right = solutions.answer(ex.id)

@@ -1,7 +1,8 @@
 """A student's layer run through the doctor: their class serves every full layer of a pre-allocated cache of the tiny
 model, and each cached step is compared with a recomputation without a cache. Wrong: the doctor's first step, layer
 and position, and what a probe of the buffers says went wrong (a write one slot off, a read window too short or too
-long, keys and values swapped)."""
+long, keys and values swapped). :data:`EXERCISE` declares it for the harness of every code exercise
+(:mod:`kvexplore.course.code_check`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from ..caches.layers.preallocated_layer import PreallocatedLayer
 from ..caches.strategies.preallocated import PreallocatedCache
-from ..errors import SettingsError
+from .code_check import CodeExercise
 from .verdict import Verdict
 
 PROMPT = [5, 17, 42, 9, 100, 33, 61, 7]  # token ids of the packaged tiny model
@@ -33,14 +34,8 @@ def cache_class(layer_cls: type) -> type:
     return StudentCache
 
 
-def check_layer(exercise: str, layer_cls) -> Verdict:
-    if not (isinstance(layer_cls, type) and issubclass(layer_cls, PreallocatedLayer)):
-        raise SettingsError(f"{exercise} takes your layer class, a subclass of PreallocatedLayer (from "
-                            f"kvexplore.caches.layers.preallocated_layer import PreallocatedLayer) that writes its own "
-                            f"write(); got {layer_cls!r}")
-    from ..diagnosis.run import doctor
-
-    model = _tiny()
+def _watch(layer_cls: type):
+    """``layer_cls`` recording what layer 0's writes returned, and the hint those windows give."""
     seen: list[tuple[int, int, int]] = []  # (pos, q_len, positions the returned keys cover), layer 0
 
     class Probe(layer_cls):
@@ -50,25 +45,18 @@ def check_layer(exercise: str, layer_cls) -> Verdict:
                 seen.append((step.pos, k.shape[2], out[0].shape[2]))
             return out
 
-    try:
-        report = doctor(model, prompt=PROMPT, steps=STEPS, cache=cache_class(Probe)(model.config, max_seq_len=64))
-    except SettingsError:
-        raise
-    except Exception as e:  # the student's code (or attention over what it returned) raised: say what, and why
-        window = _window_hint(seen)
-        return Verdict(exercise, False, f"running the tiny model with your layer raised {type(e).__name__}: {e}."
-                                        + (f" {window}" if window else ""))
-    if not report.diverged:
-        return Verdict(exercise, True, f"your layer gives what a recomputation without a cache gives, at every one "
-                                       f"of {report.steps} steps and every layer of the tiny model")
-    verb = "differ" if report.what.endswith("s") else "differs"
-    where = (f"at step {report.step} (position {report.position}), layer {report.layer}: the {report.what} "
-             f"{verb} from a recomputation without a cache (by up to {report.max_diff:.3g})")
-    return Verdict(exercise, False, f"{where}. {_probe(model, layer_cls, seen)}")
+    return Probe, lambda: _window_hint(seen)
 
 
-def _probe(model, layer_cls, seen: list[tuple[int, int, int]]) -> str:
-    """Why, from the buffers: where each position's key landed in layer 0, and how far the returned window reached."""
+def check_layer(exercise: str, layer_cls) -> Verdict:
+    """``layer_cls`` through 02.2's doctor run (kept for callers of the first code exercise's check)."""
+    from .code_check import check_code
+    return check_code(exercise, layer_cls)
+
+
+def _probe(model, layer_cls) -> str:
+    """Why, from the buffers: where each position's key landed in layer 0 ("" when every key is where it belongs:
+    then the window :func:`_watch` saw says why)."""
     ids = torch.tensor([PROMPT[:5]])
     ref = PreallocatedCache(model.config, max_seq_len=16)
     mine = cache_class(layer_cls)(model.config, max_seq_len=16)
@@ -93,8 +81,7 @@ def _probe(model, layer_cls, seen: list[tuple[int, int, int]]) -> str:
                         f"position is past_len (step.pos), and its q_len positions follow it.")
         return (f"Hint: no slot holds the model's key of position {p}: copy the step's k into the buffer "
                 f"(narrow(2, past_len, q_len).copy_(k)), not something computed from it.")
-    return _window_hint(seen) or ("Hint: the slots hold the right keys; compare what your write returns with "
-                                  "narrow(2, 0, past_len + q_len).")
+    return ""
 
 
 def _window_hint(seen: list[tuple[int, int, int]]) -> str:
@@ -108,3 +95,11 @@ def _window_hint(seen: list[tuple[int, int, int]]) -> str:
             return (f"Hint: a step writing at past_len {pos} returned keys of {n} positions, past the {pos + q} "
                     f"written so far: the slots after them were never written for this sequence (zeros, or stale).")
     return ""
+
+
+EXERCISE = CodeExercise(
+    base=PreallocatedLayer, task="that writes its own write()", model=_tiny,
+    cache=lambda model, cls: cache_class(cls)(model.config, max_seq_len=64), prompt=PROMPT, steps=STEPS,
+    probes=(_probe,), watch=_watch, probe_on_error=False,
+    fallback="Hint: the slots hold the right keys; compare what your write returns with narrow(2, 0, past_len + "
+             "q_len).")

@@ -35,6 +35,11 @@ def test_the_answers_follow_the_code_and_the_formulas():
     assert solutions.answer("02.1") == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 256 * 4 == 786_432
     assert solutions.answer("05.1") == 4   # 3 pages of the prompt, and the shared last page copied once
     assert solutions.answer("13.1") == 32  # the block holding token 45 (block 2) and everything after it computed
+    assert solutions.answer("03.1") == sum(range(8, 33)) == 500  # every pass feeds the whole sequence so far
+    position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # 3,072 bytes a position
+    assert solutions.answer("04.1") == position * sum(range(8, 18)) == 384_000  # the previous cache, each step
+    values = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 256
+    assert solutions.answer("14.1") == values * 9 // 16 == 110_592  # q4_0: 4.5 bits a value
 
 
 @pytest.mark.parametrize("exercise", LAYERS)

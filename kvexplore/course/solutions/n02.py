@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..layer_check import EXERCISE as PREALLOCATED_WRITE
 
 from ...caches.layers.preallocated_layer import PreallocatedLayer
 from ...caches.memory import kv_bytes
@@ -88,6 +89,7 @@ class Swapped(PreallocatedLayer):
         return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
 
 
+CODE = {"02.2": PREALLOCATED_WRITE}  # how the check builds the cache from the class, and its probes (layer_check.py)
 REFERENCE = {"02.2": Reference}
 WRONG = {"02.2": [(OneSlotLate, "landed in slot 1: the write is 1 slot after its position"),
                   (ReadsOnlyThePast, "the new ones included"),
