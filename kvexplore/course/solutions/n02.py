@@ -52,41 +52,46 @@ class Reference(PreallocatedLayer):
         return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
 
 
-class OneSlotLate(PreallocatedLayer):
+class _Wrong(PreallocatedLayer):
+    """The solution's shape with one step done wrong: where the new keys go, which buffer gets which, the window."""
+
     def write(self, step, k, v):
         past_len, q_len = step.pos, k.shape[2]
         self.prepare(step, past_len, q_len)
-        self.k.narrow(2, past_len + 1, q_len).copy_(k)
-        self.v.narrow(2, past_len + 1, q_len).copy_(v)
-        return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
-
-
-class ReadsOnlyThePast(PreallocatedLayer):
-    def write(self, step, k, v):
-        past_len, q_len = step.pos, k.shape[2]
-        self.prepare(step, past_len, q_len)
-        self.k.narrow(2, past_len, q_len).copy_(k)
-        self.v.narrow(2, past_len, q_len).copy_(v)
-        n = max(past_len, 1)
+        keys, values = self._stored(k, v)
+        self.k.narrow(2, self._first_slot(past_len), q_len).copy_(keys)
+        self.v.narrow(2, self._first_slot(past_len), q_len).copy_(values)
+        n = self._read_length(past_len, q_len)
         return self.k.narrow(2, 0, n), self.v.narrow(2, 0, n)
 
+    def _first_slot(self, past_len):
+        return past_len
 
-class ReadsTheWholeBuffer(PreallocatedLayer):
-    def write(self, step, k, v):
-        past_len, q_len = step.pos, k.shape[2]
-        self.prepare(step, past_len, q_len)
-        self.k.narrow(2, past_len, q_len).copy_(k)
-        self.v.narrow(2, past_len, q_len).copy_(v)
-        return self.k, self.v
+    def _stored(self, k, v):
+        return k, v
+
+    def _read_length(self, past_len, q_len):
+        return past_len + q_len
 
 
-class Swapped(PreallocatedLayer):
-    def write(self, step, k, v):
-        past_len, q_len = step.pos, k.shape[2]
-        self.prepare(step, past_len, q_len)
-        self.k.narrow(2, past_len, q_len).copy_(v)
-        self.v.narrow(2, past_len, q_len).copy_(k)
-        return self.k.narrow(2, 0, past_len + q_len), self.v.narrow(2, 0, past_len + q_len)
+class OneSlotLate(_Wrong):
+    def _first_slot(self, past_len):
+        return past_len + 1
+
+
+class ReadsOnlyThePast(_Wrong):
+    def _read_length(self, past_len, q_len):
+        return max(past_len, 1)
+
+
+class ReadsTheWholeBuffer(_Wrong):
+    def _read_length(self, past_len, q_len):
+        return self.capacity
+
+
+class Swapped(_Wrong):
+    def _stored(self, k, v):
+        return v, k
 
 
 CODE = {"02.2": PREALLOCATED_WRITE}  # how the check builds the cache from the class, and its probes (layer_check.py)

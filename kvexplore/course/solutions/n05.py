@@ -111,61 +111,52 @@ CODE = {"05.2": CodeExercise(
 
 
 class Reference(PageTableExercise):
+    """The solution, in two steps a wrong one below gets wrong one at a time."""
+
     def make_room(self, table, pos, q_len):
         bs = self.block_size
         if pos % bs and self.pool.refcount[table[-1]] > 1:  # continuing a page another sequence holds
-            old, new = table[-1], self.take()
-            self.copy_page(old, new, pos % bs)  # the filled slots, every layer
-            self.pool.release(old)              # one holder fewer: the other sequence keeps it
-            table[-1] = new
-        while len(table) < -(-(pos + q_len) // bs):  # ceil: the last block may be partly filled
+            self.copy_last(table, pos % bs)
+        self.add_blocks(table, self.blocks_for(pos + q_len))
+
+    def blocks_for(self, positions):
+        return -(-positions // self.block_size)  # ceil: the last block may be partly filled
+
+    def copy_last(self, table, filled):
+        old, new = table[-1], self.take()
+        self.copy_page(old, new, filled)  # the filled slots, every layer
+        self.pool.release(old)            # one holder fewer: the other sequence keeps it
+        table[-1] = new
+
+    def add_blocks(self, table, blocks):
+        while len(table) < blocks:
             table.append(self.take())
 
 
 class WritesIntoSharedPage(Reference):
-    def make_room(self, table, pos, q_len):
-        bs = self.block_size
-        while len(table) < -(-(pos + q_len) // bs):
-            table.append(self.take())
+    def copy_last(self, table, filled):
+        pass  # "the page is already ours to write"
 
 
 class FreesSharedPage(Reference):
-    def make_room(self, table, pos, q_len):
-        bs = self.block_size
-        if pos % bs and self.pool.refcount[table[-1]] > 1:
-            old, new = table[-1], self.take()
-            self.copy_page(old, new, pos % bs)
-            self.pool.refcount[old] = 0  # "the old page is not needed any more"
-            self.pool.free.append(old)
-            table[-1] = new
-        while len(table) < -(-(pos + q_len) // bs):
-            table.append(self.take())
+    def copy_last(self, table, filled):
+        old, new = table[-1], self.take()
+        self.copy_page(old, new, filled)
+        self.pool.refcount[old] = 0  # "the old page is not needed any more"
+        self.pool.free.append(old)
+        table[-1] = new
 
 
 class OneBlockShort(Reference):
-    def make_room(self, table, pos, q_len):
-        bs = self.block_size
-        if pos % bs and self.pool.refcount[table[-1]] > 1:
-            old, new = table[-1], self.take()
-            self.copy_page(old, new, pos % bs)
-            self.pool.release(old)
-            table[-1] = new
-        while len(table) < (pos + q_len) // bs:  # floor: a partly filled last block gets no page
-            table.append(self.take())
+    def blocks_for(self, positions):
+        return positions // self.block_size  # floor: a partly filled last block gets no page
 
 
 class TakesOnePageForAll(Reference):
-    def make_room(self, table, pos, q_len):
-        bs = self.block_size
-        if pos % bs and self.pool.refcount[table[-1]] > 1:
-            old, new = table[-1], self.take()
-            self.copy_page(old, new, pos % bs)
-            self.pool.release(old)
-            table[-1] = new
-        missing = -(-(pos + q_len) // bs) - len(table)
-        if missing > 0:
+    def add_blocks(self, table, blocks):
+        if blocks > len(table):
             page = self.take()
-            table.extend([page] * missing)
+            table.extend([page] * (blocks - len(table)))
 
 
 REFERENCE = {"05.2": Reference}
