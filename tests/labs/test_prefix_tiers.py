@@ -99,6 +99,9 @@ def test_the_events_carry_each_medium_and_the_reader_draws_every_tier(tiered):
         assert held == len(pool.tiers.blocks(medium))
         # a tier's block whose parent is in the pages or another tier stays reachable (a lookup continues there)
         assert all(n.reachable for n in last.tree if n.state != "evicted")
+    disk_notes = [n for f in replay.frames(medium="STORAGE") for n in f.notes if n.startswith("stored")]
+    assert any(", a block held in GPU:" in n or ", a block held in CPU:" in n for n in disk_notes), disk_notes
+    assert not any("does not hold" in n for n in disk_notes), disk_notes
 
 
 def test_a_block_dropped_from_the_last_tier_is_a_miss_that_says_so(tiny, tmp_path):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,14 +83,17 @@ class FrameMaker:
         return self._views[key]
 
 
-def describe(change: Change, names: HashNames) -> list[str]:
-    """What one batch did to one cache, in words, in the order it did it."""
-    notes = []
+def describe(change: Change, names: HashNames, held_in: Mapping[Hash, str] | None = None) -> list[str]:
+    """What one batch did to one cache, in words, in the order it did it. ``held_in``: the medium holding each block
+    of the same group's other media (an offload tier's parent is often in the pages)."""
+    notes, held_in = [], held_in or {}
     for what, *rest in change.log:
         if what == "stored":
             ev, new, again, parent_held = rest
             where = "as a new prefix (no parent)" if ev.parent is None else f"under {names(ev.parent)}"
-            if not parent_held:
+            if not parent_held and ev.parent in held_in:
+                where += f", a block held in {held_in[ev.parent]}"
+            elif not parent_held:
                 where += ", a block this cache does not hold (removed, or stored before the stream began)"
             note = f"stored {count(len(ev.hashes), 'block')} ({len(ev.tokens)} tokens) {where}: " \
                    f"{_listed([b.hash for b in new], names)}"

@@ -160,15 +160,15 @@ class KVEventReplay:
             for s in (state, *tiers.values()):
                 s.begin()
             notes = apply(rec, {(m, g): state, **tiers}, n, create=False)
-            notes += describe(state.change, self.names) + skipped(rec.batch)
+            held_in = {h: medium for (medium, _), s in tiers.items() for h in s.blocks}
+            notes += describe(state.change, self.names, held_in) + skipped(rec.batch)
             if state.change.empty:
                 notes.append(f"nothing changed in {m}" + (f" group {g}" if several else "") + " in this batch"
                              + _elsewhere(rec.batch, m, g))
             title = f"batch {n} (seq {rec.seq}) · {label} · +{rec.batch.ts - t0:.3f} s"
             meta = {"dp_rank": r, "medium": m, "group": g, "seq": rec.seq, "ts": rec.batch.ts,
                     "held": len(state.blocks), "form": rec.batch.form, "source": "engine KV events"}
-            elsewhere = {h for s in tiers.values() for h in s.blocks}
-            frames.append(maker.frame(state, n, title, capped(notes), meta, elsewhere))
+            frames.append(maker.frame(state, n, title, capped(notes), meta, held_in))
         others = [f"rank {k[0]} {k[1]} group {k[2]}" for k in self.caches() if k != key]
         first = [f"{len(mine)} batches of {label}"] + (
             [f"this stream also has {', '.join(others)} (frames(rank=..., medium=..., group=...))"] if others else [])
