@@ -11,15 +11,10 @@ import torch
 from ..caches.layers.preallocated_layer import PreallocatedLayer
 from ..caches.strategies.preallocated import PreallocatedCache
 from .code_check import CodeExercise
-from .verdict import Verdict
+from .tiny import tiny
 
 PROMPT = [5, 17, 42, 9, 100, 33, 61, 7]  # token ids of the packaged tiny model
 STEPS = 6
-
-
-def _tiny():
-    from ..formats.loading import load
-    return load("tiny")
 
 
 def cache_class(layer_cls: type) -> type:
@@ -46,12 +41,6 @@ def _watch(layer_cls: type):
             return out
 
     return Probe, lambda: _window_hint(seen)
-
-
-def check_layer(exercise: str, layer_cls) -> Verdict:
-    """``layer_cls`` through 02.2's doctor run (kept for callers of the first code exercise's check)."""
-    from .code_check import check_code
-    return check_code(exercise, layer_cls)
 
 
 def _probe(model, layer_cls) -> str:
@@ -98,7 +87,7 @@ def _window_hint(seen: list[tuple[int, int, int]]) -> str:
 
 
 EXERCISE = CodeExercise(
-    base=PreallocatedLayer, task="that writes its own write()", model=_tiny,
+    base=PreallocatedLayer, task="that writes its own write()", model=tiny,
     cache=lambda model, cls: cache_class(cls)(model.config, max_seq_len=64), prompt=PROMPT, steps=STEPS,
     probes=(_probe,), watch=_watch, probe_on_error=False,
     fallback="Hint: the slots hold the right keys; compare what your write returns with narrow(2, 0, past_len + "

@@ -7,13 +7,13 @@ from ..layer_check import EXERCISE as PREALLOCATED_WRITE
 
 from ...caches.layers.preallocated_layer import PreallocatedLayer
 from ...caches.memory import kv_bytes
+from ..tiny import tiny
 
 POSITIONS = 256
 
 
 def _config():
-    from ...formats.loading import load
-    return load("tiny").config
+    return tiny().config
 
 
 def _bytes(keys_and_values: int = 2, layers: int | None = None, heads: int | None = None, size: int = 4) -> int:

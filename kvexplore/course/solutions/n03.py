@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 PROMPT, STEPS = 8, 24
 
@@ -10,10 +11,9 @@ PROMPT, STEPS = 8, 24
 def _fed(kind: str) -> int:
     """Tokens fed by every forward pass of a prefill and STEPS decode steps of the tiny model, through ``kind``."""
     from ...caches.factory import make_cache
-    from ...formats.loading import load
     from ...runtime.generator import Generator
 
-    model = load("tiny")
+    model = tiny()
     gen = Generator(model, make_cache(kind, model, max_seq_len=PROMPT + STEPS + 8))
     records = [gen.prefill(list(range(5, 5 + PROMPT)))] + gen.run(STEPS, stop_at_eos=False)
     return sum(r.input_len for r in records)

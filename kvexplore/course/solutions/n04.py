@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 PROMPT, STEPS = 8, 10
 
@@ -10,10 +11,9 @@ PROMPT, STEPS = 8, 10
 def _records(kind: str = "concat"):
     """The memory reports of STEPS decode steps of the tiny model after an 8-token prompt, through ``kind``."""
     from ...caches.factory import make_cache
-    from ...formats.loading import load
     from ...runtime.generator import Generator
 
-    model = load("tiny")
+    model = tiny()
     gen = Generator(model, make_cache(kind, model, max_seq_len=64))
     gen.prefill(list(range(5, 5 + PROMPT)))
     return [r.memory for r in gen.run(STEPS, stop_at_eos=False)]
@@ -22,13 +22,11 @@ def _records(kind: str = "concat"):
 def _position() -> int:
     """Bytes of one position of the tiny model's cache (every layer, keys and values, float32)."""
     from ...caches.memory import kv_bytes
-    from ...formats.loading import load
-    return kv_bytes(load("tiny").config, 1)
+    return kv_bytes(tiny().config, 1)
 
 
 def _layers() -> int:
-    from ...formats.loading import load
-    return load("tiny").config.num_layers
+    return tiny().config.num_layers
 
 
 EXERCISES = [

@@ -7,15 +7,15 @@ import torch
 
 from ..code_check import CodeExercise, ForkCheck, PageTableExercise, paged_cache
 from ..exercise import Exercise
+from ..tiny import tiny
 
 BLOCK, PROMPT = 16, 40
 
 
 def _pages() -> int:
     from ...caches.factory import make_cache
-    from ...formats.loading import load
 
-    model = load("tiny")
+    model = tiny()
     cache = make_cache("paged", model, max_seq_len=64, block_size=BLOCK, num_blocks=16)
     with torch.no_grad():
         model(torch.tensor([list(range(5, 5 + PROMPT))]), cache, 0)
@@ -43,11 +43,6 @@ HINTS = {"05.1": "count the pages of the prompt (blocks of 16), then follow the 
 
 
 # 05.2 (code): the page table's make_room, through the doctor and through a fork (code_check.py)
-
-def _tiny():
-    from ...formats.loading import load
-    return load("tiny")
-
 
 PAGE = 4  # positions per page in 05.2: the tiny model's 8-token prompt fills two pages, a fork of 6 shares a half one
 
@@ -103,7 +98,7 @@ EXERCISES.append(Exercise("05.2", "layer", "Write the page table's make_room(tab
                                            "the last page if another sequence shares it and the write continues it "
                                            "(copy-on-write), then take a page for every new block the write reaches."))
 CODE = {"05.2": CodeExercise(
-    base=PageTableExercise, task="that writes make_room(table, pos, q_len)", model=_tiny, cache=_paged,
+    base=PageTableExercise, task="that writes make_room(table, pos, q_len)", model=tiny, cache=_paged,
     prompt=[5, 17, 42, 9, 100, 33, 61, 7], steps=6, probes=(_pages_per_block, _fork_pages), audit=True,
     fork=ForkCheck(prompt=[5, 17, 42, 9, 100, 33], first=[7, 9, 11, 13], second=[8, 10, 12, 14]),
     fallback="Hint: follow one write: is the last page shared (pool.refcount) and partly filled (pos % block_size)? "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 SINKS, WINDOW, PROMPT, STEPS = 4, 28, 57, 8
 LENGTH = PROMPT + STEPS  # positions written: the prompt, then one a decode step
@@ -11,10 +12,9 @@ LENGTH = PROMPT + STEPS  # positions written: the prompt, then one a decode step
 def _held() -> list[int]:
     """The positions layer 0 of a sink cache holds after a 57-token prompt and 8 decode steps of the tiny model."""
     from ...caches.factory import make_cache
-    from ...formats.loading import load
     from ...runtime.generator import Generator
 
-    model = load("tiny")
+    model = tiny()
     cache = make_cache("sink", model, sinks=SINKS, window=WINDOW)
     gen = Generator(model, cache)
     gen.prefill(list(range(5, 5 + PROMPT)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..exercise import Exercise
 
 from ...caches.strategies.preallocated import PreallocatedCache
+from ..tiny import tiny
 
 PROMPT = 10
 
@@ -22,9 +23,8 @@ class OffByOneWrite(PreallocatedCache):
 
 def _first_position() -> int:
     from ...diagnosis.run import doctor
-    from ...formats.loading import load
 
-    model = load("tiny")
+    model = tiny()
     report = doctor(model, prompt=list(range(5, 5 + PROMPT)), steps=4,
                     cache=OffByOneWrite(model.config, max_seq_len=32))
     return report.position

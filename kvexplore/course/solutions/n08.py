@@ -8,6 +8,7 @@ import torch
 
 from ..code_check import CodeExercise, RingLayerExercise, ring_cache
 from ..exercise import Exercise
+from ..tiny import tiny
 
 WINDOW = 4
 PROMPT = [5, 17, 42, 9, 100, 33, 61, 7]  # longer than the window: the prefill already wraps the ring
@@ -18,10 +19,9 @@ def _hybrid():
     """A Gemma 3 style model with random weights (fixed seed): layers 0-2 slide a window of 4, layer 3 is full."""
     import dataclasses
 
-    from ...formats.loading import load
     from ...models.model import Model
 
-    config = dataclasses.replace(load("tiny").config, architecture="Gemma3ForCausalLM", num_layers=4, hidden_size=64,
+    config = dataclasses.replace(tiny().config, architecture="Gemma3ForCausalLM", num_layers=4, hidden_size=64,
                                  intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
                                  norm_style="gemma", sandwich_norms=True, embed_scale=True,
                                  hidden_act="gelu_pytorch_tanh", sliding_window=WINDOW,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 CONTEXT, RATIO, SLOTS = 90, 0.75, 128
 
@@ -12,9 +13,8 @@ def _cache(storage: str = "compact"):
     import torch
 
     from ...caches.factory import make_cache
-    from ...formats.loading import load
 
-    model = load("tiny")
+    model = tiny()
     cache = make_cache("evict", model, max_seq_len=SLOTS, press="knorm", compression_ratio=RATIO, storage=storage)
     with torch.no_grad():
         model(torch.tensor([list(range(5, 5 + CONTEXT))]), cache, 0, last_only=True)
@@ -28,8 +28,7 @@ def _kept() -> int:
 
 def _position() -> int:
     from ...caches.memory import kv_bytes
-    from ...formats.loading import load
-    return kv_bytes(load("tiny").config, 1)
+    return kv_bytes(tiny().config, 1)
 
 
 EXERCISES = [

@@ -5,13 +5,9 @@ from __future__ import annotations
 from ..exercise import Exercise
 
 from ...speculation.drafters import Draft, Drafter
+from ..tiny import tiny
 
 HELD, K = 20, 4  # positions in the cache before the verification; drafted tokens
-
-
-def _tiny():
-    from ...formats.loading import load
-    return load("tiny")
 
 
 def _written() -> int:
@@ -20,7 +16,7 @@ def _written() -> int:
 
     from ...caches.factory import make_cache
 
-    model = _tiny()
+    model = tiny()
     cache = make_cache("preallocated", model, max_seq_len=64)
     with torch.no_grad():
         model(torch.tensor([list(range(5, 5 + HELD))]), cache, 0)
@@ -49,7 +45,7 @@ def _after_take_back() -> int:
     from ...caches.factory import make_cache
     from ...runtime.generator import Generator
 
-    model = _tiny()
+    model = tiny()
     prompt = list(range(5, 5 + HELD))
     plain = Generator(model, make_cache("preallocated", model, max_seq_len=64))
     plain.prefill(prompt)
@@ -65,7 +61,7 @@ def _after_take_back() -> int:
 
 def _position() -> int:
     from ...caches.memory import kv_bytes
-    return kv_bytes(_tiny().config, 1)
+    return kv_bytes(tiny().config, 1)
 
 
 EXERCISES = [
@@ -79,7 +75,7 @@ ANSWERS = {"12.1": _written, "12.2": _after_take_back}
 MISTAKES = {
     "12.1": [
         (lambda: K * _position(), "the pass feeds the newest token too (it is not in the cache yet): k + 1 positions."),
-        (lambda: (K + 1) * _position() // _tiny().config.num_layers, "every layer writes its own keys and values: "
+        (lambda: (K + 1) * _position() // tiny().config.num_layers, "every layer writes its own keys and values: "
                                                                       "count every layer."),
         (lambda: (K + 1) * _position() // 2, "a layer writes the values as well as the keys."),
         (lambda: (HELD + K + 1) * _position(), "only the fed positions are written: the cache's earlier positions "

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 BLOCK, SHARED = 16, 45
 
 
 def _hit() -> int:
-    from ...formats.loading import load
     from ...prefix.pool import PrefixPool
 
-    pool = PrefixPool(load("tiny"), num_blocks=16, block_size=BLOCK)
+    pool = PrefixPool(tiny(), num_blocks=16, block_size=BLOCK)
     first = list(range(5, 5 + 60))
     second = first[:SHARED] + [200 + t for t in range(15)]
     pool.serve(first, response=[5])

@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 POSITIONS = 256
 
 
-def _tiny():
-    from ...formats.loading import load
-    return load("tiny")
-
-
 def _cache(**options):
     from ...caches.factory import make_cache
-    return make_cache("quantized", _tiny(), max_seq_len=POSITIONS, **options)
+    return make_cache("quantized", tiny(), max_seq_len=POSITIONS, **options)
 
 
 def _value_count() -> int:
     """Numbers a cache of POSITIONS positions stores: every layer, keys and values."""
-    c = _tiny().config
+    c = tiny().config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * POSITIONS
 
 
 def _position() -> int:
     from ...caches.memory import kv_bytes
-    return kv_bytes(_tiny().config, 1)
+    return kv_bytes(tiny().config, 1)
 
 
 def _kivi_parts() -> dict[str, int]:

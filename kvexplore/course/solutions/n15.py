@@ -4,13 +4,9 @@ be."""
 from __future__ import annotations
 
 from ..exercise import Exercise
+from ..tiny import tiny
 
 PROMPT, BLOCK = 10, 8
-
-
-def _tiny():
-    from ...formats.loading import load
-    return load("tiny")
 
 
 def _late_slot() -> int:
@@ -20,7 +16,7 @@ def _late_slot() -> int:
     from ...bugs.decoding import LateCache
     from ...caches.strategies.preallocated import PreallocatedCache
 
-    model = _tiny()
+    model = tiny()
     late, fixed = LateCache(model.config, max_seq_len=32), PreallocatedCache(model.config, max_seq_len=32)
     with torch.no_grad():
         for cache in (late, fixed):
@@ -36,7 +32,7 @@ def _hit(planted: bool = True) -> int:
     from ...bugs.prefix import TokensOnlyPool
     from ...prefix.pool import PrefixPool
 
-    pool = (TokensOnlyPool if planted else PrefixPool)(_tiny(), num_blocks=32, block_size=BLOCK)
+    pool = (TokensOnlyPool if planted else PrefixPool)(tiny(), num_blocks=32, block_size=BLOCK)
     first = list(range(5, 5 + 27))
     second = first[BLOCK:] + [200, 201]  # starts with the first's second block: 21 tokens
     pool.serve(first, response=[5])
