@@ -122,10 +122,9 @@ def app_explorer(environ: Mapping[str, str] | None = None) -> Any:
     explorer cannot be built, an HTML box on the page naming the problem and the fix."""
     import ipywidgets as W
 
+    from . import app_link
     from .controls import error_html
     from .widget import Explorer
-
-    from . import app_link
 
     environ = os.environ if environ is None else environ
     try:

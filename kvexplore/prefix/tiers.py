@@ -21,7 +21,6 @@ from ..core.settings import shown
 from ..errors import SettingsError
 
 GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"  # vLLM's medium names (vllm/v1/kv_offload/base.py Medium, and MEDIUM_GPU)
-MEDIA = (GPU, CPU, STORAGE)
 
 
 @dataclass(frozen=True)
