@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 from ..caches.factory import STRATEGIES
 from ..errors import KVExploreError
-from . import bugs, cache_options, kv_events
+from . import bugs, cache_options, course, kv_events
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, metavar="HTML")
     export.add_argument("--layer", type=int, default=0, help="the layer whose attention is drawn (default 0)")
     export.add_argument("--head", type=int, default=0, help="the query head whose attention is drawn (default 0)")
+    export.add_argument("--pick", action="append", default=[], metavar="LAYER,HEAD", type=_pick,
+                        help="one more layer and head the page can switch to (and a link can name: "
+                             "#layer=3&head=1); repeat for more")
     export.add_argument("--title", default=None)
     diff = sub.add_parser("diff", help="compare two recorded runs of one prompt: where do they part? (exit 0: they "
                                        "agree, 1: they part, 2: bad input)")
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--no-browser", action="store_true", help="do not open a browser")
     kv_events.add_parser(sub, _Parser)
     bugs.add_parser(sub, _Parser)
+    course.add_parser(sub, _Parser)
     return parser
 
 
@@ -233,6 +237,14 @@ def _generate(args: argparse.Namespace) -> None:
         out.write(f"trace saved to {gen.history.save(args.save_trace)}\n")
 
 
+def _pick(text: str) -> tuple[int, int]:
+    """``--pick 3,1``: a layer and a query head."""
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: write a layer and a head, as 3,1")
+    return int(parts[0]), int(parts[1])
+
+
 def _export(args: argparse.Namespace) -> None:
     from ..views.page import save_html
     from ..trace.files import load_trace
@@ -242,7 +254,7 @@ def _export(args: argparse.Namespace) -> None:
         run = load_trace(path)
         name = run.meta.get("kind") or path
         runs[name if name not in runs else f"{name} ({path})"] = run
-    print(save_html(runs, args.output, layer=args.layer, head=args.head, title=args.title))
+    print(save_html(runs, args.output, layer=args.layer, head=args.head, title=args.title, picks=args.pick))
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -315,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return kv_events.run(args)
         elif args.command == "bugs":
             return bugs.run(args)
+        elif args.command == "course":
+            return course.run(args)
         elif args.command == "lab":
             from .launch import lab
 

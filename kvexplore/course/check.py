@@ -11,28 +11,41 @@ from .catalogue import exercise as find
 from .verdict import Verdict
 
 
-def check(exercise: str, answer=None) -> Verdict:
-    """Check ``answer`` to ``exercise`` (``"02.1"``): a number for a compute exercise, your class for a code one.
+def check(exercise: str, answer=None, explorer=None) -> Verdict:
+    """Check ``answer`` to ``exercise`` (``"02.1"``): a number for a compute exercise, your class for a code one, your
+    prediction for a predict-then-see one (with ``explorer``, opened by ``course.explorer(exercise)`` and stepped).
     ``None``: not answered yet (what a notebook's exercise cell gives before you fill it in)."""
     from . import solutions
 
     ex = find(exercise)
+    if ex.answer_is == "predict":
+        from .predict import check_prediction
+
+        return check_prediction(ex.id, answer, explorer)
+    if explorer is not None:
+        raise SettingsError(f"{ex.id} is not a predict-then-see exercise: check it without an explorer, "
+                            f"course.check({ex.id!r}, answer)")
     if answer is None or answer is ...:
         return Verdict(ex.id, False, f"{ex.question} Put your answer in place of None and run the cell again.",
                        answered=False)
     if ex.answer_is == "layer":
         from .code_check import check_code  # every code exercise: its solutions module's CODE[id] says how
         return check_code(ex.id, answer)
-    if isinstance(answer, bool) or not isinstance(answer, Real) or not math.isfinite(answer):
-        raise SettingsError(f"{ex.id} asks for a number ({ex.unit or 'a count'}), got {answer!r}")
+    number(ex, answer)
     right = solutions.answer(ex.id)
-    if _close(answer, right, ex.tolerance):
+    if same(answer, right, ex.tolerance):
         return Verdict(ex.id, True, f"{answer:,} {ex.unit}".strip() + " is right.")
     for value, hint in solutions.mistakes(ex.id):
-        if _close(answer, value, ex.tolerance):
+        if same(answer, value, ex.tolerance):
             return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {hint}")
     return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {solutions.general_hint(ex.id)}")
 
 
-def _close(a: float, b: float, tolerance: float) -> bool:
+def number(ex, answer) -> None:
+    """Refuse an answer that is not a finite number (a string, a bool, NaN), naming what the exercise counts."""
+    if isinstance(answer, bool) or not isinstance(answer, Real) or not math.isfinite(answer):
+        raise SettingsError(f"{ex.id} asks for a number ({ex.unit or 'a count'}), got {answer!r}")
+
+
+def same(a: float, b: float, tolerance: float) -> bool:
     return a == b if tolerance == 0 else abs(a - b) <= tolerance * max(abs(b), 1e-12)

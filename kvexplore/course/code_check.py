@@ -10,7 +10,6 @@ each is the package's own class with the part the exercise asks for left to writ
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -55,8 +54,9 @@ class CodeExercise:
 
 
 def exercise_of(exercise: str) -> CodeExercise:
-    module = importlib.import_module(f"{__package__}.solutions.n{exercise.split('.')[0]}")
-    return module.CODE[exercise]
+    from . import solutions
+
+    return solutions.module(exercise).CODE[exercise]
 
 
 def check_code(exercise: str, cls) -> Verdict:

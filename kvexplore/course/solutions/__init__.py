@@ -17,29 +17,30 @@ def modules() -> list[ModuleType]:
     return [importlib.import_module(f"{__name__}.{name}") for name in names]
 
 
-def _module(exercise: str) -> ModuleType:
+def module(exercise: str) -> ModuleType:
+    """The module of the notebook ``exercise`` belongs to."""
     return importlib.import_module(f"{__name__}.n{exercise.split('.')[0]}")
 
 
 def answer(exercise: str) -> float:
-    return _module(exercise).ANSWERS[exercise]()
+    return module(exercise).ANSWERS[exercise]()
 
 
 def mistakes(exercise: str) -> list[tuple[float, str]]:
     """(the number a mistake gives, the hint that names the mistake) for each known mistake."""
-    return [(make(), hint) for make, hint in _module(exercise).MISTAKES.get(exercise, ())]
+    return [(make(), hint) for make, hint in module(exercise).MISTAKES.get(exercise, ())]
 
 
 def general_hint(exercise: str) -> str:
-    return _module(exercise).HINTS[exercise]
+    return module(exercise).HINTS[exercise]
 
 
 def reference(exercise: str) -> type:
     """The reference solution of a code exercise."""
-    return _module(exercise).REFERENCE[exercise]
+    return module(exercise).REFERENCE[exercise]
 
 
 def wrong(exercise: str) -> list[tuple[type, str]]:
     """Typical wrong solutions of a code exercise, each with words its verdict must contain."""
-    return _module(exercise).WRONG[exercise]
+    return module(exercise).WRONG[exercise]
 

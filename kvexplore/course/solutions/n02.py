@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..exercise import Exercise
+from ..exercise import Exercise, Moment
 from ..layer_check import EXERCISE as PREALLOCATED_WRITE
 
 from ...caches.layers.preallocated_layer import PreallocatedLayer
@@ -100,3 +100,33 @@ WRONG = {"02.2": [(OneSlotLate, "landed in slot 1: the write is 1 slot after its
                   (ReadsOnlyThePast, "the new ones included"),
                   (ReadsTheWholeBuffer, "never written for this sequence"),
                   (Swapped, "the keys buffer holds the values")]}
+
+
+# 02.3, predict then see: the slot the next Step writes, read from the cache map after it
+def _prealloc_explorer():
+    from ...explorer.widget import Explorer
+
+    ex = Explorer("tiny", strategies=("preallocated",), max_seq_len=32, prompt="Call me Ishmael.")
+    ex.run(3)
+    return ex
+
+
+def _written(ex) -> int:
+    """The slot the last step's forward pass wrote (every layer writes the same one)."""
+    (slot,) = {e.write[0] for e in ex.lanes["preallocated"].last.trace.events}
+    return slot
+
+
+EXERCISES.append(Exercise("02.3", "predict", "The explorer prefilled its prompt and ran 3 steps on a pre-allocated "
+                                             "cache. Which slot will the next Step write?", unit="", ))
+MOMENTS = {"02.3": Moment(_prealloc_explorer, _written, lambda ex: ex.lanes["preallocated"].cache.length,
+                          "the cache map: the slot marked written, in every layer")}
+MISTAKES["02.3"] = [
+    (lambda ex: _written(ex) + 1, "a Step writes the keys and values of the token it feeds, the one the previous "
+                                  "Step chose; the token it chooses now is written by the Step after."),
+    (lambda ex: _written(ex) - 1, "that slot already holds the last token fed: slots count from 0, so a cache "
+                                  "holding L positions writes slot L next."),
+    (lambda ex: len(ex.lanes["preallocated"].history) - 1, "positions count the prompt's tokens too: the prefill "
+                                                           "wrote slots 0 to the prompt's length - 1."),
+]
+HINTS["02.3"] = "count the slots already written in the cache map (from 0): the next Step writes the first free one."

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..code_check import CodeExercise, ForkCheck, PageTableExercise, paged_cache
-from ..exercise import Exercise
+from ..exercise import Exercise, Moment
 from ..tiny import tiny
 
 BLOCK, PROMPT = 16, 40
@@ -159,3 +159,34 @@ WRONG = {"05.2": [(WritesIntoSharedPage, "in place while the other sequence stil
                   (FreesSharedPage, "a page freed while shared"),
                   (OneBlockShort, "an off-by-one in the block count"),
                   (TakesOnePageForAll, "a page taken twice")]}
+
+
+# 05.3, predict then see: the pages a fork still shares after both sequences write one token
+def _forked_explorer():
+    from ...explorer.widget import Explorer
+
+    ex = Explorer("tiny", strategies=("paged",), max_seq_len=64, prompt="Call me Ishmael. Some years ago",
+                  strategy_options={"paged": {"block_size": 8}})
+    ex.prefill()
+    ex.fork()
+    return ex
+
+
+def _shared(ex) -> int:
+    """The pages of the paged lane's table that the fork holds too (a reference count above 1)."""
+    cache = ex.lanes["paged"].cache
+    return sum(cache.pool.refcount[p] > 1 for p in cache.block_tables[0])
+
+
+EXERCISES.append(Exercise("05.3", "predict", "The explorer prefilled a prompt on a paged cache (pages of 8 slots) and "
+                                             "forked it: both sequences share every page. After the next Step (each "
+                                             "writes one token), how many pages do they still share?", unit="pages"))
+MOMENTS = {"05.3": Moment(_forked_explorer, _shared, lambda ex: ex.lanes["paged"].cache.length // 8,
+                          "the cache map: the slots marked shared")}
+MISTAKES["05.3"] = [
+    (lambda ex: _shared(ex) + 1, "a write into a page both sequences hold copies the page first (copy-on-write): "
+                                 "the page the new position lands in is no longer shared."),
+    (lambda ex: 0, "only the page being written is copied: the full pages before it are read by both sequences and "
+                   "stay shared."),
+]
+HINTS["05.3"] = "find the page the next position lands in: which pages does a write leave as they are?"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..exercise import Exercise
+from ..exercise import Exercise, Moment
 from ..tiny import tiny
 
 SINKS, WINDOW, PROMPT, STEPS = 4, 28, 57, 8
@@ -53,3 +53,33 @@ HINTS = {
             "(cache.inspect.slot_view(0).positions lists them).",
     "06.2": "the window holds the most recent `window` positions: count back from the newest position written.",
 }
+
+
+# 06.3, predict then see: the position a sink cache evicts at the next Step
+def _sink_explorer():
+    from ...explorer.widget import Explorer
+
+    ex = Explorer("tiny", strategies=("sink",), max_seq_len=64, prompt="Call me Ishmael. Some years ago",
+                  strategy_options={"sink": {"sinks": 4, "window": 12}})
+    ex.run(10)
+    return ex
+
+
+def _evicted(ex) -> int:
+    (position,) = ex.lanes["sink"].cache.evicted_last_step
+    return position
+
+
+EXERCISES.append(Exercise("06.3", "predict", "The explorer's sink cache (sinks=4, window=12) is full and evicts one "
+                                             "position a Step. Which position will the next Step evict?"))
+MOMENTS = {"06.3": Moment(_sink_explorer, _evicted, lambda ex: ex.lanes["sink"].cache.length - 12,
+                          "the cache map: the slot marked evicted")}
+MISTAKES["06.3"] = [
+    (lambda ex: 0, "the first 4 positions are the attention sinks: they are never evicted."),
+    (lambda ex: _evicted(ex) - 1, "that one left the window at the Step before: the window holds the newest 12 "
+                                  "positions, the new one included."),
+    (lambda ex: 4, "positions after the sinks have been leaving one a Step since the cache filled: the oldest still "
+                   "in the window leaves now."),
+    (lambda ex: _evicted(ex) + 1, "one off: the window's 12 positions include the one the Step writes."),
+]
+HINTS["06.3"] = "the window holds the newest 12 positions, the one the Step writes included: which falls out?"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..exercise import Exercise
+from ..exercise import Exercise, Moment
 from ..tiny import tiny
 
 CONTEXT, RATIO, SLOTS = 90, 0.75, 128
@@ -64,3 +64,40 @@ HINTS = {
     "11.2": "(positions kept + the storage's headroom slots) x the bytes of one position "
             "(kvexplore.kv_bytes(config, 1)); cache.inspect.reserved_bytes checks it.",
 }
+
+
+# 11.3, predict then see: the sawtooth of a press while decoding
+def _pressing_explorer():
+    from ...explorer.widget import Explorer
+
+    ex = Explorer("tiny", strategies=("evict",), max_seq_len=64, prompt="Call me Ishmael. Some years ago",
+                  strategy_options={"evict": {"press": "knorm", "kept_tokens": 8, "decode_every": 4}})
+    ex.run(3)
+    return ex
+
+
+def _held(ex) -> int:
+    (n,) = set(ex.lanes["evict"].cache.eviction.held_counts(0))  # a uniform budget: every head holds as many
+    return n
+
+
+def _next_held(ex) -> int:
+    """Worked out at the moment: one more position, unless the Step completes decode_every tokens since the last
+    press, which then cuts every head back to decode_target (what the prompt's press kept)."""
+    cache = ex.lanes["evict"].cache
+    since = cache.length - cache.eviction.press_events[-1].length
+    return 8 if since + 1 == 4 else _held(ex) + 1
+
+
+EXERCISES.append(Exercise("11.3", "predict", "The explorer's evict lane pressed its prompt down to 8 positions per "
+                                             "head (kept_tokens=8) and presses again every 4 decoded tokens "
+                                             "(decode_every=4) down to 8. It has decoded 3 tokens since. After the "
+                                             "next Step, how many positions does each head hold?", unit="positions"))
+MOMENTS = {"11.3": Moment(_pressing_explorer, _held, _next_held,
+                          "the eviction view: positions held over the steps")}
+MISTAKES["11.3"] = [
+    (lambda ex: 12, "the press runs every 4 decoded tokens: count the tokens since the last press."),
+    (lambda ex: 9, "the press runs after the Step writes its token: the new position is scored with the others, and "
+                   "8 are kept in all."),
+]
+HINTS["11.3"] = "follow the sawtooth in the eviction view: one more position a Step until the press cuts it back."
