@@ -236,13 +236,14 @@ class Explorer(Screen):
         return snapshot.take(self.session, self.token_strip, self.lane.name, self.side_by_side, self.layer, self.head,
                              zoom=self._zoom)
 
-    def save_html(self, path, title: str | None = None):
+    def save_html(self, path, title: str | None = None, picks: Sequence[Sequence[int]] | None = None):
         """Write the session so far as one self-contained HTML replay (every lane, the layer and head chosen now;
-        see :mod:`kvexplore.replay`: the same page, drawn by :mod:`kvexplore.views.page`). Returns the path."""
+        see :mod:`kvexplore.replay`: the same page, drawn by :mod:`kvexplore.views.page`). ``picks``: more (layer,
+        head) pairs the page can switch to after the one chosen now (``picks=[(3, 1)]``). Returns the path."""
         runs = self.session.runs()
         if not runs:
             raise StateError("nothing to save yet: prefill first (the Prefill button, or ex.step())")
-        return save_html(runs, path, layer=self.layer, head=self.head, title=title)
+        return save_html(runs, path, layer=self.layer, head=self.head, title=title, picks=picks)
 
     def specs(self, names: Sequence[str] | None = None) -> dict[str, FigureSpec]:
         """What each view draws now (default: every view; :meth:`shown` are the ones on screen)."""

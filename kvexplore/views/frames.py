@@ -120,28 +120,89 @@ def check_layer_head(config: Any, layer: int, head: int) -> None:
         raise SettingsError(f"head {head} does not exist: the model has query heads 0..{config.num_heads - 1}")
 
 
-def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0,
-           head: int = 0) -> tuple[list[dict], ArrayStore]:
+def pick_list(layer: int, head: int, picks: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
+    """The (layer, head) picks a replay holds: ``(layer, head)`` first (the one it opens at), then ``picks`` in their
+    order, each once."""
+    out = [(layer, head)]
+    for pick in picks or ():
+        try:
+            pair = tuple(pick)
+            ok = len(pair) == 2 and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in pair)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise SettingsError(f"picks: {pick!r} is not a (layer, head) pair of whole numbers; "
+                                f"write picks=[(3, 1), (5, 0)]")
+        pair = (int(pair[0]), int(pair[1]))
+        if pair not in out:
+            out.append(pair)
+    return out
+
+
+def pick_key(layer: int, head: int) -> str:
+    """How a frame names the figures of a pick other than the first (``frame["picks"]["3,1"]``)."""
+    return f"{layer},{head}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two figures' traces or layouts are the same (arrays by value, NaN equal to NaN)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
+            return False
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def _figures(runs: Mapping[str, Sequence[StepRecord]], step: int, layer: int, head: int, per_lane, per_run) -> dict:
+    snap = snapshot_at(runs, step, next(iter(runs)), layer, head)
+    figs = {}
+    for name in runs:
+        shown = dataclasses.replace(snap, shown=name)
+        for view in per_lane:
+            if view.drawn_for(runs[name]):
+                figs[f"{view.name}:{name}"] = view.build(shown)
+    whole = dataclasses.replace(snap, shown=list(runs)[-1])
+    for view in per_run:
+        figs[view.name] = view.build(whole)
+    return figs
+
+
+def frames(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0,
+           picks: Sequence[Sequence[int]] | None = None) -> tuple[list[dict], ArrayStore]:
     """Every step's figures (``"<view>:<lane>"`` for a view drawn per lane, ``"<view>"`` for a view of the whole
-    run) and how many generated tokens each lane's strip shows."""
-    check_picks(runs, layer, head)
+    run) and how many generated tokens each lane's strip shows.
+
+    ``figures`` are drawn at ``(layer, head)``. With ``picks`` (more (layer, head) pairs, see :func:`pick_list`) a
+    frame also has ``picks``: for each other pick (:func:`pick_key`), only the figures that differ from the first
+    pick's at that step (the attention, press scores and eviction of that layer and head; the memory lines, which no
+    layer or head changes, are stored once)."""
+    chosen = pick_list(layer, head, picks)
+    for pick in chosen:
+        check_picks(runs, *pick)
     per_lane, per_run = replayed(runs)
     steps = max(len(r) for r in runs.values())
     store = ArrayStore()
     out: list[dict | None] = [None] * steps
     for step in reversed(range(steps)):  # last first: earlier arrays are prefixes of later ones
-        snap = snapshot_at(runs, step, next(iter(runs)), layer, head)
-        figs = {}
-        for name in runs:
-            shown = dataclasses.replace(snap, shown=name)
-            for view in per_lane:
-                if view.drawn_for(runs[name]):
-                    figs[f"{view.name}:{name}"] = view.build(shown)
-        whole = dataclasses.replace(snap, shown=list(runs)[-1])
-        for view in per_run:
-            figs[view.name] = view.build(whole)
+        figs = _figures(runs, step, layer, head, per_lane, per_run)
         out[step] = {"step": step,
                      "figures": {key: store.encode({"data": f.traces, "layout": f.layout}, key)
                                  for key, f in figs.items()},
                      "tokens": {name: min(step, len(run) - 1) + 1 for name, run in runs.items()}}
+        if len(chosen) > 1:
+            other: dict[str, dict] = {}
+            for pick in chosen[1:]:
+                key = pick_key(*pick)
+                other[key] = {name: store.encode({"data": f.traces, "layout": f.layout}, f"{name}@{key}")
+                              for name, f in _figures(runs, step, *pick, per_lane, per_run).items()
+                              if name not in figs or not (_same(f.traces, figs[name].traces)
+                                                          and _same(f.layout, figs[name].layout))}
+            out[step]["picks"] = other  # type: ignore[index]
     return out, store  # type: ignore[return-value]

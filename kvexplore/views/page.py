@@ -21,22 +21,27 @@ from ..errors import missing_extra
 from ..trace.files import register_html_writer
 from ..trace.records import StepRecord
 from . import tokens
-from .frames import frames, model_info, texts
+from .frames import frames, model_info, pick_list, texts
 from .player import FRAGMENT, PLAYER
-from .registry import replayed
+from .registry import TABS, replayed
 
 
 def fragment(runs: Mapping[str, Sequence[StepRecord]], layer: int = 0, head: int = 0, title: str | None = None,
-             marks: Mapping[int, str] | None = None, plotly: bool = True, side_by_side: bool = False) -> str:
+             marks: Mapping[int, str] | None = None, plotly: bool = True, side_by_side: bool = False,
+             picks: Sequence[Sequence[int]] | None = None) -> str:
     """The replay as one HTML element (its data, its player and, with ``plotly``, plotly.js), to put in a page:
     :func:`save_html` wraps it in a document; a notebook's static copy of an explorer embeds it. Without ``plotly``
     it waits for another fragment on the page to bring plotly.js. ``side_by_side``: the lanes in columns (each
-    lane's figures one above the other), as ``kvexplore diff --html`` shows two runs."""
-    all_frames, store = frames(runs, layer, head)
+    lane's figures one above the other), as ``kvexplore diff --html`` shows two runs. ``picks``: more (layer, head)
+    pairs the page can switch to (a selector), after ``(layer, head)``, which it opens at."""
+    all_frames, store = frames(runs, layer, head, picks)
     config = model_info(next(iter(runs.values())))
     per_lane, per_run = replayed(runs)
     meta = {"title": title or f"kvexplore replay · {config.name or 'model'} · {', '.join(runs)}",
             "lanes": list(runs), "layer": layer, "head": head, "steps": len(all_frames),
+            "picks": [list(p) for p in pick_list(layer, head, picks)],
+            "model": {"layers": config.num_layers, "heads": config.num_heads},
+            "tabs": list(TABS),  # the app's tab names (a link's tab=), with or without a figure here
             "views": {"lane": [v.name for v in per_lane], "run": [v.name for v in per_run]},
             "marks": {str(k): v for k, v in (marks or {}).items()},
             "prompt": {name: tokens.prompt_spans(texts(run, -1)) for name, run in runs.items()},
@@ -75,11 +80,14 @@ def document(body: str, title: str) -> str:
 
 
 def save_html(runs: Mapping[str, Sequence[StepRecord]], path: str | Path, layer: int = 0, head: int = 0,
-              title: str | None = None, marks: Mapping[int, str] | None = None, side_by_side: bool = False) -> Path:
+              title: str | None = None, marks: Mapping[int, str] | None = None, side_by_side: bool = False,
+              picks: Sequence[Sequence[int]] | None = None) -> Path:
     """Write the replay of ``runs`` (lane name -> records, as ``Explorer`` or ``load_trace`` give them) to ``path``.
-    ``marks``: step -> a note shown at that step (the diff marks where two runs part)."""
+    ``marks``: step -> a note shown at that step (the diff marks where two runs part). ``picks``: more (layer, head)
+    pairs to hold besides ``(layer, head)`` (``picks=[(3, 1)]``), picked with a selector on the page and by a link
+    (``page.html#step=37&layer=3&head=1&tab=attention``); only the figures a pick changes are stored again."""
     path = Path(path)
-    body = fragment(runs, layer, head, title, marks, side_by_side=side_by_side)
+    body = fragment(runs, layer, head, title, marks, side_by_side=side_by_side, picks=picks)
     path.write_text(document(body, title or "kvexplore replay"), encoding="utf-8")
     return path
 
