@@ -121,16 +121,19 @@ class History(MutableSequence):
         """Write the records and their traces to ``path`` (read back with :func:`kvexplore.load_trace`)."""
         return save_trace(self, path)
 
-    def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None) -> Path:
-        """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`)."""
+    def save_html(self, path: str | Path, layer: int = 0, head: int = 0, title: str | None = None,
+                  picks=None) -> Path:
+        """Write a self-contained HTML replay of this run (see :func:`kvexplore.replay.save_html`; ``picks``: more
+        (layer, head) pairs the page can switch to)."""
         if _html_writer is None:
             import_module("kvexplore.replay")  # the drawing layer registers its writer (loaded on first use)
         if _html_writer is None:
             raise StateError("no HTML writer is registered: import kvexplore.replay first")
-        return _html_writer({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title)
+        return _html_writer({self.meta.get("kind", "run"): self}, path, layer=layer, head=head, title=title,
+                            picks=picks)
 
 
-HtmlWriter = Callable[..., Path]  # (runs: lane name -> records, path, layer=, head=, title=) -> the path written
+HtmlWriter = Callable[..., Path]  # (runs: lane name -> records, path, layer=, head=, title=, picks=) -> the path
 _html_writer: HtmlWriter | None = None
 
 

@@ -1,7 +1,7 @@
 """A replay holding several (layer, head) picks, as its page carries them: the first pick's figures in every frame,
 and for each other pick only the figures that pick changes (the attention; the cache map and memory lines are the
 same at every layer and head), which are the figures the views draw at that pick. The picks travel through
-``save_html``, an explorer's ``save_html`` and ``kvexplore export --pick``; a pick the model lacks is refused."""
+``save_html``, an explorer's and a run's ``save_html`` and ``kvexplore export --pick``; a pick the model lacks is refused."""
 
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ def test_the_explorer_and_the_export_command_take_picks(trained, runs, tmp_path,
     ex.controls["layer"].value, ex.controls["head"].value = 2, 5
     meta = packed(ex.save_html(tmp_path / "ex.html", picks=[(4, 0)]))["meta"]
     assert meta["picks"] == [[2, 5], [4, 0]]  # the explorer's layer and head first
+    own = packed(runs["preallocated"].save_html(tmp_path / "h.html", layer=1, head=2, picks=[(4, 0)]))["meta"]
+    assert own["picks"] == [[1, 2], [4, 0]]  # a run's own History.save_html takes them too
     trace = runs["paged"].save(tmp_path / "r.kvtrace")
     assert cli.main(["export", str(trace), "-o", str(tmp_path / "x.html"), "--pick", "3,1", "--pick", "5,7"]) == 0
     assert packed(tmp_path / "x.html")["meta"]["picks"] == [[0, 0], [3, 1], [5, 7]]
