@@ -1,4 +1,5 @@
-"""Notebook 08 (caches of today's models, layer by layer): the ring of a sliding-window layer."""
+"""Notebook 08 (caches of today's models, layer by layer): the ring of a sliding-window layer, and the bytes a real
+hybrid's cache holds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,31 @@ from ..tiny import tiny
 
 WINDOW = 4
 PROMPT = [5, 17, 42, 9, 100, 33, 61, 7]  # longer than the window: the prefill already wraps the ring
+GEMMA_TOKENS = 6000  # 08.2: one sequence of Gemma 3 1B, in bfloat16
+
+
+def _gemma3_1b(full_every: int | None = None, **changes):
+    """Gemma 3 1B's config as notebook 08's section 1 builds it (google/gemma-3-1b-pt/config.json): every 6th layer
+    full (transformers' rule, (i + 1) % 6 == 0), the others sliding over 512 positions. ``full_every``: a wrong rule,
+    i % 6 == 0."""
+    import dataclasses
+
+    from ...config.model_config import ModelConfig
+
+    n = 26
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    if full_every is not None:
+        types = ["full_attention" if i % full_every == 0 else "sliding_attention" for i in range(n)]
+    config = ModelConfig(architecture="Gemma3ForCausalLM", hidden_size=1152, intermediate_size=6912, num_layers=n,
+                         num_heads=4, num_kv_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+                         sliding_window=512, layer_types=types)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _gemma_bytes(config=None, dtype=None) -> int:
+    from ...caches.memory import kv_bytes
+
+    return kv_bytes(_gemma3_1b() if config is None else config, GEMMA_TOKENS, 1, dtype or torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,7 +117,24 @@ EXERCISES = [
     Exercise("08.1", "layer", "Write a sliding layer's ring: slot(p), the slot of a ring of `window` slots that "
                               "position p is written to, and reads(q, pos), the slots a query at q reads from the "
                               "ring in a step starting at pos."),
+    Exercise("08.2", "number", "How many bytes does Gemma 3 1B's cache (section 1's config: 26 layers, "
+                               "gemma_types(26, 6), sliding_window=512, 1 KV head of 256) hold for one sequence of "
+                               "6,000 tokens in bfloat16?", unit="bytes"),
 ]
+ANSWERS = {"08.2": _gemma_bytes}
+MISTAKES = {"08.2": [
+    (lambda: _gemma_bytes(_gemma3_1b(layer_types=["full_attention"] * 26, sliding_window=None)),
+     "a sliding layer keeps a ring of its window, not every position: past 512 tokens it stops growing."),
+    (lambda: _gemma_bytes(_gemma3_1b(full_every=6)), "transformers' rule makes layer i full when (i + 1) % 6 == 0: "
+                                                     "the first layer slides, and 26 layers have 4 full ones."),
+    (lambda: _gemma_bytes(dtype=torch.float32), "bfloat16 takes 2 bytes a value, not 4."),
+    (lambda: _gemma_bytes(_gemma3_1b(layer_types=["full_attention"] * 4, num_layers=4)),
+     "the sliding layers hold keys and values too: their window of positions each."),
+    (lambda: _gemma_bytes(_gemma3_1b(num_kv_heads=4)), "count the KV heads (num_kv_heads=1), not the query heads."),
+]}
+HINTS = {"08.2": "per layer, 2 (K and V) x kv_heads x head_dim x 2 bytes a position; a full layer holds all 6,000 "
+                 "positions, a sliding one at most its window (kvexplore.kv_bytes does the sum, or section 1's "
+                 "by_hand)."}
 CODE = {"08.1": CodeExercise(
     base=RingLayerExercise, task="that writes slot(p) and reads(q, pos)", model=_hybrid, cache=_cache,
     prompt=PROMPT, steps=6, model_name="a Gemma 3 style model with a window of 4",
