@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--save-trace", default=None, metavar="PATH",
                      help="record the run (cache, attention, q/k/v, memory) and save it to PATH (.kvtrace), for "
                           "kvexplore export and kvexplore diff")
+    gen.add_argument("--tp", type=_positive, default=None, metavar="N",
+                     help="split the model over N tensor-parallel ranks (processes on this machine, or those "
+                          "torchrun started) and print each rank's cache bytes")
     export = sub.add_parser("export", help="write a self-contained HTML replay of recorded runs (no kernel, no "
                                            "network)")
     export.add_argument("traces", nargs="+", metavar="TRACE", help="one or more .kvtrace files (one lane each)")
@@ -170,6 +173,11 @@ def _generate(args: argparse.Namespace) -> None:
     from ..caches.memory import kv_bytes
 
     options = cache_options.given(args)  # checked before the model loads
+    if args.tp:
+        from . import distributed
+
+        run = distributed.generate_as_rank if distributed.launched_by_torchrun() else distributed.generate
+        return run(args, options)
     model = load(args.source, dtype=args.dtype, device=args.device)
     if model.tokenizer is None:
         raise KVExploreError(f"{args.source} has no tokenizer (tokenizer.model or tokenizer.json); "

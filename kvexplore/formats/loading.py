@@ -47,12 +47,7 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
     both are exact. ``accept_license``: a named model under terms to accept (``"gemma3-270m"``) is downloaded only with
     ``True``, the first time."""
     choice(mla, "mla", ("absorbed", "decompressed"))
-    if not isinstance(source, (str, Path)):
-        raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
-                            f"{type(source).__name__}")
-    path = Path(source).expanduser()
-    if isinstance(source, str) and source in MODELS and not path.exists():
-        path = fetch(source, accept_license=accept_license)
+    path = source_path(source, accept_license)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     if path.suffix == ".gguf":
@@ -67,13 +62,50 @@ def load(source: str | Path, dtype: str | torch.dtype | None = None,
         tokenizer = Tokenizer.from_folder(path, config)
         tensors = load_weights(path, config, dtype)
     else:
-        raise (MissingFileError if not path.exists() else LoadError)(
-            f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
-            f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) "
-            f"or a GGUF file")
+        raise _not_a_model(source, path)
     if not allow_nonfinite:
         check_finite(tensors, str(path))
     return assemble(config, tensors, tokenizer, device, str(path))
+
+
+def source_path(source: str | Path, accept_license: bool = False) -> Path:
+    """The file or folder a named model, a folder or a ``.gguf`` path loads from (a named model fetched first)."""
+    if not isinstance(source, (str, Path)):
+        raise SettingsError(f"model source must be a name, a folder or a .gguf path (str or Path), got "
+                            f"{type(source).__name__}")
+    path = Path(source).expanduser()
+    if isinstance(source, str) and source in MODELS and not path.exists():
+        path = fetch(source, accept_license=accept_license)
+    return path
+
+
+def load_config(source: str | Path, mla: str = "absorbed") -> ModelConfig:
+    """The config of what :func:`load` would load from ``source``, without its weights."""
+    path = source_path(source)
+    if path.suffix == ".gguf":
+        from .gguf_file import GGUFFile
+
+        return GGUFFile(path).config()
+    if path.is_dir():
+        return ModelConfig.from_file(path / "config.json", mla=mla)
+    raise _not_a_model(source, path)
+
+
+def load_tokenizer(source: str | Path) -> Tokenizer | None:
+    """The tokenizer :func:`load` would give the model of ``source`` (None: the model has none), without its
+    weights."""
+    path, config = source_path(source), load_config(source)
+    if path.suffix == ".gguf":
+        from .gguf_file import GGUFFile
+
+        return GGUFFile(path).tokenizer(config)
+    return Tokenizer.from_folder(path, config)
+
+
+def _not_a_model(source: str | Path, path: Path) -> Exception:
+    return (MissingFileError if not path.exists() else LoadError)(
+        f"model source {str(source)!r} is not a named model, a folder or a .gguf file; give one of "
+        f"{', '.join(MODELS)}, a Hugging Face style model folder (config.json + model.safetensors) or a GGUF file")
 
 
 def assemble(config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer | None,

@@ -16,21 +16,21 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvexplore"
 #: __init__ (the public API), which sits on top.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("fast",), ("runtime",),
-    ("hf", "prefix", "speculation", "compression"),
+    ("hf", "prefix", "speculation", "compression", "distributed"),
     ("diagnosis",), ("bugs",), ("course",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 #: the house by what it is for: the engine (what a decode needs), the labs (each standing on the engine), the screen
 #: (drawing, widgets, the command); docs/extending.md's table gives each folder's group
 GROUPS = {"engine": ("errors", "core", "config", "caches", "models", "formats", "trace", "fast", "runtime"),
-          "labs": ("hf", "prefix", "speculation", "compression", "diagnosis", "bugs", "course"),
+          "labs": ("hf", "prefix", "speculation", "compression", "distributed", "diagnosis", "bugs", "course"),
           "screen": ("views", "explorer", "replay", "cli")}
 
 
 def folder_of(module: str) -> str:
     """``kvexplore.caches.base`` -> ``caches``; ``kvexplore.errors`` -> ``errors``; ``kvexplore`` -> ``kvexplore``."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "kvexplore"
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "kvexplore"  # python -m kvexplore: the top
 
 
 def module_name(path: Path) -> tuple[str, bool]:

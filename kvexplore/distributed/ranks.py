@@ -1,0 +1,205 @@
+"""``TensorParallel``: a model run over ``tp`` rank processes on this machine (each spawned, joined by
+``torch.distributed`` on a free loopback port, holding its shard and its own cache), driven from the calling process
+(a script, a notebook's kernel, the explorer) one forward pass at a time. The driver never joins the group: a rank
+that dies or hangs cannot hang it. Every command waits at most ``timeout_s``; a rank that exits or does not answer
+stops every rank and raises :class:`RankError` naming it. Closing the driver (``close()``, ``with``, garbage
+collection, the interpreter's exit) stops the ranks; a driver killed outright closes their pipes, which ends them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import KVExploreError, SettingsError
+from .reduce import Traffic
+from .worker import RankJob, main
+
+START_TIMEOUT_S = 120.0  # loading the model in every rank (a real model takes seconds each on 2 cores)
+
+
+class RankError(KVExploreError):
+    """A rank process died, hung or failed; every rank was stopped."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now (the group's meeting point)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(processes: list, conns: list) -> None:
+    for conn in conns:
+        try:
+            conn.send(("close",))
+        except (OSError, ValueError, BrokenPipeError):
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+    for conn in conns:
+        conn.close()
+
+
+class TensorParallel:
+    """``source`` (a named model or folder) split over ``tp`` ranks by tensor parallelism, each rank's cache of
+    strategy ``cache`` (its options as keywords). ``prefill(ids)`` and ``decode(token)`` give the float32 logits,
+    ``generate(prompt, n)`` greedy tokens, ``memory()`` each rank's bytes, ``traffic`` each rank's all-reduces."""
+
+    def __init__(self, source: str, tp: int, cache: str = "preallocated", max_seq_len: int = 256,
+                 dtype: str | None = None, timeout_s: float = 30.0, threads: int = 1, **cache_options: Any) -> None:
+        from ..formats.loading import load_config
+        from .split import check_splittable
+
+        self.config = load_config(source)
+        check_splittable(self.config, tp)  # refused here, before any process starts
+        self.source, self.tp, self.timeout_s = source, tp, timeout_s
+        self.cache_kind, self.cache_options = cache, dict(cache_options)
+        self.tokens: list[int] = []
+        self.traffic = [Traffic() for _ in range(tp)]
+        self.last_traffic = [Traffic() for _ in range(tp)]
+        port = free_port()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: safe from a notebook's kernel
+        self._conns, self.processes = [], []
+        for rank in range(tp):
+            here, there = ctx.Pipe()
+            job = RankJob(rank, tp, port, str(source), cache, dict(cache_options), max_seq_len, dtype, threads,
+                          timeout_s)
+            p = ctx.Process(target=main, args=(job, there), name=f"kvexplore rank {rank} of {tp}", daemon=True)
+            p.start()
+            there.close()
+            self._conns.append(here)
+            self.processes.append(p)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
+        self._memory = [a[0] for a in self._gather("start", START_TIMEOUT_S)]
+
+    # -- commands ----------------------------------------------------------------------------------------------
+    def _gather(self, command: str, timeout_s: float) -> list[tuple]:
+        """Every rank's answer to the command just sent (in rank order). Every rank refusing it alike (a full
+        cache, checked before any collective) raises that error and keeps the ranks; a rank that failed alone,
+        exited or did not answer within ``timeout_s`` stops them all (:class:`RankError`)."""
+        answers: list[tuple | None] = [None] * self.tp
+        deadline = time.monotonic() + timeout_s
+        while any(a is None for a in answers):
+            for rank, conn in enumerate(self._conns):
+                if answers[rank] is None and conn.poll(0.02):
+                    try:
+                        answers[rank] = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(f"rank {rank} of {self.tp} closed its pipe during {command!r}")
+            for rank, p in enumerate(self.processes):
+                if answers[rank] is None and not p.is_alive():
+                    self._fail(f"rank {rank} of {self.tp} stopped ({_exit(p.exitcode)}) during {command!r}")
+            if time.monotonic() > deadline:
+                late = [str(r) for r, a in enumerate(answers) if a is None]
+                self._fail(f"rank{'s' if len(late) > 1 else ''} {', '.join(late)} of {self.tp} did not answer "
+                           f"{command!r} within {timeout_s:g} s (a collective waits for every rank: one rank that "
+                           f"hangs holds up the rest)")
+        errors = {a[1] for a in answers if a[0] == "error"}
+        if len(errors) == 1 and all(a[0] == "error" for a in answers) and command != "start":
+            raise SettingsError(f"every rank refused {command!r}, and each kept its cache as it was: "
+                                f"{errors.pop()}")
+        for rank, a in enumerate(answers):
+            if a[0] == "error":
+                self._fail(f"rank {rank} of {self.tp} failed during {command!r}: {a[1]}", a[2])
+        return [a[1:] for a in answers]
+
+    def _fail(self, why: str, detail: str = "") -> None:
+        self.close()
+        raise RankError(f"{why}; every rank was stopped: start a new TensorParallel"
+                        + (f"\n{detail}" if detail else ""))
+
+    def _send(self, *command: Any) -> None:
+        if not self.alive:
+            raise RankError("the ranks were stopped (closed, or after a rank failed): start a new TensorParallel")
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(command)
+            except (OSError, BrokenPipeError):
+                self._fail(f"rank {rank} of {self.tp} is gone ({_exit(self.processes[rank].exitcode)})")
+
+    def forward(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` at the cache's length on every rank; the float32 logits ``(len(ids), vocab)``."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise SettingsError("forward needs at least one token id")
+        self._send("forward", ids)
+        answers = self._gather("forward", self.timeout_s)
+        for rank, (_, traffic, mem) in enumerate(answers):
+            self.last_traffic[rank] = traffic
+            t = self.traffic[rank]
+            t.calls, t.bytes, t.seconds = t.calls + traffic.calls, t.bytes + traffic.bytes, t.seconds + traffic.seconds
+            self._memory[rank] = mem
+        self.tokens += ids
+        return answers[0][0]
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The prompt's pass from position 0 (the caches emptied first)."""
+        if self.tokens:
+            self.truncate(0)
+        return self.forward(ids)
+
+    def decode(self, token: int) -> torch.Tensor:
+        """One token's pass; its logits ``(vocab,)``."""
+        return self.forward([token])[-1]
+
+    def truncate(self, n: int) -> None:
+        self._send("truncate", int(n))
+        self._memory = [a[0] for a in self._gather("truncate", self.timeout_s)]
+        del self.tokens[n:]
+
+    def generate(self, prompt: Sequence[int], n: int) -> list[int]:
+        """``n`` greedy tokens after ``prompt`` (every rank computes the same logits; rank 0's choose)."""
+        out = [int(self.prefill(prompt)[-1].argmax())]
+        while len(out) < n:
+            out.append(int(self.decode(out[-1]).argmax()))
+        return out
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Each rank's cache bytes after the last command: ``held_bytes`` (its report), ``reachable_bytes`` (every
+        tensor storage reachable from its cache, counted apart), its KV heads and how many ranks hold each."""
+        return [dict(m) for m in self._memory]
+
+    def describe(self) -> str:
+        lines = [f"{self.source} over {self.tp} ranks (tensor parallel), {self.cache_kind} caches, "
+                 f"{len(self.tokens)} positions:"]
+        if (replicas := self._memory[0]["replicas"]) > 1:
+            lines.append(f"  tp {self.tp} > the model's {self.config.num_kv_heads} KV heads: each KV head is held by "
+                         f"{replicas} ranks (replicated, as vLLM does), so a rank holds 1/{self.config.num_kv_heads} "
+                         f"of the cache, not 1/{self.tp}")
+        total = sum(m["held_bytes"] for m in self._memory)
+        for m, t in zip(self._memory, self.traffic):
+            lines.append(f"  {m['describe']}: {m['held_bytes']:,} bytes held ({m['held_bytes'] / max(total, 1):.0%}); "
+                         f"all-reduces {t.calls:,}, {t.bytes:,} bytes, {t.seconds * 1e3:.1f} ms")
+        return "\n".join(lines)
+
+    # -- life ----------------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive and all(p.is_alive() for p in self.processes)
+
+    def close(self) -> None:
+        """Stop every rank (waits for them to exit; kills one that does not within 3 s)."""
+        self._finalizer()
+
+    def __enter__(self) -> "TensorParallel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
