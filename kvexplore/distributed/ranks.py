@@ -95,16 +95,21 @@ class TensorParallel:
                 if answers[rank] is None and conn.poll(0.02):
                     try:
                         answers[rank] = conn.recv()
-                    except (EOFError, OSError):
-                        self._fail(f"rank {rank} of {self.tp} closed its pipe during {command!r}")
+                    except (EOFError, OSError):  # its end of the pipe closed: the process is ending
+                        self.processes[rank].join(2.0)
+                        self._fail(f"rank {rank} of {self.tp} stopped ({_exit(self.processes[rank].exitcode)}) "
+                                   f"during {command!r}")
             for rank, p in enumerate(self.processes):
                 if answers[rank] is None and not p.is_alive():
                     self._fail(f"rank {rank} of {self.tp} stopped ({_exit(p.exitcode)}) during {command!r}")
             if time.monotonic() > deadline:
                 late = [str(r) for r, a in enumerate(answers) if a is None]
+                stopped = [str(r) for r, p in enumerate(self.processes) if _stopped(p.pid)]
+                why = (f"rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)} stopped by a signal or a "
+                       f"debugger; " if stopped else "")
                 self._fail(f"rank{'s' if len(late) > 1 else ''} {', '.join(late)} of {self.tp} did not answer "
-                           f"{command!r} within {timeout_s:g} s (a collective waits for every rank: one rank that "
-                           f"hangs holds up the rest)")
+                           f"{command!r} within {timeout_s:g} s ({why}a collective waits for every rank: one rank "
+                           f"that hangs holds up the rest)")
         errors = {a[1] for a in answers if a[0] == "error"}
         if len(errors) == 1 and all(a[0] == "error" for a in answers) and command != "start":
             raise SettingsError(f"every rank refused {command!r}, and each kept its cache as it was: "
@@ -197,6 +202,15 @@ class TensorParallel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stopped(pid: int | None) -> bool:
+    """The process is stopped (SIGSTOP, a debugger), where /proc says (Linux); False where it cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _exit(code: int | None) -> str:
