@@ -1,11 +1,14 @@
 """The cache split across processes with ``torch.distributed`` (docs/distributed.md): tensor parallelism over the
-KV heads (:class:`TensorParallel`, :func:`split`, :func:`shard_model`)."""
+KV heads (:class:`TensorParallel`, :func:`split`, :func:`shard_model`) and context parallelism over positions
+(:class:`ContextParallel`, :class:`Layout`)."""
 
 from __future__ import annotations
 
-from .ranks import RankError, TensorParallel
+from .context import Layout
+from .ranks import ContextParallel, RankError, Ranks, TensorParallel
 from .reduce import Traffic
 from .shard import shard_model
 from .split import RankSplit, split
 
-__all__ = ["RankError", "RankSplit", "TensorParallel", "Traffic", "shard_model", "split"]
+__all__ = ["ContextParallel", "Layout", "RankError", "RankSplit", "Ranks", "TensorParallel", "Traffic", "shard_model",
+           "split"]

@@ -51,19 +51,22 @@ def _stop(processes: list, conns: list) -> None:
         conn.close()
 
 
-class TensorParallel:
-    """``source`` (a named model or folder) split over ``tp`` ranks by tensor parallelism, each rank's cache of
-    strategy ``cache`` (its options as keywords). ``prefill(ids)`` and ``decode(token)`` give the float32 logits,
-    ``generate(prompt, n)`` greedy tokens, ``memory()`` each rank's bytes, ``traffic`` each rank's all-reduces."""
+class Ranks:
+    """A model over ``tp`` rank processes (:class:`TensorParallel`, :class:`ContextParallel`): ``prefill(ids)`` and
+    ``decode(token)`` give the float32 logits, ``generate(prompt, n)`` greedy tokens, ``memory()`` each rank's bytes,
+    ``traffic`` each rank's collectives."""
+
+    mode = "tp"
+    what = "tensor parallel"
 
     def __init__(self, source: str, tp: int, cache: str = "preallocated", max_seq_len: int = 256,
-                 dtype: str | None = None, timeout_s: float = 30.0, threads: int = 1, **cache_options: Any) -> None:
+                 dtype: str | None = None, timeout_s: float = 30.0, threads: int = 1, interleave: int = 1,
+                 **cache_options: Any) -> None:
         from ..formats.loading import load_config
-        from .split import check_splittable
 
         self.config = load_config(source)
-        check_splittable(self.config, tp)  # refused here, before any process starts
-        self.source, self.tp, self.timeout_s = source, tp, timeout_s
+        self.check(self.config, tp, interleave, cache)  # refused here, before any process starts
+        self.source, self.tp, self.timeout_s, self.interleave = source, tp, timeout_s, interleave
         self.cache_kind, self.cache_options = cache, dict(cache_options)
         self.tokens: list[int] = []
         self.traffic = [Traffic() for _ in range(tp)]
@@ -74,7 +77,7 @@ class TensorParallel:
         for rank in range(tp):
             here, there = ctx.Pipe()
             job = RankJob(rank, tp, port, str(source), cache, dict(cache_options), max_seq_len, dtype, threads,
-                          timeout_s)
+                          timeout_s, self.mode, interleave)
             p = ctx.Process(target=main, args=(job, there), name=f"kvexplore rank {rank} of {tp}", daemon=True)
             p.start()
             there.close()
@@ -82,6 +85,10 @@ class TensorParallel:
             self.processes.append(p)
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
         self._memory = [a[0] for a in self._gather("start", START_TIMEOUT_S)]
+
+    @staticmethod
+    def check(config, tp: int, interleave: int, cache: str) -> None:
+        """Refuse what cannot be split, before any process starts."""
 
     # -- commands ----------------------------------------------------------------------------------------------
     def _gather(self, command: str, timeout_s: float) -> list[tuple]:
@@ -121,12 +128,13 @@ class TensorParallel:
 
     def _fail(self, why: str, detail: str = "") -> None:
         self.close()
-        raise RankError(f"{why}; every rank was stopped: start a new TensorParallel"
+        raise RankError(f"{why}; every rank was stopped: start a new {type(self).__name__}"
                         + (f"\n{detail}" if detail else ""))
 
     def _send(self, *command: Any) -> None:
         if not self.alive:
-            raise RankError("the ranks were stopped (closed, or after a rank failed): start a new TensorParallel")
+            raise RankError(f"the ranks were stopped (closed, or after a rank failed): start a new "
+                            f"{type(self).__name__}")
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(command)
@@ -176,7 +184,7 @@ class TensorParallel:
         return [dict(m) for m in self._memory]
 
     def describe(self) -> str:
-        lines = [f"{self.source} over {self.tp} ranks (tensor parallel), {self.cache_kind} caches, "
+        lines = [f"{self.source} over {self.tp} ranks ({self.what}), {self.cache_kind} caches, "
                  f"{len(self.tokens)} positions:"]
         if (replicas := self._memory[0]["replicas"]) > 1:
             lines.append(f"  tp {self.tp} > the model's {self.config.num_kv_heads} KV heads: each KV head is held by "
@@ -185,7 +193,7 @@ class TensorParallel:
         total = sum(m["held_bytes"] for m in self._memory)
         for m, t in zip(self._memory, self.traffic):
             lines.append(f"  {m['describe']}: {m['held_bytes']:,} bytes held ({m['held_bytes'] / max(total, 1):.0%}); "
-                         f"all-reduces {t.calls:,}, {t.bytes:,} bytes, {t.seconds * 1e3:.1f} ms")
+                         f"{self.collective} {t.calls:,}, {t.bytes:,} bytes, {t.seconds * 1e3:.1f} ms")
         return "\n".join(lines)
 
     # -- life ----------------------------------------------------------------------------------------------------
@@ -197,11 +205,44 @@ class TensorParallel:
         """Stop every rank (waits for them to exit; kills one that does not within 3 s)."""
         self._finalizer()
 
-    def __enter__(self) -> "TensorParallel":
+    def __enter__(self) -> "Ranks":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TensorParallel(Ranks):
+    """``source`` (a named model or folder) split over ``tp`` ranks by tensor parallelism (:mod:`.split`): each rank
+    computes its share of the heads and the MLP, and holds a cache of strategy ``cache`` (its options as keywords)
+    of only its KV heads; ``traffic`` counts the all-reduces."""
+
+    collective = "all-reduces"
+
+    @staticmethod
+    def check(config, tp: int, interleave: int, cache: str) -> None:
+        from .split import check_splittable
+
+        check_splittable(config, tp)
+
+
+class ContextParallel(Ranks):
+    """``source`` over ``cp`` ranks by context parallelism (:mod:`.context`): each rank holds the whole model and
+    the positions ``p`` with ``(p // interleave) % cp == rank``; attention merges the ranks' shares by log-sum-exp
+    (``traffic`` counts the all-gathers)."""
+
+    mode, what, collective = "cp", "context parallel", "all-gathers"
+
+    def __init__(self, source: str, cp: int, interleave: int = 1, max_seq_len: int = 256, dtype: str | None = None,
+                 timeout_s: float = 30.0, threads: int = 1) -> None:
+        super().__init__(source, cp, "context-parallel", max_seq_len, dtype, timeout_s, threads, interleave)
+
+    @staticmethod
+    def check(config, tp: int, interleave: int, cache: str) -> None:
+        from .context import Layout, check_mergeable
+
+        Layout(tp, interleave, 0)
+        check_mergeable(config)
 
 
 def _stopped(pid: int | None) -> bool:

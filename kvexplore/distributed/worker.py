@@ -20,7 +20,7 @@ class RankJob:
     """Everything a rank needs to start: where the group meets, the model and the cache."""
 
     rank: int
-    tp: int
+    tp: int            # the number of ranks (tensor or context parallel)
     port: int
     source: str
     cache: str
@@ -29,6 +29,8 @@ class RankJob:
     dtype: str | None
     threads: int
     timeout_s: float
+    mode: str = "tp"   # "tp": tensor parallel (a shard of the heads); "cp": context parallel (a share of positions)
+    interleave: int = 1  # cp: positions in runs of this many per rank
 
 
 def loopback_interface() -> str | None:
@@ -51,10 +53,17 @@ def build(job: RankJob):
     """The rank's model and cache."""
     from ..caches.factory import make_cache
     from ..formats.loading import load
+
+    full = load(job.source, dtype=job.dtype) if job.dtype else load(job.source)
+    if job.mode == "cp":
+        from .context import ContextParallelCache, Layout, context_parallel
+
+        layout = Layout(job.tp, job.interleave, job.rank)
+        model = context_parallel(full, layout)
+        return model, ContextParallelCache(model.config, job.max_seq_len, layout, dtype=model.dtype)
     from .shard import shard_model
     from .split import split
 
-    full = load(job.source, dtype=job.dtype) if job.dtype else load(job.source)
     model = shard_model(full, split(full.config, job.tp, job.rank))
     del full
     return model, make_cache(job.cache, model, max_seq_len=job.max_seq_len, **job.cache_options)
@@ -65,8 +74,11 @@ def memory(model, cache) -> dict[str, Any]:
     from ..caches.held import referents_bytes
 
     report = cache.inspect.memory_report()
-    return {"rank": model.split.rank, "describe": model.split.describe(), "kv_heads": len(model.split.kv_heads),
-            "replicas": model.split.replicas, "length": cache.length, "held_bytes": report.held_bytes,
+    part = getattr(model, "split", None) or model.layout
+    held = [p for p in cache.inspect.slot_view(0).positions if p >= 0]  # layer 0's slots, as the cache says
+    return {"rank": part.rank, "describe": part.describe(), "replicas": getattr(part, "replicas", 1),
+            "positions": held if hasattr(model, "layout") else None,
+            "length": cache.length, "held_bytes": report.held_bytes,
             "reachable_bytes": referents_bytes(cache), "logical_bytes": report.logical_bytes,
             "reserved_bytes": report.reserved_bytes}
 
@@ -103,7 +115,8 @@ def run(command: str, args: list, model, cache) -> tuple:
         before = model.traffic.copy()
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, cache.length)
-        return (logits[0] if model.split.rank == 0 else None, model.traffic.since(before), memory(model, cache))
+        rank = (getattr(model, "split", None) or model.layout).rank
+        return (logits[0] if rank == 0 else None, model.traffic.since(before), memory(model, cache))
     if command == "memory":
         return (memory(model, cache),)
     if command == "truncate":

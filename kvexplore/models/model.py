@@ -126,6 +126,18 @@ class Attention(nn.Module):
         if tracer is not None:
             k_all = hook(tracer, f"{name}.cache_read", k_all)  # the keys attention reads, as the cache gave them
         mask = cache.mask(self.layer, pos, T)
+        y = self.attend(q, k_all, v_all, mask, tracer, name)
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        out = self.o_proj(y)
+        return out if tracer is None else hook(tracer, f"{name}.out", out)
+
+    def attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor | None,
+               tracer: Any, name: str) -> torch.Tensor:
+        """Attention of the queries ``(B, nh, T, hd)`` over the keys and values the cache gave: ``(B, nh, T, hd)``
+        (context parallelism overrides it to merge the ranks' shares, :mod:`kvexplore.distributed.context`)."""
+        T = q.shape[2]
         y = None
         wanted = tracer is not None and tracer.wants_attention(self.layer)
         if wanted and observes_rows(tracer):  # the tracer takes the probabilities in chunks of rows
@@ -141,11 +153,7 @@ class Attention(nn.Module):
                 mask = mask.repeat_interleave(self.nh // self.nkv, dim=1)
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=mask is None and T > 1,
                                                scale=self.scale, enable_gqa=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hd)
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        out = self.o_proj(y)
-        return out if tracer is None else hook(tracer, f"{name}.out", out)
+        return y
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   tracer: Any, name: str) -> torch.Tensor | None:
