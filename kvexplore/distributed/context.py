@@ -138,8 +138,8 @@ class ContextParallelAttention(Attention):
         lses = [torch.empty_like(lse) for _ in outs]
         dist.all_gather(outs, out, group=self.group)
         dist.all_gather(lses, lse, group=self.group)
-        self.traffic.add(out, time.perf_counter() - t0)
-        self.traffic.bytes += lse.numel() * lse.element_size()
+        self.traffic.add(out, time.perf_counter() - t0)  # the two all-gathers: the shares, then their lse
+        self.traffic.add(lse, 0.0)
         lse_all = torch.stack(lses)  # (cp, B, nkv, g*T, 1)
         top = lse_all.amax(0)
         share = torch.exp(lse_all - top)  # every row has keys on some rank: top is finite
