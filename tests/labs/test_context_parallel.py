@@ -11,7 +11,7 @@ import torch
 import kvexplore
 from kvexplore.caches.memory import kv_bytes
 from kvexplore.distributed import ContextParallel, Layout
-from test_tensor_parallel import PROMPT, assert_same_run, greedy, parallel
+from distributed_support import PROMPT, assert_same_run, greedy, parallel
 
 
 @pytest.mark.parametrize("cp, interleave, rank, first", [

@@ -1,7 +1,8 @@
 """Tensor parallelism over KV heads on ``torch.distributed`` (gloo, real processes on the loopback address): each
 rank's shard of the weights, its cache of only its KV heads, one all-reduce after ``o_proj`` and ``down_proj``; the
-logits within 1e-5 of one process's (float32, relative to their range) and 64 greedy tokens identical; each rank's bytes counted two ways; a
-rank that dies or hangs stopping every rank with an error naming it, within a bound, and no process left behind."""
+logits within 1e-5 of one process's (float32, relative to their range) and 64 greedy tokens identical; each rank's
+bytes counted two ways; a rank that dies or hangs stopping every rank with an error naming it, within a bound, and no
+process left behind."""
 
 from __future__ import annotations
 
@@ -20,42 +21,7 @@ import kvexplore
 from kvexplore.caches.memory import kv_bytes
 from kvexplore.distributed import RankError, TensorParallel, split
 from kvexplore.distributed.shard import shard_weight
-
-PROMPT = [1, 409, 390, 398, 3557, 287, 30, 2261, 1091, 3025, 5, 17, 99, 1500, 42, 7, 300, 12, 64, 88]
-
-
-def greedy(model, prompt, n, cache="preallocated", **options):
-    """One process: the logits of the prompt's pass and of each decode step, and the n greedy tokens."""
-    cache = kvexplore.make_cache(cache, model, max_seq_len=len(prompt) + n, **options)
-    with torch.no_grad():
-        logits = [model(torch.tensor([prompt]), cache, 0)[0]]
-        tokens = [int(logits[-1][-1].argmax())]
-        while len(tokens) < n:
-            logits.append(model(torch.tensor([[tokens[-1]]]), cache, cache.length)[0, -1])
-            tokens.append(int(logits[-1].argmax()))
-    return logits, tokens, cache
-
-
-def parallel(ranks: TensorParallel, prompt, n):
-    logits = [ranks.prefill(prompt)]
-    tokens = [int(logits[-1][-1].argmax())]
-    while len(tokens) < n:
-        logits.append(ranks.decode(tokens[-1]))
-        tokens.append(int(logits[-1].argmax()))
-    return logits, tokens
-
-
-def assert_same_run(got, want):
-    """The same greedy tokens, and every logit within 1e-5 of the logits' range: the all-reduce adds the ranks'
-    partial sums in another order than one process's product, which float32 rounds apart by about as much as one
-    process run with 1 thread against 2 (SmolLM2: 6.3e-5 against 5.7e-5, max |logit| 35; Gemma 3 270M: 2.8e-4
-    against 3.2e-4, max |logit| 75; docs/distributed.md)."""
-    (got_logits, got_tokens), (want_logits, want_tokens, _) = got, want
-    assert got_tokens == want_tokens
-    scale = max(float(w.abs().max()) for w in want_logits)
-    worst = max(float((g - w).abs().max()) for g, w in zip(got_logits, want_logits))
-    assert worst <= 1e-5 * scale, f"logits {worst:.2e} apart, over 1e-5 of their range {scale:.1f}"
-
+from distributed_support import PROMPT, assert_same_run, greedy, parallel
 
 def config(heads, kv_heads, width=512, **extra):
     base = kvexplore.load("tiny").config
