@@ -58,6 +58,8 @@ class Ranks:
 
     mode = "tp"
     what = "tensor parallel"
+    layouts: tuple = ()
+    logits_rank = 0  # the rank whose logits a pass answers
 
     def __init__(self, source: str, tp: int, cache: str = "preallocated", max_seq_len: int = 256,
                  dtype: str | None = None, timeout_s: float = 30.0, threads: int = 1, interleave: int = 1,
@@ -77,7 +79,7 @@ class Ranks:
         for rank in range(tp):
             here, there = ctx.Pipe()
             job = RankJob(rank, tp, port, str(source), cache, dict(cache_options), max_seq_len, dtype, threads,
-                          timeout_s, self.mode, interleave)
+                          timeout_s, self.mode, interleave, self.layouts)
             p = ctx.Process(target=main, args=(job, there), name=f"kvexplore rank {rank} of {tp}", daemon=True)
             p.start()
             there.close()
@@ -154,7 +156,7 @@ class Ranks:
             t.calls, t.bytes, t.seconds = t.calls + traffic.calls, t.bytes + traffic.bytes, t.seconds + traffic.seconds
             self._memory[rank] = mem
         self.tokens += ids
-        return answers[0][0]
+        return answers[self.logits_rank][0]
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
         """The prompt's pass from position 0 (the caches emptied first)."""
@@ -258,3 +260,52 @@ def _exit(code: int | None) -> str:
     if code is None:
         return "still running"
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+class Disaggregated(Ranks):
+    """Prefill and decode apart (:mod:`.handoff`): rank 0 computes a prompt into its paged cache and sends the pages
+    to rank 1, which continues decoding; ``prefill`` and ``decode`` side laid out as their :class:`PageLayout` says
+    (a mismatch is refused naming both, before anything is computed). ``handoff``: what the last prompt's transfer
+    carried; ``positions()``: the decode side's keys and values, every layer, to compare with one process."""
+
+    mode, what, collective = "pd", "prefill and decode apart", "transfers"
+    logits_rank = 1
+
+    def __init__(self, source: str, prefill=None, decode=None, max_seq_len: int = 256, dtype: str | None = None,
+                 timeout_s: float = 30.0, threads: int = 1) -> None:
+        from .handoff import PageLayout
+
+        self.layouts = (prefill or PageLayout(), decode or PageLayout())
+        self.handoff = None
+        super().__init__(source, 2, "paged", max_seq_len, dtype, timeout_s, threads)
+
+    @staticmethod
+    def check(config, tp: int, interleave: int, cache: str) -> None:
+        pass
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The prompt computed on the prefill side, its pages sent to the decode side; the prompt's logits."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise SettingsError("prefill needs at least one token id")
+        self._send("handoff", ids, self.layouts)
+        answers = self._gather("handoff", self.timeout_s)
+        (logits, self.handoff, first), (_, self.received, second) = answers
+        self._memory = [first, second]
+        self.tokens = list(ids)
+        return logits
+
+    def describe(self) -> str:
+        lines = [f"{self.source}, prefill and decode apart, {len(self.tokens)} positions:"]
+        for m, layout in zip(self._memory, self.layouts):
+            lines.append(f"  {m['describe']} ({layout.describe()}): {m['held_bytes']:,} bytes held")
+        if self.handoff is not None:
+            h = self.handoff
+            lines.append(f"  the prompt's transfer: {h.positions} positions in {h.pages} pages, {h.bytes:,} bytes, "
+                         f"{h.seconds * 1e3:.1f} ms")
+        return "\n".join(lines)
+
+    def positions(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The decode side's keys and values per layer, ``(kv_heads, length, head_dim)`` each."""
+        self._send("positions")
+        return self._gather("positions", self.timeout_s)[1][0]

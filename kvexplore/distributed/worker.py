@@ -13,6 +13,10 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from ..errors import SettingsError
+from .reduce import Traffic
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class RankJob:
     timeout_s: float
     mode: str = "tp"   # "tp": tensor parallel (a shard of the heads); "cp": context parallel (a share of positions)
     interleave: int = 1  # cp: positions in runs of this many per rank
+    layouts: tuple = ()  # pd: each side's PageLayout (rank 0 prefills, rank 1 decodes)
 
 
 def loopback_interface() -> str | None:
@@ -55,6 +60,13 @@ def build(job: RankJob):
     from ..formats.loading import load
 
     full = load(job.source, dtype=job.dtype) if job.dtype else load(job.source)
+    if job.mode == "pd":  # each side the whole model, on a paged cache of its own block size
+        full.role, full.traffic = ("prefill" if job.rank == 0 else "decode"), Traffic()
+        cache = make_cache("paged", full, max_seq_len=job.max_seq_len, block_size=job.layouts[job.rank].block_size)
+        if len(cache.full_layers) != full.config.num_layers:
+            raise SettingsError(f"{job.source}: prefill and decode apart sends pages of every layer; this model has "
+                                f"layers the paged cache keeps outside its pages")
+        return full, cache
     if job.mode == "cp":
         from .context import ContextParallelCache, Layout, context_parallel
 
@@ -74,7 +86,7 @@ def memory(model, cache) -> dict[str, Any]:
     from ..caches.held import referents_bytes
 
     report = cache.inspect.memory_report()
-    part = getattr(model, "split", None) or model.layout
+    part = _part(model)
     held = [p for p in cache.inspect.slot_view(0).positions if p >= 0]  # layer 0's slots, as the cache says
     return {"rank": part.rank, "describe": part.describe(), "replicas": getattr(part, "replicas", 1),
             "positions": held if hasattr(model, "layout") else None,
@@ -110,19 +122,61 @@ def serve(job: RankJob, conn) -> None:
 def run(command: str, args: list, model, cache) -> tuple:
     """One command: ``forward`` (token ids at the cache's length; rank 0 answers the float32 logits), ``memory``
     or ``truncate`` (back to a length)."""
+    if command == "forward" and getattr(model, "role", None) == "prefill":  # prefill and decode apart: it rests
+        return (None, Traffic(), memory(model, cache))
     if command == "forward":
         (ids,) = args
         before = model.traffic.copy()
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, cache.length)
-        rank = (getattr(model, "split", None) or model.layout).rank
-        return (logits[0] if rank == 0 else None, model.traffic.since(before), memory(model, cache))
+        answers = _part(model).rank == 0 or getattr(model, "role", None) == "decode"  # the rank whose logits count
+        return (logits[0] if answers else None, model.traffic.since(before), memory(model, cache))
+    if command == "handoff":
+        return handoff(model, cache, *args)
+    if command == "positions":  # every full layer's keys and values, positions 0..length-1 (a paged cache)
+        from .handoff import tokens_of
+
+        return ([tokens_of(cache, layer, cache.length) for layer in cache.full_layers],)
     if command == "memory":
         return (memory(model, cache),)
     if command == "truncate":
         cache.truncate(args[0])
         return (memory(model, cache),)
     raise ValueError(f"unknown command {command!r}")
+
+
+def _part(model):
+    """What the rank holds: its tensor-parallel split, its context-parallel layout, or its side of a pair."""
+    return getattr(model, "split", None) or getattr(model, "layout", None) or _Side(model.role)
+
+
+class _Side:
+    """The prefill or decode side of a pair, as the memory report names it."""
+
+    def __init__(self, role: str) -> None:
+        self.rank = 0 if role == "prefill" else 1
+        self.role = role
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: the {self.role} side"
+
+
+def handoff(model, cache, ids: list[int], layouts: tuple) -> tuple:
+    """Prefill and decode apart: the two sides agree on the page layout (both refuse a mismatch, naming the two,
+    before anything is computed), then the prefill side computes the prompt and sends its pages, and the decode side
+    installs them. Rank 0 answers the prompt's logits; each side what it sent or received."""
+    from .handoff import check_layouts, receive, send
+
+    theirs = [None, None]
+    dist.all_gather_object(theirs, layouts[0 if model.role == "prefill" else 1])
+    check_layouts(theirs[0], theirs[1], model.config.num_layers)
+    if model.role == "prefill":
+        if cache.length:
+            cache.truncate(0)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), cache, 0)
+        return logits[0], send(cache, theirs[0], len(ids), to=1), memory(model, cache)
+    return None, receive(cache, theirs[1], len(ids), source=0), memory(model, cache)
 
 
 def main(job: RankJob, conn) -> None:
