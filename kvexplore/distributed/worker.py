@@ -50,6 +50,8 @@ def join(rank: int, tp: int, port: int, timeout_s: float) -> None:
     if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
         os.environ["GLOO_SOCKET_IFNAME"] = lo  # only the loopback address, never another interface
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU a rank (NCCL needs each rank's tensors on its own device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
                             timeout=timedelta(seconds=timeout_s))
 
@@ -130,13 +132,13 @@ def run(command: str, args: list, model, cache) -> tuple:
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, cache.length)
         answers = _part(model).rank == 0 or getattr(model, "role", None) == "decode"  # the rank whose logits count
-        return (logits[0] if answers else None, model.traffic.since(before), memory(model, cache))
+        return (logits[0].cpu() if answers else None, model.traffic.since(before), memory(model, cache))
     if command == "handoff":
         return handoff(model, cache, *args)
     if command == "positions":  # every full layer's keys and values, positions 0..length-1 (a paged cache)
         from .handoff import tokens_of
 
-        return ([tokens_of(cache, layer, cache.length) for layer in cache.full_layers],)
+        return ([tuple(t.cpu() for t in tokens_of(cache, layer, cache.length)) for layer in cache.full_layers],)
     if command == "memory":
         return (memory(model, cache),)
     if command == "truncate":
@@ -175,7 +177,7 @@ def handoff(model, cache, ids: list[int], layouts: tuple) -> tuple:
             cache.truncate(0)
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, 0)
-        return logits[0], send(cache, theirs[0], len(ids), to=1), memory(model, cache)
+        return logits[0].cpu(), send(cache, theirs[0], len(ids), to=1), memory(model, cache)
     return None, receive(cache, theirs[1], len(ids), source=0), memory(model, cache)
 
 
