@@ -13,12 +13,14 @@ from ..core.registry import Registry
 from ..errors import SettingsError
 
 #: the areas of the catalogue, in the order it lists them
-AREAS = ("plain decoding", "rings and windows", "speculation", "prefix sharing", "quantization", "eviction")
+AREAS = ("plain decoding", "rings and windows", "speculation", "prefix sharing", "quantization", "eviction",
+         "prefill and decode apart")
 
 #: the checker that judges each kind of run: the cache doctor (cached decoding against a recomputation), the pool
 #: check (each served request against the same request on an empty pool), the speculation check (each verification
-#: against plain decoding, and the cache after each take-back against a recomputation)
-CHECKERS = ("doctor", "pool", "speculation")
+#: against plain decoding, and the cache after each take-back against a recomputation), the handoff check (the decode
+#: side's keys and values, position by position, against what the prefill side computed)
+CHECKERS = ("doctor", "pool", "speculation", "handoff")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Bug:
 BUGS: Registry = Registry("bug", "unregister")  # the zoo's own, sealed once every module has registered
 
 #: the modules of this package that register bugs, in the order of the catalogue's areas
-MODULES = ("decoding", "windows", "speculation", "prefix", "quantization", "eviction")
+MODULES = ("decoding", "windows", "speculation", "prefix", "quantization", "eviction", "disaggregation")
 
 
 def load_all() -> None:

@@ -98,39 +98,66 @@ def from_blocks(blocks: torch.Tensor, length: int, order: str) -> torch.Tensor:
 
 
 def send(cache, layout: PageLayout, length: int, to: int) -> Handoff:
-    """The prefill side: every full layer's pages for ``length`` positions, in ``layout``, sent to rank ``to``."""
+    """The prefill side: every full layer's pages for ``length`` positions, in ``layout``, sent to rank ``to`` (each
+    as its byte count, then its bytes: what the decode side makes of them is its reading's business)."""
     done = Handoff(positions=length)
     start = time.perf_counter()
     for layer in cache.full_layers:
         for x in tokens_of(cache, layer, length):
             blocks = to_blocks(x, layout.block(layer), layout.order)
-            dist.send(blocks, dst=to)
+            dist.send(torch.tensor([blocks.numel()]), dst=to)
+            dist.send(blocks.reshape(-1), dst=to)
             done.pages += blocks.shape[0]
             done.bytes += blocks.nbytes
     done.seconds = time.perf_counter() - start
     return done
 
 
-def receive(cache, layout: PageLayout, length: int, source: int, reader=from_blocks) -> Handoff:
-    """The decode side: every full layer's pages from rank ``source``, read as ``layout`` lays them out, written into
-    pages of ``cache`` (its own block size), which then holds positions ``0..length-1``. ``reader``: how the bytes
-    are read back (the bug zoo plants a reader that ignores the layout)."""
+def read_as(layout: PageLayout):
+    """How a decode side reads each layer's bytes: as ``layout`` says, layer by layer."""
+    return lambda layer: (layout.order, layout.block(layer))
+
+
+def agreed_reading(sender: PageLayout, receiver: PageLayout, layers: int, convert: bool):
+    """kvexplore's reading (what :class:`~kvexplore.distributed.Disaggregated` names by default): both sides refuse a
+    layout mismatch, naming the two (``convert``: the decode side reads the sender's layout instead); the bytes are
+    then read as the sender laid them out. Both sides call it, so both refuse alike."""
+    if not convert:
+        check_layouts(sender, receiver, layers)
+    return read_as(sender)
+
+
+def receive(cache, length: int, source: int, reading) -> Handoff:
+    """The decode side: every full layer's pages from rank ``source``, each read as ``reading(layer)`` says
+    (``(order, block length)``), written into pages of ``cache`` (its own block size), which then holds positions
+    ``0..length-1``. The bug zoo plants readings that do not follow the sender's layout."""
     if cache.length:
         cache.truncate(0)
     done = Handoff(positions=length)
     config, start = cache.config, time.perf_counter()
     pages = [cache.pool.free[-1 - i] for i in range(math.ceil(length / cache.block_size))]  # next taken first
     for layer in cache.full_layers:
-        heads, width, block = config.layer_kv_heads(layer), config.layer_head_dim(layer), layout.block(layer)
-        n = math.ceil(length / block)
-        shape = (n, heads, block, width) if layout.order == "heads-first" else (n, block, heads, width)
+        heads, width = config.layer_kv_heads(layer), config.layer_head_dim(layer)
+        order, block = reading(layer)
         for store in (cache.pool.k[layer], cache.pool.v[layer]):
-            blocks = torch.empty(shape, dtype=store.dtype, device=store.device)
-            dist.recv(blocks, src=source)
-            done.pages, done.bytes = done.pages + n, done.bytes + blocks.nbytes
-            x = reader(blocks, length, layout.order)  # (heads, length, width)
-            own = to_blocks(x, cache.block_size, "heads-first")
-            store[pages] = own
+            size = torch.zeros(1, dtype=torch.long)
+            dist.recv(size, src=source)
+            flat = torch.empty(int(size), dtype=store.dtype, device=store.device)
+            dist.recv(flat, src=source)
+            n = math.ceil(length / block)
+            shape = (n, heads, block, width) if order == "heads-first" else (n, block, heads, width)
+            blocks = _fitted(flat, shape)
+            done.pages, done.bytes = done.pages + n, done.bytes + flat.nbytes
+            store[pages] = to_blocks(from_blocks(blocks, length, order), cache.block_size, "heads-first")
     cache.adopt(pages, length)
     done.seconds = time.perf_counter() - start
     return done
+
+
+def _fitted(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes received as ``shape``: cut or zero-padded when the reading's block length is not the sender's (what
+    a transfer registered with another layer's block length reads: truncated, misaligned)."""
+    n = math.prod(shape)
+    if flat.numel() >= n:
+        return flat[:n].view(shape)
+    return torch.cat([flat, flat.new_zeros(n - flat.numel())]).view(shape)

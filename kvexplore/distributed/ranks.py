@@ -270,12 +270,16 @@ class Disaggregated(Ranks):
 
     mode, what, collective = "pd", "prefill and decode apart", "transfers"
     logits_rank = 1
+    #: how the decode side reads what it was sent (``module:function``, run in the rank processes): kvexplore's
+    #: checks the two layouts agree; the bug zoo's subclasses name planted readings
+    reading = "kvexplore.distributed.handoff:agreed_reading"
 
     def __init__(self, source: str, prefill=None, decode=None, max_seq_len: int = 256, dtype: str | None = None,
-                 timeout_s: float = 30.0, threads: int = 1) -> None:
+                 timeout_s: float = 30.0, threads: int = 1, convert: bool = False) -> None:
         from .handoff import PageLayout
 
         self.layouts = (prefill or PageLayout(), decode or PageLayout())
+        self.convert = convert  # read the sender's layout rather than refuse it
         self.handoff = None
         super().__init__(source, 2, "paged", max_seq_len, dtype, timeout_s, threads)
 
@@ -288,7 +292,7 @@ class Disaggregated(Ranks):
         ids = [int(t) for t in ids]
         if not ids:
             raise SettingsError("prefill needs at least one token id")
-        self._send("handoff", ids, self.layouts)
+        self._send("handoff", ids, self.layouts, self.convert, self.reading)
         answers = self._gather("handoff", self.timeout_s)
         (logits, self.handoff, first), (_, self.received, second) = answers
         self._memory = [first, second]
@@ -305,7 +309,9 @@ class Disaggregated(Ranks):
                          f"{h.seconds * 1e3:.1f} ms")
         return "\n".join(lines)
 
-    def positions(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The decode side's keys and values per layer, ``(kv_heads, length, head_dim)`` each."""
+    def positions(self, side: str = "decode") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One side's keys and values per layer, ``(kv_heads, length, head_dim)`` each."""
+        if side not in ("prefill", "decode"):
+            raise SettingsError(f"side is 'prefill' or 'decode', got {side!r}")
         self._send("positions")
-        return self._gather("positions", self.timeout_s)[1][0]
+        return self._gather("positions", self.timeout_s)[side == "decode"][0]

@@ -5,6 +5,7 @@ the logits. A closed pipe (the driver gone: its kernel restarted or was killed) 
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import traceback
@@ -163,22 +164,26 @@ class _Side:
         return f"rank {self.rank}: the {self.role} side"
 
 
-def handoff(model, cache, ids: list[int], layouts: tuple) -> tuple:
-    """Prefill and decode apart: the two sides agree on the page layout (both refuse a mismatch, naming the two,
-    before anything is computed), then the prefill side computes the prompt and sends its pages, and the decode side
-    installs them. Rank 0 answers the prompt's logits; each side what it sent or received."""
-    from .handoff import check_layouts, receive, send
+def handoff(model, cache, ids: list[int], layouts: tuple, convert: bool, reading: str) -> tuple:
+    """Prefill and decode apart: the two sides exchange their page layouts and each asks ``reading`` (a function's
+    ``module:name``, :func:`~.handoff.agreed_reading` by default) how the decode side reads the bytes, which may
+    refuse a mismatch (both sides alike, before anything is computed); then the prefill side computes the prompt and
+    sends its pages, and the decode side installs them. Rank 0 answers the prompt's logits; each side what it sent
+    or received."""
+    from .handoff import receive, send
 
     theirs = [None, None]
     dist.all_gather_object(theirs, layouts[0 if model.role == "prefill" else 1])
-    check_layouts(theirs[0], theirs[1], model.config.num_layers)
+    sender, receiver = theirs
+    module, name = reading.split(":")
+    read = getattr(importlib.import_module(module), name)(sender, receiver, model.config.num_layers, convert)
     if model.role == "prefill":
         if cache.length:
             cache.truncate(0)
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, 0)
-        return logits[0].cpu(), send(cache, theirs[0], len(ids), to=1), memory(model, cache)
-    return None, receive(cache, theirs[1], len(ids), source=0), memory(model, cache)
+        return logits[0].cpu(), send(cache, sender, len(ids), to=1), memory(model, cache)
+    return None, receive(cache, len(ids), 0, read), memory(model, cache)
 
 
 def main(job: RankJob, conn) -> None:

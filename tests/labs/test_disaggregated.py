@@ -83,3 +83,16 @@ def test_a_mismatch_between_the_sides_is_refused_before_anything_is_computed_and
         assert pair.alive and [m["length"] for m in pair.memory()] == [0, 0]
         pair.layouts = (PageLayout("heads-first", 16), PageLayout("heads-first", 16))
         assert pair.prefill(PROMPT).shape == (len(PROMPT), kvexplore.load("tiny").config.vocab_size)
+
+
+@pytest.mark.long  # two rank processes (about 5 s)
+def test_a_decode_side_that_converts_reads_the_senders_layout_whatever_its_own():
+    model = kvexplore.load("tiny")
+    want = greedy(model, PROMPT, 16)
+    with Disaggregated("tiny", PageLayout("tokens-first", 16), PageLayout("heads-first", 8), max_seq_len=64,
+                       convert=True) as pair:
+        assert parallel(pair, PROMPT, 16)[1] == want[1]
+        sent, got = pair.positions("prefill"), pair.positions("decode")
+        for (k, v), (k2, v2) in zip(sent, got):
+            assert torch.equal(k[:, :len(PROMPT)], k2[:, :len(PROMPT)]) and torch.equal(v[:, :len(PROMPT)],
+                                                                                      v2[:, :len(PROMPT)])
