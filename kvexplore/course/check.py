@@ -3,11 +3,9 @@ through the doctor; a wrong number gets the hint of the mistake it looks like, n
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 from ..errors import SettingsError
 from .catalogue import exercise as find
+from .numbers import number, same
 from .verdict import Verdict
 
 
@@ -39,13 +37,3 @@ def check(exercise: str, answer=None, explorer=None) -> Verdict:
         if same(answer, value, ex.tolerance):
             return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {hint}")
     return Verdict(ex.id, False, f"{answer:,} {ex.unit}".strip() + f" is not it. Hint: {solutions.general_hint(ex.id)}")
-
-
-def number(ex, answer) -> None:
-    """Refuse an answer that is not a finite number (a string, a bool, NaN), naming what the exercise counts."""
-    if isinstance(answer, bool) or not isinstance(answer, Real) or not math.isfinite(answer):
-        raise SettingsError(f"{ex.id} asks for a number ({ex.unit or 'a count'}), got {answer!r}")
-
-
-def same(a: float, b: float, tolerance: float) -> bool:
-    return a == b if tolerance == 0 else abs(a - b) <= tolerance * max(abs(b), 1e-12)

@@ -71,6 +71,6 @@ def write_solutions(notebooks: Path, target: Path) -> dict[str, list[str]]:
     return written
 
 
-def _cell(kind: str, text: str) -> dict:
-    cell = {"cell_type": kind, "id": uuid.uuid4().hex[:8], "metadata": {}, "source": text.splitlines(True)}
-    return cell if kind == "markdown" else {**cell, "execution_count": None, "outputs": []}
+def _cell(cell_type: str, text: str) -> dict:
+    cell = {"cell_type": cell_type, "id": uuid.uuid4().hex[:8], "metadata": {}, "source": text.splitlines(True)}
+    return {**cell, "execution_count": None, "outputs": []} if cell_type == "code" else cell

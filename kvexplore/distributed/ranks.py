@@ -181,8 +181,10 @@ class Ranks:
         return out
 
     def memory(self) -> list[dict[str, Any]]:
-        """Each rank's cache bytes after the last command: ``held_bytes`` (its report), ``reachable_bytes`` (every
-        tensor storage reachable from its cache, counted apart), its KV heads and how many ranks hold each."""
+        """Each rank's cache bytes now: ``held_bytes`` (its report), ``reachable_bytes`` (every tensor storage
+        reachable from its cache, counted apart), what it holds (``describe``, ``replicas``, ``positions``)."""
+        self._send("memory")
+        self._memory = [a[0] for a in self._gather("memory", self.timeout_s)]
         return [dict(m) for m in self._memory]
 
     def describe(self) -> str:

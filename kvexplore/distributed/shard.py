@@ -26,11 +26,11 @@ def _channels(part: RankSplit, which: str, head_dim: int) -> slice:
 
 def shard_weight(name: str, tensor: torch.Tensor, part: RankSplit, head_dim: int) -> torch.Tensor:
     """The rank's slice of one parameter of the full model (a copy: the rank holds only its share)."""
-    *_, module, kind = name.split(".")
+    *_, module, suffix = name.split(".")
     if module in COLUMN:
         return tensor[_channels(part, COLUMN[module], head_dim)].clone()
     if module in ROW:
-        if kind == "bias":  # added once, by rank 0
+        if suffix == "bias":  # added once, by rank 0
             return tensor.clone() if part.rank == 0 else torch.zeros_like(tensor)
         return tensor[:, _channels(part, ROW[module], head_dim)].clone()
     return tensor  # embeddings, norms, the output head: every rank has them whole

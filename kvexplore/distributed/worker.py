@@ -62,7 +62,8 @@ def build(job: RankJob):
     from ..caches.factory import make_cache
     from ..formats.loading import load
 
-    full = load(job.source, dtype=job.dtype) if job.dtype else load(job.source)
+    device = f"cuda:{job.rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"  # join()'s
+    full = load(job.source, dtype=job.dtype, device=device)
     if job.mode == "pd":  # each side the whole model, on a paged cache of its own block size
         full.role, full.traffic = ("prefill" if job.rank == 0 else "decode"), Traffic()
         cache = make_cache("paged", full, max_seq_len=job.max_seq_len, block_size=job.layouts[job.rank].block_size)
@@ -84,8 +85,9 @@ def build(job: RankJob):
     return model, make_cache(job.cache, model, max_seq_len=job.max_seq_len, **job.cache_options)
 
 
-def memory(model, cache) -> dict[str, Any]:
-    """The rank's cache bytes: its report's and every tensor storage reachable from it, counted apart."""
+def memory(model, cache, walk: bool = False) -> dict[str, Any]:
+    """The rank's cache bytes: its report's, and with ``walk`` every tensor storage reachable from it, counted apart
+    (a walk of the garbage collector's referents: asked for, not done every pass)."""
     from ..caches.held import referents_bytes
 
     report = cache.inspect.memory_report()
@@ -94,7 +96,7 @@ def memory(model, cache) -> dict[str, Any]:
     return {"rank": part.rank, "describe": part.describe(), "replicas": getattr(part, "replicas", 1),
             "positions": held if hasattr(model, "layout") else None,
             "length": cache.length, "held_bytes": report.held_bytes,
-            "reachable_bytes": referents_bytes(cache), "logical_bytes": report.logical_bytes,
+            "reachable_bytes": referents_bytes(cache) if walk else None, "logical_bytes": report.logical_bytes,
             "reserved_bytes": report.reserved_bytes}
 
 
@@ -141,7 +143,7 @@ def run(command: str, args: list, model, cache) -> tuple:
 
         return ([tuple(t.cpu() for t in tokens_of(cache, layer, cache.length)) for layer in cache.full_layers],)
     if command == "memory":
-        return (memory(model, cache),)
+        return (memory(model, cache, walk=True),)
     if command == "truncate":
         cache.truncate(args[0])
         return (memory(model, cache),)

@@ -148,9 +148,9 @@ def _same(a: Any, b: Any) -> bool:
     """Whether two figures' traces or layouts are the same (arrays by value, NaN equal to NaN)."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         a, b = np.asarray(a), np.asarray(b)
-        if a.shape != b.shape or a.dtype.kind != b.dtype.kind:
+        if a.shape != b.shape or a.dtype != b.dtype:
             return False
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+        return bool(np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

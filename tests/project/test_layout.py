@@ -17,14 +17,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvexplore"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",), ("core",), ("config",), ("caches",), ("models",), ("formats",), ("trace",), ("fast",), ("runtime",),
     ("hf", "prefix", "speculation", "compression", "distributed"),
-    ("diagnosis",), ("bugs",), ("course",), ("views",), ("explorer", "replay"), ("cli",), ("kvexplore",),
+    ("diagnosis",), ("bugs",), ("views",), ("explorer", "replay"), ("course",), ("cli",), ("kvexplore",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 #: the house by what it is for: the engine (what a decode needs), the labs (each standing on the engine), the screen
 #: (drawing, widgets, the command); docs/extending.md's table gives each folder's group
 GROUPS = {"engine": ("errors", "core", "config", "caches", "models", "formats", "trace", "fast", "runtime"),
-          "labs": ("hf", "prefix", "speculation", "compression", "distributed", "diagnosis", "bugs", "course"),
-          "screen": ("views", "explorer", "replay", "cli")}
+          "labs": ("hf", "prefix", "speculation", "compression", "distributed", "diagnosis", "bugs"),
+          "screen": ("views", "explorer", "replay", "course", "cli")}
 
 
 def folder_of(module: str) -> str:
@@ -76,7 +76,7 @@ def upward_imports() -> list[str]:
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         here = folder_of(module_name(path)[0]) if path.parent != PACKAGE else \
-            ("kvexplore" if path.name == "__init__.py" else path.stem)
+            ("kvexplore" if path.name in ("__init__.py", "__main__.py") else path.stem)
         assert here in RANK, f"{path.relative_to(PACKAGE.parent)} is in no layer of LAYERS; add its folder there"
         for line, target in imports(path):
             there = folder_of(target)

@@ -1,7 +1,8 @@
 """A replay holding several (layer, head) picks, as its page carries them: the first pick's figures in every frame,
 and for each other pick only the figures that pick changes (the attention; the cache map and memory lines are the
 same at every layer and head), which are the figures the views draw at that pick. The picks travel through
-``save_html``, an explorer's and a run's ``save_html`` and ``kvexplore export --pick``; a pick the model lacks is refused."""
+``save_html``, an explorer's and a run's ``save_html`` and ``kvexplore export --pick``; a pick the model lacks is
+refused."""
 
 from __future__ import annotations
 
