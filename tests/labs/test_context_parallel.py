@@ -59,16 +59,6 @@ def test_sliding_layers_read_their_window_on_every_rank(zoo):
         assert_same_run(parallel(ranks, prompt, 24), want)
 
 
-@pytest.mark.smollm2
-def test_smollm2_over_two_ranks_in_runs_of_16_is_one_process():
-    model = kvexplore.load("smollm2-135m")
-    want = greedy(model, PROMPT, 64)
-    with ContextParallel("smollm2-135m", 2, interleave=16, max_seq_len=len(PROMPT) + 64, timeout_s=120) as ranks:
-        assert_same_run(parallel(ranks, PROMPT, 64), want)
-        assert sum(m["held_bytes"] for m in ranks.memory()) == want[2].inspect.memory_report().held_bytes
-        assert "every 2nd run of 16 positions from 16 (16-31, 48-63, ...)" in ranks.describe()
-
-
 def test_the_merge_is_attention_over_every_key():
     """The log-sum-exp merge of shares, worked by hand on random scores: equal to one softmax over all keys."""
     torch.manual_seed(0)
