@@ -18,21 +18,14 @@ from browser_truth import mismatches
 from kvexplore.explorer.inspect import plain
 from kvexplore.replay import save_html, snapshot_at
 from kvexplore.views.registry import replayed
+from browser_truth import PLAIN
 from replay_support import ROOT, slide
 
 pytestmark = pytest.mark.browser
 
 STEPS = 10
 # every figure of the replay by its frame key (<view>:<lane>, or <view> for a view of the whole run), as plain lists
-READ = """() => {
-  const plain = (v) => {
-    if (ArrayBuffer.isView(v)) return Array.from(v, x => Number.isNaN(x) ? null : x);
-    if (Array.isArray(v)) return v.map(plain);
-    if (typeof v === 'number') return Number.isNaN(v) ? null : v;
-    if (v && typeof v === 'object') { const o = {};
-      for (const [k, x] of Object.entries(v)) if (!k.startsWith('_')) o[k] = plain(x); return o; }
-    return v;
-  };
+READ = """() => {""" + PLAIN + """
   const out = {};
   for (const gd of document.querySelectorAll('.kvx-replay .kvx-fig')) {
     const lane = gd.closest('section');

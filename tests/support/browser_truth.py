@@ -17,9 +17,8 @@ import json
 import math
 from typing import Any
 
-# every figure of an explorer in the page, by its kvx-fig-<view> class: data with typed arrays made plain lists, as
-# one JSON string (a string crosses from the page to Python several times faster than the same data as objects)
-PAGE_FIGURES = """(root) => {
+# a figure's data or layout in the page as plain values: typed arrays as lists, NaN as null, private keys dropped
+PLAIN = """
   const plain = (v) => {
     if (ArrayBuffer.isView(v)) return Array.from(v, x => Number.isNaN(x) ? null : x);
     if (Array.isArray(v)) return v.map(plain);
@@ -27,7 +26,10 @@ PAGE_FIGURES = """(root) => {
     if (v && typeof v === 'object') { const o = {};
       for (const [k, x] of Object.entries(v)) if (!k.startsWith('_')) o[k] = plain(x); return o; }
     return v;
-  };
+  };"""
+# every figure of an explorer in the page, by its kvx-fig-<view> class: data with typed arrays made plain lists, as
+# one JSON string (a string crosses from the page to Python several times faster than the same data as objects)
+PAGE_FIGURES = """(root) => {""" + PLAIN + """
   const out = {};
   for (const gd of root.querySelectorAll('.js-plotly-plot')) {
     const cls = [...gd.classList, ...(gd.parentElement ? gd.parentElement.classList : [])]
