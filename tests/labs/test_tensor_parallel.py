@@ -186,24 +186,25 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.long  # the command line, spawned and under torchrun (about 10 s)
-def test_generate_with_tp_prints_the_text_and_each_ranks_bytes(tmp_path):
-    plain = subprocess.run([sys.executable, "-m", "kvexplore", "generate", "tiny", "--prompt", "Call me Ishmael.",
-                            "--max-new-tokens", "12"], capture_output=True, text=True, check=True).stdout
-    text = plain.split("\n\n[")[0]
-    spawned = subprocess.run([sys.executable, "-m", "kvexplore", "generate", "tiny", "--prompt", "Call me Ishmael.",
-                              "--max-new-tokens", "12", "--tp", "2"], capture_output=True, text=True, check=True).stdout
+@pytest.mark.long  # the command line: its ranks spawned, then under torchrun (about 10 s)
+def test_generate_with_tp_prints_the_text_and_each_ranks_bytes(capsys):
+    from kvexplore.cli.commands import main
+
+    line = ["generate", "tiny", "--prompt", "Call me Ishmael.", "--max-new-tokens", "12"]
+    assert main(line) == 0
+    text = capsys.readouterr().out.split("\n\n[")[0]
+    assert main([*line, "--tp", "2"]) == 0
+    spawned = capsys.readouterr().out
     assert spawned.startswith(text) and "over 2 ranks" in spawned
     assert "rank 1: query heads 4-7, KV head 1: 27,648 bytes held (50%)" in spawned
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(_port()), "-m", "kvexplore", "generate", "tiny", "--prompt", "Call me Ishmael.",
-                "--max-new-tokens", "12", "--tp", "2"]
+                "--master-port", str(_port()), "-m", "kvexplore", *line, "--tp", "2"]
     launched = subprocess.run(torchrun, capture_output=True, text=True, check=True).stdout
     assert launched.startswith(text) and "[12 tokens over 2 ranks launched by torchrun]" in launched
     assert "rank 0: query heads 0-3, KV head 0: 27,648 bytes held (50%)" in launched
-    refused = subprocess.run([sys.executable, "-m", "kvexplore", "generate", "tiny", "--prompt", "x", "--tp", "2",
-                              "--temperature", "0.7"], capture_output=True, text=True)
-    assert refused.returncode == 1 and "--tp decodes greedily" in refused.stderr and "--temperature" in refused.stderr
+    assert main(["generate", "tiny", "--prompt", "x", "--tp", "2", "--temperature", "0.7"]) == 1
+    refused = capsys.readouterr().err
+    assert "--tp decodes greedily" in refused and "--temperature" in refused
 
 
 def _port() -> int:
