@@ -21,6 +21,7 @@ class RankSplit:
     kv_heads: range     # the KV heads its cache holds (the ones its queries read)
     width: range        # its share of the MLP's intermediate channels
     replicas: int       # how many ranks hold each of its KV heads (1: no replication)
+    model_kv_heads: int = 0  # the whole model's KV heads
 
     def describe(self) -> str:
         shared = f" (held by {self.replicas} ranks)" if self.replicas > 1 else ""
@@ -69,7 +70,7 @@ def split(config: ModelConfig, tp: int, rank: int) -> RankSplit:
         head = rank // (tp // nkv)
         kv, replicas = range(head, head + 1), tp // nkv
     w = width // tp
-    return RankSplit(rank, tp, range(rank * q, (rank + 1) * q), kv, range(rank * w, (rank + 1) * w), replicas)
+    return RankSplit(rank, tp, range(rank * q, (rank + 1) * q), kv, range(rank * w, (rank + 1) * w), replicas, nkv)
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,0 +1,81 @@
+"""The cache across processes, drawn from what each rank reports (``Ranks.memory()``, :mod:`kvexplore.distributed`):
+:func:`rank_map`, which KV heads (tensor parallel) or positions (context parallel) each rank holds, one row per rank;
+:func:`rank_bytes`, each rank's bytes against one process's cache. Long contexts are drawn in at most
+:data:`MAX_COLUMNS` columns (each the share of a run of positions a rank holds), so what the figure carries follows
+the screen, not the context."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SettingsError
+from .spec import FigureSpec, columns
+
+MAX_COLUMNS = 512
+HELD = "#1f77b4"
+
+
+def rank_map(memory: Sequence[dict[str, Any]], title: str | None = None) -> FigureSpec:
+    """One row per rank, one column per KV head (tensor parallel) or per position or run of positions (context
+    parallel): 1 where the rank holds it (a share, for a run), 0 where it does not."""
+    if not memory:
+        raise SettingsError("rank_map needs each rank's memory (ranks.memory())")
+    if memory[0].get("kv_heads") is not None:
+        width = memory[0]["model_kv_heads"]
+        held = np.zeros((len(memory), width), dtype=np.float32)
+        for m in memory:
+            held[m["rank"], m["kv_heads"]] = 1.0
+        x_title, unit = "KV head", 1
+        text = [[_head_note(memory, r, h) for h in range(width)] for r in range(len(memory))]
+    elif memory[0].get("positions") is not None:
+        length = max([p + 1 for m in memory for p in m["positions"]], default=0)
+        unit = max(1, math.ceil(length / MAX_COLUMNS))
+        width = math.ceil(length / unit) if length else 0
+        held = np.zeros((len(memory), width), dtype=np.float32)
+        for m in memory:
+            if m["positions"]:
+                np.add.at(held[m["rank"]], np.asarray(m["positions"]) // unit, 1.0 / unit)
+        x_title = "position" if unit == 1 else f"positions, {unit} a column"
+        text = None
+    else:
+        raise SettingsError("rank_map draws tensor- or context-parallel ranks (their memory names KV heads or "
+                            "positions); a prefill and decode pair holds whole caches on each side")
+    cells = columns(held, x0=0)
+    trace = {"type": "heatmap", "name": "held", **cells, "zmin": 0, "zmax": 1, "xgap": 1, "ygap": 2,
+             "colorscale": [[0, "#f0f0f0"], [1, HELD]], "showscale": False,
+             "hovertemplate": "rank %{y} · position %{x}<br>held: %{z:.0%}<extra></extra>"}
+    if text:  # each head's holders (a replicated head on several ranks)
+        trace["text"] = [t for row in text for t in row]
+        trace["hovertemplate"] = "rank %{y} · %{text}<br>held: %{z:.0%}<extra></extra>"
+    if unit > 1:
+        trace["x"] = trace["x"] * unit  # each column at the first position of its run
+    what = "KV heads" if text else "positions"
+    return FigureSpec([trace], {
+        "title": {"text": title or f"which {what} each rank holds", "font": {"size": 13.0}, "x": 0.01},
+        "xaxis": {"title": {"text": x_title}, **({"dtick": 1} if text else {})}, "yaxis": {"title": {"text": "rank"}, "autorange": "reversed",
+                                                          "dtick": 1},
+        "height": 120 + 40 * len(memory), "margin": {"l": 50, "r": 10, "t": 40, "b": 40}})
+
+
+def _head_note(memory: Sequence[dict[str, Any]], rank: int, head: int) -> str:
+    holders = [m["rank"] for m in memory if head in m["kv_heads"]]
+    return f"KV head {head} on rank{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))}"
+
+
+def rank_bytes(memory: Sequence[dict[str, Any]], whole: int | None = None) -> FigureSpec:
+    """Each rank's bytes held (its report's), and ``whole``, one process's cache, as the line they share."""
+    ranks = [f"rank {m['rank']}" for m in memory]
+    held = [int(m["held_bytes"]) for m in memory]
+    traces = [{"type": "bar", "name": "held", "x": ranks, "y": held, "marker": {"color": HELD},
+               "hovertemplate": "%{x}: %{y:,} bytes<extra></extra>"}]
+    if whole is not None:
+        traces.append({"type": "scatter", "name": "one process", "x": ranks, "y": [whole] * len(ranks),
+                       "mode": "lines", "line": {"color": "#d62728", "dash": "dash"},
+                       "hovertemplate": f"one process's cache: {whole:,} bytes<extra></extra>"})
+    return FigureSpec(traces, {"title": {"text": "bytes each rank holds", "font": {"size": 13.0}, "x": 0.01},
+                               "yaxis": {"title": {"text": "bytes"}}, "height": 260,
+                               "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})
