@@ -54,11 +54,12 @@ def rank_map(memory: Sequence[dict[str, Any]], title: str | None = None) -> Figu
     if unit > 1:
         trace["x"] = trace["x"] * unit  # each column at the first position of its run
     what = "KV heads" if text else "positions"
-    return FigureSpec([trace], {
-        "title": {"text": title or f"which {what} each rank holds", "font": {"size": 13.0}, "x": 0.01},
-        "xaxis": {"title": {"text": x_title}, **({"dtick": 1} if text else {})}, "yaxis": {"title": {"text": "rank"}, "autorange": "reversed",
-                                                          "dtick": 1},
-        "height": 120 + 40 * len(memory), "margin": {"l": 50, "r": 10, "t": 40, "b": 40}})
+    xaxis = {"title": {"text": x_title}, **({"dtick": 1} if text else {})}
+    yaxis = {"title": {"text": "rank"}, "autorange": "reversed", "dtick": 1}
+    return FigureSpec([trace], {"title": {"text": title or f"which {what} each rank holds", "font": {"size": 13.0},
+                                          "x": 0.01},
+                                "xaxis": xaxis, "yaxis": yaxis, "height": 120 + 40 * len(memory),
+                                "margin": {"l": 50, "r": 10, "t": 40, "b": 40}})
 
 
 def _head_note(memory: Sequence[dict[str, Any]], rank: int, head: int) -> str:
