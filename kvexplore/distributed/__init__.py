@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from .context import Layout
 from .handoff import Handoff, PageLayout
-from .ranks import ContextParallel, Disaggregated, RankError, Ranks, TensorParallel
+from .ranks import ContextParallel, Disaggregated, Pass, RankError, Ranks, TensorParallel
 from .reduce import Traffic
 from .shard import shard_model
 from .split import RankSplit, split
 
-__all__ = ["ContextParallel", "Disaggregated", "Handoff", "Layout", "PageLayout", "RankError", "RankSplit", "Ranks",
-           "TensorParallel", "Traffic", "shard_model", "split"]
+__all__ = ["ContextParallel", "Disaggregated", "Handoff", "Layout", "PageLayout", "Pass", "RankError", "RankSplit",
+           "Ranks", "TensorParallel", "Traffic", "shard_model", "split"]

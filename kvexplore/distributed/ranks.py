@@ -12,6 +12,7 @@ import socket
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,22 @@ from .reduce import Traffic
 from .worker import RankJob, main
 
 START_TIMEOUT_S = 120.0  # loading the model in every rank (a real model takes seconds each on 2 cores)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward pass over the ranks: at ``position``, ``tokens`` fed, ``seconds`` the driver waited for it (the
+    pipe included), ``traffic`` each rank's collectives in it (bytes, calls, the seconds spent in them)."""
+
+    position: int
+    tokens: int
+    seconds: float
+    traffic: list[Traffic]
+
+    @property
+    def collective_share(self) -> float:
+        """The largest share of the pass any rank spent in its collectives (waiting for the others included)."""
+        return max(t.seconds for t in self.traffic) / self.seconds if self.seconds else 0.0
 
 
 class RankError(KVExploreError):
@@ -71,6 +88,7 @@ class Ranks:
         self.source, self.tp, self.timeout_s, self.interleave = source, tp, timeout_s, interleave
         self.cache_kind, self.cache_options = cache, dict(cache_options)
         self.tokens: list[int] = []
+        self.steps: list[Pass] = []  # every pass: its tokens, the driver's wall time, each rank's traffic
         self.traffic = [Traffic() for _ in range(tp)]
         self.last_traffic = [Traffic() for _ in range(tp)]
         port = free_port()
@@ -148,8 +166,11 @@ class Ranks:
         ids = [int(t) for t in ids]
         if not ids:
             raise SettingsError("forward needs at least one token id")
+        start = time.perf_counter()
         self._send("forward", ids)
         answers = self._gather("forward", self.timeout_s)
+        self.steps.append(Pass(len(self.tokens), len(ids), time.perf_counter() - start,
+                               [a[1] for a in answers]))
         for rank, (_, traffic, mem) in enumerate(answers):
             self.last_traffic[rank] = traffic
             t = self.traffic[rank]

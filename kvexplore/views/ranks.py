@@ -1,8 +1,8 @@
 """The cache across processes, drawn from what each rank reports (``Ranks.memory()``, :mod:`kvexplore.distributed`):
 :func:`rank_map`, which KV heads (tensor parallel) or positions (context parallel) each rank holds, one row per rank;
-:func:`rank_bytes`, each rank's bytes against one process's cache. Long contexts are drawn in at most
-:data:`MAX_COLUMNS` columns (each the share of a run of positions a rank holds), so what the figure carries follows
-the screen, not the context."""
+:func:`rank_bytes`, each rank's bytes against one process's cache; :func:`rank_traffic`, each pass's time in
+collectives and the rest (``Ranks.steps``). Long contexts are drawn in at most :data:`MAX_COLUMNS` columns (each the
+share of a run of positions a rank holds), so what the figure carries follows the screen, not the context."""
 
 from __future__ import annotations
 
@@ -80,3 +80,22 @@ def rank_bytes(memory: Sequence[dict[str, Any]], whole: int | None = None) -> Fi
     return FigureSpec(traces, {"title": {"text": "bytes each rank holds", "font": {"size": 13.0}, "x": 0.01},
                                "yaxis": {"title": {"text": "bytes"}}, "height": 260,
                                "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})
+
+
+def rank_traffic(steps: Sequence[Any], rank: int = 0) -> FigureSpec:
+    """Each pass's time (``ranks.steps``): the seconds rank ``rank`` spent in its collectives and the rest, stacked,
+    with the bytes its collectives carried in the hover."""
+    x = [s.position for s in steps]
+    inside = [s.traffic[rank].seconds * 1e3 for s in steps]
+    rest = [max(0.0, s.seconds * 1e3 - c) for s, c in zip(steps, inside)]
+    sent = [s.traffic[rank].bytes for s in steps]
+    hover = "position %{x}: %{y:.1f} ms<br>%{customdata:,} bytes in collectives<extra></extra>"
+    return FigureSpec([
+        {"type": "bar", "name": f"rank {rank} in collectives", "x": x, "y": inside, "customdata": sent,
+         "marker": {"color": "#d62728"}, "hovertemplate": hover},
+        {"type": "bar", "name": "the rest of the pass", "x": x, "y": rest, "customdata": sent,
+         "marker": {"color": HELD}, "hovertemplate": hover}],
+        {"barmode": "stack", "title": {"text": "each pass: time in collectives and the rest", "font": {"size": 13.0},
+                                       "x": 0.01},
+         "xaxis": {"title": {"text": "position of the pass"}}, "yaxis": {"title": {"text": "ms"}}, "height": 280,
+         "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvexplore
-from kvexplore.distributed import Layout, split
-from kvexplore.views.ranks import MAX_COLUMNS, rank_bytes, rank_map
+from kvexplore.distributed import Layout, Pass, Traffic, split
+from kvexplore.views.ranks import MAX_COLUMNS, rank_bytes, rank_map, rank_traffic
 from kvexplore.views.spec import figure
 
 
@@ -60,3 +60,14 @@ def test_bytes_per_rank_against_one_process_and_what_cannot_be_drawn_is_refused(
         rank_map([{"rank": 0, "kv_heads": None, "positions": None}])
     with pytest.raises(kvexplore.SettingsError, match="needs each rank's memory"):
         rank_map([])
+
+
+def test_each_pass_splits_into_time_in_collectives_and_the_rest():
+    steps = [Pass(20, 20, 0.050, [Traffic(12, 20 * 1024 * 12, 0.030), Traffic(12, 20 * 1024 * 12, 0.020)]),
+             Pass(20 + 20, 1, 0.010, [Traffic(12, 1024 * 12, 0.004), Traffic(12, 1024 * 12, 0.006)])]
+    spec = rank_traffic(steps)
+    assert spec.trace("rank 0 in collectives")["y"] == pytest.approx([30.0, 4.0])
+    assert spec.trace("the rest of the pass")["y"] == pytest.approx([20.0, 6.0])
+    assert spec.trace("rank 0 in collectives")["customdata"] == [245760, 12288]
+    assert [s.collective_share for s in steps] == pytest.approx([0.6, 0.6])
+    figure(spec)
