@@ -4,6 +4,7 @@ bytes."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -348,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
                        extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len,
                        options=app_options(args.model, args.strategies, args.strategy_option))
+    except BrokenPipeError:  # the reader went away (kvexplore bugs list | head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the interpreter's exit
+        return 0
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -163,3 +163,13 @@ def test_console_script(source):
     run = subprocess.run(["kvexplore", "generate", source, "--prompt", "Call me", "--max-new-tokens", "3"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "tokens/s" in run.stdout, run.stderr
+
+
+def test_a_listing_cut_short_by_its_reader_ends_quietly():
+    """``kvexplore course list | head -2``: the reader closes the pipe; no "Broken pipe" error, exit 0."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(f"{sys.executable} -m kvexplore course list | head -2", shell=True, capture_output=True,
+                         text=True)
+    assert run.stdout.splitlines() == ["", "notebook 02"] and run.stderr == "", run.stderr
