@@ -318,7 +318,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    code = _run(parse_args(argv))
+    try:
+        sys.stdout.flush()  # a reader gone (kvexplore bugs list | head) shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        _quiet()
+    return code
+
+
+def _quiet() -> None:
+    """The reader went away: nothing more to say, nor at the interpreter's exit (stdout onto /dev/null)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "generate":
             _generate(args)
@@ -349,8 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return app(args.model, strategies=args.strategies, port=args.port, no_browser=args.no_browser,
                        extra=args.extra, prompt=args.prompt, max_seq_len=args.max_seq_len,
                        options=app_options(args.model, args.strategies, args.strategy_option))
-    except BrokenPipeError:  # the reader went away (kvexplore bugs list | head): nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the interpreter's exit
+    except BrokenPipeError:  # the reader went away while the command wrote
+        _quiet()
         return 0
     except (KVExploreError, ValueError, OSError) as e:
         print(f"kvexplore {args.command}: error: {e}", file=sys.stderr)
