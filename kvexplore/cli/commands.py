@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 from ..caches.factory import STRATEGIES
 from ..errors import KVExploreError
-from . import bugs, cache_options, course, kv_events
+from . import bugs, cache_options, course, distributed, kv_events
 
 
 class _Parser(argparse.ArgumentParser):
@@ -175,8 +175,6 @@ def _generate(args: argparse.Namespace) -> None:
 
     options = cache_options.given(args)  # checked before the model loads
     if args.tp:
-        from . import distributed
-
         run = distributed.generate_as_rank if distributed.launched_by_torchrun() else distributed.generate
         return run(args, options)
     model = load(args.source, dtype=args.dtype, device=args.device)
@@ -186,7 +184,7 @@ def _generate(args: argparse.Namespace) -> None:
     tok = model.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else None
     if ids is None:
-        ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
+        ids = distributed.encode(tok, args.prompt)
     cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens, **options)
     tracer = Tracer(capture={"cache", "attention", "qkv", "memory", "timing"}) if args.save_trace else None
     gen = Generator(model, cache, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -30,7 +30,12 @@ def prompt_ids(source: str, prompt: str) -> tuple[list[int], object]:
     tok = load_tokenizer(source)
     if tok is None:
         raise SettingsError(f"{source} has no tokenizer; generate needs one to read the prompt")
-    return ([tok.bos_id] if tok.add_bos else []) + tok.encode(prompt), tok
+    return encode(tok, prompt), tok
+
+
+def encode(tok, prompt: str) -> list[int]:
+    """The prompt's ids, with the BOS token where the tokenizer adds one."""
+    return ([tok.bos_id] if tok.add_bos else []) + tok.encode(prompt)
 
 
 def generate(args: argparse.Namespace, options: dict) -> None:
@@ -88,7 +93,7 @@ def generate_as_rank(args: argparse.Namespace, options: dict) -> None:
         model = shard_model(full, split(full.config, world, rank))
         tok = full.tokenizer
         del full
-        ids = ([tok.bos_id] if tok.add_bos else []) + tok.encode(args.prompt)
+        ids = encode(tok, args.prompt)
         cache = make_cache(args.cache, model, max_seq_len=args.max_seq_len or len(ids) + args.max_new_tokens,
                            **options)
         tokens: list[int] = []

@@ -130,8 +130,7 @@ class ContextParallelAttention(Attention):
         rows = mask.repeat(g, 1)  # (g*T, S_local), as the scores' rows (head in group, token)
         scores = scores.masked_fill(~rows, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf where this rank holds none of a row's keys
-        weights = torch.exp(scores - lse.clamp_min(torch.finfo(torch.float32).min))
-        weights = torch.nan_to_num(weights, nan=0.0)
+        weights = torch.exp(scores - lse.clamp_min(torch.finfo(torch.float32).min))  # a row without keys: all 0
         out = weights @ v_all.float()  # (B, nkv, g*T, hd)
         t0 = time.perf_counter()
         outs = [torch.empty_like(out) for _ in range(dist.get_world_size(self.group))]

@@ -89,8 +89,6 @@ class Ranks:
         self.cache_kind, self.cache_options = cache, dict(cache_options)
         self.tokens: list[int] = []
         self.steps: list[Pass] = []  # every pass: its tokens, the driver's wall time, each rank's traffic
-        self.traffic = [Traffic() for _ in range(tp)]
-        self.last_traffic = [Traffic() for _ in range(tp)]
         port = free_port()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: safe from a notebook's kernel
         self._conns, self.processes = [], []
@@ -171,11 +169,7 @@ class Ranks:
         answers = self._gather("forward", self.timeout_s)
         self.steps.append(Pass(len(self.tokens), len(ids), time.perf_counter() - start,
                                [a[1] for a in answers]))
-        for rank, (_, traffic, mem) in enumerate(answers):
-            self.last_traffic[rank] = traffic
-            t = self.traffic[rank]
-            t.calls, t.bytes, t.seconds = t.calls + traffic.calls, t.bytes + traffic.bytes, t.seconds + traffic.seconds
-            self._memory[rank] = mem
+        self._memory = [a[2] for a in answers]
         self.tokens += ids
         return answers[self.logits_rank][0]
 
@@ -194,12 +188,33 @@ class Ranks:
         self._memory = [a[0] for a in self._gather("truncate", self.timeout_s)]
         del self.tokens[n:]
 
+    def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        """``n`` greedy tokens after ``prompt`` (every rank computes the same logits; rank 0's choose), and the logits
+        of each pass: the prompt's ``(len(prompt), vocab)``, then one ``(vocab,)`` row a token."""
+        logits = [self.prefill(prompt)]
+        tokens = [int(logits[-1][-1].argmax())]
+        while len(tokens) < n:
+            logits.append(self.decode(tokens[-1]))
+            tokens.append(int(logits[-1].argmax()))
+        return tokens, logits
+
     def generate(self, prompt: Sequence[int], n: int) -> list[int]:
-        """``n`` greedy tokens after ``prompt`` (every rank computes the same logits; rank 0's choose)."""
-        out = [int(self.prefill(prompt)[-1].argmax())]
-        while len(out) < n:
-            out.append(int(self.decode(out[-1]).argmax()))
-        return out
+        """``n`` greedy tokens after ``prompt``."""
+        return self.greedy(prompt, n)[0]
+
+    @property
+    def traffic(self) -> list[Traffic]:
+        """Each rank's collectives over every pass so far (the sum of :attr:`steps`)."""
+        total = [Traffic() for _ in range(self.tp)]
+        for step in self.steps:
+            for t, more in zip(total, step.traffic):
+                t.calls, t.bytes, t.seconds = t.calls + more.calls, t.bytes + more.bytes, t.seconds + more.seconds
+        return total
+
+    @property
+    def last_traffic(self) -> list[Traffic]:
+        """Each rank's collectives in the last pass."""
+        return list(self.steps[-1].traffic) if self.steps else [Traffic() for _ in range(self.tp)]
 
     def memory(self) -> list[dict[str, Any]]:
         """Each rank's cache bytes now: ``held_bytes`` (its report), ``reachable_bytes`` (every tensor storage

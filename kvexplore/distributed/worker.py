@@ -92,12 +92,11 @@ def memory(model, cache, walk: bool = False) -> dict[str, Any]:
 
     report = cache.inspect.memory_report()
     part = _part(model)
-    held = [p for p in cache.inspect.slot_view(0).positions if p >= 0]  # layer 0's slots, as the cache says
     split = getattr(model, "split", None)
     return {"rank": part.rank, "describe": part.describe(), "replicas": getattr(part, "replicas", 1),
             "kv_heads": list(split.kv_heads) if split else None, "q_heads": list(split.q_heads) if split else None,
             "model_kv_heads": split.model_kv_heads if split else None,
-            "positions": held if hasattr(model, "layout") else None,
+            "positions": _held_positions(cache) if hasattr(model, "layout") else None,
             "length": cache.length, "held_bytes": report.held_bytes,
             "reachable_bytes": referents_bytes(cache) if walk else None, "logical_bytes": report.logical_bytes,
             "reserved_bytes": report.reserved_bytes}
@@ -151,6 +150,11 @@ def run(command: str, args: list, model, cache) -> tuple:
         cache.truncate(args[0])
         return (memory(model, cache),)
     raise ValueError(f"unknown command {command!r}")
+
+
+def _held_positions(cache) -> list[int]:
+    """The positions layer 0's slots hold, as the cache says (a context-parallel rank's share)."""
+    return [p for p in cache.inspect.slot_view(0).positions if p >= 0]
 
 
 def _part(model):

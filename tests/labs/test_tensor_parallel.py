@@ -96,7 +96,6 @@ def test_tensor_parallel_tiny_gives_one_process_logits_and_tokens_and_a_share_of
         traffic = ranks.traffic[0]
         assert traffic.calls == 2 * model.config.num_layers * 64  # o_proj and down_proj, every layer, every pass
         assert [s.position for s in ranks.steps] == [0, *range(len(PROMPT), len(PROMPT) + 63)]
-        assert sum(s.traffic[0].bytes for s in ranks.steps) == traffic.bytes
         assert all(0 < s.collective_share < 1 for s in ranks.steps)
         hidden = model.config.hidden_size * 4
         assert traffic.bytes == 2 * model.config.num_layers * hidden * (len(PROMPT) + 63)

@@ -24,11 +24,8 @@ def greedy(model, prompt, n, cache="preallocated", **options):
 
 
 def parallel(ranks: Ranks, prompt, n):
-    logits = [ranks.prefill(prompt)]
-    tokens = [int(logits[-1][-1].argmax())]
-    while len(tokens) < n:
-        logits.append(ranks.decode(tokens[-1]))
-        tokens.append(int(logits[-1].argmax()))
+    """The same run over rank processes: its logits and tokens (the order :func:`assert_same_run` takes)."""
+    tokens, logits = ranks.greedy(prompt, n)
     return logits, tokens
 
 
