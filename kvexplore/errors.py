@@ -75,6 +75,11 @@ class CacheFullError(KVExploreError, RuntimeError):
         )
 
 
+class RankError(KVExploreError, RuntimeError):
+    """A rank process of a model run over several processes (:mod:`kvexplore.distributed`) died, hung or failed;
+    every rank was stopped."""
+
+
 #: the command that installs the widgets' libraries (the ``notebook`` extra) next to an installed kvexplore, from
 #: a source checkout as from a wheel
 NOTEBOOK_INSTALL = 'pip install "kvexplore[notebook]"'

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import KVExploreError, SettingsError
+from ..errors import RankError, SettingsError
 from .reduce import Traffic
 from .worker import RankJob, main
 
@@ -38,10 +38,6 @@ class Pass:
     def collective_share(self) -> float:
         """The largest share of the pass any rank spent in its collectives (waiting for the others included)."""
         return max(t.seconds for t in self.traffic) / self.seconds if self.seconds else 0.0
-
-
-class RankError(KVExploreError):
-    """A rank process died, hung or failed; every rank was stopped."""
 
 
 def free_port() -> int:
@@ -77,6 +73,7 @@ class Ranks:
     what = "tensor parallel"
     layouts: tuple = ()
     logits_rank = 0  # the rank whose logits a pass answers
+    first = 0  # the first rank spawned (1: the driver is rank 0 itself, .lead)
 
     def __init__(self, source: str, tp: int, cache: str = "preallocated", max_seq_len: int = 256,
                  dtype: str | None = None, timeout_s: float = 30.0, threads: int = 1, interleave: int = 1,
@@ -92,17 +89,21 @@ class Ranks:
         port = free_port()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per rank: safe from a notebook's kernel
         self._conns, self.processes = [], []
-        for rank in range(tp):
+        for rank in range(self.first, tp):
             here, there = ctx.Pipe()
             job = RankJob(rank, tp, port, str(source), cache, dict(cache_options), max_seq_len, dtype, threads,
-                          timeout_s, self.mode, interleave, self.layouts)
+                          timeout_s, self.mode, interleave, START_TIMEOUT_S, self.layouts, led=self.first > 0)
             p = ctx.Process(target=main, args=(job, there), name=f"kvexplore rank {rank} of {tp}", daemon=True)
             p.start()
             there.close()
             self._conns.append(here)
             self.processes.append(p)
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
+        self._meet(port)
         self._memory = [a[0] for a in self._gather("start", START_TIMEOUT_S)]
+
+    def _meet(self, port: int) -> None:
+        """What the driver does while its ranks start (a leader joins them as rank 0: :mod:`.lead`)."""
 
     @staticmethod
     def check(config, tp: int, interleave: int, cache: str) -> None:
@@ -113,23 +114,23 @@ class Ranks:
         """Every rank's answer to the command just sent (in rank order). Every rank refusing it alike (a full
         cache, checked before any collective) raises that error and keeps the ranks; a rank that failed alone,
         exited or did not answer within ``timeout_s`` stops them all (:class:`RankError`)."""
-        answers: list[tuple | None] = [None] * self.tp
+        answers: list[tuple | None] = [None] * len(self._conns)
         deadline = time.monotonic() + timeout_s
         while any(a is None for a in answers):
-            for rank, conn in enumerate(self._conns):
-                if answers[rank] is None and conn.poll(0.02):
+            for i, conn in enumerate(self._conns):
+                if answers[i] is None and conn.poll(0.02):
                     try:
-                        answers[rank] = conn.recv()
+                        answers[i] = conn.recv()
                     except (EOFError, OSError):  # its end of the pipe closed: the process is ending
-                        self.processes[rank].join(2.0)
-                        self._fail(f"rank {rank} of {self.tp} stopped ({_exit(self.processes[rank].exitcode)}) "
-                                   f"during {command!r}")
-            for rank, p in enumerate(self.processes):
-                if answers[rank] is None and not p.is_alive():
-                    self._fail(f"rank {rank} of {self.tp} stopped ({_exit(p.exitcode)}) during {command!r}")
+                        self.processes[i].join(2.0)
+                        self._fail(f"rank {i + self.first} of {self.tp} stopped "
+                                   f"({_exit(self.processes[i].exitcode)}) during {command!r}")
+            for i, p in enumerate(self.processes):
+                if answers[i] is None and not p.is_alive():
+                    self._fail(f"rank {i + self.first} of {self.tp} stopped ({_exit(p.exitcode)}) during {command!r}")
             if time.monotonic() > deadline:
-                late = [str(r) for r, a in enumerate(answers) if a is None]
-                stopped = [str(r) for r, p in enumerate(self.processes) if _stopped(p.pid)]
+                late = [str(i + self.first) for i, a in enumerate(answers) if a is None]
+                stopped = [str(i + self.first) for i, p in enumerate(self.processes) if _stopped(p.pid)]
                 why = (f"rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)} stopped by a signal or a "
                        f"debugger; " if stopped else "")
                 self._fail(f"rank{'s' if len(late) > 1 else ''} {', '.join(late)} of {self.tp} did not answer "
@@ -139,25 +140,32 @@ class Ranks:
         if len(errors) == 1 and all(a[0] == "error" for a in answers) and command != "start":
             raise SettingsError(f"every rank refused {command!r}, and each kept its cache as it was: "
                                 f"{errors.pop()}")
-        for rank, a in enumerate(answers):
+        for i, a in enumerate(answers):
             if a[0] == "error":
-                self._fail(f"rank {rank} of {self.tp} failed during {command!r}: {a[1]}", a[2])
+                self._fail(f"rank {i + self.first} of {self.tp} failed during {command!r}: {a[1]}", a[2])
         return [a[1:] for a in answers]
+
+    @property
+    def again(self) -> str:
+        """What starts the ranks again, in words."""
+        return f"start a new {type(self).__name__}"
 
     def _fail(self, why: str, detail: str = "") -> None:
         self.close()
-        raise RankError(f"{why}; every rank was stopped: start a new {type(self).__name__}"
-                        + (f"\n{detail}" if detail else ""))
+        raise RankError(f"{why}; every rank was stopped: {self.again}" + (f"\n{detail}" if detail else ""))
 
     def _send(self, *command: Any) -> None:
+        gone = [i for i, p in enumerate(self.processes) if not p.is_alive()]
+        if self._finalizer.alive and gone:  # one exited (killed, say) since the last command
+            self._fail(f"rank {gone[0] + self.first} of {self.tp} stopped "
+                       f"({_exit(self.processes[gone[0]].exitcode)}) before {command[0]!r}")
         if not self.alive:
-            raise RankError(f"the ranks were stopped (closed, or after a rank failed): start a new "
-                            f"{type(self).__name__}")
-        for rank, conn in enumerate(self._conns):
+            raise RankError(f"the ranks were stopped (closed, or after a rank failed): {self.again}")
+        for i, conn in enumerate(self._conns):
             try:
                 conn.send(command)
             except (OSError, BrokenPipeError):
-                self._fail(f"rank {rank} of {self.tp} is gone ({_exit(self.processes[rank].exitcode)})")
+                self._fail(f"rank {i + self.first} of {self.tp} is gone ({_exit(self.processes[i].exitcode)})")
 
     def forward(self, ids: Sequence[int]) -> torch.Tensor:
         """Run ``ids`` at the cache's length on every rank; the float32 logits ``(len(ids), vocab)``."""

@@ -36,7 +36,9 @@ class RankJob:
     timeout_s: float
     mode: str = "tp"   # "tp": tensor parallel (a shard of the heads); "cp": context parallel (a share of positions)
     interleave: int = 1  # cp: positions in runs of this many per rank
+    start_s: float = 120.0  # the wait for every rank to meet (loading the model included)
     layouts: tuple = ()  # pd: each side's PageLayout (rank 0 prefills, rank 1 decodes)
+    led: bool = False  # rank 0 is the driver's own process (an explorer lane, .lead): the group is made explicitly
 
 
 def loopback_interface() -> str | None:
@@ -45,11 +47,14 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n.startswith("lo")), None)
 
 
-def join(rank: int, tp: int, port: int, timeout_s: float) -> None:
-    import torch.distributed as dist
-
+def _loopback_only() -> None:
     if "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
         os.environ["GLOO_SOCKET_IFNAME"] = lo  # only the loopback address, never another interface
+
+
+def join(rank: int, tp: int, port: int, timeout_s: float) -> None:
+    """Join the process's default group (every rank a process of its own)."""
+    _loopback_only()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # one GPU a rank (NCCL needs each rank's tensors on its own device)
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -57,8 +62,21 @@ def join(rank: int, tp: int, port: int, timeout_s: float) -> None:
                             timeout=timedelta(seconds=timeout_s))
 
 
-def build(job: RankJob):
-    """The rank's model and cache."""
+def group_at(port: int, rank: int, size: int, timeout_s: float, start_s: float) -> tuple[Any, Any]:
+    """A group of its own, not the process's default one: ``(store, group)``, rank 0 serving the store on the
+    loopback port. What an explorer lane's ranks meet in: the kernel (rank 0) may lead several lanes, each its own
+    group, and a group whose rank died is simply dropped (gloo; NCCL where there are GPUs). A collective that waits
+    longer than ``timeout_s`` raises; ``start_s`` bounds the meeting."""
+    _loopback_only()
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=start_s))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return store, dist.ProcessGroupNCCL(store, rank, size)
+    return store, dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+
+
+def build(job: RankJob, group: Any = None):
+    """The rank's model and cache (its collectives in ``group``; None: the default group)."""
     from ..caches.factory import make_cache
     from ..formats.loading import load
 
@@ -75,12 +93,12 @@ def build(job: RankJob):
         from .context import ContextParallelCache, Layout, context_parallel
 
         layout = Layout(job.tp, job.interleave, job.rank)
-        model = context_parallel(full, layout)
+        model = context_parallel(full, layout, group)
         return model, ContextParallelCache(model.config, job.max_seq_len, layout, dtype=model.dtype)
     from .shard import shard_model
     from .split import split
 
-    model = shard_model(full, split(full.config, job.tp, job.rank))
+    model = shard_model(full, split(full.config, job.tp, job.rank), group)
     del full
     return model, make_cache(job.cache, model, max_seq_len=job.max_seq_len, **job.cache_options)
 
@@ -106,8 +124,12 @@ def serve(job: RankJob, conn) -> None:
     """The rank's loop: commands in, answers out, until ``close`` or the driver's end of the pipe closes."""
     torch.set_num_threads(job.threads)
     try:
-        join(job.rank, job.tp, job.port, job.timeout_s)
-        model, cache = build(job)
+        if job.led:  # the driver is rank 0: an explicit group, kept alive here until the loop ends
+            _store, group = group_at(job.port, job.rank, job.tp, job.timeout_s, job.start_s)
+        else:
+            join(job.rank, job.tp, job.port, job.timeout_s)
+            group = None
+        model, cache = build(job, group)
         conn.send(("ready", memory(model, cache)))
     except Exception as e:  # noqa: BLE001 (the driver says what failed, with the rank's traceback)
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
@@ -131,8 +153,13 @@ def run(command: str, args: list, model, cache) -> tuple:
     or ``truncate`` (back to a length)."""
     if command == "forward" and getattr(model, "role", None) == "prefill":  # prefill and decode apart: it rests
         return (None, Traffic(), memory(model, cache))
-    if command == "forward":
-        (ids,) = args
+    if command == "forward":  # (ids) at the cache's length, or (ids, position): the leader's cache may have been
+        ids, *at = args       # cut back (a rewind, an undone step) since: follow it first
+        if at and cache.length != at[0]:
+            if cache.length < at[0]:
+                raise SettingsError(f"the leader's pass is at position {at[0]}, this rank's cache holds only "
+                                    f"{cache.length}")
+            cache.truncate(at[0])
         before = model.traffic.copy()
         with torch.no_grad():
             logits = model(torch.tensor([ids]), cache, cache.length)

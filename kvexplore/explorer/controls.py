@@ -271,6 +271,12 @@ def error_html(e: Exception) -> str:
             + (f'<br>{html.escape(hint)}' if hint else "") + '</div>')
 
 
+def stopped_html(text: str) -> str:
+    """A lane stopped while the others go on (a rank of a ``tp:N`` lane died or hung): red, as an error."""
+    return (f'<div class="kvx-stopped" style="color:#b30000;border:1px solid #e0b4b4;background:#fff6f6;'
+            f'padding:4px 8px;border-radius:4px"><b>RankError</b>: {html.escape(text)}</div>')
+
+
 def notice_html(text: str) -> str:
     """A notice on the error line: something the person should know that is not an error (amber, not red)."""
     return (f'<div class="kvx-notice" style="color:#7a4a00;border:1px solid #e6c98f;background:#fff8e6;'

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CacheFullError
+from ..errors import CacheFullError, RankError
 from ..runtime.generator import Generator
 from ..trace.records import StepRecord
 from ..views.divergence import first_divergence
@@ -32,11 +32,17 @@ class Lane:
     checkups: dict[int, Any] = field(default_factory=dict)  # verification -> the doctor's check after it (.checkup)
     shared_pass: str | None = None  # the lane whose prefill pass this lane reused (.shared_pass), if any
     full: CacheFullError | None = None  # why the steps go on without this lane (its cache is full), until a rewind
+    stopped: RankError | None = None  # why the steps go on without this lane (a rank of it stopped), until a reset
 
     @property
     def lane_kind(self) -> LaneKind:
         """The kind of lane its strategy is (:mod:`.lanes`; a given generator's unknown strategy: :data:`GIVEN`)."""
         return find(self.kind) or GIVEN
+
+    @property
+    def sits_out(self) -> bool:
+        """The steps go on without this lane (its cache is full, or a rank of it stopped)."""
+        return self.full is not None or self.stopped is not None
 
     @property
     def is_fork(self) -> bool:

@@ -1,6 +1,6 @@
 """The kinds of lane an explorer session runs, by strategy name (:class:`EagerLanes`, :class:`CompiledLane`,
-:class:`TransformersLanes`, :class:`BugLanes`): the registry the session asks instead of reading strategy names
-itself, and the only file of the explorer that reads them. What a :class:`LaneKind` answers, and how to add one:
+:class:`TransformersLanes`, :class:`BugLanes`, :class:`RankLanes`): the registry the session asks instead of reading
+strategy names itself, and the only file of the explorer that reads them. What a :class:`LaneKind` answers, and how to add one:
 docs/extending.md ("The lane-kind registry").
 """
 
@@ -48,6 +48,7 @@ class LaneSpec:
     sampling: SamplingSettings
     seed: int
     top_candidates: int
+    reuse: Any = None  # what the lane's last build left to build on (a lane over several processes: its ranks)
 
 
 class LaneKind(ABC):
@@ -59,6 +60,7 @@ class LaneKind(ABC):
     transformers = False  # runs the transformers model (not kvexplore's)
     compiled = False  # Generator(compile=True)
     records_attention = True  # its tracer records attention (a compiled step cannot)
+    in_process = True  # its model runs in this process alone: the doctor and a zoom's recompute may run it again
 
     @abstractmethod
     def claims(self, strategy: str) -> bool:
@@ -102,6 +104,14 @@ class LaneKind(ABC):
         if generator.tokens and generator.cache.length == 0:
             raise SettingsError("a strategy without a cache has nothing to fork; pick another strategy")
         return generator.fork()
+
+    def release(self, generator: Generator) -> None:
+        """Let go of what a lane holds outside this process (nothing, but for :class:`RankLanes`)."""
+
+    def reusable(self, generator: Generator) -> Any:
+        """What a new build of the lane may build on (:attr:`LaneSpec.reuse`; None: nothing, the lane is released)."""
+        self.release(generator)
+        return None
 
 
 class EagerLanes(LaneKind):
@@ -233,10 +243,71 @@ class BugLanes(LaneKind):
                          kernels=True)
 
 
+class RankLanes(LaneKind):
+    """kvexplore's model split over processes, this one rank 0 (:mod:`kvexplore.distributed.lead`): ``tp:N`` by
+    heads (tensor parallel; option ``cache``: the ranks' strategy, pre-allocated by default, and its options),
+    ``cp:N`` by positions (context parallel; option ``interleave``). Options ``timeout_s`` (how long a collective
+    waits for a rank before the lane stops, 10 s by default) and ``threads`` (each rank's). The lane draws rank 0's
+    cache; the Ranks view every rank's."""
+
+    name, label = "ranks", "kvexplore's model over N processes, by heads (tp:N) or positions (cp:N), this one rank 0"
+    in_process = False
+
+    @staticmethod
+    def _parse(strategy: str) -> tuple[str, int] | None:
+        from ..distributed.lead import parse
+
+        return parse(strategy)
+
+    def claims(self, strategy: str) -> bool:
+        return ":" in strategy and self._parse(strategy) is not None
+
+    def offered(self, hf: Any) -> list[str]:
+        return ["tp:2", "cp:2"]
+
+    def check(self, strategy: str, model: Any, hf: Any) -> None:
+        from ..distributed.lead import SPLITS
+
+        if not isinstance(model, Model):
+            raise SettingsError(f"{strategy} splits kvexplore's own model: give a kvexplore model")
+        mode, n = self._parse(strategy)
+        if n < 2:
+            raise SettingsError(f"{strategy}: a split needs at least 2 ranks ({mode}:2)")
+        SPLITS[mode].check(model.config, n, 1, "preallocated")
+
+    def build(self, strategy: str, spec: LaneSpec, tracer: Any) -> Generator:
+        from ..distributed.lead import Leader, Leading
+
+        options, drafting = split_options(spec.options)
+        if drafting:
+            raise SettingsError(f"{strategy} does not draft: speculative decoding runs on one process's lanes")
+        mode, n = self._parse(strategy)
+        slots = options.pop("max_seq_len", spec.max_seq_len)
+        leader = spec.reuse
+        if leader is None or not leader.alive or leader.slots != slots:  # its ranks, with caches of another size
+            if leader is not None:
+                leader.close()
+            leader = Leader(spec.model, mode, n, options.pop("cache", "preallocated"), slots, **options)
+        s = spec.sampling
+        return Generator(Leading(leader), leader.new_cache(), s.temperature, s.top_k, s.top_p, spec.seed,
+                         spec.top_candidates, tracer, kernels=True)
+
+    def fork(self, generator: Generator) -> Generator:
+        raise SettingsError("a lane over several processes holds one sequence on every rank: fork another lane")
+
+    def release(self, generator: Generator) -> None:
+        generator.executor.close()
+
+    def reusable(self, generator: Generator) -> Any:
+        """The lane's ranks, still running: a new prefill starts on them (spawning them again takes seconds)."""
+        leader = generator.executor.leader
+        return leader if leader.alive else None
+
+
 GIVEN = GivenLane()
 
 #: the lane kinds, asked in this order which one a strategy name is
-LANE_KINDS: list[LaneKind] = [TransformersLanes(), BugLanes(), CompiledLane(), EagerLanes()]
+LANE_KINDS: list[LaneKind] = [TransformersLanes(), BugLanes(), RankLanes(), CompiledLane(), EagerLanes()]
 
 
 def find(strategy: Any) -> LaneKind | None:

@@ -26,7 +26,7 @@ from .probe import LaneTracer
 from .recompute import LaneAttention
 from .fit import growth_note, slots_for
 from . import timing
-from ..errors import CacheFullError, SettingsError, StateError
+from ..errors import CacheFullError, RankError, SettingsError, StateError
 
 __all__ = ["COMPILED", "Lane", "Session", "check_strategies"]
 
@@ -99,11 +99,12 @@ class Session:
         c = self.model.config
         return LaneTracer(c.num_layers, max(c.layer_kv_heads(i) for i in range(c.num_layers)), attention)
 
-    def _new_lane(self, strategy: str, follows: bool, slots: int | None = None) -> Lane:
-        """A fresh lane of ``strategy`` built by its kind (:mod:`.lanes`), ``slots`` long (default: the session's)."""
+    def _new_lane(self, strategy: str, follows: bool, slots: int | None = None, reuse: Any = None) -> Lane:
+        """A fresh lane of ``strategy`` built by its kind (:mod:`.lanes`), ``slots`` long (default: the session's),
+        on what its last build left (``reuse``, :meth:`LaneKind.reusable`)."""
         kind = lane_kind(strategy, self.hf)
         spec = LaneSpec(self.model, self.hf, slots or self.max_seq_len, self.options.get(strategy, {}),
-                        self.sampling, self.seed, self.top_candidates)
+                        self.sampling, self.seed, self.top_candidates, reuse)
         tracer = self._tracer(attention=kind.records_attention)
         generator = kind.build(strategy, spec, tracer)
         # a lane that drafts runs free (a forced step would be a plain step): see .aligned
@@ -116,7 +117,8 @@ class Session:
     def lane_attention(self, lane: Lane) -> LaneAttention:
         """``lane``'s attention as the views ask for it: its bounded store, and rows recomputed on a zoom when the lane
         runs kvexplore's own model (the snapshot's ``LaneDetail.attention``)."""
-        model = self.model if isinstance(self.model, Model) and not lane.lane_kind.transformers else None
+        model = self.model if isinstance(self.model, Model) and lane.lane_kind.in_process \
+            and not lane.lane_kind.transformers else None
         generator = lane.generator
         return LaneAttention(lane.tracer.store, model, (lambda: generator.tokens) if model is not None else None,
                              lane.cache.kind, self.cache_options(lane.kind))
@@ -150,13 +152,15 @@ class Session:
         # peak holds one set of caches, not two
         plan = [(name, lane.kind, lane.follows) for name, lane in self.lanes.items() if not lane.is_fork]
         tokens = len(self.reference.generator.prompt_ids(prompt)) if progress is not None else 0
+        reuse = {name: lane.lane_kind.reusable(lane.generator) if lane.stopped is None and not lane.is_fork else
+                 lane.lane_kind.release(lane.generator) for name, lane in self.lanes.items()}
         self.lanes, self._forks = {}, {}
         gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
         fresh: dict[str, Lane] = {}
         shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may reuse (.shared_pass)
         try:
             for i, (name, strategy, follows) in enumerate(plan):
-                new = self._new_lane(strategy, follows, slots)
+                new = self._new_lane(strategy, follows, slots, reuse.get(name))
                 if progress is not None:
                     progress(i, len(plan), name, None, tokens)
                     new.tracer.on_layer = lambda layer, i=i, name=name: progress(i, len(plan), name, layer, tokens)
@@ -195,9 +199,11 @@ class Session:
         if not ref.generator.tokens:
             raise StateError("nothing to continue: enter a prompt and prefill first")
         full = self._full_lanes()  # the checks a step makes before writing, on every lane first
+        stopped = {lane.name: lane.stopped for lane in self.lanes.values() if lane.stopped is not None}
         pace = self.pace
-        if len(full) == len(self.lanes) or (full and pace is not None):  # (a lane that drafts: all in step)
-            raise next(iter(full.values()))
+        if len(full) + len(stopped) == len(self.lanes) or (full and pace is not None):  # (drafting: all in step)
+            raise next(iter({**full, **stopped}.values()))
+        full_or_stopped = {**full, **stopped}
         done: list[tuple[Lane, int]] = []
         out = {}
         try:
@@ -209,13 +215,17 @@ class Session:
                 else:
                     context = list(ref.generator.tokens)  # what a follower must hold to be fed the reference's token
                     for lane in self.step_order():
-                        if lane.name in full:
+                        if lane.name in full_or_stopped:
                             continue
-                        forced = (lane.follows and lane is not ref and ref.name not in full
+                        forced = (lane.follows and lane is not ref and ref.name not in full_or_stopped
                                   and lane.generator.tokens == context)
                         force = ref.history[-1].token_id if forced else None
-                        done.append((lane, len(lane.history)))
-                        out[lane.name] = lane.generator.step(force=force, keep_undo=True)
+                        try:
+                            out[lane.name] = lane.generator.step(force=force, keep_undo=True)
+                        except RankError as e:  # a rank died or hung (within the lane's bound): it sits out
+                            lane.stopped = full_or_stopped[lane.name] = e
+                            continue
+                        done.append((lane, len(lane.history) - 1))
                         if force is not None:
                             lane.forced_at.add(out[lane.name].step)
         except BaseException:  # unexpected (the checks passed): undo exactly what the other lanes did
@@ -238,6 +248,8 @@ class Session:
         """Each lane whose cache cannot take the next step, and why (other refusals raise: the caller's to fix)."""
         full = {}
         for lane in self.lanes.values():
+            if lane.stopped is not None:
+                continue
             try:
                 lane.generator.check_step()
             except CacheFullError as e:
@@ -258,7 +270,7 @@ class Session:
     def _checkable(self, lane: Lane) -> bool:
         """The doctor checks kvexplore's own model and caches (not a transformers lane); a lane's own model (a zoo bug's
         lane may run a twin of the session's)."""
-        return isinstance(lane.generator.model, Model) and not lane.lane_kind.transformers
+        return isinstance(lane.generator.model, Model) and lane.lane_kind.in_process and not lane.lane_kind.transformers
 
     @property
     def pace(self) -> Lane | None:
@@ -301,9 +313,13 @@ class Session:
         return {name: lane.history for name, lane in self.lanes.items() if lane.history}
 
     def reset(self) -> None:
-        """Empty every lane (forks are dropped)."""
+        """Empty every lane (forks are dropped; a lane whose rank stopped is started again)."""
         self.lanes = {name: lane for name, lane in self.lanes.items() if not lane.is_fork}
         self._forks = {}
+        for name, lane in self.lanes.items():
+            if lane.stopped is not None:
+                lane.lane_kind.release(lane.generator)
+                self.lanes[name] = self._new_lane(lane.kind, lane.follows)
         for lane in self.lanes.values():
             lane.generator.reset()
             lane.forget_after(0)
@@ -322,6 +338,11 @@ class Session:
         self.lanes[lane.name] = lane
         self.last_op = "fork"
         return lane
+
+    def close(self) -> None:
+        """Let go of what the lanes hold outside this process (the ranks of a lane over several processes stop)."""
+        for lane in self.lanes.values():
+            lane.lane_kind.release(lane.generator)
 
     # -- comparison ------------------------------------------------------------------------------------
     def _compare_last(self, stepped: set[str] | None = None) -> None:

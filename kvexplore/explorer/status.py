@@ -32,6 +32,8 @@ def status_line(lane: Lane, note: str = "", slots: SlotView | None = None) -> st
     held = f"cache holds {view.held:,} of {total:,} slots" if total else "cache keeps no slots"
     limit = "" if cache.capacity in (None, total) else f" · sequence limit {cache.capacity:,} positions"
     full = f" · full: sits out the steps since step {last.step}" if lane.full is not None else ""
+    if lane.stopped is not None:
+        full = f" · a rank stopped: sits out the steps since step {last.step} (Reset or Prefill starts its ranks again)"
     return (f"{lane.name} · step {last.step} · {len(lane.generator.tokens):,} tokens "
             f"({len(lane.generator.prompt_tokens):,} prompt) · {held}{limit}{full}{_end(lane)}{after}")
 
@@ -45,6 +47,12 @@ def full_note(lanes: list[Lane]) -> str:
                       for lane in full)
     return (f"Cache full, sitting out while the others go on: {names}. Rewind gives it room again, Reset starts "
             f"over; more slots: kvexplore app --max-seq-len N (Explorer(..., max_seq_len=N) in a notebook).")
+
+
+def stopped_note(lanes: list[Lane]) -> str:
+    """What the page says while a lane over several processes sits out because a rank of it stopped ("" when none)."""
+    return " ".join(f"{lane.name} sits out the steps while the others go on: {lane.stopped}"
+                    for lane in lanes if lane.stopped is not None)
 
 
 def at_end(lane: Lane) -> bool:

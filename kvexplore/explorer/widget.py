@@ -29,7 +29,7 @@ from . import inspect, models
 from .screen import Screen
 from .session import Lane, Session
 from .static import StaticCopy
-from .status import CONTINUE, SLOTS_TIP, STEP, at_end, fork_tip, full_note, status_line
+from .status import CONTINUE, SLOTS_TIP, STEP, at_end, fork_tip, full_note, status_line, stopped_note
 from .strip import TokenStrip
 
 DEFAULT_PROMPT = "Call me Ishmael. Some years ago"
@@ -275,8 +275,11 @@ class Explorer(Screen):
         w["status"].value = (f'<span title="{html.escape(SLOTS_TIP)}">'
                              f'{html.escape(status_line(lane, self.session.grew))}</span>')
         w["fork"].tooltip = fork_tip(lane)
-        if not self.error:  # a lane that sits out the steps, said until a rewind or reset
-            w["error"].value = layout.notice_html(full_note(list(self.session.lanes.values())))
+        if not self.error:  # a lane that sits out the steps, said until a rewind or reset (a stopped rank: red)
+            lanes = list(self.session.lanes.values())
+            stopped = stopped_note(lanes)
+            w["error"].value = (layout.stopped_html(stopped) if stopped else "") + \
+                layout.notice_html(full_note(lanes))
         ended = at_end(lane)  # Step offers to go on past the end of sequence
         w["step"].description = CONTINUE if ended else STEP
         w["step"].tooltip = layout.CONTINUE_TIP if ended else layout.STEP_TIP
@@ -345,6 +348,12 @@ class Explorer(Screen):
             display(HTML(f'<div class="kvx-again">{SHOWN_AGAIN.format(n=self._displays)}</div>'))
         display(self.widget)
         self._static.show()  # for nbconvert and GitHub: emptied as soon as a frontend draws the widget
+
+    def close(self) -> None:
+        """Stop what the explorer runs outside this kernel (the ranks of a ``tp:N`` or ``cp:N`` lane) and close its
+        widget; the kernel's exit or restart stops those ranks too."""
+        self.session.close()
+        self.widget.close()
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

@@ -22,6 +22,7 @@ from .kept import KeptRecords
 from .kept_trace import distinct
 from .records import Candidate, StepRecord
 from .press import PressOutcome, press_from_row, press_row
+from .ranks import RankStep
 from .tracer import AttentionHistory, CacheEvent, StepTrace
 
 FORMAT = "kvexplore-trace"
@@ -159,6 +160,8 @@ def save_trace(records: list[StepRecord], path: str | Path) -> Path:
         row["trace"] = None if r.trace is None else _trace_row(r.trace, f"{i}", tensors)
         if r.trace is not None and r.trace.press is not None:
             row["trace"]["press"] = press_row(r.trace.press, tensors, outcomes)
+        if r.trace is not None and r.trace.ranks is not None:
+            row["trace"]["ranks"] = r.trace.ranks.to_dict()
         rows.append(row)
     meta = {"format": FORMAT, "version": str(VERSION), "records": json.dumps(rows),
             "run": json.dumps(getattr(records, "meta", {}))}
@@ -249,4 +252,5 @@ def _trace(row: dict, key: str, f, history: AttentionHistory, outcomes: dict) ->
         qkv={name: f.get_tensor(f"{key}.qkv.{name}") for name in row["qkv"]},
         _attention={layer: history.append(f.get_tensor(f"{key}.attention.{layer}"))
                     for layer in row["attention_layers"]},
-        _history=history, press=press_from_row(row["press"], f, outcomes) if row.get("press") else None)
+        _history=history, press=press_from_row(row["press"], f, outcomes) if row.get("press") else None,
+        ranks=RankStep.from_dict(row["ranks"]) if row.get("ranks") else None)

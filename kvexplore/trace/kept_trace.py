@@ -163,6 +163,7 @@ class KeptTrace:
     heads: list[int]
     qkv: dict
     press: Any
+    ranks: Any
     attention: Any  # (layers, first, end) when every layer's entry is (layer, first, end); else the entries
     history: Any
 
@@ -187,7 +188,7 @@ class KeptTrace:
                    tuple((compact_positions(r), not isinstance(r, (range, np.ndarray))) for r in reads),
                    _same(read_of, b and b.read_of),
                    trace.main_layer, _same(trace.gqa_groups, b and b.gqa_groups), _same(trace.heads, b and b.heads),
-                   trace.qkv, trace.press, attention, trace.history)
+                   trace.qkv, trace.press, trace.ranks, attention, trace.history)
 
     def trace(self) -> StepTrace:
         """The step's trace as it was recorded (its events, slot views and read positions built when first read)."""
@@ -197,7 +198,7 @@ class KeptTrace:
         else:
             entries = dict(self.attention)
         out = StepTrace(main_layer=self.main_layer, gqa_groups=self.gqa_groups, heads=self.heads, qkv=dict(self.qkv),
-                        press=self.press, _attention=entries, _history=self.history)
+                        press=self.press, ranks=self.ranks, _attention=entries, _history=self.history)
         return build_later(out, events=partial(_events, self.events), layer_slots=self.slot_views,
                            layer_reads=self.read_positions)
 

@@ -14,6 +14,7 @@ from ..errors import SettingsError
 from ..core import host
 from .later import built_later
 from .press import PressOutcome, PressStep, record as press_record
+from .ranks import RankStep
 
 CAPTURES = frozenset({"cache", "attention", "qkv", "memory", "timing"})
 
@@ -90,6 +91,7 @@ class StepTrace:
     heads: list[int] = field(default_factory=list)  # the query heads recorded
     qkv: dict[str, torch.Tensor] = field(default_factory=dict)
     press: PressStep | None = None  # a pressing cache's state after the step (with "cache"; see .press)
+    ranks: RankStep | None = None  # a lane over several processes: every rank after the step's pass (see .ranks)
     _attention: dict[int, tuple] = field(default_factory=dict)  # layer -> where its rows are in the history
     _history: Any = None  # the run's AttentionHistory, or the explorer lane's AttentionStore
 
@@ -229,6 +231,11 @@ class Tracer:
         sync on CUDA), and call ``land(host_copy)`` then. ``t`` must not be changed in place before the step ends
         (the model's activations never are; a cache's storage is, so pass a clone of it)."""
         self._pending.append((t.detach(), land))
+
+    def note_ranks(self, ranks: RankStep) -> None:
+        """Keep what every rank did in this step's pass (a lane over several processes calls it after the pass)."""
+        if self._step is not None:
+            self._step.ranks = ranks
 
     # -- the protocol the generator calls ----------------------------------------------------------------
     def begin_step(self, cache: KVCache, pos: int, q_len: int) -> None:

@@ -162,11 +162,13 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
     lane's :class:`~kvexplore.explorer.recompute.LaneAttention` (its store, and rows recomputed on a zoom)."""
     last = records[-1] if records else None
     store = _store(records, source)
-    if last is None or last.trace is None:
+    held = list(last.trace.heads) if last is not None and last.trace is not None and last.trace.heads else None
+    elsewhere = held is not None and head not in held  # a rank's lane holds its own heads only (tp:N)
+    if last is None or last.trace is None or elsewhere:
         bar = None
     else:
         bar = _bar(store, records, layer, head, token_texts, zoom, max_bins)
-    have = bar is not None or (store is not None and store.has(layer) and last is not None)
+    have = not elsewhere and (bar is not None or (store is not None and store.has(layer) and last is not None))
     bar_x, bar_y, bar_text, width, whole = bar if bar is not None else ([], [], [], None, np.zeros(0))
     rows_n = last.position if last is not None else 0
     if have:
@@ -244,8 +246,10 @@ def spec(records: Sequence[StepRecord], layer: int, head: int, token_texts: Sequ
         xaxis3=dict(domain=[0.84, 1], anchor="y3", title=dict(text="query<br>heads"),
                     showticklabels=False),
         yaxis3=dict(domain=[0, 0.5], anchor="x3", title=dict(text="KV head"), dtick=1, autorange="reversed"),
-        annotations=notes if have else [dict(text="no attention captured yet", xref="paper", yref="paper", x=0.5,
-                                              y=0.8, showarrow=False)],
+        annotations=notes if have else [dict(
+            text=(f"query head {head} is not in this lane's records: they hold query heads {held[0]}-{held[-1]} (a "
+                  f"lane split over ranks holds rank 0's: the Ranks tab shows which rank holds which)" if elsewhere else
+                  "no attention captured yet"), xref="paper", yref="paper", x=0.5, y=0.8, showarrow=False)],
     )
     return FigureSpec(traces, layout if have else hide_axes(layout))
 

@@ -1,8 +1,11 @@
 """The cache across processes, drawn from what each rank reports (``Ranks.memory()``, :mod:`kvexplore.distributed`):
 :func:`rank_map`, which KV heads (tensor parallel) or positions (context parallel) each rank holds, one row per rank;
 :func:`rank_bytes`, each rank's bytes against one process's cache; :func:`rank_traffic`, each pass's time in
-collectives and the rest (``Ranks.steps``). Long contexts are drawn in at most :data:`MAX_COLUMNS` columns (each the
-share of a run of positions a rank holds), so what the figure carries follows the screen, not the context."""
+collectives and the rest (``Ranks.steps``). :func:`from_snapshot` is the explorer's and the replay's Ranks view of a
+``tp:N`` or ``cp:N`` lane: the three stacked, from the records (each step's trace keeps every rank's part,
+:class:`~kvexplore.trace.ranks.RankStep`). Long contexts are drawn in at most :data:`MAX_COLUMNS` columns (each the
+share of a run of positions a rank holds) and long runs' traffic as their last passes, so what the figure carries
+follows the screen, not the context."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SettingsError
-from .spec import FigureSpec, columns
+from ..trace.records import StepRecord
+from .spec import FigureSpec, columns, hide_axes
 
 MAX_COLUMNS = 512
 HELD = "#1f77b4"
@@ -82,9 +86,13 @@ def rank_bytes(memory: Sequence[dict[str, Any]], whole: int | None = None) -> Fi
                                "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})
 
 
-def rank_traffic(steps: Sequence[Any], rank: int = 0) -> FigureSpec:
+def rank_traffic(steps: Sequence[Any], rank: int = 0, last: int | None = None) -> FigureSpec:
     """Each pass's time (``ranks.steps``): the seconds rank ``rank`` spent in its collectives and the rest, stacked,
-    with the bytes its collectives carried in the hover."""
+    with the bytes its collectives carried in the hover; with ``last``, only the last that many passes."""
+    shown = list(steps)[-last:] if last else list(steps)
+    title = "each pass: time in collectives and the rest" + (
+        f" (the last {len(shown):,} of {len(steps):,})" if len(shown) < len(steps) else "")
+    steps = shown
     x = [s.position for s in steps]
     inside = [s.traffic[rank].seconds * 1e3 for s in steps]
     rest = [max(0.0, s.seconds * 1e3 - c) for s, c in zip(steps, inside)]
@@ -95,7 +103,64 @@ def rank_traffic(steps: Sequence[Any], rank: int = 0) -> FigureSpec:
          "marker": {"color": "#d62728"}, "hovertemplate": hover},
         {"type": "bar", "name": "the rest of the pass", "x": x, "y": rest, "customdata": sent,
          "marker": {"color": HELD}, "hovertemplate": hover}],
-        {"barmode": "stack", "title": {"text": "each pass: time in collectives and the rest", "font": {"size": 13.0},
+        {"barmode": "stack", "title": {"text": title, "font": {"size": 13.0},
                                        "x": 0.01},
          "xaxis": {"title": {"text": "position of the pass"}}, "yaxis": {"title": {"text": "ms"}}, "height": 280,
          "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})
+
+
+def passes(records: Sequence[StepRecord]) -> list[Any]:
+    """Every rank's part of each step of a lane over several processes (:class:`~kvexplore.trace.ranks.RankStep`),
+    in step order; empty for any other lane. The records of one verification share a trace: each pass once."""
+    out: list[Any] = []
+    for r in records:
+        ranks = r.trace.ranks if r.trace is not None else None
+        if ranks is not None and (not out or out[-1] is not ranks):
+            out.append(ranks)
+    return out
+
+
+def distributed(records: Sequence[StepRecord]) -> bool:
+    """Whether a lane's records come from several processes (the Ranks view applies to it)."""
+    return bool(records) and records[0].trace is not None and records[0].trace.ranks is not None
+
+
+def from_snapshot(snap: Any) -> FigureSpec:
+    """The Ranks view of the lane shown: which heads or positions each rank holds, each rank's bytes against one
+    process's cache, and each pass's time in collectives (rank 0's), stacked in one figure."""
+    lane = snap.lane
+    steps = passes(lane.history)
+    if not steps:
+        return FigureSpec([], hide_axes({"title": {"text": f"{lane.name} runs in one process: the Ranks view draws "
+                                                           f"a tp:N or cp:N lane", "font": {"size": 13.0}},
+                                         "xaxis": {}, "yaxis": {}, "height": 120}))
+    now = steps[-1]
+    memory = now.memory()
+    parts = [rank_map(memory), rank_bytes(memory, now.whole_bytes),
+             rank_traffic(steps, 0, last=snap.max_bins)]
+    return stack(parts)
+
+
+def stack(parts: Sequence[FigureSpec], gap: float = 90.0) -> FigureSpec:
+    """Figures one under another in one figure: each its own axes (``x``, ``x2``, ...), its title an annotation
+    over it, their heights added."""
+    heights = [float(p.layout.get("height", 260)) - 50 for p in parts]
+    total = sum(heights) + gap * len(parts)
+    traces, layout, notes = [], {"height": total + 20, "margin": {"l": 60, "r": 10, "t": 30, "b": 40},
+                                 "barmode": "stack", "showlegend": True, "legend": {"orientation": "h", "y": -0.04}}, []
+    top = 1.0
+    for i, (part, h) in enumerate(zip(parts, heights), start=1):
+        suffix = "" if i == 1 else str(i)
+        hi = top - (gap - 30) / total
+        lo = hi - h / total
+        top = lo - 30 / total
+        for t in part.traces:
+            traces.append({**t, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}"})
+        layout[f"xaxis{suffix}"] = {**part.layout.get("xaxis", {}), "anchor": f"y{suffix}", "domain": [0.0, 1.0]}
+        layout[f"yaxis{suffix}"] = {**part.layout.get("yaxis", {}), "anchor": f"x{suffix}",
+                                    "domain": [max(0.0, lo), hi]}
+        title = part.layout.get("title", {}).get("text", "")
+        notes.append({"text": title, "x": 0.0, "xref": "paper", "xanchor": "left", "y": hi, "yref": "paper",
+                      "yanchor": "bottom", "yshift": 4, "showarrow": False, "font": {"size": 13.0}})
+    layout["annotations"] = notes
+    return FigureSpec(traces, layout)

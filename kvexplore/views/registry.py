@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..core.registry import Registry
 from ..errors import SettingsError
-from . import attention, cache_map, compare, eviction, memory, press, speculation, tensors
+from . import attention, cache_map, compare, eviction, memory, press, ranks, speculation, tensors
 from ..trace.records import StepRecord
 from .snapshot import Snapshot
 from .spec import FigureSpec
@@ -54,6 +54,7 @@ for _view in (
     View("eviction", "Eviction", eviction.from_snapshot, replay=PER_RUN, applies=press.presses),
     View("speculation", "Speculation", speculation.from_snapshot, replay=PER_LANE, applies=speculation.drafts,
          live=lambda lane: lane.speculation is not None),
+    View("ranks", "Ranks", ranks.from_snapshot, replay=PER_LANE, applies=ranks.distributed),
     View("cache_map_b", "Second strategy's cache map", cache_map.second_from_snapshot, tab=False),
 ):
     VIEWS.add(_view.name, _view)
