@@ -21,6 +21,7 @@ from ..caches.layers.preallocated_layer import PreallocatedLayer
 from ..caches.masks import positions_mask
 from ..caches.slots import FILLED, FREE, STALE, SlotView
 from ..caches.strategies.preallocated import PreallocatedCache
+from ..core.hooks import hook
 from ..errors import SettingsError
 from ..models.model import Attention
 from .reduce import Traffic
@@ -87,6 +88,10 @@ class ContextParallelLayer(PreallocatedLayer):
         queries = torch.arange(step.pos, step.end, device=step.device)
         return positions_mask(queries, keys, self.window)
 
+    def read_positions(self, length: int) -> list[int]:
+        """The positions of the local keys read (this rank's, in slot order; the mask keeps each query's own)."""
+        return self.layout.positions(0, length)
+
     def commit(self, step: Step) -> None:
         local = self.layout.held_before(step.end)
         if local > self.high_water:
@@ -143,6 +148,9 @@ class ContextParallelAttention(Attention):
         top = lse_all.amax(0)
         share = torch.exp(lse_all - top)  # every row has keys on some rank: top is finite
         merged = (share * torch.stack(outs)).sum(0) / share.sum(0)
+        if tracer is not None and tracer.wants_attention(self.layer):  # what the merged rows give this rank's keys
+            whole = top + torch.log(share.sum(0))  # each merged row's log-sum-exp
+            hook(tracer, f"{name}.probs", (weights * torch.exp(lse - whole)).view(B, nh, T, -1))
         return merged.view(B, nh, T, hd).to(q.dtype)
 
 

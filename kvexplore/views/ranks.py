@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..caches.memory import format_bytes
 from ..errors import SettingsError
 from ..trace.records import StepRecord
 from .spec import FigureSpec, columns, hide_axes
@@ -126,8 +127,9 @@ def distributed(records: Sequence[StepRecord]) -> bool:
 
 
 def from_snapshot(snap: Any) -> FigureSpec:
-    """The Ranks view of the lane shown: which heads or positions each rank holds, each rank's bytes against one
-    process's cache, and each pass's time in collectives (rank 0's), stacked in one figure."""
+    """The Ranks view of the lane shown, in one figure: which heads or positions each rank holds (left) and each
+    rank's bytes against one process's cache (right, the dashed line), one row per rank; under them each pass's
+    time, rank 0's collectives and the rest."""
     lane = snap.lane
     steps = passes(lane.history)
     if not steps:
@@ -136,31 +138,37 @@ def from_snapshot(snap: Any) -> FigureSpec:
                                          "xaxis": {}, "yaxis": {}, "height": 120}))
     now = steps[-1]
     memory = now.memory()
-    parts = [rank_map(memory), rank_bytes(memory, now.whole_bytes),
-             rank_traffic(steps, 0, last=snap.max_bins)]
-    return stack(parts)
-
-
-def stack(parts: Sequence[FigureSpec], gap: float = 90.0) -> FigureSpec:
-    """Figures one under another in one figure: each its own axes (``x``, ``x2``, ...), its title an annotation
-    over it, their heights added."""
-    heights = [float(p.layout.get("height", 260)) - 50 for p in parts]
-    total = sum(heights) + gap * len(parts)
-    traces, layout, notes = [], {"height": total + 20, "margin": {"l": 60, "r": 10, "t": 30, "b": 40},
-                                 "barmode": "stack", "showlegend": True, "legend": {"orientation": "h", "y": -0.04}}, []
-    top = 1.0
-    for i, (part, h) in enumerate(zip(parts, heights), start=1):
-        suffix = "" if i == 1 else str(i)
-        hi = top - (gap - 30) / total
-        lo = hi - h / total
-        top = lo - 30 / total
-        for t in part.traces:
-            traces.append({**t, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}"})
-        layout[f"xaxis{suffix}"] = {**part.layout.get("xaxis", {}), "anchor": f"y{suffix}", "domain": [0.0, 1.0]}
-        layout[f"yaxis{suffix}"] = {**part.layout.get("yaxis", {}), "anchor": f"x{suffix}",
-                                    "domain": [max(0.0, lo), hi]}
-        title = part.layout.get("title", {}).get("text", "")
-        notes.append({"text": title, "x": 0.0, "xref": "paper", "xanchor": "left", "y": hi, "yref": "paper",
-                      "yanchor": "bottom", "yshift": 4, "showarrow": False, "font": {"size": 13.0}})
-    layout["annotations"] = notes
+    held, sizes, traffic = rank_map(memory), rank_bytes(memory, now.whole_bytes), rank_traffic(steps, 0, snap.max_bins)
+    n = len(memory)
+    rows = {"autorange": "reversed", "range": None, "tickvals": list(range(n)), "ticktext": [f"rank {r}" for r in
+                                                                                            range(n)]}
+    traces = [{**t, "xaxis": "x", "yaxis": "y"} for t in held.traces]
+    bars = sizes.traces[0]
+    traces.append({**bars, "x": bars["y"], "y": list(range(n)), "orientation": "h", "xaxis": "x2", "yaxis": "y2",
+                   "hovertemplate": "rank %{y}: %{x:,} bytes<extra></extra>"})
+    traces.append({"type": "scatter", "name": "one process", "x": [now.whole_bytes] * 2, "y": [-0.5, n - 0.5],
+                   "mode": "lines", "line": {"color": "#d62728", "dash": "dash"}, "xaxis": "x2", "yaxis": "y2",
+                   "hovertemplate": f"one process's cache: {now.whole_bytes:,} bytes<extra></extra>"})
+    traces += [{**t, "xaxis": "x3", "yaxis": "y3"} for t in traffic.traces]
+    what = "KV heads" if memory[0].get("kv_heads") is not None else "positions"
+    more = traffic.layout["title"]["text"].partition(" (the last")[2]
+    titles = [(0.0, 1.0, "left", f"which {what} each rank holds"),
+              (1.0, 1.0, "right", f"bytes (whole: {format_bytes(now.whole_bytes)})"),
+              (0.0, 0.40, "left", "ms a pass: rank 0's collectives (red), the rest" + (f" (the last{more}" if more
+                                                                                       else ""))]
+    notes = [{"text": text, "x": x, "xref": "paper", "xanchor": side, "y": y, "yref": "paper", "yanchor": "bottom",
+              "showarrow": False, "font": {"size": 13.0}} for x, y, side, text in titles]
+    layout = {"height": 410, "margin": {"l": 60, "r": 10, "t": 24, "b": 40}, "showlegend": False,
+              "barmode": "stack", "annotations": notes,
+              "xaxis": {**held.layout["xaxis"], "title": {"text": ""}, "domain": [0.0, 0.56], "anchor": "y"},  # (the
+              # panel's title names what its columns are)
+              "yaxis": {**rows, "domain": [0.66, 0.98], "anchor": "x"},
+              "xaxis2": {"domain": [0.64, 1.0], "anchor": "y2", "range": [0, 1.15 * max(now.whole_bytes, 1)],
+                         "tickformat": "~s", "nticks": 3},
+              "yaxis2": {**rows, "domain": [0.66, 0.98], "anchor": "x2", "showticklabels": False},
+              "xaxis3": {**traffic.layout["xaxis"], "domain": [0.0, 1.0], "anchor": "y3"},
+              "yaxis3": {**traffic.layout["yaxis"], "title": {"text": "ms"}, "domain": [0.0, 0.34], "anchor": "x3"}}
+    for axis in ("yaxis", "yaxis2"):
+        layout[axis].pop("range")
     return FigureSpec(traces, layout)
+

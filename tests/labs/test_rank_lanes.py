@@ -95,6 +95,12 @@ def test_lanes_over_ranks_give_one_process_tokens_and_keep_every_rank_in_their_r
         held = [p for p in cp.cache.inspect.slot_view(0).positions if p >= 0]
         assert held == step.positions(0)  # what the lane draws is rank 0's share
         assert sum(s.held_bytes for s in step.shares) == step.whole_bytes
+        for layer in range(c.num_layers):  # rank 0's keys get what the merged softmax gives them in one process
+            mine, one = cp.history[-1].trace.attention(layer)[-1], ref.history[-1].trace.attention(layer)[-1]
+            keys = list(cp.history[-1].trace.reads_of(layer))
+            assert keys == step.positions(0)
+            assert (mine[:, keys] - one[:, keys]).abs().max() < 1e-5
+            assert mine.sum(-1).max() < 1  # the rest went to rank 1's keys
 
         ex.rewind(2)
         ex.step()  # the other ranks cut their caches back to rank 0's first
