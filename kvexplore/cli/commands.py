@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--model", default="tiny", help="named model, model folder or .gguf file (default: tiny)")
     app.add_argument("--strategies", type=_strategies, default=None, metavar="A,B",
                      help=f"cache strategies to compare, comma-separated (default: preallocated,concat,paged), "
-                          f"from: {', '.join(STRATEGIES)}")
+                          f"from: {', '.join(STRATEGIES)}; tp:N or cp:N runs the model over N processes "
+                          f"(by heads, by positions)")
     app.add_argument("--prompt", default="Call me Ishmael.", help="the prompt prefilled when the page opens "
                                                                   "(empty: none)")
     app.add_argument("--max-seq-len", type=_positive, default=128, metavar="N",
@@ -144,10 +145,13 @@ def _port(text: str) -> int:
 
 def _strategies(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in STRATEGIES]
+    from ..distributed.lead import parse
+
+    unknown = [n for n in names if n not in STRATEGIES and parse(n) is None]  # tp:N, cp:N: over N processes
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown cache strategy {', '.join(map(repr, unknown)) or repr(text)}; "
-                                         f"available: {', '.join(STRATEGIES)}")
+                                         f"available: {', '.join(STRATEGIES)}, or tp:N / cp:N (the model over N "
+                                         f"processes)")
     return names
 
 

@@ -113,7 +113,7 @@ def test_lanes_over_ranks_give_one_process_tokens_and_keep_every_rank_in_their_r
             [(0, 0, 1.0), (0, 1, 0.0), (1, 0, 0.0), (1, 1, 1.0)]
         last = tp.history[-1].trace.ranks
         bars = [t for t in spec.traces if t["name"] == "held" and t["type"] == "bar"][0]
-        assert bars["y"] == [s.held_bytes for s in last.shares]
+        assert bars["x"] == [s.held_bytes for s in last.shares]  # one bar a rank, across
         inside = spec.trace("rank 0 in collectives")
         assert inside["y"][-1] == pytest.approx(last.shares[0].seconds * 1e3)
 

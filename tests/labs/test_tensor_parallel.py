@@ -215,6 +215,15 @@ def _port() -> int:
     return free_port()
 
 
+@pytest.mark.smollm2
+def test_smollm2_over_three_ranks_is_one_process():
+    model = kvexplore.load("smollm2-135m")
+    want = greedy(model, PROMPT, 64)
+    with TensorParallel("smollm2-135m", 3, max_seq_len=len(PROMPT) + 64, timeout_s=120) as ranks:
+        assert_same_run(parallel(ranks, PROMPT, 64), want)
+        assert [m["held_bytes"] for m in ranks.memory()] == [want[2].inspect.memory_report().held_bytes // 3] * 3
+
+
 @pytest.mark.gemma3
 def test_gemma3_over_two_ranks_replicates_its_one_kv_head():
     model = kvexplore.load("gemma3-270m")
