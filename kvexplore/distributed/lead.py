@@ -11,7 +11,8 @@ and memory views draw rank 0 as they draw any lane, and every step's trace keeps
 The other ranks follow rank 0's cache: each pass names its position, and a rank whose cache is longer (after a rewind
 or an undone step) cuts it back first. A rank that dies makes rank 0's collective fail at once (its connection
 closes); one that hangs makes it fail after ``timeout_s``: either way every rank is stopped and
-:class:`~kvexplore.errors.RankError` names the rank, within that bound. Closing (``close()``, the lane let go, the kernel's exit or restart) stops them.
+:class:`~kvexplore.errors.RankError` names the rank, within that bound. Closing (``close()``, the lane let go, the
+kernel's exit or restart) stops them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The kinds of lane an explorer session runs, by strategy name (:class:`EagerLanes`, :class:`CompiledLane`,
 :class:`TransformersLanes`, :class:`BugLanes`, :class:`RankLanes`): the registry the session asks instead of reading
-strategy names itself, and the only file of the explorer that reads them. What a :class:`LaneKind` answers, and how to add one:
-docs/extending.md ("The lane-kind registry").
+strategy names itself, and the only file of the explorer that reads them. What a :class:`LaneKind` answers, and how
+to add one: docs/extending.md ("The lane-kind registry").
 """
 
 from __future__ import annotations
