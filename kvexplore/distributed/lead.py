@@ -143,6 +143,16 @@ class Leader(Ranks):
             tracer.note_ranks(self.rank_step(step_pass, cache.length))
         return logits
 
+    def forward(self, ids: Any) -> torch.Tensor:
+        raise SettingsError("a Leader's passes are its lane's generator's (Generator(Leading(leader), "
+                            "leader.new_cache())); for a driver of its own use TensorParallel or ContextParallel")
+
+    truncate = forward  # the other ranks follow rank 0's cache at the next pass
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Every rank's bytes after the last pass (rank 0's included; before any pass, the other ranks' only)."""
+        return [dict(m) for m in self._memory]
+
     def rank_step(self, step: Pass, length: int) -> RankStep:
         """Every rank after ``step`` (what the trace keeps)."""
         shares = tuple(RankShare(m["rank"], m["describe"], int(m["held_bytes"]),

@@ -221,6 +221,7 @@ class Explorer(Screen):
                 s = old.sampling
                 session = Session(model, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=old.seed,
                                   hf=hf, **self._lanes_args)
+            old.close()  # (a lane over ranks: the old model's ranks stop now)
             self.model, self.session, self._hf = model, session, hf
             layout.name_model(self.controls["model"], models.picker_entry(source, model))
             self._zoom.clear()
