@@ -215,21 +215,13 @@ def _port() -> int:
     return free_port()
 
 
-@pytest.mark.smollm2
-def test_smollm2_over_three_ranks_is_one_process():
-    model = kvexplore.load("smollm2-135m")
-    want = greedy(model, PROMPT, 64)
-    with TensorParallel("smollm2-135m", 3, max_seq_len=len(PROMPT) + 64, timeout_s=120) as ranks:
+@pytest.mark.parametrize("name, tp, share", [
+    pytest.param("smollm2-135m", 3, 3, marks=pytest.mark.smollm2),  # 3 KV heads: a third of the cache each
+    pytest.param("gemma3-270m", 2, 1, marks=pytest.mark.gemma3)])  # its one KV head replicated on both ranks
+def test_real_models_over_ranks_are_one_process(name, tp, share):
+    want = greedy(kvexplore.load(name), PROMPT, 64)
+    with TensorParallel(name, tp, max_seq_len=len(PROMPT) + 64, timeout_s=120) as ranks:
         assert_same_run(parallel(ranks, PROMPT, 64), want)
-        assert [m["held_bytes"] for m in ranks.memory()] == [want[2].inspect.memory_report().held_bytes // 3] * 3
-
-
-@pytest.mark.gemma3
-def test_gemma3_over_two_ranks_replicates_its_one_kv_head():
-    model = kvexplore.load("gemma3-270m")
-    want = greedy(model, PROMPT, 64)
-    with TensorParallel("gemma3-270m", 2, max_seq_len=len(PROMPT) + 64, timeout_s=120) as ranks:
-        assert_same_run(parallel(ranks, PROMPT, 64), want)
-        single = want[2].inspect.memory_report().held_bytes
-        assert [m["held_bytes"] for m in ranks.memory()] == [single, single]  # the one KV head on both ranks
-        assert "each KV head is held by 2 ranks" in ranks.describe()
+        whole = want[2].inspect.memory_report().held_bytes
+        assert [m["held_bytes"] for m in ranks.memory()] == [whole // share] * tp
+        assert ("each KV head is held by 2 ranks" in ranks.describe()) == (share < tp)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from browser_explorer import (LAB, VIEWPORT, _agree, _checks, _frames, _idle, _kernel_until, _notebook, _select, _set,
-                              _shot, _smollm2)
+from browser_explorer import (LAB, VIEWPORT, _agree, _checks, _frames, _idle, _kernel_until, _notebook, _select,
+                              _sequence, _set, _shot, _smollm2)
 from browser_explorer import SETTLE_S, _lab_operations, _tab  # noqa: F401 (test_browser_prefix/_speculative's)
 from browser_support import (figure, new_page, open_voila_app, require_browser, save_timings, screenshot, start_run_all,
                              voila_server, wait_run_finished)
@@ -43,14 +43,7 @@ def _operations(page, explorer, lab: bool, shots: Path, prefix: str, every: bool
 
     first = check("display")
     click("step")
-    _set(explorer, "prompt", "The whale swam")
-    click("prefill")
-    click("step", "step after prefill")
-    _set(explorer, "run-n", "3")
-    click("run", "run 3")
-    _set(explorer, "rewind-n", "2")
-    click("rewind", "rewind 2")
-    click("step", "step after rewind")
+    _sequence(explorer, click, "The whale swam")
     lanes = first["compare"]
     names = [row[0].replace(" (ref.)", "") for row in lanes]
     _select(explorer, "lane", names[-1])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from browser_explorer import LAB, _checks, _lab_operations, _notebook, _select, _set, _shot, _tab
+from browser_explorer import LAB, _checks, _lab_operations, _notebook, _select, _sequence, _shot, _tab
 from browser_layout import SIZES, check_layout
 
 pytestmark = pytest.mark.browser
@@ -39,14 +39,7 @@ def test_lanes_over_ranks_page_equals_kernel_and_a_killed_rank_is_said_in_red(la
         done = []
         check, click = _checks(page, explorer, True, done, pause_ms=300)
         check("display")
-        _set(explorer, "prompt", "The whale swam under the ship while the crew slept")
-        click("prefill")
-        click("step", "step after prefill")
-        _set(explorer, "run-n", "3")
-        click("run", "run 3")
-        _set(explorer, "rewind-n", "2")
-        click("rewind", "rewind 2")
-        click("step", "step after rewind")
+        _sequence(explorer, click, "The whale swam under the ship while the crew slept")
         _select(explorer, "lane", "tp:2")
         check("strategy tp:2")
         _tab(explorer, check, "Ranks", "ranks", "tab Ranks on tp:2")

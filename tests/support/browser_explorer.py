@@ -96,6 +96,18 @@ def _checks(page, explorer, lab: bool, done: list[str], pause_ms: int = 0):
     return check, click
 
 
+def _sequence(explorer, click, prompt: str) -> None:
+    """What a person does first: a prompt, Prefill, Step, Run 3, Rewind 2, Step (each click checked)."""
+    _set(explorer, "prompt", prompt)
+    click("prefill")
+    click("step", "step after prefill")
+    _set(explorer, "run-n", "3")
+    click("run", "run 3")
+    _set(explorer, "rewind-n", "2")
+    click("rewind", "rewind 2")
+    click("step", "step after rewind")
+
+
 def _frames(page) -> None:
     """Wait until the page has drawn two more frames (a scroll or a resize has been laid out)."""
     page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
