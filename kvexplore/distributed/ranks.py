@@ -53,6 +53,9 @@ def _stop(processes: list, conns: list) -> None:
             conn.send(("close",))
         except (OSError, ValueError, BrokenPipeError):
             pass
+    for p in processes:
+        if p.is_alive() and _stopped(p.pid):  # stopped by a signal or a debugger: it will not read "close"
+            p.kill()
     deadline = time.monotonic() + 3.0
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -165,7 +165,7 @@ def test_a_rank_that_dies_or_hangs_stops_its_lane_within_its_bound_and_the_other
         out = session.step()
         waited = time.monotonic() - t0
         assert list(out) == ["preallocated"]
-        assert waited < 3 + 8, waited  # gloo's timeout, then 2 s for the ranks' answers (measured: 8.0 s)
+        assert waited < 3 + 6, waited  # gloo's timeout, then 2 s for the ranks' answers (measured: 5.1 s)
         assert "rank 1 of 2 did not answer" in str(tp.stopped) and "stopped by a signal" in str(tp.stopped)
         assert _gone(dead + hung, 10)  # the stopped rank was killed, not left behind
     finally:
