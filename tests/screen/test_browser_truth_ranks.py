@@ -54,8 +54,8 @@ def test_lanes_over_ranks_page_equals_kernel_and_a_killed_rank_is_said_in_red(la
         _select(explorer, "lane", "cp:2")
         _tab(explorer, check, "Ranks", "ranks", "tab Ranks on cp:2")
         _shot(page, explorer, shots / f"{name}_1280x800_ranks_cp.png")
-        looked = check_layout(page, explorer, shots, "ranks", lanes={"tp:2": ("Ranks", "Attention"),
-                                                                      "cp:2": ("Ranks", "Attention")}, sizes=(SIZES[0],))
+        looks = {"tp:2": ("Ranks", "Attention"), "cp:2": ("Ranks", "Attention")}
+        looked = check_layout(page, explorer, shots, "ranks", lanes=looks, sizes=(SIZES[0],))
         done += looked
         check("after the layout")
 
