@@ -40,11 +40,6 @@ class Lane:
         return find(self.kind) or GIVEN
 
     @property
-    def sits_out(self) -> bool:
-        """The steps go on without this lane (its cache is full, or a rank of it stopped)."""
-        return self.full is not None or self.stopped is not None
-
-    @property
     def is_fork(self) -> bool:
         return self.fork_of is not None
 
