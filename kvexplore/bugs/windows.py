@@ -52,7 +52,7 @@ class TrimmedRing(RingLayer):
     """The planted bug: a ring that wrapped says a cut is exact (as mlx's trim did: the counters move back, nothing
     is restored), so a rejected draft that overwrote a slot the kept sequence still reads stays there."""
 
-    def replay_error(self, n: int, length: int) -> str | None:
+    def _replay_error(self, n: int, length: int) -> str | None:
         return None
 
 

@@ -263,7 +263,7 @@ class KVCache(ModelCache):
         if rings and (msg := self.inspect.replay_error(n)):
             raise SettingsError(f"cannot truncate to {n}: {msg}")
         for layer in self.layers:
-            if msg := layer.truncate_error(n, self.length):
+            if msg := layer.take_back(n, self.length).truncate:
                 raise SettingsError(msg)
 
     def truncate(self, n: int) -> None:
@@ -278,13 +278,13 @@ class KVCache(ModelCache):
             layer.truncate(n, length, book.counters)
 
     # -- copies ------------------------------------------------------------------------------------------------
-    def _copy(self, how: str) -> "KVCache":
-        """A copy whose layers are ``layer.clone`` or ``layer.fork`` (a structure layers share: copied once, shared)."""
+    def _copy(self, fork: bool) -> "KVCache":
+        """A copy whose layers are ``layer.clone(memo, fork)`` (a structure layers share: copied once, shared)."""
         twin = shallow_copy(self)
         memo: dict[int, object] = {}
         twin.layers = []
         for layer in self.layers:
-            copy = getattr(layer, how)(memo)
+            copy = layer.clone(memo, fork)
             memo[id(layer)] = copy
             twin.layers.append(copy)
         twin._index()
@@ -296,7 +296,7 @@ class KVCache(ModelCache):
 
     def clone(self) -> "KVCache":
         """An independent copy: writes to either never show in the other."""
-        return self._copy("clone")
+        return self._copy(False)
 
     def fork(self) -> "KVCache":
         """A cache for a second sequence continuing from this one's prefix. By default an independent copy;
@@ -304,7 +304,7 @@ class KVCache(ModelCache):
         if self.length == 0:
             raise SettingsError(f"cannot fork an empty {type(self).__name__}: there is no prefix to share; "
                                 f"make a new cache instead")
-        return self._copy("fork")
+        return self._copy(True)
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else self.capacity

@@ -2,10 +2,11 @@
 belongs to (docs/strategies.md, "Held"): what a ``del cache`` would give back. :class:`torch.nn.Module` objects (the
 model's rotary a cache may reference) are not entered.
 
-Each storage goes to the first part that reaches it, in this order: every layer's keys and values (``layer.storage()``),
-each layer's other attributes (named by :attr:`LayerCache.held_names`, else by the attribute's own name), the
-container's own attributes, and last what only the step under way holds (its undo journal and reads), which
-:meth:`~.base.KVCache.settle` lets go. Each part is thus the memory that would be freed with it alone."""
+Each storage goes to the first part that reaches it, in this order: every layer's keys and values
+(``layer.storage()``), each layer's other attributes (named by :func:`~.layer.held_label`: its class's
+``_held_names``, else the attribute's own name), the container's own attributes, and last what only the step under
+way holds (its undo journal and reads), which :meth:`~.base.KVCache.settle` lets go. Each part is thus the memory
+that would be freed with it alone."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from ..config.layer_plan import LayerSpec, layers_by_kind
 from ..core import host
 from ..errors import SettingsError
 from .held import PLAIN, THIS_STEP, UNDO_SCRATCH, StorageWalk
+from .layer import held_label
 from .memory import LayerMemory, MemoryReport
 from .slots import SlotView
 
@@ -31,7 +32,7 @@ def held_walk(cache: "KVCache") -> StorageWalk:
     walk = StorageWalk()
     layer_parts: list[dict[str, int]] = [{} for _ in cache.layers]
     for parts, layer in zip(layer_parts, cache.layers):
-        name = layer.held_names.get("", "keys and values")
+        name = held_label(layer, "")
         if got := sum(walk.add_tensor(name, t) for t in layer.storage()):
             parts[name] = got
     shared = []  # each layer's own tensors first, then what it shares (a plan, a page table)
@@ -42,10 +43,10 @@ def held_walk(cache: "KVCache") -> StorageWalk:
                 continue  # nothing held
             if cls is not torch.Tensor:
                 shared.append((parts, layer, name, value))
-            elif got := walk.add_tensor(label := _label(layer, name), value):
+            elif got := walk.add_tensor(label := held_label(layer, name), value):
                 parts[label] = parts.get(label, 0) + got
     for parts, layer, name, value in shared:
-        if got := walk.add(label := _label(layer, name), value):
+        if got := walk.add(label := held_label(layer, name), value):
             parts[label] = parts.get(label, 0) + got
     walk.walked(*cache.layers)  # every layer's attributes were walked above, one by one
     for name, value in vars(cache).items():
@@ -153,15 +154,15 @@ class Inspector:
     def held(self) -> int:
         """Positions a full layer holds (``length``, unless the strategy evicts)."""
         cache = self.cache
-        return cache.layers[cache.full_layers[0]].held(cache.length) if cache.full_layers else cache.length
+        return cache.layers[cache.full_layers[0]].positions(cache.length).count if cache.full_layers else cache.length
 
     def layer_held(self, layer: int) -> int:
         """Positions ``layer`` holds: the strategy's for a full layer, the ring's for a sliding one, 0 shared."""
-        return self.cache.layers[self._layer(layer).index].held(self.cache.length)
+        return self.cache.layers[self._layer(layer).index].positions(self.cache.length).count
 
     def held_positions_of(self, layer: int | None = None) -> list[int]:
         """The positions ``layer`` (default: a full layer) holds, in storage order (none for shared or recurrent)."""
-        return self.cache.layers[self._layer(layer).index].held_positions(self.cache.length)
+        return self.cache.layers[self._layer(layer).index].positions(self.cache.length).held
 
     def _layer(self, layer: int | None) -> LayerSpec:
         plan = self.cache.plan
@@ -185,10 +186,10 @@ class Inspector:
                 pending = self.pending_reads()
                 self.land_reads(dict(zip(pending, host.fetch(list(pending.values())))))
             return list(sparse[spec.index])
-        return self.cache.layers[spec.index].read_positions(self.cache.length)
+        return self.cache.layers[spec.index].positions(self.cache.length).read
 
     def read_window(self, layer: int, count: int) -> tuple[int, int]:
-        return self.cache.layers[layer].read_start(), count
+        return self.cache.layers[layer].positions(self.cache.length).start, count
 
     def read_group(self, layer: int) -> tuple:
         if layer in self.cache.book.reads:
@@ -205,7 +206,7 @@ class Inspector:
     # -- slots -----------------------------------------------------------------------------------------------------
     def slot_view(self, layer: int | None = None) -> SlotView:
         """The state of every physical slot of ``layer`` (default: a full layer; what the cache map draws)."""
-        return self.cache.layers[self._layer(layer).index].slot_view(self.cache.length)
+        return self.cache.layers[self._layer(layer).index].positions(self.cache.length).slots()
 
     def slot_views(self) -> list[SlotView]:
         """:meth:`slot_view` of every layer; layers that look the same share one object (one per kind)."""
@@ -214,7 +215,7 @@ class Inspector:
         for layer in self.cache.layers:
             key = layer.groups().view
             if key not in seen:
-                seen[key] = layer.slot_view(self.cache.length)
+                seen[key] = layer.positions(self.cache.length).slots()
             out.append(seen[key])
         return out
 
@@ -244,13 +245,14 @@ class Inspector:
         if not 0 <= n <= cache.length:
             return f"cannot cut to {n}: the cache holds {cache.length} positions"
         for spec, layer in zip(cache.plan, cache.layers):
-            if msg := layer.crop_error(n, cache.length):
+            if msg := layer.take_back(n, cache.length).crop:
                 return f"layer {spec.index} ({spec.kind}): {msg}"
         return None
 
     def crop_ways(self) -> dict[str, str]:
         """How a take-back looks in each kind of layer this cache has: the layer class's name -> the way, in words."""
-        return {type(layer).__name__: layer.crop_way for layer in self.cache.layers}
+        n = self.cache.length
+        return {type(layer).__name__: layer.take_back(n, n).way for layer in self.cache.layers}
 
     def speculation_refusal(self) -> str | None:
         return None
@@ -261,7 +263,7 @@ class Inspector:
         rebuild it (None: every layer can); the generator then recomputes instead (:meth:`needs_replay`)."""
         length = self.cache.length
         for layer in self.cache.layers:
-            if msg := layer.replay_error(n, length):
+            if msg := layer.take_back(n, length).replay:
                 return msg
         return None
 
@@ -275,19 +277,6 @@ class Inspector:
         except SettingsError:
             return False
         return True
-
-
-_LABELS: dict[tuple[type, str], str] = {}
-
-
-def _label(layer, attribute: str) -> str:
-    """What the memory report calls ``layer``'s ``attribute`` (its class's :attr:`held_names`, else the name)."""
-    key = (type(layer), attribute)
-    label = _LABELS.get(key)
-    if label is None:
-        bare = attribute.lstrip("_")
-        label = _LABELS[key] = layer.held_names.get(bare) or bare
-    return label
 
 
 def lossy_by_design(cache: Any) -> bool:

@@ -44,6 +44,56 @@ class Groups(NamedTuple):
     mask: tuple
 
 
+class TakeBack(NamedTuple):
+    """What going back from ``length`` to ``n`` positions means for one layer (each None where it can)."""
+
+    #: why it cannot, although recomputing the kept tokens would rebuild it (a ring that wrapped, a recurrent state)
+    replay: str | None
+    #: why it cannot at all (positions it dropped for good)
+    truncate: str | None
+    #: why cutting the step just written back to ``n`` would not leave it as a step that wrote only up to ``n``
+    #: (speculative decoding then rolls the step back and writes the accepted tokens again)
+    crop: str | None
+    #: how taking drafted positions back looks in this layer, in words (the views and notebook 12 show it)
+    way: str
+
+
+class Positions:
+    """The positions a layer holds and reads when the sequence has ``length``; each answer is computed when asked."""
+
+    __slots__ = ("_layer", "_length")
+
+    def __init__(self, layer: "LayerCache", length: int) -> None:
+        self._layer, self._length = layer, length
+
+    @property
+    def count(self) -> int:
+        """How many positions it holds (a pressed layer: the most one KV head holds)."""
+        return self._layer._held(self._length)
+
+    @property
+    def held(self) -> list[int]:
+        """The positions it holds, oldest first (none for a shared or recurrent layer)."""
+        return self._layer._held_positions(self._length)
+
+    @property
+    def read(self) -> list[int]:
+        """Position of each key column the last step's attention read, in the order it saw them."""
+        return self._layer._read_positions(self._length)
+
+    @property
+    def start(self) -> int:
+        """First position attention reads in the step under way (a ring reads its window)."""
+        return self._layer._read_start()
+
+    def slots(self, head: int | None = None) -> SlotView:
+        """Where each sits: the state of every physical slot (what the cache map draws); ``head``: one KV head's,
+        for a layer whose heads keep different positions (a pressed layer; default: head 0's)."""
+        if head is None:
+            return self._layer._slot_view(self._length)
+        return self._layer._slot_view(self._length, head=head)
+
+
 class Step:
     """One forward pass as the layers see it: it writes ``q_len`` positions at ``pos`` (``end = pos + q_len``) into
     a cache that held ``length`` positions; ``counters`` sum its bytes, ``journal`` records how to undo it,
@@ -94,54 +144,59 @@ class LayerCache(ABC):
     def commit(self, step: Step) -> None:
         """The step's positions are now part of the sequence (its writes all succeeded)."""
 
-    # -- rewinds --------------------------------------------------------------------------------------------
-    def replay_error(self, n: int, length: int) -> str | None:
-        """Why this layer cannot go back from ``length`` to ``n`` positions although recomputing the kept tokens
-        would rebuild it (a ring that wrapped, a recurrent state); None when it can."""
-        return None
-
-    def truncate_error(self, n: int, length: int) -> str | None:
-        """Why this layer cannot go back to ``n`` at all (positions it dropped for good); None when it can."""
-        return None
-
+    # -- going back ---------------------------------------------------------------------------------------------
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
-        """Keep positions ``0..n-1`` (checked before); ``counters`` count what it frees."""
+        """Keep positions ``0..n-1`` (checked before: :meth:`take_back`); ``counters`` count what it frees."""
 
-    # -- speculative decoding: taking rejected drafts back ------------------------------------------------------
-    #: how taking drafted positions back looks in this layer, in words (the views and notebook 12 show it)
-    crop_way = "the drafted slots past the kept length are left stale: nothing is copied or freed"
+    def take_back(self, n: int, length: int) -> "TakeBack":
+        """What going back from ``length`` to ``n`` positions means for this layer (:class:`TakeBack`), from the hooks
+        :meth:`_replay_error`, :meth:`_truncate_error`, :meth:`_crop_error` and :attr:`_crop_way`."""
+        return TakeBack(self._replay_error(n, length), self._truncate_error(n, length), self._crop_error(n, length),
+                        self._crop_way)
 
-    def crop_error(self, n: int, length: int) -> str | None:
-        """Why cutting the step just written (the cache now at ``length``) back to ``n`` positions would not leave
-        this layer as a step that wrote only up to ``n`` would (None: :meth:`truncate` does); speculative decoding then
-        rolls the step back and writes the accepted tokens again."""
-        return self.replay_error(n, length) or self.truncate_error(n, length)
+    def _replay_error(self, n: int, length: int) -> str | None:
+        """:attr:`TakeBack.replay` (default None)."""
+        return None
+
+    def _truncate_error(self, n: int, length: int) -> str | None:
+        """:attr:`TakeBack.truncate` (default None)."""
+        return None
+
+    def _crop_error(self, n: int, length: int) -> str | None:
+        """:attr:`TakeBack.crop` (default: the replay or truncate answer: :meth:`truncate` does it)."""
+        return self._replay_error(n, length) or self._truncate_error(n, length)
+
+    #: :attr:`TakeBack.way`
+    _crop_way = "the drafted slots past the kept length are left stale: nothing is copied or freed"
 
     # -- copies ---------------------------------------------------------------------------------------------
     @abstractmethod
-    def clone(self, memo: dict[int, Any]) -> "LayerCache":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "LayerCache":
         """An independent copy. ``memo`` maps ``id`` of a structure shared by several layers to its copy, so the
-        copies share one copy of it as the originals share it."""
-
-    def fork(self, memo: dict[int, Any]) -> "LayerCache":
-        """A copy for a second sequence continuing this one (a paged layer shares its pool); default: a clone."""
-        return self.clone(memo)
+        copies share one copy of it as the originals share it. ``fork``: a copy for a second sequence continuing
+        this one (a paged layer shares its pool; the others copy as for a clone)."""
 
     # -- inspection -----------------------------------------------------------------------------------------
-    def held(self, length: int) -> int:
-        """How many positions this layer holds when the sequence has ``length`` positions."""
+    def positions(self, length: int) -> "Positions":
+        """Which positions this layer holds and reads when the sequence has ``length``, and where each sits
+        (:class:`Positions`: each answer computed when asked, from the hooks :meth:`_held`, :meth:`_held_positions`,
+        :meth:`_read_positions`, :meth:`_read_start` and :meth:`_slot_view`)."""
+        return Positions(self, length)
+
+    def _held(self, length: int) -> int:
+        """:attr:`Positions.count` (default: ``length``)."""
         return length
 
-    def held_positions(self, length: int) -> list[int]:
-        """The positions this layer holds, oldest first (a full layer: all of them)."""
+    def _held_positions(self, length: int) -> list[int]:
+        """:attr:`Positions.held` (a full layer: all of them)."""
         return list(range(length))
 
-    def read_positions(self, length: int) -> list[int]:
-        """Position of each key column the last step's attention read, in the order it saw them."""
+    def _read_positions(self, length: int) -> list[int]:
+        """:attr:`Positions.read` (a full layer: all of them)."""
         return list(range(length))
 
-    def read_start(self) -> int:
-        """First position attention reads in the step under way (a ring reads its window)."""
+    def _read_start(self) -> int:
+        """:attr:`Positions.start` (a full layer: 0)."""
         return 0
 
     @abstractmethod
@@ -156,7 +211,7 @@ class LayerCache(ABC):
     def _used_bytes(self, length: int) -> int:
         """Bytes of the slots holding valid positions; by default also :meth:`_analytic_bytes`, the formula
         ``2 * kv_heads * head_dim * element_size * batch * held`` for this layer."""
-        return layer_bytes(self.spec, self.held(length), self._batch, self._dtype)
+        return layer_bytes(self.spec, self._held(length), self._batch, self._dtype)
 
     _analytic_bytes = _used_bytes
 
@@ -164,26 +219,40 @@ class LayerCache(ABC):
                parts: dict[str, int] | None = None) -> LayerMemory:
         """This layer's :class:`LayerMemory` after a step that wrote and copied those bytes (``held_bytes`` and
         ``parts``: what a walk of the storage reachable from it found)."""
-        return LayerMemory(self.spec.index, self.spec.kind, self.held(length), self._used_bytes(length),
+        return LayerMemory(self.spec.index, self.spec.kind, self._held(length), self._used_bytes(length),
                            self._reserved_bytes(), self._analytic_bytes(length), written, copied, held_bytes,
                            {} if parts is None else parts)
 
     @abstractmethod
-    def slot_view(self, length: int) -> SlotView:
-        """The state of every physical slot (what the cache map draws)."""
+    def _slot_view(self, length: int) -> SlotView:
+        """:meth:`Positions.slots`."""
 
     def describe(self, count: int, strategy: str, config: ModelConfig) -> str:
-        """One phrase for ``count`` layers like this one, in a cache of ``strategy``."""
+        """One phrase for ``count`` layers like this one, in a cache of ``strategy`` (``describe_layers()``)."""
         return f"{count} {self.spec.kind} layer{'s' * (count != 1)}"
 
     #: how the memory report names what this layer holds: ``""``, what :meth:`storage` holds (keys and values when
     #: not listed), else by attribute (an attribute not listed is named as it is spelled; see
     #: :mod:`kvexplore.caches.held`)
-    held_names: dict[str, str] = {}
+    _held_names: dict[str, str] = {}
 
     # the batch and dtype the byte formulas use: set by the classes that store tensors
     _batch: int = 1
     _dtype: torch.dtype = torch.float32
+
+
+_LABELS: dict[tuple[type, str], str] = {}
+
+
+def held_label(layer: LayerCache, attribute: str) -> str:
+    """What the memory report calls ``layer``'s ``attribute``: its class's ``_held_names`` entry, else the attribute's
+    name without its underscore; ``""`` is what :meth:`~LayerCache.storage` holds (keys and values unless named)."""
+    key = (type(layer), attribute)
+    label = _LABELS.get(key)
+    if label is None:
+        bare = attribute.lstrip("_")
+        label = _LABELS[key] = layer._held_names.get(bare) or bare or "keys and values"
+    return label
 
 
 class StoredLayer(LayerCache):

@@ -192,8 +192,8 @@ class RingLayerExercise(RingLayer):
     def mask(self, step):
         return self._columns[1] if self._columns is not None and self._columns[0] == step.serial else None
 
-    def read_positions(self, length: int) -> list[int]:
-        return list(self._columns[2]) if self._columns is not None else super().read_positions(length)
+    def _read_positions(self, length: int) -> list[int]:
+        return list(self._columns[2]) if self._columns is not None else super()._read_positions(length)
 
 
 def ring_cache(cache_cls: type, layer_cls: type) -> type:

@@ -88,7 +88,7 @@ class ContextParallelLayer(PreallocatedLayer):
         queries = torch.arange(step.pos, step.end, device=step.device)
         return positions_mask(queries, keys, self.window)
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         """The positions of the local keys read (this rank's, in slot order; the mask keeps each query's own)."""
         return self.layout.positions(0, length)
 
@@ -98,7 +98,7 @@ class ContextParallelLayer(PreallocatedLayer):
             step.journal.remember(self._set_high_water, self.high_water)
             self.high_water = local
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         held = self.layout.positions(0, length)
         n, hw, cap = len(held), self.high_water, self.capacity
         states = [FILLED] * n + [STALE] * (hw - n) + [FREE] * (cap - hw)

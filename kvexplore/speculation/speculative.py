@@ -1,8 +1,8 @@
 """Speculative decoding: a drafter proposes ``k`` tokens, the target checks them all in one forward pass of ``k + 1``
 positions, and the cache takes back what the target rejected: truncated where every layer can be cut exactly (each
-layer's ``crop_way``), else rolled back from the step's undo journal and the accepted tokens written again
-(``recompute``). The acceptance rules (greedy, and sampling's ``min(1, p(x) / q(x))``) and the take-backs are explained
-in docs/speculative.md."""
+layer's ``take_back(n, length).way``), else rolled back from the step's undo journal and the accepted tokens written
+again (``recompute``). The acceptance rules (greedy, and sampling's ``min(1, p(x) / q(x))``) and the take-backs are
+explained in docs/speculative.md."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def test_the_slot_views_show_each_layers_and_heads_own_kept_positions(models, st
     for l in cache.full_layers:
         assert views[l] == cache.inspect.slot_view(l)  # head 0
         for h, kept in enumerate(cache.eviction.kept_positions(l)):
-            view = cache.layers[l].slot_view(cache.length, head=h)
+            view = cache.layers[l].positions(cache.length).slots(h)
             assert sorted(p for p, st in zip(view.positions, view.states) if st == "filled") == kept
             evicted = view.states.count("evicted")
             assert evicted == (20 - len(kept) if storage == "mask" else 0)

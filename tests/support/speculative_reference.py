@@ -134,7 +134,7 @@ def layer_state(layer, length: int) -> dict[str, object]:
     if layer.spec.recurrent:
         conv, recurrent = layer.read_state()
         return {"conv": conv, "recurrent": recurrent}
-    view = layer.slot_view(length)
+    view = layer.positions(length).slots()
     storage = layer.storage()
     if not storage:
         return {}

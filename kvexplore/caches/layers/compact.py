@@ -215,7 +215,7 @@ class CompactLayer(PressedLayer):
         read = self.held_slots()[3] if self._read is None else self._read
         return read[batch].tolist()
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         """Head 0's :meth:`read_positions_by_head` (the columns are slots, and heads may hold other positions in
         them: a per-head view reads :meth:`read_positions_by_head`)."""
         return self.read_positions_by_head(length)[0]
@@ -226,14 +226,14 @@ class CompactLayer(PressedLayer):
     def _reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slot_view(self, length: int, head: int = 0) -> SlotView:
+    def _slot_view(self, length: int, head: int = 0) -> SlotView:
         """Head ``head``'s slots (of the first sequence): kept positions packed at the front, then free slots."""
         n, S = self.counts[0][head], self.slots
         positions = self.pos[0, head, :n].tolist()
         return SlotView([FILLED] * n + [FREE] * (S - n), positions + [-1] * (S - n), [1] * n + [0] * (S - n),
                         CompactLayout())
 
-    def clone(self, memo: dict[int, Any]) -> "CompactLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "CompactLayer":
         twin = shallow_copy(self, CompactLayer)
         twin.k, twin.v, twin.pos, twin.rot = (t.clone() for t in (self.k, self.v, self.pos, self.rot))
         twin.counts = [list(c) for c in self.counts]

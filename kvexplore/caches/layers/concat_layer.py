@@ -48,7 +48,7 @@ class ConcatLayer(FullLayer):
         self.k, self.v = new_k, new_v
         return new_k, new_v
 
-    crop_way = "the keys and values are narrowed to the kept length (a view: the storage is kept, nothing copied)"
+    _crop_way = "the keys and values are narrowed to the kept length (a view: the storage is kept, nothing copied)"
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         if self.k is not None:
@@ -57,10 +57,10 @@ class ConcatLayer(FullLayer):
     def storage(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v) if t is not None]
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return SlotView([FILLED] * length, list(range(length)), [1] * length, GrowingLayout())
 
-    def clone(self, memo: dict[int, Any]) -> "ConcatLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "ConcatLayer":
         twin = shallow_copy(self, ConcatLayer)
         twin.k, twin.v = (None if t is None else t.clone() for t in (self.k, self.v))
         return twin

@@ -52,7 +52,7 @@ class GGMLLayer(PreallocatedLayer):
 
     def _used_bytes(self, length: int) -> int:
         """The blocks of the positions held: ``length`` rows of keys and of values, every head and batch row."""
-        return (self.k.shape[3] + self.v.shape[3]) * self._batch * self.spec.kv_heads * self.held(length)
+        return (self.k.shape[3] + self.v.shape[3]) * self._batch * self.spec.kv_heads * self._held(length)
 
     def stored_error(self, length: int) -> torch.Tensor | None:
         return None  # the originals are not kept; the doctor measures the error against the model's own keys

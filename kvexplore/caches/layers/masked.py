@@ -68,7 +68,7 @@ class MaskedLayer(PressedLayer):
     def mask(self, step: Step) -> torch.Tensor | None:
         return self._mask
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         """Every position written: attention reads them all from memory, the evicted under the mask."""
         return list(range(self.end))
 
@@ -106,7 +106,7 @@ class MaskedLayer(PressedLayer):
     def _reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slot_view(self, length: int, head: int = 0) -> SlotView:
+    def _slot_view(self, length: int, head: int = 0) -> SlotView:
         """Head ``head``'s slots (of the first sequence): slot p holds position p, kept or evicted (hidden)."""
         seen = self.visible[0, head, :length].tolist()
         n = min(length, self.end)
@@ -114,7 +114,7 @@ class MaskedLayer(PressedLayer):
         positions = [p if seen[p] else -1 for p in range(n)] + [-1] * (self.capacity - n)
         return SlotView(states, positions, [1 if seen[p] else 0 for p in range(n)] + [0] * (self.capacity - n))
 
-    def clone(self, memo: dict[int, Any]) -> "MaskedLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "MaskedLayer":
         twin = shallow_copy(self, MaskedLayer)
         twin.k, twin.v, twin.visible, twin.rot = (t.clone() for t in (self.k, self.v, self.visible, self.rot))
         self._copy_press_state(twin, memo)

@@ -210,7 +210,7 @@ class PagedLayer(FullLayer):
     """One full layer's pages: ``table.pool.k[index]``/``.v[index]``. A write scatters into the pages; attention
     reads a gather of the pages in logical order (a copy made for attention, not counted as copied bytes)."""
 
-    held_names = {"table": "page tables", "pool": "page pool"}
+    _held_names = {"table": "page tables", "pool": "page pool"}
 
     def __init__(self, spec, batch_size: int, dtype: torch.dtype, device: torch.device, table: PageTable) -> None:
         super().__init__(spec, batch_size, dtype, device)
@@ -243,7 +243,7 @@ class PagedLayer(FullLayer):
     def commit(self, step: Step) -> None:
         self.table.commit()
 
-    crop_way = ("pages that hold only drafted positions go back to the pool; the kept pages, and a shared prefix's "
+    _crop_way = ("pages that hold only drafted positions go back to the pool; the kept pages, and a shared prefix's "
                 "reference counts, are untouched")
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
@@ -255,7 +255,7 @@ class PagedLayer(FullLayer):
     def _reserved_bytes(self) -> int:
         return sum(t.nbytes for t in self.storage())
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return self.table.slot_view(length)
 
     def _copy(self, memo: dict[int, Any], make) -> "PagedLayer":
@@ -265,8 +265,5 @@ class PagedLayer(FullLayer):
         twin.table = memo[id(self.table)]
         return twin
 
-    def clone(self, memo: dict[int, Any]) -> "PagedLayer":
-        return self._copy(memo, PageTable.clone)
-
-    def fork(self, memo: dict[int, Any]) -> "PagedLayer":
-        return self._copy(memo, PageTable.fork)
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "PagedLayer":
+        return self._copy(memo, PageTable.fork if fork else PageTable.clone)

@@ -54,12 +54,12 @@ class PreallocatedLayer(FullLayer):
     def _reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         n, hw, cap = length, self.high_water, self.capacity
         states = [FILLED] * n + [STALE] * (hw - n) + [FREE] * (cap - hw)
         return SlotView(states, list(range(n)) + [-1] * (cap - n), [1] * n + [0] * (cap - n))
 
-    def clone(self, memo: dict[int, Any]) -> "PreallocatedLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "PreallocatedLayer":
         twin = shallow_copy(self)
         twin.k, twin.v = self.k.clone(), self.v.clone()
         return twin

@@ -23,7 +23,7 @@ class PressedLayer(FullLayer):
     """A full layer of the ``evict`` cache (see the module docstring). ``rot`` (in the subclass's slots): the position
     each stored key is rotated at (its own position, unless re-rotated)."""
 
-    held_names = {"pos": "positions", "rot": "positions", "read": "positions read", "scores": "press scores",
+    _held_names = {"pos": "positions", "rot": "positions", "read": "positions read", "scores": "press scores",
                   "scored_kept": "press scores", "acc": "press scores", "queries": "recent queries",
                   "query_pos": "recent queries", "visible": "masks", "mask": "masks", "plan": "press plan"}
 
@@ -172,7 +172,7 @@ class PressedLayer(FullLayer):
         counts = self.head_counts()
         return int(counts.sum()), int(counts.max())
 
-    def held(self, length: int) -> int:
+    def _held(self, length: int) -> int:
         return self.head_totals()[1] if length else 0
 
     def overhead_slots(self) -> int:
@@ -181,7 +181,7 @@ class PressedLayer(FullLayer):
         B, H, S = self.k.shape[:3]
         return B * H * S - self.head_totals()[0]
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return sorted({p for head in self.kept() for p in head})
 
     def _used_bytes(self, length: int) -> int:
@@ -191,7 +191,7 @@ class PressedLayer(FullLayer):
 
     _analytic_bytes = _used_bytes
 
-    def truncate_error(self, n: int, length: int) -> str | None:
+    def _truncate_error(self, n: int, length: int) -> str | None:
         """Why the layer cannot go back to ``n`` positions: a press evicted positions before ``n``; or, with presses
         to come while decoding, what the next one reads cannot be taken back to ``n`` (H2O's sums include the
         dropped tokens' queries; a window of recent queries lost those before ``n``)."""
@@ -218,7 +218,7 @@ class PressedLayer(FullLayer):
 
     def read_positions_by_head(self, length: int, batch: int = 0) -> list[list[int]]:
         """For each KV head, the position in each key column the last step's attention read (-1: none)."""
-        return [self.read_positions(length)] * self.spec.kv_heads
+        return [self._read_positions(length)] * self.spec.kv_heads
 
     def groups(self) -> Groups:
         # each layer reads its own kept positions, under a mask of its own; no view serves two

@@ -27,7 +27,7 @@ class QuantizedLayer(FullLayer):
     ``kov``/``vov``), full-precision residual (``rk``/``rv``), per-position max errors (``kerr``/``verr``) and frontier
     ``qf``. How each part is encoded is its :class:`~kvexplore.caches.kv_codec.Codec` (``kcodec``, ``vcodec``)."""
 
-    held_names = {"kq": "keys and values", "vq": "keys and values", "ks": "scales and zero points",
+    _held_names = {"kq": "keys and values", "vq": "keys and values", "ks": "scales and zero points",
                   "kz": "scales and zero points", "vs": "scales and zero points", "vz": "scales and zero points",
                   "koi": "outliers (kept exact)", "kov": "outliers (kept exact)", "voi": "outliers (kept exact)",
                   "vov": "outliers (kept exact)", "kcodec": "rotation", "vcodec": "rotation",
@@ -104,7 +104,7 @@ class QuantizedLayer(FullLayer):
         positions = torch.arange(start, end, device=self.rk.device)
         return self._codec(part).decode(self._stored(part, start, end), positions, self.rope_turn)
 
-    crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
+    _crop_way = ("the residual is cut; a draft that pushed blocks into the quantized part is rolled back (the "
                 "flush undone) and the accepted tokens are written again")
 
     def begin(self, step: Step) -> None:
@@ -114,8 +114,8 @@ class QuantizedLayer(FullLayer):
     def mask(self, step: Step) -> torch.Tensor | None:
         return super().mask(step) if self.columns is None else self.columns[0]
 
-    def read_positions(self, length: int) -> list[int]:
-        return super().read_positions(length) if self.columns is None else list(self.columns[1])
+    def _read_positions(self, length: int) -> list[int]:
+        return super()._read_positions(length) if self.columns is None else list(self.columns[1])
 
     def _as_steps(self, pos: int, end: int, qf: int, fk: torch.Tensor, fv: torch.Tensor):
         """What a chunk of queries ``pos..end-1`` appended after position 0 reads when it pushes blocks out of the
@@ -133,7 +133,7 @@ class QuantizedLayer(FullLayer):
         self.columns = (mask, [*range(self.qf), *range(qf, end)])
         return keys, values
 
-    def crop_error(self, n: int, length: int) -> str | None:
+    def _crop_error(self, n: int, length: int) -> str | None:
         G = self.group_size
         would = min(self.nq, max(self.qf_start, (n - self.residual) // G * G))
         if n < length and self.qf > would:
@@ -326,7 +326,7 @@ class QuantizedLayer(FullLayer):
             used += B * H * (length - q) * width * self._dtype.itemsize
         return used
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         """The ``Nq`` quantized slots, then the ``Nr`` full-precision residual slots."""
         q, n, nq, nr = self.qf, length, self.nq, self.nr
         r = n - q
@@ -351,7 +351,7 @@ class QuantizedLayer(FullLayer):
                 *(["full-precision prefill"] if self.exact_prefill else [])]
         return ", ".join(said)
 
-    def clone(self, memo: dict[int, Any]) -> "QuantizedLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "QuantizedLayer":
         twin = shallow_copy(self)
         for name in self._tensors():
             setattr(twin, name, getattr(self, name).clone())

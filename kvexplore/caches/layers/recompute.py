@@ -26,10 +26,10 @@ class RecomputeLayer(LayerCache):
     def mask(self, step: Step) -> torch.Tensor | None:
         return causal_mask(step.pos, step.q_len, self.window, step.device)
 
-    def held(self, length: int) -> int:
+    def _held(self, length: int) -> int:
         return 0 if self.window is not None else length
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return [] if self.window is not None else list(range(length))
 
     def storage(self) -> list[torch.Tensor]:
@@ -41,10 +41,10 @@ class RecomputeLayer(LayerCache):
     def _used_bytes(self, length: int) -> int:
         return 0
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return SlotView([], [], [], EmptyLayout())
 
-    def clone(self, memo: dict[int, Any]) -> "RecomputeLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "RecomputeLayer":
         return self  # holds nothing that changes
 
     def describe(self, count: int, strategy: str, config) -> str:

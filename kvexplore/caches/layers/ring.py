@@ -54,26 +54,26 @@ class RingLayer(SlotMapLayer, StoredLayer):
     def commit(self, step: Step) -> None:
         self.slots.commit(step)
 
-    def replay_error(self, n: int, length: int) -> str | None:
+    def _replay_error(self, n: int, length: int) -> str | None:
         return self.slots.rewind_error(n, length)
 
-    crop_way = ("a draft that wrapped the ring over positions the kept sequence still reads is rolled back (the "
+    _crop_way = ("a draft that wrapped the ring over positions the kept sequence still reads is rolled back (the "
                 "journal puts those slots back) and the accepted tokens are written again; otherwise its slots are "
                 "left stale")
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.slots.forget_reads()
 
-    def held(self, length: int) -> int:
+    def _held(self, length: int) -> int:
         return len(self.slots.held_positions(length))
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return self.slots.held_positions(length)
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         return self.slots.read_positions(length)
 
-    def read_start(self) -> int:
+    def _read_start(self) -> int:
         plan = self.slots.plan
         return 0 if plan is None else min(plan.positions)
 

@@ -16,7 +16,7 @@ class SharedLayer(LayerCache):
     """Reads what its source layer's attention read this step (``step.reads``); holds no storage of its own.
     ``source`` is the source layer's cache object (a reference, never copied by it)."""
 
-    crop_way = "stores nothing: it reads its source layer's cache, cut with it"
+    _crop_way = "stores nothing: it reads its source layer's cache, cut with it"
 
     def __init__(self, spec, source: LayerCache) -> None:
         super().__init__(spec)
@@ -39,17 +39,17 @@ class SharedLayer(LayerCache):
         spec = self.spec  # it reads and draws as its source, under its source's mask
         return Groups((spec.attends, spec.source), (spec.kind, spec.source), self.source.groups().mask)
 
-    def held(self, length: int) -> int:
+    def _held(self, length: int) -> int:
         return 0
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return []  # it reads its source's
 
-    def read_positions(self, length: int) -> list[int]:
-        return self.source.read_positions(length)
+    def _read_positions(self, length: int) -> list[int]:
+        return self.source._read_positions(length)
 
-    def read_start(self) -> int:
-        return self.source.read_start()
+    def _read_start(self) -> int:
+        return self.source._read_start()
 
     def storage(self) -> list[torch.Tensor]:
         return self.source.storage()
@@ -62,10 +62,10 @@ class SharedLayer(LayerCache):
 
     _analytic_bytes = _used_bytes
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return SlotView([], [], [], SharedLayout(self.spec.source))
 
-    def clone(self, memo: dict[int, Any]) -> "SharedLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "SharedLayer":
         twin = shallow_copy(self, SharedLayer)
         twin.source = memo.get(id(self.source), self.source)  # the copy of the source (cloned before, in order)
         return twin

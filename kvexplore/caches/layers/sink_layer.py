@@ -184,13 +184,13 @@ class SinkLayer(SlotMapLayer, FullLayer):
     def commit(self, step: Step) -> None:
         self.slots.commit(step)
 
-    crop_way = ("a draft that evicted positions the kept sequence still holds is rolled back (the journal puts the "
+    _crop_way = ("a draft that evicted positions the kept sequence still holds is rolled back (the journal puts the "
                 "overwritten slots back) and the accepted tokens are written again; otherwise its slots are left stale")
 
-    def truncate_error(self, n: int, length: int) -> str | None:
+    def _truncate_error(self, n: int, length: int) -> str | None:
         return self.slots.rewind_error(n)
 
-    def crop_error(self, n: int, length: int) -> str | None:
+    def _crop_error(self, n: int, length: int) -> str | None:
         slots = self.slots
         keeps = max(slots.ws - len(slots.evicted_last), n - slots.window)  # the window start had it stopped at n
         if n < length and slots.ws > max(keeps, slots.sinks):
@@ -201,13 +201,13 @@ class SinkLayer(SlotMapLayer, FullLayer):
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.slots.truncate(n)
 
-    def held(self, length: int) -> int:
+    def _held(self, length: int) -> int:
         return self.slots.held(length)
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return sorted(self.slots.held_positions(length))
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         slots = self.slots
         if slots.gather is not None:
             return list(slots.read_now)

@@ -36,10 +36,10 @@ class SlotMapLayer:
     def reserved_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return self.slots.slot_view(length)
 
-    def clone(self, memo: dict[int, Any]):
+    def clone(self, memo: dict[int, Any], fork: bool = False):
         twin = shallow_copy(self)
         if id(self.slots) not in memo:  # the layers' copies share one copy of the slot map
             memo[id(self.slots)] = self.slots.copy()

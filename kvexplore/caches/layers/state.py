@@ -20,7 +20,7 @@ from ..slots import SlotView
 
 
 class StateLayer(LayerCache):
-    held_names = {"": "recurrent state", "checkpoints": "state checkpoints"}
+    _held_names = {"": "recurrent state", "checkpoints": "state checkpoints"}
 
     def __init__(self, spec, config, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec)
@@ -63,7 +63,7 @@ class StateLayer(LayerCache):
             step.counters.allocated_bytes += convs.nbytes + states.nbytes
             step.counters.allocations += 2
 
-    crop_way = ("the state after the draft has taken in every drafted token: the state after the last accepted one "
+    _crop_way = ("the state after the draft has taken in every drafted token: the state after the last accepted one "
                 "is restored from the checkpoint the verification kept per position (or, without checkpoints, the "
                 "step is rolled back and the accepted tokens recomputed)")
 
@@ -74,12 +74,12 @@ class StateLayer(LayerCache):
         first, convs, _ = self.checkpoints
         return n - 1 - first if 0 <= n - 1 - first < convs.shape[0] else None
 
-    def crop_error(self, n: int, length: int) -> str | None:
+    def _crop_error(self, n: int, length: int) -> str | None:
         if 0 < n < length and self._checkpoint(n) is None:
             return f"a linear-attention state has taken in positions {n}..{length - 1} and cannot give them back"
         return None
 
-    def replay_error(self, n: int, length: int) -> str | None:
+    def _replay_error(self, n: int, length: int) -> str | None:
         if 0 < n < length and self._checkpoint(n) is None:
             return (f"the linear-attention layers keep one state, of position {length - 1}, and cannot go back "
                     f"to {n}; rewind with the generator (it recomputes), or start again from position 0")
@@ -96,10 +96,10 @@ class StateLayer(LayerCache):
             self.conv.zero_()
             self.recurrent.zero_()
 
-    def held_positions(self, length: int) -> list[int]:
+    def _held_positions(self, length: int) -> list[int]:
         return []  # a state summarises every position and holds none
 
-    def read_positions(self, length: int) -> list[int]:
+    def _read_positions(self, length: int) -> list[int]:
         return []  # no attention: the state summarises every position
 
     def storage(self) -> list[torch.Tensor]:
@@ -114,11 +114,11 @@ class StateLayer(LayerCache):
     def _analytic_bytes(self, length: int) -> int:
         return self.analytic
 
-    def slot_view(self, length: int) -> SlotView:
+    def _slot_view(self, length: int) -> SlotView:
         return SlotView([], [], [], StateLayout(conv_bytes=self.conv.nbytes, recurrent_bytes=self.recurrent.nbytes,
                                                 shape=list(self.recurrent.shape[1:])))
 
-    def clone(self, memo: dict[int, Any]) -> "StateLayer":
+    def clone(self, memo: dict[int, Any], fork: bool = False) -> "StateLayer":
         twin = shallow_copy(self, StateLayer)
         twin.conv, twin.recurrent = self.conv.clone(), self.recurrent.clone()
         return twin

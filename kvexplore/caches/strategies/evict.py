@@ -137,7 +137,7 @@ class EvictCache(KVCache):
     def check_write(self, pos: int, q_len: int, batch_size: int) -> None:
         super().check_write(pos, q_len, batch_size)
         if pos < self.length and self.full_layers:
-            if msg := self.layers[self.full_layers[0]].truncate_error(pos, self.length):
+            if msg := self.layers[self.full_layers[0]].take_back(pos, self.length).truncate:
                 raise SettingsError(f"write at position {pos} needs a rewind: {msg}")
 
     def check_truncate(self, n: int, rings: bool = True) -> None:

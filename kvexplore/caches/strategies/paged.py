@@ -130,7 +130,7 @@ class PagedCache(KVCache):
     def sibling(self) -> "PagedCache":
         """An empty cache for another sequence on the same pool (the same tensors): what a server makes for each
         request. Its pages are its own, or adopted (:meth:`adopt`) from what the pool already holds."""
-        twin = self._copy("fork")
+        twin = self._copy(True)
         twin.table.release()
         twin.table.tables = [[] for _ in range(self.batch_size)]
         twin._length, twin.book.report = 0, None
