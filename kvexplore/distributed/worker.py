@@ -160,10 +160,10 @@ def run(command: str, args: list, model, cache) -> tuple:
                 raise SettingsError(f"the leader's pass is at position {at[0]}, this rank's cache holds only "
                                     f"{cache.length}")
             cache.truncate(at[0])
-        before = model.traffic.copy()
-        with torch.no_grad():
-            logits = model(torch.tensor([ids]), cache, cache.length)
         answers = _part(model).rank == 0 or getattr(model, "role", None) == "decode"  # the rank whose logits count
+        before = model.traffic.copy()
+        with torch.no_grad():  # the others' output head (not split: no collective in it) on the last row only
+            logits = model(torch.tensor([ids]), cache, cache.length, last_only=not answers)
         return (logits[0].cpu() if answers else None, model.traffic.since(before), memory(model, cache))
     if command == "handoff":
         return handoff(model, cache, *args)
