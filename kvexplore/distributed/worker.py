@@ -41,6 +41,10 @@ class RankJob:
     led: bool = False  # rank 0 is the driver's own process (an explorer lane, .lead): the group is made explicitly
 
 
+#: how long a rank led by the driver's own process waits in a collective for rank 0 (the driver)
+FOLLOWER_WAIT_S = 600.0
+
+
 def loopback_interface() -> str | None:
     """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), for gloo to bind its pairs to."""
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
@@ -125,7 +129,9 @@ def serve(job: RankJob, conn) -> None:
     torch.set_num_threads(job.threads)
     try:
         if job.led:  # the driver is rank 0: an explicit group, kept alive here until the loop ends
-            _store, group = group_at(job.port, job.rank, job.tp, job.timeout_s, job.start_s)
+            # rank 0 watches the others within timeout_s; these wait for rank 0, which may spend longer between two
+            # collectives (recording a long prefill's attention for the explorer) and whose end ends them at once
+            _store, group = group_at(job.port, job.rank, job.tp, max(job.timeout_s, FOLLOWER_WAIT_S), job.start_s)
         else:
             join(job.rank, job.tp, job.port, job.timeout_s)
             group = None

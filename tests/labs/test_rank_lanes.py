@@ -191,3 +191,20 @@ def test_the_ranks_of_a_lane_end_when_its_kernel_is_killed(tmp_path):
     pids = [int(p) for p in run.stdout.split()]
     assert len(pids) == 2
     assert _gone(pids, 15), "the kernel died, its ranks still run"
+
+
+def test_rank_0_may_spend_longer_than_timeout_s_between_two_collectives():
+    """Rank 0 also records what the explorer draws: at a chapter's length its pass spends longer than ``timeout_s``
+    between two collectives, and the other ranks wait for it (only a rank rank 0 waits for is held to ``timeout_s``)."""
+    session = Session(kvexplore.load("tiny"), ("preallocated", "tp:2"), max_seq_len=64,
+                      strategy_options={"tp:2": {"timeout_s": 1}})
+    try:
+        session.prefill(PROMPT)
+        tp = session.lanes["tp:2"]
+        slow = tp.generator.executor.leader.model0.model.layers[1].register_forward_pre_hook(lambda *_: time.sleep(2))
+        session.step()  # rank 1 waits 2 s for rank 0 in the first layer's all-reduce
+        slow.remove()
+        session.step()
+        assert tp.stopped is None and tp.generator.tokens == session.lanes["preallocated"].generator.tokens
+    finally:
+        session.close()
