@@ -88,25 +88,37 @@ def rank_bytes(memory: Sequence[dict[str, Any]], whole: int | None = None) -> Fi
 
 
 def rank_traffic(steps: Sequence[Any], rank: int = 0, last: int | None = None) -> FigureSpec:
-    """Each pass's time (``ranks.steps``): the seconds rank ``rank`` spent in its collectives and the rest, stacked,
-    with the bytes its collectives carried in the hover; with ``last``, only the last that many passes."""
+    """Each pass's time (``ranks.steps``), one bar a pass in order (the prompt's first): the seconds rank ``rank``
+    spent in its collectives and the rest, stacked, with the pass's position and the bytes its collectives carried in
+    the hover; with ``last``, only the last that many passes. A prompt's pass over ten times the longest decode pass
+    is cut at twice the longest of them and says its time above it, so that the decode passes stay readable."""
     shown = list(steps)[-last:] if last else list(steps)
     title = "each pass: time in collectives and the rest" + (
         f" (the last {len(shown):,} of {len(steps):,})" if len(shown) < len(steps) else "")
+    first = len(steps) - len(shown)
     steps = shown
-    x = [s.position for s in steps]
+    x = list(range(first, first + len(steps)))
     inside = [s.traffic[rank].seconds * 1e3 for s in steps]
     rest = [max(0.0, s.seconds * 1e3 - c) for s, c in zip(steps, inside)]
-    sent = [s.traffic[rank].bytes for s in steps]
-    hover = "position %{x}: %{y:.1f} ms<br>%{customdata:,} bytes in collectives<extra></extra>"
+    data = [[s.position, s.tokens, s.traffic[rank].bytes] for s in steps]
+    hover = ("pass %{x} (position %{customdata[0]:,}, %{customdata[1]:,} tokens): %{y:.1f} ms<br>"
+             "%{customdata[2]:,} bytes in collectives<extra></extra>")
+    yaxis: dict[str, Any] = {"title": {"text": "ms"}}
+    notes = []
+    totals = [a + b for a, b in zip(inside, rest)]
+    decode = [t for s, t in zip(steps, totals) if s.tokens == 1]
+    if decode and max(totals) > 10 * max(decode):
+        top = 2 * max(decode)
+        yaxis["range"] = [0, top]
+        notes = [{"text": f"{t / 1e3:.1f} s" if t >= 1e3 else f"{t:.0f} ms", "x": i, "y": top, "yanchor": "top",
+                  "showarrow": False, "font": {"size": 12.0}} for i, t in zip(x, totals) if t > top]
     return FigureSpec([
-        {"type": "bar", "name": f"rank {rank} in collectives", "x": x, "y": inside, "customdata": sent,
+        {"type": "bar", "name": f"rank {rank} in collectives", "x": x, "y": inside, "customdata": data,
          "marker": {"color": "#d62728"}, "hovertemplate": hover},
-        {"type": "bar", "name": "the rest of the pass", "x": x, "y": rest, "customdata": sent,
+        {"type": "bar", "name": "the rest of the pass", "x": x, "y": rest, "customdata": data,
          "marker": {"color": HELD}, "hovertemplate": hover}],
-        {"barmode": "stack", "title": {"text": title, "font": {"size": 13.0},
-                                       "x": 0.01},
-         "xaxis": {"title": {"text": "position of the pass"}}, "yaxis": {"title": {"text": "ms"}}, "height": 280,
+        {"barmode": "stack", "title": {"text": title, "font": {"size": 13.0}, "x": 0.01}, "annotations": notes,
+         "xaxis": {"title": {"text": "pass"}}, "yaxis": yaxis, "height": 280,
          "margin": {"l": 60, "r": 10, "t": 40, "b": 40}})
 
 
@@ -158,6 +170,7 @@ def from_snapshot(snap: Any) -> FigureSpec:
                                                                                        else ""))]
     notes = [{"text": text, "x": x, "xref": "paper", "xanchor": side, "y": y, "yref": "paper", "yanchor": "bottom",
               "showarrow": False, "font": {"size": 13.0}} for x, y, side, text in titles]
+    notes += [{**note, "xref": "x3", "yref": "y3"} for note in traffic.layout["annotations"]]
     layout = {"height": 410, "margin": {"l": 60, "r": 10, "t": 24, "b": 40}, "showlegend": False,
               "barmode": "stack", "annotations": notes,
               "xaxis": {**held.layout["xaxis"], "title": {"text": ""}, "domain": [0.0, 0.56], "anchor": "y"},  # (the
@@ -167,7 +180,7 @@ def from_snapshot(snap: Any) -> FigureSpec:
                          "tickformat": "~s", "nticks": 3},
               "yaxis2": {**rows, "domain": [0.66, 0.98], "anchor": "x2", "showticklabels": False},
               "xaxis3": {**traffic.layout["xaxis"], "domain": [0.0, 1.0], "anchor": "y3"},
-              "yaxis3": {**traffic.layout["yaxis"], "title": {"text": "ms"}, "domain": [0.0, 0.34], "anchor": "x3"}}
+              "yaxis3": {**traffic.layout["yaxis"], "domain": [0.0, 0.34], "anchor": "x3"}}
     for axis in ("yaxis", "yaxis2"):
         layout[axis].pop("range")
     return FigureSpec(traces, layout)

@@ -68,6 +68,22 @@ def test_each_pass_splits_into_time_in_collectives_and_the_rest():
     spec = rank_traffic(steps)
     assert spec.trace("rank 0 in collectives")["y"] == pytest.approx([30.0, 4.0])
     assert spec.trace("the rest of the pass")["y"] == pytest.approx([20.0, 6.0])
-    assert spec.trace("rank 0 in collectives")["customdata"] == [245760, 12288]
+    assert [d[2] for d in spec.trace("rank 0 in collectives")["customdata"]] == [245760, 12288]
+    assert spec.trace("rank 0 in collectives")["x"] == [0, 1]  # one bar a pass, in order (positions in the hover)
+    assert [d[:2] for d in spec.trace("the rest of the pass")["customdata"]] == [[20, 20], [40, 1]]
     assert [s.collective_share for s in steps] == pytest.approx([0.6, 0.6])
+    assert "range" not in spec.layout["yaxis"] and not spec.layout["annotations"]  # the prompt's pass is 5x: drawn
+    figure(spec)
+
+
+def test_a_long_prompt_pass_is_cut_so_that_the_decode_passes_stay_readable():
+    """At a chapter's length the prompt's pass takes seconds and a decode pass a fraction of one: the axis stops at
+    twice the longest decode pass, and the prompt's bar says its time above the cut."""
+    long = Pass(0, 4296, 19.5, [Traffic(60, 0, 12.0), Traffic(60, 0, 12.0)])
+    steps = [long] + [Pass(4296 + i, 1, 0.4 + 0.05 * i, [Traffic(60, 0, 0.3)] * 2) for i in range(3)]
+    spec = rank_traffic(steps)
+    assert spec.layout["yaxis"]["range"] == pytest.approx([0, 2 * 500.0])
+    assert [(n["x"], n["text"]) for n in spec.layout["annotations"]] == [(0, "19.5 s")]
+    spec = rank_traffic(steps, last=2)  # the window keeps the passes' numbers; no prompt pass in it, nothing cut
+    assert spec.trace("rank 0 in collectives")["x"] == [2, 3] and "range" not in spec.layout["yaxis"]
     figure(spec)
