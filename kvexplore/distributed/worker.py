@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -126,6 +127,9 @@ def memory(model, cache, walk: bool = False) -> dict[str, Any]:
 
 def serve(job: RankJob, conn) -> None:
     """The rank's loop: commands in, answers out, until ``close`` or the driver's end of the pipe closes."""
+    # a rank ends with its driver, not on the SIGINT its process group gets: a notebook's interrupt (the kernel's
+    # group) or a server shutting its kernels down would otherwise end it with a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(job.threads)
     try:
         if job.led:  # the driver is rank 0: an explicit group, kept alive here until the loop ends

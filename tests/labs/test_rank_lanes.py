@@ -208,3 +208,19 @@ def test_rank_0_may_spend_longer_than_timeout_s_between_two_collectives():
         assert tp.stopped is None and tp.generator.tokens == session.lanes["preallocated"].generator.tokens
     finally:
         session.close()
+
+
+def test_an_interrupt_sent_to_the_kernels_process_group_leaves_the_ranks_running():
+    """Jupyter's interrupt (and a server shutting its kernels down) signals SIGINT to the kernel's process group, which
+    the ranks share: they carry on (they end with their driver's pipe)."""
+    session = Session(kvexplore.load("tiny"), ("preallocated", "tp:2"), max_seq_len=64)
+    try:
+        session.prefill(PROMPT)
+        tp = session.lanes["tp:2"]
+        for pid in _pids(tp):
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        session.step()
+        assert tp.stopped is None and tp.generator.tokens == session.lanes["preallocated"].generator.tokens
+    finally:
+        session.close()
