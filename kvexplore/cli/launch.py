@@ -202,7 +202,8 @@ def app_command(notebook: str | os.PathLike[str], port: int | None = None, no_br
                 extra: Sequence[str] = ()) -> list[str]:
     """The ``python -m voila`` command line serving the explorer notebook on loopback, with kvexplore's template
     (which Voila finds through the ``JUPYTER_PATH`` of :func:`app_environment`)."""
-    argv = [sys.executable, "-m", "voila", str(notebook), "--Voila.ip=127.0.0.1", f"--template={APP_TEMPLATE}"]
+    argv = [sys.executable, "-m", "voila", str(notebook), "--Voila.ip=127.0.0.1", f"--template={APP_TEMPLATE}",
+            "--VoilaConfiguration.progressive_rendering=True"]  # the page shows before the first prompt's prefill
     if no_browser:
         argv.append("--no-browser")
     if port is not None:

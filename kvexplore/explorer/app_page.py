@@ -1,7 +1,9 @@
 """What ``kvexplore app``'s page shows: the explorer built from what the command line passed (in the environment,
 :data:`ENV`), with every error on the page: a prompt that cannot be prefilled in the explorer's error line, a model
 or strategies that cannot be opened in an error box (not Voila's "There was an error when executing cell [1]"). The
-app notebook (``kvexplore/explorer/app.ipynb``) is one call, :func:`app_explorer`.
+app notebook (``kvexplore/explorer/app.ipynb``) is two calls, one a cell: :func:`app_explorer` shows the explorer with
+the prompt in its box, then :func:`app_start` prefills it; Voila renders the page cell by cell (``kvexplore app`` turns
+its progressive rendering on), so a chapter's prefill shows its progress in the page instead of Voila's spinner.
 """
 
 from __future__ import annotations
@@ -117,38 +119,49 @@ def settings(environ: Mapping[str, str]) -> dict[str, Any]:
             "strategy_options": lane_options(strategies, given, int(text)) or None}
 
 
-def app_explorer(environ: Mapping[str, str] | None = None) -> Any:
+def app_explorer(environ: Mapping[str, str] | None = None, start: bool = True) -> Any:
     """The app's explorer, its first prompt prefilled (an error doing it shown in the explorer), or, when the
-    explorer cannot be built, an HTML box on the page naming the problem and the fix."""
+    explorer cannot be built, an HTML box on the page naming the problem and the fix. ``start=False``: the prompt
+    only in its box, for :func:`app_start` (the app notebook's next cell) to prefill."""
     import ipywidgets as W
 
     from . import app_link
     from .controls import error_html
     from .widget import Explorer
 
-    environ = os.environ if environ is None else environ
+    asked = os.environ if environ is None else environ
     try:
-        environ, link = linked(environ)
+        environ, link = linked(asked)
         given = settings(environ)
         explorer = Explorer(**given)
     except (KVExploreError, ValueError, OSError) as e:
         return W.HTML(f'<div class="kvx-app-error">{error_html(e)}<p>Start the page again with other arguments: '
                       f'<code>kvexplore app --model M --strategies A,B --max-seq-len N --prompt TEXT</code> '
                       f'(<code>kvexplore app --help</code>).</p></div>')
-    prompt = environ.get(PROMPT_ENV, PROMPT)
-    if prompt:
-        explorer.controls["prompt"].value = prompt
-        if app_link.on(link, "chat"):
-            explorer.controls["chat"].value = True
-        try:
-            explorer.prefill()  # the prompt box; a failure is shown in the explorer's error line
-        except KVExploreError:
-            pass
-        else:
-            try:
-                app_link.apply(explorer, link)  # where a link stands: its steps, lane, layer, head and tab
-            except KVExploreError as e:
-                explorer.controls["error"].value = error_html(e)
+    explorer.controls["prompt"].value = environ.get(PROMPT_ENV, PROMPT)
+    if app_link.on(link, "chat"):
+        explorer.controls["chat"].value = True
     explorer.widget.children = (*explorer.widget.children,
                                 app_link.button(explorer, given, environ.get("SCRIPT_NAME", "") or "/"))
+    if start:
+        app_start(explorer, asked)
     return explorer
+
+
+def app_start(explorer: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Prefill the prompt :func:`app_explorer` put in the box (none: nothing), then go where the page's link stands
+    (its steps, lane, layer, head and tab); a failure is shown in the explorer's error line. Nothing for the error box
+    of an explorer that could not be built."""
+    from . import app_link
+    from .controls import error_html
+    from .widget import Explorer
+
+    if not isinstance(explorer, Explorer) or not explorer.controls["prompt"].value:
+        return
+    try:
+        _, link = linked(os.environ if environ is None else environ)
+        explorer.prefill()  # the prompt box
+        app_link.apply(explorer, link)
+    except KVExploreError as e:
+        if not explorer.controls["error"].value:  # the prefill's own error is shown already
+            explorer.controls["error"].value = error_html(e)

@@ -83,6 +83,17 @@ def test_the_app_page_prefills_what_the_command_line_passed():
     assert ex.controls["prompt"].value == "Call me Ishmael." and ex.error == ""
 
 
+def test_the_app_notebook_shows_the_explorer_before_it_prefills_then_goes_where_the_link_stands():
+    """The app notebook's two cells: the explorer with the prompt in its box and nothing run (Voila draws it), then
+    app_start prefills it and follows the link (its steps and lane)."""
+    env = {"QUERY_STRING": "prompt=Call+me+Ishmael.&steps=3&lane=paged"}
+    ex = app_page.app_explorer(env, start=False)
+    assert ex.session.tokens == [] and ex.controls["prompt"].value == "Call me Ishmael."
+    app_page.app_start(ex, env)
+    assert len(ex.session.tokens) == len(ex.session.prompt_tokens) + 1 + 3 and ex.lane.name == "paged"
+    app_page.app_start(app_page.app_explorer({"KVEXPLORE_APP_MODEL": "no-such-model"}, start=False))  # nothing
+
+
 def test_the_app_page_shows_a_prompt_it_cannot_prefill_in_the_explorer():
     text = TEXT * 2  # about 5,000 tokens: beyond the tiny model's 1,024 positions
     ex = app_page.app_explorer({"KVEXPLORE_APP_PROMPT": text})

@@ -188,11 +188,12 @@ def test_app_notebook_is_committed_clean_and_reads_the_environment():
     path = ROOT / "kvexplore" / "explorer" / "app.ipynb"
     nb = json.loads(path.read_text())
     kinds = [c["cell_type"] for c in nb["cells"]]
-    assert kinds == ["markdown", "code"]
-    code = nb["cells"][1]
-    assert not code["outputs"] and code["execution_count"] is None and "widgets" not in nb["metadata"]
-    source = "".join(code["source"])
-    assert "from kvexplore.explorer.app_page import app_explorer" in source and "app_explorer()" in source
+    assert kinds == ["markdown", "code", "code"]  # the explorer shown, then its first prompt prefilled
+    assert all(not c["outputs"] and c["execution_count"] is None for c in nb["cells"][1:])
+    assert "widgets" not in nb["metadata"]
+    source = "".join(nb["cells"][1]["source"])
+    assert "from kvexplore.explorer.app_page import app_explorer, app_start" in source
+    assert "app_explorer(start=False)" in source and "app_start(explorer)" in "".join(nb["cells"][2]["source"])
     # what the page reads is what the command line writes
     from kvexplore.explorer import app_page
 
@@ -244,6 +245,7 @@ def test_app_uses_the_packaged_voila_template_that_links_nothing_remote(monkeypa
 
     argv = launch.app_command("app.ipynb", port=8866)
     assert "--template=kvexplore" in argv and argv.index("--template=kvexplore") < argv.index("--port=8866")
+    assert "--VoilaConfiguration.progressive_rendering=True" in argv  # the page shows before the first prefill
     template = resources.files("kvexplore").joinpath("explorer", "voila_template")
     assert launch.app_template() == template
     assert json.loads(template.joinpath("conf.json").read_text()) == {"base_template": "lab"}
