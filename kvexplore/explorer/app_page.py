@@ -1,9 +1,10 @@
 """What ``kvexplore app``'s page shows: the explorer built from what the command line passed (in the environment,
 :data:`ENV`), with every error on the page: a prompt that cannot be prefilled in the explorer's error line, a model
 or strategies that cannot be opened in an error box (not Voila's "There was an error when executing cell [1]"). The
-app notebook (``kvexplore/explorer/app.ipynb``) is two calls, one a cell: :func:`app_explorer` shows the explorer with
-the prompt in its box, then :func:`app_start` prefills it; Voila renders the page cell by cell (``kvexplore app`` turns
-its progressive rendering on), so a chapter's prefill shows its progress in the page instead of Voila's spinner.
+app notebook (``kvexplore/explorer/app.ipynb``) is two cells: :func:`app_explorer` builds the explorer with the
+prompt in its box (:func:`app_view` shows it), then :func:`app_start` prefills it; Voila renders the page cell by
+cell (``kvexplore app`` turns its progressive rendering on), so a chapter's prefill shows its progress in the page
+instead of Voila's spinner.
 """
 
 from __future__ import annotations
@@ -146,6 +147,15 @@ def app_explorer(environ: Mapping[str, str] | None = None, start: bool = True) -
     if start:
         app_start(explorer, asked)
     return explorer
+
+
+def app_view(explorer: Any) -> Any:
+    """What the app's page shows of :func:`app_explorer`'s result: the live explorer alone (the page always has a
+    kernel: the static copy an explorer shows for kernel-less pages would stand below it until its figures draw, a
+    chapter's prefill later), or the error box."""
+    from .widget import Explorer
+
+    return explorer.widget if isinstance(explorer, Explorer) else explorer
 
 
 def app_start(explorer: Any, environ: Mapping[str, str] | None = None) -> None:

@@ -91,7 +91,10 @@ def test_the_app_notebook_shows_the_explorer_before_it_prefills_then_goes_where_
     assert ex.session.tokens == [] and ex.controls["prompt"].value == "Call me Ishmael."
     app_page.app_start(ex, env)
     assert len(ex.session.tokens) == len(ex.session.prompt_tokens) + 1 + 3 and ex.lane.name == "paged"
-    app_page.app_start(app_page.app_explorer({"KVEXPLORE_APP_MODEL": "no-such-model"}, start=False))  # nothing
+    assert app_page.app_view(ex) is ex.widget  # the live explorer alone: no static copy on a page with a kernel
+    box = app_page.app_explorer({"KVEXPLORE_APP_MODEL": "no-such-model"}, start=False)
+    app_page.app_start(box)  # nothing to prefill: the error box stays
+    assert app_page.app_view(box) is box
 
 
 def test_the_app_page_shows_a_prompt_it_cannot_prefill_in_the_explorer():

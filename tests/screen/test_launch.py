@@ -192,8 +192,9 @@ def test_app_notebook_is_committed_clean_and_reads_the_environment():
     assert all(not c["outputs"] and c["execution_count"] is None for c in nb["cells"][1:])
     assert "widgets" not in nb["metadata"]
     source = "".join(nb["cells"][1]["source"])
-    assert "from kvexplore.explorer.app_page import app_explorer, app_start" in source
-    assert "app_explorer(start=False)" in source and "app_start(explorer)" in "".join(nb["cells"][2]["source"])
+    assert "from kvexplore.explorer.app_page import app_explorer, app_start, app_view" in source
+    assert "app_explorer(start=False)" in source and source.rstrip().endswith("app_view(explorer)")
+    assert "app_start(explorer)" in "".join(nb["cells"][2]["source"])
     # what the page reads is what the command line writes
     from kvexplore.explorer import app_page
 

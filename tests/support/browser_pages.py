@@ -35,6 +35,9 @@ def open_voila_app(page, server: Server, timeout_s: float = WIDGETS_S, first_s: 
             explorer.wait_for(timeout=(min(first_s, timeout_s) if attempt == 1 else timeout_s) * 1000)
             if first:
                 print(f"Voila: the explorer appeared on the second load; the first showed:\n{first}")
+            # the page shows the explorer before the app's first prefill (Voila renders cell by cell): a figure draws
+            # once it is done
+            page.locator("[data-kvx-draws]").first.wait_for(timeout=timeout_s * 1000)
             return explorer
         except Exception as exc:  # playwright's TimeoutError
             text = page.evaluate("() => document.body ? document.body.innerText.slice(0, 1500) : ''")
