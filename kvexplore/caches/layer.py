@@ -151,8 +151,8 @@ class LayerCache(ABC):
     def take_back(self, n: int, length: int) -> "TakeBack":
         """What going back from ``length`` to ``n`` positions means for this layer (:class:`TakeBack`), from the hooks
         :meth:`_replay_error`, :meth:`_truncate_error`, :meth:`_crop_error` and :attr:`_crop_way`."""
-        return TakeBack(self._replay_error(n, length), self._truncate_error(n, length), self._crop_error(n, length),
-                        self._crop_way)
+        replay, truncate = self._replay_error(n, length), self._truncate_error(n, length)
+        return TakeBack(replay, truncate, self._crop_error(n, length) or replay or truncate, self._crop_way)
 
     def _replay_error(self, n: int, length: int) -> str | None:
         """:attr:`TakeBack.replay` (default None)."""
@@ -163,8 +163,9 @@ class LayerCache(ABC):
         return None
 
     def _crop_error(self, n: int, length: int) -> str | None:
-        """:attr:`TakeBack.crop` (default: the replay or truncate answer: :meth:`truncate` does it)."""
-        return self._replay_error(n, length) or self._truncate_error(n, length)
+        """What else stops a cut of the step just written (:attr:`TakeBack.crop` is this, else the replay or the
+        truncate answer; default None: :meth:`truncate` does it)."""
+        return None
 
     #: :attr:`TakeBack.way`
     _crop_way = "the drafted slots past the kept length are left stale: nothing is copied or freed"

@@ -196,7 +196,7 @@ class SinkLayer(SlotMapLayer, FullLayer):
         if n < length and slots.ws > max(keeps, slots.sinks):
             return (f"the draft evicted positions {max(keeps, slots.sinks)}..{slots.ws - 1}, which the kept sequence "
                     f"still holds")
-        return slots.rewind_error(n)
+        return None  # else its truncate answer
 
     def truncate(self, n: int, length: int, counters: StepCounters) -> None:
         self.slots.truncate(n)
