@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,8 +155,10 @@ class Session:
         tokens = len(self.reference.generator.prompt_ids(prompt)) if progress is not None else 0
         reuse = {name: lane.lane_kind.reusable(lane.generator) if lane.stopped is None and not lane.is_fork else
                  lane.lane_kind.release(lane.generator) for name, lane in self.lanes.items()}
+        old = [weakref.ref(lane.cache) for lane in self.lanes.values()]
         self.lanes, self._forks = {}, {}
-        gc.collect()  # lanes hold cycles (tracer, generator, views): their storages go now, not at the next collection
+        if any(ref() is not None for ref in old):  # held in a cycle: freed now, not at a later collection (a full
+            gc.collect()  # collection costs a few tenths of a second in a kernel, so only where one is needed)
         fresh: dict[str, Lane] = {}
         shared: list[tuple[shared_pass.Pass, Lane]] = []  # passes the lanes after them may reuse (.shared_pass)
         try:

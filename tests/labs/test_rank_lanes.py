@@ -193,6 +193,7 @@ def test_the_ranks_of_a_lane_end_when_its_kernel_is_killed(tmp_path):
     assert _gone(pids, 15), "the kernel died, its ranks still run"
 
 
+@pytest.mark.long  # starts rank processes that import the package
 def test_rank_0_may_spend_longer_than_timeout_s_between_two_collectives():
     """Rank 0 also records what the explorer draws: at a chapter's length its pass spends longer than ``timeout_s``
     between two collectives, and the other ranks wait for it (only a rank rank 0 waits for is held to ``timeout_s``)."""
@@ -210,6 +211,7 @@ def test_rank_0_may_spend_longer_than_timeout_s_between_two_collectives():
         session.close()
 
 
+@pytest.mark.long  # starts rank processes that import the package
 def test_an_interrupt_sent_to_the_kernels_process_group_leaves_the_ranks_running():
     """Jupyter's interrupt (and a server shutting its kernels down) signals SIGINT to the kernel's process group, which
     the ranks share: they carry on (they end with their driver's pipe)."""

@@ -9,6 +9,8 @@ import ast
 import re
 from pathlib import Path
 
+from source_trees import parse, walk
+
 PACKAGE = Path(__file__).resolve().parents[2] / "kvexplore"
 
 #: lowest first: a folder imports only from folders before it (and from itself); folders on one line are siblings
@@ -47,11 +49,11 @@ def imports(path: Path, typing: bool = True) -> list[tuple[int, str]]:
     name, is_pkg = module_name(path)
     package = name if is_pkg else name.rpartition(".")[0]
     out = []
-    tree = ast.parse(path.read_text())
-    skip = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+    text = path.read_text()
+    skip = set() if typing else {id(n) for node in walk(text) if isinstance(node, ast.If)
                                  and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
                                  for n in ast.walk(node)}
-    for node in ast.walk(tree):
+    for node in walk(text):
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
@@ -113,18 +115,25 @@ model = kx.load("tiny")
 g = kx.Generator(model, kx.make_cache("preallocated", model, max_seq_len=64))
 g.prefill("a b c")
 list(g.run(4))
-print(" ".join(sorted({name.split(".")[1] for name in sys.modules if name.startswith("kvexplore.")})))
+loaded = [m for name, m in sys.modules.items() if name.startswith("kvexplore") and getattr(m, "__file__", None)]
+folders = sorted({name.split(".")[1] for name in sys.modules if name.startswith("kvexplore.")})
+print(sum(sum(1 for _ in open(m.__file__)) for m in loaded), "torch._inductor" in sys.modules,
+      "torch._dynamo" in sys.modules, *folders)
 """
 
 
-def test_a_plain_decode_loads_the_engine_only():
-    """The labs and the screen load on first use: a plain decode imports none of their folders, nor the speed stack."""
+def test_a_plain_decode_loads_a_small_engine_only():
+    """Issue 59's measure: the labs and the screen load on first use, so a plain decode imports none of their folders,
+    nor the speed stack (kvexplore.fast), nor inductor or dynamo, and at most 12,000 lines of kvexplore's own modules
+    (tests/engine/test_products.py checks that the models' files name no kernel)."""
     import subprocess
     import sys
 
-    folders = subprocess.run([sys.executable, "-c", PLAIN_DECODE], capture_output=True, text=True,
-                             check=True).stdout.split()
+    lines, inductor, dynamo, *folders = subprocess.run([sys.executable, "-c", PLAIN_DECODE], capture_output=True,
+                                                       text=True, check=True).stdout.split()
+    assert (inductor, dynamo) == ("False", "False")
     assert folders and set(folders) <= set(GROUPS["engine"]) - {"fast"}, folders
+    assert int(lines) <= 12_000, f"a plain decode loads {lines} lines of kvexplore"
 
 
 def test_the_checker_sees_a_lazy_import_that_runs_up(tmp_path, monkeypatch):
@@ -180,11 +189,11 @@ def private_reaches(package: Path) -> list[str]:
     private name of this package defined in another module only: one module's internals read or written by another.
     (Private names of other libraries, such as torch's ``_indices``, are theirs to police; ``hf/`` reads
     transformers' objects.)"""
-    trees = {p: ast.parse(p.read_text()) for p in sorted(package.rglob("*.py")) if p.parent.name != "hf"}
+    trees = {p: walk(p.read_text()) for p in sorted(package.rglob("*.py")) if p.parent.name != "hf"}
     defined: dict[Path, set[str]] = {}
-    for p, tree in trees.items():
+    for p, nodes in trees.items():
         names = defined[p] = set()
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
@@ -196,8 +205,8 @@ def private_reaches(package: Path) -> list[str]:
                 names.add(node.target.id)
     ours = set().union(*defined.values())
     found = []
-    for p, tree in trees.items():
-        for node in ast.walk(tree):
+    for p, nodes in trees.items():
+        for node in nodes:
             if isinstance(node, ast.Attribute):
                 owner, name = node.value, node.attr
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in \
@@ -253,7 +262,7 @@ def test_every_named_registry_follows_the_one_rule():
     (a taken name refused unless replace=True, built-ins kept, an unregister beside it)."""
     loose = []
     for p in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(p.read_text())
+        tree = parse(p.read_text())
         defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or not node.name.startswith("register") \

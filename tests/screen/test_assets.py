@@ -12,6 +12,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+from source_trees import walk
 
 try:
     import tomllib
@@ -41,7 +42,7 @@ def named_assets() -> list[tuple[Path, str, int]]:
     line). A call that names its file otherwise fails here (the file could not be checked)."""
     found = []
     for module in modules():
-        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+        for node in walk(module.read_text(encoding="utf-8")):
             f = node.func if isinstance(node, ast.Call) else None
             if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "assets"
                     and f.attr in ("text", "path")):
@@ -107,7 +108,7 @@ def inline_code(source: str) -> list[str]:
     """The string literals of ``source`` longer than :data:`LIMIT` lines that are JavaScript, HTML or CSS: they start
     as such code does, or most of their lines end as lines of code do."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in walk(source):
         text = _text(node)
         if text is None:
             continue
