@@ -65,9 +65,13 @@ def pytest_configure(config):
     # PYTHONDONTWRITEBYTECODE=1 costs each of them about a second)
     if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
         sys.dont_write_bytecode = False
-    # the product kernels, where a lane or a generator turns them on, run on every width untimed: a busy worker's
-    # timing would choose differently from run to run (tests/engine/test_products.py tests the choice itself)
-    os.environ.setdefault("KVEXPLORE_PRODUCTS", "kernels")
+    # the products on F.linear, in the workers and every process they start, where a lane or a generator turns the
+    # product kernels on: a busy worker's timing would choose differently from run to run, and building them costs
+    # each process seconds (importing inductor, 13 s for the first kernel from a fresh clone, then a second or more
+    # each of the 30-odd kernels a run asks for). tests/engine/test_products.py forces them on and checks their
+    # products, their choice and their use in a step and a drafting generator; tests/engine/test_parity.py a model's
+    # logits with them.
+    os.environ.setdefault("KVEXPLORE_PRODUCTS", "torch")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # in a worker, the kernels, servers and subprocesses it starts compute on one thread too: the workers already
         # keep both cores busy, and a second thread each would only contend with the other worker
@@ -308,18 +312,10 @@ def executed_notebook(tmp_path_factory):
                 client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                                  resources={"metadata": {"path": str(workdir)}})
                 t0, error = time.monotonic(), None
-                # the kernel's products on F.linear, as the browser servers' (tests/support/browser_servers.py): the
-                # explorer turns the product kernels on, and building them costs every notebook's kernel seconds to
-                # a minute (cold); the notebooks teach caches, test_products.py checks the kernels
-                saved, os.environ["KVEXPLORE_PRODUCTS"] = os.environ.get("KVEXPLORE_PRODUCTS"), "torch"
-                try:
+                try:  # the kernel's products on F.linear, as every process the suite starts (pytest_configure)
                     client.execute()
                 except Exception as e:  # the failing cell's traceback, reported by the test that asks
                     error = f"{type(e).__name__}: {e}"
-                finally:
-                    os.environ.pop("KVEXPLORE_PRODUCTS")
-                    if saved is not None:
-                        os.environ["KVEXPLORE_PRODUCTS"] = saved
                 nbformat.write(nb, str(out))
                 meta.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1), "error": error}))
         return out, json.loads(meta.read_text())

@@ -21,13 +21,19 @@ from kvexplore.fast import kernels as products
 from kvexplore.fast import product_kernels, product_timing
 from kvexplore.fast.kernels import KernelLinear
 
-pytestmark = pytest.mark.skipif(not products.KERNELS.enabled(), reason=products.status())
+with pytest.MonkeyPatch.context() as _env:  # the suite runs on F.linear (tests/conftest.py); these tests force them
+    _env.setenv("KVEXPLORE_PRODUCTS", "kernels")
+    _REFUSAL = product_kernels.refusal()
+pytestmark = pytest.mark.skipif(bool(_REFUSAL), reason=_REFUSAL)
 
 
-@pytest.fixture(autouse=True)
-def _forced(monkeypatch):
-    """The kernels on for every product they take, untimed (the tests of the choice unset it)."""
-    monkeypatch.setenv("KVEXPLORE_PRODUCTS", "kernels")
+@pytest.fixture(scope="module", autouse=True)
+def _forced():
+    """The kernels on for every product they take, untimed (the tests of the choice unset it), from the module's
+    first fixture on (the suite runs on F.linear: tests/conftest.py)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVEXPLORE_PRODUCTS", "kernels")
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -69,9 +69,8 @@ def isolated_env(state: Path, inspect: bool = True) -> dict[str, str]:
     env.pop("JUPYTER_CONFIG_PATH", None)
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    # the kernels' products on F.linear: building the compiled product kernels (kvexplore.fast.kernels, forced on
-    # for the suite by tests/conftest.py) costs each kernel that makes a model about 3 s of CPU, 5 on a busy machine,
-    # and these pages check what is drawn, not the products (tests/engine/test_products.py does)
+    # the kernels' products on F.linear (building the compiled product kernels costs each kernel that makes a model
+    # seconds): these pages check what is drawn, not the products (tests/engine/test_products.py does)
     env["KVEXPLORE_PRODUCTS"] = "torch"
     if inspect:
         env["KVEXPLORE_INSPECT"] = "1"
