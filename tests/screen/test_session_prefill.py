@@ -38,6 +38,25 @@ def test_the_old_lanes_caches_are_gone_before_the_first_new_lane_is_built(traine
                                                             for lane in session.lanes.values())
 
 
+def test_the_old_lanes_go_by_reference_counting_without_a_full_collection(trained, monkeypatch):
+    """No lane holds a cycle, so a new prompt frees the old caches as their lanes go: the prefill runs no full
+    garbage collection (which walks every object of the process: a few tenths of a second in a kernel), and it
+    runs one where a cache outlived its lanes."""
+    from kvexplore.explorer import session as session_module
+
+    collections = []
+    monkeypatch.setattr(session_module.gc, "collect", lambda *a: collections.append(a) or 0)
+    ex = kvexplore.Explorer(trained, strategies=("preallocated", "concat", "paged", "sink", "evict", "quantized"),
+                            max_seq_len=64, prompt="Call me Ishmael.")
+    ex.run(3)
+    ex.session.fork()
+    ex.prefill("Some years ago, never mind how long precisely")
+    assert collections == []
+    kept = ex.session.lanes["paged"].cache  # a cache someone still holds: collected for, in case a cycle holds it
+    ex.prefill("Call me Ishmael.")
+    assert len(collections) == 1 and kept.length > 0
+
+
 def test_a_bad_prompt_changes_nothing_and_a_later_failure_leaves_every_lane_empty(trained, monkeypatch):
     ex = explorer(trained)
     session = ex.session
