@@ -69,9 +69,6 @@ def isolated_env(state: Path, inspect: bool = True) -> dict[str, str]:
     env.pop("JUPYTER_CONFIG_PATH", None)
     env["JUPYTER_PLATFORM_DIRS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    # the kernels' products on F.linear (building the compiled product kernels costs each kernel that makes a model
-    # seconds): these pages check what is drawn, not the products (tests/engine/test_products.py does)
-    env["KVEXPLORE_PRODUCTS"] = "torch"
     if inspect:
         env["KVEXPLORE_INSPECT"] = "1"
     else:

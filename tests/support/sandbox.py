@@ -34,21 +34,18 @@ def context() -> mp.context.BaseContext:
 
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
-        # the server imports PRELOAD with its own sys.path (not the caller's): let it find these test modules
-        # and: every case's one-row products on F.linear (building the compiled kernel, kvexplore.fast.kernels,
-        # would cost each forked case about 2 s; these cases are about errors, not speed)
-        saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "KVEXPLORE_PRODUCTS")}
+        # the server imports PRELOAD with its own sys.path (not the caller's): let it find these test modules (its
+        # products run on F.linear, as in every process the suite starts: tests/conftest.py)
+        saved = os.environ.get("PYTHONPATH")
         here = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = here + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
-        os.environ["KVEXPLORE_PRODUCTS"] = "torch"
+        os.environ["PYTHONPATH"] = here + (os.pathsep + saved if saved else "")
         try:
             forkserver.ensure_running()
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _context
 
 
